@@ -1,0 +1,6 @@
+"""lit-softmoe: LiT-style image-text training on frozen Soft MoE image towers."""
+from lit_softmoe.models import ViTConfig, VisionTransformer, create_image_tower, list_image_towers
+from lit_softmoe.nn import SoftMoE
+
+__version__ = "0.1.0"
+__all__ = ["SoftMoE", "ViTConfig", "VisionTransformer", "create_image_tower", "list_image_towers"]

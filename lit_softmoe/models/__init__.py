@@ -1,0 +1,6 @@
+"""Towers built from `lit_softmoe.nn` layers, and their registries."""
+from lit_softmoe.models.vit import (ViTConfig, VisionTransformer, create_image_tower, image_tower_config,
+                                    list_image_towers, register_image_tower)
+
+__all__ = ["ViTConfig", "VisionTransformer", "create_image_tower", "image_tower_config",
+           "list_image_towers", "register_image_tower"]

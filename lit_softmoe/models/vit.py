@@ -1,0 +1,266 @@
+"""Vision Transformer towers with dense or Soft MoE blocks, and their registry of named variants.
+
+The architecture follows the Soft MoE paper's released configs (google-research/vmoe,
+`vmoe/nn/vit_moe.py` and `vmoe/projects/soft_moe/configs/`): pre-LN blocks, LayerNorm on queries and
+keys (qk-norm), learned position embeddings, no class token, global average pooling, and the
+contiguous last half of the MLP blocks replaced by Soft MoE (`shared/reference/soft-moe.md` §2).
+The registry and the `forward_features` / `forward_head` split follow timm.
+
+Read bottom-up: Attention → Mlp → Block → VisionTransformer → registry → create_image_tower.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_softmoe.nn.soft_moe import SoftMoE
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Everything that fixes a tower's shapes; saved as JSON beside its weights."""
+    image_size: int = 224
+    patch_size: int = 16
+    in_channels: int = 3
+    width: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    num_classes: int = 0  # 0: no head, the tower returns its pooled embedding
+    moe_layers: tuple[int, ...] = ()  # indices of the blocks whose MLP is a Soft MoE
+    num_experts: int = 0
+    slots_per_expert: int = 1
+    shared_expert_init: bool = True
+    qk_norm: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.width % self.num_heads:
+            raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        bad = [i for i in self.moe_layers if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"moe_layers {bad} fall outside the tower's {self.depth} blocks")
+        if self.moe_layers and self.num_experts < 1:
+            raise ValueError("a tower with moe_layers needs num_experts >= 1")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["moe_layers"] = list(self.moe_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ViTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown tower config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with optional LayerNorm on q and k, via SDPA."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, **factory)
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6, **factory) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, **factory) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, m, d = x.shape
+        qkv = self.qkv(x).view(b, m, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (b, heads, m, head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v)  # (b, heads, m, head_dim)
+        return self.proj(x.transpose(1, 2).reshape(b, m, d))
+
+
+class Mlp(nn.Module):
+    """The dense block MLP: Dense → GELU → Dense."""
+
+    def __init__(self, dim: int, hidden_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(hidden_dim, dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + MHSA(LN(x)), then x + MLP_or_SoftMoE(LN(x))."""
+
+    def __init__(self, cfg: ViTConfig, use_moe: bool, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
+        self.attn = Attention(cfg.width, cfg.num_heads, cfg.qk_norm, **factory)
+        self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
+        if use_moe:
+            self.mlp = SoftMoE(cfg.width, cfg.num_experts, cfg.mlp_dim,
+                               slots_per_expert=cfg.slots_per_expert,
+                               shared_expert_init=cfg.shared_expert_init, **factory)
+        else:
+            self.mlp = Mlp(cfg.width, cfg.mlp_dim, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT tower: patches → blocks → final LayerNorm → global average pool → optional head."""
+
+    def __init__(self, cfg: ViTConfig, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.cfg = cfg
+        self.embed_dim = cfg.width
+        self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, cfg.patch_size, **factory)
+        self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches, cfg.width, **factory))
+        self.blocks = nn.ModuleList(
+            Block(cfg, use_moe=i in cfg.moe_layers, **factory) for i in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
+        self.head = nn.Linear(cfg.width, cfg.num_classes, **factory) if cfg.num_classes else nn.Identity()
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.pos_embed.is_meta:
+            return
+        nn.init.normal_(self.pos_embed, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module is not self.head:
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.normal_(module.bias, std=1e-6)
+        if isinstance(self.head, nn.Linear):
+            # Zero weights and a bias of -log(C): every class starts at probability 1/C, which is what
+            # the sigmoid cross-entropy of the released configs wants (harmless for softmax).
+            nn.init.zeros_(self.head.weight)
+            nn.init.constant_(self.head.bias, -math.log(self.cfg.num_classes))
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names that get no weight decay: position embeddings, norms, biases, phi."""
+        return {name for name, p in self.named_parameters()
+                if p.ndim <= 1 or name.endswith(("pos_embed", ".phi")) or ".b1" in name or ".b2" in name}
+
+    def _pos_embed(self, num_patches: int) -> torch.Tensor:
+        if num_patches == self.pos_embed.shape[1]:
+            return self.pos_embed
+        # Another resolution: resample the learned grid bilinearly (as timm does for fine-tuning).
+        old, new = math.isqrt(self.pos_embed.shape[1]), math.isqrt(num_patches)
+        grid = self.pos_embed.reshape(1, old, old, -1).permute(0, 3, 1, 2)  # (1, d, old, old)
+        grid = F.interpolate(grid, size=(new, new), mode="bilinear", align_corners=False)
+        return grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)
+
+    def forward_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling."""
+        x = self.patch_embed(pixels)  # (b, d, h/p, w/p)
+        x = x.flatten(2).transpose(1, 2)  # (b, m, d)
+        x = x + self._pos_embed(x.shape[1])
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → pooled embedding (b, d)."""
+        return self.forward_tokens(pixels).mean(dim=1)
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(features)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Logits (b, num_classes) when the tower has a head, else the pooled embedding (b, d)."""
+        return self.forward_head(self.forward_features(pixels))
+
+
+# ---- registry -----------------------------------------------------------------------------------
+
+# (width, depth, mlp_dim, heads), the ViT size table of the paper (Table 7 / soft-moe.md §2).
+_SIZES = {
+    "ti": (192, 12, 768, 3),
+    "s": (384, 12, 1536, 6),
+    "b": (768, 12, 3072, 12),
+    "l": (1024, 24, 4096, 16),
+    "h": (1280, 32, 5120, 16),
+}
+_REGISTRY: dict[str, ViTConfig] = {}
+
+
+def register_image_tower(name: str, cfg: ViTConfig) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"image tower {name!r} is already registered")
+    _REGISTRY[name] = cfg
+
+
+def _last_half(depth: int) -> tuple[int, ...]:
+    return tuple(range(depth // 2, depth))
+
+
+def _register_paper_towers():
+    for size, (width, depth, mlp_dim, heads) in _SIZES.items():
+        for patch in (16, 14, 32):
+            register_image_tower(f"vit-{size}{patch}", ViTConfig(
+                patch_size=patch, width=width, depth=depth, num_heads=heads, mlp_dim=mlp_dim))
+    # The Soft MoE towers of the paper (Tables 8-9): MoE in the contiguous last half, one slot each.
+    for name, size, patch, experts in [("soft-s16-128e", "s", 16, 128), ("soft-s14-256e", "s", 14, 256),
+                                       ("soft-b16-128e", "b", 16, 128), ("soft-l16-128e", "l", 16, 128),
+                                       ("soft-h14-128e", "h", 14, 128), ("soft-h14-256e", "h", 14, 256)]:
+        base = _REGISTRY[f"vit-{size}{patch}"]
+        register_image_tower(name, replace(base, moe_layers=_last_half(base.depth), num_experts=experts))
+
+
+def _register_tiny_towers():
+    # CPU-sized towers for 28×28 grayscale inputs (Fashion-MNIST, MNIST); patch 4 → 49 tokens.
+    tiny = ViTConfig(image_size=28, patch_size=4, in_channels=1, width=128, depth=6, num_heads=4,
+                     mlp_dim=256)
+    register_image_tower("vit-tiny-p4", tiny)
+    register_image_tower("soft-tiny-p4-16e", replace(tiny, moe_layers=_last_half(tiny.depth), num_experts=16))
+    # Smallest sizes, for unit tests that only need shapes to flow.
+    test = ViTConfig(image_size=28, patch_size=7, in_channels=1, width=32, depth=2, num_heads=2, mlp_dim=64)
+    register_image_tower("vit-test", test)
+    register_image_tower("soft-test-4e", replace(test, moe_layers=(1,), num_experts=4))
+
+
+_register_paper_towers()
+_register_tiny_towers()
+
+
+def list_image_towers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def image_tower_config(name: str, **overrides) -> ViTConfig:
+    """The registered config of `name` with `overrides` merged over it."""
+    if name not in _REGISTRY:
+        import difflib
+        close = difflib.get_close_matches(name, _REGISTRY, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"unknown image tower {name!r}{hint} (`lit-softmoe models` lists them all)")
+    base = _REGISTRY[name]
+    unknown = sorted(set(overrides) - {f.name for f in fields(ViTConfig)})
+    if unknown:
+        raise KeyError(f"unknown tower options {unknown} for {name!r}; "
+                       f"options: {sorted(f.name for f in fields(ViTConfig))}")
+    return replace(base, **overrides)
+
+
+def create_image_tower(name: str, device=None, dtype=None, **overrides) -> VisionTransformer:
+    """Build a registered tower, e.g. `create_image_tower("soft-s16-128e", num_classes=1000)`.
+
+    `device="meta"` builds it without allocating memory (for counting parameters of huge towers).
+    """
+    return VisionTransformer(image_tower_config(name, **overrides), device=device, dtype=dtype)

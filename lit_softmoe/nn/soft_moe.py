@@ -1,0 +1,188 @@
+"""Soft Mixture of Experts (Puigcerver et al., "From Sparse to Soft Mixtures of Experts", ICLR 2024).
+
+Follows the official JAX router (google-research/vmoe, `vmoe/projects/soft_moe/router.py`) step by
+step; see `shared/reference/soft-moe.md` §1. One image is one routing group: every softmax runs
+inside an example, never across the batch.
+
+    x (b, m, d) ──L2-normalize──► logits (b, m, n·p) = scale · <x̂, φ̂>
+        dispatch D = softmax over the m tokens      (each slot: a convex mix of tokens)
+        combine  C = softmax over all n·p slots     (each token: a convex mix of slot outputs)
+    slots X̃ = Dᵀ x (raw x)  ──► expert j on its p slots ──► Ỹ ──► y = C Ỹ
+
+The experts are batched: weights stacked on a leading expert axis, one batched matmul per
+projection, no Python loop over experts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The official code adds this inside the square root of both L2 normalizations.
+_NORM_EPS = 1e-6
+
+
+class BatchedExperts(nn.Module):
+    """`num_experts` two-layer MLPs (Dense → GELU → Dense) run as one batched matmul per layer.
+
+    Args:
+        num_experts: number of experts n.
+        dim: input and output width d.
+        hidden_dim: expert hidden width.
+        shared_init: start every expert from the same weights (the official configs do this,
+            `split_rngs=False`); False gives independent inits (the paper's "Uniform" ablation).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, shared_init: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.shared_init = shared_init
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim, **factory))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.w1.is_meta:
+            return
+        # vmoe's MlpBlock: xavier-uniform kernels, N(0, 1e-6) biases.
+        n = 1 if self.shared_init else self.num_experts
+        for weight in (self.w1, self.w2):
+            fan_in, fan_out = weight.shape[1:]
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            weight.copy_(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound).expand_as(weight))
+        for bias in (self.b1, self.b2):
+            bias.copy_(torch.empty(n, bias.shape[1]).normal_(std=1e-6).expand_as(bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (n, tokens, d), expert-major so each projection is a single bmm.
+        hidden = torch.baddbmm(self.b1.unsqueeze(1), x, self.w1)  # (n, tokens, hidden)
+        hidden = F.gelu(hidden, approximate="tanh")  # flax's nn.gelu default is the tanh form
+        return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)  # (n, tokens, d)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
+
+
+def slots_for_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert so that n·p ≈ capacity_factor · m, as the official router derives it."""
+    slots = round(num_tokens * capacity_factor / num_experts)
+    if slots < 1:
+        raise ValueError(
+            f"capacity_factor={capacity_factor} with {num_tokens} tokens and {num_experts} experts "
+            f"gives {num_tokens * capacity_factor / num_experts:.3f} slots per expert (< 1); "
+            "raise the capacity factor or use fewer experts")
+    return slots
+
+
+def _l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t * torch.rsqrt(t.pow(2).sum(dim=dim, keepdim=True) + _NORM_EPS)
+
+
+class SoftMoE(nn.Module):
+    """Soft MoE layer: a drop-in replacement for a transformer block's MLP.
+
+    Args:
+        dim: token width d.
+        num_experts: number of experts n.
+        hidden_dim: hidden width of each expert MLP.
+        slots_per_expert: p. Give it directly (every released config uses 1), or leave it None and
+            give `capacity_factor` and `num_tokens`, from which p = round(m · cf / n).
+        capacity_factor: total slots over tokens, used only when `slots_per_expert` is None.
+        num_tokens: the sequence length the capacity factor refers to. The layer itself has no
+            parameter tied to m, so it accepts any sequence length afterwards.
+        noise_std: std of Gaussian noise added to the logits in training (0 = off, as released).
+        shared_expert_init: all experts start from the same init (default, as released).
+    """
+
+    def __init__(self, dim: int, num_experts: int, hidden_dim: int,
+                 slots_per_expert: int | None = None, capacity_factor: float | None = None,
+                 num_tokens: int | None = None, noise_std: float = 0.0,
+                 shared_expert_init: bool = True, device=None, dtype=None):
+        super().__init__()
+        if slots_per_expert is None:
+            if capacity_factor is None or num_tokens is None:
+                raise ValueError("give slots_per_expert, or capacity_factor together with num_tokens")
+            slots_per_expert = slots_for_capacity(num_tokens, num_experts, capacity_factor)
+        if slots_per_expert < 1:
+            raise ValueError(f"slots_per_expert must be >= 1, got {slots_per_expert}")
+        factory = dict(device=device, dtype=dtype)
+        self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
+        self.noise_std = noise_std
+        self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
+        self.scale = nn.Parameter(torch.ones((), **factory))
+        self.experts = BatchedExperts(num_experts, dim, hidden_dim, shared_expert_init, **factory)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        if self.phi.is_meta:
+            return
+        # lecun-normal with fan_in = n·d (flax treats every axis but the last as fan-in), truncated
+        # at ±2σ; 0.8796 is the std of a unit normal truncated there.
+        fan_in = self.dim * self.num_experts
+        std = 1.0 / math.sqrt(fan_in) / 0.87962566103423978
+        nn.init.trunc_normal_(self.phi, std=std, a=-2 * std, b=2 * std)
+        self.scale.fill_(1.0)
+        self.experts.reset_parameters()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_experts * self.slots_per_expert
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Routing logits of shape (b, m, n·p); a cosine times `scale` before any noise."""
+        x_hat = _l2_normalize(x, dim=-1)  # (b, m, d)
+        phi_hat = _l2_normalize(self.phi, dim=0).flatten(1)  # (d, n·p)
+        # Multiply the scalar into whichever operand is smaller (as the official code does).
+        if phi_hat.numel() <= x_hat.numel():
+            phi_hat = self.scale * phi_hat
+        else:
+            x_hat = self.scale * x_hat
+        logits = x_hat @ phi_hat.to(x_hat.dtype)  # (b, m, n·p)
+        if self.training and self.noise_std > 0:
+            logits = logits + self.noise_std * torch.randn_like(logits)
+        return logits
+
+    def _softmaxes(self, x: torch.Tensor, mask: torch.Tensor | None):
+        """Dispatch (softmax over tokens) and combine (softmax over slots), both (b, m, n·p), fp32."""
+        logits = self._logits(x).float()  # softmaxes and their sums in fp32, whatever x's dtype
+        if mask is not None:
+            # A padding token is never dispatched to a slot; its own output is zeroed later.
+            logits_for_dispatch = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        else:
+            logits_for_dispatch = logits
+        dispatch = logits_for_dispatch.softmax(dim=1)
+        combine = logits.softmax(dim=2)
+        return dispatch, combine
+
+    def routing_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None):
+        """Return `(dispatch, combine)`, each of shape (b, m, n, p)."""
+        dispatch, combine = self._softmaxes(x, mask)
+        shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
+        return dispatch.view(shape), combine.view(shape)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
+        b, m, d = x.shape
+        n, p = self.num_experts, self.slots_per_expert
+        dispatch, combine = self._softmaxes(x, mask)
+        dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
+        slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d): weighted sums of the raw tokens
+        slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)  # expert-major
+        slot_outputs = self.experts(slots)  # (n, b·p, d)
+        slot_outputs = slot_outputs.view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)
+        y = combine @ slot_outputs  # (b, m, d)
+        if mask is not None:
+            y = y * mask[:, :, None].to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_experts={self.num_experts}, "
+                f"slots_per_expert={self.slots_per_expert}, noise_std={self.noise_std}")
