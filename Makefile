@@ -1,0 +1,41 @@
+# lit-softmoe: `make demo` and `make test` are the only set-up commands a fresh machine needs.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+# torch pinned to the release these machines keep on disk (no multi-GB download); override freely.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install fashion-mnist demo demo-fast test clean
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(INSTALLED)
+
+# The default real dataset, from Debian's package; elsewhere set LIT_SOFTMOE_DATA or let
+# torchvision download it at run time.
+fashion-mnist:
+	@if [ -d "$(FASHION_MNIST_DIR)" ] || [ -n "$$LIT_SOFTMOE_DATA" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; }; \
+	else echo "note: Fashion-MNIST not installed; run 'sudo apt-get install -y dataset-fashion-mnist'," \
+		"set LIT_SOFTMOE_DATA=DIR, or let torchvision download it (needs internet)"; fi
+
+demo: $(INSTALLED) fashion-mnist
+	$(VENV)/bin/lit-softmoe demo
+
+demo-fast: $(INSTALLED) fashion-mnist
+	$(VENV)/bin/lit-softmoe demo --fast
+
+test: $(INSTALLED) fashion-mnist
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf runs data .pytest_cache

@@ -1,0 +1,131 @@
+"""Typed configs: dataclasses hold every default, YAML files override them, `key=value` overrides win.
+
+OmegaConf does the merging and type checking (a structured config rejects unknown keys and values
+of the wrong type); this module only turns its errors into one line that names the fix.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from lit_softmoe.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass
+class TowerConfig:
+    name: str = "soft-tiny-p4-16e"  # a registered name: `lit-softmoe models` lists them
+    options: dict[str, Any] = field(default_factory=dict)  # tower options over the registry's, e.g. {num_experts: 32}
+
+
+@dataclass
+class ClassDataConfig:
+    train: str = "data/fashion-mnist/train"  # a split folder of class shards (image + .cls)
+    test: str = "data/fashion-mnist/test"
+    augment: bool = True  # random crop with padding + horizontal flip, per batch
+    crop_padding: int = 2
+    max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
+    max_test_samples: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.05  # decoupled (AdamW); not on biases, norms, position embeddings, phi
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    schedule: str = "cosine"  # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
+    warmup_steps: int = 200
+    cooldown_steps: int = 0  # rsqrt only: linear decay to 0 over the last N steps
+
+
+@dataclass
+class PretrainConfig:
+    run_dir: str = "runs/pretrain"
+    tower: TowerConfig = field(default_factory=TowerConfig)
+    data: ClassDataConfig = field(default_factory=ClassDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: str = "softmax"  # softmax | sigmoid (cross-entropy)
+    label_smoothing: float = 0.0  # softmax loss only
+    batch_size: int = 128  # global batch, split over processes
+    epochs: float = 1.0  # training length; `steps` wins when > 0
+    steps: int = 0
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 0  # steps between test evaluations during training; 0: only at the end
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    fewshot_shots: int = 10  # k of the k-shot linear probe (closed-form ridge regression)
+    eval_batch_size: int = 512
+    threads: int = 0  # CPU threads for torch; 0: torch's default
+
+
+_VALID_CHOICES = {
+    "loss": ("softmax", "sigmoid"),
+    "precision": ("auto", "fp32", "bf16"),
+    "optim.schedule": ("cosine", "rsqrt", "constant"),
+}
+
+
+def _all_keys(node, prefix="") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if OmegaConf.is_dict(value):
+            keys.extend(_all_keys(value, dotted + "."))
+    return keys
+
+
+def _suggest(bad_key: str, schema) -> str:
+    close = difflib.get_close_matches(bad_key, _all_keys(schema), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
+    """Merge `schema`'s defaults, the YAML file at `path` and dotted `key=value` overrides.
+
+    Every mistake (missing file, unknown key, wrong type, a value outside its choices) raises
+    UserError with one line naming the key and the fix.
+    """
+    base = OmegaConf.structured(schema)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist; shipped configs are under configs/")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as err:  # yaml's errors carry line numbers; keep them on one line
+            raise UserError(f"cannot parse {path}: {' '.join(str(err).split())}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(base, *layers)
+    except ConfigKeyError as err:
+        key = getattr(err, "full_key", None) or str(err)
+        source = f" in {path}" if path else ""
+        raise UserError(f"unknown config key {key!r}{source}{_suggest(str(key), base)}") from None
+    except (ValidationError, OmegaConfBaseException) as err:
+        key = getattr(err, "full_key", "?")
+        msg = str(err).splitlines()[0]
+        raise UserError(f"bad value for config key {key!r}: {msg}") from None
+    for key, choices in _VALID_CHOICES.items():
+        value = OmegaConf.select(merged, key, default=None)
+        if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
+            raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
+    return OmegaConf.to_object(merged)
+
+
+def to_yaml(config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,161 @@
+"""Checkpoints on disk: safetensors for every tensor, JSON for everything else, nothing pickled.
+
+Two kinds:
+- a *tower* folder (`model.safetensors` + `config.json`): what later stages (LiT, export) load;
+- a *training state* folder (`state.safetensors` + `state.json`): model, optimizer moments and RNG
+  state at a step, enough to resume exactly.
+Both are written into a temporary sibling folder and renamed into place, so a run killed mid-write
+never leaves a half-written checkpoint under the final name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+
+TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
+STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
+
+
+def write_folder_atomically(final_dir: str | Path, write) -> Path:
+    """Call `write(tmp_dir)`, then move tmp_dir to `final_dir` (replacing an older one)."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    try:
+        write(tmp_dir)
+        if final_dir.exists():
+            old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
+            os.replace(final_dir, old)
+            os.replace(tmp_dir, final_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp_dir, final_dir)
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+    return final_dir
+
+
+def _contiguous_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared or non-contiguous storage; detach + clone makes each tensor its own.
+    return {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+
+
+# ---- towers -------------------------------------------------------------------------------------
+
+def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None = None) -> Path:
+    """Save a tower as safetensors + config.json (tower config under "tower", plus `extra`)."""
+    meta = {"tower": tower.cfg.to_dict(), **(extra or {})}
+
+    def write(tmp: Path):
+        save_file(_contiguous_state(tower), tmp / TOWER_WEIGHTS)
+        (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+    return write_folder_atomically(out_dir, write)
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise UserError naming every missing, unexpected or mis-shaped key (a loud, pure loader)."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shapes differ, checkpoint vs tower (e.g. {'; '.join(mismatched[:2])})")
+    if problems:
+        raise UserError(f"{source} does not fit the tower: {'; '.join(problems)}; "
+                        "use the tower name and options the checkpoint was trained with")
+
+
+def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
+    """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
+    path = Path(path)
+    config_file, weights_file = path / TOWER_CONFIG, path / TOWER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
+                        "point to the `tower` folder of a finished pretraining run")
+    meta = json.loads(config_file.read_text())
+    try:
+        cfg = ViTConfig.from_dict(meta["tower"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise UserError(f"{config_file} has no valid tower config: {err}") from None
+    tower = VisionTransformer(cfg, device="meta")
+    state = load_file(weights_file, device=str(device))
+    check_state_dict(tower, state, str(weights_file))
+    tower.load_state_dict(state, assign=True)
+    return tower, meta
+
+
+# ---- training state -----------------------------------------------------------------------------
+
+def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, meta: dict | None = None) -> Path:
+    """Model weights, optimizer moments and RNG at `step`, written atomically."""
+    tensors = {f"model.{k}": v for k, v in _contiguous_state(model).items()}
+    opt_state = optimizer.state_dict()
+    for param_id, param_state in opt_state["state"].items():
+        for name, value in param_state.items():
+            tensors[f"optim.{param_id}.{name}"] = torch.as_tensor(value).detach().contiguous().clone()
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, rng in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = rng
+    info = {"step": step, "param_groups": opt_state["param_groups"], **(meta or {})}
+
+    def write(tmp: Path):
+        save_file({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
+        (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
+
+    return write_folder_atomically(ckpt_dir, write)
+
+
+def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer) -> dict:
+    """Restore what `save_training_state` wrote; returns its JSON metadata (with "step")."""
+    ckpt_dir = Path(ckpt_dir)
+    info = json.loads((ckpt_dir / STATE_META).read_text())
+    tensors = load_file(ckpt_dir / STATE_TENSORS)
+    model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    check_state_dict(model, model_state, str(ckpt_dir))
+    model.load_state_dict(model_state)
+    opt_state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, param_id, name = key.split(".", 2)
+            opt_state.setdefault(int(param_id), {})[name] = value
+    optimizer.load_state_dict({"state": opt_state, "param_groups": info["param_groups"]})
+    torch.set_rng_state(tensors["rng.cpu"])
+    cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"rng.cuda.{i}" in tensors]
+    if cuda_states and len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
+    return info
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The newest complete `step_*` folder (temporary folders start with '.' and are ignored)."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return None
+    done = sorted(p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file())
+    return done[-1] if done else None
+
+
+def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:
+    done = sorted(Path(checkpoints_dir).glob("step_*"))
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)

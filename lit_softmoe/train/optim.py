@@ -1,0 +1,56 @@
+"""AdamW parameter groups and learning-rate schedules (pure functions of the step).
+
+The learning rate is computed from the step alone and written into the optimizer every step, so a
+resumed run needs no scheduler state: the step is the whole story.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lit_softmoe.config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (kernels) and Soft MoE's `scale`, as the paper does; not biases, norms,
+    position embeddings or phi (whose magnitude the layer normalizes away)."""
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith(".scale") or (param.ndim >= 2 and name not in skip):
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def create_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2))
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for `step` (0-based): linear warmup, then cosine / rsqrt / constant."""
+    warmup = max(cfg.warmup_steps, 0)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "cosine":
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if cfg.schedule == "rsqrt":
+        # big_vision's rsqrt: lr · sqrt(warmup / step) after warmup, then a linear cooldown to 0.
+        lr = cfg.lr * math.sqrt(max(warmup, 1) / max(step + 1, 1))
+        cooldown_start = total_steps - cfg.cooldown_steps
+        if cfg.cooldown_steps > 0 and step >= cooldown_start:
+            lr *= max(0.0, (total_steps - step) / cfg.cooldown_steps)
+        return lr
+    return cfg.lr
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

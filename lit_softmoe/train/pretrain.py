@@ -1,0 +1,244 @@
+"""Classification pretraining of an image tower: the recipe behind `lit-softmoe pretrain`.
+
+One function, read top to bottom (torchtune / big_vision style): set up accelerate, data, tower and
+optimizer; resume if the run folder holds a checkpoint; train; evaluate (test top-1 and the paper's
+10-shot linear probe); save the tower as safetensors + JSON for the LiT stage.
+
+The training split is decoded into memory once (Fashion-MNIST is 47 MB) and every random choice is
+a function of (seed, step): the epoch's order comes from a generator seeded with (seed, epoch) and
+each batch's augmentation from one seeded with (seed, step, rank). So a killed run resumed from its
+checkpoint replays exactly the batches the uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from lit_softmoe.config import PretrainConfig, to_yaml
+from lit_softmoe.data.shards import load_class_split, read_classnames
+from lit_softmoe.data.transforms import batch_augment
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import create_image_tower, image_tower_config
+from lit_softmoe.train.checkpoint import (latest_checkpoint, load_training_state, prune_checkpoints,
+                                          save_tower, save_training_state)
+from lit_softmoe.train.logging import RunLogger, plot_curves, read_metrics
+from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
+from lit_softmoe.train.probe import fewshot_probe, sample_shots
+
+
+@dataclass
+class ClassData:
+    train_images: torch.Tensor  # (N, C, H, W) uint8
+    train_labels: torch.Tensor  # (N,) int64
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    classnames: list[str]
+    mean: list[float]  # per channel, of the training images in [0, 1]
+    std: list[float]
+    bad_samples: dict
+
+
+def _setup_accelerator(cfg: PretrainConfig) -> Accelerator:
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    if cfg.precision == "auto":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        mixed_precision = "bf16" if bf16 else "no"
+    else:
+        mixed_precision = "bf16" if cfg.precision == "bf16" else "no"
+    return Accelerator(mixed_precision=mixed_precision)
+
+
+def _setup_data(cfg: PretrainConfig) -> ClassData:
+    train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
+    test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
+    classnames_dir = Path(cfg.data.train).parent
+    classnames = read_classnames(classnames_dir) if (classnames_dir / "classnames.txt").exists() else \
+        [str(i) for i in range(int(train_labels.max()) + 1)]
+    pixels = train_images[:10_000].float() / 255  # statistics of the first 10k images are plenty
+    mean = pixels.mean(dim=(0, 2, 3)).tolist()
+    std = pixels.std(dim=(0, 2, 3)).tolist()
+    return ClassData(train_images, train_labels, test_images, test_labels, classnames, mean, std,
+                     {"train": dict(train_bad), "test": dict(test_bad)})
+
+
+def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return (images_uint8.float() / 255 - mean) / std  # (B, C, H, W) float
+
+
+def _check_fits(cfg: PretrainConfig, data: ClassData) -> None:
+    tower_cfg = image_tower_config(cfg.tower.name, **cfg.tower.options)
+    _, channels, height, _ = data.train_images.shape
+    if channels != tower_cfg.in_channels or height != tower_cfg.image_size:
+        raise UserError(
+            f"tower {cfg.tower.name!r} takes {tower_cfg.in_channels}×{tower_cfg.image_size}px images but "
+            f"{cfg.data.train} holds {channels}×{height}px; pick a tower for this size or set "
+            f"tower.options.image_size / tower.options.in_channels")
+
+
+def _loss_fn(cfg: PretrainConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if cfg.loss == "sigmoid":
+        targets = F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+        # Summed over classes, averaged over examples: big_vision's sigmoid_xent.
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
+    return F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+
+
+@torch.inference_mode()
+def _embed(tower, images_uint8, mean, std, batch_size, accelerator, with_logits=True):
+    """(features (N, d), logits (N, C) or None) for uint8 images, batched, no gradient."""
+    tower.eval()
+    features, logits = [], []
+    for start in range(0, len(images_uint8), batch_size):
+        pixels = _normalize(images_uint8[start:start + batch_size].to(accelerator.device), mean, std)
+        with accelerator.autocast():
+            feats = tower.forward_features(pixels)
+            features.append(feats.float().cpu())
+            if with_logits:
+                logits.append(tower.forward_head(feats).float().cpu())
+    tower.train()
+    return torch.cat(features), (torch.cat(logits) if with_logits else None)
+
+
+def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
+    _, logits = _embed(tower, data.test_images, mean, std, cfg.eval_batch_size, accelerator)
+    return (logits.argmax(1) == data.test_labels).float().mean().item()
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Train the tower of `cfg` on its class shards; returns the final metrics."""
+    run_dir = Path(cfg.run_dir)
+    accelerator = _setup_accelerator(cfg)
+    is_main = accelerator.is_main_process
+
+    # ---- data, tower, optimizer
+    data = _setup_data(cfg)
+    _check_fits(cfg, data)
+    torch.manual_seed(cfg.seed)
+    tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
+    num_params = sum(p.numel() for p in tower.parameters())
+    optimizer = create_optimizer(tower, cfg.optim)
+    mean = torch.tensor(data.mean, device=accelerator.device)[:, None, None]
+    std = torch.tensor(data.std, device=accelerator.device)[:, None, None]
+
+    global_batch = cfg.batch_size
+    if global_batch % accelerator.num_processes:
+        raise UserError(f"batch_size {global_batch} does not split over {accelerator.num_processes} processes")
+    local_batch = global_batch // accelerator.num_processes
+    steps_per_epoch = len(data.train_labels) // global_batch
+    if steps_per_epoch == 0:
+        raise UserError(f"batch_size {global_batch} exceeds the {len(data.train_labels)} training images")
+    total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
+
+    # ---- resume from the newest complete checkpoint in the run folder
+    step = 0
+    checkpoints_dir = run_dir / "checkpoints"
+    latest = latest_checkpoint(checkpoints_dir)
+    if latest is not None:
+        step = load_training_state(latest, tower, optimizer)["step"]
+        accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
+    tower, optimizer = accelerator.prepare(tower, optimizer)
+    logger = RunLogger(run_dir, enabled=is_main)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        logger.truncate_after(step)
+    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {len(data.train_labels)} "
+                      f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
+
+    # ---- train
+    train_seconds, last_log_step, last_log_seconds = 0.0, step, 0.0
+    order, order_epoch = None, -1
+    tower.train()
+    progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
+                    dynamic_ncols=True)
+    while step < total_steps:
+        tic = time.perf_counter()
+        epoch, index_in_epoch = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:  # the epoch's order is a pure function of (seed, epoch)
+            order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(
+                cfg.seed * 100_003 + epoch))
+            order_epoch = epoch
+        batch_ids = order[index_in_epoch * global_batch:(index_in_epoch + 1) * global_batch]
+        batch_ids = batch_ids[accelerator.process_index::accelerator.num_processes]  # (local_batch,)
+        images = data.train_images[batch_ids]
+        if cfg.data.augment:
+            generator = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + accelerator.process_index)
+            images = batch_augment(images, generator, padding=cfg.data.crop_padding)
+        pixels = _normalize(images.to(accelerator.device, non_blocking=True), mean, std)
+        labels = data.train_labels[batch_ids].to(accelerator.device)
+
+        lr = lr_at(step, total_steps, cfg.optim)
+        set_lr(optimizer, lr)
+        with accelerator.autocast():
+            loss = _loss_fn(cfg, tower(pixels), labels)
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(tower.parameters(), cfg.optim.grad_clip) \
+            if cfg.optim.grad_clip > 0 else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        progress.update(1)
+        train_seconds += time.perf_counter() - tic
+
+        if step % cfg.log_every == 0 or step == total_steps:
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                raise UserError(f"training diverged: loss is {loss_value} at step {step}; "
+                                "lower optim.lr or raise optim.warmup_steps")
+            images_per_s = global_batch * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
+            last_log_step, last_log_seconds = step, train_seconds
+            record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
+                      "train_seconds": round(train_seconds, 2), "images_per_s": round(images_per_s, 1)}
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            logger.log(record)
+            progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+            logger.log({"step": step, "test_top1": _test_top1(tower, data, mean, std, cfg, accelerator)})
+        if step % cfg.checkpoint_every == 0 and step < total_steps:
+            accelerator.wait_for_everyone()
+            if is_main:
+                save_training_state(checkpoints_dir / f"step_{step:08d}", step,
+                                    accelerator.unwrap_model(tower), optimizer)
+                prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
+    progress.close()
+
+    # ---- evaluate: test top-1 and the few-shot linear probe on frozen features
+    tower_module = accelerator.unwrap_model(tower)
+    results = {"tower": cfg.tower.name, "params": num_params, "steps": total_steps,
+               "train_seconds_this_run": round(train_seconds, 1)}
+    if is_main:
+        eval_tic = time.perf_counter()
+        test_features, test_logits = _embed(tower_module, data.test_images, mean, std,
+                                            cfg.eval_batch_size, accelerator)
+        results["test_top1"] = (test_logits.argmax(1) == data.test_labels).float().mean().item()
+        if cfg.fewshot_shots > 0:
+            shot_ids = sample_shots(data.train_labels, cfg.fewshot_shots, cfg.seed)
+            shot_features, _ = _embed(tower_module, data.train_images[shot_ids], mean, std,
+                                      cfg.eval_batch_size, accelerator, with_logits=False)
+            results.update(fewshot_probe(shot_features, data.train_labels[shot_ids], test_features,
+                                         data.test_labels, shots=cfg.fewshot_shots))
+        results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
+        results["bad_samples"] = data.bad_samples
+        logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("test_", "fewshot"))}})
+        save_tower(run_dir / "tower", tower_module, extra={
+            "classnames": data.classnames,
+            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std},
+            "pretrain": {"config": str(run_dir / "config.yaml"), **{k: v for k, v in results.items()
+                                                                    if k != "bad_samples"}},
+        })
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        plot_curves(read_metrics(logger.path), run_dir / "curves.png",
+                    keys=("loss", "lr", "test_top1"), title=f"pretrain {cfg.tower.name}")
+    logger.close()
+    accelerator.wait_for_everyone()
+    return results
