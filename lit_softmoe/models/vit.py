@@ -153,9 +153,14 @@ class VisionTransformer(nn.Module):
             nn.init.constant_(self.head.bias, -math.log(self.cfg.num_classes))
 
     def no_weight_decay(self) -> set[str]:
-        """Parameter names that get no weight decay: position embeddings, norms, biases, phi."""
-        return {name for name, p in self.named_parameters()
-                if p.ndim <= 1 or name.endswith(("pos_embed", ".phi")) or ".b1" in name or ".b2" in name}
+        """Parameter names that get no weight decay: position embeddings, norms, biases, phi.
+
+        Soft MoE's `scale` is not among them although it is a scalar: the released configs decay
+        it like a kernel (`('.*/Moe/Router/scale', 0.03)` in vmoe's pretrain_jft4b.py).
+        """
+        moe_scales = {f"{name}.scale" for name, m in self.named_modules() if isinstance(m, SoftMoE)}
+        return {name for name, p in self.named_parameters() if name not in moe_scales and (
+            p.ndim <= 1 or name.endswith(("pos_embed", ".phi")) or ".b1" in name or ".b2" in name)}
 
     def _pos_embed(self, num_patches: int) -> torch.Tensor:
         if num_patches == self.pos_embed.shape[1]:

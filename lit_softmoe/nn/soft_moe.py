@@ -151,8 +151,11 @@ class SoftMoE(nn.Module):
         return logits
 
     def _softmaxes(self, x: torch.Tensor, mask: torch.Tensor | None):
-        """Dispatch (softmax over tokens) and combine (softmax over slots), both (b, m, n·p), fp32."""
-        logits = self._logits(x).float()  # softmaxes and their sums in fp32, whatever x's dtype
+        """Dispatch (softmax over tokens) and combine (softmax over slots), both (b, m, n·p), in fp32
+        or wider (fp64 stays fp64)."""
+        logits = self._logits(x)
+        # Softmaxes and their sums in fp32 at least, even when x is bf16/fp16 (or under autocast).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if mask is not None:
             # A padding token is never dispatched to a slot; its own output is zeroed later.
             logits_for_dispatch = logits.masked_fill(~mask[:, :, None], float("-inf"))
