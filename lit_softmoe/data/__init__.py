@@ -1,0 +1,35 @@
+"""Data: webdataset shards (shards.py), real datasets → shards (sources.py), preprocessing (transforms.py)."""
+from lit_softmoe.data.shards import (
+    BadSampleCounter,
+    cache_decoded_split,
+    iter_class_samples,
+    load_class_split,
+    num_samples,
+    read_classnames,
+    shard_urls,
+    write_split,
+)
+from lit_softmoe.data.sources import (
+    FASHION_MNIST_CLASSNAMES,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    find_fashion_mnist,
+    read_fashion_mnist,
+    read_idx,
+    write_fashion_mnist_shards,
+)
+from lit_softmoe.data.transforms import (
+    batch_augment,
+    eval_transform,
+    match_channels,
+    normalize_batch,
+    train_transform,
+)
+
+__all__ = [
+    "BadSampleCounter", "cache_decoded_split", "iter_class_samples", "load_class_split", "num_samples",
+    "read_classnames", "shard_urls", "write_split",
+    "FASHION_MNIST_CLASSNAMES", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "find_fashion_mnist",
+    "read_fashion_mnist", "read_idx", "write_fashion_mnist_shards",
+    "batch_augment", "eval_transform", "match_channels", "normalize_batch", "train_transform",
+]

@@ -1,0 +1,396 @@
+"""Webdataset shards: write a split, list its tars, read class samples back.
+
+The on-disk layout is CLIP_benchmark's (clip_benchmark/datasets/builder.py, `build_wds_dataset`),
+so its evaluator and ours read the same folders:
+
+    dataset_dir/
+        classnames.txt  zeroshot_classification_templates.txt  dataset_type.txt
+        train/  0.tar 1.tar … N-1.tar  nshards.txt  sizes.json
+        test/   …
+
+Samples are keyed `s0000000`, `s0000001`, … across the whole split, and hold an image (`.png`,
+`.jpg`, `.webp`) plus `.cls` (class index as ASCII digits) and/or `.txt` (caption). `sizes.json`
+({tar name: sample count}) is ours: it gives the split length without reading the tars.
+Shard names are unpadded (`0.tar`) because CLIP_benchmark expands `{0..N-1}.tar`.
+
+Reading follows open_clip's `get_wds_dataset`: explicit webdataset stages, and a handler that
+skips and counts a bad shard instead of ending the run; a bad *sample* is skipped and counted too.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import PIL.Image
+import torch
+import webdataset as wds
+from webdataset.shardlists import expand_urls
+
+from lit_softmoe.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+NSHARDS_FILE = "nshards.txt"
+SIZES_FILE = "sizes.json"
+CLASSNAMES_FILE = "classnames.txt"
+_SHARD_NAME = re.compile(r"^(\d+)\.tar$")
+_PARTIAL_SUFFIX = ".tar.partial"
+_DECODED_CACHE_PREFIX = ".decoded-"
+_DECODED_CACHE_VERSION = 1
+_LAYOUT_HINT = (
+    "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout); "
+    "or pass a brace pattern such as DIR/{0..9}.tar, or several patterns joined with '::'"
+)
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary name, so a reader never sees half a file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.partial")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def write_split(
+    samples: Iterable[dict[str, Any]],
+    out_dir: str | Path,
+    split: str,
+    samples_per_shard: int = 10_000,
+    max_bytes: int = 1 << 30,
+) -> dict[str, int]:
+    """Write samples as `out_dir/split/{0..N-1}.tar` + `nshards.txt` + `sizes.json`.
+
+    Args:
+        samples: dicts of {extension: value}; bytes/str are stored as they are, other values go
+            through webdataset's encoders (PIL image → png, int → cls, dict → json). Keys are
+            assigned here (`s0000000`, …); a `__key__` in the sample is overwritten.
+        out_dir: dataset folder; the split folder is created inside it.
+        split: split name, e.g. "train" or "test".
+        samples_per_shard: a new shard starts after this many samples.
+        max_bytes: … or once a shard holds this many payload bytes (checked before each sample).
+
+    Returns:
+        {shard file name: sample count}, the content of sizes.json.
+
+    The same samples give byte-identical tars (fixed mtime, owner and mode). Each shard is written
+    under a hidden temporary name and renamed when complete, and the split's markers (nshards.txt,
+    sizes.json) are removed first and rewritten last: a killed run leaves no half shard under a
+    final name and no sizes.json describing shards that were not all written.
+    """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+    split_dir = Path(out_dir) / split
+    split_dir.mkdir(parents=True, exist_ok=True)
+    for marker in (SIZES_FILE, NSHARDS_FILE):
+        (split_dir / marker).unlink(missing_ok=True)
+    for leftover in [*split_dir.glob(f".*{_PARTIAL_SUFFIX}"), *split_dir.glob(f"{_DECODED_CACHE_PREFIX}*")]:
+        leftover.unlink()
+
+    sizes: dict[str, int] = {}
+    failed = False
+
+    def publish(temporary_name: str) -> None:
+        # ShardWriter calls this after closing each shard; `writer.count` is still that shard's count.
+        if failed:
+            os.unlink(temporary_name)
+            return
+        final = split_dir / Path(temporary_name).name[1 : -len(".partial")]
+        os.replace(temporary_name, final)
+        sizes[final.name] = writer.count
+
+    pattern = str(split_dir).replace("%", "%%") + f"/.%d{_PARTIAL_SUFFIX}"
+    writer = wds.ShardWriter(
+        pattern, maxcount=samples_per_shard, maxsize=max_bytes, post=publish, verbose=0,
+        # An int mtime: a float one makes tarfile add a 1 KB pax header to every member.
+        mtime=0, user="lit-softmoe", group="lit-softmoe", mode=0o644,
+    )
+    try:
+        for index, sample in enumerate(samples):
+            writer.write({**sample, "__key__": f"s{index:07d}"})
+    except BaseException:
+        failed = True  # the shard being written is deleted, not published
+        raise
+    finally:
+        writer.close()
+
+    # Shards of an earlier, longer run of this split would otherwise linger past N-1.
+    for path in split_dir.glob("*.tar"):
+        if _SHARD_NAME.match(path.name) and path.name not in sizes:
+            path.unlink()
+    write_text_atomic(split_dir / NSHARDS_FILE, f"{len(sizes)}\n")
+    write_text_atomic(split_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------- listing
+
+def _is_local(url: str) -> bool:
+    return "://" not in url and not url.startswith("pipe:")
+
+
+def _split_dir_urls(split_dir: Path) -> list[str]:
+    nshards_path = split_dir / NSHARDS_FILE
+    if not nshards_path.is_file():
+        splits = sorted(p.parent.name for p in split_dir.glob(f"*/{NSHARDS_FILE}"))
+        guess = f" (it holds the splits {', '.join(splits)}: pass {split_dir}/{splits[0]})" if splits else ""
+        raise UserError(f"no {NSHARDS_FILE} in {split_dir}{guess}; {_LAYOUT_HINT}")
+    try:
+        nshards = int(nshards_path.read_text().strip())
+    except ValueError:
+        raise UserError(f"{nshards_path} does not hold a number; rewrite the split's shards") from None
+    # CLIP_benchmark names shards 0.tar…; zero-padded names (000000.tar) are read too.
+    width = 6 if not (split_dir / "0.tar").exists() and (split_dir / "000000.tar").exists() else 1
+    urls = [str(split_dir / f"{index:0{width}d}.tar") for index in range(nshards)]
+    missing = [url for url in urls if not Path(url).is_file()]
+    if missing:
+        raise UserError(
+            f"{nshards_path} says {nshards} shards but {len(missing)} are missing (first: {missing[0]}); "
+            "rewrite the split's shards"
+        )
+    return urls
+
+
+def shard_urls(spec: str | Path | list[str]) -> list[str]:
+    """Expand a shard spec into a list of tar urls.
+
+    `spec` is a split folder (its nshards.txt gives the tars), a brace pattern
+    (`dir/{0..9}.tar`), several of those joined with `::`, or a list of them. Local paths must
+    exist; remote urls (`https://…`, `pipe:…`) are passed through unchecked.
+    """
+    if isinstance(spec, (list, tuple)):
+        return [url for part in spec for url in shard_urls(part)]
+    spec = str(spec)
+    if _is_local(spec) and Path(spec).is_dir():
+        return _split_dir_urls(Path(spec))
+    urls = expand_urls(spec)
+    missing = [url for url in urls if _is_local(url) and not Path(url).is_file()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"shards not found: {missing[0]}{more}; {_LAYOUT_HINT}")
+    return urls
+
+
+def num_samples(split_dir: str | Path) -> int:
+    """Number of samples in a split written by `write_split` (from its sizes.json)."""
+    sizes_path = Path(split_dir) / SIZES_FILE
+    if not sizes_path.is_file():
+        raise UserError(f"no {SIZES_FILE} in {split_dir}: pass a split folder written by lit-softmoe "
+                        "(e.g. DATA/fashion-mnist/train), or rewrite its shards")
+    return sum(json.loads(sizes_path.read_text()).values())
+
+
+def read_classnames(dataset_dir: str | Path) -> list[str]:
+    """Class names, one per line of `classnames.txt`, in label order.
+
+    A split folder is accepted too: its parent holds the file in the CLIP_benchmark layout.
+    """
+    dataset_dir = Path(dataset_dir)
+    for folder in (dataset_dir, dataset_dir.parent):
+        path = folder / CLASSNAMES_FILE
+        if path.is_file():
+            return [line.strip() for line in path.read_text(encoding="utf-8").strip("\n").splitlines()]
+    raise UserError(f"no {CLASSNAMES_FILE} in {dataset_dir}: pass the dataset folder (the one holding "
+                    "classnames.txt beside its split folders), or write one class name per line there")
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+class BadSampleCounter:
+    """Counts skipped samples and shards by reason; logs the first of each reason only.
+
+    `counts` is a Counter (a reason never seen reads 0). Sample reasons: "missing_image",
+    "missing_cls", "bad_image", "bad_cls". Shard reasons, counted once per shard: "bad_shard" (a
+    truncated or corrupt tar; the samples before the damage are kept) and "unreadable_shard" (the
+    file cannot be opened).
+    """
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.shard: str | None = None  # the shard being read, set by `track_shards`
+        self._bad_shards: set[tuple[str, str | None]] = set()
+
+    def skip(self, reason: str, detail: str) -> None:
+        if self.counts[reason] == 0:
+            logger.warning("skipping %s: %s (further ones are counted, not logged)", reason, detail)
+        self.counts[reason] += 1
+
+    def track_shards(self, shards: Iterable[dict]) -> Iterator[dict]:
+        """Pipeline stage that notes which shard is being read, for `handler`."""
+        for shard in shards:
+            self.shard = shard["url"]
+            yield shard
+
+    def handler(self, exn: Exception) -> bool:
+        """Webdataset handler for a shard that fails to open or read: count it, go on.
+
+        Webdataset may report one truncated tar twice (once per member read, once from the
+        stream), so a shard is counted once per reason.
+        """
+        reason = "unreadable_shard" if isinstance(exn, OSError) else "bad_shard"
+        if (reason, self.shard) not in self._bad_shards:
+            self._bad_shards.add((reason, self.shard))
+            first_arg = exn.args[0] if exn.args else ""
+            self.skip(reason, f"{self.shard}: {type(exn).__name__}: {first_arg}")
+        return True
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __repr__(self) -> str:
+        return f"BadSampleCounter({dict(self.counts)})"
+
+
+def _is_class_file(fname: str) -> bool:
+    extension = fname.rsplit(".", 1)[-1].lower()
+    return extension == "cls" or extension in IMAGE_EXTENSIONS
+
+
+def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
+    where = f"{sample['__key__']} in {sample.get('__url__')}"
+    image_key = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    if image_key is None:
+        counter.skip("missing_image", where)
+        return None
+    if "cls" not in sample:
+        counter.skip("missing_cls", where)
+        return None
+    try:
+        label = int(sample["cls"].decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        counter.skip("bad_cls", f"{where}: {sample['cls'][:20]!r}")
+        return None
+    try:
+        image = PIL.Image.open(io.BytesIO(sample[image_key]))
+        image.load()
+    except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
+        counter.skip("bad_image", f"{where}: {type(exn).__name__}: {exn}")
+        return None
+    return image, label
+
+
+def iter_class_samples(
+    urls: str | Path | list[str], counter: BadSampleCounter | None = None
+) -> Iterator[tuple[PIL.Image.Image, int]]:
+    """Yield (PIL image, class index) from image + `.cls` shards, in shard order.
+
+    Args:
+        urls: anything `shard_urls` accepts (a split folder, a brace pattern, a list).
+        counter: receives the counts of skipped samples and shards; pass one to read them after.
+
+    A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
+    a truncated or unreadable tar is counted and reading goes on with the next shard.
+    """
+    counter = counter if counter is not None else BadSampleCounter()
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(shard_urls(urls)),
+        counter.track_shards,
+        # Only image and .cls members are extracted: captions and metadata are not needed here.
+        wds.tarfile_to_samples(handler=counter.handler, select_files=_is_class_file),
+    )
+    for sample in pipeline:
+        decoded = _decode_class_sample(sample, counter)
+        if decoded is not None:
+            yield decoded
+
+
+def _decoded_cache_path(split_dir: str | Path) -> Path | None:
+    """Where a split folder's decoded arrays are cached; None for a pattern or url list.
+
+    The name carries a hash of every shard's name, size and mtime, so rewritten shards miss it.
+    """
+    if not (_is_local(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
+        return None
+    stats = [(Path(url).name, Path(url).stat().st_size, Path(url).stat().st_mtime_ns)
+             for url in _split_dir_urls(Path(split_dir))]
+    key = hashlib.sha256(json.dumps([_DECODED_CACHE_VERSION, stats]).encode()).hexdigest()[:16]
+    return Path(split_dir) / f"{_DECODED_CACHE_PREFIX}{key}.npz"
+
+
+def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: torch.Tensor,
+                        counts: dict[str, int] | None = None) -> Path | None:
+    """Save what `load_class_split` returns for `split_dir`, so the next load skips decoding.
+
+    Called by `load_class_split` itself, and by writers that still hold the arrays they just
+    encoded losslessly. Returns the cache path, or None where the folder is not writable.
+    """
+    path = _decoded_cache_path(split_dir)
+    if path is None:
+        return None
+    for stale in path.parent.glob(f"{_DECODED_CACHE_PREFIX}*.npz"):
+        stale.unlink(missing_ok=True)
+    temporary = path.with_name(path.name + ".partial")
+    try:
+        with open(temporary, "wb") as file:
+            # A str array, not a dict: np.load then needs no pickle.
+            np.savez(file, images=images.numpy(), labels=labels.numpy(),
+                     counts=np.array(json.dumps(dict(counts or {}))))
+        os.replace(temporary, path)
+    except OSError as exn:  # a read-only dataset folder: decode each time instead
+        logger.info("not caching decoded %s: %s", split_dir, exn)
+        temporary.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def load_class_split(
+    split_dir: str | Path,
+    max_samples: int | None = None,
+    counter: BadSampleCounter | None = None,
+    cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, collections.Counter[str]]:
+    """Decode a whole classification split into memory.
+
+    For small sets (Fashion-MNIST: 60k × 28×28 is 47 MB) that pretraining keeps in memory and
+    augments per batch. Grayscale images give C=1; if any image is in color, all become RGB (C=3).
+    Decoding goes through Python's tarfile and PIL (about 0.3 ms a sample on a slow core), so a
+    split folder's full decode is cached beside its shards (`.decoded-<hash>.npz`, ~0.1 s to
+    load) unless `cache` is False.
+
+    Returns:
+        images: (N, C, H, W) uint8; labels: (N,) int64; counts: skipped samples by reason.
+    """
+    counter = counter if counter is not None else BadSampleCounter()
+    cache_path = _decoded_cache_path(split_dir) if cache else None
+    if cache_path is not None and cache_path.is_file():
+        with np.load(cache_path) as cached:
+            images, labels = torch.from_numpy(cached["images"]), torch.from_numpy(cached["labels"])
+            counter.counts.update(json.loads(str(cached["counts"])))
+        return images[:max_samples], labels[:max_samples], counter.counts
+
+    arrays: list[np.ndarray] = []  # each (H, W) for grayscale or (H, W, 3) for color
+    labels_list: list[int] = []
+    for image, label in iter_class_samples(split_dir, counter):
+        if image.mode not in ("L", "RGB"):
+            image = image.convert("L" if image.mode in ("1", "I;16", "I", "F") else "RGB")
+        arrays.append(np.asarray(image))
+        labels_list.append(label)
+        if max_samples is not None and len(labels_list) >= max_samples:
+            break
+    if not arrays:
+        raise UserError(f"no readable image+cls samples in {split_dir} (skipped: {dict(counter.counts)}); "
+                        "check that its shards hold an image and a .cls per sample")
+    shapes = {array.shape[:2] for array in arrays}
+    if len(shapes) > 1:
+        raise UserError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
+                        "loading a split into memory needs one size: resize the images when writing the shards")
+    if any(array.ndim == 3 for array in arrays):
+        arrays = [array if array.ndim == 3 else np.repeat(array[:, :, None], 3, axis=2) for array in arrays]
+        images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W)
+    else:
+        images = torch.from_numpy(np.stack(arrays)).unsqueeze(1)  # (N, 1, H, W)
+    labels = torch.tensor(labels_list, dtype=torch.int64)
+    if cache_path is not None and max_samples is None:
+        cache_decoded_split(split_dir, images, labels, counter.counts)
+    return images, labels, counter.counts

@@ -1,0 +1,263 @@
+"""Real datasets → shards. Fashion-MNIST (Xiao et al., 2017) is the small real set every demo uses.
+
+Fashion-MNIST ships as four gzipped idx files (the MNIST format); they are read with numpy, so
+no torchvision dataset class (and no download) is needed when the files are on disk. The shards
+follow CLIP_benchmark's layout (see shards.py), so the same folder serves classification
+pretraining (`.png` + `.cls`), LiT training (`.png` + `.txt` caption) and zero-shot evaluation
+(`classnames.txt` + `zeroshot_classification_templates.txt`).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import PIL.Image
+import torch
+from tqdm import tqdm
+
+from lit_softmoe.data.shards import SIZES_FILE, cache_decoded_split, write_split, write_text_atomic
+from lit_softmoe.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# Label order of the idx files; readable, caption-friendly forms of the official names
+# ("T-shirt/top", "Trouser", …, "Ankle boot").
+FASHION_MNIST_CLASSNAMES = (
+    "t-shirt", "trousers", "pullover", "dress", "coat",
+    "sandal", "shirt", "sneaker", "bag", "ankle boot",
+)
+# Pixel statistics of the 60k training images, in [0, 1] (for `normalize_batch` / transforms).
+FASHION_MNIST_MEAN = (0.2860,)
+FASHION_MNIST_STD = (0.3530,)
+# "the"/"my" instead of "a": several names start with a vowel or are plural ("an ankle boot",
+# "trousers"). Captions (training text) and zero-shot prompts (evaluation) are kept apart.
+CAPTION_TEMPLATES = (
+    "a photo of the {c}.",
+    "a black and white photo of the {c}.",
+    "a small grayscale picture of my {c}.",
+    "the {c}, photographed for a catalogue.",
+    "a low resolution image of the {c}.",
+)
+ZEROSHOT_TEMPLATES = (
+    "a photo of the {c}.",
+    "a black and white photo of the {c}.",
+    "a low resolution photo of the {c}.",
+    "a grayscale photo of my {c}.",
+    "a cropped photo of the {c}.",
+    "a product photo of the {c}.",
+)
+FASHION_MNIST_FILES = {  # split → (images, labels), without the .gz
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
+CACHE_DIR = Path("~/.cache/lit_softmoe").expanduser()  # where torchvision's download goes
+MANIFEST_FILE = "manifest.json"
+_FORMAT_VERSION = 1  # bump when the shard content changes, so old sets get rewritten
+_INSTALL_HINT = "install it with `apt-get install -y dataset-fashion-mnist` or set LIT_SOFTMOE_DATA=DIR"
+
+
+# ---------------------------------------------------------------------------------------- finding
+
+def _file_in(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / f"{name}.gz", folder / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _holding_folder(root: Path) -> Path | None:
+    """The folder under `root` holding the four idx files (itself, `fashion-mnist/`, or torchvision's)."""
+    for folder in (root, root / "fashion-mnist", root / "FashionMNIST" / "raw"):
+        if all(_file_in(folder, name) for names in FASHION_MNIST_FILES.values() for name in names):
+            return folder
+    return None
+
+
+def find_fashion_mnist(source: str | Path | None = None, allow_download: bool = True) -> Path:
+    """The folder holding Fashion-MNIST's four idx files (gzipped or not).
+
+    Looks in `source` (if given, only there), then `$LIT_SOFTMOE_DATA` (the files or a
+    `fashion-mnist/` folder), then /usr/share/datasets/fashion-mnist, then ~/.cache/lit_softmoe,
+    where it last tries torchvision's download (needs internet; skipped if `allow_download` is
+    False).
+    """
+    if source is not None:
+        found = _holding_folder(Path(source))
+        if found is None:
+            raise UserError(f"Fashion-MNIST not found in {source} (the source given): it needs the four files "
+                            f"train-images-idx3-ubyte.gz … t10k-labels-idx1-ubyte.gz; {_INSTALL_HINT}")
+        return found
+    tried = []
+    for root in (os.environ.get("LIT_SOFTMOE_DATA"), SYSTEM_DIR, CACHE_DIR):
+        if root:
+            tried.append(str(root))
+            found = _holding_folder(Path(root))
+            if found is not None:
+                return found
+    if allow_download:
+        try:
+            import torchvision
+
+            torchvision.datasets.FashionMNIST(root=str(CACHE_DIR), train=True, download=True)
+            torchvision.datasets.FashionMNIST(root=str(CACHE_DIR), train=False, download=True)
+        except Exception as exn:  # no internet is the usual case; the message below says what to do
+            logger.info("Fashion-MNIST download failed: %s", exn)
+        found = _holding_folder(CACHE_DIR)
+        if found is not None:
+            return found
+    downloaded = " (and its download failed)" if allow_download else ""
+    raise UserError(f"Fashion-MNIST not found in {', '.join(tried)}{downloaded}; {_INSTALL_HINT} "
+                    "(a folder holding its four .gz files)")
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an idx file (gzipped or not; the MNIST format) holding uint8 data."""
+    path = Path(path)
+    data = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    # Header: two zero bytes, a type code (0x08 = uint8), the number of dims, then each dim as a
+    # big-endian uint32.
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
+        raise UserError(f"{path} is not a uint8 idx file; reinstall the dataset ({_INSTALL_HINT})")
+    ndim = data[3]
+    shape = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
+    if len(data) != 4 + 4 * ndim + int(np.prod(shape)):
+        raise UserError(f"{path} is truncated or padded ({len(data)} bytes for shape {shape}); "
+                        f"reinstall the dataset ({_INSTALL_HINT})")
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def read_fashion_mnist(split: str, source: str | Path | None = None,
+                       allow_download: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 28, 28) uint8 and labels (N,) uint8 of the "train" (60k) or "test" (10k) split."""
+    if split not in FASHION_MNIST_FILES:
+        raise UserError(f"unknown Fashion-MNIST split {split!r}; choose one of {sorted(FASHION_MNIST_FILES)}")
+    folder = find_fashion_mnist(source, allow_download)
+    images_name, labels_name = FASHION_MNIST_FILES[split]
+    images, labels = read_idx(_file_in(folder, images_name)), read_idx(_file_in(folder, labels_name))
+    if images.ndim != 3 or labels.shape != images.shape[:1]:
+        raise UserError(f"{folder}: {split} images {images.shape} do not match labels {labels.shape}; "
+                        f"reinstall the dataset ({_INSTALL_HINT})")
+    return images, labels
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+def _png_bytes(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    # Fixed settings: PIL writes no timestamp, so equal pixels give equal bytes.
+    PIL.Image.fromarray(image).save(  # (28, 28) uint8 → mode "L"
+        buffer, format="PNG", compress_level=6, optimize=False)
+    return buffer.getvalue()
+
+
+def _fashion_mnist_samples(images: np.ndarray, labels: np.ndarray, split: str,
+                           progress: bool) -> Iterator[dict[str, bytes]]:
+    for index in tqdm(range(len(labels)), desc=f"fashion-mnist {split}", disable=not progress):
+        label = int(labels[index])
+        # The caption template cycles with the index: deterministic, and every class gets all of them.
+        caption = CAPTION_TEMPLATES[index % len(CAPTION_TEMPLATES)].format(c=FASHION_MNIST_CLASSNAMES[label])
+        meta = {"source": "fashion-mnist", "split": split, "index": index}
+        yield {
+            "png": _png_bytes(images[index]),
+            "cls": str(label).encode("ascii"),
+            "txt": caption.encode("utf-8"),
+            "json": json.dumps(meta, sort_keys=True).encode("utf-8"),
+        }
+
+
+def _is_complete(out_dir: Path, manifest: dict) -> bool:
+    """True if `out_dir` holds the set `manifest` describes (same arguments, every file in place)."""
+    try:
+        written = json.loads((out_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if {k: v for k, v in written.items() if k != "splits"} != manifest:
+        return False
+    for split, recorded in written.get("splits", {}).items():
+        try:
+            if json.loads((out_dir / split / SIZES_FILE).read_text()) != recorded["sizes"]:
+                return False
+        except (OSError, ValueError):
+            return False
+        for name, nbytes in recorded["bytes"].items():
+            path = out_dir / split / name
+            if not path.is_file() or path.stat().st_size != nbytes:
+                return False
+    metadata = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
+    return set(written.get("splits", {})) == set(FASHION_MNIST_FILES) and all(
+        (out_dir / name).is_file() for name in metadata)
+
+
+def write_fashion_mnist_shards(
+    out_dir: str | Path,
+    source: str | Path | None = None,
+    samples_per_shard: int = 10_000,
+    limit: int | None = None,
+    allow_download: bool = True,
+    progress: bool = False,
+) -> dict:
+    """Write Fashion-MNIST as `out_dir/{train,test}/` shards + class names, templates, dataset type.
+
+    Each sample holds `.png` (28×28 grayscale), `.cls` (label digits), `.txt` (a caption from the
+    class name) and `.json` ({"source", "split", "index"}). `limit` keeps the first N samples of
+    each split (for quick tests). Rerunning with the same arguments rewrites identical bytes, and
+    is skipped if `out_dir` already holds the complete set (its manifest.json, written last,
+    matches the arguments, and every sizes.json and shard is in place).
+
+    Returns:
+        {"out_dir", "samples": {split: count}, "shards": {split: count}, "skipped", "seconds"}.
+    """
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    folder = find_fashion_mnist(source, allow_download)
+    manifest = {
+        "format": _FORMAT_VERSION, "dataset": "fashion-mnist", "limit": limit,
+        "samples_per_shard": samples_per_shard,
+        # Source file sizes tell a different dataset in the same file names (e.g. MNIST) apart.
+        "source_bytes": {name: _file_in(folder, name).stat().st_size
+                         for names in FASHION_MNIST_FILES.values() for name in names},
+    }
+    if _is_complete(out_dir, manifest):
+        written = json.loads((out_dir / MANIFEST_FILE).read_text())["splits"]
+        logger.info("%s already holds these Fashion-MNIST shards; nothing written", out_dir)
+        return _summary(out_dir, written, skipped=True, start=start)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # written last: its presence means complete
+    splits = {}
+    for split in FASHION_MNIST_FILES:
+        images, labels = read_fashion_mnist(split, folder)
+        images, labels = images[:limit], labels[:limit]
+        sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
+                            out_dir, split, samples_per_shard=samples_per_shard)
+        # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
+        # and the first `load_class_split` of this split costs no decoding.
+        cache_decoded_split(out_dir / split, torch.from_numpy(images[:, None].copy()),
+                            torch.from_numpy(labels.astype(np.int64)))
+        nbytes = {name: (out_dir / split / name).stat().st_size for name in sizes}
+        splits[split] = {"sizes": sizes, "bytes": nbytes}
+    write_text_atomic(out_dir / "classnames.txt", "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
+    write_text_atomic(out_dir / "zeroshot_classification_templates.txt", "\n".join(ZEROSHOT_TEMPLATES) + "\n")
+    write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
+    write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
+    return _summary(out_dir, splits, skipped=False, start=start)
+
+
+def _summary(out_dir: Path, splits: dict, skipped: bool, start: float) -> dict:
+    return {
+        "out_dir": str(out_dir),
+        "samples": {split: sum(s["sizes"].values()) for split, s in splits.items()},
+        "shards": {split: len(s["sizes"]) for split, s in splits.items()},
+        "skipped": skipped,
+        "seconds": round(time.perf_counter() - start, 3),
+    }

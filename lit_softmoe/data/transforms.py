@@ -1,0 +1,160 @@
+"""Image preprocessing: per-image torchvision v2 pipelines, and batch versions on in-memory tensors.
+
+Per-image (`eval_transform`, `train_transform`): for streamed shards, as open_clip's
+`image_transform` (resize + center crop to eval; random-resized crop to train), plus the channel
+conversion a tower needs (grayscale ↔ RGB) and, for tiny 28×28 sets, the CIFAR-style "pad and
+random crop" instead of a random-resized crop.
+
+Per-batch (`batch_augment`, `normalize_batch`): pretraining keeps a small set such as
+Fashion-MNIST in memory as uint8 (N, C, H, W) and augments a whole batch with one gather, drawing
+its randomness from a torch.Generator so a run is repeatable — per-image transforms in Python
+would cost more than the tiny model's step on 2 CPU cores.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+
+# ITU-R 601-2 luma, the weights PIL's convert("L") and torchvision's Grayscale use.
+_LUMA_WEIGHTS = (0.299, 0.587, 0.114)
+
+
+def _per_channel(values: float | Sequence[float], in_channels: int, name: str) -> list[float]:
+    """Broadcast one value (or a 1-tuple) to `in_channels`; otherwise the length must match."""
+    values = [float(values)] if isinstance(values, (int, float)) else [float(v) for v in values]
+    if len(values) == 1:
+        values = values * in_channels
+    if len(values) != in_channels:
+        raise ValueError(f"{name} has {len(values)} values for {in_channels} channels")
+    return values
+
+
+def _channel_conversion(in_channels: int) -> v2.Transform:
+    if in_channels == 3:
+        return v2.RGB()  # grayscale → 3 equal channels; PIL images of any mode → RGB
+    if in_channels == 1:
+        return v2.Grayscale(num_output_channels=1)
+    raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
+
+
+def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
+    return [
+        v2.ToDtype(torch.float32, scale=True),  # uint8 [0, 255] → [0, 1]
+        v2.Normalize(_per_channel(mean, in_channels, "mean"), _per_channel(std, in_channels, "std")),
+    ]
+
+
+def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence[float] = 0.5,
+                   std: float | Sequence[float] = 0.5) -> v2.Compose:
+    """PIL image or uint8 (C, H, W) tensor → normalized float32 (in_channels, image_size, image_size).
+
+    Resizes the shorter side to `image_size`, then takes the center square.
+    """
+    return v2.Compose([
+        v2.ToImage(),
+        _channel_conversion(in_channels),
+        v2.Resize(image_size, antialias=True),
+        v2.CenterCrop(image_size),
+        *_to_normalized_float(in_channels, mean, std),
+    ])
+
+
+def train_transform(
+    image_size: int,
+    in_channels: int = 3,
+    mean: float | Sequence[float] = 0.5,
+    std: float | Sequence[float] = 0.5,
+    crop_padding: int | None = None,
+    random_resized_crop: bool = True,
+    scale: tuple[float, float] = (0.35, 1.0),
+    hflip: bool = True,
+) -> v2.Compose:
+    """Training counterpart of `eval_transform`.
+
+    Args:
+        crop_padding: if set, resize + center crop, then pad by this many pixels and crop a random
+            `image_size` square — the cheap augmentation for tiny images (28×28, 32×32).
+            Takes precedence over `random_resized_crop`.
+        random_resized_crop: otherwise, crop a random area fraction in `scale` and resize it.
+        hflip: flip horizontally with probability 0.5.
+    """
+    if crop_padding is not None:
+        geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
+                    v2.RandomCrop(image_size, padding=crop_padding)]
+    elif random_resized_crop:
+        geometry = [v2.RandomResizedCrop(image_size, scale=scale, antialias=True)]
+    else:
+        geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
+    flip = [v2.RandomHorizontalFlip()] if hflip else []
+    return v2.Compose([
+        v2.ToImage(),
+        _channel_conversion(in_channels),
+        *geometry,
+        *flip,
+        *_to_normalized_float(in_channels, mean, std),
+    ])
+
+
+def batch_augment(images: torch.Tensor, generator: torch.Generator, padding: int = 2,
+                  hflip: bool = True) -> torch.Tensor:
+    """Random crop with zero padding + horizontal flip, for a whole uint8 batch at once.
+
+    Args:
+        images: (N, C, H, W) uint8 (any dtype works), on any device.
+        generator: a CPU torch.Generator; the same seed gives the same crops and flips.
+        padding: each image moves by up to this many pixels in each direction.
+        hflip: flip each image with probability 0.5.
+
+    Returns:
+        (N, C, H, W), same dtype and device. Sample n is `padded[n, :, dy:dy+H, dx:dx+W]`,
+        mirrored left-right when its flip is drawn, with dy, dx uniform in [0, 2 * padding].
+    """
+    n, channels, height, width = images.shape
+    device = images.device
+    offsets = torch.randint(0, 2 * padding + 1, (2, n), generator=generator).to(device)  # (dy, dx)
+    flips = torch.rand(n, generator=generator).to(device) < 0.5
+    padded = F.pad(images, (padding, padding, padding, padding))  # (N, C, H+2p, W+2p), zeros
+    rows = offsets[0, :, None] + torch.arange(height, device=device)  # (N, H)
+    columns = torch.arange(width, device=device).expand(n, width)  # (N, W)
+    if hflip:
+        columns = torch.where(flips[:, None], columns.flip(1), columns)
+    columns = offsets[1, :, None] + columns
+    # One gather over the flattened padded image: 2-4× faster than advanced indexing on the CPU.
+    source = rows[:, :, None] * (width + 2 * padding) + columns[:, None, :]  # (N, H, W)
+    source = source.view(n, 1, height * width).expand(n, channels, height * width)
+    return padded.reshape(n, channels, -1).gather(2, source).view(n, channels, height, width)
+
+
+def match_channels(images: torch.Tensor, in_channels: int) -> torch.Tensor:
+    """(N, C, H, W) → (N, in_channels, H, W): grayscale repeated to RGB, or RGB reduced to luma."""
+    channels = images.shape[1]
+    if channels == in_channels:
+        return images
+    if channels == 1 and in_channels == 3:
+        return images.expand(-1, 3, -1, -1)  # a view: normalize_batch makes the copy
+    if channels == 3 and in_channels == 1:
+        weights = torch.tensor(_LUMA_WEIGHTS, device=images.device).view(1, 3, 1, 1)
+        luma = (images.float() * weights).sum(1, keepdim=True)
+        return luma.round().to(images.dtype) if not images.is_floating_point() else luma
+    raise ValueError(f"cannot turn {channels} channels into {in_channels}")
+
+
+def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] = 0.5,
+                    std: float | Sequence[float] = 0.5, in_channels: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 (N, C, H, W) → float (N, C', H, W): (x / 255 - mean) / std, per channel.
+
+    `in_channels` (if given) converts the channels first, as the per-image transforms do.
+    """
+    if in_channels is not None:
+        images = match_channels(images, in_channels)
+    channels = images.shape[1]
+    mean_t = torch.tensor(_per_channel(mean, channels, "mean"), dtype=dtype, device=images.device)
+    std_t = torch.tensor(_per_channel(std, channels, "std"), dtype=dtype, device=images.device)
+    # Folded into one multiply-add: x * (1 / (255 std)) - mean / std.
+    scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1)
+    shift = (mean_t / std_t).view(1, -1, 1, 1)
+    return torch.addcmul(-shift, images.to(dtype), scale)
