@@ -427,6 +427,18 @@ def test_padding_mask_matches_the_unpadded_sequence():
     torch.testing.assert_close(combine[:1, :5], c_unpadded)
 
 
+def test_padding_with_inf_or_nan_does_not_leak():
+    layer = make_layer()
+    x = randn(1, 6, 8)
+    mask = torch.tensor([[True, True, True, True, False, False]])
+    with torch.no_grad():
+        expected = layer(x[:, :4])
+        x[0, 4], x[0, 5] = float("inf"), float("nan")
+        y = layer(x, mask)
+    torch.testing.assert_close(y[:, :4], expected)
+    assert torch.equal(y[0, 4:], torch.zeros_like(y[0, 4:]))
+
+
 def test_padding_mask_gradient_ignores_padded_tokens():
     layer = make_layer()
     x = randn(1, 6, 8).requires_grad_()

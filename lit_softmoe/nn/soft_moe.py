@@ -167,6 +167,8 @@ class SoftMoE(nn.Module):
 
     def routing_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None):
         """Return `(dispatch, combine)`, each of shape (b, m, n, p)."""
+        if mask is not None:
+            x = x.masked_fill(~mask[:, :, None], 0.0)
         dispatch, combine = self._softmaxes(x, mask)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         return dispatch.view(shape), combine.view(shape)
@@ -175,6 +177,9 @@ class SoftMoE(nn.Module):
         """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
         b, m, d = x.shape
         n, p = self.num_experts, self.slots_per_expert
+        if mask is not None:
+            # Zero the padding itself: a zero dispatch weight times an inf or NaN pad is still NaN.
+            x = x.masked_fill(~mask[:, :, None], 0.0)
         dispatch, combine = self._softmaxes(x, mask)
         dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
         slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d): weighted sums of the raw tokens
