@@ -28,7 +28,7 @@ class TowerConfig:
 class ClassDataConfig:
     train: str = "data/fashion-mnist/train"  # a split folder of class shards (image + .cls)
     test: str = "data/fashion-mnist/test"
-    augment: bool = True  # random crop with padding + horizontal flip, per batch
+    augment: bool = False  # random crop with padding + horizontal flip, per batch (pays only in long runs)
     crop_padding: int = 2
     max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
     max_test_samples: int = 0
@@ -58,6 +58,7 @@ class PretrainConfig:
     epochs: float = 1.0  # training length; `steps` wins when > 0
     steps: int = 0
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16
+    compile: bool = False  # torch.compile the tower (pays on GPUs: Soft MoE fwd+bwd 1.6x faster on an H200)
     seed: int = 0
     log_every: int = 50
     eval_every: int = 0  # steps between test evaluations during training; 0: only at the end

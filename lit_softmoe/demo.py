@@ -32,7 +32,9 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     _headline("1/2 Fashion-MNIST → webdataset shards")
     tic = time.perf_counter()
     shards = Path(data_dir) / "fashion-mnist"
-    print(write_fashion_mnist_shards(shards))
+    summary = write_fashion_mnist_shards(shards)
+    counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
+    print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic
 
     _headline("2/2 pretrain the tiny Soft MoE tower" + (" (fast: a subset, 1 epoch)" if fast else ""))

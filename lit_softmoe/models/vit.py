@@ -11,13 +11,21 @@ Read bottom-up: Attention → Mlp → Block → VisionTransformer → registry �
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_softmoe.errors import UserError
 from lit_softmoe.nn.soft_moe import SoftMoE
+
+
+class UnknownTowerError(UserError, KeyError):
+    """An image tower name or option that the registry does not know."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -234,6 +242,11 @@ def _register_tiny_towers():
                      mlp_dim=256)
     register_image_tower("vit-tiny-p4", tiny)
     register_image_tower("soft-tiny-p4-16e", replace(tiny, moe_layers=_last_half(tiny.depth), num_experts=16))
+    # Patch 7 → 16 tokens: on 2 CPU cores twice as fast per epoch as patch 4 and, measured on
+    # Fashion-MNIST, more accurate after one epoch (83.1% vs 81.0%): the default CPU towers.
+    tiny_p7 = replace(tiny, patch_size=7)
+    register_image_tower("vit-tiny-p7", tiny_p7)
+    register_image_tower("soft-tiny-p7-16e", replace(tiny_p7, moe_layers=_last_half(tiny.depth), num_experts=16))
     # Smallest sizes, for unit tests that only need shapes to flow.
     test = ViTConfig(image_size=28, patch_size=7, in_channels=1, width=32, depth=2, num_heads=2, mlp_dim=64)
     register_image_tower("vit-test", test)
@@ -254,11 +267,11 @@ def image_tower_config(name: str, **overrides) -> ViTConfig:
         import difflib
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"unknown image tower {name!r}{hint} (`lit-softmoe models` lists them all)")
+        raise UnknownTowerError(f"unknown image tower {name!r}{hint} (`lit-softmoe models` lists them all)")
     base = _REGISTRY[name]
     unknown = sorted(set(overrides) - {f.name for f in fields(ViTConfig)})
     if unknown:
-        raise KeyError(f"unknown tower options {unknown} for {name!r}; "
+        raise UnknownTowerError(f"unknown tower options {unknown} for {name!r}; "
                        f"options: {sorted(f.name for f in fields(ViTConfig))}")
     return replace(base, **overrides)
 

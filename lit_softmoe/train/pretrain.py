@@ -74,8 +74,15 @@ def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     return (images_uint8.float() / 255 - mean) / std  # (B, C, H, W) float
 
 
-def _check_fits(cfg: PretrainConfig, data: ClassData) -> None:
-    tower_cfg = image_tower_config(cfg.tower.name, **cfg.tower.options)
+def _validate_tower(cfg: PretrainConfig):
+    """The tower's config, checked before any data is read (unknown names and options fail fast)."""
+    try:
+        return image_tower_config(cfg.tower.name, **cfg.tower.options)
+    except (TypeError, ValueError) as err:  # e.g. a width that the number of heads does not divide
+        raise UserError(f"tower {cfg.tower.name!r} with options {dict(cfg.tower.options)}: {err}") from None
+
+
+def _check_fits(cfg: PretrainConfig, tower_cfg, data: ClassData) -> None:
     _, channels, height, _ = data.train_images.shape
     if channels != tower_cfg.in_channels or height != tower_cfg.image_size:
         raise UserError(
@@ -120,8 +127,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     is_main = accelerator.is_main_process
 
     # ---- data, tower, optimizer
+    tower_cfg = _validate_tower(cfg)
     data = _setup_data(cfg)
-    _check_fits(cfg, data)
+    _check_fits(cfg, tower_cfg, data)
     torch.manual_seed(cfg.seed)
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
     num_params = sum(p.numel() for p in tower.parameters())
@@ -139,13 +147,17 @@ def pretrain(cfg: PretrainConfig) -> dict:
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
     # ---- resume from the newest complete checkpoint in the run folder
-    step = 0
+    step, train_seconds = 0, 0.0
     checkpoints_dir = run_dir / "checkpoints"
     latest = latest_checkpoint(checkpoints_dir)
     if latest is not None:
-        step = load_training_state(latest, tower, optimizer)["step"]
+        state = load_training_state(latest, tower, optimizer)
+        step, train_seconds = state["step"], state.get("train_seconds", 0.0)
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
+    tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
     tower, optimizer = accelerator.prepare(tower, optimizer)
+    if cfg.compile:
+        tower = torch.compile(tower)  # shares parameters with the module we save
     logger = RunLogger(run_dir, enabled=is_main)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +167,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                       f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
 
     # ---- train
-    train_seconds, last_log_step, last_log_seconds = 0.0, step, 0.0
+    last_log_step, last_log_seconds = step, train_seconds
     order, order_epoch = None, -1
     tower.train()
     progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
@@ -190,7 +202,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         train_seconds += time.perf_counter() - tic
 
         if step % cfg.log_every == 0 or step == total_steps:
-            loss_value = loss.item()
+            loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()  # the global batch's loss
             if not math.isfinite(loss_value):
                 raise UserError(f"training diverged: loss is {loss_value} at step {step}; "
                                 "lower optim.lr or raise optim.warmup_steps")
@@ -203,19 +215,18 @@ def pretrain(cfg: PretrainConfig) -> dict:
             logger.log(record)
             progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            logger.log({"step": step, "test_top1": _test_top1(tower, data, mean, std, cfg, accelerator)})
-        if step % cfg.checkpoint_every == 0 and step < total_steps:
+            logger.log({"step": step, "test_top1": _test_top1(tower_module, data, mean, std, cfg, accelerator)})
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
             accelerator.wait_for_everyone()
             if is_main:
-                save_training_state(checkpoints_dir / f"step_{step:08d}", step,
-                                    accelerator.unwrap_model(tower), optimizer)
+                save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,
+                                    meta={"train_seconds": train_seconds})
                 prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
 
     # ---- evaluate: test top-1 and the few-shot linear probe on frozen features
-    tower_module = accelerator.unwrap_model(tower)
     results = {"tower": cfg.tower.name, "params": num_params, "steps": total_steps,
-               "train_seconds_this_run": round(train_seconds, 1)}
+               "train_seconds": round(train_seconds, 1)}
     if is_main:
         eval_tic = time.perf_counter()
         test_features, test_logits = _embed(tower_module, data.test_images, mean, std,
