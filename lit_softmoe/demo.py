@@ -12,8 +12,8 @@ from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-FAST_OVERRIDES = ["data.max_train_samples=6000", "data.max_test_samples=2000", "epochs=1",
-                  "optim.warmup_steps=20", "log_every=10", "checkpoint_every=1000"]
+FAST_OVERRIDES = ["data.max_train_samples=12000", "data.max_test_samples=2000", "epochs=2",
+                  "optim.warmup_steps=50", "log_every=10", "checkpoint_every=1000"]
 
 
 def _headline(text: str) -> None:
@@ -37,7 +37,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic
 
-    _headline("2/2 pretrain the tiny Soft MoE tower" + (" (fast: a subset, 1 epoch)" if fast else ""))
+    _headline("2/2 pretrain the tiny Soft MoE tower" + (" (fast: 12k images, 2 epochs)" if fast else ""))
     run_dir = Path(runs_dir) / ("demo-fast" if fast else "demo") / "pretrain"
     overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}"]
     cfg = load_config(PretrainConfig, config_file, (FAST_OVERRIDES if fast else []) + overrides)

@@ -101,7 +101,7 @@ def test_killed_run_resumes_exactly(shards, tmp_path):
 def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):
     config = "configs/pretrain/fmnist-soft-tiny.yaml"
     cases = {
-        "does not exist": ["pretrain", "--config", config, f"data.train={tmp_path / 'nowhere'}"],
+        "shards not found": ["pretrain", "--config", config, f"data.train={tmp_path / 'nowhere'}"],
         "unknown config key 'optim.lrr'": ["pretrain", "--config", config, "optim.lrr=1"],
         "unknown image tower 'soft-tiny-p4-61e'": ["pretrain", "--config", config, "tower.name=soft-tiny-p4-61e",
                                                     f"data.train={shards / 'train'}", f"data.test={shards / 'test'}"],
@@ -126,7 +126,7 @@ def test_checkpoint_of_another_tower_is_refused_in_one_line(shards, tmp_path):
     # Same run folder, wider tower: the checkpoint's shapes do not fit.
     result = _cli("pretrain", "--config", str(yaml_file), f"data.train={shards / 'train'}",
                   f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20", *SMALL_TOWER,
-                  "tower.options.width=64", "tower.options.mlp_dim=128")
+                  "tower.options.width=96", "tower.options.mlp_dim=192")
     assert result.returncode == 2
     assert "does not fit the tower" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 

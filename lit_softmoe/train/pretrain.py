@@ -54,7 +54,9 @@ def _setup_accelerator(cfg: PretrainConfig) -> Accelerator:
         mixed_precision = "bf16" if bf16 else "no"
     else:
         mixed_precision = "bf16" if cfg.precision == "bf16" else "no"
-    return Accelerator(mixed_precision=mixed_precision)
+    # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
+    # when told so, e.g. under `torchrun --nproc_per_node 2`.
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
 
 
 def _setup_data(cfg: PretrainConfig) -> ClassData:

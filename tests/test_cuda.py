@@ -1,0 +1,54 @@
+"""GPU checks: skipped without CUDA (run on a GPU machine with `pytest tests/test_cuda.py`)."""
+import pytest
+import torch
+
+from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.nn.soft_moe import SoftMoE
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dim,experts", [(384, 128), (768, 128)])
+def test_layer_on_gpu_matches_the_fp64_cpu_reference(dim, experts):
+    torch.manual_seed(0)
+    layer = SoftMoE(dim, experts, 4 * dim, slots_per_expert=1)
+    x = torch.randn(8, 196, dim)
+    reference = layer.double()(x.double())
+    gpu = layer.float().cuda()
+    out32 = gpu(x.cuda())
+    assert _relative_error(out32.cpu(), reference) < 1e-3  # tf32-or-better matmuls
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out16 = gpu(x.cuda())
+    assert out16.dtype == torch.bfloat16
+    assert _relative_error(out16.float().cpu(), reference) < 3e-2
+    dispatch, combine = gpu.routing_weights(x.cuda())
+    assert dispatch.dtype == torch.float32  # the softmaxes stay in fp32 under any input dtype
+    torch.testing.assert_close(dispatch.sum(1), torch.ones_like(dispatch.sum(1)))
+
+
+def test_gradients_on_gpu_match_the_cpu_reference():
+    torch.manual_seed(0)
+    layer = SoftMoE(64, 16, 256, slots_per_expert=2).double()
+    x = torch.randn(4, 49, 64, dtype=torch.float64, requires_grad=True)
+    layer(x).square().sum().backward()
+    ref_grads = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad()
+    gpu_layer = layer.cuda()
+    x_gpu = x.detach().cuda().requires_grad_()
+    gpu_layer(x_gpu).square().sum().backward()
+    for got, want in zip([p.grad for p in gpu_layer.parameters()] + [x_gpu.grad], ref_grads):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
+
+
+def test_paper_tower_runs_in_bf16_and_compiles():
+    tower = create_image_tower("soft-s16-128e").cuda().eval()  # no head: compare the embeddings
+    pixels = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = tower(pixels)
+        compiled = torch.compile(tower)(pixels)
+    assert eager.shape == (4, 384) and eager.float().std() > 0.1
+    assert _relative_error(compiled.float(), eager.float()) < 3e-2
