@@ -14,7 +14,9 @@ def _cmd_data(args) -> None:
     if args.dataset == "fashion-mnist":
         from lit_softmoe.data.sources import write_fashion_mnist_shards
         summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit)
-        print(summary_line(summary))
+        counts = " + ".join(f"{n} {split}" for split, n in summary["samples"].items())
+        verb = "already there, nothing written" if summary["skipped"] else f"written in {summary['seconds']:.0f} s"
+        print(f"Fashion-MNIST {counts} samples in {sum(summary['shards'].values())} shards at {args.out}: {verb}")
         return
     from lit_softmoe.data.writers import WriteOptions, write_folder_shards, write_table_shards
     options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
@@ -26,10 +28,6 @@ def _cmd_data(args) -> None:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
                                      key_col=args.key_col, progress=progress)
     print(summary.line())
-
-
-def summary_line(summary: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in summary.items())
 
 
 def _cmd_pretrain(args) -> None:
