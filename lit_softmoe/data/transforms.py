@@ -2,8 +2,8 @@
 
 Per-image (`eval_transform`, `train_transform`): for streamed shards, as open_clip's
 `image_transform` (resize + center crop to eval; random-resized crop to train), plus the channel
-conversion a tower needs (grayscale ↔ RGB) and, for tiny 28×28 sets, the CIFAR-style "pad and
-random crop" instead of a random-resized crop.
+conversion a tower needs (grayscale ↔ RGB; palette and alpha images are converted in PIL first)
+and, for tiny 28×28 sets, the CIFAR-style "pad and random crop" instead of a random-resized crop.
 
 Per-batch (`batch_augment`, `normalize_batch`): pretraining keeps a small set such as
 Fashion-MNIST in memory as uint8 (N, C, H, W) and augments a whole batch with one gather, drawing
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import PIL.Image
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
@@ -32,12 +33,33 @@ def _per_channel(values: float | Sequence[float], in_channels: int, name: str) -
     return values
 
 
-def _channel_conversion(in_channels: int) -> v2.Transform:
+def to_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A PIL image in mode "L" or "RGB": palette, alpha, CMYK, 16-bit… images are converted.
+
+    `v2.ToImage` copies a PIL image's raw bands, so a palette ("P") image would become a map of
+    palette indices and an "RGBA" one four channels. Alpha is dropped as open_clip's
+    `_convert_to_rgb` does; 1-bit and integer/float grayscale modes become "L".
+    """
+    if image.mode in ("L", "RGB"):
+        return image
+    return image.convert("L" if image.mode in ("1", "I;16", "I;16B", "I;16L", "I", "F") else "RGB")
+
+
+def _channel_conversion(in_channels: int) -> tuple[list[v2.Transform], list[v2.Transform]]:
+    """(before geometry, after geometry) channel steps for a tower taking `in_channels`.
+
+    Reducing RGB → luma runs before the resize (one channel to resize instead of three);
+    expanding grayscale → RGB runs after it (the channels are copies, and resizing commutes with
+    copying, so the result is the same for a third of the work).
+    """
     if in_channels == 3:
-        return v2.RGB()  # grayscale → 3 equal channels; PIL images of any mode → RGB
+        return [], [v2.RGB()]  # 1 channel → 3 equal channels; 3 stay 3
     if in_channels == 1:
-        return v2.Grayscale(num_output_channels=1)
+        return [v2.Grayscale(num_output_channels=1)], []
     raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
+
+
+_PIL_MODES = v2.Lambda(to_l_or_rgb, PIL.Image.Image)  # applied to PIL inputs only
 
 
 def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
@@ -53,11 +75,14 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
 
     Resizes the shorter side to `image_size`, then takes the center square.
     """
+    before, after = _channel_conversion(in_channels)
     return v2.Compose([
+        _PIL_MODES,
         v2.ToImage(),
-        _channel_conversion(in_channels),
+        *before,
         v2.Resize(image_size, antialias=True),
         v2.CenterCrop(image_size),
+        *after,
         *_to_normalized_float(in_channels, mean, std),
     ])
 
@@ -89,11 +114,14 @@ def train_transform(
     else:
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
     flip = [v2.RandomHorizontalFlip()] if hflip else []
+    before, after = _channel_conversion(in_channels)
     return v2.Compose([
+        _PIL_MODES,
         v2.ToImage(),
-        _channel_conversion(in_channels),
+        *before,
         *geometry,
         *flip,
+        *after,
         *_to_normalized_float(in_channels, mean, std),
     ])
 
