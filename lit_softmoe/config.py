@@ -32,6 +32,7 @@ class ClassDataConfig:
     crop_padding: int = 2
     max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
     max_test_samples: int = 0
+    max_bad_fraction: float = 0.01  # more skipped (corrupt, incomplete) samples than this stops the run
 
 
 @dataclass

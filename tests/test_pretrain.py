@@ -154,3 +154,27 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
     assert one[-1] < one[0]
     for a, b in zip(one, two):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+
+
+def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    from lit_softmoe.errors import UserError
+    images, labels = read_fashion_mnist("train", allow_download=False)
+
+    def samples():
+        for i in range(400):
+            sample = {"png": _png_bytes(images[i]), "cls": str(int(labels[i])).encode()}
+            if i % 20 == 0:
+                sample["png"] = b"not a png"  # 20 corrupt images: 5% of the split
+            if i % 50 == 7:
+                del sample["cls"]  # 8 samples without a label
+            yield sample
+
+    write_split(samples(), tmp_path / "bad", "train", samples_per_shard=100)
+    (tmp_path / "bad" / "classnames.txt").write_text((shards / "classnames.txt").read_text())
+    overrides = [f"data.train={tmp_path / 'bad' / 'train'}", "steps=3", "fewshot_shots=0"]
+    with pytest.raises(UserError, match=r"28 of 400 train samples were bad \(bad_image 20, missing_cls 8\)"):
+        pretrain(_cfg(shards, tmp_path / "run", *overrides))
+    results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.1"))
+    assert results["bad_samples"]["train"] == {"bad_image": 20, "missing_cls": 8}

@@ -62,6 +62,12 @@ def _setup_accelerator(cfg: PretrainConfig) -> Accelerator:
 def _setup_data(cfg: PretrainConfig) -> ClassData:
     train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
     test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
+    for split, labels, bad in (("train", train_labels, train_bad), ("test", test_labels, test_bad)):
+        num_bad = sum(bad.values())
+        if num_bad > cfg.data.max_bad_fraction * (num_bad + len(labels)):
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
+            raise UserError(f"{num_bad} of {num_bad + len(labels)} {split} samples were bad ({reasons}), over "
+                            f"data.max_bad_fraction={cfg.data.max_bad_fraction}; fix the shards or raise it")
     classnames_dir = Path(cfg.data.train).parent
     classnames = read_classnames(classnames_dir) if (classnames_dir / "classnames.txt").exists() else \
         [str(i) for i in range(int(train_labels.max()) + 1)]
