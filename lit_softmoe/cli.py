@@ -41,6 +41,17 @@ def _cmd_pretrain(args) -> None:
                if cfg.fewshot_shots else "") + f"; tower saved to {cfg.run_dir}/tower")
 
 
+def _cmd_embed(args) -> None:
+    from lit_softmoe.train.embed import embed_shards
+    summary = embed_shards(args.tower, args.shards, args.out, split=args.split, batch_size=args.batch_size,
+                           workers=args.workers, progress=sys.stderr.isatty())
+    done = "already there, nothing written" if summary["skipped"] else \
+        f"written in {summary['seconds']:.1f} s ({summary['images_per_second']:.0f} images/s)"
+    bad = ", ".join(f"{reason}: {count}" for reason, count in summary["bad"].items())
+    print(f"{summary['num_samples']} embeddings (dim {summary['dim']}, float16) of {args.shards} at "
+          f"{summary['split_dir']}: {done}" + (f"; bad samples skipped ({bad})" if bad else ""))
+
+
 def _cmd_models(args) -> None:
     from lit_softmoe.models.vit import image_tower_config, list_image_towers
     for name in list_image_towers():
@@ -104,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", required=True, help="YAML file, e.g. configs/pretrain/fmnist-soft-tiny.yaml")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     pre.set_defaults(func=_cmd_pretrain)
+
+    embed = sub.add_parser("embed", help="run a locked image tower once over image shards → feature shards")
+    embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower)")
+    embed.add_argument("--shards", required=True, help="image + caption shards: a split folder, DIR/{0..9}.tar, "
+                       "or several joined with '::'")
+    embed.add_argument("--out", required=True, help="feature dataset folder; shards go to OUT/SPLIT/")
+    embed.add_argument("--split", default=None, help="feature split name (default: the source split folder's name)")
+    embed.add_argument("--batch-size", type=int, default=256, help="images per tower forward (default: 256)")
+    embed.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default: 0)")
+    embed.set_defaults(func=_cmd_embed)
 
     models = sub.add_parser("models", help="list the registered image towers")
     models.set_defaults(func=_cmd_models)

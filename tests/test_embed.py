@@ -1,0 +1,160 @@
+"""The frozen-embedding cache: feature shards equal the tower's output on the source images, keep
+every key, caption and class, are skipped on a rerun, and are refused for another tower."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import webdataset as wds
+
+from lit_softmoe.cli import main
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.shards import shard_urls, write_split
+from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.train.checkpoint import save_tower
+from lit_softmoe.train.embed import check_feature_cache, embed_shards, tower_fingerprint
+
+LIMIT = 300
+PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
+
+
+def _save_test_tower(path, seed: int):
+    torch.manual_seed(seed)
+    tower = create_image_tower("soft-test-4e", num_classes=10).eval()
+    save_tower(path, tower, extra={"preprocess": PREPROCESS})
+    return tower
+
+
+def _read_raw(spec) -> dict[str, dict]:
+    """{key: {extension: bytes}} of every sample in the shards, asserting each key appears once."""
+    samples = {}
+    for sample in wds.DataPipeline(wds.SimpleShardList(shard_urls(spec)), wds.tarfile_to_samples()):
+        assert sample["__key__"] not in samples
+        samples[sample["__key__"]] = sample
+    return samples
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embed")
+    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=128, limit=LIMIT, allow_download=False)
+    tower = _save_test_tower(root / "tower", seed=0)
+    summary = embed_shards(root / "tower", str(root / "fmnist" / "test"), root / "features", batch_size=64)
+    return {"root": root, "tower": tower, "summary": summary}
+
+
+def test_features_equal_the_tower_on_the_source_images(cache):
+    root, tower = cache["root"], cache["tower"]
+    assert cache["summary"]["split_dir"] == str(root / "features" / "test")  # split named after the source's
+    assert cache["summary"]["num_samples"] == LIMIT and not cache["summary"]["skipped"]
+    source, features = _read_raw(root / "fmnist" / "test"), _read_raw(root / "features" / "test")
+    assert sorted(features) == sorted(source)  # every key once, none made up
+
+    transform = eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"])
+    keys = sorted(source)
+    images = torch.stack([transform(PIL.Image.open(io.BytesIO(source[key]["png"]))) for key in keys])
+    with torch.inference_mode():
+        expected = tower.forward_features(images)  # (N, 32)
+    cached = np.stack([np.load(io.BytesIO(features[key]["npy"])) for key in keys])
+    assert cached.dtype == np.float16 and cached.shape == (LIMIT, 32)
+    torch.testing.assert_close(torch.from_numpy(cached).float(), expected, rtol=2e-3, atol=2e-3)
+    for key in keys:
+        assert features[key]["txt"] == source[key]["txt"]
+        assert features[key]["cls"] == source[key]["cls"]
+
+
+def test_embedding_pipeline_reads_the_cache(cache):
+    data = ShardDataConfig(urls=str(cache["root"] / "features" / "test"), batch_size=128, workers=0,
+                           shuffle=False, exact_epoch=True)
+    batches = list(create_shard_loader(data, "embedding-caption"))
+    assert sum(len(batch["key"]) for batch in batches) == LIMIT
+    assert batches[0]["embedding"].dtype == torch.float32 and batches[0]["embedding"].shape[1] == 32
+
+
+def test_embed_json_holds_the_fingerprint_and_metadata_is_copied(cache):
+    root = cache["root"]
+    info = json.loads((root / "features" / "test" / "embed.json").read_text())
+    fingerprint = tower_fingerprint(root / "tower")
+    assert {key: info[key] for key in fingerprint} == fingerprint
+    assert len(fingerprint["tower_sha256"]) == 64 and fingerprint["preprocess"] == PREPROCESS
+    assert fingerprint["tower"]["num_experts"] == 4
+    assert info["source"] == str(root / "fmnist" / "test") and info["num_samples"] == LIMIT and info["dim"] == 32
+    assert check_feature_cache(root / "features" / "test", root / "tower")["num_samples"] == LIMIT
+    for name in ("classnames.txt", "zeroshot_classification_templates.txt"):
+        assert (root / "features" / name).read_text() == (root / "fmnist" / name).read_text()
+
+
+def test_rerun_with_the_same_tower_is_skipped(cache):
+    root = cache["root"]
+    tars = sorted((root / "features" / "test").glob("*.tar"))
+    before = [path.stat().st_mtime_ns for path in tars]
+    again = embed_shards(root / "tower", str(root / "fmnist" / "test"), root / "features")
+    assert again["skipped"] and again["num_samples"] == LIMIT
+    assert [path.stat().st_mtime_ns for path in tars] == before
+
+
+def test_another_tower_is_refused_then_rewritten(cache, tmp_path):
+    root = cache["root"]
+    other = _save_test_tower(tmp_path / "other", seed=1)
+    with pytest.raises(UserError, match=r"made with another tower \(sha \w+ vs \w+\) or preprocessing; "
+                                        r"rerun `lit-softmoe embed --tower .*other --shards .*test --out "):
+        check_feature_cache(root / "features" / "test", tmp_path / "other")
+
+    out = tmp_path / "features"
+    embed_shards(root / "tower", str(root / "fmnist" / "test"), out)
+    rewritten = embed_shards(tmp_path / "other", str(root / "fmnist" / "test"), out)
+    assert not rewritten["skipped"]
+    check_feature_cache(out / "test", tmp_path / "other")  # now the cache matches the new tower
+    first = sorted(_read_raw(out / "test").items())[0][1]
+    image = PIL.Image.open(io.BytesIO(_read_raw(root / "fmnist" / "test")[first["__key__"]]["png"]))
+    with torch.inference_mode():
+        expected = other.forward_features(eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"])(image)[None])
+    torch.testing.assert_close(torch.from_numpy(np.load(io.BytesIO(first["npy"]))).float(), expected[0],
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_changed_preprocessing_is_refused(cache, tmp_path):
+    shutil.copytree(cache["root"] / "tower", tmp_path / "tower")
+    config = json.loads((tmp_path / "tower" / "config.json").read_text())
+    config["preprocess"]["mean"] = [0.5]  # same weights, other normalization: other embeddings
+    (tmp_path / "tower" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="made with another tower .* or preprocessing"):
+        check_feature_cache(cache["root"] / "features" / "test", tmp_path / "tower")
+
+
+def test_a_folder_without_embed_json_is_refused(cache, tmp_path):
+    with pytest.raises(UserError, match="has no embed.json"):
+        check_feature_cache(cache["root"] / "fmnist" / "test", cache["root"] / "tower")
+
+
+def test_bad_samples_are_skipped_and_counted(cache, tmp_path):
+    source = _read_raw(cache["root"] / "fmnist" / "train")
+    samples = [{key: value for key, value in sample.items() if not key.startswith("__")} | {"__key__": key}
+               for key, sample in sorted(source.items())[:20]]
+    samples[3]["png"] = b"not a png"
+    del samples[7]["txt"]
+    write_split(samples, tmp_path / "broken", "train", keep_keys=True)
+    summary = embed_shards(cache["root"] / "tower", str(tmp_path / "broken" / "train"), tmp_path / "out",
+                           max_bad_fraction=0.5)
+    assert summary["num_samples"] == 18 and summary["bad"] == {"bad_image": 1, "missing_txt": 1}
+    assert len(_read_raw(tmp_path / "out" / "train")) == 18
+
+
+def test_cli_summary_line_and_missing_tower(cache, tmp_path, capsys):
+    root = cache["root"]
+    args = ["embed", "--shards", str(root / "fmnist" / "test"), "--out", str(root / "features")]
+    assert main([*args, "--tower", str(root / "tower")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"{LIMIT} embeddings (dim 32") and "already there" in out[0]
+
+    assert main([*args, "--tower", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lit-softmoe embed: error:") and "not a tower checkpoint" in err[0]
