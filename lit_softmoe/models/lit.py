@@ -1,0 +1,151 @@
+"""The paired image–text model of LiT: a locked image tower, a trained text tower, a learned scale.
+
+Follows big_vision's two-tower model (`big_vision/models/proj/image_text/two_towers.py`): the model
+owns the log-temperature (and, for the SigLIP loss, the bias), L2-normalizes both towers' outputs and
+returns `(zimg, ztxt, extras)`. Locking follows LiT (Zhai et al., CVPR 2022): the image tower gets no
+gradient and no update, and — unlike open_clip's `--lock-image`, which only clears `requires_grad` —
+it also stays in eval mode, so no dropout or drop-path ever perturbs the features, and a fully locked
+tower's output can be computed once and cached (`encode_image_features` takes those cached
+`forward_features` outputs). Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
+t = log 10, b = -10 (SigLIP, Zhai et al., ICCV 2023).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.text import TextTower
+from lit_softmoe.models.vit import VisionTransformer
+
+LOSSES = ("softmax", "sigmoid")
+
+
+class LiTModel(nn.Module):
+    """Locked image tower (or cached image features) + text tower + logit scale (and bias).
+
+    Args:
+        image_tower: the pretrained tower, or None when training only from cached image features.
+        text_tower: projects ids (B, L) to (B, D) with D = the image embedding width.
+        loss: "softmax" (CLIP/LiT contrastive) or "sigmoid" (SigLIP; adds the learned bias).
+        temperature_init: initial logit scale, stored as its log (big_vision's `t`).
+        max_temperature: the scale is clamped at this value (CLIP's 100).
+        bias_init: initial logit bias of the sigmoid loss.
+        image_head: a trainable Linear(width, D) on top of the locked features (LiT found none best).
+        unlocked_blocks: how many of the tower's last blocks train (0 = fully locked, LiT's choice).
+    """
+
+    def __init__(self, image_tower: VisionTransformer | None, text_tower: TextTower, loss: str = "softmax",
+                 temperature_init: float = 10.0, max_temperature: float = 100.0, bias_init: float = -10.0,
+                 image_head: bool = False, unlocked_blocks: int = 0):
+        super().__init__()
+        if loss not in LOSSES:
+            raise UserError(f"unknown loss {loss!r}; use one of {list(LOSSES)}")
+        if image_tower is None and unlocked_blocks:
+            raise UserError("unlocked_blocks needs the image tower; cached image features cannot be fine-tuned")
+        if image_tower is not None and not 0 <= unlocked_blocks <= len(image_tower.blocks):
+            raise UserError(f"unlocked_blocks={unlocked_blocks} but the image tower has "
+                            f"{len(image_tower.blocks)} blocks")
+        self.image_tower = image_tower
+        self.text_tower = text_tower
+        self.loss = loss
+        self.max_temperature = max_temperature
+        self.unlocked_blocks = unlocked_blocks
+        embed_dim = text_tower.embed_dim
+        image_width = image_tower.embed_dim if image_tower is not None else embed_dim
+        if not image_head and image_width != embed_dim:
+            raise UserError(f"the image tower's width {image_width} differs from the text tower's embed_dim "
+                            f"{embed_dim}; build the text tower with embed_dim={image_width} or set image_head")
+        self.image_head = nn.Linear(image_width, embed_dim) if image_head else nn.Identity()
+        self.log_scale = nn.Parameter(torch.tensor(math.log(temperature_init)))  # big_vision's `t`
+        self.logit_bias = nn.Parameter(torch.tensor(float(bias_init))) if loss == "sigmoid" else None
+        self.lock_image_tower()
+
+    # ---- locking ------------------------------------------------------------------------------
+
+    def lock_image_tower(self) -> None:
+        """No gradient to the tower except its last `unlocked_blocks` blocks (+ the final norm then)."""
+        if self.image_tower is None:
+            return
+        self.image_tower.requires_grad_(False)
+        if self.unlocked_blocks:
+            for block in self.image_tower.blocks[-self.unlocked_blocks:]:
+                block.requires_grad_(True)
+            # The final norm sits after the unlocked blocks: leaving it frozen would pin their output scale.
+            self.image_tower.norm.requires_grad_(True)
+        self.image_tower.eval()
+
+    @property
+    def image_tower_locked(self) -> bool:
+        return self.image_tower is not None and self.unlocked_blocks == 0
+
+    def train(self, mode: bool = True) -> "LiTModel":
+        super().train(mode)
+        if self.image_tower is not None:
+            self.image_tower.eval()  # deterministic features, always (see the module docstring)
+        return self
+
+    def image_tower_state_hash(self) -> str:
+        """sha256 over the tower's state_dict (names, dtypes, shapes, bytes): proves it never changed."""
+        if self.image_tower is None:
+            raise ValueError("this LiTModel has no image tower (it trains from cached features)")
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.image_tower.state_dict().items()):
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # raw bytes, any dtype
+        return digest.hexdigest()
+
+    # ---- encoders -----------------------------------------------------------------------------
+
+    def encode_image_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Pooled tower features (B, width), e.g. cached ones → normalized embeddings (B, D)."""
+        return F.normalize(self.image_head(features), dim=-1)
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (B, C, H, W) → normalized embeddings (B, D)."""
+        if self.image_tower is None:
+            raise ValueError("this LiTModel has no image tower; pass image_features (the cached embeddings)")
+        # Fully locked: no graph at all (activations freed at once). Partly unlocked: autograd
+        # records nothing before the first unlocked block anyway, since nothing there needs grad.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_tower_locked):
+            features = self.image_tower.forward_features(pixels)  # (B, width)
+        return self.encode_image_features(features)
+
+    def encode_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, L) → normalized embeddings (B, D)."""
+        return F.normalize(self.text_tower(ids), dim=-1)
+
+    def forward(self, text_ids: torch.Tensor, pixels: torch.Tensor | None = None,
+                image_features: torch.Tensor | None = None):
+        """→ (zimg (B, D), ztxt (B, D), extras). Give exactly one of `pixels` and `image_features`."""
+        if (pixels is None) == (image_features is None):
+            raise ValueError("give exactly one of pixels and image_features")
+        if pixels is not None:
+            zimg = self.encode_image(pixels)
+        else:
+            if self.unlocked_blocks:
+                raise UserError("cached image features come from the locked tower, but unlocked_blocks="
+                                f"{self.unlocked_blocks} trains part of it; use unlocked_blocks=0 with an "
+                                "embedding cache, or feed images")
+            zimg = self.encode_image_features(image_features)
+        ztxt = self.encode_text(text_ids)
+        extras = {
+            # Clamped, not renormalized: past max_temperature the scale stops receiving gradient (CLIP).
+            "logit_scale": self.log_scale.exp().clamp(max=self.max_temperature),
+            "logit_bias": self.logit_bias,
+        }
+        return zimg, ztxt, extras
+
+    def no_weight_decay(self) -> set[str]:
+        """Biases, norms, scale/bias, position embeddings: names as in `named_parameters()`."""
+        names = {"log_scale"} | ({"logit_bias"} if self.logit_bias is not None else set())
+        if self.image_tower is not None:
+            names |= {f"image_tower.{n}" for n in self.image_tower.no_weight_decay()}
+        names |= {f"text_tower.{n}" for n in self.text_tower.no_weight_decay()}
+        names |= {n for n, p in self.named_parameters() if p.ndim <= 1}
+        return names

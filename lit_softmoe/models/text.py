@@ -1,0 +1,184 @@
+"""Text towers for LiT: a from-scratch CLIP text transformer, or a pretrained Hugging Face encoder.
+
+LiT (Zhai et al., "LiT: Zero-Shot Transfer with Locked-image text Tuning", CVPR 2022) trains the
+text tower against a locked image tower, either from scratch or starting from a pretrained language
+model (both work; pretrained helps a little), on 16-token texts, with a projection from the text
+width to the image embedding width (`shared/reference/lit-and-zero-shot.md` §1).
+
+Two kinds, one interface (`TextTower.forward(ids (B, L)) → (B, embed_dim)`, unnormalized):
+    "transformer"  open_clip's `TextTransformer` (the CLIP text tower, Radford et al. 2021) with
+                   random init: causal attention, pooled at <end_of_text> ("argmax": CLIP's BPE
+                   gives <end_of_text> the largest id), bias-free projection to `embed_dim`.
+    "hf"           `transformers.AutoModel.from_pretrained(path)`, pooled over the attention mask
+                   (mean / [CLS] / last real token), then a bias-free Linear to `embed_dim` — the
+                   shape of Hugging Face's `VisionTextDualEncoderModel` text side.
+
+A tower carries `tokenizer_spec` and `context_length`, so the recipe builds the matching tokenizer
+with `lit_softmoe.data.tokenizers.create_tokenizer(tower.tokenizer_spec, tower.context_length)`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import nn
+
+from lit_softmoe.data.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
+from lit_softmoe.errors import UserError
+
+TEXT_TOWER_KINDS = ("transformer", "hf")
+HF_POOLINGS = ("mean", "cls", "eos")
+
+
+@dataclass
+class TextTowerConfig:
+    """A text tower's shape. `embed_dim` (the image embedding width) is set by the caller."""
+    kind: str = "transformer"  # "transformer" (from scratch) | "hf" (pretrained)
+    # kind="transformer": open_clip's TextTransformer; defaults are CLIP's base text tower.
+    width: int = 512
+    layers: int = 12
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    context_length: int = LIT_CONTEXT_LENGTH  # LiT's 16 tokens (CLIP used 77)
+    vocab_size: int = 49408  # CLIP's BPE
+    tokenizer: str = OPENCLIP_BPE
+    # kind="hf": a local folder (works offline) or a hub id; the tokenizer is "hf:<path>".
+    path: str = ""
+    pooling: str = "mean"  # "mean" (sentence-transformers' choice) | "cls" | "eos" (last real token)
+    # Both: the projection's output width; 0 = not set yet (create_text_tower's argument sets it).
+    embed_dim: int = 0
+
+    def validate(self) -> None:
+        if self.kind not in TEXT_TOWER_KINDS:
+            raise UserError(f"unknown text tower kind {self.kind!r}; use one of {list(TEXT_TOWER_KINDS)}")
+        if self.context_length < 2:
+            raise UserError(f"text context_length must be at least 2 (a start and an end token), "
+                            f"got {self.context_length}")
+        if self.kind == "transformer":
+            if self.tokenizer != OPENCLIP_BPE:
+                # The tower pools at the largest id, which is <end_of_text> only for CLIP's BPE.
+                raise UserError(f"text tower kind 'transformer' pools at CLIP's <end_of_text> and needs "
+                                f"tokenizer '{OPENCLIP_BPE}', got {self.tokenizer!r}; for a Hugging Face "
+                                "tokenizer use kind 'hf' with its pretrained model")
+            if self.width % self.heads:
+                raise UserError(f"text width {self.width} is not divisible by heads {self.heads}")
+        else:
+            if not self.path:
+                raise UserError("text tower kind 'hf' needs a path: set text.path to a local model folder "
+                                "(config.json + weights) or a hub id")
+            if self.pooling not in HF_POOLINGS:
+                raise UserError(f"unknown text pooling {self.pooling!r}; use one of {list(HF_POOLINGS)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TextTowerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"unknown text tower config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+
+class TextTower(nn.Module):
+    """What every text tower offers: ids (B, L) → unnormalized embeddings (B, embed_dim)."""
+    embed_dim: int
+    context_length: int
+    tokenizer_spec: str
+    pad_id: int
+
+    def no_weight_decay(self) -> set[str]:
+        return set()
+
+
+class OpenClipTextTower(TextTower):
+    """CLIP's text transformer from open_clip, randomly initialized, pooled at <end_of_text>."""
+
+    def __init__(self, cfg: TextTowerConfig, embed_dim: int):
+        super().__init__()
+        from open_clip.transformer import TextTransformer
+
+        self.cfg = cfg
+        self.embed_dim = embed_dim
+        self.context_length = cfg.context_length
+        self.tokenizer_spec = cfg.tokenizer
+        self.pad_id = 0  # open_clip's BPE pads with 0; pooling needs no mask (argmax + causal attention)
+        self.transformer = TextTransformer(
+            context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.width,
+            heads=cfg.heads, layers=cfg.layers, mlp_ratio=cfg.mlp_ratio, output_dim=embed_dim,
+            # argmax = the <end_of_text> position; with causal attention nothing after it leaks in.
+            pool_type="argmax", proj_type="linear", proj_bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.context_length:
+            raise ValueError(f"text ids of length {ids.shape[1]} exceed the tower's context_length "
+                             f"{self.context_length}; build the tokenizer with the tower's context_length")
+        return self.transformer(ids)  # (B, embed_dim)
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"transformer.{n}" for n in self.transformer.no_weight_decay()}
+
+
+class HFTextTower(TextTower):
+    """A pretrained Hugging Face encoder + masked pooling + a bias-free projection to `embed_dim`."""
+
+    def __init__(self, cfg: TextTowerConfig, embed_dim: int):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.cfg = cfg
+        self.embed_dim = embed_dim
+        self.context_length = cfg.context_length
+        self.tokenizer_spec = f"{HF_PREFIX}{cfg.path}"
+        self.pooling = cfg.pooling
+        try:
+            self.encoder = AutoModel.from_pretrained(cfg.path)
+        except (OSError, ValueError) as exn:
+            first_line = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
+            raise UserError(
+                f"cannot load the Hugging Face text model {cfg.path!r} ({first_line}); set text.path to a local "
+                "folder holding config.json and the weights (model.safetensors), or a hub id with network access"
+            ) from None
+        max_positions = getattr(self.encoder.config, "max_position_embeddings", None)
+        if max_positions is not None and cfg.context_length > max_positions:
+            raise UserError(f"text context_length {cfg.context_length} exceeds the {max_positions} positions of "
+                            f"{cfg.path!r}; lower text.context_length")
+        # The mask is `ids != pad_id`, so pad_id must be the one the recipe's tokenizer pads with
+        # (HFTokenizer falls back to the end token when a tokenizer defines no padding).
+        self.pad_id = create_tokenizer(self.tokenizer_spec, cfg.context_length).pad_id
+        self.proj = nn.Linear(self.encoder.config.hidden_size, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=self.encoder.config.hidden_size ** -0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != self.pad_id).long()  # (B, L), 1 = real token
+        if self.pad_id in (getattr(self.encoder.config, "bos_token_id", None),
+                           getattr(self.encoder.config, "cls_token_id", None)):
+            mask[:, 0] = 1  # a tokenizer padding with its start token: the first position is still real
+        tokens = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, width)
+        if self.pooling == "cls":
+            pooled = tokens[:, 0]  # (B, width)
+        elif self.pooling == "eos":
+            last = mask.sum(dim=1).clamp(min=1) - 1  # (B,) index of the last real token ([SEP] for BERT)
+            pooled = tokens[torch.arange(ids.shape[0], device=ids.device), last]  # (B, width)
+        else:
+            weights = mask.unsqueeze(-1).to(tokens.dtype)  # (B, L, 1)
+            pooled = (tokens * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)  # (B, width)
+        return self.proj(pooled)  # (B, embed_dim)
+
+    def no_weight_decay(self) -> set[str]:
+        # Pretrained position / token-type embeddings are tables, not kernels: keep them undecayed.
+        return {n for n, p in self.named_parameters()
+                if p.ndim <= 1 or "position_embeddings" in n or "token_type_embeddings" in n}
+
+
+def create_text_tower(cfg: TextTowerConfig, embed_dim: int | None = None) -> TextTower:
+    """The text tower described by `cfg`, projecting to `embed_dim` (default: `cfg.embed_dim`)."""
+    cfg.validate()
+    embed_dim = embed_dim if embed_dim is not None else cfg.embed_dim
+    if not embed_dim or embed_dim < 1:
+        raise UserError("the text tower needs embed_dim (the image embedding width); "
+                        "pass create_text_tower(cfg, embed_dim=image_tower.embed_dim)")
+    if cfg.kind == "transformer":
+        return OpenClipTextTower(cfg, embed_dim)
+    return HFTextTower(cfg, embed_dim)

@@ -1,0 +1,165 @@
+"""The CLIP and SigLIP losses against explicit-loop references, and the global batch over 2 processes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_softmoe.train.loss import contrastive_loss, gather_with_grad, sigmoid_loss
+
+
+def _unit(b: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=-1)
+
+
+def _reference_clip(zimg: np.ndarray, ztxt: np.ndarray, scale: float) -> float:
+    """Symmetric cross-entropy written out one row at a time."""
+    b = len(zimg)
+    total = 0.0
+    for i in range(b):
+        img_row = [scale * float(np.dot(zimg[i], ztxt[j])) for j in range(b)]
+        txt_row = [scale * float(np.dot(ztxt[i], zimg[j])) for j in range(b)]
+        total += -img_row[i] + math.log(sum(math.exp(v) for v in img_row))
+        total += -txt_row[i] + math.log(sum(math.exp(v) for v in txt_row))
+    return total / (2 * b)
+
+
+def _reference_siglip(zimg: np.ndarray, ztxt: np.ndarray, scale: float, bias: float) -> float:
+    """-Σ_ij log σ(z_ij (s·<x_i, y_j> + b)) / B, z = +1 iff i == j."""
+    b = len(zimg)
+    total = 0.0
+    for i in range(b):
+        for j in range(b):
+            z = 1.0 if i == j else -1.0
+            logit = scale * float(np.dot(zimg[i], ztxt[j])) + bias
+            total += math.log(1.0 + math.exp(-z * logit))  # -log σ(z·logit)
+    return total / b
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_contrastive_loss_matches_loop_reference(batch):
+    zimg, ztxt = _unit(batch, 8, 0), _unit(batch, 8, 1)
+    loss = contrastive_loss(zimg, ztxt, torch.tensor(7.0, dtype=torch.float64))
+    assert loss.item() == pytest.approx(_reference_clip(zimg.numpy(), ztxt.numpy(), 7.0), rel=1e-12)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_sigmoid_loss_matches_loop_reference(batch):
+    zimg, ztxt = _unit(batch, 8, 2), _unit(batch, 8, 3)
+    loss = sigmoid_loss(zimg, ztxt, torch.tensor(10.0, dtype=torch.float64), torch.tensor(-3.0, dtype=torch.float64))
+    assert loss.item() == pytest.approx(_reference_siglip(zimg.numpy(), ztxt.numpy(), 10.0, -3.0), rel=1e-12)
+
+
+def test_contrastive_loss_limits():
+    # Aligned orthonormal pairs with a large scale: each positive wins by the scale → loss ≈ 0.
+    eye = torch.eye(6, dtype=torch.float64)
+    assert contrastive_loss(eye, eye, torch.tensor(100.0, dtype=torch.float64)).item() < 1e-30
+    # Random embeddings at scale → 0: every row is uniform over B → exactly log B; small scale ≈ log B.
+    zimg, ztxt = _unit(64, 32, 4), _unit(64, 32, 5)
+    assert contrastive_loss(zimg, ztxt, torch.tensor(0.0, dtype=torch.float64)).item() == pytest.approx(math.log(64))
+    assert contrastive_loss(zimg, ztxt, torch.tensor(1.0, dtype=torch.float64)).item() == pytest.approx(
+        math.log(64), abs=0.2)
+
+
+def test_sigmoid_loss_at_siglip_init_is_dominated_by_the_positives():
+    # Scale 10, bias -10 (SigLIP's init): negatives cost ~e^-10 each, each positive ~log(1+e^(10-10cos)).
+    eye = torch.eye(4)
+    loss = sigmoid_loss(eye, eye, torch.tensor(10.0), torch.tensor(-10.0))
+    assert loss.item() == pytest.approx(math.log(2) + 3 * math.log1p(math.exp(-10)), rel=1e-5)
+
+
+def test_gradients_reach_scale_and_bias():
+    log_scale = torch.tensor(math.log(10.0), requires_grad=True)
+    bias = torch.tensor(-10.0, requires_grad=True)
+    zimg, ztxt = _unit(4, 8, 6).float(), _unit(4, 8, 7).float().requires_grad_()
+    contrastive_loss(zimg, ztxt, log_scale.exp()).backward()
+    assert log_scale.grad is not None and log_scale.grad.abs() > 0 and ztxt.grad.abs().sum() > 0
+    log_scale.grad = None
+    sigmoid_loss(zimg, ztxt, log_scale.exp(), bias).backward()
+    assert log_scale.grad.abs() > 0 and bias.grad.abs() > 0
+
+
+def test_gather_is_identity_without_distributed():
+    t = torch.randn(3, 4)
+    assert gather_with_grad(t) is t
+
+
+def test_mismatched_shapes_are_rejected():
+    with pytest.raises(ValueError, match="differ in shape"):
+        contrastive_loss(torch.randn(3, 4), torch.randn(2, 4), torch.tensor(1.0))
+
+
+# ---- two gloo processes == one process with the combined batch ----------------------------------
+
+LOCAL_BATCH, FEATURES, EMBED = 3, 5, 4
+
+
+def _text_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same weights in every process, as DDP guarantees
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, EMBED)).double()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    zimg = F.normalize(torch.randn(2 * LOCAL_BATCH, EMBED, generator=g, dtype=torch.float64), dim=-1)
+    text_inputs = torch.randn(2 * LOCAL_BATCH, FEATURES, generator=g, dtype=torch.float64)
+    return zimg, text_inputs
+
+
+def _losses_and_grads(zimg, text_inputs):
+    """For each loss: (loss, text-model gradients, log-scale gradient) on the rows given."""
+    results = {}
+    for name in ("softmax", "sigmoid"):
+        model = _text_model()
+        log_scale = torch.tensor(math.log(10.0), dtype=torch.float64, requires_grad=True)
+        bias = torch.tensor(-5.0, dtype=torch.float64, requires_grad=True)
+        ztxt = F.normalize(model(text_inputs), dim=-1)
+        if name == "softmax":
+            loss = contrastive_loss(zimg, ztxt, log_scale.exp())
+        else:
+            loss = sigmoid_loss(zimg, ztxt, log_scale.exp(), bias)
+        loss.backward()
+        results[name] = [loss.detach()] + [p.grad for p in model.parameters()] + [log_scale.grad, bias.grad]
+    return results
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_file: str):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        zimg, text_inputs = _data()
+        rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        results = _losses_and_grads(zimg[rows], text_inputs[rows])
+        # What DDP does: average gradients (and we average the losses for the report) over processes.
+        for tensors in results.values():
+            for t in tensors:
+                if t is not None:
+                    dist.all_reduce(t)
+                    t /= world_size
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_match_one_process_with_the_combined_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    out_file = tmp_path / "results.pt"
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
+    distributed = torch.load(out_file, weights_only=True)
+    single = _losses_and_grads(*_data())
+    for name in ("softmax", "sigmoid"):
+        assert len(distributed[name]) == len(single[name])
+        for got, want in zip(distributed[name], single[name]):
+            if want is None:
+                assert got is None
+                continue
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert single[name][1].abs().sum() > 0  # the comparison is not vacuous
