@@ -1,6 +1,8 @@
 """lit-softmoe: LiT-style image-text training on frozen Soft MoE image towers."""
-from lit_softmoe.models import ViTConfig, VisionTransformer, create_image_tower, list_image_towers
+from lit_softmoe.models import (LiTModel, TextTowerConfig, ViTConfig, VisionTransformer, create_image_tower,
+                                create_text_tower, list_image_towers)
 from lit_softmoe.nn import SoftMoE
 
 __version__ = "0.1.0"
-__all__ = ["SoftMoE", "ViTConfig", "VisionTransformer", "create_image_tower", "list_image_towers"]
+__all__ = ["LiTModel", "SoftMoE", "TextTowerConfig", "ViTConfig", "VisionTransformer", "create_image_tower",
+           "create_text_tower", "list_image_towers"]

@@ -41,6 +41,16 @@ def _cmd_pretrain(args) -> None:
                if cfg.fewshot_shots else "") + f"; tower saved to {cfg.run_dir}/tower")
 
 
+def _cmd_train(args) -> None:
+    from lit_softmoe.config import LiTConfig, load_config
+    from lit_softmoe.train.lit import train_lit
+    cfg = load_config(LiTConfig, args.config, args.overrides)
+    results = train_lit(cfg)
+    if "zeroshot_top1" in results:
+        probe = f", linear-probe ceiling {results['linear_probe_top1']:.4f}" if "linear_probe_top1" in results else ""
+        print(f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; model saved to {cfg.run_dir}/model")
+
+
 def _cmd_embed(args) -> None:
     from lit_softmoe.train.embed import embed_shards
     summary = embed_shards(args.tower, args.shards, args.out, split=args.split, batch_size=args.batch_size,
@@ -115,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", required=True, help="YAML file, e.g. configs/pretrain/fmnist-soft-tiny.yaml")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     pre.set_defaults(func=_cmd_pretrain)
+
+    train = sub.add_parser("train", help="LiT: train a text tower against a locked image tower")
+    train.add_argument("--config", required=True, help="YAML file, e.g. configs/lit/fmnist-tiny.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
+    train.set_defaults(func=_cmd_train)
 
     embed = sub.add_parser("embed", help="run a locked image tower once over image shards → feature shards")
     embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower)")

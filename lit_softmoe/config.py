@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.text import TextTowerConfig
 
 T = TypeVar("T")
 
@@ -131,3 +132,47 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
 
 def to_yaml(config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+# ---- LiT: a text tower trained against a locked image tower -------------------------------------
+
+@dataclass
+class LiTDataConfig:
+    # Image + caption shards, or the feature shards `lit-softmoe embed` wrote from them (detected by
+    # the embed.json beside the split): then the locked tower never runs during training.
+    train: str = "data/fmnist-features/train"
+    workers: int = 1  # DataLoader workers per process
+    shuffle_buffer: int = 5000
+    max_bad_fraction: float = 0.01
+
+
+@dataclass
+class ZeroShotEvalConfig:
+    shards: str = "data/fmnist-features/test"  # class shards (image or features + .cls); "" disables
+    classnames: str = ""  # default: classnames.txt beside the split
+    templates: str = ""  # default: zeroshot_classification_templates.txt beside the split
+    every: int = 0  # steps between evaluations during training; 0: only at the end
+    probe_train: str = ""  # class shards or features of a train split: report the linear-probe ceiling
+
+
+@dataclass
+class LiTConfig:
+    run_dir: str = "runs/lit"
+    image_tower: str = "runs/fmnist-soft-tiny/tower"  # a tower folder from `lit-softmoe pretrain`
+    text: TextTowerConfig = field(default_factory=TextTowerConfig)
+    loss: str = "softmax"  # softmax (CLIP contrastive) | sigmoid (SigLIP)
+    temperature_init: float = 10.0  # LiT's logit scale at init
+    image_head: bool = False  # an unlocked linear head on the locked features (LiT finds none best)
+    unlocked_blocks: int = 0  # unlock the tower's last N blocks (ablations; needs image shards)
+    data: LiTDataConfig = field(default_factory=LiTDataConfig)
+    eval: ZeroShotEvalConfig = field(default_factory=ZeroShotEvalConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup_steps=100))
+    batch_size: int = 256  # global
+    epochs: float = 1.0
+    steps: int = 0  # wins over epochs when > 0
+    precision: str = "auto"
+    seed: int = 0
+    log_every: int = 20
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    threads: int = 0

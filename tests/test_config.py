@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.vit import image_tower_config
 
@@ -16,6 +16,13 @@ def test_every_pretrain_config_loads_and_names_a_real_tower(path):
     assert isinstance(cfg, PretrainConfig)
     image_tower_config(cfg.tower.name, **cfg.tower.options)  # raises on an unknown tower or option
     assert path.read_text().startswith("#"), "each config opens with a header showing its command"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("lit/*.yaml")), ids=lambda p: p.name)
+def test_every_lit_config_loads(path):
+    cfg = load_config(LiTConfig, path)
+    cfg.text.validate()  # raises on an unknown text tower kind or pooling
+    assert path.read_text().startswith("#")
 
 
 def test_yaml_and_overrides_merge_over_defaults(tmp_path):

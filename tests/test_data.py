@@ -88,6 +88,8 @@ def test_samples_hold_caption_and_metadata(fmnist):
     assert read_classnames(out / "test") == list(FASHION_MNIST_CLASSNAMES)  # a split folder works too
     templates = (out / "zeroshot_classification_templates.txt").read_text().splitlines()
     assert templates and all("{c}" in t for t in templates)
+    from lit_softmoe.data.sources import CAPTION_TEMPLATES
+    assert not set(templates) & set(CAPTION_TEMPLATES)  # zero-shot prompts are never training captions
     assert (out / "dataset_type.txt").read_text().strip() == "classification"
 
 

@@ -50,7 +50,7 @@ from lit_softmoe.data.shards import IMAGE_EXTENSIONS, SIZES_FILE, BadSampleCount
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
-SAMPLE_KINDS = ("image-caption", "image-class", "embedding-caption")
+SAMPLE_KINDS = ("image-caption", "image-class", "embedding-caption", "embedding-class")
 SHARD_REASONS = ("bad_shard", "unreadable_shard")  # counted per shard, not per sample
 # The bad-sample fraction is checked at the end of every epoch, and during one once this many
 # samples were read (a fraction over a handful of samples says little).
@@ -338,15 +338,20 @@ class _ShardStream(IterableDataset):
             caption = _decode_caption(s)
             return s["__key__"], _decode_embedding(s, shape), caption
 
+        def embedding_class(s: dict) -> tuple:  # cached features of a class split (zero-shot eval)
+            label = _decode_label(s)
+            return s["__key__"], _decode_embedding(s, shape), label
+
         return {"image-caption": image_caption, "image-class": image_class,
-                "embedding-caption": embedding_caption}[self.kind]
+                "embedding-caption": embedding_caption, "embedding-class": embedding_class}[self.kind]
 
     def _collate(self, samples: list[tuple]) -> dict[str, Any]:
         keys, inputs, targets = zip(*samples)
-        if self.kind == "image-class":
-            return {"image": torch.stack(inputs),  # (B, C, H, W)
+        input_name = "image" if self.kind.startswith("image") else "embedding"
+        if self.kind.endswith("-class"):
+            return {input_name: torch.stack(inputs),  # (B, C, H, W) images or (B, D) embeddings
                     "label": torch.tensor(targets, dtype=torch.int64), "key": list(keys)}
-        batch = {"image" if self.kind == "image-caption" else "embedding": torch.stack(inputs),
+        batch = {input_name: torch.stack(inputs),
                  "caption": list(targets), "key": list(keys)}
         if self.tokenizer is not None:
             batch["text"] = self.tokenizer(list(targets))  # (B, L)
@@ -530,7 +535,8 @@ class ShardLoader:
 
 def create_shard_loader(cfg: ShardDataConfig, kind: str, transform: Callable | None = None,
                         tokenizer: Callable[[list[str]], torch.Tensor] | None = None) -> ShardLoader:
-    """A `ShardLoader` for `kind` samples: "image-caption", "image-class" or "embedding-caption".
+    """A `ShardLoader` for `kind` samples: "image-caption", "image-class", "embedding-caption" or
+    "embedding-class".
 
     Args:
         cfg: which shards, batch size, workers, shuffling, epoch length, bad-sample limit.

@@ -45,13 +45,15 @@ CAPTION_TEMPLATES = (
     "the {c}, photographed for a catalogue.",
     "a low resolution image of the {c}.",
 )
+# Zero-shot prompts share no template with the training captions, so a zero-shot score measures
+# transfer to new wordings rather than recall of the captions.
 ZEROSHOT_TEMPLATES = (
-    "a photo of the {c}.",
-    "a black and white photo of the {c}.",
     "a low resolution photo of the {c}.",
     "a grayscale photo of my {c}.",
     "a cropped photo of the {c}.",
     "a product photo of the {c}.",
+    "a close-up photo of the {c}.",
+    "a picture of one {c}.",
 )
 FASHION_MNIST_FILES = {  # split → (images, labels), without the .gz
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -60,7 +62,7 @@ FASHION_MNIST_FILES = {  # split → (images, labels), without the .gz
 SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 CACHE_DIR = Path("~/.cache/lit_softmoe").expanduser()  # where torchvision's download goes
 MANIFEST_FILE = "manifest.json"
-_FORMAT_VERSION = 1  # bump when the shard content changes, so old sets get rewritten
+_FORMAT_VERSION = 2  # bump when the shard content changes, so old sets get rewritten
 _INSTALL_HINT = "install it with `apt-get install -y dataset-fashion-mnist` or set LIT_SOFTMOE_DATA=DIR"
 
 

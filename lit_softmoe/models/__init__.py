@@ -1,6 +1,8 @@
 """Towers built from `lit_softmoe.nn` layers, and their registries."""
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import TextTower, TextTowerConfig, create_text_tower
 from lit_softmoe.models.vit import (ViTConfig, VisionTransformer, create_image_tower, image_tower_config,
                                     list_image_towers, register_image_tower)
 
-__all__ = ["ViTConfig", "VisionTransformer", "create_image_tower", "image_tower_config",
-           "list_image_towers", "register_image_tower"]
+__all__ = ["LiTModel", "TextTower", "TextTowerConfig", "ViTConfig", "VisionTransformer", "create_image_tower",
+           "create_text_tower", "image_tower_config", "list_image_towers", "register_image_tower"]

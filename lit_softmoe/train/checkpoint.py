@@ -45,9 +45,10 @@ def write_folder_atomically(final_dir: str | Path, write) -> Path:
     return final_dir
 
 
-def _contiguous_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     # safetensors refuses shared or non-contiguous storage; detach + clone makes each tensor its own.
-    return {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()
+            if not k.startswith(skip_prefixes)}
 
 
 # ---- towers -------------------------------------------------------------------------------------
@@ -63,9 +64,10 @@ def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None
     return write_folder_atomically(out_dir, write)
 
 
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                     skip_prefixes: tuple[str, ...] = ()) -> None:
     """Raise UserError naming every missing, unexpected or mis-shaped key (a loud, pure loader)."""
-    expected = model.state_dict()
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith(skip_prefixes)}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
@@ -104,9 +106,13 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
 # ---- training state -----------------------------------------------------------------------------
 
 def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, meta: dict | None = None) -> Path:
-    """Model weights, optimizer moments and RNG at `step`, written atomically."""
-    tensors = {f"model.{k}": v for k, v in _contiguous_state(model).items()}
+                        optimizer: torch.optim.Optimizer, meta: dict | None = None,
+                        skip_prefixes: tuple[str, ...] = ()) -> Path:
+    """Model weights, optimizer moments and RNG at `step`, written atomically.
+
+    `skip_prefixes` leaves out frozen parts (a locked image tower) that the run never changes.
+    """
+    tensors = {f"model.{k}": v for k, v in _contiguous_state(model, skip_prefixes).items()}
     opt_state = optimizer.state_dict()
     for param_id, param_state in opt_state["state"].items():
         for name, value in param_state.items():
@@ -125,14 +131,14 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
 
 
 def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer) -> dict:
+                        optimizer: torch.optim.Optimizer, skip_prefixes: tuple[str, ...] = ()) -> dict:
     """Restore what `save_training_state` wrote; returns its JSON metadata (with "step")."""
     ckpt_dir = Path(ckpt_dir)
     info = json.loads((ckpt_dir / STATE_META).read_text())
     tensors = load_file(ckpt_dir / STATE_TENSORS)
     model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    check_state_dict(model, model_state, str(ckpt_dir))
-    model.load_state_dict(model_state)
+    check_state_dict(model, model_state, str(ckpt_dir), skip_prefixes)
+    model.load_state_dict(model_state, strict=not skip_prefixes)
     opt_state: dict[int, dict] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):

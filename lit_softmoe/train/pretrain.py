@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig, to_yaml
@@ -32,6 +31,7 @@ from lit_softmoe.train.checkpoint import (latest_checkpoint, load_training_state
 from lit_softmoe.train.logging import RunLogger, plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
+from lit_softmoe.train.runtime import create_accelerator
 
 
 @dataclass
@@ -44,19 +44,6 @@ class ClassData:
     mean: list[float]  # per channel, of the training images in [0, 1]
     std: list[float]
     bad_samples: dict
-
-
-def _setup_accelerator(cfg: PretrainConfig) -> Accelerator:
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    if cfg.precision == "auto":
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        mixed_precision = "bf16" if bf16 else "no"
-    else:
-        mixed_precision = "bf16" if cfg.precision == "bf16" else "no"
-    # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
-    # when told so, e.g. under `torchrun --nproc_per_node 2`.
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
 
 
 def _setup_data(cfg: PretrainConfig) -> ClassData:
@@ -131,7 +118,7 @@ def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
-    accelerator = _setup_accelerator(cfg)
+    accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 
     # ---- data, tower, optimizer

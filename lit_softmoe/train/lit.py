@@ -1,0 +1,266 @@
+"""LiT training (Zhai et al., "LiT: Zero-Shot Transfer with Locked-image text Tuning", CVPR 2022):
+a text tower learns to match a locked image tower. The recipe behind `lit-softmoe train`.
+
+Read top to bottom: accelerate → locked image tower + text tower → data (image shards, or the
+feature shards `lit-softmoe embed` cached, so the tower runs once per image instead of once per
+epoch) → zero-shot eval set (its image embeddings computed once: the tower is frozen, only the class
+prompts are re-encoded at each evaluation) → train with checkpoints and exact resume → final
+evaluation and the trained pair saved.
+
+Resume: the shard order of an epoch is a function of (seed, epoch), so a resumed run replays the
+interrupted epoch's batches and skips the ones it had already trained on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lit_softmoe.config import LiTConfig, to_yaml
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.shards import read_classnames
+from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import create_text_tower
+from lit_softmoe.train.checkpoint import (latest_checkpoint, load_tower, load_training_state, prune_checkpoints,
+                                          save_training_state, write_folder_atomically)
+from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
+from lit_softmoe.train.logging import RunLogger, plot_curves, read_metrics
+from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
+from lit_softmoe.train.optim import lr_at, set_lr
+from lit_softmoe.train.probe import linear_probe
+from lit_softmoe.train.runtime import create_accelerator
+from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, zeroshot_metrics
+
+def is_feature_cache(split: str | Path) -> bool:
+    """A split of feature shards (written by `lit-softmoe embed`, which leaves embed.json in it)."""
+    return (Path(split) / EMBED_FILE).is_file()
+
+
+def _image_transform(meta: dict, in_channels: int):
+    pre = meta.get("preprocess") or {}
+    if "mean" not in pre:
+        raise UserError("the tower's config.json has no preprocess entry; re-save it with `lit-softmoe pretrain`")
+    return eval_transform(pre["image_size"], in_channels, pre["mean"], pre["std"])
+
+
+def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:
+    tower, meta = load_tower(cfg.image_tower)
+    text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
+    model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
+                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks)
+    return model, meta
+
+
+def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
+    skip = set(model.no_weight_decay())
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if name in skip or param.ndim < 2 else decay).append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+
+
+def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
+                  exact: bool = False):
+    data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
+                               shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
+                               max_bad_fraction=cfg.data.max_bad_fraction)
+    return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
+
+
+@torch.inference_mode()
+def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, accelerator):
+    """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
+    if is_feature_cache(split):
+        check_feature_cache(split, cfg.image_tower)
+        loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
+        batches = [(b["embedding"], b["label"]) for b in loader]
+    else:
+        loader = _shard_loader(cfg, split, "image-class", 256, transform=transform, exact=True)
+        batches = []
+        for b in loader:
+            with accelerator.autocast():
+                batches.append((model.image_tower.forward_features(b["image"].to(accelerator.device)).float().cpu(),
+                                b["label"]))
+    loader.set_epoch(0)
+    return torch.cat([f for f, _ in batches]).float(), torch.cat([l for _, l in batches])
+
+
+def _zeroshot_eval(model: LiTModel, eval_set: dict, tokenizer, accelerator) -> dict:
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        classifier = build_zeroshot_classifier(model.encode_text, tokenizer, eval_set["classnames"],
+                                               eval_set["templates"], device=accelerator.device)
+        images = model.encode_image_features(eval_set["features"].to(accelerator.device)).float()
+    model.train()
+    return {f"zeroshot_{k}": v for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
+
+
+def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
+    if not cfg.eval.shards:
+        return None
+    split = Path(cfg.eval.shards)
+    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else split.parent / "classnames.txt"
+    templates = Path(cfg.eval.templates) if cfg.eval.templates else split.parent / "zeroshot_classification_templates.txt"
+    for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
+        if not path.is_file():
+            raise UserError(f"{path} not found; set {key} to a file with one entry per line")
+    features, labels = _class_features(cfg, str(split), model, transform, accelerator)
+    return {"features": features, "labels": labels, "classnames": read_classnames(classnames.parent)
+            if classnames.name == "classnames.txt" else classnames.read_text().splitlines(),
+            "templates": [t for t in templates.read_text().splitlines() if t.strip()]}
+
+
+def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
+    return ("image_tower.",) if model.image_tower_locked else ()
+
+
+def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, results: dict) -> Path:
+    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest."""
+    from safetensors.torch import save_file
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+             if not k.startswith(_frozen_prefixes(model))}
+    info = {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
+            "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "results": results}
+
+    def write(tmp: Path):
+        save_file(state, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    return write_folder_atomically(run_dir / "model", write)
+
+
+def train_lit(cfg: LiTConfig) -> dict:
+    """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
+    run_dir = Path(cfg.run_dir)
+    accelerator = create_accelerator(cfg.precision, cfg.threads)
+    is_main = accelerator.is_main_process
+
+    # ---- model: locked image tower + text tower; tokenizer; optimizer
+    torch.manual_seed(cfg.seed)
+    model, meta = _setup_model(cfg)
+    tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
+    transform = _image_transform(meta, model.image_tower.cfg.in_channels)
+    optimizer = _setup_optimizer(cfg, model)
+    frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
+    tower_hash = model.image_tower_state_hash()
+
+    # ---- data: cached features (the tower never runs) or images (the tower runs every step)
+    cached = is_feature_cache(cfg.data.train)
+    if cached:
+        if cfg.unlocked_blocks:
+            raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
+        check_feature_cache(cfg.data.train, cfg.image_tower)
+    if cfg.batch_size % accelerator.num_processes:
+        raise UserError(f"batch_size {cfg.batch_size} does not split over {accelerator.num_processes} processes")
+    local_batch = cfg.batch_size // accelerator.num_processes
+    loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
+                           transform=None if cached else transform, tokenizer=tokenizer)
+    steps_per_epoch = len(loader)
+    total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
+    model.to(accelerator.device)
+    eval_set = _setup_eval(cfg, model, transform, accelerator) if is_main else None
+
+    # ---- resume
+    step, train_seconds = 0, 0.0
+    checkpoints_dir = run_dir / "checkpoints"
+    latest = latest_checkpoint(checkpoints_dir)
+    if latest is not None:
+        state = load_training_state(latest, model, optimizer, skip_prefixes=frozen)
+        step, train_seconds = state["step"], state.get("train_seconds", 0.0)
+        accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
+    model_module = model
+    model, optimizer = accelerator.prepare(model, optimizer)
+    logger = RunLogger(run_dir, enabled=is_main)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        logger.truncate_after(step)
+    accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({'cached features' if cached else 'images'}), "
+                      f"{total_steps} steps of {cfg.batch_size}")
+
+    # ---- train
+    progress = tqdm(total=total_steps, initial=step, desc="lit", disable=not is_main, dynamic_ncols=True)
+    model.train()
+    last_log_step, last_log_seconds = step, train_seconds
+    while step < total_steps:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        loader.set_epoch(epoch)
+        for index, batch in enumerate(loader):
+            if index < done_in_epoch:
+                continue  # already trained on before the interruption
+            if step >= total_steps or index >= steps_per_epoch:
+                break
+            tic = time.perf_counter()
+            text = batch["text"].to(accelerator.device, non_blocking=True)
+            lr = lr_at(step, total_steps, cfg.optim)
+            set_lr(optimizer, lr)
+            with accelerator.autocast():
+                if cached:
+                    zimg, ztxt, extras = model(text, image_features=batch["embedding"].to(accelerator.device))
+                else:
+                    zimg, ztxt, extras = model(text, pixels=batch["image"].to(accelerator.device))
+                if cfg.loss == "sigmoid":
+                    loss = sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"])
+                else:
+                    loss = contrastive_loss(zimg, ztxt, extras["logit_scale"])
+            accelerator.backward(loss)
+            if cfg.optim.grad_clip > 0:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            progress.update(1)
+            train_seconds += time.perf_counter() - tic
+
+            if step % cfg.log_every == 0 or step == total_steps:
+                loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
+                if not math.isfinite(loss_value):
+                    raise UserError(f"training diverged: loss is {loss_value} at step {step}; lower optim.lr")
+                rate = cfg.batch_size * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
+                last_log_step, last_log_seconds = step, train_seconds
+                logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
+                            "temperature": float(extras["logit_scale"].detach()), "train_seconds": round(train_seconds, 2),
+                            "samples_per_s": round(rate, 1), **loader.metrics()})
+                progress.set_postfix(loss=f"{loss_value:.3f}")
+            if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
+                logger.log({"step": step, **_zeroshot_eval(model_module, eval_set, tokenizer, accelerator)})
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                accelerator.wait_for_everyone()
+                if is_main:
+                    save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
+                                        meta={"train_seconds": train_seconds}, skip_prefixes=frozen)
+                    prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
+    progress.close()
+    loader.check_bad_fraction()
+
+    # ---- final evaluation; the locked tower must be exactly what it was
+    results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
+               "bad_samples": dict(loader.bad.counts)}
+    if model_module.image_tower_state_hash() != tower_hash:
+        raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
+    if is_main:
+        if eval_set is not None:
+            results.update(_zeroshot_eval(model_module, eval_set, tokenizer, accelerator))
+            if cfg.eval.probe_train:
+                train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model_module, transform,
+                                                               accelerator)
+                results.update(linear_probe(train_features, train_labels, eval_set["features"], eval_set["labels"]))
+            logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
+        _save_model(run_dir, model_module, cfg, meta, results)
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        plot_curves(read_metrics(logger.path), run_dir / "curves.png", keys=("loss", "temperature", "zeroshot_top1"),
+                    title=f"LiT {cfg.text.kind} text tower")
+    logger.close()
+    accelerator.wait_for_everyone()
+    return results
