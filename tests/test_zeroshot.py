@@ -1,0 +1,129 @@
+"""Zero-shot classifier and metrics as pure functions, on a toy text encoder and hand-built logits
+whose right answers are known by construction."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_softmoe.zeroshot.classifier import (build_zeroshot_classifier, mean_per_class_recall, topk_accuracy,
+                                             zeroshot_metrics)
+
+CLASSNAMES = ["cat", "dog", "bird"]
+TEMPLATES = ["a photo of a {c}.", "a drawing of a {c}.", "my {c}!", "{c}"]
+C, T = len(CLASSNAMES), len(TEMPLATES)
+
+
+class ToyText:
+    """A tokenizer + text encoder pair: a prompt's ids are (class index, template index), found by
+    reading the prompt back, and its embedding is `vector(class, template)`."""
+
+    def __init__(self, vector):
+        self.vector = vector
+        self.prompts: list[str] = []
+        self.batch_sizes: list[int] = []
+
+    def tokenizer(self, prompts: list[str]) -> torch.Tensor:
+        self.prompts += prompts
+        ids = [[c, t] for prompt in prompts for c, name in enumerate(CLASSNAMES) for t, template in
+               enumerate(TEMPLATES) if template.format(c=name) == prompt]
+        assert len(ids) == len(prompts), "a prompt that no (class, template) pair makes"
+        return torch.tensor(ids)  # (B, 2)
+
+    def encode_text(self, ids: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(len(ids))
+        return torch.stack([self.vector(int(c), int(t)) for c, t in ids])  # (B, D), not normalized
+
+
+def _onehot(i: int, dim: int) -> torch.Tensor:
+    return F.one_hot(torch.tensor(i), dim).float()
+
+
+def test_columns_are_the_normalized_class_vectors():
+    # Every template of class c embeds to a positive multiple of v_c (scale 1, 2, 3, 4):
+    # normalizing each prompt before averaging makes the column exactly v_c / |v_c|.
+    class_vectors = torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0], [-1.0, 0.0, 0.0, 2.0]])
+    toy = ToyText(lambda c, t: (t + 1) * class_vectors[c])
+    classifier = build_zeroshot_classifier(toy.encode_text, toy.tokenizer, CLASSNAMES, TEMPLATES)
+    assert classifier.shape == (4, C)  # (D, C)
+    torch.testing.assert_close(classifier, F.normalize(class_vectors, dim=-1).T)
+    assert toy.prompts == [t.format(c=c) for c in CLASSNAMES for t in TEMPLATES]  # each prompt once
+
+
+def test_templates_are_averaged_after_normalization_then_renormalized():
+    # Prompt (c, t) → s_t · (e_c + e_{C+t}): a class direction plus a template direction, scaled by
+    # 10 for the first template (a longer embedding must not outweigh the others). Each normalized
+    # prompt is (e_c + e_{C+t}) / √2; their mean over T templates, renormalized, is
+    # (e_c + Σ_t e_{C+t} / T) / √(1 + 1/T).
+    dim = C + T
+    toy = ToyText(lambda c, t: (10.0 if t == 0 else 1.0) * (_onehot(c, dim) + _onehot(C + t, dim)))
+    classifier = build_zeroshot_classifier(toy.encode_text, toy.tokenizer, CLASSNAMES, TEMPLATES)
+    template_mean = sum(_onehot(C + t, dim) for t in range(T)) / T
+    expected = torch.stack([(_onehot(c, dim) + template_mean) / math.sqrt(1 + 1 / T) for c in range(C)]).T
+    torch.testing.assert_close(classifier, expected)
+    torch.testing.assert_close(classifier.norm(dim=0), torch.ones(C))
+
+
+def test_prompt_batches_do_not_change_the_classifier():
+    vectors = torch.randn(C, T, 6, generator=torch.Generator().manual_seed(0))
+    whole = ToyText(lambda c, t: vectors[c, t])
+    in_fives = ToyText(lambda c, t: vectors[c, t])
+    a = build_zeroshot_classifier(whole.encode_text, whole.tokenizer, CLASSNAMES, TEMPLATES)
+    b = build_zeroshot_classifier(in_fives.encode_text, in_fives.tokenizer, CLASSNAMES, TEMPLATES, batch_size=5)
+    assert whole.batch_sizes == [C * T] and in_fives.batch_sizes == [5, 5, 2]
+    torch.testing.assert_close(a, b)
+    # Column c is class c's mean: the classifier ranks each class's own mean prompt first.
+    means = F.normalize(F.normalize(vectors, dim=-1).mean(dim=1), dim=-1)  # (C, D)
+    assert torch.equal((means @ a).argmax(dim=1), torch.arange(C))
+
+
+def test_zero_shot_classifies_embeddings_near_their_class_vector():
+    # Classifier = identity over 6 classes; images are noisy copies of their class's one-hot.
+    dim = classes = 6
+    classifier = torch.eye(dim)
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(classes).repeat(5)  # (30,)
+    images = F.normalize(F.one_hot(labels, dim).float() + 0.05 * torch.randn(30, dim, generator=g), dim=-1)
+    metrics = zeroshot_metrics(images, labels, classifier)
+    assert metrics == {"top1": 1.0, "mean_per_class_recall": 1.0, "top5": 1.0}
+    # Fewer than 5 classes: no top-5 (it would be 1 by definition).
+    assert set(zeroshot_metrics(images[:, :4], labels % 4, torch.eye(4))) == {"top1", "mean_per_class_recall"}
+
+
+def test_topk_on_hand_built_logits():
+    logits = torch.tensor([
+        [0.9, 0.5, 0.1, 0.0, -1.0, -2.0],  # label 0: rank 1
+        [0.9, 0.5, 0.1, 0.0, -1.0, -2.0],  # label 2: rank 3
+        [0.9, 0.5, 0.1, 0.0, -1.0, -2.0],  # label 4: rank 5
+        [0.9, 0.5, 0.1, 0.0, -1.0, -2.0],  # label 5: rank 6
+    ])
+    labels = torch.tensor([0, 2, 4, 5])
+    assert topk_accuracy(logits, labels, 1) == 0.25
+    assert topk_accuracy(logits, labels, 3) == 0.5
+    assert topk_accuracy(logits, labels, 5) == 0.75
+    assert topk_accuracy(logits, labels, 10) == 1.0  # k past the class count: every class counts
+
+
+def test_imbalanced_classes_separate_top1_from_mean_per_class_recall():
+    # 8 images of class 0, 2 of class 1, 2 of class 2; the classifier says "class 0" for all but
+    # one class-2 image. top-1 = 9/12; recalls per class: 1, 0, 1/2 → mean 1/2.
+    labels = torch.tensor([0] * 8 + [1] * 2 + [2] * 2)
+    predictions = torch.tensor([0] * 8 + [0, 0] + [0, 2])
+    logits = F.one_hot(predictions, 3).float()
+    assert topk_accuracy(logits, labels, 1) == pytest.approx(9 / 12)
+    assert mean_per_class_recall(logits, labels) == pytest.approx(0.5)
+    metrics = zeroshot_metrics(F.normalize(logits, dim=-1), labels, torch.eye(3))
+    assert metrics["top1"] == pytest.approx(0.75) and metrics["mean_per_class_recall"] == pytest.approx(0.5)
+
+
+@pytest.mark.filterwarnings("ignore:y_pred contains classes not in y_true")
+def test_mean_per_class_recall_is_balanced_accuracy():
+    # The CLIP_benchmark definition (sklearn's balanced accuracy): classes never in the labels
+    # (here class 4, which is sometimes predicted) do not count.
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (200,), generator=g)
+    logits = torch.randn(200, 5, generator=g) + 1.5 * F.one_hot(labels, 5)
+    assert (logits.argmax(1) == 4).any()
+    want = sklearn_metrics.balanced_accuracy_score(labels.numpy(), logits.argmax(1).numpy())
+    assert mean_per_class_recall(logits, labels) == pytest.approx(want, abs=1e-6)
