@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig, to_yaml
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
@@ -83,15 +82,16 @@ def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, acce
     if is_feature_cache(split):
         check_feature_cache(split, cfg.image_tower)
         loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
+        loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
     else:
         loader = _shard_loader(cfg, split, "image-class", 256, transform=transform, exact=True)
+        loader.set_epoch(0)
         batches = []
         for b in loader:
             with accelerator.autocast():
                 batches.append((model.image_tower.forward_features(b["image"].to(accelerator.device)).float().cpu(),
                                 b["label"]))
-    loader.set_epoch(0)
     return torch.cat([f for f, _ in batches]).float(), torch.cat([l for _, l in batches])
 
 
@@ -115,9 +115,12 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
     features, labels = _class_features(cfg, str(split), model, transform, accelerator)
-    return {"features": features, "labels": labels, "classnames": read_classnames(classnames.parent)
-            if classnames.name == "classnames.txt" else classnames.read_text().splitlines(),
-            "templates": [t for t in templates.read_text().splitlines() if t.strip()]}
+    return {"features": features, "labels": labels, "classnames": _read_lines(classnames),
+            "templates": _read_lines(templates)}
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
