@@ -172,6 +172,9 @@ def train_lit(cfg: LiTConfig) -> dict:
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
     model.to(accelerator.device)
+    if cfg.compile:  # in place, so parameter names, checkpoints and the optimizer are unchanged
+        model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
+        model.text_tower.compile()
     eval_set = _setup_eval(cfg, model, transform, accelerator) if is_main else None
 
     # ---- resume
