@@ -37,12 +37,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+
+from benchlib import cpu_name  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -337,17 +338,6 @@ def markdown_table(results: list[Result], cuda: bool) -> str:
         row.append(r.note or (f"median of {r.iters}" if r.ms is not None else ""))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def parse_args(argv=None) -> argparse.Namespace:

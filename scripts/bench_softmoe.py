@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from benchlib import cpu_name  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.vit import Mlp
 from lit_softmoe.nn.soft_moe import SoftMoE
@@ -201,17 +202,6 @@ def markdown_table(results: list[Result], cuda: bool) -> str:
         row.append(r.note or (f"median of {r.iters}" if r.ms is not None else ""))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,7 +12,6 @@ import PIL.Image
 import pytest
 import torch
 
-from lit_softmoe.data import shards as shards_module
 from lit_softmoe.data import sources
 from lit_softmoe.data.shards import (BadSampleCounter, iter_class_samples, load_class_split, num_samples,
                                      read_classnames, shard_urls, write_split)

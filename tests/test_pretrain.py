@@ -1,6 +1,5 @@
 """Classification pretraining on real Fashion-MNIST shards: it learns, it resumes exactly after a
 kill, and a user's mistake ends in one line with exit code 2."""
-import json
 import os
 import signal
 import subprocess

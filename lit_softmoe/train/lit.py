@@ -20,21 +20,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from lit_softmoe.config import LiTConfig, to_yaml
+from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.train.checkpoint import (latest_checkpoint, load_tower, load_training_state, prune_checkpoints,
+from lit_softmoe.train.checkpoint import (load_tower, prune_checkpoints,
                                           save_training_state, write_folder_atomically)
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
-from lit_softmoe.train.logging import RunLogger, plot_curves, read_metrics
+from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
-from lit_softmoe.train.runtime import create_accelerator
+from lit_softmoe.train.runtime import create_accelerator, open_run_folder, resume_state
 from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, zeroshot_metrics
 
 def is_feature_cache(split: str | Path) -> bool:
@@ -178,20 +178,13 @@ def train_lit(cfg: LiTConfig) -> dict:
     eval_set = _setup_eval(cfg, model, transform, accelerator) if is_main else None
 
     # ---- resume
-    step, train_seconds = 0, 0.0
     checkpoints_dir = run_dir / "checkpoints"
-    latest = latest_checkpoint(checkpoints_dir)
+    step, train_seconds, latest = resume_state(checkpoints_dir, model, optimizer, skip_prefixes=frozen)
     if latest is not None:
-        state = load_training_state(latest, model, optimizer, skip_prefixes=frozen)
-        step, train_seconds = state["step"], state.get("train_seconds", 0.0)
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
-    logger = RunLogger(run_dir, enabled=is_main)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        logger.truncate_after(step)
+    logger = open_run_folder(run_dir, cfg, step, is_main)
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({'cached features' if cached else 'images'}), "
                       f"{total_steps} steps of {cfg.batch_size}")
 

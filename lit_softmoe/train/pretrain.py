@@ -14,24 +14,23 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lit_softmoe.config import PretrainConfig, to_yaml
+from lit_softmoe.config import PretrainConfig
 from lit_softmoe.data.shards import load_class_split, read_classnames
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.vit import create_image_tower, image_tower_config
-from lit_softmoe.train.checkpoint import (latest_checkpoint, load_training_state, prune_checkpoints,
-                                          save_tower, save_training_state)
-from lit_softmoe.train.logging import RunLogger, plot_curves, read_metrics
+from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_training_state
+from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
-from lit_softmoe.train.runtime import create_accelerator
+from lit_softmoe.train.runtime import create_accelerator, open_run_folder, resume_state
 
 
 @dataclass
@@ -135,29 +134,21 @@ def pretrain(cfg: PretrainConfig) -> dict:
     global_batch = cfg.batch_size
     if global_batch % accelerator.num_processes:
         raise UserError(f"batch_size {global_batch} does not split over {accelerator.num_processes} processes")
-    local_batch = global_batch // accelerator.num_processes
     steps_per_epoch = len(data.train_labels) // global_batch
     if steps_per_epoch == 0:
         raise UserError(f"batch_size {global_batch} exceeds the {len(data.train_labels)} training images")
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
     # ---- resume from the newest complete checkpoint in the run folder
-    step, train_seconds = 0, 0.0
     checkpoints_dir = run_dir / "checkpoints"
-    latest = latest_checkpoint(checkpoints_dir)
+    step, train_seconds, latest = resume_state(checkpoints_dir, tower, optimizer)
     if latest is not None:
-        state = load_training_state(latest, tower, optimizer)
-        step, train_seconds = state["step"], state.get("train_seconds", 0.0)
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
     tower, optimizer = accelerator.prepare(tower, optimizer)
     if cfg.compile:
         tower = torch.compile(tower)  # shares parameters with the module we save
-    logger = RunLogger(run_dir, enabled=is_main)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        logger.truncate_after(step)
+    logger = open_run_folder(run_dir, cfg, step, is_main)
     accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {len(data.train_labels)} "
                       f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
 

@@ -17,3 +17,27 @@ def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator
     # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
     # when told so, e.g. under `torchrun --nproc_per_node 2`.
     return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+
+
+def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 skip_prefixes: tuple[str, ...] = ()) -> tuple[int, float, object]:
+    """(step, training seconds so far, the checkpoint) from the newest complete checkpoint; (0, 0, None)."""
+    from lit_softmoe.train.checkpoint import latest_checkpoint, load_training_state
+    latest = latest_checkpoint(checkpoints_dir)
+    if latest is None:
+        return 0, 0.0, None
+    state = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
+    return state["step"], state.get("train_seconds", 0.0), latest
+
+
+def open_run_folder(run_dir, config, step: int, is_main: bool):
+    """Write the run's config.yaml and open its metrics log, dropping records past `step`
+    (what a killed run logged after its last checkpoint)."""
+    from lit_softmoe.config import to_yaml
+    from lit_softmoe.train.logging import RunLogger
+    logger = RunLogger(run_dir, enabled=is_main)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        logger.truncate_after(step)
+    return logger
