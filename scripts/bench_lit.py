@@ -37,13 +37,11 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from benchlib import cpu_name  # scripts/benchlib.py, beside this script
+from benchlib import cpu_name, time_step  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -223,35 +221,6 @@ class Result:
     peak_mib: float | None = None  # CUDA only: peak allocated during the timed steps, params included
     iters: int = 0
     note: str = ""
-
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_step(step, device: torch.device, warmup: int, iters: int) -> tuple[float, float | None]:
-    """Median milliseconds of `step()`, and peak CUDA MiB over the timed steps."""
-    for _ in range(warmup):  # also triggers torch.compile's compilation
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak
 
 
 def _count(module: torch.nn.Module) -> tuple[float, float]:

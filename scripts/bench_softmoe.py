@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from benchlib import cpu_name  # scripts/benchlib.py, beside this script
+from benchlib import cpu_name, time_step  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.vit import Mlp
 from lit_softmoe.nn.soft_moe import SoftMoE
@@ -102,11 +100,6 @@ class Result:
     note: str = ""
 
 
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast_dtype,
                  warmup: int, iters: int) -> tuple[float, float | None]:
     """Median milliseconds of forward + backward (input grads included), and peak CUDA MiB."""
@@ -119,26 +112,7 @@ def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, a
             y = module(x)
         y.backward(grad.to(y.dtype))
 
-    for _ in range(warmup):  # also triggers torch.compile's compilation
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak
+    return time_step(step, device, warmup, iters)
 
 
 def bench_shape(shape: Shape, args, device: torch.device) -> list[Result]:

@@ -34,7 +34,7 @@ from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
-from lit_softmoe.train.runtime import create_accelerator, open_run_folder, resume_state
+from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
 from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, zeroshot_metrics
 
 def is_feature_cache(split: str | Path) -> bool:
@@ -223,9 +223,7 @@ def train_lit(cfg: LiTConfig) -> dict:
             train_seconds += time.perf_counter() - tic
 
             if step % cfg.log_every == 0 or step == total_steps:
-                loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
-                if not math.isfinite(loss_value):
-                    raise UserError(f"training diverged: loss is {loss_value} at step {step}; lower optim.lr")
+                loss_value = global_loss(accelerator, loss, step)
                 rate = cfg.batch_size * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
                 last_log_step, last_log_seconds = step, train_seconds
                 logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,

@@ -30,7 +30,7 @@ from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_tra
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
-from lit_softmoe.train.runtime import create_accelerator, open_run_folder, resume_state
+from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
 
 
 @dataclass
@@ -188,10 +188,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         train_seconds += time.perf_counter() - tic
 
         if step % cfg.log_every == 0 or step == total_steps:
-            loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()  # the global batch's loss
-            if not math.isfinite(loss_value):
-                raise UserError(f"training diverged: loss is {loss_value} at step {step}; "
-                                "lower optim.lr or raise optim.warmup_steps")
+            loss_value = global_loss(accelerator, loss, step)
             images_per_s = global_batch * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
             last_log_step, last_log_seconds = step, train_seconds
             record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,

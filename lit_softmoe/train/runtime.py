@@ -1,6 +1,8 @@
 """What every recipe sets up first: threads, precision and the accelerate object."""
 from __future__ import annotations
 
+import math
+
 import torch
 from accelerate import Accelerator
 
@@ -41,3 +43,13 @@ def open_run_folder(run_dir, config, step: int, is_main: bool):
         (run_dir / "config.yaml").write_text(to_yaml(config))
         logger.truncate_after(step)
     return logger
+
+
+def global_loss(accelerator: Accelerator, loss: torch.Tensor, step: int) -> float:
+    """The loss averaged over all processes (the global batch's); a non-finite one stops the run."""
+    from lit_softmoe.errors import UserError
+    value = accelerator.reduce(loss.detach(), reduction="mean").item()
+    if not math.isfinite(value):
+        raise UserError(f"training diverged: loss is {value} at step {step}; "
+                        "lower optim.lr or raise optim.warmup_steps")
+    return value
