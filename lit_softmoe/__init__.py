@@ -1,8 +1,8 @@
 """lit-softmoe: LiT-style image-text training on frozen Soft MoE image towers."""
 from lit_softmoe.models import (LiTModel, TextTowerConfig, ViTConfig, VisionTransformer, create_image_tower,
                                 create_text_tower, list_image_towers)
-from lit_softmoe.nn import SoftMoE
+from lit_softmoe.nn import ExpertsChoiceMoE, SoftMoE, TokensChoiceMoE
 
 __version__ = "0.1.0"
-__all__ = ["LiTModel", "SoftMoE", "TextTowerConfig", "ViTConfig", "VisionTransformer", "create_image_tower",
-           "create_text_tower", "list_image_towers"]
+__all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE", "ViTConfig",
+           "VisionTransformer", "create_image_tower", "create_text_tower", "list_image_towers"]

@@ -12,6 +12,7 @@ import torch
 
 from lit_softmoe.models.vit import (Mlp, ViTConfig, VisionTransformer, create_image_tower,
                                     image_tower_config, list_image_towers)
+from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 JFT_CLASSES = 29_593
@@ -181,8 +182,11 @@ def test_every_registered_tower_builds(name):
         tower = meta_tower(name)
         assert count_params(tower) > 0
         assert len(tower.blocks) == cfg.depth
-    assert sum(isinstance(b.mlp, SoftMoE) for b in tower.blocks) == len(cfg.moe_layers)
-    assert name.startswith("soft-") == bool(cfg.moe_layers)
+    moe_class = {"soft": SoftMoE, "tokens_choice": TokensChoiceMoE, "experts_choice": ExpertsChoiceMoE}[cfg.moe_type]
+    assert sum(isinstance(b.mlp, moe_class) for b in tower.blocks) == len(cfg.moe_layers)
+    assert name.startswith(("soft-", "tc-", "ec-")) == bool(cfg.moe_layers)
+    assert name.startswith("tc-") == (cfg.moe_type == "tokens_choice")
+    assert name.startswith("ec-") == (cfg.moe_type == "experts_choice")
 
 
 @pytest.mark.parametrize("name", ["soft-s16-128e", "vit-b32"])

@@ -1,9 +1,11 @@
-"""Vision Transformer towers with dense or Soft MoE blocks, and their registry of named variants.
+"""Vision Transformer towers with dense, Soft MoE or sparse MoE blocks, and their registry of named variants.
 
 The architecture follows the Soft MoE paper's released configs (google-research/vmoe,
 `vmoe/nn/vit_moe.py` and `vmoe/projects/soft_moe/configs/`): pre-LN blocks, LayerNorm on queries and
 keys (qk-norm), learned position embeddings, no class token, global average pooling, and the
 contiguous last half of the MLP blocks replaced by Soft MoE (`shared/reference/soft-moe.md` §2).
+The paper's sparse baselines (Tokens Choice, Experts Choice; §3 there) sit in the same blocks, so
+`tc-*` / `ec-*` towers differ from `soft-*` ones only in the MoE layer (`moe_type`).
 The registry and the `forward_features` / `forward_head` split follow timm.
 
 Read bottom-up: Attention → Mlp → Block → VisionTransformer → registry → create_image_tower.
@@ -18,7 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
+
+MOE_TYPES = ("soft", "tokens_choice", "experts_choice")
 
 
 class UnknownTowerError(UserError, KeyError):
@@ -39,11 +44,18 @@ class ViTConfig:
     num_heads: int = 12
     mlp_dim: int = 3072
     num_classes: int = 0  # 0: no head, the tower returns its pooled embedding
-    moe_layers: tuple[int, ...] = ()  # indices of the blocks whose MLP is a Soft MoE
+    moe_layers: tuple[int, ...] = ()  # indices of the blocks whose MLP is a MoE layer
     num_experts: int = 0
-    slots_per_expert: int = 1
+    slots_per_expert: int = 1  # Soft MoE only
     shared_expert_init: bool = True
     qk_norm: bool = True
+    # Which MoE layer: "soft" (Soft MoE), or the paper's sparse baselines "tokens_choice" / "experts_choice".
+    # The fields below are read by the sparse layers only (defaults: the reference's, soft-moe.md §3).
+    moe_type: str = "soft"
+    num_selected_experts: int = 1  # Tokens Choice K
+    capacity_factor: float = 1.0  # TC: C = ceil(m·K·cf / n) → multiple of 4; EC: C = round(m·cf / n)
+    batch_priority: bool = True  # TC: Batch Priority Routing (V-MoE)
+    router_noise: float = 1.0  # logit noise in training has std router_noise / num_experts; 0 = off
 
     def __post_init__(self):
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
@@ -56,6 +68,11 @@ class ViTConfig:
             raise ValueError(f"moe_layers {bad} fall outside the tower's {self.depth} blocks")
         if self.moe_layers and self.num_experts < 1:
             raise ValueError("a tower with moe_layers needs num_experts >= 1")
+        if self.moe_type not in MOE_TYPES:
+            raise ValueError(f"moe_type {self.moe_type!r} is not one of {', '.join(MOE_TYPES)}")
+        if self.moe_type == "tokens_choice" and self.moe_layers and \
+                not 1 <= self.num_selected_experts <= self.num_experts:
+            raise ValueError(f"num_selected_experts {self.num_selected_experts} must be in [1, {self.num_experts}]")
 
     @property
     def num_patches(self) -> int:
@@ -118,8 +135,22 @@ class Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+def _moe_layer(cfg: ViTConfig, device=None, dtype=None) -> nn.Module:
+    """The MoE layer `cfg.moe_type` names, built from the tower config."""
+    factory = dict(device=device, dtype=dtype)
+    if cfg.moe_type == "tokens_choice":
+        return TokensChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, num_selected=cfg.num_selected_experts,
+                               capacity_factor=cfg.capacity_factor, batch_priority=cfg.batch_priority,
+                               noise_std=cfg.router_noise, shared_expert_init=cfg.shared_expert_init, **factory)
+    if cfg.moe_type == "experts_choice":
+        return ExpertsChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, capacity_factor=cfg.capacity_factor,
+                                noise_std=cfg.router_noise, shared_expert_init=cfg.shared_expert_init, **factory)
+    return SoftMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, slots_per_expert=cfg.slots_per_expert,
+                   shared_expert_init=cfg.shared_expert_init, **factory)
+
+
 class Block(nn.Module):
-    """Pre-LN transformer block: x + MHSA(LN(x)), then x + MLP_or_SoftMoE(LN(x))."""
+    """Pre-LN transformer block: x + MHSA(LN(x)), then x + MLP_or_MoE(LN(x))."""
 
     def __init__(self, cfg: ViTConfig, use_moe: bool, device=None, dtype=None):
         super().__init__()
@@ -128,9 +159,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg.width, cfg.num_heads, cfg.qk_norm, **factory)
         self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
         if use_moe:
-            self.mlp = SoftMoE(cfg.width, cfg.num_experts, cfg.mlp_dim,
-                               slots_per_expert=cfg.slots_per_expert,
-                               shared_expert_init=cfg.shared_expert_init, **factory)
+            self.mlp = _moe_layer(cfg, **factory)
         else:
             self.mlp = Mlp(cfg.width, cfg.mlp_dim, **factory)
 
@@ -179,6 +208,25 @@ class VisionTransformer(nn.Module):
         moe_scales = {f"{name}.scale" for name, m in self.named_modules() if isinstance(m, SoftMoE)}
         return {name for name, p in self.named_parameters() if name not in moe_scales and (
             p.ndim <= 1 or name.endswith(("pos_embed", ".phi")) or ".b1" in name or ".b2" in name)}
+
+    def _sparse_moe_layers(self) -> list[nn.Module]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, (TokensChoiceMoE, ExpertsChoiceMoE))]
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' auxiliary losses from the last forward (0 for dense / Soft MoE / EC)."""
+        losses = [layer.aux_loss for layer in self._sparse_moe_layers()]
+        return torch.stack(losses).sum() if losses else self.pos_embed.new_zeros(())
+
+    def moe_dropped_fraction(self) -> torch.Tensor:
+        """Mean over the MoE layers of the fraction of tokens no expert processed, in the last forward.
+
+        Soft MoE layers count as 0 (they drop nothing); a dense tower reports 0. Detached.
+        """
+        moe_layers = [block.mlp for block in self.blocks if not isinstance(block.mlp, Mlp)]
+        fractions = [layer.dropped_fraction.to(self.pos_embed.device) for layer in self._sparse_moe_layers()]
+        if not fractions:
+            return self.pos_embed.new_zeros(()).detach()
+        return torch.stack(fractions).sum() / len(moe_layers)
 
     def _pos_embed(self, num_patches: int) -> torch.Tensor:
         if num_patches == self.pos_embed.shape[1]:
@@ -244,6 +292,25 @@ def _register_paper_towers():
                                        ("soft-h14-128e", "h", 14, 128), ("soft-h14-256e", "h", 14, 256)]:
         base = _REGISTRY[f"vit-{size}{patch}"]
         register_image_tower(name, replace(base, moe_layers=_last_half(base.depth), num_experts=experts))
+    # The sparse baselines of Table 9, in the same blocks: Tokens Choice (K = 1 or 2, BPR) and
+    # Experts Choice, capacity factor 1 (soft-moe.md §3).
+    for size in ("s", "b"):
+        base = _REGISTRY[f"vit-{size}16"]
+        for experts in (32, 64):
+            for k in (1, 2):
+                register_image_tower(f"tc-{size}16-{experts}e-k{k}", replace(
+                    base, moe_layers=_last_half(base.depth), num_experts=experts, moe_type="tokens_choice",
+                    num_selected_experts=k))
+        register_image_tower(f"ec-{size}16-32e", replace(
+            base, moe_layers=_last_half(base.depth), num_experts=32, moe_type="experts_choice"))
+
+
+def _register_sparse_variants(prefix: str, soft: ViTConfig, suffix: str) -> None:
+    """`tc-{suffix}-k1`, `tc-{suffix}-k2` and `ec-{suffix}`: a Soft MoE tower's sparse twins."""
+    for k in (1, 2):
+        register_image_tower(f"tc-{prefix}-{suffix}-k{k}", replace(soft, moe_type="tokens_choice",
+                                                                   num_selected_experts=k))
+    register_image_tower(f"ec-{prefix}-{suffix}", replace(soft, moe_type="experts_choice"))
 
 
 def _register_tiny_towers():
@@ -257,10 +324,12 @@ def _register_tiny_towers():
     tiny_p7 = replace(tiny, patch_size=7)
     register_image_tower("vit-tiny-p7", tiny_p7)
     register_image_tower("soft-tiny-p7-16e", replace(tiny_p7, moe_layers=_last_half(tiny.depth), num_experts=16))
+    _register_sparse_variants("tiny", _REGISTRY["soft-tiny-p7-16e"], "p7-16e")  # tc-tiny-p7-16e-k1, ...
     # Smallest sizes, for unit tests that only need shapes to flow.
     test = ViTConfig(image_size=28, patch_size=7, in_channels=1, width=32, depth=2, num_heads=2, mlp_dim=64)
     register_image_tower("vit-test", test)
     register_image_tower("soft-test-4e", replace(test, moe_layers=(1,), num_experts=4))
+    _register_sparse_variants("test", _REGISTRY["soft-test-4e"], "4e")  # tc-test-4e-k1, ..., ec-test-4e
 
 
 _register_paper_towers()
