@@ -25,7 +25,7 @@ from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import is_feature_cache, train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
-from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_softmoe.zeroshot.classifier import (build_zeroshot_classifier, mean_per_class_recall, topk_accuracy,
-                                             zeroshot_metrics)
+from lit_softmoe.zeroshot import (build_zeroshot_classifier, mean_per_class_recall, topk_accuracy,
+                                  zeroshot_metrics)
 
 CLASSNAMES = ["cat", "dog", "bird"]
 TEMPLATES = ["a photo of a {c}.", "a drawing of a {c}.", "my {c}!", "{c}"]
@@ -127,3 +127,63 @@ def test_mean_per_class_recall_is_balanced_accuracy():
     assert (logits.argmax(1) == 4).any()
     want = sklearn_metrics.balanced_accuracy_score(labels.numpy(), logits.argmax(1).numpy())
     assert mean_per_class_recall(logits, labels) == pytest.approx(want, abs=1e-6)
+
+
+# ---- metrics on hand-computed cases ---------------------------------------------------------------
+
+from lit_softmoe.zeroshot import retrieval_metrics  # noqa: E402
+
+
+def test_ties_go_to_the_lower_class_index():
+    # Row 0: classes 1 and 2 tie for first → prediction 1 (the lower index), so label 1 is a top-1
+    # hit and label 2 is not; with k=2 both are hits. Row 1: all four tie → ranking 0, 1, 2, 3.
+    logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    assert topk_accuracy(logits, torch.tensor([1, 0]), 1) == 1.0
+    assert topk_accuracy(logits, torch.tensor([2, 1]), 1) == 0.0
+    assert topk_accuracy(logits, torch.tensor([2, 1]), 2) == 1.0
+    assert topk_accuracy(logits, torch.tensor([2, 3]), 2) == 0.5
+    assert topk_accuracy(logits, torch.tensor([2, 3]), 3) == 0.5
+
+
+def test_mean_per_class_recall_leaves_out_classes_absent_from_the_split():
+    # 4 classes, but class 3 never occurs as a label (it is still predicted once: a wrong guess).
+    # Class 0: 2 of 3 right; class 1: 1 of 1; class 2: 0 of 2 → (2/3 + 1 + 0) / 3.
+    predictions = torch.tensor([0, 0, 3, 1, 0, 1])
+    labels = torch.tensor([0, 0, 0, 1, 2, 2])
+    logits = torch.nn.functional.one_hot(predictions, 4).float()
+    assert mean_per_class_recall(logits, labels) == pytest.approx((2 / 3 + 1 + 0) / 3)
+    assert topk_accuracy(logits, labels, 1) == pytest.approx(3 / 6)
+
+
+def test_top5_only_with_five_or_more_classes():
+    embeddings = F.normalize(torch.eye(4), dim=-1)
+    four = zeroshot_metrics(embeddings, torch.arange(4), torch.eye(4))
+    assert set(four) == {"top1", "mean_per_class_recall"} and four["top1"] == 1.0
+    # Five classes: the image's label 4 is ranked last of five (top-5 hit, top-1 miss).
+    classifier = torch.eye(5)
+    images = torch.tensor([[0.9, 0.5, 0.4, 0.3, 0.1]])
+    five = zeroshot_metrics(images, torch.tensor([4]), classifier)
+    assert five["top1"] == 0.0 and five["top5"] == 1.0
+
+
+def test_retrieval_recall_counts_a_hit_when_any_caption_is_in_the_top_k():
+    # 3 images along the axes; 5 captions: image 0 owns captions 0, 1; image 1 owns 2, 3; image 2 owns 4.
+    images = torch.eye(3)
+    texts = F.normalize(torch.tensor([
+        [1.0, 0.0, 0.0],   # caption 0 → image 0 (right)
+        [0.0, 0.0, 1.0],   # caption 1 → image 2 (wrong), then images 0 and 1 tie at 0 → image 0
+        [0.0, 1.0, 0.1],   # caption 2 → image 1 (right)
+        [0.0, 0.2, 1.0],   # caption 3 → image 2 first, image 1 second
+        [1.0, 0.0, 0.5],   # caption 4 → image 0 first, image 2 second
+    ]), dim=-1)
+    owner = torch.tensor([0, 0, 1, 1, 2])
+    m = retrieval_metrics(images, texts, owner, ks=(1, 2))
+    # text → image: captions 0 and 2 right at 1; at 2 also caption 3 (image 1 second) and caption 4
+    # (image 2 second); caption 1 ranks image 2, then image 0 (tie of 0 with image 1 → lower index): hit.
+    assert m["text_to_image_R@1"] == pytest.approx(2 / 5)
+    assert m["text_to_image_R@2"] == pytest.approx(5 / 5)
+    # image → text: image 0's best caption is 0 or 4 (both score 1 vs 0.89): caption 0 (its own) wins
+    # → hit. Image 1's best is caption 2 (0.995) → hit. Image 2's best is caption 1 (1.0), not its own
+    # caption 4; its second is caption 3 (0.98) — still not 4 → miss at 1 and 2.
+    assert m["image_to_text_R@1"] == pytest.approx(2 / 3)
+    assert m["image_to_text_R@2"] == pytest.approx(2 / 3)

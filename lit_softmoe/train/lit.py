@@ -35,7 +35,7 @@ from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
 from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
-from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 
 def is_feature_cache(split: str | Path) -> bool:
     """A split of feature shards (written by `lit-softmoe embed`, which leaves embed.json in it)."""

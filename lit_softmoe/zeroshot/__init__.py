@@ -1,4 +1,7 @@
-"""Zero-shot classification: class prompts → text classifier → top-k accuracy."""
-from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, topk_accuracy, zeroshot_metrics
+"""Zero-shot evaluation: class prompts → text classifier, metrics, benchmark readers, the suite runner."""
+from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier
+from lit_softmoe.zeroshot.metrics import (mean_per_class_recall, retrieval_metrics, topk_accuracy,
+                                          zeroshot_metrics)
 
-__all__ = ["build_zeroshot_classifier", "topk_accuracy", "zeroshot_metrics"]
+__all__ = ["build_zeroshot_classifier", "mean_per_class_recall", "retrieval_metrics", "topk_accuracy",
+           "zeroshot_metrics"]

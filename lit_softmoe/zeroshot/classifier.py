@@ -26,24 +26,3 @@ def build_zeroshot_classifier(encode_text: Callable[[torch.Tensor], torch.Tensor
         embeddings.append(F.normalize(encode_text(ids.to(device)).float(), dim=-1))
     per_prompt = torch.cat(embeddings).view(len(classnames), len(templates), -1)  # (C, T, D)
     return F.normalize(per_prompt.mean(dim=1), dim=-1).T  # (D, C)
-
-
-def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int = 1) -> float:
-    topk = logits.topk(min(k, logits.shape[1]), dim=1).indices  # (N, k)
-    return (topk == labels[:, None]).any(dim=1).float().mean().item()
-
-
-def mean_per_class_recall(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    predictions = logits.argmax(dim=1)
-    recalls = [(predictions[labels == c] == c).float().mean() for c in labels.unique()]
-    return torch.stack(recalls).mean().item()
-
-
-def zeroshot_metrics(image_embeddings: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor) -> dict:
-    """top-1, top-5 (with >= 5 classes) and mean per-class recall for normalized image embeddings."""
-    logits = image_embeddings.float() @ classifier.float().to(image_embeddings.device)  # (N, C)
-    labels = labels.to(logits.device)
-    metrics = {"top1": topk_accuracy(logits, labels, 1), "mean_per_class_recall": mean_per_class_recall(logits, labels)}
-    if classifier.shape[1] >= 5:
-        metrics["top5"] = topk_accuracy(logits, labels, 5)
-    return metrics
