@@ -62,6 +62,13 @@ def _cmd_embed(args) -> None:
           f"{summary['split_dir']}: {done}" + (f"; bad samples skipped ({bad})" if bad else ""))
 
 
+def _cmd_upcycle(args) -> None:
+    from lit_softmoe.upcycle import upcycle_checkpoint
+    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed)
+    print(f"{args.source} upcycled into {args.to} (Soft MoE blocks {info['moe_blocks']}) at {args.out}; "
+          f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
+
+
 def _cmd_models(args) -> None:
     from lit_softmoe.models.vit import image_tower_config, list_image_towers
     for name in list_image_towers():
@@ -69,6 +76,22 @@ def _cmd_models(args) -> None:
         kind = f"soft moe {cfg.num_experts}e in blocks {cfg.moe_layers[0]}-{cfg.moe_layers[-1]}" \
             if cfg.moe_layers else "dense"
         print(f"{name:18s} {cfg.image_size}px/{cfg.patch_size} width {cfg.width} depth {cfg.depth} {kind}")
+
+
+def _cmd_eval(args) -> None:
+    from lit_softmoe.config import EvalSuiteConfig, load_config
+    from lit_softmoe.zeroshot.suite import markdown_table, run_suite, summary_line
+    cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks else None
+    report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
+                       use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
+    print(markdown_table(report))
+    for entry in report["results"]:
+        if entry.get("peer", {}).get("status") == "ok":
+            print(f"{entry['benchmark']}: clip_benchmark agrees within {entry['peer']['max_abs_diff_points']:.3f} points")
+        elif entry["status"] != "ok":
+            print(summary_line(entry))
+    print(f"results: {report['paths']['json']} (+ .md, .png)")
 
 
 def _cmd_demo(args) -> None:
@@ -141,8 +164,32 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default: 0)")
     embed.set_defaults(func=_cmd_embed)
 
+    upcycle = sub.add_parser("upcycle", help="dense ViT (tower folder or timm vit_* weights) → Soft MoE tower, "
+                             "every expert a copy of the dense MLP")
+    upcycle.add_argument("--from", dest="source", required=True, metavar="CKPT",
+                         help="a dense tower folder, or a timm ViT state dict (.safetensors, .pth, .bin)")
+    upcycle.add_argument("--to", required=True, metavar="NAME", help="registered Soft MoE tower, e.g. soft-s16-128e")
+    upcycle.add_argument("--out", required=True, help="output tower folder (written atomically)")
+    upcycle.add_argument("--seed", type=int, default=0, help="seed of the fresh routers (default: 0)")
+    upcycle.set_defaults(func=_cmd_upcycle)
+
     models = sub.add_parser("models", help="list the registered image towers")
     models.set_defaults(func=_cmd_models)
+
+    ev = sub.add_parser("eval", help="zero-shot classification and retrieval over the benchmarks of a suite")
+    ev.add_argument("--model", required=True, help="a LiT run folder, its model/ or a checkpoint folder, or an export")
+    ev.add_argument("--suite", required=True, help="suite file, e.g. eval/fashion-mnist.yaml")
+    ev.add_argument("--benchmarks", default=None, help="comma-separated subset of the suite's benchmarks")
+    ev.add_argument("--out", default=None, help="results JSON (default: MODEL/eval/SUITE-TIME.json); "
+                    ".md and .png go beside it")
+    ev.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda when present)")
+    ev.add_argument("--no-cache", action="store_true", help="encode every image again instead of reusing "
+                    "cached image features")
+    ev.add_argument("--peer", action="store_true", help="also run clip_benchmark on each webdataset benchmark "
+                    "and report the largest gap")
+    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")
+    ev.set_defaults(func=_cmd_eval)
 
     demo = sub.add_parser("demo", help="run the main job on Fashion-MNIST end to end")
     demo.add_argument("--data", default="data", help="where datasets and shards go")

@@ -1,0 +1,237 @@
+"""Sparse upcycling (dense ViT → Soft MoE tower): weight by weight, on the meta device, from timm, via the CLI."""
+import json
+import resource
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lit_softmoe.cli import main
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import create_image_tower, image_tower_config
+from lit_softmoe.nn.soft_moe import SoftMoE
+from lit_softmoe.train.checkpoint import load_tower, save_tower
+from lit_softmoe.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
+
+timm = pytest.importorskip("timm")  # a dependency of open_clip_torch
+
+
+def _randomized(tower):
+    """Every tensor random (norms and biases too), so 'copied unchanged' cannot pass by accident."""
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return tower.eval()
+
+
+def _dense_test_tower(seed=0):
+    torch.manual_seed(seed)
+    return _randomized(create_image_tower("vit-test", num_classes=10))
+
+
+def test_every_expert_is_the_dense_mlp_phi_is_fresh_and_the_rest_is_unchanged():
+    dense = _dense_test_tower()
+    moe = upcycle_tower(dense, "soft-test-4e", seed=7)
+    assert moe.cfg.moe_layers == (1,) and moe.cfg.num_experts == 4 and moe.cfg.num_classes == 10
+    d_state, m_state = dense.state_dict(), moe.state_dict()
+    fc1_w, fc1_b = d_state["blocks.1.mlp.fc1.weight"], d_state["blocks.1.mlp.fc1.bias"]  # (64, 32), (64,)
+    fc2_w, fc2_b = d_state["blocks.1.mlp.fc2.weight"], d_state["blocks.1.mlp.fc2.bias"]  # (32, 64), (32,)
+    for j in range(4):
+        assert torch.equal(m_state["blocks.1.mlp.experts.w1"][j], fc1_w.t())
+        assert torch.equal(m_state["blocks.1.mlp.experts.b1"][j], fc1_b)
+        assert torch.equal(m_state["blocks.1.mlp.experts.w2"][j], fc2_w.t())
+        assert torch.equal(m_state["blocks.1.mlp.experts.b2"][j], fc2_b)
+    # phi is exactly what SoftMoE's own init draws right after seeding with seed + block index.
+    fresh = SoftMoE(32, 4, 64, slots_per_expert=1)
+    torch.manual_seed(7 + 1)
+    fresh.reset_parameters()
+    assert torch.equal(m_state["blocks.1.mlp.phi"], fresh.phi) and m_state["blocks.1.mlp.scale"].item() == 1.0
+    # Everything else: the dense tensor, bit for bit.
+    moe_only = {f"blocks.1.mlp.{k}" for k in ("phi", "scale", "experts.w1", "experts.b1", "experts.w2", "experts.b2")}
+    assert set(m_state) - moe_only == set(d_state) - {k for k in d_state if k.startswith("blocks.1.mlp.")}
+    for k in set(m_state) - moe_only:
+        assert torch.equal(m_state[k], d_state[k]), k
+    # Each expert owns its storage: an optimizer step on one leaves the others alone.
+    with torch.no_grad():
+        moe.blocks[1].mlp.experts.w1[0].add_(1.0)
+    assert torch.equal(moe.blocks[1].mlp.experts.w1[1], fc1_w.t())
+
+
+def test_fresh_phi_has_the_init_statistics_and_depends_on_seed_and_block():
+    small = create_image_tower("vit-test").state_dict()
+    s0, fresh0 = upcycle_state(small, image_tower_config("soft-test-4e", moe_layers=(0, 1)), seed=0)
+    s1, _ = upcycle_state(small, image_tower_config("soft-test-4e", moe_layers=(0, 1)), seed=1)
+    assert fresh0 == ["blocks.0.mlp.phi", "blocks.0.mlp.scale", "blocks.1.mlp.phi", "blocks.1.mlp.scale"]
+    assert not torch.equal(s0["blocks.1.mlp.phi"], s1["blocks.1.mlp.phi"])  # another seed
+    assert not torch.equal(s0["blocks.0.mlp.phi"], s0["blocks.1.mlp.phi"])  # another block
+    # Statistics of one S/16-128E router (d=384, n=128): truncated lecun-normal, std 1/sqrt(n·d).
+    phi, scale = fresh_router(384, 128, 1, seed=3)
+    std = 1 / (384 * 128) ** 0.5
+    assert phi.shape == (384, 128, 1) and scale.item() == 1.0
+    assert abs(phi.std().item() / std - 1) < 0.02 and abs(phi.mean().item()) < 0.02 * std
+    assert phi.abs().max().item() <= 2 * std / 0.8796 + 1e-9  # truncated at ±2σ of the untruncated normal
+
+
+def test_upcycled_tower_agrees_with_the_dense_one_where_it_must():
+    dense = _dense_test_tower(1)
+    moe = upcycle_tower(dense, "soft-test-4e", seed=0).eval()
+    x = torch.randn(2, 1, 28, 28)
+    # (a) Blocks before the first Soft MoE block compute the same thing.
+    seen = {}
+    hooks = [t.blocks[0].register_forward_hook(lambda m, i, o, t=t: seen.__setitem__(id(t), o)) for t in (dense, moe)]
+    with torch.no_grad():
+        dense(x), moe(x)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(seen[id(dense)], seen[id(moe)])
+    # (b) The Soft MoE block is the dense MLP applied to the slots: y = C · MLP(Dᵀ · x).
+    tokens = torch.randn(2, 16, 32)
+    dispatch, combine = moe.blocks[1].mlp.routing_weights(tokens)  # (2, 16, 4, 1) each
+    dispatch, combine = dispatch.flatten(2), combine.flatten(2)
+    expected = combine @ dense.blocks[1].mlp(dispatch.transpose(1, 2) @ tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(moe.blocks[1].mlp(tokens), expected, rtol=1e-5, atol=1e-5)
+        # ... which is NOT the dense MLP per token: Soft MoE mixes tokens (no false identity).
+        assert (moe.blocks[1].mlp(tokens) - dense.blocks[1].mlp(tokens)).abs().max() > 1e-2
+    # (c) When all tokens are equal (a constant image, no position embeddings) mixing changes
+    # nothing, so the whole upcycled tower computes the dense function.
+    with torch.no_grad():
+        for t in (dense, moe):
+            t.pos_embed.zero_()
+        constant = torch.full((3, 1, 28, 28), 0.3) * torch.tensor([1.0, -2.0, 0.5]).view(3, 1, 1, 1)
+        torch.testing.assert_close(moe(constant), dense(constant), rtol=1e-5, atol=1e-5)
+
+
+def test_meta_upcycle_of_huge_towers_allocates_nothing():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    dense = create_image_tower("vit-h14", device="meta")
+    moe = upcycle_tower(dense, "soft-h14-256e", device="meta")
+    assert time.perf_counter() - start < 10
+    assert all(t.is_meta for t in moe.state_dict().values())
+    # 54.1B parameters (soft-moe.md §2, without the JFT head) would be 216 GB in fp32.
+    assert sum(p.numel() for p in moe.parameters()) == 54_139_503_376
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000
+
+
+def test_timm_vit_small_names_map_on_meta():
+    with torch.device("meta"):
+        timm_vit = timm.create_model("vit_small_patch16_224", pretrained=False)
+    state, notes = timm_to_ours(timm_vit.state_dict())
+    cfg = target_config(state, "soft-s16-128e")
+    assert cfg.num_classes == 1000 and cfg.qk_norm is False  # timm's S/16 has no qk-norm
+    moe_state, fresh = upcycle_state(state, cfg, device="meta")
+    assert all(t.is_meta for t in moe_state.values())
+    assert moe_state["pos_embed"].shape == (1, 196, 384)  # the class token's position dropped
+    assert fresh == [f"blocks.{i}.mlp.{k}" for i in range(6, 12) for k in ("phi", "scale")]
+    assert any("cls_token dropped" in n for n in notes)
+
+
+def _tiny_timm(**kwargs):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=28, patch_size=7, in_chans=1,
+                              embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=10, **kwargs)
+    return _randomized(model)
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_timm_checkpoint_file_upcycles_tensor_by_tensor(tmp_path, suffix):
+    model = _tiny_timm()  # class token, no qk-norm, like vit_small_patch16_224
+    timm_state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    path = tmp_path / f"vit{suffix}"
+    if suffix == ".pth":
+        torch.save({"state_dict": {f"module.{k}": v for k, v in timm_state.items()}}, path)
+    else:
+        save_file(timm_state, path)
+    info = main_ok(["upcycle", "--from", str(path), "--to", "soft-test-4e", "--out", str(tmp_path / "up")])
+    tower, meta = load_tower(tmp_path / "up")
+    s = tower.state_dict()
+    assert tower.cfg.qk_norm is False and tower.cfg.num_classes == 10
+    assert torch.equal(s["patch_embed.weight"], timm_state["patch_embed.proj.weight"])
+    assert torch.equal(s["pos_embed"], timm_state["pos_embed"][:, 1:])
+    for k in ("blocks.0.attn.qkv.weight", "blocks.1.attn.proj.bias", "blocks.1.norm2.weight", "norm.bias", "head.weight",
+              "blocks.0.mlp.fc2.weight"):
+        assert torch.equal(s[k], timm_state[k]), k
+    assert torch.equal(s["blocks.1.mlp.experts.w1"][3], timm_state["blocks.1.mlp.fc1.weight"].t())
+    # Fresh: the router only (cls_token and its position are dropped, documented in the notes).
+    assert meta["upcycled"]["fresh"] == ["blocks.1.mlp.phi", "blocks.1.mlp.scale"]
+    assert meta["preprocess"] == {"mean": [0.5], "std": [0.5], "image_size": 28}
+    assert "cls_token" in info
+
+
+def test_timm_gap_qk_norm_tower_upcycles_to_the_same_function_on_uniform_tokens():
+    # A timm ViT built like ours (qk-norm, GAP with the norm before pooling, tanh GELU): every part maps,
+    # so on equal tokens (see above) the upcycled tower equals timm's model.
+    model = _tiny_timm(class_token=False, global_pool="avg", fc_norm=False, qk_norm=True, act_layer="gelu_tanh")
+    state, notes = timm_to_ours(model.state_dict())
+    cfg = target_config(state, "soft-test-4e")
+    assert cfg.qk_norm is True
+    moe_state, _ = upcycle_state(state, cfg)
+    from lit_softmoe.models.vit import VisionTransformer
+    tower = VisionTransformer(cfg, device="meta")
+    tower.load_state_dict(moe_state, assign=True)
+    tower.eval()
+    with torch.no_grad():
+        model.pos_embed.zero_(), tower.pos_embed.zero_()
+        constant = torch.full((2, 1, 28, 28), 0.7) * torch.tensor([1.0, -1.0]).view(2, 1, 1, 1)
+        torch.testing.assert_close(tower(constant), model(constant), rtol=1e-5, atol=1e-5)
+        # and the dense blocks before the Soft MoE block agree on any image
+        x = torch.randn(2, 1, 28, 28)
+        ours = tower.blocks[0](tower.patch_embed(x).flatten(2).transpose(1, 2))
+        theirs = model.blocks[0](model.patch_embed(x))
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_mismatched_shapes_name_the_first_tensor_and_a_fix():
+    dense = create_image_tower("vit-s16", device="meta")
+    with pytest.raises(UserError, match=r"^pos_embed has shape \(1, 196, 384\) but the target's "
+                                        r"pos_embed needs \(1, 196, 768\).*fit this checkpoint: soft-s16-128e$"):
+        upcycle_tower(dense, "soft-b16-128e", device="meta")
+    with pytest.raises(UserError, match="no tensor for .* target tensors"):
+        state = {k: v for k, v in create_image_tower("vit-test").state_dict().items() if k != "norm.bias"}
+        upcycle_state(state, image_tower_config("soft-test-4e"))
+    with pytest.raises(UserError, match=r"no place in the target \(e\.g\. extra\.weight\)"):
+        state = dict(create_image_tower("vit-test").state_dict(), **{"extra.weight": torch.zeros(1)})
+        upcycle_state(state, image_tower_config("soft-test-4e"))
+
+
+def main_ok(argv):
+    import io
+    from contextlib import redirect_stdout
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):
+    dense = _dense_test_tower(2)
+    preprocess = {"image_size": 28, "mean": [0.28], "std": [0.35]}
+    save_tower(tmp_path / "dense", dense, extra={"preprocess": preprocess, "classnames": list("abcdefghij")})
+    printed = main_ok(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-test-4e",
+                       "--out", str(tmp_path / "moe"), "--seed", "5"])
+    assert "soft-test-4e" in printed and "blocks.1.mlp.phi" in printed
+    tower, meta = load_tower(tmp_path / "moe")
+    assert meta["preprocess"] == preprocess and meta["classnames"] == list("abcdefghij")
+    assert meta["upcycled"]["seed"] == 5 and meta["tower"]["moe_layers"] == [1]
+    in_memory = upcycle_tower(dense, "soft-test-4e", seed=5)
+    for k, v in in_memory.state_dict().items():
+        assert torch.equal(tower.state_dict()[k], v), k
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # atomic: no leftovers
+
+    capsys.readouterr()
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-s16-128e", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pos_embed has shape (1, 16, 32)" in err and "soft-test-4e" in err
+    assert main(["upcycle", "--from", str(tmp_path / "nope"), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-tset-4e", "--out", str(tmp_path / "x")]) == 2
+    assert "did you mean soft-test-4e" in capsys.readouterr().err
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    assert main(["upcycle", "--from", str(tmp_path / "junk.pth"), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "vit-test", "--out", str(tmp_path / "x")]) == 2
+    assert "vit-test is a dense tower; upcycling makes Soft MoE towers" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    json.loads((tmp_path / "moe" / "config.json").read_text())
