@@ -69,6 +69,13 @@ def _cmd_upcycle(args) -> None:
           f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
 
 
+def _cmd_convert(args) -> None:
+    from lit_softmoe.convert import convert_vmoe_checkpoint
+    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out)
+    params = sum(p.numel() for p in tower.parameters())
+    print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
+
+
 def _cmd_models(args) -> None:
     from lit_softmoe.models.vit import image_tower_config, list_image_towers
     for name in list_image_towers():
@@ -186,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda when present)")
     ev.add_argument("--no-cache", action="store_true", help="encode every image again instead of reusing "
                     "cached image features")
+    convert = sub.add_parser("convert", help="a vmoe (JAX) Soft MoE ViT parameter tree (.npz) → tower folder")
+    convert.add_argument("--from-vmoe", required=True, metavar="FILE.npz",
+                         help="the flattened parameter tree, names joined with '/' (np.savez(f, **flat))")
+    convert.add_argument("--to", required=True, metavar="NAME", help="the registered tower it was trained as")
+    convert.add_argument("--out", required=True, help="output tower folder (written atomically)")
+    convert.set_defaults(func=_cmd_convert)
+
     ev.add_argument("--peer", action="store_true", help="also run clip_benchmark on each webdataset benchmark "
                     "and report the largest gap")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")

@@ -1,0 +1,187 @@
+"""Load a vmoe (JAX/flax) Soft MoE ViT parameter tree into our tower.
+
+The source is the official code of Puigcerver et al., "From Sparse to Soft Mixtures of Experts"
+(ICLR 2024): google-research/vmoe, `vmoe/nn/vit_moe.py` (VisionTransformerMoe, EncoderMoe,
+EncoderBlock, MlpMoeBlock) and `vmoe/projects/soft_moe/router.py` (SoftRouter). Its parameter
+tree, flattened with '/' separators and saved as `.npz` (`np.savez(f, **flat)`), is read here;
+`shared/reference/soft-moe.md` §2 lists the names. As big_vision's loaders do, any key left unused or
+missing is an error naming it (a silently half-loaded tower is the worst outcome).
+
+Name and layout map (flax Dense kernels are (in, out), nn.Linear weights (out, in)):
+
+    embedding/kernel (p, p, c, d) HWIO            → patch_embed.weight (d, c, p, p) OIHW
+    Encoder/posembed_input/pos_embedding (1, m, d) → pos_embed
+    Encoder/encoderblock_i/LayerNorm_0, _1         → blocks.i.norm1, norm2 (scale → weight)
+      SelfAttention/{query,key,value}/kernel (d, heads, head_dim), bias (heads, head_dim)
+                                                   → blocks.i.attn.qkv rows [q; k; v], each (d, d)ᵀ
+      SelfAttention/{query,key}_ln/scale (head_dim) → attn.q_norm / k_norm (flax's qk LayerNorm has
+                                                     no bias: ours is set to 0)
+      SelfAttention/out/kernel (heads, head_dim, d) → attn.proj.weight (d, d)ᵀ
+      Mlp/Dense_{0,1}/kernel                       → mlp.fc1 / fc2 (dense blocks), transposed
+      Moe/Router/mu (d, n, p), scale ()             → mlp.phi, mlp.scale (same layout)
+      Moe/Mlp/Dense_0/kernel (n, d, k), bias (n, k) → mlp.experts.w1, b1 (same layout: (in, out) per expert)
+      Moe/Mlp/Dense_1/kernel (n, k, d), bias (n, d) → mlp.experts.w2, b2
+    Encoder/encoder_norm                           → norm
+    head/kernel (d, classes), bias                 → head.weight (classes, d), head.bias
+
+Only the released Soft MoE architecture maps: learned position embeddings, GAP (no `cls`), no
+`pre_logits` Dense, qk-norm on. flax's LayerNorm eps (1e-6) and tanh GELU are ours too.
+"""
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer, image_tower_config
+
+
+def _dense_t(kernel: np.ndarray) -> np.ndarray:
+    """flax Dense kernel (in, out) → nn.Linear weight (out, in)."""
+    return kernel.T
+
+
+def _heads_in(kernel: np.ndarray) -> np.ndarray:
+    """flax DenseGeneral q/k/v kernel (d, heads, head_dim) → Linear rows (heads·head_dim, d)."""
+    return kernel.reshape(kernel.shape[0], -1).T
+
+
+def _heads_out(kernel: np.ndarray) -> np.ndarray:
+    """flax attention `out` kernel (heads, head_dim, d) → Linear weight (d, heads·head_dim)."""
+    return kernel.reshape(-1, kernel.shape[-1]).T
+
+
+def vmoe_names(cfg: ViTConfig) -> dict[str, list[tuple[str, callable]]]:
+    """For each tensor of our tower: the vmoe keys it is built from, and how (a missing optional
+    source is None). The order is the tower's state-dict order."""
+    same = np.asarray
+    plan: dict[str, list] = {
+        "pos_embed": [("Encoder/posembed_input/pos_embedding", same)],
+        "patch_embed.weight": [("embedding/kernel", lambda k: k.transpose(3, 2, 0, 1))],  # HWIO → OIHW
+        "patch_embed.bias": [("embedding/bias", same)],
+    }
+    for i in range(cfg.depth):
+        src, dst = f"Encoder/encoderblock_{i}", f"blocks.{i}"
+        att = f"{src}/SelfAttention"
+        plan[f"{dst}.norm1.weight"] = [(f"{src}/LayerNorm_0/scale", same)]
+        plan[f"{dst}.norm1.bias"] = [(f"{src}/LayerNorm_0/bias", same)]
+        plan[f"{dst}.attn.qkv.weight"] = [(f"{att}/{n}/kernel", _heads_in) for n in ("query", "key", "value")]
+        plan[f"{dst}.attn.qkv.bias"] = [(f"{att}/{n}/bias", lambda b: b.reshape(-1)) for n in ("query", "key", "value")]
+        if cfg.qk_norm:
+            for ours, theirs in (("q_norm", "query_ln"), ("k_norm", "key_ln")):
+                plan[f"{dst}.attn.{ours}.weight"] = [(f"{att}/{theirs}/scale", same)]
+                plan[f"{dst}.attn.{ours}.bias"] = [(f"{att}/{theirs}/bias?", same)]  # '?': optional, else 0
+        plan[f"{dst}.attn.proj.weight"] = [(f"{att}/out/kernel", _heads_out)]
+        plan[f"{dst}.attn.proj.bias"] = [(f"{att}/out/bias", same)]
+        plan[f"{dst}.norm2.weight"] = [(f"{src}/LayerNorm_1/scale", same)]
+        plan[f"{dst}.norm2.bias"] = [(f"{src}/LayerNorm_1/bias", same)]
+        if i in cfg.moe_layers:
+            moe = f"{src}/Moe"
+            plan[f"{dst}.mlp.phi"] = [(f"{moe}/Router/mu", same)]
+            plan[f"{dst}.mlp.scale"] = [(f"{moe}/Router/scale", same)]
+            # vmoe vmaps flax's MlpBlock over a leading expert axis: (n, in, out) is already our layout.
+            for ours, theirs in (("w1", "Dense_0/kernel"), ("b1", "Dense_0/bias"),
+                                 ("w2", "Dense_1/kernel"), ("b2", "Dense_1/bias")):
+                plan[f"{dst}.mlp.experts.{ours}"] = [(f"{moe}/Mlp/{theirs}", same)]
+        else:
+            for ours, theirs in (("fc1", "Dense_0"), ("fc2", "Dense_1")):
+                plan[f"{dst}.mlp.{ours}.weight"] = [(f"{src}/Mlp/{theirs}/kernel", _dense_t)]
+                plan[f"{dst}.mlp.{ours}.bias"] = [(f"{src}/Mlp/{theirs}/bias", same)]
+    plan["norm.weight"] = [("Encoder/encoder_norm/scale", same)]
+    plan["norm.bias"] = [("Encoder/encoder_norm/bias", same)]
+    if cfg.num_classes:
+        plan["head.weight"] = [("head/kernel", _dense_t)]
+        plan["head.bias"] = [("head/bias", same)]
+    return plan
+
+
+def _strip_prefix(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    # Checkpoints saved from a TrainState or a variables dict nest the tree under one of these.
+    for prefix in ("params/", "target/", "opt/target/"):
+        if arrays and all(k.startswith(prefix) for k in arrays):
+            return {k[len(prefix):]: v for k, v in arrays.items()}
+    return arrays
+
+
+def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+    """A flat vmoe tree ('/'-joined names → arrays) → our state dict for `cfg`. Pure and loud: raises
+    UserError naming missing keys, unused keys, or the first array whose shape does not fit."""
+    arrays = _strip_prefix(arrays)
+    expected = VisionTransformer(cfg, device="meta").state_dict()
+    plan = vmoe_names(cfg)
+    assert set(plan) == set(expected), sorted(set(plan) ^ set(expected))  # the plan covers our tower exactly
+    state, used, missing = {}, set(), []
+    for name, ref in expected.items():
+        parts = []
+        for key, transform in plan[name]:
+            optional = key.endswith("?")
+            key = key.rstrip("?")
+            if key not in arrays:
+                if not optional:
+                    missing.append(key)
+                continue
+            used.add(key)
+            parts.append(np.asarray(transform(np.asarray(arrays[key]))))
+        if len(parts) < sum(not k.endswith("?") for k, _ in plan[name]):
+            continue
+        if not parts:  # an optional source that is absent: flax's qk LayerNorm has no bias
+            state[name] = torch.zeros(ref.shape)
+            continue
+        value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        if tuple(value.shape) != tuple(ref.shape):
+            first = plan[name][0][0].rstrip("?")
+            source_shape = tuple(np.asarray(arrays[first]).shape)
+            relaid = f" (→ {tuple(value.shape)} in our layout)" if tuple(value.shape) != source_shape else ""
+            raise UserError(f"{first} {source_shape} does not fit {name} {tuple(ref.shape)}{relaid}; the "
+                            "checkpoint was trained as another tower: pick the --to name with its width, depth, "
+                            "patch, image size and number of experts")
+        state[name] = torch.from_numpy(np.ascontiguousarray(value)).to(torch.float32)
+    unused = sorted(set(arrays) - used)
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+    if unused:
+        problems.append(f"{len(unused)} keys left unused (e.g. {', '.join(unused[:3])})")
+    if problems:
+        raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the --to tower the "
+                        "checkpoint was trained as (GAP, qk-norm, learned position embeddings), or check the "
+                        "keys are flattened with '/'")
+    return state
+
+
+def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; give a .npz of the flattened vmoe parameter tree")
+    try:
+        with np.load(path, allow_pickle=False) as npz:  # no pickles from a user's file
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise UserError(f"cannot read {path} as .npz ({err}); save the tree with np.savez(path, **flat_params)") from None
+
+
+def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTransformer:
+    """Build the registered `tower_name` and load a vmoe .npz into it; the class count follows
+    the checkpoint's head (0 when it has none)."""
+    arrays = _strip_prefix(read_npz(path))
+    head = arrays.get("head/kernel")
+    overrides.setdefault("num_classes", 0 if head is None else int(head.shape[-1]))
+    cfg = image_tower_config(tower_name, **overrides)
+    state = vmoe_to_state(arrays, cfg)
+    tower = VisionTransformer(cfg, device="meta")
+    tower.load_state_dict(state, assign=True)
+    return tower
+
+
+def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Path) -> VisionTransformer:
+    """`lit-softmoe convert --from-vmoe`: .npz → tower folder (written atomically)."""
+    from lit_softmoe.train.checkpoint import save_tower
+    tower = load_vmoe_tower(path, tower_name)
+    # vmoe's input pipelines map pixels to [-1, 1] (value_range(-1, 1)): mean = std = 0.5.
+    preprocess = {"image_size": tower.cfg.image_size, "mean": [0.5], "std": [0.5]}
+    save_tower(out_dir, tower, extra={"preprocess": preprocess,
+                                      "converted": {"from": str(path), "format": "vmoe npz", "tower": tower_name}})
+    return tower
