@@ -56,6 +56,7 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: str = "softmax"  # softmax | sigmoid (cross-entropy)
     label_smoothing: float = 0.0  # softmax loss only
+    aux_loss_weight: float = 0.005  # × the sparse MoE layers' importance + load losses (V-MoE's 0.005 each)
     batch_size: int = 128  # global batch, split over processes
     epochs: float = 1.0  # training length; `steps` wins when > 0
     steps: int = 0

@@ -130,6 +130,12 @@ class _SparseMoE(nn.Module):
             return logits, logits + self.logit_noise_std * torch.randn_like(logits)
         return logits, logits
 
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(clean logits, used logits, gates), each (b, m, n); gates = softmax over the experts of the
+        used (noisy in training) logits, as in vmoe: they both route and weight the outputs."""
+        logits, used_logits = self._logits(x)
+        return logits, used_logits, used_logits.softmax(dim=-1)
+
     def _run_experts(self, buffers: torch.Tensor) -> torch.Tensor:
         """buffers (b, n, C, d) → expert outputs (b, n, C, d), one batched matmul per projection."""
         b, n, capacity, d = buffers.shape
@@ -201,8 +207,7 @@ class TokensChoiceMoE(_SparseMoE):
         """x: (b, m, d) → (b, m, d). Sets `aux_loss` and `dropped_fraction`."""
         b, m, d = x.shape
         n, capacity = self.num_experts, self.capacity(m)
-        logits, used_logits = self._logits(x)
-        gates = used_logits.softmax(dim=-1)  # (b, m, n): noisy gates route and combine in training
+        logits, used_logits, gates = self._gates(x)  # (b, m, n) each
         aux = self.importance_weight * importance_loss(logits.softmax(dim=-1))
         if used_logits is not logits and self.load_weight > 0:
             aux = aux + self.load_weight * load_loss(logits, used_logits, self.logit_noise_std, self.num_selected)
@@ -254,8 +259,7 @@ class ExpertsChoiceMoE(_SparseMoE):
         """x: (b, m, d) → (b, m, d). Sets `aux_loss` (always 0) and `dropped_fraction`."""
         b, m, d = x.shape
         n, capacity = self.num_experts, self.capacity(m)
-        _, used_logits = self._logits(x)
-        gates = used_logits.softmax(dim=-1)  # (b, m, n), over experts as in vmoe
+        _, used_logits, gates = self._gates(x)  # (b, m, n) each
         token_index, gate_values = self.route(gates, capacity)
         flat_index = token_index.reshape(b, n * capacity)  # (b, n·C)
         buffers = x.gather(1, flat_index[..., None].expand(-1, -1, d)).view(b, n, capacity, d)

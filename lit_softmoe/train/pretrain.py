@@ -4,6 +4,11 @@ One function, read top to bottom (torchtune / big_vision style): set up accelera
 optimizer; resume if the run folder holds a checkpoint; train; evaluate (test top-1 and the paper's
 10-shot linear probe); save the tower as safetensors + JSON for the LiT stage.
 
+Towers with the sparse baselines (Tokens Choice / Experts Choice, `lit_softmoe.nn.routers`) add their
+balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report the fraction of
+tokens no expert processed (`dropped_fraction`, in metrics.jsonl and results.json); Soft MoE and
+dense towers have neither (0), so their training is unchanged.
+
 The training split is decoded into memory once (Fashion-MNIST is 47 MB) and every random choice is
 a function of (seed, step): the epoch's order comes from a generator seeded with (seed, epoch) and
 each batch's augmentation from one seeded with (seed, step, rank). So a killed run resumed from its
@@ -95,9 +100,10 @@ def _loss_fn(cfg: PretrainConfig, logits: torch.Tensor, labels: torch.Tensor) ->
 
 @torch.inference_mode()
 def _embed(tower, images_uint8, mean, std, batch_size, accelerator, with_logits=True):
-    """(features (N, d), logits (N, C) or None) for uint8 images, batched, no gradient."""
+    """(features (N, d), logits (N, C) or None, fraction of MoE tokens dropped) for uint8 images,
+    batched, no gradient."""
     tower.eval()
-    features, logits = [], []
+    features, logits, dropped = [], [], 0.0
     for start in range(0, len(images_uint8), batch_size):
         pixels = _normalize(images_uint8[start:start + batch_size].to(accelerator.device), mean, std)
         with accelerator.autocast():
@@ -105,12 +111,13 @@ def _embed(tower, images_uint8, mean, std, batch_size, accelerator, with_logits=
             features.append(feats.float().cpu())
             if with_logits:
                 logits.append(tower.forward_head(feats).float().cpu())
+        dropped += float(tower.moe_dropped_fraction()) * len(pixels)
     tower.train()
-    return torch.cat(features), (torch.cat(logits) if with_logits else None)
+    return torch.cat(features), (torch.cat(logits) if with_logits else None), dropped / max(len(images_uint8), 1)
 
 
 def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
-    _, logits = _embed(tower, data.test_images, mean, std, cfg.eval_batch_size, accelerator)
+    _, logits, _ = _embed(tower, data.test_images, mean, std, cfg.eval_batch_size, accelerator)
     return (logits.argmax(1) == data.test_labels).float().mean().item()
 
 
@@ -154,6 +161,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     # ---- train
     last_log_step, last_log_seconds = step, train_seconds
+    is_moe = bool(tower_cfg.moe_layers)
+    window_aux, window_dropped = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+    dropped_steps, dropped_total = 0, 0.0  # over the steps this process ran (for results.json)
     order, order_epoch = None, -1
     tower.train()
     progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
@@ -178,6 +188,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
         set_lr(optimizer, lr)
         with accelerator.autocast():
             loss = _loss_fn(cfg, tower(pixels), labels)
+            # The sparse layers' balancing losses from this forward (a zero tensor for other towers).
+            aux_loss = tower_module.moe_aux_loss()
+            loss = loss + cfg.aux_loss_weight * aux_loss
+        window_aux += aux_loss.detach()
+        window_dropped += tower_module.moe_dropped_fraction()  # tensors: no device sync per step
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(tower.parameters(), cfg.optim.grad_clip) \
             if cfg.optim.grad_clip > 0 else None
@@ -189,12 +204,19 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
         if step % cfg.log_every == 0 or step == total_steps:
             loss_value = global_loss(accelerator, loss, step)
-            images_per_s = global_batch * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
+            window_steps = step - last_log_step
+            images_per_s = global_batch * window_steps / max(train_seconds - last_log_seconds, 1e-9)
             last_log_step, last_log_seconds = step, train_seconds
             record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
                       "train_seconds": round(train_seconds, 2), "images_per_s": round(images_per_s, 1)}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
+            if is_moe:  # means over the steps since the last record (this process's batches)
+                record["aux_loss"] = float(window_aux) / window_steps
+                record["dropped_fraction"] = float(window_dropped) / window_steps
+                dropped_steps, dropped_total = dropped_steps + window_steps, dropped_total + float(window_dropped)
+                window_aux.zero_()
+                window_dropped.zero_()
             logger.log(record)
             progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
@@ -212,18 +234,22 @@ def pretrain(cfg: PretrainConfig) -> dict:
                "train_seconds": round(train_seconds, 1)}
     if is_main:
         eval_tic = time.perf_counter()
-        test_features, test_logits = _embed(tower_module, data.test_images, mean, std,
-                                            cfg.eval_batch_size, accelerator)
+        test_features, test_logits, test_dropped = _embed(tower_module, data.test_images, mean, std,
+                                                          cfg.eval_batch_size, accelerator)
         results["test_top1"] = (test_logits.argmax(1) == data.test_labels).float().mean().item()
+        if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
+            results["dropped_fraction_train"] = dropped_total / max(dropped_steps, 1)
+            results["dropped_fraction_test"] = test_dropped
         if cfg.fewshot_shots > 0:
             shot_ids = sample_shots(data.train_labels, cfg.fewshot_shots, cfg.seed)
-            shot_features, _ = _embed(tower_module, data.train_images[shot_ids], mean, std,
-                                      cfg.eval_batch_size, accelerator, with_logits=False)
+            shot_features, _, _ = _embed(tower_module, data.train_images[shot_ids], mean, std,
+                                         cfg.eval_batch_size, accelerator, with_logits=False)
             results.update(fewshot_probe(shot_features, data.train_labels[shot_ids], test_features,
                                          data.test_labels, shots=cfg.fewshot_shots))
         results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
         results["bad_samples"] = data.bad_samples
-        logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("test_", "fewshot"))}})
+        logger.log({"step": total_steps, **{k: v for k, v in results.items()
+                                            if k.startswith(("test_", "fewshot", "dropped_"))}})
         save_tower(run_dir / "tower", tower_module, extra={
             "classnames": data.classnames,
             "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std},
