@@ -76,6 +76,16 @@ def _cmd_convert(args) -> None:
     print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
 
 
+def _cmd_inspect_routing(args) -> None:
+    from lit_softmoe.routing import inspect_routing, stats_table
+    report = inspect_routing(args.tower, args.image, args.out, layer=args.layer, num_slots=args.slots)
+    print(stats_table(report["layers"]))
+    plotted = report["plotted"]
+    print(f"entropies in nats (max in brackets); dispatch weights of block {plotted['block']}, slots "
+          f"{plotted['slots'][0]}-{plotted['slots'][-1]} drawn in {args.out}; statistics in "
+          f"{plotted['png'].rsplit('.', 1)[0]}.json" + (f"; predicted: {report['prediction']}" if report["prediction"] else ""))
+
+
 def _cmd_models(args) -> None:
     from lit_softmoe.models.vit import image_tower_config, list_image_towers
     for name in list_image_towers():
@@ -180,6 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
     upcycle.add_argument("--seed", type=int, default=0, help="seed of the fresh routers (default: 0)")
     upcycle.set_defaults(func=_cmd_upcycle)
 
+    convert = sub.add_parser("convert", help="a vmoe (JAX) Soft MoE ViT parameter tree (.npz) → tower folder")
+    convert.add_argument("--from-vmoe", required=True, metavar="FILE.npz",
+                         help="the flattened parameter tree, names joined with '/' (np.savez(f, **flat))")
+    convert.add_argument("--to", required=True, metavar="NAME", help="the registered tower it was trained as")
+    convert.add_argument("--out", required=True, help="output tower folder (written atomically)")
+    convert.set_defaults(func=_cmd_convert)
+
+    routing = sub.add_parser("inspect-routing", help="one image through a Soft MoE tower: slot heatmaps (PNG) and "
+                             "dispatch/combine statistics (table + JSON)")
+    routing.add_argument("--tower", required=True, help="a tower folder (RUN/tower)")
+    routing.add_argument("--image", required=True, help="an image file (PNG, JPEG, ...)")
+    routing.add_argument("--layer", type=int, default=None, metavar="L",
+                         help="block whose slots are drawn (default: the last Soft MoE block)")
+    routing.add_argument("--slots", type=int, default=8, help="draw the first N slots (default: 8)")
+    routing.add_argument("--out", default="routing.png", help="PNG to write; the statistics go beside it as .json")
+    routing.set_defaults(func=_cmd_inspect_routing)
+
     models = sub.add_parser("models", help="list the registered image towers")
     models.set_defaults(func=_cmd_models)
 
@@ -193,13 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda when present)")
     ev.add_argument("--no-cache", action="store_true", help="encode every image again instead of reusing "
                     "cached image features")
-    convert = sub.add_parser("convert", help="a vmoe (JAX) Soft MoE ViT parameter tree (.npz) → tower folder")
-    convert.add_argument("--from-vmoe", required=True, metavar="FILE.npz",
-                         help="the flattened parameter tree, names joined with '/' (np.savez(f, **flat))")
-    convert.add_argument("--to", required=True, metavar="NAME", help="the registered tower it was trained as")
-    convert.add_argument("--out", required=True, help="output tower folder (written atomically)")
-    convert.set_defaults(func=_cmd_convert)
-
     ev.add_argument("--peer", action="store_true", help="also run clip_benchmark on each webdataset benchmark "
                     "and report the largest gap")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")
