@@ -77,6 +77,10 @@ _VALID_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
 }
+_VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
+    "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
+    "benchmarks.task": ("", "classification", "retrieval"),
+}
 
 
 def _all_keys(node, prefix="") -> list[str]:
@@ -89,8 +93,24 @@ def _all_keys(node, prefix="") -> list[str]:
     return keys
 
 
-def _suggest(bad_key: str, schema) -> str:
+def _field_names(schema: type) -> set[str]:
+    """Field names of a dataclass and of every dataclass inside it, list items included."""
+    import dataclasses
+    import typing
+    names = set()
+    for name, hint in typing.get_type_hints(schema).items():
+        names.add(name)
+        for inner in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(inner):
+                names |= _field_names(inner)
+    return names
+
+
+def _suggest(bad_key: str, schema, schema_type: type | None = None) -> str:
     close = difflib.get_close_matches(bad_key, _all_keys(schema), n=1, cutoff=0.5)
+    if not close and schema_type is not None:  # e.g. a key inside a list item (eval suites' benchmarks)
+        close = difflib.get_close_matches(bad_key.rsplit(".", 1)[-1], sorted(_field_names(schema_type)), n=1,
+                                          cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -119,7 +139,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     except ConfigKeyError as err:
         key = getattr(err, "full_key", None) or str(err)
         source = f" in {path}" if path else ""
-        raise UserError(f"unknown config key {key!r}{source}{_suggest(str(key), base)}") from None
+        raise UserError(f"unknown config key {key!r}{source}{_suggest(str(key), base, schema)}") from None
     except (ValidationError, OmegaConfBaseException) as err:
         key = getattr(err, "full_key", "?")
         msg = str(err).splitlines()[0]
@@ -128,7 +148,16 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         value = OmegaConf.select(merged, key, default=None)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
             raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
-    return OmegaConf.to_object(merged)
+    for key, choices in _VALID_LIST_CHOICES.items():
+        list_key, item_key = key.split(".")
+        for i, item in enumerate(OmegaConf.select(merged, list_key, default=None) or []):
+            if OmegaConf.is_dict(item) and item_key in item and item[item_key] not in choices:
+                raise UserError(f"config key '{list_key}[{i}].{item_key}' is {item[item_key]!r}; "
+                                f"choose one of {', '.join(repr(c) for c in choices)}")
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:  # e.g. ${oc.env:VAR} with VAR unset and no default
+        raise UserError(f"cannot resolve config{f' {path}' if path else ''}: {str(err).splitlines()[0]}") from None
 
 
 def to_yaml(config) -> str:
@@ -178,3 +207,28 @@ class LiTConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     threads: int = 0
+
+
+# ---- zero-shot evaluation suites (eval/*.yaml) --------------------------------------------------
+
+@dataclass
+class BenchmarkConfig:
+    name: str = ""  # a shipped benchmark (class names + templates), e.g. cifar100, or your own with its files
+    root: str = ""  # the data folder; YAML may use ${oc.env:VAR,default}
+    split: str = "test"
+    format: str = "auto"  # auto | wds | imagefolder | cifar | torchvision | karpathy
+    task: str = ""  # classification | retrieval; default: the benchmark's (or the data's)
+    classnames: str = ""  # a file with one class name per line, over the data's and the shipped ones
+    templates: str = ""  # a file with one {c} template per line, or another benchmark's name (e.g. imagenet1k)
+    annotations: str = ""  # karpathy: the split JSON (default: dataset_{coco,flickr30k}.json in root)
+
+
+@dataclass
+class EvalSuiteConfig:
+    name: str = "suite"
+    benchmarks: list[BenchmarkConfig] = field(default_factory=list)
+    batch_size: int = 256  # images per tower forward
+    text_batch_size: int = 1024  # prompts or captions per text-tower forward
+    workers: int = 2  # image-decoding worker processes
+    recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
+    cache_dir: str = ""  # image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval

@@ -1,0 +1,308 @@
+"""Readers for zero-shot benchmarks, all offline: whatever the files look like on disk, a reader
+returns an `EvalData` whose dataset yields `(index, image tensor, target)` — target a class index
+(classification) or the image's captions joined by newlines (retrieval).
+
+Layouts read (the network is never used; a benchmark whose files are absent raises `MissingData`
+naming the path looked for, and the suite reports it as skipped):
+- `wds`: the CLIP_benchmark webdataset layout (`SPLIT/nshards.txt`, `SPLIT/0.tar …`, samples with an
+  image + `.cls` or `.txt` captions, and beside the splits `classnames.txt`,
+  `zeroshot_classification_templates.txt`, `dataset_type.txt`) — also what `lit-softmoe data` writes;
+- `imagefolder`: `ROOT[/SPLIT]/CLASS/*.jpg` (ImageNet-style wnid folders are mapped to the benchmark's
+  classes, so ImageNet-R/-A with their 200 wnid folders line up with the 1000-class list);
+- `cifar`: CIFAR-10/100 python pickles, read with an unpickler that only builds numpy arrays (the house
+  rule: nothing a user hands us is unpickled freely — torchvision's reader unpickles anything);
+- `torchvision`: torchvision's dataset classes with `download=False`, for the benchmarks it knows;
+- `karpathy`: COCO / Flickr30k retrieval from a Karpathy-split JSON (`dataset_coco.json`,
+  `dataset_flickr30k.json`) and the image folder — only the `test` split (5k / 1k images), the
+  split papers report (CLIP_benchmark's Flickr8k used the full set by mistake, its #48).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import PIL.Image
+import torch
+import webdataset as wds
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from lit_softmoe.data.transforms import to_l_or_rgb
+
+IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")
+FORMATS = ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy")
+
+
+class MissingData(Exception):
+    """The benchmark's files are not where the suite says: the benchmark is skipped, not failed."""
+
+    def __init__(self, path: str | Path, what: str):
+        super().__init__(f"{what} not found at {path}")
+        self.path = str(path)
+
+
+@dataclass
+class EvalData:
+    """One benchmark split, ready to encode."""
+    task: str  # "classification" | "retrieval"
+    dataset: Dataset | IterableDataset  # yields (index, image (C, H, W) or None if unreadable, target)
+    format: str
+    classnames: list[str] | None = None  # from the dataset's own files, when it ships them
+    templates: list[str] | None = None
+    signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
+
+
+def _load_image(data: bytes | str | Path) -> PIL.Image.Image:
+    image = PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+    image.load()  # decode now: PIL is lazy, and a truncated file fails only here
+    return to_l_or_rgb(image)
+
+
+def _transformed(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor | None:
+    try:
+        return transform(load())
+    except Exception:  # a broken image is skipped and counted by the encoder, never fatal
+        return None
+
+
+def _file_signature(paths: list[Path]) -> str:
+    """A cheap identity of a set of files: names, sizes, modification times (not their bytes)."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        stat = path.stat()
+        digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _read_lines(path: Path) -> list[str] | None:
+    if not path.is_file():
+        return None
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------- wds
+
+class _TarSamples(IterableDataset):
+    """Every sample of a list of tar shards, in order, with its position as index.
+
+    Workers share the decoding, not the shards: each reads every tar (cheap: bytes only) and decodes
+    the samples whose index falls to it, so 2 workers halve the work even with one shard.
+    """
+
+    def __init__(self, urls: list[str], task: str, transform):
+        self.urls, self.task, self.transform = urls, task, transform
+
+    def __iter__(self) -> Iterator[tuple]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        samples = wds.DataPipeline(wds.SimpleShardList(self.urls), wds.tarfile_to_samples())
+        for index, sample in enumerate(samples):
+            if index % workers != worker:
+                continue
+            extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+            image = None if extension is None else _transformed(lambda: _load_image(sample[extension]), self.transform)
+            if self.task == "retrieval":
+                target = sample.get("txt", b"").decode("utf-8", "replace").strip()
+            else:
+                target = int(sample["cls"].decode().strip()) if "cls" in sample else -1
+            yield index, image, target
+
+
+def read_wds(root: Path, split: str, transform) -> EvalData:
+    split_dir = root / split
+    nshards = split_dir / "nshards.txt"
+    if nshards.is_file():
+        urls = [str(split_dir / f"{i}.tar") for i in range(int(nshards.read_text().strip()))]
+    else:
+        urls = sorted((str(p) for p in split_dir.glob("*.tar")), key=lambda p: (len(p), p))
+    if not urls or not Path(urls[0]).is_file():
+        raise MissingData(split_dir, "webdataset shards (nshards.txt + 0.tar …)")
+    kind = (_read_lines(root / "dataset_type.txt") or ["classification"])[0].lower()
+    task = "retrieval" if kind == "retrieval" else "classification"
+    return EvalData(task, _TarSamples(urls, task, transform), "wds",
+                    classnames=_read_lines(root / "classnames.txt"),
+                    templates=_read_lines(root / "zeroshot_classification_templates.txt"),
+                    signature={"files": _file_signature([Path(u) for u in urls])})
+
+
+# ---------------------------------------------------------------------------------- map-style readers
+
+class _Indexed(Dataset):
+    """(index, transformed image, target) over a list of (load image, target) items."""
+
+    def __init__(self, items: list[tuple[Callable[[], PIL.Image.Image], int | str]], transform):
+        self.items, self.transform = items, transform
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple:
+        load, target = self.items[index]
+        return index, _transformed(load, self.transform), target
+
+
+def read_image_folder(root: Path, split: str, transform, classnames: list[str] | None = None,
+                      wnids: list[str] | None = None) -> EvalData:
+    """ROOT/SPLIT/CLASS/img (or ROOT/CLASS/img). Folders named by wnids map onto `wnids`' order
+    (the benchmark's classes); other folders are classes in sorted order, named after the folder
+    unless the benchmark's `classnames` has exactly as many entries."""
+    base = root / split if (root / split).is_dir() else root
+    folders = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
+    if not folders:
+        raise MissingData(base, "class folders")
+    if wnids and all(f.name in wnids for f in folders):
+        labels = {f.name: wnids.index(f.name) for f in folders}
+        names = classnames
+    else:
+        labels = {f.name: i for i, f in enumerate(folders)}
+        names = classnames if classnames and len(classnames) == len(folders) else \
+            [f.name.replace("_", " ") for f in folders]
+    suffixes = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}
+    files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
+             if path.suffix.lower() in suffixes and not path.name.startswith(".")]
+    items = [((lambda p=path: _load_image(p)), label) for path, label in files]
+    return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
+                    signature={"files": _file_signature([p for p, _ in files])})
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Builds the dicts, lists, bytes and numpy arrays CIFAR's pickles hold, and nothing else."""
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+                ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset pickle")
+        return super().find_class(module, name)
+
+
+def _unpickle(path: Path) -> dict:
+    with open(path, "rb") as file:
+        batch = _NumpyOnlyUnpickler(file, encoding="bytes").load()
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in batch.items()}
+
+
+def read_cifar(root: Path, split: str, transform, variant: str) -> EvalData:
+    """CIFAR-10 (`cifar-10-batches-py/test_batch`) or CIFAR-100 (`cifar-100-python/test`)."""
+    folder, files, meta, label_key, names_key = {
+        "cifar10": ("cifar-10-batches-py", ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)],
+                    "batches.meta", "labels", "label_names"),
+        "cifar100": ("cifar-100-python", [split], "meta", "fine_labels", "fine_label_names"),
+    }[variant]
+    base = root / folder if (root / folder).is_dir() else root
+    paths = [base / name for name in files]
+    if not all(p.is_file() for p in paths):
+        raise MissingData(paths[0], f"{variant} python pickles")
+    images, labels = [], []
+    for path in paths:
+        batch = _unpickle(path)
+        images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        labels.extend(int(label) for label in batch[label_key])
+    pixels = np.concatenate(images)  # (N, 32, 32, 3)
+    names = None
+    if (base / meta).is_file():
+        names = [n.decode() if isinstance(n, bytes) else n for n in _unpickle(base / meta)[names_key]]
+        names = [n.replace("_", " ") for n in names]
+    items = [((lambda i=i: PIL.Image.fromarray(pixels[i])), label) for i, label in enumerate(labels)]
+    return EvalData("classification", _Indexed(items, transform), "cifar", classnames=names,
+                    signature={"files": _file_signature(paths)})
+
+
+# torchvision's dataset classes for the test split of each benchmark they cover (download=False).
+_TORCHVISION = {
+    "mnist": ("MNIST", {"train": False}), "fashion-mnist": ("FashionMNIST", {"train": False}),
+    "stl10": ("STL10", {"split": "test"}), "gtsrb": ("GTSRB", {"split": "test"}),
+    "dtd": ("DTD", {"split": "test"}), "flowers": ("Flowers102", {"split": "test"}),
+    "pets": ("OxfordIIITPet", {"split": "test"}), "food101": ("Food101", {"split": "test"}),
+    "cars": ("StanfordCars", {"split": "test"}), "country211": ("Country211", {"split": "test"}),
+    "fgvc_aircraft": ("FGVCAircraft", {"split": "test", "annotation_level": "variant"}),
+    "fer2013": ("FER2013", {"split": "test"}), "pcam": ("PCAM", {"split": "test"}),
+    "renderedsst2": ("RenderedSST2", {"split": "test"}), "eurosat": ("EuroSAT", {}),
+    "caltech101": ("Caltech101", {}), "sun397": ("SUN397", {}),
+}
+
+
+def read_torchvision(name: str, root: Path, transform) -> EvalData:
+    import torchvision.datasets
+    if name not in _TORCHVISION:
+        raise MissingData(root, f"a reader for {name!r} (torchvision has none here; use format wds or imagefolder)")
+    class_name, kwargs = _TORCHVISION[name]
+    try:
+        dataset = getattr(torchvision.datasets, class_name)(str(root), download=False, **kwargs)
+    except (RuntimeError, FileNotFoundError, OSError) as err:  # torchvision's "Dataset not found"
+        raise MissingData(root, f"torchvision {class_name} files ({' '.join(str(err).split())[:120]})") from None
+
+    def load(i: int) -> PIL.Image.Image:
+        image = dataset[i][0]
+        return to_l_or_rgb(image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image)))
+
+    targets = getattr(dataset, "targets", None) or getattr(dataset, "_labels", None) or getattr(dataset, "y", None)
+    if targets is None:
+        targets = [dataset[i][1] for i in range(len(dataset))]
+    items = [((lambda i=i: load(i)), int(t)) for i, t in enumerate(targets)]
+    files = [p for p in root.rglob("*") if p.is_file()][:10_000]
+    return EvalData("classification", _Indexed(items, transform), "torchvision",
+                    signature={"files": _file_signature(files), "class": class_name})
+
+
+def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> EvalData:
+    """Karpathy-split retrieval: the JSON's images of `split` with their sentences' raw text."""
+    candidates = [Path(annotations)] if annotations else \
+        [root / "dataset_coco.json", root / "dataset_flickr30k.json", root / "dataset_flickr8k.json"]
+    ann = next((p for p in candidates if p.is_file()), None)
+    if ann is None:
+        raise MissingData(candidates[0], "Karpathy split annotations")
+    images = [im for im in json.loads(ann.read_text())["images"] if im.get("split") == split]
+    items, paths = [], []
+    for im in images:
+        for path in (root / im.get("filepath", "") / im["filename"], root / "images" / im["filename"],
+                     root / "flickr30k-images" / im["filename"]):
+            if path.is_file():
+                break
+        captions = "\n".join(s["raw"].strip() for s in im["sentences"])
+        items.append(((lambda p=path: _load_image(p)), captions))
+        paths.append(path)
+    if not items or not paths[0].is_file():
+        raise MissingData(paths[0] if paths else root, f"{split} images of {ann.name}")
+    return EvalData("retrieval", _Indexed(items, transform), "karpathy",
+                    signature={"files": _file_signature([ann]), "images": len(items)})
+
+
+def detect_format(root: Path, split: str) -> str:
+    if (root / split / "nshards.txt").is_file() or any((root / split).glob("*.tar")):
+        return "wds"
+    if (root / "cifar-10-batches-py").is_dir() or (root / "cifar-100-python").is_dir():
+        return "cifar"
+    if any((root / name).is_file() for name in ("dataset_coco.json", "dataset_flickr30k.json", "dataset_flickr8k.json")):
+        return "karpathy"
+    base = root / split if (root / split).is_dir() else root
+    if base.is_dir() and any(p.is_dir() for p in base.iterdir()):
+        return "imagefolder"
+    return "torchvision"
+
+
+def read_benchmark(name: str, root: str | Path, split: str, transform, format: str = "auto",
+                   classnames: list[str] | None = None, wnids: list[str] | None = None,
+                   annotations: str = "") -> EvalData:
+    """The reader for `format` (or the one the files on disk call for) over ROOT/SPLIT."""
+    root = Path(root)
+    if not root.exists():
+        raise MissingData(root, f"{name} data folder")
+    format = detect_format(root, split) if format == "auto" else format
+    if format == "wds":
+        return read_wds(root, split, transform)
+    if format == "imagefolder":
+        return read_image_folder(root, split, transform, classnames, wnids)
+    if format == "cifar":
+        return read_cifar(root, split, transform, "cifar100" if name == "cifar100" else "cifar10")
+    if format == "karpathy":
+        return read_karpathy(root, split, transform, annotations)
+    if format == "torchvision":
+        return read_torchvision(name, root, transform)
+    raise ValueError(f"unknown format {format!r}")

@@ -1,0 +1,108 @@
+"""Cross-check against the peer suite, CLIP_benchmark (LAION, PyPI `clip-benchmark`): our model is
+registered as a model type of its own at run time (its `TYPE2FUNC` loader dict, the extension point
+its README documents), and its own `clip_benchmark eval` runs on the same files.
+
+Only the CLIP_benchmark webdataset layout is cross-checked: it is the one layout both suites read
+offline from the same files. Its metric names are mapped onto ours:
+acc1 → top1, acc5 → top5, mean_per_class_recall → mean_per_class_recall,
+text_retrieval_recall@k (a caption for each image) → image_to_text_R@k,
+image_retrieval_recall@k (an image for each caption) → text_to_image_R@k.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL_TYPE = "lit_softmoe"
+_BUNDLES: dict[str, tuple] = {}  # path → (model, preprocess, tokenizer) already loaded in this process
+
+
+def clip_benchmark_available() -> bool:
+    try:
+        import clip_benchmark.cli  # noqa: F401
+    except Exception:  # not installed, or one of its imports (pycocoevalcap, sklearn) missing
+        return False
+    return True
+
+
+def _load_for_clip_benchmark(model_name: str, pretrained: str, cache_dir=None, device="cpu"):
+    """CLIP_benchmark's loader signature → (model, transform, tokenizer); `pretrained` is our path."""
+    if pretrained in _BUNDLES:
+        return _BUNDLES[pretrained]
+    from lit_softmoe.export import load_pretrained
+    return load_pretrained(pretrained, device=device)
+
+
+def _accuracy_numpy2(output, target, topk=(1,)):
+    """clip_benchmark 1.6.2's `accuracy`, formula unchanged, with `.item()` where it calls float() on a
+    1-element array — a TypeError under NumPy 2 (the released package fails every classification)."""
+    pred = output.topk(max(topk), 1, True, True)[1].t()
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
+
+
+def register_with_clip_benchmark() -> None:
+    import clip_benchmark.metrics.zeroshot_classification as zeroshot
+    import clip_benchmark.models as models
+    zeroshot.accuracy = _accuracy_numpy2
+    if MODEL_TYPE not in models.TYPE2FUNC:
+        models.TYPE2FUNC[MODEL_TYPE] = _load_for_clip_benchmark
+        models.MODEL_TYPES.append(MODEL_TYPE)  # the CLI's --model_type choices are this same list
+
+
+def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str, split: str = "test",
+                       batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None) -> dict:
+    """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON."""
+    from clip_benchmark import cli
+    register_with_clip_benchmark()
+    if bundle is not None:
+        _BUNDLES[str(model_path)] = bundle
+    nshards = Path(dataset_root, split, "nshards.txt")
+    if nshards.is_file():  # its webdataset reader fails outright with fewer shards than workers
+        workers = min(workers, int(nshards.read_text().strip()))
+        workers = workers if workers > 1 else 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = ["clip_benchmark", "eval", "--model_type", MODEL_TYPE, "--model", "lit-softmoe",
+                "--pretrained", str(model_path), "--dataset", f"wds/{dataset_name}", "--dataset_root",
+                str(dataset_root), "--split", split, "--no_amp", "--batch_size", str(batch_size),
+                "--num_workers", str(workers), "--output", str(out), "--quiet",
+                "--recall_k", *[str(k) for k in recall_k]]
+        saved_argv, sys.argv = sys.argv, argv
+        try:
+            cli.main()
+        finally:
+            sys.argv = saved_argv
+            _BUNDLES.pop(str(model_path), None)
+        return json.loads(out.read_text())
+
+
+def in_our_names(metrics: dict) -> dict:
+    renamed = {}
+    for key, value in metrics.items():
+        if key == "acc1":
+            renamed["top1"] = value
+        elif key == "acc5":
+            renamed["top5"] = value
+        elif key == "mean_per_class_recall":
+            renamed[key] = value
+        elif key.startswith("text_retrieval_recall@"):
+            renamed[f"image_to_text_R@{key.split('@')[1]}"] = value
+        elif key.startswith("image_retrieval_recall@"):
+            renamed[f"text_to_image_R@{key.split('@')[1]}"] = value
+    return renamed
+
+
+def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kwargs) -> dict:
+    """CLIP_benchmark's metrics for one of our result entries, and the largest gap in points."""
+    if not clip_benchmark_available():
+        return {"status": "skipped", "reason": "clip-benchmark is not installed (pip install clip-benchmark)"}
+    tic = time.perf_counter()
+    theirs = in_our_names(run_clip_benchmark(model_path, spec.root, spec.name, spec.split, bundle=bundle,
+                                             **kwargs)["metrics"])
+    shared = [k for k in entry["metrics"] if k in theirs]
+    gap = max((abs(entry["metrics"][k] - theirs[k]) * 100 for k in shared), default=None)
+    return {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap, "seconds": round(time.perf_counter() - tic, 2)}

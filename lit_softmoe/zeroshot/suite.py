@@ -1,0 +1,339 @@
+"""The zero-shot suite behind `lit-softmoe eval`: one model, the benchmarks of a suite file, one
+results JSON (+ a Markdown table and a PNG bar chart).
+
+Per benchmark: read the split (`zeroshot.datasets`), encode its images with the locked tower — or
+load those features from the on-disk cache — then build the text classifier in large prompt
+batches (or encode the captions) and score. What CLIP_benchmark's users keep tripping over is
+handled on purpose (`../shared/reference/lit-and-zero-shot.md` §4):
+- the image features are cached, keyed by the image tower's weights (sha256), its config, the
+  preprocessing and the data files, so a new text tower against a locked image tower re-encodes only
+  text (CLIP_benchmark re-encodes every image every time);
+- a benchmark without templates of its own does not silently borrow ImageNet's: the result names the
+  templates it used and says when they are borrowed;
+- results are never overwritten silently; a benchmark whose data is absent is reported as skipped
+  with the path looked for, and the rest still run.
+
+The cache holds the tower's pooled `forward_features` (before any trainable image head), so it stays
+valid for every text tower and head trained against the same locked tower.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.errors import UserError
+from lit_softmoe.train.checkpoint import write_folder_atomically
+from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier
+from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
+from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
+
+CACHE_FORMAT = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LIT_SOFTMOE_CACHE", Path.home() / ".cache" / "lit_softmoe")) / "eval"
+
+
+# ---------------------------------------------------------------------------------- image features
+
+def _collate(items: list[tuple]) -> tuple:
+    good = [(i, image, target) for i, image, target in items if image is not None]
+    indices = torch.tensor([i for i, _, _ in good], dtype=torch.long)
+    images = torch.stack([image for _, image, _ in good]) if good else None
+    return indices, images, [t for _, _, t in good], len(items) - len(good)
+
+
+@torch.inference_mode()
+def encode_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
+                  progress: bool = False, desc: str = "images") -> tuple[torch.Tensor, list, int]:
+    """→ (features (N, width) float32 in dataset order, targets (N,), skipped bad images)."""
+    loader = DataLoader(data.dataset, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
+                        pin_memory=device.type == "cuda", persistent_workers=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    indices, features, targets, bad = [], [], [], 0
+    for index, images, target, skipped in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        bad += skipped
+        if images is None:
+            continue
+        with autocast:
+            features.append(model.image_tower.forward_features(images.to(device, non_blocking=True)).float().cpu())
+        indices.append(index)
+        targets.extend(target)
+    if not features:
+        return torch.empty(0), [], bad
+    order = torch.cat(indices).argsort()  # workers interleave samples; restore the dataset's order
+    features = torch.cat(features)[order]  # (N, width)
+    return features, [targets[i] for i in order.tolist()], bad
+
+
+def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device) -> str:
+    info = getattr(model, "pretrained_info", None) or {}
+    identity = {"format": CACHE_FORMAT, "tower_sha256": info.get("image_tower_sha256"),
+                "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
+                "benchmark": spec.name, "split": spec.split, "reader": data.format, "data": data.signature,
+                "precision": "bf16" if device.type == "cuda" else "fp32"}
+    if identity["tower_sha256"] is None:  # a model built in memory: hash its weights instead
+        identity["tower_sha256"] = model.image_tower_state_hash()
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: EvalSuiteConfig,
+                          device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
+    """(features, targets, bad, "hit" | "miss" | "off"): from the cache when it holds this key."""
+    if cache_dir is None:
+        return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name), "off")
+    folder = cache_dir / _cache_key(model, spec, data, device)
+    if (folder / "meta.json").is_file():
+        meta = json.loads((folder / "meta.json").read_text())
+        return load_file(folder / "features.safetensors")["features"], meta["targets"], meta["bad"], "hit"
+    features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name)
+
+    def write(tmp: Path) -> None:
+        save_file({"features": features.contiguous()}, tmp / "features.safetensors")
+        (tmp / "meta.json").write_text(json.dumps({"benchmark": spec.name, "targets": targets, "bad": bad}))
+
+    write_folder_atomically(folder, write)
+    return features, targets, bad, "miss"
+
+
+# ---------------------------------------------------------------------------------- prompts
+
+def _metadata(name: str):
+    from lit_softmoe.zeroshot.metadata import benchmark_info
+    try:
+        return benchmark_info(name)
+    except UserError:
+        return None  # a user's own benchmark: its files must bring class names and templates
+
+
+def _read_list(path: str, what: str) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{what} file {path} does not exist; give one entry per line")
+    return [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], list[str], dict]:
+    """(class names, templates, a record of where the templates came from).
+
+    Class names: the suite's file, else the dataset's own files for the CLIP_benchmark layout (as
+    CLIP_benchmark reads them), else the shipped metadata, else what the files name.
+    Templates: the suite's choice (a file, or another benchmark's name), else the dataset's own
+    file, else the shipped metadata — which says when a benchmark has none and borrows ImageNet's.
+    """
+    meta = _metadata(spec.name)
+    if spec.classnames:
+        classnames = _read_list(spec.classnames, "classnames")
+    elif data.format == "wds" and data.classnames:
+        classnames = data.classnames
+    elif meta is not None and meta.classnames:
+        classnames = list(meta.classnames)
+    else:
+        classnames = data.classnames
+    own_names = {spec.name, meta.name if meta is not None else spec.name}
+    if spec.templates and Path(spec.templates).is_file():
+        templates, source = _read_list(spec.templates, "templates"), {"from": spec.templates, "borrowed": False}
+    elif spec.templates:
+        other = _metadata(spec.templates)
+        if other is None or not other.templates:
+            raise UserError(f"templates: {spec.templates!r} for {spec.name} is neither a file nor a benchmark "
+                            "with templates; give a path or a name such as imagenet1k")
+        templates = list(other.templates)
+        source = {"from": other.templates_from, "borrowed": other.templates_from not in own_names}
+    elif data.templates:
+        templates, source = data.templates, {"from": f"{spec.name} (dataset files)", "borrowed": False}
+    elif meta is not None and meta.templates:
+        templates = list(meta.templates)
+        source = {"from": meta.templates_from, "borrowed": meta.templates_from not in own_names}
+    else:
+        templates, source = None, {}
+    if not classnames or not templates:
+        missing = "class names" if not classnames else "templates"
+        raise UserError(f"{spec.name}: no {missing}; put classnames.txt / zeroshot_classification_templates.txt "
+                        f"beside the split, or set {'classnames' if not classnames else 'templates'} in the suite")
+    source["count"] = len(templates)
+    return classnames, templates, source
+
+
+# ---------------------------------------------------------------------------------- one benchmark
+
+@torch.inference_mode()
+def _encode_texts(model, tokenizer, texts: list[str], batch_size: int, device) -> torch.Tensor:
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    out = []
+    for start in range(0, len(texts), batch_size):
+        with autocast:
+            out.append(model.encode_text(tokenizer(texts[start:start + batch_size]).to(device)).float())
+    return torch.cat(out)  # (M, D)
+
+
+def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg: EvalSuiteConfig,
+                       device: torch.device, cache_dir: Path | None = None, progress: bool = False) -> dict:
+    """One result entry: metrics, or status "skipped" with the reason and the path looked for."""
+    tic = time.perf_counter()
+    meta = _metadata(spec.name)
+    try:
+        data = read_benchmark(spec.name, spec.root, spec.split, preprocess, spec.format,
+                              classnames=list(meta.classnames) if meta and meta.classnames else None,
+                              wnids=_imagenet_wnids(meta), annotations=spec.annotations)
+    except MissingData as missing:
+        return {"benchmark": spec.name, "task": spec.task or (meta.task if meta else "classification"),
+                "status": "skipped", "reason": str(missing), "path": missing.path}
+    features, targets, bad, cache = cached_image_features(model, spec, data, cfg, device, cache_dir, progress)
+    if len(targets) == 0:
+        return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
+                "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
+    with torch.inference_mode():
+        images = model.encode_image_features(features.to(device)).float()  # (N, D), normalized
+        result = {"benchmark": spec.name, "task": data.task}
+        if data.task == "classification":
+            classnames, templates, source = resolve_prompts(spec, data)
+            labels = torch.tensor(targets)
+            if labels.min() < 0 or labels.max() >= len(classnames):
+                raise UserError(f"{spec.name}: labels run from {labels.min()} to {labels.max()} but there are "
+                                f"{len(classnames)} class names; check classnames for {spec.root}")
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+            with autocast:
+                classifier = build_zeroshot_classifier(model.encode_text, tokenizer, classnames, templates,
+                                                       batch_size=cfg.text_batch_size, device=device)
+            result.update(metrics=zeroshot_metrics(images, labels, classifier), templates=source,
+                          num_classes=len(classnames))
+        else:
+            captions = [c.splitlines() for c in targets]
+            texts = [t for group in captions for t in group]
+            owner = torch.tensor([i for i, group in enumerate(captions) for _ in group])
+            texts_emb = _encode_texts(model, tokenizer, texts, cfg.text_batch_size, device)
+            result.update(metrics=retrieval_metrics(images, texts_emb, owner.to(device), ks=tuple(cfg.recall_k)),
+                          num_captions=len(texts), templates=None)
+    result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
+                  root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
+    return result
+
+
+def _imagenet_wnids(meta) -> list[str] | None:
+    wnids = getattr(meta, "wnids", None) if meta is not None else None
+    return list(wnids) if wnids else None
+
+
+# ---------------------------------------------------------------------------------- the suite
+
+def _default_out(model_path: Path, suite: str) -> Path:
+    folder = model_path if model_path.is_dir() else model_path.parent
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return folder / "eval" / f"{suite}-{stamp}.json"
+
+
+def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str] | None = None,
+              out: str | Path | None = None, overwrite: bool = False, device: str | None = None,
+              use_cache: bool = True, peer: bool = False, progress: bool = False, model_bundle=None) -> dict:
+    """Evaluate the model at `model_path` on the suite; write results JSON + Markdown + PNG."""
+    specs = cfg.benchmarks
+    if benchmarks:
+        known = {b.name for b in specs}
+        unknown = [b for b in benchmarks if b not in known]
+        if unknown:
+            raise UserError(f"benchmark {unknown[0]!r} is not in suite {cfg.name}; it has: {', '.join(sorted(known))}")
+        specs = [b for b in specs if b.name in benchmarks]
+    out = Path(out) if out else _default_out(Path(model_path), cfg.name)
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} exists; choose another --out or pass --overwrite")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model_bundle is None:
+        from lit_softmoe.export import load_pretrained
+        model_bundle = load_pretrained(model_path, device=device)
+    model, preprocess, tokenizer = model_bundle
+    model.to(device).eval()
+    cache_dir = (Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()) if use_cache else None
+
+    results = []
+    for spec in specs:
+        entry = evaluate_benchmark(model, preprocess, tokenizer, spec, cfg, device, cache_dir, progress)
+        if peer and entry["status"] == "ok" and entry["format"] == "wds":
+            from lit_softmoe.zeroshot.peer import compare_with_clip_benchmark
+            entry["peer"] = compare_with_clip_benchmark(model_path, spec, entry, model_bundle)
+        results.append(entry)
+        if progress:
+            print(f"  {summary_line(entry)}", flush=True)
+    report = {"model": str(model_path), "suite": cfg.name, "device": str(device), "torch": torch.__version__,
+              "created": dt.datetime.now().isoformat(timespec="seconds"), "results": results}
+    write_report(report, out)
+    report["paths"] = {"json": str(out), "markdown": str(out.with_suffix(".md")), "png": str(out.with_suffix(".png"))}
+    return report
+
+
+# ---------------------------------------------------------------------------------- reports
+
+_COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image_to_text_R@5",
+            "text_to_image_R@1", "text_to_image_R@5")
+
+
+def summary_line(entry: dict) -> str:
+    if entry["status"] != "ok":
+        return f"{entry['benchmark']}: skipped ({entry['reason']})"
+    metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in entry["metrics"].items())
+    return f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
+           f"image cache {entry['image_cache']})"
+
+
+def markdown_table(report: dict) -> str:
+    present = {k for e in report["results"] if e["status"] == "ok" for k in e["metrics"]}
+    columns = [c for c in _COLUMNS if c in present] + sorted(present - set(_COLUMNS))
+    lines = [f"Zero-shot results of `{report['model']}` on suite `{report['suite']}` ({report['device']})", "",
+             "| benchmark | task | " + " | ".join(columns) + " | samples | templates | seconds |",
+             "|---|---|" + "---:|" * len(columns) + "---:|---|---:|"]
+    for entry in report["results"]:
+        if entry["status"] != "ok":
+            lines.append(f"| {entry['benchmark']} | {entry['task']} | " + " | ".join("" for _ in columns) +
+                         f" | | skipped: {entry['path']} not found | |")
+            continue
+        cells = [f"{100 * entry['metrics'][c]:.2f}" if c in entry["metrics"] else "–" for c in columns]
+        templates = entry.get("templates") or {}
+        used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
+            if templates else "captions"
+        lines.append(f"| {entry['benchmark']} | {entry['task']} | " + " | ".join(cells) +
+                     f" | {entry['num_samples']} | {used} | {entry['seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = []
+    for entry in report["results"]:
+        if entry["status"] == "ok":
+            for key in ("top1", "image_to_text_R@1", "text_to_image_R@1"):
+                if key in entry["metrics"]:
+                    bars.append((f"{entry['benchmark']}\n{key}", 100 * entry["metrics"][key]))
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(bars) + 1), 3.5))
+    ax.bar(range(len(bars)), [v for _, v in bars], color="#4c72b0")
+    for i, (_, value) in enumerate(bars):
+        ax.text(i, value + 1, f"{value:.1f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("%")
+    ax.set_title(f"zero-shot: suite {report['suite']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    """JSON, Markdown and PNG side by side, each written to a temp file and renamed into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, write in ((out, lambda p: p.write_text(json.dumps(report, indent=2) + "\n")),
+                        (out.with_suffix(".md"), lambda p: p.write_text(markdown_table(report))),
+                        (out.with_suffix(".png"), lambda p: plot_report(report, p))):
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+        write(tmp)
+        os.replace(tmp, path)

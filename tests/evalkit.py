@@ -1,0 +1,62 @@
+"""Shared pieces of the eval tests: tiny model pairs and real-image benchmarks written to disk.
+
+Real images: the foolbox package ships 20 ImageNet (label = ImageNet-1k index), 20 CIFAR-10 and
+20 CIFAR-100 test images named `{dataset}_{idx}_{label}.{png,jpg}`; only its data files are read.
+"""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+import webdataset as wds
+
+from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.vit import create_image_tower
+
+FOOLBOX_DATA = Path(sysconfig.get_paths()["purelib"]) / "foolbox" / "data"
+TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16, vocab_size=49408)
+
+
+def foolbox_images(dataset: str) -> list[tuple[Path, int]]:
+    """[(file, label)] of foolbox's `dataset` images ("imagenet", "cifar10", "cifar100"), in index order."""
+    files = sorted(FOOLBOX_DATA.glob(f"{dataset}_*"), key=lambda p: int(p.stem.split("_")[1]))
+    return [(path, int(path.stem.split("_")[2])) for path in files]
+
+
+def tiny_pair(in_channels: int = 1, image_size: int = 28, seed: int = 0):
+    """(model, preprocess, tokenizer) of a random soft-test-4e tower + 1-layer text tower."""
+    torch.manual_seed(seed)
+    tower = create_image_tower("soft-test-4e", in_channels=in_channels, image_size=image_size,
+                               patch_size=7 if image_size % 8 else 8)
+    model = LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim)).eval()
+    preprocess = eval_transform(image_size, in_channels, 0.5, 0.25)
+    return model, preprocess, create_tokenizer("openclip-bpe", TINY_TEXT.context_length)
+
+
+def write_wds_benchmark(root: Path, samples: list[tuple[bytes, str, int | str]], classnames=None, templates=None,
+                        retrieval: bool = False, split: str = "test", per_shard: int = 1000) -> Path:
+    """The CLIP_benchmark webdataset layout: samples are (image bytes, extension, label or captions)."""
+    (root / split).mkdir(parents=True, exist_ok=True)
+    shards = 0
+    for start in range(0, len(samples), per_shard):
+        with wds.TarWriter(str(root / split / f"{shards}.tar")) as sink:
+            for i, (image, ext, target) in enumerate(samples[start:start + per_shard], start):
+                sink.write({"__key__": f"s{i:07d}", ext: image,
+                            ("txt" if retrieval else "cls"): str(target)})
+        shards += 1
+    (root / split / "nshards.txt").write_text(f"{shards}\n")
+    (root / "dataset_type.txt").write_text("retrieval\n" if retrieval else "classification\n")
+    if classnames:
+        (root / "classnames.txt").write_text("\n".join(classnames) + "\n")
+    if templates:
+        (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n")
+    return root
+
+
+def foolbox_benchmark(root: Path, dataset: str, classnames, templates) -> Path:
+    samples = [(path.read_bytes(), path.suffix[1:], label) for path, label in foolbox_images(dataset)]
+    return write_wds_benchmark(root, samples, classnames, templates)

@@ -1,0 +1,252 @@
+"""The zero-shot suite: readers give every image with its right label, the suite's numbers equal a
+direct computation, the image-feature cache is hit only when it should be, absent data is skipped,
+results are never overwritten, and templates say where they came from."""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, tiny_pair, write_wds_benchmark
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
+from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.errors import UserError
+from lit_softmoe.zeroshot import build_zeroshot_classifier, retrieval_metrics, zeroshot_metrics
+from lit_softmoe.zeroshot.datasets import EvalData, read_benchmark
+from lit_softmoe.zeroshot.metadata import benchmark_info, imagenet_wnids
+from lit_softmoe.zeroshot.suite import encode_images, resolve_prompts, run_suite
+
+pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
+
+
+@pytest.fixture(scope="module")
+def fmnist(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data") / "fashion-mnist"
+    write_fashion_mnist_shards(root, limit=300, samples_per_shard=128)  # 3 test shards: 128 + 128 + 44
+    return root
+
+
+def _tar_samples(split_dir):
+    """Every (PIL image, label) of a split, read with tarfile alone: the independent reference."""
+    samples = {}
+    for shard in sorted(split_dir.glob("*.tar"), key=lambda p: int(p.stem)):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, ext = member.name.split(".", 1)
+                samples.setdefault((int(shard.stem), key), {})[ext] = tar.extractfile(member).read()
+    return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for _, s in sorted(samples.items())]
+
+
+def _suite(root, cache_dir, name="fashion-mnist", **kwargs) -> EvalSuiteConfig:
+    return EvalSuiteConfig(name="t", benchmarks=[BenchmarkConfig(name=name, root=str(root), **kwargs)],
+                           batch_size=64, workers=0, cache_dir=str(cache_dir))
+
+
+def test_suite_equals_a_direct_computation(fmnist, tmp_path):
+    bundle = tiny_pair()
+    model, preprocess, tokenizer = bundle
+    report = run_suite("tiny", _suite(fmnist, tmp_path / "cache"), out=tmp_path / "r.json", model_bundle=bundle)
+    entry = report["results"][0]
+    samples = _tar_samples(fmnist / "test")
+    with torch.no_grad():
+        images = model.encode_image(torch.stack([preprocess(im) for im, _ in samples]))
+        classifier = build_zeroshot_classifier(model.encode_text, tokenizer,
+                                               (fmnist / "classnames.txt").read_text().split("\n")[:10],
+                                               (fmnist / "zeroshot_classification_templates.txt").read_text().split("\n")[:-1])
+    expected = zeroshot_metrics(images, torch.tensor([label for _, label in samples]), classifier)
+    assert entry["num_samples"] == len(samples) == 300
+    for key, value in expected.items():
+        assert entry["metrics"][key] == pytest.approx(value, abs=1e-6), key
+    assert entry["templates"] == {"from": "fashion-mnist (dataset files)", "borrowed": False, "count": 6}
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    assert on_disk["results"][0]["metrics"] == entry["metrics"] and on_disk["suite"] == "t"
+    assert "| fashion-mnist |" in (tmp_path / "r.md").read_text()
+    assert PIL.Image.open(tmp_path / "r.png").size[0] > 100
+
+
+def test_two_workers_give_the_same_features_in_the_same_order(fmnist):
+    model, preprocess, _ = tiny_pair()
+    data = read_benchmark("fashion-mnist", fmnist, "test", preprocess)
+    one, labels_one, _ = encode_images(model, data, 50, 0, torch.device("cpu"))
+    two, labels_two, _ = encode_images(model, data, 50, 2, torch.device("cpu"))
+    assert labels_one == labels_two == [label for _, label in _tar_samples(fmnist / "test")]
+    torch.testing.assert_close(one, two)
+
+
+def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    first = tiny_pair(seed=0)
+    cold = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=first)["results"][0]
+    # A new text tower against the same locked image tower: images come from the cache.
+    second = tiny_pair(seed=1)
+    second[0].image_tower.load_state_dict(first[0].image_tower.state_dict())
+    calls = []
+    forward = second[0].image_tower.forward_features
+    monkeypatch.setattr(second[0].image_tower, "forward_features", lambda x: calls.append(len(x)) or forward(x))
+    warm = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=second)["results"][0]
+    assert (cold["image_cache"], warm["image_cache"]) == ("miss", "hit") and calls == []
+    fresh = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=second, use_cache=False)["results"][0]
+    assert calls and fresh["image_cache"] == "off"
+    assert warm["metrics"] == pytest.approx(fresh["metrics"], abs=1e-6)
+    assert warm["metrics"] != cold["metrics"]  # the text tower did change the answers
+
+
+def test_cache_misses_when_the_tower_or_preprocessing_changes(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    with torch.no_grad():
+        model.image_tower.patch_embed.weight[0, 0, 0, 0] += 1.0
+    changed = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, preprocess, tokenizer))
+    assert changed["results"][0]["image_cache"] == "miss"
+    model.pretrained_info = {"image_tower_sha256": "abc", "preprocess": {"mean": [0.5]}}
+    run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, preprocess, tokenizer))
+    model.pretrained_info = {"image_tower_sha256": "abc", "preprocess": {"mean": [0.4]}}
+    other = run_suite("m", cfg, out=tmp_path / "d.json", model_bundle=(model, preprocess, tokenizer))
+    assert other["results"][0]["image_cache"] == "miss"
+
+
+def test_absent_benchmark_is_skipped_with_its_path_and_the_rest_run(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg.benchmarks.insert(0, BenchmarkConfig(name="cifar100", root=str(tmp_path / "nowhere")))
+    report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
+    skipped, ran = report["results"]
+    assert skipped["status"] == "skipped" and skipped["path"] == str(tmp_path / "nowhere")
+    assert ran["status"] == "ok" and ran["num_samples"] == 300
+    assert f"skipped: {tmp_path / 'nowhere'} not found" in (tmp_path / "r.md").read_text()
+
+
+def test_results_are_never_overwritten_silently(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    with pytest.raises(UserError, match="exists; choose another --out or pass --overwrite"):
+        run_suite("m", cfg, out=out, model_bundle=tiny_pair())
+    assert out.read_text() == "{}"
+    run_suite("m", cfg, out=out, overwrite=True, model_bundle=tiny_pair())
+    assert json.loads(out.read_text())["results"][0]["status"] == "ok"
+    with pytest.raises(UserError, match="not in suite t"):
+        run_suite("m", cfg, benchmarks=["cifar10"], out=tmp_path / "x.json", model_bundle=tiny_pair())
+
+
+def test_templates_say_where_they_came_from():
+    data = EvalData("classification", [], "cifar")
+    names, templates, source = resolve_prompts(BenchmarkConfig(name="cifar10"), data)
+    assert names == list(benchmark_info("cifar10").classnames) and source == {"from": "cifar10", "borrowed": False,
+                                                                               "count": len(templates)}
+    _, templates, source = resolve_prompts(BenchmarkConfig(name="imagenet-r"), EvalData("classification", [], "imagefolder"))
+    assert source == {"from": "imagenet1k", "borrowed": True, "count": 80} and len(templates) == 80
+    _, _, source = resolve_prompts(BenchmarkConfig(name="cifar10", templates="imagenet1k"), data)
+    assert source["borrowed"] is True and source["count"] == 80
+    with pytest.raises(UserError, match="no templates"):
+        resolve_prompts(BenchmarkConfig(name="my-own"), EvalData("classification", [], "wds", classnames=["a", "b"]))
+
+
+# ---- readers on real images ----------------------------------------------------------------------
+
+def test_image_folder_with_wnid_folders_maps_to_imagenet_labels(tmp_path):
+    wnids = imagenet_wnids()
+    for path, label in foolbox_images("imagenet"):
+        (tmp_path / "val" / wnids[label]).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "val" / wnids[label] / path.name).write_bytes(path.read_bytes())
+    info = benchmark_info("imagenet1k")
+    data = read_benchmark("imagenet1k", tmp_path, "val", lambda im: torch.zeros(1), classnames=list(info.classnames),
+                          wnids=list(info.wnids))
+    targets = sorted(data.dataset[i][2] for i in range(len(data.dataset)))
+    assert data.format == "imagefolder" and targets == sorted(label for _, label in foolbox_images("imagenet"))
+
+
+def test_cifar_pickles_are_read_and_only_numpy_is_unpickled(tmp_path):
+    images = foolbox_images("cifar10")
+    pixels = np.stack([np.asarray(PIL.Image.open(p).convert("RGB")) for p, _ in images])  # (N, 32, 32, 3)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1), b"labels": [l for _, l in images]}
+    (folder / "test_batch").write_bytes(pickle.dumps(batch))
+    data = read_benchmark("cifar10", tmp_path, "test", lambda im: torch.from_numpy(np.asarray(im).copy()))
+    assert data.format == "cifar" and len(data.dataset) == 20
+    for i in (0, 7, 19):
+        index, image, label = data.dataset[i]
+        assert index == i and label == images[i][1] and torch.equal(image, torch.from_numpy(pixels[i]))
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+    (folder / "test_batch").write_bytes(pickle.dumps({b"data": Evil(), b"labels": []}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load builtins.print"):
+        read_benchmark("cifar10", tmp_path, "test", lambda im: im)
+
+
+def test_retrieval_from_a_karpathy_json_and_from_wds_agree(tmp_path):
+    images = foolbox_images("imagenet")[:8]
+    names = benchmark_info("imagenet1k").classnames
+    captions = [[f"a photo of a {names[l]}.", f"{names[l]}, seen up close."] for _, l in images]
+    (tmp_path / "k" / "images").mkdir(parents=True)
+    entries = []
+    for (path, _), caps in zip(images, captions):
+        (tmp_path / "k" / "images" / path.name).write_bytes(path.read_bytes())
+        entries.append({"filename": path.name, "split": "test", "sentences": [{"raw": c} for c in caps]})
+    entries.append({"filename": "not-in-test.jpg", "split": "train", "sentences": [{"raw": "x"}]})
+    (tmp_path / "k" / "dataset_flickr30k.json").write_text(json.dumps({"images": entries}))
+    write_wds_benchmark(tmp_path / "w", [(p.read_bytes(), "jpg", "\n".join(c)) for (p, _), c in zip(images, captions)],
+                        retrieval=True)
+    bundle = tiny_pair(in_channels=3, image_size=32)
+    cfg = EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=[
+        BenchmarkConfig(name="flickr30k", root=str(tmp_path / "k")), BenchmarkConfig(name="coco", root=str(tmp_path / "w"))])
+    karpathy, webdataset = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=bundle)["results"]
+    assert (karpathy["format"], webdataset["format"]) == ("karpathy", "wds")
+    assert karpathy["num_samples"] == webdataset["num_samples"] == 8 and karpathy["num_captions"] == 16
+    assert karpathy["metrics"] == webdataset["metrics"]
+    model, preprocess, tokenizer = bundle
+    with torch.no_grad():
+        zimg = model.encode_image(torch.stack([preprocess(PIL.Image.open(p).convert("RGB")) for p, _ in images]))
+        ztxt = model.encode_text(tokenizer([c for caps in captions for c in caps]))
+    expected = retrieval_metrics(zimg, ztxt, torch.arange(8).repeat_interleave(2))
+    assert karpathy["metrics"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_unreadable_images_are_skipped_and_counted(tmp_path):
+    images = foolbox_images("cifar10")[:5]
+    samples = [(p.read_bytes(), "png", l) for p, l in images]
+    samples[2] = (samples[2][0][:60], "png", samples[2][2])  # truncated PNG
+    root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
+    report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
+                       model_bundle=tiny_pair(in_channels=3, image_size=32))
+    entry = report["results"][0]
+    assert entry["num_samples"] == 4 and entry["bad_samples"] == 1
+    assert entry["templates"]["from"] == "cifar10" and entry["templates"]["borrowed"] is False
+
+
+# ---- suite files and the command line -------------------------------------------------------------
+
+def test_every_shipped_suite_loads():
+    from pathlib import Path
+    suites = sorted(Path(__file__).parent.parent.glob("eval/*.yaml"))
+    assert {s.stem for s in suites} >= {"fashion-mnist", "lit-paper", "clip-27"}
+    for path in suites:
+        cfg = load_config(EvalSuiteConfig, path)
+        assert cfg.benchmarks and all(b.root for b in cfg.benchmarks), path
+        for b in cfg.benchmarks:
+            benchmark_info(b.name)  # every benchmark has shipped metadata
+    assert len(load_config(EvalSuiteConfig, "eval/clip-27.yaml").benchmarks) >= 27
+
+
+def test_cli_mistakes_end_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbenchmarks:\n  - name: cifar10\n    root: /x\n    fromat: wds\n")
+    run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert "unknown config key" in run.stderr and "fromat" in run.stderr and "format" in run.stderr
+    bad.write_text("name: x\nbenchmarks:\n  - name: cifar10\n    root: /x\n    format: zip\n")
+    run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "'benchmarks[0].format' is 'zip'" in run.stderr
