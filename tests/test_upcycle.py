@@ -235,3 +235,15 @@ def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):
     assert "vit-test is a dense tower; upcycling makes Soft MoE towers" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     json.loads((tmp_path / "moe" / "config.json").read_text())
+
+
+def test_qk_norm_follows_the_dense_tower_unless_asked():
+    torch.manual_seed(3)
+    dense = _randomized(create_image_tower("vit-test", qk_norm=False))
+    assert upcycle_tower(dense, "soft-test-4e").cfg.qk_norm is False  # attention stays exact
+    moe = upcycle_tower(dense, "soft-test-4e", qk_norm=True)  # the registered architecture, fresh qk-norm
+    assert moe.cfg.qk_norm is True
+    for i in range(2):
+        assert torch.equal(moe.blocks[i].attn.q_norm.weight, torch.ones(16))
+        assert torch.equal(moe.blocks[i].attn.k_norm.bias, torch.zeros(16))
+        assert torch.equal(moe.blocks[i].attn.qkv.weight, dense.blocks[i].attn.qkv.weight)
