@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import torch
