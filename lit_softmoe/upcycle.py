@@ -19,7 +19,7 @@ telltale keys and renamed to ours, as timm's `checkpoint_filter_fn` (timm/models
 recognizes and rewrites foreign checkpoints. What cannot map from timm (see `timm_to_ours`): the class
 token (our towers pool by global average, so it and its position embedding are dropped), LayerScale,
 register tokens and pre-norms (refused). timm's GELU is the exact erf form and ours the tanh form
-(max difference ~1e-3 per activation), so even the dense part is not the same function; weights map
+(they differ by at most 5e-4 per activation), so even the dense part is not the same function; weights map
 exactly, the function is recovered by fine-tuning, as in sparse upcycling.
 
 Everything works on the meta device: `upcycle_tower(dense, "soft-h14-256e", device="meta")` maps
