@@ -111,6 +111,19 @@ def _cmd_eval(args) -> None:
     print(f"results: {report['paths']['json']} (+ .md, .png)")
 
 
+def _cmd_export(args) -> None:
+    import json
+    from lit_softmoe.export import export_pair
+    out = export_pair(args.run, args.out, dtype=args.dtype, onnx=args.onnx, overwrite=args.overwrite)
+    config = json.loads((out / "config.json").read_text())
+    files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".onnx"))
+    onnx = config.get("onnx") or {}
+    check = "; ONNX vs PyTorch max abs difference " + ", ".join(
+        f"{side} {onnx[side]['max_abs_diff']:.1e}" for side in ("image", "text") if side in onnx) if onnx else ""
+    print(f"{'image tower' if config['kind'] == 'image' else 'LiT pair'} of {args.run} exported ({args.dtype}) to "
+          f"{out}: {', '.join(files)}, config.json, README.md{check}")
+
+
 def _cmd_demo(args) -> None:
     from lit_softmoe.demo import run_demo
     run_demo(data_dir=args.data, runs_dir=args.runs, fast=args.fast)
@@ -224,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "and report the largest gap")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")
     ev.set_defaults(func=_cmd_eval)
+
+    export = sub.add_parser("export", help="a LiT run's paired encoders (or a pretrained tower alone) → one folder")
+    export.add_argument("run", metavar="RUN", help="a finished LiT run folder (or its model/), or a pretraining "
+                        "run / tower folder for an image-only export")
+    export.add_argument("--out", required=True, help="export folder (written atomically)")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="weights on disk (default: fp32); ONNX graphs are always fp32")
+    export.add_argument("--onnx", action="store_true", help="also write image/text_encoder.onnx and check them "
+                        "against PyTorch with onnxruntime")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    export.set_defaults(func=_cmd_export)
 
     demo = sub.add_parser("demo", help="run the main job on Fashion-MNIST end to end")
     demo.add_argument("--data", default="data", help="where datasets and shards go")

@@ -117,7 +117,7 @@ def _classify(path: str | Path) -> _Source:
     if (path / "model" / EXPORT_CONFIG).is_file() and (path / "model" / TOWER_WEIGHTS).is_file():
         return _Source("lit-model", path / "model", path)
     if (path / "tower" / TOWER_CONFIG).is_file() and (path / "tower" / TOWER_WEIGHTS).is_file():
-        return _Source("tower", path / "tower", path)
+        return _Source("tower", path / "tower", path if (path / "config.yaml").is_file() else None)
     if (path / STATE_META).is_file() and (path / STATE_TENSORS).is_file() and path.parent.name == "checkpoints":
         run_dir = path.parent.parent
         if (run_dir / "config.yaml").is_file() and "text" in _run_config(run_dir):
@@ -176,7 +176,10 @@ def _preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
 
     return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
             "resize": "shorter side to image_size, bilinear, antialiased", "crop": "center",
-            "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"])}
+            "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"]),
+            # RGB → gray for 1-channel towers: torchvision's Grayscale weights, truncated to uint8 (PIL's
+            # convert("L") rounds its own weights and can differ by one level).
+            "luma_weights": [0.2989, 0.587, 0.114]}
 
 
 def make_preprocess(spec: dict):

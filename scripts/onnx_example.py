@@ -1,0 +1,41 @@
+"""Embed one image and one caption with an exported pair: onnxruntime + numpy + PIL + tokenizers, no torch.
+
+    lit-softmoe export RUN --out DIR --onnx
+    python scripts/onnx_example.py DIR image.png "a photo of a sneaker" [embeddings.npz]
+
+The block between the markers is the README's "Export" example, verbatim (a test keeps them equal
+and runs this file with torch and lit_softmoe made unimportable).
+"""
+# --- example start
+import json
+import sys
+
+import numpy as np
+import onnxruntime as ort
+from PIL import Image
+from tokenizers import Tokenizer  # installed with transformers; `pip install tokenizers` alone works too
+
+export_dir, image_path, caption = sys.argv[1:4]
+
+pre = json.load(open(f"{export_dir}/config.json"))["preprocess"]
+size = pre["image_size"]
+image = Image.open(image_path)
+if pre["mode"] == "L" and image.mode != "L":  # torchvision's luma: these weights, then truncated
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32) @ np.float32(pre["luma_weights"])
+    image = Image.fromarray(rgb.astype(np.uint8))
+image = image.convert(pre["mode"])  # "L" or "RGB", as the tower takes
+short, long = sorted(image.size)  # resize the shorter side to `size`, then crop the center
+resized = (size, int(size * long / short))
+image = image.resize(resized if image.width <= image.height else resized[::-1], Image.BILINEAR)
+left, top = round((image.width - size) / 2), round((image.height - size) / 2)
+image = image.crop((left, top, left + size, top + size))
+pixels = np.asarray(image, dtype=np.float32).reshape(size, size, -1).transpose(2, 0, 1) / 255  # (C, H, W)
+pixels = (pixels - np.float32(pre["mean"])[:, None, None]) / np.float32(pre["std"])[:, None, None]
+
+ids = np.array([Tokenizer.from_file(f"{export_dir}/tokenizer.json").encode(caption).ids], dtype=np.int64)  # (1, L)
+image_embedding = ort.InferenceSession(f"{export_dir}/image_encoder.onnx").run(None, {"pixels": pixels[None]})[0]
+text_embedding = ort.InferenceSession(f"{export_dir}/text_encoder.onnx").run(None, {"ids": ids})[0]
+print("cosine similarity:", float(image_embedding[0] @ text_embedding[0]))  # both (1, D), unit length
+# --- example end
+if len(sys.argv) > 4:
+    np.savez(sys.argv[4], image=image_embedding, text=text_embedding)
