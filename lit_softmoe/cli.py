@@ -90,7 +90,9 @@ def _cmd_models(args) -> None:
     from lit_softmoe.models.vit import image_tower_config, list_image_towers
     for name in list_image_towers():
         cfg = image_tower_config(name)
-        kind = f"soft moe {cfg.num_experts}e in blocks {cfg.moe_layers[0]}-{cfg.moe_layers[-1]}" \
+        moe = {"soft": "soft moe", "tokens_choice": f"tokens choice k={cfg.num_selected_experts}",
+               "experts_choice": "experts choice"}[cfg.moe_type]
+        kind = f"{moe} {cfg.num_experts}e in blocks {cfg.moe_layers[0]}-{cfg.moe_layers[-1]}" \
             if cfg.moe_layers else "dense"
         print(f"{name:18s} {cfg.image_size}px/{cfg.patch_size} width {cfg.width} depth {cfg.depth} {kind}")
 
