@@ -370,8 +370,9 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
         kwargs = (dict(dynamic_shapes={input_name: {0: torch.export.Dim("batch")}}) if exporter == "dynamo" else
                   dict(dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}}))
         try:
-            # The exporter reports progress on stdout; the CLI prints one line.
-            with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+            # The exporter reports progress (and its optimizer's harmless constant-folding misses) on
+            # stdout and stderr; the CLI prints one line, and a real failure raises anyway.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
                 torch.onnx.export(module, (example,), str(file), input_names=[input_name], output_names=[output_name],
                                   dynamo=exporter == "dynamo", external_data=external, verbose=False, **kwargs)
             break
