@@ -177,9 +177,8 @@ def _preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
     return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
             "resize": "shorter side to image_size, bilinear, antialiased", "crop": "center",
             "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"]),
-            # RGB → gray for 1-channel towers: torchvision's Grayscale weights, truncated to uint8 (PIL's
-            # convert("L") rounds its own weights and can differ by one level).
-            "luma_weights": [0.2989, 0.587, 0.114]}
+            # RGB → gray for 1-channel towers: PIL's convert("L") (exact on gray content).
+            "gray": "PIL convert('L')"}
 
 
 def make_preprocess(spec: dict):

@@ -20,10 +20,7 @@ export_dir, image_path, caption = sys.argv[1:4]
 pre = json.load(open(f"{export_dir}/config.json"))["preprocess"]
 size = pre["image_size"]
 image = Image.open(image_path)
-if pre["mode"] == "L" and image.mode != "L":  # torchvision's luma: these weights, then truncated
-    rgb = np.asarray(image.convert("RGB"), dtype=np.float32) @ np.float32(pre["luma_weights"])
-    image = Image.fromarray(rgb.astype(np.uint8))
-image = image.convert(pre["mode"])  # "L" or "RGB", as the tower takes
+image = image.convert(pre["mode"])  # "L" or "RGB", as the tower takes (PIL's own RGB → gray)
 short, long = sorted(image.size)  # resize the shorter side to `size`, then crop the center
 resized = (size, int(size * long / short))
 image = image.resize(resized if image.width <= image.height else resized[::-1], Image.BILINEAR)

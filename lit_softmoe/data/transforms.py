@@ -55,11 +55,23 @@ def _channel_conversion(in_channels: int) -> tuple[list[v2.Transform], list[v2.T
     if in_channels == 3:
         return [], [v2.RGB()]  # 1 channel → 3 equal channels; 3 stay 3
     if in_channels == 1:
-        return [v2.Grayscale(num_output_channels=1)], []
+        return [v2.Grayscale(num_output_channels=1)], []  # tensors only: PIL images arrive as "L" already
     raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
 
 
-_PIL_MODES = v2.Lambda(to_l_or_rgb, PIL.Image.Image)  # applied to PIL inputs only
+def to_l(image: PIL.Image.Image) -> PIL.Image.Image:
+    """A PIL image in mode "L", converted by PIL itself.
+
+    PIL's luma is exact on gray content (its fixed-point weights sum to exactly 1), so a grayscale
+    photo saved as RGB gives the same pixels as the original; torchvision's tensor Grayscale
+    truncates and would shift such an image down one level (CLIP_benchmark decodes every image to
+    RGB, so our gray towers would otherwise see other pixels there than here).
+    """
+    return to_l_or_rgb(image).convert("L")
+
+
+def _pil_modes(in_channels: int) -> v2.Transform:
+    return v2.Lambda(to_l if in_channels == 1 else to_l_or_rgb, PIL.Image.Image)  # applied to PIL inputs only
 
 
 def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
@@ -77,7 +89,7 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
     """
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
-        _PIL_MODES,
+        _pil_modes(in_channels),
         v2.ToImage(),
         *before,
         v2.Resize(image_size, antialias=True),
@@ -116,7 +128,7 @@ def train_transform(
     flip = [v2.RandomHorizontalFlip()] if hflip else []
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
-        _PIL_MODES,
+        _pil_modes(in_channels),
         v2.ToImage(),
         *before,
         *geometry,
