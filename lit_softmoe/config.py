@@ -133,7 +133,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    # `key=` means the empty string (a shell eats the quotes of `key=''`); OmegaConf would read None.
+    layers.append(OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides]))
     try:
         merged = OmegaConf.merge(base, *layers)
     except ConfigKeyError as err:

@@ -56,3 +56,11 @@ def test_wrong_type_and_bad_choice_and_missing_file(tmp_path):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
     with pytest.raises(UserError, match="key=value"):
         load_config(PretrainConfig, None, ["optim.lr"])
+
+
+def test_an_empty_override_is_the_empty_string():
+    # `eval.shards=` (or `eval.shards=''`, whose quotes the shell removes) disables the eval set.
+    assert load_config(LiTConfig, None, ["eval.shards="]).eval.shards == ""
+    assert load_config(LiTConfig, None, ["eval.shards=''"]).eval.shards == ""
+    with pytest.raises(UserError, match="batch_size"):
+        load_config(LiTConfig, None, ["batch_size="])  # an int cannot be empty
