@@ -511,3 +511,70 @@ def test_bf16_weights_forward_and_backward():
     assert rel < 5e-2, rel
     y.float().square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+# ---- the fused forward (what `forward` runs) against the step-by-step reference -----------------
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_forward_equals_the_reference_fp32(slots, masked):
+    layer = make_layer(dim=24, num_experts=5, slots=slots, hidden=40, dtype=torch.float32, seed=slots)
+    x = randn(3, 11, 24, dtype=torch.float32, seed=10 + slots, std=2.0)
+    mask = (torch.arange(11)[None] < torch.tensor([[11], [7], [3]])) if masked else None
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, new = layer.forward_reference(x_ref, mask), layer(x_new, mask)
+    torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
+    grad = randn(*ref.shape, dtype=torch.float32, seed=99)
+    ref_grads = torch.autograd.grad(ref, [x_ref, *layer.parameters()], grad)
+    new_grads = torch.autograd.grad(new, [x_new, *layer.parameters()], grad)
+    for got, want in zip(new_grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_forward_gradcheck_fp64():
+    layer = make_layer(dim=6, num_experts=3, slots=2, hidden=5, dtype=torch.float64)
+    x = randn(2, 4, 6, std=1.5).requires_grad_()
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    names = [name for name, _ in layer.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+
+    def run(x, *ps, mask=None):
+        return torch.func.functional_call(layer, dict(zip(names, ps)), (x, mask))
+
+    assert torch.autograd.gradcheck(run, (x, *params))
+    assert torch.autograd.gradcheck(lambda x, *ps: run(x, *ps, mask=mask), (x, *params))
+
+
+def test_fused_forward_under_bf16_matches_the_reference_under_bf16():
+    layer = make_layer(dim=32, num_experts=4, slots=1, hidden=64, dtype=torch.float32, scale=2.0)
+    x = F.layer_norm(randn(2, 16, 32, dtype=torch.float32), (32,))
+    with torch.no_grad():
+        ref32 = layer.forward_reference(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref, new = layer.forward_reference(x), layer(x)
+        low = make_layer(dim=32, num_experts=4, slots=1, hidden=64, dtype=torch.float32, scale=2.0).bfloat16()
+        weights16 = low(x.bfloat16())
+    assert new.dtype == ref.dtype == weights16.dtype == torch.bfloat16
+    for out in (new, weights16):
+        assert ((out.float() - ref32).norm() / ref32.norm()) < 2e-2
+    # Not worse than the reference's own bf16 error.
+    assert (new.float() - ref32).norm() <= 1.5 * (ref.float() - ref32).norm()
+
+
+def test_fused_forward_traces_as_one_graph():
+    # fullgraph: no graph break anywhere (what lets inductor fuse it); aot_eager also runs the
+    # backward through AOTAutograd without compiling kernels, so this stays fast on the CPU.
+    from lit_softmoe.nn.soft_moe import soft_moe_forward
+    layer = make_layer(dim=16, num_experts=4, slots=1, hidden=32, dtype=torch.float32)
+    compiled = torch.compile(soft_moe_forward, backend="aot_eager", fullgraph=True, dynamic=False)
+    x = randn(2, 9, 16, dtype=torch.float32).requires_grad_()
+    got = compiled(x, layer.phi, layer.scale, layer.experts)
+    torch.testing.assert_close(got, layer.forward_reference(x), rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
+def test_compiled_flag_is_kept_and_shown():
+    layer = SoftMoE(8, 2, 16, slots_per_expert=1, compiled=True)
+    assert layer.compiled and "compiled=True" in repr(layer)
+    assert not SoftMoE(8, 2, 16, slots_per_expert=1).compiled

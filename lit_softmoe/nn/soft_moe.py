@@ -11,9 +11,18 @@ inside an example, never across the batch.
 
 The experts are batched: weights stacked on a leading expert axis, one batched matmul per
 projection, no Python loop over experts.
+
+Two implementations of the same function: `SoftMoE.forward_reference` (the steps above, one by one)
+and `soft_moe_forward` (what `forward` runs): the cosine is taken as <x, φ̂> / |x| so the normalized
+tokens x̂ are never materialized, the routing (norms, logits, both softmaxes and their sums) runs in
+fp32 while the matmuls run in the activations' dtype (bf16 weights or autocast: one explicit cast
+per operand), and the slots go to the experts expert-major as strided views (no copy when p = 1;
+cuBLAS reads the strides). `SoftMoE(..., compiled=True)` runs it through `torch.compile`, which fuses
+the norm, the fp32 routing and the casts into a few kernels around the five matmuls.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -62,9 +71,11 @@ class BatchedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (n, tokens, d), expert-major so each projection is a single bmm.
-        hidden = torch.baddbmm(self.b1.unsqueeze(1), x, self.w1)  # (n, tokens, hidden)
+        # Weights cast to x's dtype: a no-op for weights already in it; under autocast x is fp32 or
+        # already cast, and autocast casts as before.
+        hidden = torch.baddbmm(self.b1.to(x.dtype).unsqueeze(1), x, self.w1.to(x.dtype))  # (n, tokens, hidden)
         hidden = F.gelu(hidden, approximate="tanh")  # flax's nn.gelu default is the tanh form
-        return torch.baddbmm(self.b2.unsqueeze(1), hidden, self.w2)  # (n, tokens, d)
+        return torch.baddbmm(self.b2.to(x.dtype).unsqueeze(1), hidden, self.w2.to(x.dtype))  # (n, tokens, d)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
@@ -85,6 +96,65 @@ def _l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t * torch.rsqrt(t.pow(2).sum(dim=dim, keepdim=True) + _NORM_EPS)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's when it is on for x's device, else x's own."""
+    device_type = x.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, experts: "BatchedExperts",
+                     mask: torch.Tensor | None = None, noise_std: float = 0.0) -> torch.Tensor:
+    """Soft MoE as one function (so `torch.compile` sees all of it).
+
+    x: (b, m, d); phi: (d, n, p); scale: (); experts: maps (n, tokens, d) → (n, tokens, d) in its
+    input's dtype; mask: optional (b, m) bool, True for real tokens; noise_std > 0 adds logit noise.
+    Returns (b, m, d) in the matmuls' dtype (autocast's, else x's). Same function as
+    `SoftMoE.forward_reference`.
+    """
+    b, m, d = x.shape
+    _, n, p = phi.shape
+    dtype = _compute_dtype(x)
+    routing_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    autocast_off = (torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu")
+                    else contextlib.nullcontext())
+    with autocast_off:  # every cast below is explicit
+        x = x.to(dtype)
+        if mask is not None:
+            # Zero the padding itself: a zero dispatch weight times an inf or NaN pad is still NaN.
+            x = x.masked_fill(~mask[:, :, None], 0.0)
+        # scale · <x/|x|, φ/|φ|> = (x @ (scale · φ̂)) / |x|: the small (d, n·p) side is normalized and
+        # scaled, the tokens only contribute one fp32 norm each.
+        phi_hat = _l2_normalize(phi.to(routing_dtype), dim=0).flatten(1) * scale.to(routing_dtype)  # (d, n·p)
+        token_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=routing_dtype)  # (b, m, 1)
+        logits = (x @ phi_hat.to(dtype)).to(routing_dtype) * torch.rsqrt(token_norm.square() + _NORM_EPS)
+        if noise_std > 0:
+            logits = logits + noise_std * torch.randn_like(logits)
+        dispatch_logits = logits if mask is None else logits.masked_fill(~mask[:, :, None], float("-inf"))
+        dispatch = dispatch_logits.softmax(dim=1).to(dtype)  # (b, m, n·p): each slot mixes tokens
+        combine = logits.softmax(dim=2).to(dtype)  # (b, m, n·p): each token mixes slots
+        slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d)
+        # Expert-major views: for p = 1 these are strided views, not copies.
+        slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)  # (n, b·p, d)
+        slot_outputs = experts(slots)  # (n, b·p, d)
+        slot_outputs = slot_outputs.view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)  # (b, n·p, d)
+        y = combine @ slot_outputs  # (b, m, d)
+        if mask is not None:
+            y = y * mask[:, :, None].to(y.dtype)
+    return y
+
+
+_COMPILED: dict = {}
+
+
+def compiled_soft_moe_forward(mode: str | None = None):
+    """`soft_moe_forward` through `torch.compile` (built once per mode, shared by every layer)."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(soft_moe_forward, mode=mode, dynamic=False)
+    return _COMPILED[mode]
+
+
 class SoftMoE(nn.Module):
     """Soft MoE layer: a drop-in replacement for a transformer block's MLP.
 
@@ -99,12 +169,14 @@ class SoftMoE(nn.Module):
             parameter tied to m, so it accepts any sequence length afterwards.
         noise_std: std of Gaussian noise added to the logits in training (0 = off, as released).
         shared_expert_init: all experts start from the same init (default, as released).
+        compiled: run the forward through `torch.compile` (`compiled_soft_moe_forward`); the first
+            call per shape compiles (seconds). Compiling the whole tower instead has the same effect.
     """
 
     def __init__(self, dim: int, num_experts: int, hidden_dim: int,
                  slots_per_expert: int | None = None, capacity_factor: float | None = None,
                  num_tokens: int | None = None, noise_std: float = 0.0,
-                 shared_expert_init: bool = True, device=None, dtype=None):
+                 shared_expert_init: bool = True, compiled: bool = False, device=None, dtype=None):
         super().__init__()
         if slots_per_expert is None:
             if capacity_factor is None or num_tokens is None:
@@ -115,6 +187,7 @@ class SoftMoE(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
         self.noise_std = noise_std
+        self.compiled = compiled
         self.phi = nn.Parameter(torch.empty(dim, num_experts, slots_per_expert, **factory))
         self.scale = nn.Parameter(torch.ones((), **factory))
         self.experts = BatchedExperts(num_experts, dim, hidden_dim, shared_expert_init, **factory)
@@ -175,6 +248,11 @@ class SoftMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
+        forward = compiled_soft_moe_forward() if self.compiled else soft_moe_forward
+        return forward(x, self.phi, self.scale, self.experts, mask, self.noise_std if self.training else 0.0)
+
+    def forward_reference(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The algorithm step by step (x̂ materialized, autocast's own casts): what `forward` must equal."""
         b, m, d = x.shape
         n, p = self.num_experts, self.slots_per_expert
         if mask is not None:
@@ -193,4 +271,5 @@ class SoftMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_experts={self.num_experts}, "
-                f"slots_per_expert={self.slots_per_expert}, noise_std={self.noise_std}")
+                f"slots_per_expert={self.slots_per_expert}, noise_std={self.noise_std}"
+                + (", compiled=True" if self.compiled else ""))
