@@ -1,9 +1,9 @@
-"""`lit-softmoe demo`: the main job on real data, end to end, with a headline per stage.
+"""`lit-softmoe demo`: the whole product on real data, end to end, with a headline per stage.
 
 Fashion-MNIST → shards → pretrain the tiny Soft MoE tower → cache its features (embed) → LiT-train a
-text tower against the locked tower → zero-shot top-1 with prompts no training caption uses, beside
-the tower's own test top-1 and linear-probe ceiling. Export joins this pipeline when it lands.
-Every stage skips work that is already done, so a second run only re-evaluates.
+text tower against the locked tower → zero-shot eval suite (cross-checked with CLIP_benchmark when it
+is installed) → export the pair with ONNX → load the export and classify five test images by text
+prompts. Every stage skips work that is already done, so a second run only re-evaluates and re-exports.
 """
 from __future__ import annotations
 
@@ -31,8 +31,45 @@ def _config_file(*parts: str) -> Path:
     return path
 
 
+def _read_test_images(split_dir: Path, count: int) -> list[tuple[object, int]]:
+    """The first `count` (PIL image, label) pairs of a class split, read straight from its tar."""
+    import io
+    import tarfile
+
+    import PIL.Image
+    samples: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(split_dir / "0.tar") as tar:
+        for member in tar:
+            key, ext = member.name.split(".", 1)
+            if len(samples) == count and key not in samples:
+                break
+            samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for s in samples.values()]
+
+
+def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
+    """Load the export as a user would and pick, for each test image, the best of the class prompts."""
+    import torch
+
+    from lit_softmoe.export import load_pretrained
+    model, preprocess, tokenizer = load_pretrained(export_dir)
+    classnames = (shards / "classnames.txt").read_text().split("\n")[:10]
+    prompts = [f"a product photo of the {name}." for name in classnames]
+    images = _read_test_images(shards / "test", count)
+    with torch.no_grad():
+        zimg = model.encode_image(torch.stack([preprocess(image) for image, _ in images]))  # (count, D)
+        ztxt = model.encode_text(tokenizer(prompts))  # (C, D)
+        probs = (model.log_scale.exp() * zimg @ ztxt.T).softmax(dim=-1)  # (count, C)
+    return [{"label": classnames[label], "prompt": prompts[int(p.argmax())], "prob": float(p.max())}
+            for (_, label), p in zip(images, probs)]
+
+
 def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False) -> dict:
+    from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
     from lit_softmoe.data.sources import write_fashion_mnist_shards
+    from lit_softmoe.export import export_pair
+    from lit_softmoe.zeroshot.peer import clip_benchmark_available
+    from lit_softmoe.zeroshot.suite import markdown_table, run_suite
     from lit_softmoe.train.embed import embed_shards
     from lit_softmoe.train.lit import train_lit
     from lit_softmoe.train.pretrain import pretrain
@@ -43,14 +80,14 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     features = Path(data_dir) / f"{name}-features"
     run_root = Path(runs_dir) / ("demo-fast" if fast else "demo")
 
-    _headline("1/4 Fashion-MNIST → webdataset shards")
+    _headline("1/7 Fashion-MNIST → webdataset shards")
     tic = time.perf_counter()
     summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
     counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
     print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic
 
-    _headline("2/4 pretrain the tiny Soft MoE tower on the class labels")
+    _headline("2/7 pretrain the tiny Soft MoE tower on the class labels")
     tic = time.perf_counter()
     pretrain_cfg = load_config(PretrainConfig, _config_file("pretrain", "fmnist-soft-tiny.yaml"),
                                (FAST_PRETRAIN if fast else []) + [
@@ -60,7 +97,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     tower_dir = run_root / "pretrain" / "tower"
     timings["pretrain"] = time.perf_counter() - tic
 
-    _headline("3/4 run the locked tower once over every image (feature cache)")
+    _headline("3/7 run the locked tower once over every image (feature cache)")
     tic = time.perf_counter()
     for split in ("train", "test"):
         cached = embed_shards(tower_dir, str(shards / split), features, split=split)
@@ -68,7 +105,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
               f"{'already there' if cached['skipped'] else 'written'} in {features / split}")
     timings["embed"] = time.perf_counter() - tic
 
-    _headline("4/4 LiT: train a text tower against the locked tower, evaluate zero-shot")
+    _headline("4/7 LiT: train a text tower against the locked tower")
     tic = time.perf_counter()
     lit_cfg = load_config(LiTConfig, _config_file("lit", "fmnist-tiny.yaml"), (FAST_LIT if fast else []) + [
         f"image_tower={tower_dir}", f"data.train={features / 'train'}", f"eval.shards={features / 'test'}",
@@ -76,18 +113,52 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     lit_results = train_lit(lit_cfg)
     timings["lit"] = time.perf_counter() - tic
 
+    _headline("5/7 zero-shot eval suite" + (" (cross-checked with CLIP_benchmark)" if clip_benchmark_available() else ""))
+    tic = time.perf_counter()
+    suite = EvalSuiteConfig(name="fashion-mnist", cache_dir=str(Path(data_dir) / "eval-cache"),
+                            benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(shards))])
+    report = run_suite(run_root / "lit", suite, peer=clip_benchmark_available())
+    print(markdown_table(report))
+    entry = report["results"][0]
+    peer = entry.get("peer", {})
+    if peer.get("status") == "ok":
+        print(f"CLIP_benchmark on the same model and files: top-1 {100 * peer['metrics']['top1']:.2f} "
+              f"(largest gap {peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
+    timings["eval"] = time.perf_counter() - tic
+
+    _headline("6/7 export the pair (safetensors + ONNX checked with onnxruntime)")
+    tic = time.perf_counter()
+    export_dir = export_pair(run_root / "lit", run_root / "export", onnx=True, overwrite=True)
+    onnx = __import__("json").loads((export_dir / "config.json").read_text()).get("onnx", {})
+    diffs = ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in onnx.items() if isinstance(info, dict))
+    print(f"exported to {export_dir} (ONNX vs PyTorch max abs difference: {diffs})")
+    timings["export"] = time.perf_counter() - tic
+
+    _headline("7/7 load the export and classify five test images by text prompts")
+    tic = time.perf_counter()
+    picks = _classify_with_export(export_dir, shards)
+    for i, pick in enumerate(picks):
+        mark = "ok" if pick["label"] in pick["prompt"] else "wrong"
+        print(f"  test image {i} ({pick['label']}): \"{pick['prompt']}\" p={pick['prob']:.2f} [{mark}]")
+    timings["classify"] = time.perf_counter() - tic
+
     _headline("results")
     shots = pretrain_cfg.fewshot_shots
     rows = [("image tower", f"{pretrain_cfg.tower.name} ({tower_results['params'] / 1e6:.2f}M params)"),
             ("tower test top-1 (classifier head)", f"{tower_results['test_top1']:.4f}"),
             (f"tower {shots}-shot linear probe", f"{tower_results[f'fewshot{shots}_top1']:.4f}"),
             ("tower linear probe, all train images", f"{lit_results['linear_probe_top1']:.4f}"),
-            ("LiT zero-shot top-1 (unseen prompts)", f"{lit_results['zeroshot_top1']:.4f}"),
-            *[(f"time: {stage}", f"{seconds:.0f} s") for stage, seconds in timings.items()]]
+            ("LiT zero-shot top-1 (unseen prompts)", f"{entry['metrics']['top1']:.4f}"),
+            ("LiT zero-shot top-5", f"{entry['metrics']['top5']:.4f}"),
+            *[(f"time: {stage}", f"{seconds:.0f} s") for stage, seconds in timings.items()],
+            ("time: total", f"{sum(timings.values()):.0f} s")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     print(f"\nartifacts:\n  shards          {shards}\n  tower           {tower_dir}\n"
-          f"  feature cache   {features}\n  LiT model       {run_root / 'lit' / 'model'}\n"
+          f"  feature cache   {features}\n  LiT run         {run_root / 'lit'}\n"
+          f"  eval results    {report['paths']['json']} (+ .md, .png)\n"
+          f"  export          {export_dir} (README.md model card, *.safetensors, *.onnx, tokenizer.json)\n"
           f"  metrics, curves {run_root / 'pretrain'}, {run_root / 'lit'} (metrics.jsonl, curves.png)")
-    return {"pretrain": tower_results, "lit": lit_results, "timings": timings}
+    return {"pretrain": tower_results, "lit": lit_results, "eval": report, "export": str(export_dir),
+            "classified": picks, "timings": timings}

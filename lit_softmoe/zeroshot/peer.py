@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 MODEL_TYPE = "lit_softmoe"
@@ -73,7 +74,9 @@ def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset
                 "--recall_k", *[str(k) for k in recall_k]]
         saved_argv, sys.argv = sys.argv, argv
         try:
-            cli.main()
+            with warnings.catch_warnings():  # its webdataset calls predate webdataset 1.0's shardshuffle warning
+                warnings.simplefilter("ignore", UserWarning)
+                cli.main()
         finally:
             sys.argv = saved_argv
             _BUNDLES.pop(str(model_path), None)
