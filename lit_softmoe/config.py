@@ -77,6 +77,7 @@ _VALID_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
 }
+_VALID_CHOICES["precision"] = ("auto", "fp32", "bf16")  # also the eval suites' key
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
     "benchmarks.task": ("", "classification", "retrieval"),
@@ -232,4 +233,5 @@ class EvalSuiteConfig:
     text_batch_size: int = 1024  # prompts or captions per text-tower forward
     workers: int = 2  # image-decoding worker processes
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16
     cache_dir: str = ""  # image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval

@@ -250,3 +250,13 @@ def test_cli_mistakes_end_in_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "'benchmarks[0].format' is 'zip'" in run.stderr
+
+
+def test_bf16_is_cached_apart_and_stays_close(fmnist, tmp_path):
+    bundle = tiny_pair()
+    fp32 = run_suite("m", _suite(fmnist, tmp_path / "cache"), out=tmp_path / "a.json", model_bundle=bundle)
+    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg.precision = "bf16"
+    bf16 = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)
+    assert bf16["results"][0]["image_cache"] == "miss"  # other numbers, other cache entry
+    assert abs(bf16["results"][0]["metrics"]["top1"] - fp32["results"][0]["metrics"]["top1"]) < 0.05

@@ -18,6 +18,7 @@ valid for every text tower and head trained against the same locked tower.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -46,6 +47,15 @@ def default_cache_dir() -> Path:
 
 # ---------------------------------------------------------------------------------- image features
 
+def _bf16(device: torch.device, precision: str) -> bool:
+    """bf16 autocast: "auto" means on CUDA only (CPU bf16 matmuls are slow and change the numbers)."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def _autocast(device: torch.device, precision: str):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(device, precision))
+
+
 def _collate(items: list[tuple]) -> tuple:
     good = [(i, image, target) for i, image, target in items if image is not None]
     indices = torch.tensor([i for i, _, _ in good], dtype=torch.long)
@@ -55,11 +65,11 @@ def _collate(items: list[tuple]) -> tuple:
 
 @torch.inference_mode()
 def encode_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
-                  progress: bool = False, desc: str = "images") -> tuple[torch.Tensor, list, int]:
+                  progress: bool = False, desc: str = "images", precision: str = "auto") -> tuple[torch.Tensor, list, int]:
     """→ (features (N, width) float32 in dataset order, targets (N,), skipped bad images)."""
     loader = DataLoader(data.dataset, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
                         pin_memory=device.type == "cuda", persistent_workers=False)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = _autocast(device, precision)
     indices, features, targets, bad = [], [], [], 0
     for index, images, target, skipped in tqdm(loader, desc=desc, disable=not progress, leave=False):
         bad += skipped
@@ -76,12 +86,12 @@ def encode_images(model, data: EvalData, batch_size: int, workers: int, device: 
     return features, [targets[i] for i in order.tolist()], bad
 
 
-def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device) -> str:
+def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device, precision: str) -> str:
     info = getattr(model, "pretrained_info", None) or {}
     identity = {"format": CACHE_FORMAT, "tower_sha256": info.get("image_tower_sha256"),
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
                 "benchmark": spec.name, "split": spec.split, "reader": data.format, "data": data.signature,
-                "precision": "bf16" if device.type == "cuda" else "fp32"}
+                "precision": "bf16" if _bf16(device, precision) else "fp32"}
     if identity["tower_sha256"] is None:  # a model built in memory: hash its weights instead
         identity["tower_sha256"] = model.image_tower_state_hash()
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -91,12 +101,14 @@ def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: Eva
                           device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
     """(features, targets, bad, "hit" | "miss" | "off"): from the cache when it holds this key."""
     if cache_dir is None:
-        return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name), "off")
-    folder = cache_dir / _cache_key(model, spec, data, device)
+        return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+                               cfg.precision), "off")
+    folder = cache_dir / _cache_key(model, spec, data, device, cfg.precision)
     if (folder / "meta.json").is_file():
         meta = json.loads((folder / "meta.json").read_text())
         return load_file(folder / "features.safetensors")["features"], meta["targets"], meta["bad"], "hit"
-    features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name)
+    features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+                                           cfg.precision)
 
     def write(tmp: Path) -> None:
         save_file({"features": features.contiguous()}, tmp / "features.safetensors")
@@ -168,8 +180,8 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
 # ---------------------------------------------------------------------------------- one benchmark
 
 @torch.inference_mode()
-def _encode_texts(model, tokenizer, texts: list[str], batch_size: int, device) -> torch.Tensor:
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def _encode_texts(model, tokenizer, texts: list[str], batch_size: int, device, precision: str) -> torch.Tensor:
+    autocast = _autocast(device, precision)
     out = []
     for start in range(0, len(texts), batch_size):
         with autocast:
@@ -202,8 +214,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
             if labels.min() < 0 or labels.max() >= len(classnames):
                 raise UserError(f"{spec.name}: labels run from {labels.min()} to {labels.max()} but there are "
                                 f"{len(classnames)} class names; check classnames for {spec.root}")
-            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-            with autocast:
+            with _autocast(device, cfg.precision):
                 classifier = build_zeroshot_classifier(model.encode_text, tokenizer, classnames, templates,
                                                        batch_size=cfg.text_batch_size, device=device)
             result.update(metrics=zeroshot_metrics(images, labels, classifier), templates=source,
@@ -212,7 +223,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
             captions = [c.splitlines() for c in targets]
             texts = [t for group in captions for t in group]
             owner = torch.tensor([i for i, group in enumerate(captions) for _ in group])
-            texts_emb = _encode_texts(model, tokenizer, texts, cfg.text_batch_size, device)
+            texts_emb = _encode_texts(model, tokenizer, texts, cfg.text_batch_size, device, cfg.precision)
             result.update(metrics=retrieval_metrics(images, texts_emb, owner.to(device), ks=tuple(cfg.recall_k)),
                           num_captions=len(texts), templates=None)
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
@@ -248,6 +259,8 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; choose another --out or pass --overwrite")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if peer and cfg.precision == "auto":  # CLIP_benchmark runs with --no_amp: compare like with like
+        cfg = dataclasses.replace(cfg, precision="fp32")
     if model_bundle is None:
         from lit_softmoe.export import load_pretrained
         model_bundle = load_pretrained(model_path, device=device)
