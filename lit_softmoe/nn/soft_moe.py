@@ -148,11 +148,12 @@ def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, ex
 _COMPILED: dict = {}
 
 
-def compiled_soft_moe_forward(mode: str | None = None):
-    """`soft_moe_forward` through `torch.compile` (built once per mode, shared by every layer)."""
-    if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(soft_moe_forward, mode=mode, dynamic=False)
-    return _COMPILED[mode]
+def compiled_soft_moe_forward(mode: str | None = None, backend: str = "inductor"):
+    """`soft_moe_forward` through `torch.compile` (built once per mode and backend, shared by every layer)."""
+    key = (mode, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(soft_moe_forward, mode=mode, backend=backend, dynamic=False)
+    return _COMPILED[key]
 
 
 class SoftMoE(nn.Module):

@@ -1,0 +1,91 @@
+"""scripts/bench_gpu.py (issue 8's GPU benchmarks) in its CPU mode: tiny shapes, every part, every row
+timed, every ratio finite and positive, JSON and Markdown written; a missing peer gives a row that
+says so instead of a crash. Guards the script the GPU run depends on against rot."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYER_ROWS = {"ours", "ours compiled", "dense MLP", "dense MLP compiled", "soft-moe-pytorch",
+              "ours step by step (forward_reference)"}
+TOWER_ROWS = {"timm vit_base_patch16_224", "ours soft-b16-128e", "timm vit_base_patch16_224 compiled",
+              "ours soft-b16-128e compiled", "ours vit-b16"}
+LIT_ROWS = {"open_clip lock-image", "ours on-the-fly", "ours cached", "ours on-the-fly, tower compiled",
+            "open_clip image features given", "ours cached, text compiled"}
+
+
+@pytest.fixture(scope="module")
+def bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # puts scripts/ on sys.path for benchlib, bench_softmoe, bench_lit
+    return module
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(not all(map(_installed, ("timm", "open_clip", "soft_moe_pytorch"))),
+                    reason="the peers (timm, open_clip_torch, soft-moe-pytorch) are dev dependencies")
+def test_cpu_mode_writes_every_row_and_ratio(bench_gpu, tmp_path):
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    bench_gpu.main(["--cpu", "--iters", "1", "--peer-iters", "1", "--json", str(out_json), "--md", str(out_md)])
+    result = json.loads(out_json.read_text())
+    assert result["mode"] == "cpu" and result["torch"] and result["device_name"]
+    rows = result["rows"]
+    by_part = {part: {r["name"] for r in rows if r["part"] == part} for part in ("layer", "tower", "lit")}
+    assert by_part == {"layer": LAYER_ROWS, "tower": TOWER_ROWS, "lit": LIT_ROWS}
+    assert len([r for r in rows if r["part"] == "layer"]) == 2 * len(LAYER_ROWS)  # fp32 and bf16 weights
+    for r in rows:
+        assert r["ms"] is not None and r["ms"] > 0, r
+        assert r["note"] == "", r
+        if r["part"] != "layer":
+            assert r["per_s"] > 0, r
+    # FLOPs are counted for the rows the ratios and MFU use.
+    assert all(r["gflop"] > 0 for r in rows if r["name"] in ("ours", "dense MLP", "ours soft-b16-128e",
+                                                              "timm vit_base_patch16_224", "open_clip lock-image"))
+    ratios = result["ratios"]
+    assert len(ratios) == 2 * 6 + 2 + 5
+    for q in ratios:
+        assert q["value"] is not None and math.isfinite(q["value"]) and q["value"] > 0, q
+        assert q["met"] in (True, False) or q["target"] is None
+    md = out_md.read_text()
+    for name in LAYER_ROWS | TOWER_ROWS | LIT_ROWS:
+        assert f"| {name} |" in md
+    assert md.count("| ratio | value | target | met |") == 3
+
+
+def test_missing_peers_are_rows_not_crashes(bench_gpu, tmp_path, monkeypatch):
+    for name in ("soft_moe_pytorch", "timm"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    out_json = tmp_path / "bench.json"
+    bench_gpu.main(["--cpu", "--only", "layer,tower", "--iters", "1", "--json", str(out_json),
+                    "--md", str(tmp_path / "bench.md")])
+    result = json.loads(out_json.read_text())
+    notes = {(r["part"], r["name"]): r["note"] for r in result["rows"]}
+    assert notes[("layer", "soft-moe-pytorch")].startswith("not installed")
+    assert notes[("tower", "timm vit_base_patch16_224")].startswith("not installed")
+    assert notes[("layer", "ours")] == "" and notes[("tower", "ours soft-b16-128e")] == ""
+    peer_ratios = [q for q in result["ratios"] if "soft-moe-pytorch" in q["name"]]
+    assert peer_ratios and all(q["value"] is None and q["met"] is None for q in peer_ratios)
+
+
+def test_budget_skips_rows_and_says_so(bench_gpu, tmp_path):
+    out_json = tmp_path / "bench.json"
+    bench_gpu.main(["--cpu", "--only", "layer", "--budget", "layer=0", "--json", str(out_json)])
+    rows = json.loads(out_json.read_text())["rows"]
+    assert rows and all(r["ms"] is None and "budget" in r["note"] for r in rows)
+
+
+def test_rejects_unknown_parts(bench_gpu):
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--only", "layer,towers"])

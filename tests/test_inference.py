@@ -1,0 +1,36 @@
+"""lit_softmoe.inference: a locked tower converted for inference computes the same features."""
+import torch
+
+from lit_softmoe.inference import encode_images, prepare_for_inference
+from lit_softmoe.models.vit import create_image_tower
+
+
+def test_prepare_for_inference_converts_in_place_and_keeps_the_function():
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    pixels = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        want = tower.eval().forward_features(pixels)
+    keys = list(tower.state_dict())
+    tower.train()
+    got_tower = prepare_for_inference(tower)
+    assert got_tower is tower and not tower.training
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in tower.parameters())
+    assert list(tower.state_dict()) == keys
+    features = encode_images(tower, pixels)
+    assert features.dtype == torch.bfloat16 and features.shape == want.shape and features.is_inference()
+    assert ((features.float() - want).norm() / want.norm()) < 3e-2
+
+
+def test_prepare_for_inference_compiles_forward_features():
+    torch.manual_seed(0)
+    tower = create_image_tower("vit-test")
+    pixels = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        want = tower.eval().forward_features(pixels)
+    # backend="eager": traced by dynamo, no kernels built (CPU tests stay fast).
+    prepare_for_inference(tower, dtype=None, compile=True, backend="eager")
+    assert tower.pos_embed.dtype == torch.float32
+    assert "forward_features" in vars(tower)  # the compiled wrapper sits on the instance
+    torch.testing.assert_close(encode_images(tower, pixels), want)
+    torch.testing.assert_close(tower(pixels), want)
