@@ -52,3 +52,40 @@ def test_paper_tower_runs_in_bf16_and_compiles():
         compiled = torch.compile(tower)(pixels)
     assert eager.shape == (4, 384) and eager.float().std() > 0.1
     assert _relative_error(compiled.float(), eager.float()) < 3e-2
+
+
+def test_fused_and_compiled_layer_in_bf16_match_the_fp64_reference():
+    import copy
+    torch.manual_seed(0)
+    layer = SoftMoE(384, 128, 1536, slots_per_expert=1)
+    with torch.no_grad():
+        layer.scale.fill_(4.0)  # sharper routing than at init
+    x = torch.randn(8, 196, 384)
+    reference = copy.deepcopy(layer).double()
+    x64 = x.double().requires_grad_()
+    want = reference.forward_reference(x64)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    for compiled in (False, True):
+        gpu = copy.deepcopy(layer).cuda().bfloat16()
+        gpu.compiled = compiled
+        x16 = x.cuda().bfloat16().requires_grad_()
+        out = gpu(x16)
+        assert out.dtype == torch.bfloat16
+        assert _relative_error(out.float().cpu(), want.detach()) < 2e-2, compiled
+        out.backward(grad.cuda().bfloat16())
+        assert _relative_error(x16.grad.float().cpu(), x64.grad) < 5e-2, compiled
+        for name in ("experts.w1", "experts.w2", "phi"):
+            got = dict(gpu.named_parameters())[name].grad.float().cpu()
+            assert _relative_error(got, dict(reference.named_parameters())[name].grad) < 5e-2, (compiled, name)
+
+
+def test_inference_mode_tower_matches_fp32():
+    from lit_softmoe.inference import encode_images, prepare_for_inference
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-s16-128e").cuda().eval()
+    pixels = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        want = tower.forward_features(pixels)
+    got = encode_images(prepare_for_inference(tower), pixels)
+    assert got.dtype == torch.bfloat16 and _relative_error(got.float(), want) < 3e-2

@@ -69,10 +69,12 @@ def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
 
 
 def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
-                  exact: bool = False):
+                  exact: bool = False, pin_memory: bool = False):
+    # pin_memory: batches land in page-locked memory, so the copies to the GPU run asynchronously
+    # (non_blocking) while the workers prefetch the next batches.
     data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
                                shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
-                               max_bad_fraction=cfg.data.max_bad_fraction)
+                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory)
     return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
 
 
@@ -168,7 +170,8 @@ def train_lit(cfg: LiTConfig) -> dict:
         raise UserError(f"batch_size {cfg.batch_size} does not split over {accelerator.num_processes} processes")
     local_batch = cfg.batch_size // accelerator.num_processes
     loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else transform, tokenizer=tokenizer)
+                           transform=None if cached else transform, tokenizer=tokenizer,
+                           pin_memory=accelerator.device.type == "cuda")
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
     model.to(accelerator.device)
@@ -206,9 +209,10 @@ def train_lit(cfg: LiTConfig) -> dict:
             set_lr(optimizer, lr)
             with accelerator.autocast():
                 if cached:
-                    zimg, ztxt, extras = model(text, image_features=batch["embedding"].to(accelerator.device))
+                    zimg, ztxt, extras = model(text, image_features=batch["embedding"].to(accelerator.device,
+                                                                                          non_blocking=True))
                 else:
-                    zimg, ztxt, extras = model(text, pixels=batch["image"].to(accelerator.device))
+                    zimg, ztxt, extras = model(text, pixels=batch["image"].to(accelerator.device, non_blocking=True))
                 if cfg.loss == "sigmoid":
                     loss = sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"])
                 else:
