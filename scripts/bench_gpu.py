@@ -202,10 +202,11 @@ def bench_layer(bench: Bench, shapes: list[str]):
     precisions = [("bf16 weights", torch.bfloat16, None), ("bf16 autocast", torch.float32, torch.bfloat16)]
     if bench.cpu:
         precisions = [("fp32", torch.float32, None), ("bf16 weights", torch.bfloat16, None)]
-    for shape_name in shapes:
-        b, m, d, h, n, p = LAYER_SHAPES[shape_name]
-        shape = Shape(shape_name, b, m, d, h, n, p)
-        for precision, weight_dtype, autocast_dtype in precisions:
+    # The target setting (bf16 weights) first, both shapes: the budget drops rows from the end.
+    for precision, weight_dtype, autocast_dtype in precisions:
+        for shape_name in shapes:
+            b, m, d, h, n, p = LAYER_SHAPES[shape_name]
+            shape = Shape(shape_name, b, m, d, h, n, p)
             setting = f"{shape_name} {precision}"
             g = torch.Generator(device="cpu").manual_seed(0)
             x = torch.randn(b, m, d, generator=g).to(device, weight_dtype).requires_grad_()
@@ -491,7 +492,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-iters", type=int, default=None, help="soft-moe-pytorch timed calls; default 5, CPU 2")
     p.add_argument("--budget", default=None, metavar="PART=S,...",
                    help="seconds per part after which its remaining rows are skipped "
-                        "(default layer=120,tower=130,lit=70; CPU 60 each)")
+                        "(default layer=100,tower=110,lit=60; CPU 60 each)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense bf16 TFLOP/s for MFU (default: by device name, H100/H200 989)")
     p.add_argument("--profile-dir", default=None, help="write a profiler kernel table of the B/16 layer here")
@@ -512,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.iters = args.iters or (2 if args.cpu else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 3)
     args.peer_iters = args.peer_iters or (2 if args.cpu else 5)
-    budgets = dict(layer=60.0, tower=60.0, lit=60.0) if args.cpu else dict(layer=120.0, tower=130.0, lit=70.0)
+    budgets = dict(layer=60.0, tower=60.0, lit=60.0) if args.cpu else dict(layer=100.0, tower=110.0, lit=60.0)
     for item in (args.budget or "").split(","):
         if item.strip():
             key, _, value = item.partition("=")
@@ -549,6 +550,27 @@ def main(argv=None) -> dict:
     matmul = _matmul_tflops(device)
     if matmul:
         print(f"8192³ bf16 matmul: {matmul:.0f} TFLOP/s", flush=True)
+    meta = {"device": str(device), "device_name": device_name, "torch": torch.__version__,
+            "mode": "cpu" if args.cpu else "cuda", "iters": args.iters, "warmup": args.warmup,
+            "peer_iters": args.peer_iters, "budgets": args.budgets, "peak_tflops": peak,
+            "peak_source": source if peak else None, "matmul_tflops": matmul, "compile_backend": bench.backend}
+    for name in ("timm", "open_clip", "soft_moe_pytorch"):
+        try:
+            meta[name] = getattr(__import__(name), "__version__", "?")
+        except ImportError:
+            meta[name] = None
+
+    def write(final: bool):
+        # After every part too: a run killed by an outer timeout still leaves what it measured.
+        meta["seconds"], meta["complete"] = time.perf_counter() - t0, final
+        result = {**meta, "rows": [asdict(r) for r in bench.rows], "ratios": [asdict(q) for q in bench.ratios]}
+        table = markdown(meta, bench.rows, bench.ratios)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        if args.md:
+            Path(args.md).write_text(table + "\n")
+        return result, table
+
     for part, run in (("layer", lambda: bench_layer(bench, args.layer_shapes)), ("tower", lambda: bench_tower(bench)),
                       ("lit", lambda: bench_lit(bench))):
         if part in args.only:
@@ -558,26 +580,13 @@ def main(argv=None) -> dict:
             except ImportError as e:  # a part whose own module is missing (e.g. timm): say so, go on
                 bench.rows.append(Row(part, "(part)", "", note=f"not installed: {e.name or e}"))
             print(f"[{part}] {time.perf_counter() - bench.part_start:.0f} s", flush=True)
-    meta = {"device": str(device), "device_name": device_name, "torch": torch.__version__,
-            "mode": "cpu" if args.cpu else "cuda", "iters": args.iters, "warmup": args.warmup,
-            "peer_iters": args.peer_iters, "budgets": args.budgets, "peak_tflops": peak,
-            "peak_source": source if peak else None, "matmul_tflops": matmul, "compile_backend": bench.backend,
-            "seconds": time.perf_counter() - t0}
-    for name in ("timm", "open_clip", "soft_moe_pytorch"):
-        try:
-            meta[name] = getattr(__import__(name), "__version__", "?")
-        except ImportError:
-            meta[name] = None
-    result = {**meta, "rows": [asdict(r) for r in bench.rows], "ratios": [asdict(q) for q in bench.ratios]}
-    table = markdown(meta, bench.rows, bench.ratios)
+            write(final=False)
+    result, table = write(final=True)
     print()
     print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=lambda v: None if v != v else v) + "\n")
-        print(f"wrote {args.json}")
-    if args.md:
-        Path(args.md).write_text(table + "\n")
-        print(f"wrote {args.md}")
+    for path in (args.json, args.md):
+        if path:
+            print(f"wrote {path}")
     return result
 
 
