@@ -65,9 +65,11 @@ class BatchedExperts(nn.Module):
         for weight in (self.w1, self.w2):
             fan_in, fan_out = weight.shape[1:]
             bound = math.sqrt(6.0 / (fan_in + fan_out))
-            weight.copy_(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound).expand_as(weight))
+            # Drawn on the CPU (the same values wherever the layer lives), moved before the expand: an
+            # expanded CPU source would first be materialized in full (1.2 GB per B/16 layer) on the host.
+            weight.copy_(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound).to(weight).expand_as(weight))
         for bias in (self.b1, self.b2):
-            bias.copy_(torch.empty(n, bias.shape[1]).normal_(std=1e-6).expand_as(bias))
+            bias.copy_(torch.empty(n, bias.shape[1]).normal_(std=1e-6).to(bias).expand_as(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (n, tokens, d), expert-major so each projection is a single bmm.
