@@ -29,13 +29,15 @@ def test_demo_fast_runs_the_whole_pipeline(tmp_path):
     assert tower["test_top1"] > 0.65
     assert lit["zeroshot_top1"] > 0.65
     assert lit["cached_features"] is True
-    assert f"{lit['zeroshot_top1']:.4f}" in out and f"{tower['test_top1']:.4f}" in out
+    assert f"{tower['test_top1']:.4f}" in out
     assert (runs / "lit" / "model" / "model.safetensors").is_file()
     # The eval suite's report agrees with the training run's own final zero-shot number (same model,
     # same test images, same prompts) and, where clip_benchmark is installed, with the peer.
     (report_file,) = (runs / "lit" / "eval").glob("fashion-mnist-*.json")
     entry = json.loads(report_file.read_text())["results"][0]
     assert entry["num_samples"] == 10_000 and abs(entry["metrics"]["top1"] - lit["zeroshot_top1"]) < 1e-3
+    (row,) = [line for line in out.splitlines() if "LiT zero-shot top-1" in line]
+    assert row.endswith(f"{entry['metrics']['top1']:.4f}")
     if "peer" in entry:
         assert entry["peer"]["status"] == "ok" and entry["peer"]["max_abs_diff_points"] <= 0.1 + 1e-6
     # The export holds both encoders as safetensors and checked ONNX graphs, and a model card.
