@@ -260,3 +260,80 @@ def test_bf16_is_cached_apart_and_stays_close(fmnist, tmp_path):
     bf16 = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)
     assert bf16["results"][0]["image_cache"] == "miss"  # other numbers, other cache entry
     assert abs(bf16["results"][0]["metrics"]["top1"] - fp32["results"][0]["metrics"]["top1"]) < 0.05
+
+
+# ---- layouts that must not be misread ---------------------------------------------------------------
+
+def test_numeric_class_folders_are_their_labels(tmp_path):
+    # ImageNetV2's layout: folders 0 … 999. String order would put "10" before "2".
+    images = foolbox_images("cifar10")
+    for label in (0, 1, 2, 10, 11):
+        (tmp_path / "test" / str(label)).mkdir(parents=True)
+        (tmp_path / "test" / str(label) / "x.png").write_bytes(images[label % 20][0].read_bytes())
+    data = read_benchmark("mine", tmp_path, "test", lambda im: torch.zeros(1))
+    by_folder = {data.dataset.items[i][1] for i in range(len(data.dataset))}
+    assert data.format == "imagefolder" and by_folder == {0, 1, 2, 10, 11}
+
+
+def test_torchvision_roots_are_not_taken_for_class_folders(tmp_path):
+    from lit_softmoe.zeroshot.datasets import MissingData, detect_format
+    (tmp_path / "oxford-iiit-pet" / "images").mkdir(parents=True)  # torchvision's layout, files absent
+    assert detect_format(tmp_path, "test", "pets") == "torchvision"
+    with pytest.raises(MissingData):
+        read_benchmark("pets", tmp_path, "test", lambda im: im)
+    single = tmp_path / "single"
+    (single / "test" / "the-one-class").mkdir(parents=True)
+    with pytest.raises(MissingData, match="found only"):  # one class folder is not a classification set
+        read_benchmark("mine", single, "test", lambda im: im, format="imagefolder")
+
+
+def test_a_missing_class_folder_does_not_shift_the_names(tmp_path):
+    # CIFAR-10 without its first class: labels follow the 9 folders, and so must the names.
+    images = foolbox_images("cifar10")
+    names = list(benchmark_info("cifar10").classnames)
+    for name in names[1:]:
+        (tmp_path / "test" / name).mkdir(parents=True)
+        (tmp_path / "test" / name / "x.png").write_bytes(images[0][0].read_bytes())
+    data = read_benchmark("cifar10", tmp_path, "test", lambda im: im, classnames=names)
+    classnames, _, _ = resolve_prompts(BenchmarkConfig(name="cifar10"), data)
+    for i in range(len(data.dataset)):
+        folder = data.dataset.items[i][0].__defaults__[0].parent.name  # the loader's bound path
+        assert classnames[data.dataset.items[i][1]] == folder
+
+
+def test_torchvision_reader_on_real_fashion_mnist_files(tmp_path, fmnist):
+    import gzip
+    from lit_softmoe.data.sources import find_fashion_mnist
+    source = find_fashion_mnist(None, allow_download=False)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):  # torchvision checks that all four are there
+        (raw / stem).write_bytes(gzip.decompress((source / f"{stem}.gz").read_bytes()))
+    data = read_benchmark("fashion-mnist", tmp_path, "test", lambda im: torch.from_numpy(np.asarray(im).copy()),
+                          format="torchvision")
+    assert data.format == "torchvision" and len(data.dataset) == 10_000
+    first = [label for _, label in _tar_samples(fmnist / "test")][:300]
+    assert [data.dataset.items[i][1] for i in range(300)] == first  # same labels, same order as our shards
+
+
+def test_suite_task_overrides_a_missing_dataset_type(tmp_path):
+    images = foolbox_images("imagenet")[:4]
+    root = write_wds_benchmark(tmp_path / "r", [(p.read_bytes(), "jpg", f"caption {i}\nother {i}")
+                                                for i, (p, _) in enumerate(images)], retrieval=True)
+    (root / "dataset_type.txt").unlink()
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="my-captions", root=str(root), task="retrieval")])
+    entry = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["task"] == "retrieval" and entry["num_captions"] == 8
+
+
+def test_a_handed_in_model_is_keyed_by_its_weights_not_its_recorded_hash(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    model.pretrained_info = {"image_tower_sha256": "recorded", "preprocess": {}}
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    with torch.no_grad():
+        model.image_tower.patch_embed.weight.mul_(2)  # changed in memory; the recorded hash is now stale
+    again = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, preprocess, tokenizer))
+    assert again["results"][0]["image_cache"] == "miss"

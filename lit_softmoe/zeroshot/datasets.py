@@ -113,17 +113,18 @@ class _TarSamples(IterableDataset):
             yield index, image, target
 
 
-def read_wds(root: Path, split: str, transform) -> EvalData:
+def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     split_dir = root / split
     nshards = split_dir / "nshards.txt"
     if nshards.is_file():
         urls = [str(split_dir / f"{i}.tar") for i in range(int(nshards.read_text().strip()))]
     else:
         urls = sorted((str(p) for p in split_dir.glob("*.tar")), key=lambda p: (len(p), p))
-    if not urls or not Path(urls[0]).is_file():
-        raise MissingData(split_dir, "webdataset shards (nshards.txt + 0.tar …)")
-    kind = (_read_lines(root / "dataset_type.txt") or ["classification"])[0].lower()
-    task = "retrieval" if kind == "retrieval" else "classification"
+    missing = [u for u in urls if not Path(u).is_file()]
+    if not urls or missing:
+        raise MissingData(missing[0] if missing else split_dir, "webdataset shards (nshards.txt + 0.tar …)")
+    kind = (_read_lines(root / "dataset_type.txt") or [task or "classification"])[0].lower()
+    task = task or ("retrieval" if kind == "retrieval" else "classification")
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
                     classnames=_read_lines(root / "classnames.txt"),
                     templates=_read_lines(root / "zeroshot_classification_templates.txt"),
@@ -155,9 +156,15 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
     folders = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
     if not folders:
         raise MissingData(base, "class folders")
+    if len(folders) < 2:
+        raise MissingData(base, f"class folders (found only {folders[0].name if folders else 'none'}/; "
+                          "is this another layout? set format:)")
     if wnids and all(f.name in wnids for f in folders):
         labels = {f.name: wnids.index(f.name) for f in folders}
         names = classnames
+    elif all(f.name.isdigit() for f in folders):  # e.g. ImageNetV2's 0 … 999: the folder is the label
+        labels = {f.name: int(f.name) for f in folders}
+        names = classnames if classnames and len(classnames) > max(labels.values()) else None
     else:
         labels = {f.name: i for i, f in enumerate(folders)}
         names = classnames if classnames and len(classnames) == len(folders) else \
@@ -242,11 +249,12 @@ def read_torchvision(name: str, root: Path, transform) -> EvalData:
         image = dataset[i][0]
         return to_l_or_rgb(image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image)))
 
-    targets = getattr(dataset, "targets", None) or getattr(dataset, "_labels", None) or getattr(dataset, "y", None)
+    targets = next((getattr(dataset, attr) for attr in ("targets", "_labels", "y")
+                    if getattr(dataset, attr, None) is not None), None)  # a tensor or array has no truth value
     if targets is None:
         targets = [dataset[i][1] for i in range(len(dataset))]
     items = [((lambda i=i: load(i)), int(t)) for i, t in enumerate(targets)]
-    files = [p for p in root.rglob("*") if p.is_file()][:10_000]
+    files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
     return EvalData("classification", _Indexed(items, transform), "torchvision",
                     signature={"files": _file_signature(files), "class": class_name})
 
@@ -271,12 +279,15 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
     if not items or not paths[0].is_file():
         raise MissingData(paths[0] if paths else root, f"{split} images of {ann.name}")
     return EvalData("retrieval", _Indexed(items, transform), "karpathy",
-                    signature={"files": _file_signature([ann]), "images": len(items)})
+                    signature={"files": _file_signature([ann] + [p for p in paths if p.is_file()]),
+                               "images": len(items)})
 
 
-def detect_format(root: Path, split: str) -> str:
+def detect_format(root: Path, split: str, name: str = "") -> str:
     if (root / split / "nshards.txt").is_file() or any((root / split).glob("*.tar")):
         return "wds"
+    if name in _TORCHVISION and not (root / split).is_dir():
+        return "torchvision"  # torchvision's own folders (oxford-iiit-pet/, dtd/ …) are not class folders
     if (root / "cifar-10-batches-py").is_dir() or (root / "cifar-100-python").is_dir():
         return "cifar"
     if any((root / name).is_file() for name in ("dataset_coco.json", "dataset_flickr30k.json", "dataset_flickr8k.json")):
@@ -289,14 +300,16 @@ def detect_format(root: Path, split: str) -> str:
 
 def read_benchmark(name: str, root: str | Path, split: str, transform, format: str = "auto",
                    classnames: list[str] | None = None, wnids: list[str] | None = None,
-                   annotations: str = "") -> EvalData:
-    """The reader for `format` (or the one the files on disk call for) over ROOT/SPLIT."""
+                   annotations: str = "", task: str = "") -> EvalData:
+    """The reader for `format` (or the one the files on disk call for) over ROOT/SPLIT.
+
+    `task` overrides what a webdataset's dataset_type.txt says (or stands in for it when absent)."""
     root = Path(root)
     if not root.exists():
         raise MissingData(root, f"{name} data folder")
-    format = detect_format(root, split) if format == "auto" else format
+    format = detect_format(root, split, name) if format == "auto" else format
     if format == "wds":
-        return read_wds(root, split, transform)
+        return read_wds(root, split, transform, task)
     if format == "imagefolder":
         return read_image_folder(root, split, transform, classnames, wnids)
     if format == "cifar":

@@ -86,14 +86,27 @@ def encode_images(model, data: EvalData, batch_size: int, workers: int, device: 
     return features, [targets[i] for i in order.tolist()], bad
 
 
+def _tower_hash(model) -> str:
+    """The tower's state hash, computed once per state: every benchmark of a suite needs it, and a
+    3.7B-parameter tower takes seconds to hash. A tensor written in place bumps its version counter
+    and a replaced one has a new address, so either change recomputes it."""
+    stamp = tuple((t.data_ptr(), t._version) for t in model.image_tower.state_dict().values())
+    cached = getattr(model, "_eval_tower_hash", None)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, model.image_tower_state_hash())
+        model._eval_tower_hash = cached
+    return cached[1]
+
+
 def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device, precision: str) -> str:
+    """What the cached features depend on. The tower is identified by its weights themselves (sha256
+    of the state), not by a recorded file hash: the same weights give the same key whether they came
+    from a run, an export or memory, and a tower changed in memory never meets its old features."""
     info = getattr(model, "pretrained_info", None) or {}
-    identity = {"format": CACHE_FORMAT, "tower_sha256": info.get("image_tower_sha256"),
+    identity = {"format": CACHE_FORMAT, "tower_sha256": _tower_hash(model),
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
                 "benchmark": spec.name, "split": spec.split, "reader": data.format, "data": data.signature,
                 "precision": "bf16" if _bf16(device, precision) else "fp32"}
-    if identity["tower_sha256"] is None:  # a model built in memory: hash its weights instead
-        identity["tower_sha256"] = model.image_tower_state_hash()
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -139,14 +152,15 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
     """(class names, templates, a record of where the templates came from).
 
     Class names: the suite's file, else the dataset's own files for the CLIP_benchmark layout (as
-    CLIP_benchmark reads them), else the shipped metadata, else what the files name.
+    CLIP_benchmark reads them) or the names an ImageFolder reader lined up with its labels, else the
+    shipped metadata, else what the files name.
     Templates: the suite's choice (a file, or another benchmark's name), else the dataset's own
     file, else the shipped metadata — which says when a benchmark has none and borrows ImageNet's.
     """
     meta = _metadata(spec.name)
     if spec.classnames:
         classnames = _read_list(spec.classnames, "classnames")
-    elif data.format == "wds" and data.classnames:
+    elif data.format in ("wds", "imagefolder") and data.classnames:  # the reader lined these up with its labels
         classnames = data.classnames
     elif meta is not None and meta.classnames:
         classnames = list(meta.classnames)
@@ -197,7 +211,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     try:
         data = read_benchmark(spec.name, spec.root, spec.split, preprocess, spec.format,
                               classnames=list(meta.classnames) if meta and meta.classnames else None,
-                              wnids=_imagenet_wnids(meta), annotations=spec.annotations)
+                              wnids=_imagenet_wnids(meta), annotations=spec.annotations,
+                              task=spec.task or (meta.task if meta is not None else ""))
     except MissingData as missing:
         return {"benchmark": spec.name, "task": spec.task or (meta.task if meta else "classification"),
                 "status": "skipped", "reason": str(missing), "path": missing.path}
