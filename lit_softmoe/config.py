@@ -77,7 +77,6 @@ _VALID_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
 }
-_VALID_CHOICES["precision"] = ("auto", "fp32", "bf16")  # also the eval suites' key
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
     "benchmarks.task": ("", "classification", "retrieval"),

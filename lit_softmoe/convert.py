@@ -170,6 +170,9 @@ def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTra
     head = arrays.get("head/kernel")
     overrides.setdefault("num_classes", 0 if head is None else int(head.shape[-1]))
     cfg = image_tower_config(tower_name, **overrides)
+    if cfg.moe_layers and cfg.moe_type != "soft":
+        raise UserError(f"{tower_name} is a {cfg.moe_type} tower; vmoe's Soft MoE checkpoints load into soft-* "
+                        "(or dense vit-*) towers: give one of those as --to")
     state = vmoe_to_state(arrays, cfg)
     tower = VisionTransformer(cfg, device="meta")
     tower.load_state_dict(state, assign=True)

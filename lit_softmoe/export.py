@@ -502,7 +502,10 @@ def _zeroshot_section(run_dir: Path | None, results: dict) -> list[str]:
 
 
 def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
-    moe = (f"Soft MoE, {tower_cfg['num_experts']} experts × {tower_cfg.get('slots_per_expert', 1)} slot(s) in blocks "
+    kind = {"soft": "Soft MoE", "tokens_choice": f"Tokens Choice (top-{tower_cfg.get('num_selected_experts', 1)})",
+            "experts_choice": "Experts Choice"}.get(tower_cfg.get("moe_type", "soft"), tower_cfg.get("moe_type"))
+    per_expert = f" × {tower_cfg.get('slots_per_expert', 1)} slot(s)" if tower_cfg.get("moe_type", "soft") == "soft" else ""
+    moe = (f"{kind}, {tower_cfg['num_experts']} experts{per_expert} in blocks "
            f"{', '.join(map(str, tower_cfg['moe_layers']))}" if tower_cfg.get("moe_layers") else "dense")
     return (f"{name + ': ' if name else ''}ViT {tower_cfg['image_size']}px / patch {tower_cfg['patch_size']}, "
             f"{tower_cfg['in_channels']} channel(s), width {tower_cfg['width']}, depth {tower_cfg['depth']}, {moe}; "

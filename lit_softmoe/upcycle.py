@@ -104,7 +104,10 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
         if not (path / TOWER_WEIGHTS).is_file() or not (path / TOWER_CONFIG).is_file():
             raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
                             "give a tower folder or a timm vit_* .safetensors/.pth file")
-        meta = json.loads((path / TOWER_CONFIG).read_text())
+        try:
+            meta = json.loads((path / TOWER_CONFIG).read_text())
+        except ValueError as err:
+            raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); save the tower again") from None
         extra = {k: meta[k] for k in ("preprocess", "classnames") if k in meta}
         return load_file(path / TOWER_WEIGHTS), extra, []
     if not path.is_file():

@@ -146,6 +146,14 @@ def test_missing_unused_and_misshaped_keys_are_named(tmp_path):
     assert torch.equal(vmoe_to_state(nested, cfg)["blocks.1.mlp.phi"], vmoe_to_state(vmoe_tree(), cfg)["blocks.1.mlp.phi"])
 
 
+def test_a_sparse_router_tower_is_refused_in_one_line(tmp_path):
+    from lit_softmoe.convert import load_vmoe_tower
+    path = _save(tmp_path, vmoe_tree())
+    for name in ("tc-test-4e-k1", "ec-test-4e"):
+        with pytest.raises(UserError, match=r"is a (tokens|experts)_choice tower; vmoe's Soft MoE checkpoints"):
+            load_vmoe_tower(path, name)
+
+
 def test_cli_convert_writes_a_loadable_tower(tmp_path, capsys):
     tree = vmoe_tree(2)
     path = _save(tmp_path, tree)

@@ -406,3 +406,13 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
     fast = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert torch.equal(torch.tensor([e.ids for e in fast.encode_batch(CAPTIONS)]), tokenizer(CAPTIONS))
+
+
+def test_model_card_names_the_moe_kind():
+    from lit_softmoe.export import _tower_line
+    from lit_softmoe.models.vit import image_tower_config
+    line = lambda name: _tower_line(image_tower_config(name).to_dict(), 1e6, name)  # noqa: E731
+    assert "Soft MoE, 4 experts × 1 slot(s) in blocks 1" in line("soft-test-4e")
+    assert "Tokens Choice (top-2), 4 experts in blocks 1" in line("tc-test-4e-k2")
+    assert "Experts Choice, 4 experts in blocks 1" in line("ec-test-4e")
+    assert ", dense;" in line("vit-test")
