@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig, load_config, to_yaml
 from lit_softmoe.models.vit import ViTConfig, VisionTransformer, image_tower_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +89,12 @@ def train_all(args, out: Path) -> list[dict]:
         while pending and len(running) < args.jobs:
             tower, seed = pending.pop(0)
             run_dir = out / "runs" / f"{tower}-seed{seed}"
+            if (run_dir / "config.yaml").exists():
+                # Reuse (or resume) only a run made with these very settings, never silently another.
+                wanted = to_yaml(load_config(PretrainConfig, args.config, run_overrides(args, tower, seed, run_dir)))
+                if (run_dir / "config.yaml").read_text() != wanted:
+                    raise SystemExit(f"{run_dir} holds a run with other settings (its config.yaml differs); "
+                                     "pass another --out or delete that folder")
             if (run_dir / "results.json").exists():
                 runs[(tower, seed)] = {"wall_seconds": json.loads((run_dir / "wall.json").read_text())["wall_seconds"]
                                        if (run_dir / "wall.json").exists() else None}
