@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 
 from lit_softmoe.data.sources import write_fashion_mnist_shards
 
@@ -60,8 +61,12 @@ def test_reproduction_writes_table_plot_and_orders_flops(tmp_path):
     assert rows["vit-test"]["dropped_fraction_test"][0] == 0 == rows["soft-test-4e"]["dropped_fraction_test"][0]
     assert 0 <= rows["ec-test-4e"]["dropped_fraction_test"][0] <= 1
 
-    # A second call reuses the finished runs instead of training again.
-    again = script.main(["--towers", "vit-test", "--seeds", "0", "--steps", "3", "--out", str(out),
-                         "--train", str(shards / "train"), "--test", str(shards / "test"),
-                         "--set", "batch_size=32"])
+    # A second call with the same settings reuses the finished runs instead of training again...
+    same = ["--towers", "vit-test", "--seeds", "0", "--steps", "3", "--out", str(out), "--train",
+            str(shards / "train"), "--test", str(shards / "test"), "--test-subset", "100", "--set",
+            "batch_size=32", "optim.warmup_steps=2", "log_every=1"]
+    again = script.main(same)
     assert again["runs"][0]["test_top1"] == runs["vit-test"]["test_top1"]
+    # ... and one with other settings refuses to pass those runs off as its own.
+    with pytest.raises(SystemExit, match="holds a run with other settings"):
+        script.main(same[:-3] + ["batch_size=64"])
