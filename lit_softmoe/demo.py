@@ -8,6 +8,7 @@ prompts. Every stage skips work that is already done, so a second run only re-ev
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import time
 from pathlib import Path
@@ -33,37 +34,23 @@ def _config_file(*parts: str) -> Path:
     return path
 
 
-def _read_test_images(split_dir: Path, count: int) -> list[tuple[object, int]]:
-    """The first `count` (PIL image, label) pairs of a class split, read straight from its tar."""
-    import io
-    import tarfile
-
-    import PIL.Image
-    samples: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(split_dir / "0.tar") as tar:
-        for member in tar:
-            key, ext = member.name.split(".", 1)
-            if len(samples) == count and key not in samples:
-                break
-            samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
-    return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for s in samples.values()]
-
-
 def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
     """Load the export as a user would and pick, for each test image, the best of the class prompts."""
     import torch
 
     from lit_softmoe.export import load_pretrained
+    from lit_softmoe.zeroshot.datasets import read_benchmark
     model, preprocess, tokenizer = load_pretrained(export_dir)
-    classnames = (shards / "classnames.txt").read_text().split("\n")[:10]
+    test = read_benchmark("fashion-mnist", shards, "test", preprocess)  # the eval suite's own reader
+    images = list(itertools.islice(test.dataset, count))  # (index, pixels, label) of the first `count`
+    classnames = test.classnames
     prompts = [f"a product photo of the {name}." for name in classnames]
-    images = _read_test_images(shards / "test", count)
     with torch.no_grad():
-        zimg = model.encode_image(torch.stack([preprocess(image) for image, _ in images]))  # (count, D)
+        zimg = model.encode_image(torch.stack([pixels for _, pixels, _ in images]))  # (count, D)
         ztxt = model.encode_text(tokenizer(prompts))  # (C, D)
         probs = (model.log_scale.exp() * zimg @ ztxt.T).softmax(dim=-1)  # (count, C)
     return [{"label": classnames[label], "prompt": prompts[int(p.argmax())], "prob": float(p.max()),
-             "right": int(p.argmax()) == label} for (_, label), p in zip(images, probs)]
+             "right": int(p.argmax()) == label} for (_, _, label), p in zip(images, probs)]
 
 
 def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False) -> dict:

@@ -40,7 +40,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_softmoe, bench_lit beside this
-from benchlib import cpu_name, time_step  # noqa: E402
+from benchlib import setup_device, time_step  # noqa: E402
 
 PARTS = ("layer", "tower", "lit")
 # Peak dense bf16 tensor-core rate by device name (datasheet, SXM parts), for MFU.
@@ -528,13 +528,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cpu" if args.cpu else "cuda")
-    if args.cpu:
-        torch.set_num_threads(args.threads)
-        device_name = cpu_name()
-    else:
-        device_name = torch.cuda.get_device_name(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device_name = setup_device(device, args.threads)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     peak, source = args.peak_tflops, "given"
     if peak is None and not args.cpu:

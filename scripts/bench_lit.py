@@ -36,12 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from benchlib import cpu_name, time_step  # scripts/benchlib.py, beside this script
+from benchlib import setup_device, time_step  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -366,18 +365,7 @@ def main(argv=None) -> list[Result]:
     preset = args.preset
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    device_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif not cuda:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        if torch.get_num_threads() > 1 and load > (os.cpu_count() or 1) - 0.5:
-            print(f"load average {load:.1f} on {os.cpu_count()} CPUs: timing with 1 thread "
-                  "(pass --threads N to override)")
-            torch.set_num_threads(1)
+    device_name = setup_device(device, args.threads)
     try:
         import open_clip
         openclip_version = getattr(open_clip, "__version__", "?")

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts."""
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -18,6 +19,28 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def setup_device(device: torch.device, threads: int = 0, adapt_to_load: bool = True) -> str:
+    """Prepare `device` for timing and return its name for the table header.
+
+    CUDA: TF32 matmuls allowed (as every peer runs). CPU: `threads` if given; otherwise, on a machine
+    whose load already fills its cores, one thread — torch's OpenMP threads spin-wait against the
+    other jobs and make small ops 10x slower (`adapt_to_load=False` leaves torch's default).
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return torch.cuda.get_device_name(device)
+    if threads:
+        torch.set_num_threads(threads)
+    elif adapt_to_load:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if torch.get_num_threads() > 1 and load > (os.cpu_count() or 1) - 0.5:
+            print(f"load average {load:.1f} on {os.cpu_count()} CPUs: timing with 1 thread "
+                  "(pass --threads N to override)")
+            torch.set_num_threads(1)
+    return cpu_name()
 
 
 def _sync(device: torch.device):

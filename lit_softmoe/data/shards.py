@@ -208,6 +208,14 @@ def num_samples(split_dir: str | Path) -> int:
     return sum(json.loads(sizes_path.read_text()).values())
 
 
+def read_lines(path: str | Path) -> list[str] | None:
+    """The stripped, non-empty lines of a text file (class names, templates…); None if it is absent."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def read_classnames(dataset_dir: str | Path) -> list[str]:
     """Class names, one per line of `classnames.txt`, in label order.
 

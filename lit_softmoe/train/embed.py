@@ -45,12 +45,12 @@ from lit_softmoe.data.shards import shard_urls, write_split, write_text_atomic
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
+from lit_softmoe.train.runtime import autocast_dtype
 
 EMBED_FILE = "embed.json"
 FORMAT_VERSION = 1
 # Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
 METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
-PRECISIONS = ("auto", "fp32", "bf16")
 _FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
 
 
@@ -174,15 +174,6 @@ def _read_class_members(urls: list[str]) -> dict[str, bytes]:
 
 # ---------------------------------------------------------------------------------- embedding
 
-def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else None
-    return torch.bfloat16 if precision == "bf16" else None
-
-
 def _embed_batch(tower: torch.nn.Module, images: torch.Tensor, device: torch.device,
                  autocast: torch.dtype | None) -> torch.Tensor:
     """images (B, C, H, W) → float16 pooled embeddings (B, width) on the CPU."""
@@ -278,7 +269,7 @@ def embed_shards(
     split = split or _source_split_name(shards, urls)
     split_dir = out_dir / split
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    autocast = _autocast_dtype(precision, device)
+    autocast = autocast_dtype(precision, device)
     fingerprint = tower_fingerprint(tower_dir)
     wanted = {**fingerprint, "source": str(shards), "precision": "bf16" if autocast else "fp32"}
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.shards import read_lines
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
@@ -117,12 +118,8 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
     features, labels = _class_features(cfg, str(split), model, transform, accelerator)
-    return {"features": features, "labels": labels, "classnames": _read_lines(classnames),
-            "templates": _read_lines(templates)}
-
-
-def _read_lines(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return {"features": features, "labels": labels, "classnames": read_lines(classnames),
+            "templates": read_lines(templates)}
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:

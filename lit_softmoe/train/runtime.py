@@ -7,15 +7,27 @@ import torch
 from accelerate import Accelerator
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 or None (fp32) for `precision`: auto means bf16 on GPUs that support it, fp32 elsewhere
+    (bf16 matmuls on CPUs are slow and change the numbers)."""
+    from lit_softmoe.errors import UserError
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:
     """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16."""
     if threads > 0:
         torch.set_num_threads(threads)
-    if precision == "auto":
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        mixed_precision = "bf16" if bf16 else "no"
-    else:
-        mixed_precision = "bf16" if precision == "bf16" else "no"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mixed_precision = "bf16" if autocast_dtype(precision, device) is not None else "no"
     # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
     # when told so, e.g. under `torchrun --nproc_per_node 2`.
     return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())

@@ -32,10 +32,10 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from lit_softmoe.data.shards import CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, read_lines, shard_urls
 from lit_softmoe.data.transforms import to_l_or_rgb
+from lit_softmoe.errors import UserError
 
-IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")
-FORMATS = ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy")
 
 
 class MissingData(Exception):
@@ -79,12 +79,6 @@ def _file_signature(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _read_lines(path: Path) -> list[str] | None:
-    if not path.is_file():
-        return None
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 # ---------------------------------------------------------------------------------- wds
 
 class _TarSamples(IterableDataset):
@@ -115,19 +109,20 @@ class _TarSamples(IterableDataset):
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     split_dir = root / split
-    nshards = split_dir / "nshards.txt"
-    if nshards.is_file():
-        urls = [str(split_dir / f"{i}.tar") for i in range(int(nshards.read_text().strip()))]
-    else:
+    if (split_dir / NSHARDS_FILE).is_file():
+        try:  # the project's own shard resolution: padded names too, every listed shard must be there
+            urls = shard_urls(split_dir)
+        except UserError as err:
+            raise MissingData(split_dir, f"webdataset shards ({err})") from None
+    else:  # tars without nshards.txt (CLIP_benchmark itself requires the file)
         urls = sorted((str(p) for p in split_dir.glob("*.tar")), key=lambda p: (len(p), p))
-    missing = [u for u in urls if not Path(u).is_file()]
-    if not urls or missing:
-        raise MissingData(missing[0] if missing else split_dir, "webdataset shards (nshards.txt + 0.tar …)")
-    kind = (_read_lines(root / "dataset_type.txt") or [task or "classification"])[0].lower()
+    if not urls:
+        raise MissingData(split_dir, "webdataset shards (nshards.txt + 0.tar …)")
+    kind = (read_lines(root / "dataset_type.txt") or [task or "classification"])[0].lower()
     task = task or ("retrieval" if kind == "retrieval" else "classification")
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
-                    classnames=_read_lines(root / "classnames.txt"),
-                    templates=_read_lines(root / "zeroshot_classification_templates.txt"),
+                    classnames=read_lines(root / CLASSNAMES_FILE),
+                    templates=read_lines(root / "zeroshot_classification_templates.txt"),
                     signature={"files": _file_signature([Path(u) for u in urls])})
 
 
@@ -284,7 +279,7 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
 
 
 def detect_format(root: Path, split: str, name: str = "") -> str:
-    if (root / split / "nshards.txt").is_file() or any((root / split).glob("*.tar")):
+    if (root / split / NSHARDS_FILE).is_file() or any((root / split).glob("*.tar")):
         return "wds"
     if name in _TORCHVISION and not (root / split).is_dir():
         return "torchvision"  # torchvision's own folders (oxford-iiit-pet/, dtd/ …) are not class folders

@@ -33,7 +33,9 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
+from lit_softmoe.data.shards import read_lines
 from lit_softmoe.train.checkpoint import write_folder_atomically
+from lit_softmoe.train.runtime import autocast_dtype
 from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier
 from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
@@ -47,13 +49,9 @@ def default_cache_dir() -> Path:
 
 # ---------------------------------------------------------------------------------- image features
 
-def _bf16(device: torch.device, precision: str) -> bool:
-    """bf16 autocast: "auto" means on CUDA only (CPU bf16 matmuls are slow and change the numbers)."""
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
 def _autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(device, precision))
+    dtype = autocast_dtype(precision, device)
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 def _collate(items: list[tuple]) -> tuple:
@@ -106,7 +104,7 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
     identity = {"format": CACHE_FORMAT, "tower_sha256": _tower_hash(model),
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
                 "benchmark": spec.name, "split": spec.split, "reader": data.format, "data": data.signature,
-                "precision": "bf16" if _bf16(device, precision) else "fp32"}
+                "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -142,10 +140,10 @@ def _metadata(name: str):
 
 
 def _read_list(path: str, what: str) -> list[str]:
-    file = Path(path)
-    if not file.is_file():
+    lines = read_lines(path)
+    if lines is None:
         raise UserError(f"{what} file {path} does not exist; give one entry per line")
-    return [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines
 
 
 def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], list[str], dict]:
