@@ -264,3 +264,18 @@ def test_no_weight_decay_names():
                  "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "head.weight",
                  "patch_embed.weight"):
         assert name not in skip, name
+
+
+def test_residual_stream_is_contiguous_in_every_block():
+    """The patch embedding's transposed view must not leak into the residual stream: elementwise ops keep
+    their first input's layout, so one strided add would make every later add and LayerNorm pay a copy."""
+    tower = tiny("soft-test-4e")
+    seen = []
+    for block in tower.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    block_out = []
+    tower.blocks[-1].register_forward_hook(lambda module, args, out: block_out.append(out.is_contiguous()))
+    with torch.no_grad():
+        tower.forward_features(images(tower.cfg, b=3))
+    assert seen == [True] * tower.cfg.depth
+    assert block_out == [True]
