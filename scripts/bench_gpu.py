@@ -29,7 +29,9 @@ run. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -299,6 +301,21 @@ def _profile_layer(bench: Bench, shape, weight_dtype):
 
 # ---- part b: the locked tower, inference --------------------------------------------------------
 
+@contextlib.contextmanager
+def qk_norm_kernel_off():
+    """Eager towers with PyTorch's LayerNorm for qk-norm instead of the Triton kernel (lit_softmoe.nn.qk_norm)."""
+    from lit_softmoe.nn.qk_norm import ENV_SWITCH
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
 def bench_tower(bench: Bench):
     from lit_softmoe.inference import prepare_for_inference
     from lit_softmoe.models.vit import create_image_tower
@@ -359,6 +376,10 @@ def bench_tower(bench: Bench):
                       count_flops=flops_of(name, make))
     name, make = models[2]
     bench.run_row(name, setting, builder(make, False), per_call_items=batch, count_flops=flops_of(name, make))
+    if not bench.cpu:  # the eager rows again with PyTorch's LayerNorm for qk-norm: what the Triton kernel buys
+        with qk_norm_kernel_off():
+            for name, make in models[1:]:
+                bench.run_row(f"{name}, PyTorch qk-norm", setting, builder(make, False), per_call_items=batch)
     if not bench.cpu:  # CUDA graphs (static shapes): one more compile, last so the budget can drop it
         name, make = models[1]
         bench.run_row(f"{name} compiled reduce-overhead", setting, builder(make, True, "reduce-overhead"),
@@ -370,6 +391,11 @@ def bench_tower(bench: Bench):
         soft_row = bench.find("ours soft-b16-128e" + suffix, setting)
         bench.ratio(f"soft-b16-128e / timm vit_base_patch16_224{suffix} (images/s)",
                     soft_row.per_s / timm_row.per_s if soft_row and timm_row else None, 1.0, "higher")
+    for name in ("ours soft-b16-128e", "ours vit-b16"):
+        fused, plain = bench.find(name, setting), bench.find(f"{name}, PyTorch qk-norm", setting)
+        if fused and plain:
+            bench.ratio(f"{name} eager: Triton qk-norm / PyTorch qk-norm (images/s)",
+                        fused.per_s / plain.per_s if fused.per_s and plain.per_s else None, None, "higher")
     soft_row = next((r for r in bench.rows if r.part == "tower" and r.name.startswith("ours soft") and r.peak_mib), None)
     if soft_row is not None:
         bench.ratio(f"soft-b16-128e peak memory at batch {batch} (GiB)", soft_row.peak_mib / 1024, 80.0, "lower")
@@ -423,6 +449,9 @@ def bench_lit(bench: Bench):
     bench.run_row("open_clip image features given", setting, openclip(True), per_call_items=b)
     bench.run_row("ours cached, text compiled", setting, ours(True, compile_text=True), per_call_items=b,
                   compiled=True)
+    if not bench.cpu:
+        with qk_norm_kernel_off():
+            bench.run_row("ours on-the-fly, PyTorch qk-norm", setting, ours(False), per_call_items=b)
     inputs = None
 
     base = bench.find(bl.BASELINE, setting)

@@ -89,3 +89,40 @@ def test_inference_mode_tower_matches_fp32():
         want = tower.forward_features(pixels)
     got = encode_images(prepare_for_inference(tower), pixels)
     assert got.dtype == torch.bfloat16 and _relative_error(got.float(), want) < 3e-2
+
+
+def test_triton_qk_norm_equals_layer_norm_at_paper_shapes():
+    import torch.nn.functional as F
+    from lit_softmoe.nn.qk_norm import head_layer_norm
+    torch.manual_seed(0)
+    b, m, heads, head_dim = 8, 196, 12, 64
+    qkv = (torch.randn(b, m, 3 * heads * head_dim, device="cuda") * 2 + 0.5).bfloat16()
+    weight = (torch.randn(head_dim, device="cuda") * 0.3 + 1).bfloat16()
+    bias = (torch.randn(head_dim, device="cuda") * 0.3).bfloat16()
+    for part in (0, 1):
+        got = head_layer_norm(qkv, part, heads, weight, bias, 1e-6)
+        view = qkv.view(b, m, 3, heads, head_dim)[:, :, part]
+        want = F.layer_norm(view.float(), (head_dim,), weight.float(), bias.float(), 1e-6)
+        assert got.shape == (b, m, heads, head_dim) and got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
+def test_tower_takes_the_kernel_in_inference_only(monkeypatch):
+    import lit_softmoe.models.vit as vit
+    calls = []
+    kernel = vit.head_layer_norm
+    monkeypatch.setattr(vit, "head_layer_norm", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    torch.manual_seed(0)
+    tower = create_image_tower("vit-s16").cuda().bfloat16().eval()
+    pixels = torch.randn(4, 3, 224, 224, device="cuda").bfloat16()
+    with torch.inference_mode():
+        fused = tower.forward_features(pixels)
+        assert len(calls) == 2 * 12
+        monkeypatch.setenv("LIT_SOFTMOE_FUSED_QK_NORM", "0")
+        plain = tower.forward_features(pixels)
+        assert len(calls) == 2 * 12
+    assert _relative_error(fused.float(), plain.float()) < 1e-2
+    monkeypatch.delenv("LIT_SOFTMOE_FUSED_QK_NORM")
+    tower.train()
+    tower(pixels).float().square().mean().backward()  # training: PyTorch's LayerNorm, gradients flow
+    assert len(calls) == 2 * 12 and tower.blocks[0].attn.q_norm.weight.grad is not None
