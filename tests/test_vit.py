@@ -279,3 +279,13 @@ def test_residual_stream_is_contiguous_in_every_block():
         tower.forward_features(images(tower.cfg, b=3))
     assert seen == [True] * tower.cfg.depth
     assert block_out == [True]
+
+
+@pytest.mark.parametrize("size", [28, 31, 56])  # 31: a remainder the convolution drops; 56: another grid
+def test_patch_embedding_equals_the_strided_convolution(size):
+    tower = tiny("vit-test", dtype=torch.float64)
+    x = images(tower.cfg, b=3, size=size, dtype=torch.float64)
+    want = tower.patch_embed(x).flatten(2).transpose(1, 2)  # (b, m, d), the convolution's answer
+    got = tower.embed_patches(x)
+    assert got.shape == want.shape == (3, (size // 7) ** 2, 32)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

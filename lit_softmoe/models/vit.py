@@ -243,15 +243,29 @@ class VisionTransformer(nn.Module):
         grid = F.interpolate(grid, size=(new, new), mode="bilinear", align_corners=False)
         return grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)
 
+    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → patch embeddings (b, m, d), token-major and contiguous.
+
+        The function of `self.patch_embed` (a p×p convolution with stride p, whose weights it uses) as
+        one matmul over the flattened patches. Two reasons. The convolution's (b, d, h/p, w/p) output
+        needs a transpose, and elementwise ops keep their first input's layout, so the whole residual
+        stream would inherit it: in an H200 profile of the eager vit-b16 forward every residual add
+        then ran as a strided kernel (230 µs against timm's 53) and every LayerNorm copied its input.
+        And the convolution is slow for what it computes (same profile: 2.0 ms of 50 with cuDNN's
+        layout conversions); on the CPU the matmul form was faster at every shape timed, 1.1–8.9x
+        (scripts/bench_patches.py).
+        """
+        b, c, h, w = pixels.shape
+        p = self.cfg.patch_size
+        rows, cols = h // p, w // p
+        pixels = pixels[:, :, :rows * p, :cols * p]  # as the convolution does, drop a remainder
+        patches = pixels.reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5)  # (b, rows, cols, c, p, p)
+        patches = patches.reshape(b, rows * cols, c * p * p)  # (b, m, c·p·p), the conv kernel's order
+        return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+
     def forward_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling."""
-        x = self.patch_embed(pixels)  # (b, d, h/p, w/p)
-        # (b, m, d), contiguous. The transposed view alone has stride 1 along m, and elementwise ops
-        # keep their first input's layout: every residual add after it would inherit the transposed
-        # layout (strided, unvectorized kernels) and every LayerNorm would copy its input first. In an
-        # H200 profile of the eager vit-b16 forward those adds took 230 µs each against timm's 53
-        # (timm's cls-token concat happens to make its stream contiguous).
-        x = x.flatten(2).transpose(1, 2).contiguous()
+        x = self.embed_patches(pixels)  # (b, m, d)
         x = x + self._pos_embed(x.shape[1])
         for block in self.blocks:
             x = block(x)
