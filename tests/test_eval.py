@@ -18,6 +18,7 @@ import torch
 from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
 from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.zeroshot import build_zeroshot_classifier, retrieval_metrics, zeroshot_metrics
 from lit_softmoe.zeroshot.datasets import EvalData, read_benchmark
@@ -337,3 +338,25 @@ def test_a_handed_in_model_is_keyed_by_its_weights_not_its_recorded_hash(fmnist,
         model.image_tower.patch_embed.weight.mul_(2)  # changed in memory; the recorded hash is now stale
     again = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, preprocess, tokenizer))
     assert again["results"][0]["image_cache"] == "miss"
+
+
+def test_the_cache_is_keyed_by_task(fmnist, tmp_path):
+    # The cache holds the targets too: the same shards read as classification (class indices) and as
+    # retrieval (captions) must not share an entry, in either order.
+    bundle = tiny_pair()
+    for first, second in (("classification", "retrieval"), ("retrieval", "classification")):
+        cache = tmp_path / f"cache-{first}"
+        a = run_suite("m", _suite(fmnist, cache, task=first), out=tmp_path / f"{first}-a.json", model_bundle=bundle)
+        b = run_suite("m", _suite(fmnist, cache, task=second), out=tmp_path / f"{first}-b.json", model_bundle=bundle)
+        assert [e["task"] for e in (a["results"][0], b["results"][0])] == [first, second]
+        assert b["results"][0]["status"] == "ok" and b["results"][0]["image_cache"] == "miss"
+
+
+def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_path):
+    # No pretrained_info, so no recorded preprocessing: the transform the images went through decides.
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    same = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, eval_transform(28, 1, 0.5, 0.25), tokenizer))
+    other = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, eval_transform(28, 1, 0.4, 0.25), tokenizer))
+    assert same["results"][0]["image_cache"] == "hit" and other["results"][0]["image_cache"] == "miss"

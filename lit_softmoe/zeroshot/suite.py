@@ -40,7 +40,7 @@ from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier
 from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the key names the task and the image transform too
 
 
 def default_cache_dir() -> Path:
@@ -97,14 +97,23 @@ def _tower_hash(model) -> str:
 
 
 def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device, precision: str) -> str:
-    """What the cached features depend on. The tower is identified by its weights themselves (sha256
-    of the state), not by a recorded file hash: the same weights give the same key whether they came
-    from a run, an export or memory, and a tower changed in memory never meets its old features."""
+    """What the cached features and targets depend on. The tower is identified by its weights
+    themselves (sha256 of the state), not by a recorded file hash: the same weights give the same key
+    whether they came from a run, an export or memory, and a tower changed in memory never meets its
+    old features.
+
+    The task is part of the key because the cache holds the targets as well as the features: class
+    indices for classification, captions for retrieval, read from the same files (a webdataset's task
+    comes from the suite or from dataset_type.txt, neither of which the file signature covers). The
+    transform's repr is too: a model handed in without `pretrained_info` has no recorded preprocessing,
+    and its own transform is what the images went through (torchvision's repr spells out the sizes,
+    mean and std; a transform whose repr is unstable only costs cache misses)."""
     info = getattr(model, "pretrained_info", None) or {}
     identity = {"format": CACHE_FORMAT, "tower_sha256": _tower_hash(model),
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
-                "benchmark": spec.name, "split": spec.split, "reader": data.format, "data": data.signature,
-                "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
+                "transform": repr(getattr(data.dataset, "transform", None)),
+                "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
+                "data": data.signature, "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
