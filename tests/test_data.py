@@ -204,6 +204,35 @@ def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplo
     assert dict(counts) == {"bad_image": 1, "missing_cls": 1, "missing_image": 1, "bad_cls": 1}
 
 
+def test_negative_class_index_is_a_bad_sample(tmp_path):
+    good = _png(np.zeros((8, 8), np.uint8))
+    write_split([{"png": good, "cls": "1"}, {"png": good, "cls": "-1"}, {"png": good, "cls": "0"}], tmp_path, "a")
+    images, labels, counts = load_class_split(tmp_path / "a", cache=False)
+    assert labels.tolist() == [1, 0] and dict(counts) == {"bad_cls": 1}
+
+
+def test_first_n_samples_count_only_their_own_bad_samples_cached_or_not(tmp_path):
+    """`max_samples` from the decoded cache counts the bad samples among the first N, as decoding
+    the first N does, not the whole split's."""
+    good = _png(np.zeros((8, 8), np.uint8))
+    # 100 samples: bad at reading positions 3 (image), 50 (image), 70 (no .cls) and 99 (image, last).
+    samples = [{"png": b"not a png" if i in (3, 50, 99) else good, **({} if i == 70 else {"cls": str(i % 5)})}
+               for i in range(100)]
+    write_split(samples, tmp_path, "a", samples_per_shard=40)
+    expected = {n: load_class_split(tmp_path / "a", n, cache=False) for n in (3, 4, 10, 60, 96, 97, None)}
+    assert not list((tmp_path / "a").glob(".decoded-*.npz"))
+    assert dict(expected[3][2]) == {} and dict(expected[4][2]) == {"bad_image": 1}
+    assert dict(expected[60][2]) == {"bad_image": 2}
+    assert dict(expected[96][2]) == {"bad_image": 2, "missing_cls": 1}
+    assert dict(expected[None][2]) == {"bad_image": 3, "missing_cls": 1}
+    load_class_split(tmp_path / "a")  # the full decode writes the cache
+    assert list((tmp_path / "a").glob(".decoded-*.npz"))
+    for n, (images, labels, counts) in expected.items():
+        cached_images, cached_labels, cached_counts = load_class_split(tmp_path / "a", n)
+        assert torch.equal(cached_images, images) and torch.equal(cached_labels, labels)
+        assert cached_counts == counts, n
+
+
 def test_missing_shards_name_the_path_and_the_fix(tmp_path):
     with pytest.raises(UserError, match=f"shards not found: {tmp_path}/nope.*nshards.txt"):
         shard_urls(tmp_path / "nope")

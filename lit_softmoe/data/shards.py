@@ -46,7 +46,7 @@ CLASSNAMES_FILE = "classnames.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
 _PARTIAL_SUFFIX = ".tar.partial"
 _DECODED_CACHE_PREFIX = ".decoded-"
-_DECODED_CACHE_VERSION = 1
+_DECODED_CACHE_VERSION = 2  # 2: bad samples with their positions; negative labels skipped
 _LAYOUT_HINT = (
     "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout); "
     "or pass a brace pattern such as DIR/{0..9}.tar, or several patterns joined with '::'"
@@ -297,6 +297,9 @@ def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.I
     except (UnicodeDecodeError, ValueError):
         counter.skip("bad_cls", f"{where}: {sample['cls'][:20]!r}")
         return None
+    if label < 0:  # as the streaming pipelines do: no class index is negative
+        counter.skip("bad_cls", f"{where}: negative class {label}")
+        return None
     try:
         image = PIL.Image.open(io.BytesIO(sample[image_key]))
         image.load()
@@ -345,11 +348,13 @@ def _decoded_cache_path(split_dir: str | Path) -> Path | None:
 
 
 def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: torch.Tensor,
-                        counts: dict[str, int] | None = None) -> Path | None:
+                        bad: list[tuple[int, str, int]] | None = None) -> Path | None:
     """Save what `load_class_split` returns for `split_dir`, so the next load skips decoding.
 
     Called by `load_class_split` itself, and by writers that still hold the arrays they just
-    encoded losslessly. Returns the cache path, or None where the folder is not writable.
+    encoded losslessly. `bad` lists the skipped samples as (good samples read before them,
+    reason, count), so a load of the first N samples counts only the bad ones among those.
+    Returns the cache path, or None where the folder is not writable.
     """
     path = _decoded_cache_path(split_dir)
     if path is None:
@@ -361,7 +366,7 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
         with open(temporary, "wb") as file:
             # A str array, not a dict: np.load then needs no pickle.
             np.savez(file, images=images.numpy(), labels=labels.numpy(),
-                     counts=np.array(json.dumps(dict(counts or {}))))
+                     bad=np.array(json.dumps([list(event) for event in bad or []])))
         os.replace(temporary, path)
     except OSError as exn:  # a read-only dataset folder: decode each time instead
         logger.info("not caching decoded %s: %s", split_dir, exn)
@@ -392,18 +397,34 @@ def load_class_split(
     if cache_path is not None and cache_path.is_file():
         with np.load(cache_path) as cached:
             images, labels = torch.from_numpy(cached["images"]), torch.from_numpy(cached["labels"])
-            counter.counts.update(json.loads(str(cached["counts"])))
+            bad = json.loads(str(cached["bad"]))
+        # Count what decoding the first `max_samples` would have met: the bad samples read before
+        # the last good one kept, not the whole split's (all of them when the split is read to its end).
+        reads_all = max_samples is None or max_samples > len(labels)
+        for position, reason, count in bad:
+            if reads_all or position < max_samples:
+                counter.counts[reason] += count
         return images[:max_samples], labels[:max_samples], counter.counts
 
     arrays: list[np.ndarray] = []  # each (H, W) for grayscale or (H, W, 3) for color
     labels_list: list[int] = []
+    bad: list[tuple[int, str, int]] = []  # (good samples before them, reason, count), for the cache
+    seen = collections.Counter(counter.counts)  # a caller's counter may hold counts of other splits
+
+    def note_bad() -> None:
+        if counter.total != sum(seen.values()):
+            bad.extend((len(labels_list), reason, count) for reason, count in (counter.counts - seen).items())
+            seen.update(counter.counts - seen)
+
     for image, label in iter_class_samples(split_dir, counter):
+        note_bad()
         if image.mode not in ("L", "RGB"):
             image = image.convert("L" if image.mode in ("1", "I;16", "I", "F") else "RGB")
         arrays.append(np.asarray(image))
         labels_list.append(label)
         if max_samples is not None and len(labels_list) >= max_samples:
             break
+    note_bad()  # the bad samples after the last good one
     if not arrays:
         raise UserError(f"no readable image+cls samples in {split_dir} (skipped: {dict(counter.counts)}); "
                         "check that its shards hold an image and a .cls per sample")
@@ -418,5 +439,5 @@ def load_class_split(
         images = torch.from_numpy(np.stack(arrays)).unsqueeze(1)  # (N, 1, H, W)
     labels = torch.tensor(labels_list, dtype=torch.int64)
     if cache_path is not None and max_samples is None:
-        cache_decoded_split(split_dir, images, labels, counter.counts)
+        cache_decoded_split(split_dir, images, labels, bad)
     return images, labels, counter.counts
