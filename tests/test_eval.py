@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -360,3 +361,28 @@ def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_pa
     same = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, eval_transform(28, 1, 0.5, 0.25), tokenizer))
     other = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, eval_transform(28, 1, 0.4, 0.25), tokenizer))
     assert same["results"][0]["image_cache"] == "hit" and other["results"][0]["image_cache"] == "miss"
+
+
+def test_default_results_go_to_the_run_and_survive_checkpoint_pruning(fmnist, tmp_path):
+    # A checkpoint folder is deleted by pruning and model/ is replaced when a run finishes: results
+    # written inside either would be lost, so the default --out is RUN/eval/, the step in the name.
+    from evalkit import save_pair
+    from lit_softmoe.config import LiTConfig, to_yaml
+    from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
+    run = save_pair(tmp_path / "pair")
+    (run / "config.yaml").write_text(to_yaml(load_config(LiTConfig, None, [  # as the recipe writes it
+        f"run_dir={run}", f"image_tower={tmp_path / 'pair' / 'pretrain' / 'tower'}", "text.width=32",
+        "text.layers=1", "text.heads=2", "text.context_length=16"])))
+    model, _, _ = tiny_pair()
+    optimizer = torch.optim.AdamW([p for p in model.text_tower.parameters()])
+    step = save_training_state(run / "checkpoints" / "step_00000006", 6, model, optimizer,
+                               skip_prefixes=("image_tower.",))
+    cfg = _suite(fmnist, tmp_path / "cache")
+    from_step = run_suite(step, cfg)["paths"]["json"]
+    from_model = run_suite(run / "model", cfg)["paths"]["json"]
+    assert Path(from_step).parent == Path(from_model).parent == run / "eval"
+    assert Path(from_step).name.startswith("t-step_00000006-") and Path(from_model).name.startswith("t-2")
+    for s in (8, 10):  # training goes on and keeps 2 checkpoints: step 6 goes
+        save_training_state(run / "checkpoints" / f"step_{s:08d}", s, model, optimizer, skip_prefixes=("image_tower.",))
+    prune_checkpoints(run / "checkpoints", 2)
+    assert not step.exists() and Path(from_step).is_file() and Path(from_model).is_file()

@@ -261,8 +261,21 @@ def _imagenet_wnids(meta) -> list[str] | None:
 # ---------------------------------------------------------------------------------- the suite
 
 def _default_out(model_path: Path, suite: str) -> Path:
-    folder = model_path if model_path.is_dir() else model_path.parent
+    """RUN/eval/SUITE[-step_N]-TIME.json for a model inside a run, else MODEL/eval/SUITE-TIME.json.
+
+    Never inside a checkpoint or model/ folder: checkpoint pruning deletes step_N/ and a finished or
+    resumed run replaces model/, results and all. RUN/eval/ is also where export's model card looks.
+    """
+    from lit_softmoe.export import _classify
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        source = _classify(model_path)
+    except UserError:  # not a model folder (a handed-in model's label): loading reports it if it matters
+        source = None
+    if source is not None and source.run_dir is not None:
+        step = f"-{source.path.name}" if source.kind == "checkpoint" else ""
+        return source.run_dir / "eval" / f"{suite}{step}-{stamp}.json"
+    folder = model_path if model_path.is_dir() else model_path.parent
     return folder / "eval" / f"{suite}-{stamp}.json"
 
 
