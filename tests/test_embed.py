@@ -158,3 +158,17 @@ def test_cli_summary_line_and_missing_tower(cache, tmp_path, capsys):
     assert main([*args, "--tower", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lit-softmoe embed: error:") and "not a tower checkpoint" in err[0]
+
+
+def test_rewritten_source_shards_are_embedded_again(cache, tmp_path):
+    # Same tower, same source path, new data there: the old features must not be kept.
+    root = cache["root"]
+    source = tmp_path / "fmnist"
+    write_fashion_mnist_shards(source, samples_per_shard=128, limit=LIMIT, allow_download=False)
+    first = embed_shards(root / "tower", str(source / "test"), tmp_path / "features", batch_size=64)
+    write_fashion_mnist_shards(source, samples_per_shard=50, limit=100, allow_download=False)  # regenerated
+    second = embed_shards(root / "tower", str(source / "test"), tmp_path / "features", batch_size=64)
+    assert (first["num_samples"], first["skipped"]) == (LIMIT, False)
+    assert (second["num_samples"], second["skipped"]) == (100, False)
+    assert len(_read_raw(tmp_path / "features" / "test")) == 100
+    assert embed_shards(root / "tower", str(source / "test"), tmp_path / "features")["skipped"]  # unchanged now

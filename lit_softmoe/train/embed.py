@@ -20,8 +20,9 @@ reads them back. `embed.json` lives in the split folder, so train and test cache
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing). The whole split folder is
 written under a temporary name and renamed when complete, so its presence means a finished
-cache: a rerun with the same tower and shards is skipped, and `check_feature_cache` refuses a
-cache made with another tower or preprocessing instead of training on stale embeddings.
+cache: a rerun with the same tower and the same source files (each shard's path, size and
+modification time) is skipped, one with anything changed embeds again, and `check_feature_cache`
+refuses a cache made with another tower or preprocessing instead of training on stale embeddings.
 """
 from __future__ import annotations
 
@@ -146,6 +147,23 @@ def _source_dataset_dir(shards: str, urls: list[str]) -> Path | None:
     return Path(first).resolve().parent.parent
 
 
+def _source_signature(urls: list[str]) -> str:
+    """A cheap identity of the source shards: each local one's path, size and modification time.
+
+    A split rewritten at the same path (new images, more or fewer samples) gets a new signature, so
+    a rerun embeds it again instead of keeping stale features. Remote shards (URLs, pipes) cannot be
+    stat'ed and count by their name alone.
+    """
+    digest = hashlib.sha256()
+    for url in urls:
+        if "://" in url or url.startswith("pipe:"):
+            digest.update(f"{url}\n".encode())
+        else:
+            stat = os.stat(url)
+            digest.update(f"{url}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def _ignore(exn: Exception) -> bool:
     return True  # webdataset handler: go on with the next shard
 
@@ -261,7 +279,7 @@ def embed_shards(
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
         "skipped"}; "skipped" is True when the split already held this tower's embeddings of
-        these shards (nothing was written).
+        these shards, unchanged since (nothing was written).
     """
     start = time.perf_counter()
     out_dir = Path(out_dir)
@@ -271,12 +289,15 @@ def embed_shards(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = autocast_dtype(precision, device)
     fingerprint = tower_fingerprint(tower_dir)
-    wanted = {**fingerprint, "source": str(shards), "precision": "bf16" if autocast else "fp32"}
+    wanted = {**fingerprint, "source": str(shards), "source_files": _source_signature(urls),
+              "precision": "bf16" if autocast else "fp32"}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out_dir, split)
     _copy_metadata(_source_dataset_dir(shards, urls), out_dir)
     done = _read_embed_json(split_dir)
+    # Anything else (another tower, other source files, a cache from before source_files was
+    # recorded) is embedded again; the new split replaces the old one atomically.
     if done is not None and all(done.get(key) == value for key, value in wanted.items()):
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
