@@ -36,9 +36,11 @@ def _cmd_pretrain(args) -> None:
     cfg = load_config(PretrainConfig, args.config, args.overrides)
     results = pretrain(cfg)
     if "test_top1" in results:
+        fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
         print(f"test top-1 {results['test_top1']:.4f}" +
-              (f", {cfg.fewshot_shots}-shot linear probe {results[f'fewshot{cfg.fewshot_shots}_top1']:.4f}"
-               if cfg.fewshot_shots else "") + f"; tower saved to {cfg.run_dir}/tower")
+              (f", {cfg.fewshot_shots}-shot linear probe {results[fewshot_key]:.4f}" if fewshot_key in results else "")
+              + (f", {cfg.fewshot_shots}-shot linear probe skipped (see above)" if "fewshot_skipped" in results else "")
+              + f"; tower saved to {cfg.run_dir}/tower")
 
 
 def _cmd_train(args) -> None:

@@ -177,3 +177,50 @@ def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
         pretrain(_cfg(shards, tmp_path / "run", *overrides))
     results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.1"))
     assert results["bad_samples"]["train"] == {"bad_image": 20, "missing_cls": 8}
+
+
+def test_class_index_past_the_class_names_is_skipped_and_counted(shards, tmp_path):
+    """A .cls of 10 with 10 class names, or of -1, is a bad sample: skipped and counted, and too
+    many of them stop the run like any other bad samples (not an IndexError inside the loss)."""
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    from lit_softmoe.errors import UserError
+    images, labels = read_fashion_mnist("train", allow_download=False)
+
+    def samples(n, bad_labels):
+        for i in range(n):
+            yield {"png": _png_bytes(images[i]), "cls": str(bad_labels.get(i, int(labels[i]))).encode()}
+
+    write_split(samples(300, {5: 10, 6: -1}), tmp_path / "d", "train", samples_per_shard=100)
+    write_split(samples(100, {0: 12, 1: -1}), tmp_path / "d", "test", samples_per_shard=100)
+    (tmp_path / "d" / "classnames.txt").write_text((shards / "classnames.txt").read_text())
+    overrides = [f"data.train={tmp_path / 'd' / 'train'}", f"data.test={tmp_path / 'd' / 'test'}", "steps=2",
+                 "fewshot_shots=0"]
+    with pytest.raises(UserError, match=r"2 of 100 test samples were bad \(bad_cls 2\)"):
+        pretrain(_cfg(shards, tmp_path / "run", *overrides))
+    results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.02"))
+    assert results["bad_samples"] == {"train": {"bad_cls": 2}, "test": {"bad_cls": 2}}
+
+
+def test_small_classes_skip_the_fewshot_probe_and_the_tower_is_saved(shards, tmp_path):
+    """60 training images leave a class with fewer than 10: the run still ends with its tower and
+    its test top-1, and says why the 10-shot probe was skipped."""
+    results = pretrain(_cfg(shards, tmp_path / "run", "data.max_train_samples=60", "batch_size=30", "steps=2"))
+    assert "fewshot10_top1" not in results
+    assert "10-shot linear probe is skipped: class" in results["fewshot_skipped"]
+    _, meta = load_tower(tmp_path / "run" / "tower")
+    assert meta["pretrain"]["test_top1"] == results["test_top1"]
+    assert meta["pretrain"]["fewshot_skipped"] == results["fewshot_skipped"]
+
+
+def test_tower_is_saved_before_the_final_evaluation(shards, tmp_path, monkeypatch):
+    import lit_softmoe.train.pretrain as recipe
+
+    def failing_embed(*args, **kwargs):
+        raise RuntimeError("out of memory in the evaluation")
+
+    monkeypatch.setattr(recipe, "_embed", failing_embed)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pretrain(_cfg(shards, tmp_path / "run", "data.max_train_samples=200", "steps=2", "fewshot_shots=0"))
+    _, meta = load_tower(tmp_path / "run" / "tower")
+    assert meta["pretrain"]["steps"] == 2 and "test_top1" not in meta["pretrain"]

@@ -64,6 +64,15 @@ def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None
     return write_folder_atomically(out_dir, write)
 
 
+def update_tower_meta(tower_dir: str | Path, updates: dict) -> None:
+    """Merge `updates` into a saved tower's config.json (rewritten atomically; weights untouched)."""
+    path = Path(tower_dir) / TOWER_CONFIG
+    meta = {**json.loads(path.read_text()), **updates}
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(temporary, path)
+
+
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
                      skip_prefixes: tuple[str, ...] = ()) -> None:
     """Raise UserError naming every missing, unexpected or mis-shaped key (a loud, pure loader)."""

@@ -17,6 +17,7 @@ checkpoint replays exactly the batches the uninterrupted run would have seen.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -31,12 +32,13 @@ from lit_softmoe.data.shards import load_class_split, read_classnames
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.vit import create_image_tower, image_tower_config
-from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_training_state
+from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_training_state, update_tower_meta
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
 from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
 
+_log = logging.getLogger(__name__)
 
 @dataclass
 class ClassData:
@@ -50,23 +52,50 @@ class ClassData:
     bad_samples: dict
 
 
+def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]):
+    """Skip and count (as bad_cls) the samples whose class index has no name: a wrong .cls, or a
+    classnames.txt of fewer classes, would otherwise end the run inside the loss."""
+    unnamed = labels >= len(classnames)
+    if not unnamed.any():
+        return images, labels
+    _log.warning("skipping bad_cls: %d %s samples have a class index past the %d class names (largest %d)",
+                    int(unnamed.sum()), split, len(classnames), int(labels.max()))
+    bad["bad_cls"] += int(unnamed.sum())
+    return images[~unnamed], labels[~unnamed]
+
+
 def _setup_data(cfg: PretrainConfig) -> ClassData:
     train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
     test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
+    classnames_dir = Path(cfg.data.train).parent
+    classnames = read_classnames(classnames_dir) if (classnames_dir / "classnames.txt").exists() else \
+        [str(i) for i in range(int(train_labels.max()) + 1)]
+    train_images, train_labels = _drop_unnamed_classes("train", train_images, train_labels, train_bad, classnames)
+    test_images, test_labels = _drop_unnamed_classes("test", test_images, test_labels, test_bad, classnames)
     for split, labels, bad in (("train", train_labels, train_bad), ("test", test_labels, test_bad)):
         num_bad = sum(bad.values())
         if num_bad > cfg.data.max_bad_fraction * (num_bad + len(labels)):
             reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
             raise UserError(f"{num_bad} of {num_bad + len(labels)} {split} samples were bad ({reasons}), over "
                             f"data.max_bad_fraction={cfg.data.max_bad_fraction}; fix the shards or raise it")
-    classnames_dir = Path(cfg.data.train).parent
-    classnames = read_classnames(classnames_dir) if (classnames_dir / "classnames.txt").exists() else \
-        [str(i) for i in range(int(train_labels.max()) + 1)]
     pixels = train_images[:10_000].float() / 255  # statistics of the first 10k images are plenty
     mean = pixels.mean(dim=(0, 2, 3)).tolist()
     std = pixels.std(dim=(0, 2, 3)).tolist()
     return ClassData(train_images, train_labels, test_images, test_labels, classnames, mean, std,
                      {"train": dict(train_bad), "test": dict(test_bad)})
+
+
+def _fewshot_skip_reason(cfg: PretrainConfig, data: ClassData) -> str | None:
+    """Why the k-shot probe cannot run on these training images, or None: it takes k of every class."""
+    if cfg.fewshot_shots <= 0:
+        return None
+    counts = torch.bincount(data.train_labels, minlength=len(data.classnames))
+    smallest = int(counts.argmin())
+    if counts[smallest] >= cfg.fewshot_shots:
+        return None
+    return (f"the {cfg.fewshot_shots}-shot linear probe is skipped: class {smallest} ({data.classnames[smallest]}) "
+            f"has {int(counts[smallest])} training images; lower fewshot_shots (0 turns the probe off) or train "
+            "on more images")
 
 
 def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -131,6 +160,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     tower_cfg = _validate_tower(cfg)
     data = _setup_data(cfg)
     _check_fits(cfg, tower_cfg, data)
+    fewshot_skipped = _fewshot_skip_reason(cfg, data)
+    if fewshot_skipped:  # said now, so that a user who wants the probe need not wait for the end
+        _log.warning(fewshot_skipped)
     torch.manual_seed(cfg.seed)
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
     num_params = sum(p.numel() for p in tower.parameters())
@@ -229,10 +261,18 @@ def pretrain(cfg: PretrainConfig) -> dict:
                 prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
 
-    # ---- evaluate: test top-1 and the few-shot linear probe on frozen features
+    # ---- save the tower, then evaluate it: test top-1 and the few-shot linear probe on frozen
+    # features. An evaluation that fails must not cost the training (a rerun resumes at the last
+    # step and evaluates again); its results are added to the tower's config.json after.
     results = {"tower": cfg.tower.name, "params": num_params, "steps": total_steps,
                "train_seconds": round(train_seconds, 1)}
     if is_main:
+        pretrain_meta = {"config": str(run_dir / "config.yaml"), **results}
+        save_tower(run_dir / "tower", tower_module, extra={
+            "classnames": data.classnames,
+            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std},
+            "pretrain": pretrain_meta,
+        })
         eval_tic = time.perf_counter()
         test_features, test_logits, test_dropped = _embed(tower_module, data.test_images, mean, std,
                                                           cfg.eval_batch_size, accelerator)
@@ -240,22 +280,21 @@ def pretrain(cfg: PretrainConfig) -> dict:
         if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
             results["dropped_fraction_train"] = dropped_total / max(dropped_steps, 1)
             results["dropped_fraction_test"] = test_dropped
-        if cfg.fewshot_shots > 0:
+        if fewshot_skipped:
+            _log.warning(fewshot_skipped)
+            results["fewshot_skipped"] = fewshot_skipped
+        elif cfg.fewshot_shots > 0:
             shot_ids = sample_shots(data.train_labels, cfg.fewshot_shots, cfg.seed)
             shot_features, _, _ = _embed(tower_module, data.train_images[shot_ids], mean, std,
                                          cfg.eval_batch_size, accelerator, with_logits=False)
             results.update(fewshot_probe(shot_features, data.train_labels[shot_ids], test_features,
                                          data.test_labels, shots=cfg.fewshot_shots))
         results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
-        results["bad_samples"] = data.bad_samples
         logger.log({"step": total_steps, **{k: v for k, v in results.items()
-                                            if k.startswith(("test_", "fewshot", "dropped_"))}})
-        save_tower(run_dir / "tower", tower_module, extra={
-            "classnames": data.classnames,
-            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std},
-            "pretrain": {"config": str(run_dir / "config.yaml"), **{k: v for k, v in results.items()
-                                                                    if k != "bad_samples"}},
-        })
+                                            if k.startswith(("test_", "fewshot", "dropped_"))
+                                            and k != "fewshot_skipped"}})
+        update_tower_meta(run_dir / "tower", {"pretrain": {**pretrain_meta, **results}})
+        results["bad_samples"] = data.bad_samples
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         plot_curves(read_metrics(logger.path), run_dir / "curves.png",
                     keys=("loss", "lr", "test_top1"), title=f"pretrain {cfg.tower.name}")
