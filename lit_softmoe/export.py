@@ -459,7 +459,8 @@ def _openclip_bpe_as_tokenizers(bpe):
 # ---- model card ---------------------------------------------------------------------------------
 
 def _latest_eval(run_dir: Path | None) -> tuple[Path, dict] | None:
-    """The newest RUN/eval/*.json written by the eval suite, if any."""
+    """The newest RUN/eval/*.json the eval suite wrote for the run's final model, if any (a report on a
+    checkpoint, RUN/eval/SUITE-step_N-TIME.json, describes another model than the one exported)."""
     if run_dir is None or not (run_dir / "eval").is_dir():
         return None
     files = sorted((run_dir / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
@@ -468,8 +469,11 @@ def _latest_eval(run_dir: Path | None) -> tuple[Path, dict] | None:
             report = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(report, dict) and isinstance(report.get("results"), list):
-            return file, report
+        if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+            continue
+        if Path(str(report.get("model", ""))).parent.name == "checkpoints":
+            continue
+        return file, report
     return None
 
 

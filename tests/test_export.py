@@ -295,6 +295,12 @@ def test_model_card_shows_the_newest_eval_json(tmp_path):
     assert "| fashion-mnist | zeroshot_classification | 0.8765 | 0.9912 | 0.8701 | 10000 | ok |" in card
     assert "skipped: data not found at /nowhere" in card
     assert "0.1111" not in card and "0.4321" not in card
+    time.sleep(0.05)  # an eval of a checkpoint, newer still, is not the exported model's
+    step = {**new, "model": str(run / "checkpoints" / "step_00000005"), "results": [
+        {**new["results"][0], "metrics": {"acc1": 0.2222}}]}
+    (run / "eval" / "fmnist-step_00000005-20261126.json").write_text(json.dumps(step))
+    card = (export_pair(run, tmp_path / "eval-after-step") / "README.md").read_text()
+    assert "0.8765" in card and "0.2222" not in card
 
 
 # ---- a user's mistake: one line, exit code 2, nothing written -----------------------------------
