@@ -88,3 +88,61 @@ def test_latest_and_prune(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000015"
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000015", "step_00000020"]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and, right after, is not reused)."""
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_killed_writes_are_removed_even_with_this_pid(tmp_path):
+    """A run killed mid-replace leaves `.NAME.old-PID` / `.NAME.tmp-PID-…`; a rerun in a fresh
+    container often has the same pid. The next write removes them instead of failing on them."""
+    import os
+    write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text("1"))
+    for leftover in (f".ckpt.old-{os.getpid()}", f".ckpt.tmp-{os.getpid()}-abc", f".ckpt.old-{_dead_pid()}-xyz"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "v").write_text("stale")
+    alive = tmp_path / f".ckpt.tmp-{os.getppid()}-def"  # another live process may be writing this one
+    alive.mkdir()
+    write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text("2"))
+    assert (tmp_path / "ckpt" / "v").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", alive.name])
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_replace_with_and_without_an_atomic_exchange(tmp_path, monkeypatch, atomic_exchange):
+    from lit_softmoe.train import checkpoint
+    if not atomic_exchange:
+        monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    for version in "123":
+        write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text(version))
+        assert (tmp_path / "ckpt" / "v").read_text() == version
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_replace_killed_between_its_renames_is_recovered(tmp_path):
+    """Without an atomic exchange the old folder is renamed away first; killed right then, only
+    the old folder's holder is left, and loading (or the next save) puts it back."""
+    tower = create_image_tower("vit-test", num_classes=3)
+    save_tower(tmp_path / "prev", tower)
+    holder = tmp_path / f".tower.old-{_dead_pid()}-k1ll3d"
+    holder.mkdir()
+    (tmp_path / "prev").rename(holder / "tower")
+    loaded, _ = load_tower(tmp_path / "tower")
+    assert torch.equal(loaded.state_dict()["pos_embed"], tower.state_dict()["pos_embed"])
+    assert [p.name for p in tmp_path.iterdir()] == ["tower"]
+
+
+def test_atomic_exchange_swaps_two_folders(tmp_path):
+    from lit_softmoe.train.checkpoint import _exchange
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "v").write_text(name)
+    if not _exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this system or filesystem: two renames are used")
+    assert (tmp_path / "a" / "v").read_text() == "b" and (tmp_path / "b" / "v").read_text() == "a"

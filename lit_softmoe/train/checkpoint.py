@@ -9,9 +9,13 @@ never leaves a half-written checkpoint under the final name.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,23 +29,107 @@ TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
 STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
 
 
+_in_flight: set[Path] = set()  # temporary folders this process is writing right now (any thread)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux's renameat2 with RENAME_EXCHANGE); False
+    where the system, its C library or the filesystem cannot, and the caller renames twice instead."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without the wrapper (glibc < 2.28, older musl)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # e.g. a filesystem without the flag
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def _stale_leftovers(final_dir: Path) -> list[re.Match]:
+    """Name matches (kind "tmp" | "old", pid, suffix) of the temporary siblings that killed
+    `write_folder_atomically` calls left beside `final_dir`. A leftover is stale when the process named in it is gone, or
+    carries this process's pid but is not being written by it: a job rerun in a fresh container
+    often gets the same small pid. (Folders on a disk that several machines share are only judged
+    by this machine's processes.)"""
+    pattern = re.compile(rf"^\.{re.escape(final_dir.name)}\.(tmp|old)-(\d+)(-.*)?$")
+    stale = []
+    for path in final_dir.parent.iterdir() if final_dir.parent.is_dir() else []:
+        match = pattern.match(path.name)
+        if match and path not in _in_flight:
+            pid = int(match.group(2))
+            if pid == os.getpid() or pid <= 0 or not _is_alive(pid):
+                stale.append(match)
+    return stale
+
+
+def recover_folder(final_dir: str | Path) -> None:
+    """Remove what killed `write_folder_atomically` calls left beside `final_dir`; if one was
+    killed between its two renames (systems without an atomic exchange), `final_dir` is missing
+    and its previous version is put back first."""
+    final_dir = Path(final_dir)
+    for match in _stale_leftovers(final_dir):
+        kind, path = match.group(1), final_dir.parent / match.string
+        # An "old" holder keeps the previous version at holder/NAME; the pid-only name that
+        # earlier versions used is the previous version itself.
+        previous = path / final_dir.name if match.group(3) else path
+        if kind == "old" and not final_dir.exists() and previous.is_dir():
+            os.replace(previous, final_dir)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def write_folder_atomically(final_dir: str | Path, write) -> Path:
-    """Call `write(tmp_dir)`, then move tmp_dir to `final_dir` (replacing an older one)."""
+    """Call `write(tmp_dir)`, then move tmp_dir to `final_dir` (replacing an older one).
+
+    On Linux an older folder is swapped out in one atomic step, so a reader finds the old or the
+    new folder, never none. Elsewhere it is renamed away first: a run killed between the two
+    renames leaves `final_dir` missing, and the next call (or `load_tower`) puts the old one back.
+    """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    recover_folder(final_dir)
+    # The pid in the names tells a later call whether their writer is still alive.
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-{os.getpid()}-", dir=final_dir.parent))
+    _in_flight.add(tmp_dir)
     try:
         write(tmp_dir)
-        if final_dir.exists():
-            old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
-            os.replace(final_dir, old)
+        if not final_dir.exists():
             os.replace(tmp_dir, final_dir)
-            shutil.rmtree(old)
+        elif _exchange(tmp_dir, final_dir):
+            pass  # tmp_dir now holds the old folder: removed below
         else:
-            os.replace(tmp_dir, final_dir)
+            # A fresh, empty holder: the old folder's name there cannot collide with a leftover.
+            holder = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-{os.getpid()}-", dir=final_dir.parent))
+            _in_flight.add(holder)
+            try:
+                os.replace(final_dir, holder / final_dir.name)
+                os.replace(tmp_dir, final_dir)
+            except BaseException:
+                if not final_dir.exists():
+                    os.replace(holder / final_dir.name, final_dir)
+                raise
+            finally:
+                shutil.rmtree(holder, ignore_errors=True)
+                _in_flight.discard(holder)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
+        _in_flight.discard(tmp_dir)
     return final_dir
 
 
@@ -96,6 +184,11 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
 def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
     """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
     path = Path(path)
+    if not path.exists():
+        try:
+            recover_folder(path)  # a save killed mid-replace, on a system without an atomic exchange
+        except OSError:  # e.g. a read-only folder: say below that there is no tower
+            pass
     config_file, weights_file = path / TOWER_CONFIG, path / TOWER_WEIGHTS
     if not config_file.is_file() or not weights_file.is_file():
         raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
