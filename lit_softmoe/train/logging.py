@@ -1,12 +1,36 @@
 """Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in TensorBoard, PNG curves.
 
 Only the main process writes. On resume, records past the resumed step are dropped first, so the
-file tells one consistent story even when a killed run had logged beyond its last checkpoint.
+file tells one consistent story even when a killed run had logged beyond its last checkpoint. A run
+killed mid-append (or a full disk) can leave a torn last line: readers drop it with a warning, and
+the resume's rewrite goes through a temporary file, so a kill then cannot lose the log.
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+from lit_softmoe.data.shards import write_text_atomic
+from lit_softmoe.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def _parse_records(path: Path) -> list[dict]:
+    """The records of a metrics file. A last line that is not JSON is what a kill mid-append leaves:
+    dropped. A bad line anywhere else is not something a kill does, so it is reported."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise UserError(f"{path} line {number} is not JSON ({line[:60]!r}); "
+                                "fix or delete that line") from None
+            logger.warning("%s: dropping its torn last line %r (a run killed while logging)", path, line[:60])
+    return records
 
 
 class RunLogger:
@@ -26,9 +50,9 @@ class RunLogger:
         """Drop records with a step beyond `step` (what a killed run logged after its checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [record for record in _parse_records(self.path) if record.get("step", 0) <= step]
+        # Atomic: a kill during the rewrite leaves the old file or the new one, never a half of one.
+        write_text_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -51,7 +75,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse_records(path)
 
 
 def plot_curves(records: list[dict], out_png: str | Path, keys: tuple[str, ...], title: str = "") -> Path | None:
