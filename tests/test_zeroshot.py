@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_softmoe.errors import UserError
 from lit_softmoe.zeroshot import (build_zeroshot_classifier, mean_per_class_recall, topk_accuracy,
                                   zeroshot_metrics)
+from lit_softmoe.zeroshot.classifier import check_templates
 
 CLASSNAMES = ["cat", "dog", "bird"]
 TEMPLATES = ["a photo of a {c}.", "a drawing of a {c}.", "my {c}!", "{c}"]
@@ -62,6 +64,30 @@ def test_templates_are_averaged_after_normalization_then_renormalized():
     expected = torch.stack([(_onehot(c, dim) + template_mean) / math.sqrt(1 + 1 / T) for c in range(C)]).T
     torch.testing.assert_close(classifier, expected)
     torch.testing.assert_close(classifier.norm(dim=0), torch.ones(C))
+
+
+@pytest.mark.parametrize("template, problem", [
+    ("a photo of a {}.", "has the placeholder {}"),  # OpenAI CLIP's and big_vision's lists
+    ("a photo of a {classname}.", "has the placeholder {classname}"),
+    ("a photo of a {0}.", "has the placeholder {0}"),
+    ("a photo.", "has no {c}"),  # every class would get the same prompt
+    ("a {c} in {braces}", "has the placeholder {braces}"),
+    ("a {c", "is not a format string"),
+    ("a } {c}", "is not a format string"),
+])
+def test_a_template_without_c_for_the_class_name_is_a_user_error(template, problem):
+    toy = ToyText(lambda c, t: _onehot(c, C))
+    with pytest.raises(UserError) as err:
+        build_zeroshot_classifier(toy.encode_text, toy.tokenizer, CLASSNAMES, [TEMPLATES[0], template])
+    message = str(err.value)
+    assert f"template {template!r} {problem}" in message and "write the class name as {c}" in message
+    assert not toy.prompts  # refused before anything was encoded
+    with pytest.raises(UserError, match="my_templates.txt holds no templates"):
+        check_templates([], "my_templates.txt")
+
+
+def test_literal_braces_and_repeated_c_are_fine():
+    check_templates(["a {c}.", "a {{literal}} {c}", "{c}, a kind of {c}"], "templates")
 
 
 def test_prompt_batches_do_not_change_the_classifier():
