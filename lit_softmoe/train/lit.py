@@ -3,12 +3,15 @@ a text tower learns to match a locked image tower. The recipe behind `lit-softmo
 
 Read top to bottom: accelerate → locked image tower + text tower → data (image shards, or the
 feature shards `lit-softmoe embed` cached, so the tower runs once per image instead of once per
-epoch) → zero-shot eval set (its image embeddings computed once: the tower is frozen, only the class
-prompts are re-encoded at each evaluation) → train with checkpoints and exact resume → final
-evaluation and the trained pair saved.
+epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only the
+class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and the
+eval images go through it again at every evaluation) → train with checkpoints and exact resume →
+final evaluation and the trained pair saved.
 
 Resume: the shard order of an epoch is a function of (seed, epoch), so a resumed run replays the
-interrupted epoch's batches and skips the ones it had already trained on.
+interrupted epoch's batches and skips the ones it had already trained on. The bad-sample counts of
+the data are saved as of the start of that epoch and restored, and the replay counts the epoch's
+samples again, so a resumed run reports the totals an uninterrupted one does.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.train.checkpoint import (load_tower, prune_checkpoints,
+from lit_softmoe.train.checkpoint import (STATE_META, load_tower, prune_checkpoints,
                                           save_training_state, write_folder_atomically)
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
 from lit_softmoe.train.logging import plot_curves, read_metrics
@@ -37,6 +40,7 @@ from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
 from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
 from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.zeroshot.classifier import check_templates
 
 def is_feature_cache(split: str | Path) -> bool:
     """A split of feature shards (written by `lit-softmoe embed`, which leaves embed.json in it)."""
@@ -98,7 +102,12 @@ def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, acce
     return torch.cat([f for f, _ in batches]).float(), torch.cat([l for _, l in batches])
 
 
-def _zeroshot_eval(model: LiTModel, eval_set: dict, tokenizer, accelerator) -> dict:
+def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, transform, accelerator) -> dict:
+    if not model.image_tower_locked:
+        # The tower's last blocks train: features computed earlier would score the current text
+        # tower against an older image tower, so the eval images go through the current one.
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, eval_set["split"], model, transform,
+                                                                   accelerator)
     model.eval()
     with torch.no_grad(), accelerator.autocast():
         classifier = build_zeroshot_classifier(model.encode_text, tokenizer, eval_set["classnames"],
@@ -117,9 +126,26 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
-    features, labels = _class_features(cfg, str(split), model, transform, accelerator)
-    return {"features": features, "labels": labels, "classnames": read_lines(classnames),
-            "templates": read_lines(templates)}
+    eval_set = {"split": str(split), "classnames": read_lines(classnames), "templates": read_lines(templates),
+                "features": None, "labels": None}
+    if not eval_set["classnames"]:
+        raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
+    check_templates(eval_set["templates"], str(templates))  # now, not after training
+    if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, str(split), model, transform, accelerator)
+    return eval_set
+
+
+def _data_counts(loader) -> dict:
+    """The loader's counts of the run so far, as a checkpoint stores them."""
+    return {"samples_read": loader.samples_read, "bad": dict(loader.bad.counts)}
+
+
+def _restore_data_counts(loader, counts: dict | None) -> None:
+    """Put a checkpoint's counts back into a fresh loader (None: a checkpoint from before they were saved)."""
+    if counts is not None:
+        loader.samples_read = counts["samples_read"]
+        loader.bad.counts.update(counts["bad"])
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
@@ -155,7 +181,8 @@ def train_lit(cfg: LiTConfig) -> dict:
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     optimizer = _setup_optimizer(cfg, model)
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
-    tower_hash = model.image_tower_state_hash()
+    # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
+    tower_hash = model.image_tower_state_hash() if model.image_tower_locked else None
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
     cached = is_feature_cache(cfg.data.train)
@@ -163,6 +190,10 @@ def train_lit(cfg: LiTConfig) -> dict:
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
         check_feature_cache(cfg.data.train, cfg.image_tower)
+    for split, key in ((cfg.eval.shards, "eval.shards"), (cfg.eval.probe_train, "eval.probe_train")):
+        if cfg.unlocked_blocks and split and is_feature_cache(split):
+            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
+                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
     if cfg.batch_size % accelerator.num_processes:
         raise UserError(f"batch_size {cfg.batch_size} does not split over {accelerator.num_processes} processes")
     local_batch = cfg.batch_size // accelerator.num_processes
@@ -182,6 +213,8 @@ def train_lit(cfg: LiTConfig) -> dict:
     step, train_seconds, latest = resume_state(checkpoints_dir, model, optimizer, skip_prefixes=frozen)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
+        if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
+            _restore_data_counts(loader, json.loads((latest / STATE_META).read_text()).get("data_counts"))
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main)
@@ -195,6 +228,7 @@ def train_lit(cfg: LiTConfig) -> dict:
     while step < total_steps:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
         loader.set_epoch(epoch)
+        epoch_start_counts = _data_counts(loader)  # what a resume into this epoch restores
         for index, batch in enumerate(loader):
             if index < done_in_epoch:
                 continue  # already trained on before the interruption
@@ -232,24 +266,30 @@ def train_lit(cfg: LiTConfig) -> dict:
                             "samples_per_s": round(rate, 1), **loader.metrics()})
                 progress.set_postfix(loss=f"{loss_value:.3f}")
             if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
-                logger.log({"step": step, **_zeroshot_eval(model_module, eval_set, tokenizer, accelerator)})
+                logger.log({"step": step, **_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform,
+                                                           accelerator)})
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 accelerator.wait_for_everyone()
                 if is_main:
+                    # A resume replays this epoch from its start (counting its samples again), or at
+                    # an epoch's end starts the next: the counts as of then (this epoch's stream read
+                    # nothing past its last batch).
+                    data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
                     save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
-                                        meta={"train_seconds": train_seconds}, skip_prefixes=frozen)
+                                        meta={"train_seconds": train_seconds, "data_counts": data_counts},
+                                        skip_prefixes=frozen)
                     prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
     loader.check_bad_fraction()
 
-    # ---- final evaluation; the locked tower must be exactly what it was
+    # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
                "bad_samples": dict(loader.bad.counts)}
-    if model_module.image_tower_state_hash() != tower_hash:
+    if tower_hash is not None and model_module.image_tower_state_hash() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
     if is_main:
         if eval_set is not None:
-            results.update(_zeroshot_eval(model_module, eval_set, tokenizer, accelerator))
+            results.update(_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform, accelerator))
             if cfg.eval.probe_train:
                 train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model_module, transform,
                                                                accelerator)
