@@ -152,6 +152,20 @@ def test_templates_say_where_they_came_from():
         resolve_prompts(BenchmarkConfig(name="my-own"), EvalData("classification", [], "wds", classnames=["a", "b"]))
 
 
+def test_a_bad_template_is_refused_before_any_image_is_encoded(tmp_path, monkeypatch):
+    from lit_softmoe.zeroshot import suite
+    bad = tmp_path / "templates.txt"
+    bad.write_text("a photo of a {c}.\na photo of a {}.\n")
+    data = EvalData("classification", [], "wds", classnames=["a", "b"])
+    with pytest.raises(UserError, match=r"a photo of a \{\}"):
+        resolve_prompts(BenchmarkConfig(name="my-own", templates=str(bad)), data)
+    monkeypatch.setattr(suite, "read_benchmark", lambda *a, **k: data)
+    monkeypatch.setattr(suite, "cached_image_features", lambda *a, **k: pytest.fail("images encoded"))
+    with pytest.raises(UserError, match="templates.txt"):
+        suite.evaluate_benchmark(None, None, None, BenchmarkConfig(name="my-own", templates=str(bad)), None,
+                                 torch.device("cpu"))
+
+
 # ---- readers on real images ----------------------------------------------------------------------
 
 def test_image_folder_with_wnid_folders_maps_to_imagenet_labels(tmp_path):

@@ -36,7 +36,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.data.shards import read_lines
 from lit_softmoe.train.checkpoint import write_folder_atomically
 from lit_softmoe.train.runtime import autocast_dtype
-from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier
+from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, check_templates
 from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
 
@@ -194,6 +194,7 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
         missing = "class names" if not classnames else "templates"
         raise UserError(f"{spec.name}: no {missing}; put classnames.txt / zeroshot_classification_templates.txt "
                         f"beside the split, or set {'classnames' if not classnames else 'templates'} in the suite")
+    check_templates(templates, str(source.get("from", "templates")))
     source["count"] = len(templates)
     return classnames, templates, source
 
@@ -223,6 +224,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     except MissingData as missing:
         return {"benchmark": spec.name, "task": spec.task or (meta.task if meta else "classification"),
                 "status": "skipped", "reason": str(missing), "path": missing.path}
+    # Prompts first: a missing class list or a bad template is reported before the images are encoded.
+    prompts = resolve_prompts(spec, data) if data.task == "classification" else None
     features, targets, bad, cache = cached_image_features(model, spec, data, cfg, device, cache_dir, progress)
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
@@ -231,7 +234,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
         images = model.encode_image_features(features.to(device)).float()  # (N, D), normalized
         result = {"benchmark": spec.name, "task": data.task}
         if data.task == "classification":
-            classnames, templates, source = resolve_prompts(spec, data)
+            classnames, templates, source = prompts
             labels = torch.tensor(targets)
             if labels.min() < 0 or labels.max() >= len(classnames):
                 raise UserError(f"{spec.name}: labels run from {labels.min()} to {labels.max()} but there are "
