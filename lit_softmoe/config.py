@@ -77,6 +77,12 @@ _VALID_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
 }
+_MINIMUMS = {  # numbers that a smaller value would break (a zero period divides by zero mid-run)
+    "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
+    "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
+    "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
+    "data.max_test_samples": 0, "data.max_bad_fraction": 0, "optim.warmup_steps": 0, "optim.cooldown_steps": 0,
+}
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
     "benchmarks.task": ("", "classification", "retrieval"),
@@ -114,6 +120,15 @@ def _suggest(bad_key: str, schema, schema_type: type | None = None) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _select(node, key: str):
+    """The value at dotted `key`, or None; an interpolation that does not resolve (an unset
+    ${oc.env:VAR}) is None here and reported when the config is built."""
+    try:
+        return OmegaConf.select(node, key, default=None)
+    except OmegaConfBaseException:
+        return None
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
     """Merge `schema`'s defaults, the YAML file at `path` and dotted `key=value` overrides.
 
@@ -146,9 +161,14 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         msg = str(err).splitlines()[0]
         raise UserError(f"bad value for config key {key!r}: {msg}") from None
     for key, choices in _VALID_CHOICES.items():
-        value = OmegaConf.select(merged, key, default=None)
+        value = _select(merged, key)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
             raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
+    for key, minimum in _MINIMUMS.items():
+        value = _select(merged, key)
+        if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
+            raise UserError(f"config key {key!r} is {value}; it must be at least {minimum}: set {key}={minimum} "
+                            "or more")
     for key, choices in _VALID_LIST_CHOICES.items():
         list_key, item_key = key.split(".")
         for i, item in enumerate(OmegaConf.select(merged, list_key, default=None) or []):

@@ -64,3 +64,22 @@ def test_an_empty_override_is_the_empty_string():
     assert load_config(LiTConfig, None, ["eval.shards=''"]).eval.shards == ""
     with pytest.raises(UserError, match="batch_size"):
         load_config(LiTConfig, None, ["batch_size="])  # an int cannot be empty
+
+
+@pytest.mark.parametrize("schema, override", [
+    (PretrainConfig, "log_every=0"), (PretrainConfig, "checkpoint_every=0"), (PretrainConfig, "batch_size=0"),
+    (PretrainConfig, "eval_batch_size=0"), (PretrainConfig, "data.max_train_samples=-1"),
+    (LiTConfig, "log_every=0"), (LiTConfig, "checkpoint_every=0"), (LiTConfig, "eval.every=-5"),
+    (LiTConfig, "data.workers=-1")])
+def test_values_that_would_break_the_run_are_refused_up_front(schema, override):
+    """A zero logging or checkpoint period, or a zero batch, divided by zero mid-run (a traceback)."""
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"config key '{key}' is -?\d+; it must be at least \d: set {key}="):
+        load_config(schema, None, [override])
+
+
+def test_an_unset_environment_variable_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("batch_size: ${oc.env:LIT_SOFTMOE_TEST_UNSET_VAR}\n")
+    with pytest.raises(UserError, match="cannot resolve config"):
+        load_config(PretrainConfig, path)
