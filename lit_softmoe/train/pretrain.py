@@ -1,8 +1,9 @@
 """Classification pretraining of an image tower: the recipe behind `lit-softmoe pretrain`.
 
 One function, read top to bottom (torchtune / big_vision style): set up accelerate, data, tower and
-optimizer; resume if the run folder holds a checkpoint; train; evaluate (test top-1 and the paper's
-10-shot linear probe); save the tower as safetensors + JSON for the LiT stage.
+optimizer; resume if the run folder holds a checkpoint; train; save the tower as safetensors + JSON
+for the LiT stage; evaluate it (test top-1 and the paper's 10-shot linear probe), adding the results
+to its JSON.
 
 Towers with the sparse baselines (Tokens Choice / Experts Choice, `lit_softmoe.nn.routers`) add their
 balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report the fraction of
