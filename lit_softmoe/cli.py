@@ -6,29 +6,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from lit_softmoe.errors import UserError
-
-
-def _check_writable(path: str, flag: str, folder: bool) -> None:
-    """Fail before the work, not after it, where `flag`'s path (a folder, or a file) cannot be written."""
-    path = Path(path)
-    if folder and path.exists() and not path.is_dir():
-        raise UserError(f"{flag} {path} is a file; give a folder path")
-    if not folder and path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file path, e.g. {path / 'results.json'}")
-    start = path if folder else path.parent
-    existing = next(p for p in (start, *start.parents) if p.exists())  # the rest is made inside it
-    if not existing.is_dir():
-        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another {flag}")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise UserError(f"{flag} {path}: cannot write in {existing} ({err.strerror or err}); "
-                        f"choose another {flag}") from None
+from lit_softmoe.errors import UserError, check_writable
 
 
 def _cmd_data(args) -> None:
@@ -76,7 +56,7 @@ def _cmd_train(args) -> None:
 
 def _cmd_embed(args) -> None:
     from lit_softmoe.train.embed import embed_shards
-    _check_writable(args.out, "--out", folder=True)
+    check_writable(args.out, "--out", folder=True)
     summary = embed_shards(args.tower, args.shards, args.out, split=args.split, batch_size=args.batch_size,
                            workers=args.workers, progress=sys.stderr.isatty())
     done = "already there, nothing written" if summary["skipped"] else \
@@ -124,11 +104,7 @@ def _cmd_models(args) -> None:
 def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
     from lit_softmoe.zeroshot.suite import markdown_table, run_suite, summary_line
-    from lit_softmoe.train.runtime import parse_device
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
-    parse_device(args.device)  # a typo or a missing GPU: one line now, not a traceback at the model's .to()
-    if args.out:
-        _check_writable(args.out, "--out", folder=False)
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks else None
     report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
                        use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
@@ -257,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="a LiT run folder, its model/ or a checkpoint folder, or an export")
     ev.add_argument("--suite", required=True, help="suite file, e.g. eval/fashion-mnist.yaml")
     ev.add_argument("--benchmarks", default=None, help="comma-separated subset of the suite's benchmarks")
-    ev.add_argument("--out", default=None, help="results JSON (default: MODEL/eval/SUITE-TIME.json); "
-                    ".md and .png go beside it")
+    ev.add_argument("--out", default=None, help="results JSON (default: RUN/eval/SUITE[-step_N]-TIME.json for a run, "
+                    "its model/ or a checkpoint; EXPORT/eval/SUITE-TIME.json for an export); .md and .png go beside it")
     ev.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda when present)")
     ev.add_argument("--no-cache", action="store_true", help="encode every image again instead of reusing "

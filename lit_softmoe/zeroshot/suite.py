@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.data.shards import read_lines
 from lit_softmoe.train.checkpoint import write_folder_atomically
-from lit_softmoe.train.runtime import autocast_dtype
+from lit_softmoe.train.runtime import autocast_dtype, parse_device
 from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, check_templates
 from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
@@ -294,9 +294,10 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
             raise UserError(f"benchmark {unknown[0]!r} is not in suite {cfg.name}; it has: {', '.join(sorted(known))}")
         specs = [b for b in specs if b.name in benchmarks]
     out = Path(out) if out else _default_out(Path(model_path), cfg.name)
+    check_writable(out, "--out", folder=False)  # now, not after the whole suite has run
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; choose another --out or pass --overwrite")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(device)  # a typo or a missing GPU: one line, not a traceback at the model's .to()
     if peer and cfg.precision == "auto":  # CLIP_benchmark runs with --no_amp: compare like with like
         cfg = dataclasses.replace(cfg, precision="fp32")
     if model_bundle is None:
