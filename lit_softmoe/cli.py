@@ -68,14 +68,14 @@ def _cmd_embed(args) -> None:
 
 def _cmd_upcycle(args) -> None:
     from lit_softmoe.upcycle import upcycle_checkpoint
-    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed)
+    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite)
     print(f"{args.source} upcycled into {args.to} (Soft MoE blocks {info['moe_blocks']}) at {args.out}; "
           f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
 
 
 def _cmd_convert(args) -> None:
     from lit_softmoe.convert import convert_vmoe_checkpoint
-    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out)
+    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite)
     params = sum(p.numel() for p in tower.parameters())
     print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
 
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a dense tower folder, or a timm ViT state dict (.safetensors, .pth, .bin)")
     upcycle.add_argument("--to", required=True, metavar="NAME", help="registered Soft MoE tower, e.g. soft-s16-128e")
     upcycle.add_argument("--out", required=True, help="output tower folder (written atomically)")
+    upcycle.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     upcycle.add_argument("--seed", type=int, default=0, help="seed of the fresh routers (default: 0)")
     upcycle.set_defaults(func=_cmd_upcycle)
 
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the flattened parameter tree, names joined with '/' (np.savez(f, **flat))")
     convert.add_argument("--to", required=True, metavar="NAME", help="the registered tower it was trained as")
     convert.add_argument("--out", required=True, help="output tower folder (written atomically)")
+    convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     convert.set_defaults(func=_cmd_convert)
 
     routing = sub.add_parser("inspect-routing", help="one image through a Soft MoE tower: slot heatmaps (PNG) and "

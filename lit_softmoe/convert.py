@@ -179,9 +179,14 @@ def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTra
     return tower
 
 
-def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Path) -> VisionTransformer:
-    """`lit-softmoe convert --from-vmoe`: .npz → tower folder (written atomically)."""
-    from lit_softmoe.train.checkpoint import save_tower
+def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Path,
+                           overwrite: bool = False) -> VisionTransformer:
+    """`lit-softmoe convert --from-vmoe`: .npz → tower folder (written atomically).
+
+    A non-empty `out_dir` is refused unless `overwrite`, or it holds this same conversion (a rerun).
+    """
+    from lit_softmoe.train.checkpoint import check_tower_out, save_tower
+    check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite, source=path)
     tower = load_vmoe_tower(path, tower_name)
     # vmoe's input pipelines map pixels to [-1, 1] (value_range(-1, 1)): mean = std = 0.5.
     preprocess = {"image_size": tower.cfg.image_size, "mean": [0.5], "std": [0.5]}

@@ -108,6 +108,7 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
             meta = json.loads((path / TOWER_CONFIG).read_text())
         except ValueError as err:
             raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); save the tower again") from None
+        _refuse_moe_source(f"--from {path}", (meta.get("tower") or {}) if isinstance(meta, dict) else {})
         extra = {k: meta[k] for k in ("preprocess", "classnames") if k in meta}
         return load_file(path / TOWER_WEIGHTS), extra, []
     if not path.is_file():
@@ -134,6 +135,16 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     state, notes = timm_to_ours(state)
     # timm's vit_* weights (augreg and the original) take [-1, 1] inputs: mean = std = 0.5.
     return state, {"preprocess": {"mean": [0.5], "std": [0.5]}}, notes
+
+
+def _refuse_moe_source(what: str, tower_cfg: dict) -> None:
+    """Upcycling copies each dense MLP into the experts: a tower that has experts already has no
+    dense MLP there, and "upcycling" it would only report nothing new."""
+    if tower_cfg.get("moe_layers"):
+        kind = {"soft": "Soft MoE"}.get(tower_cfg.get("moe_type", "soft"), f"{tower_cfg.get('moe_type')} MoE")
+        raise UserError(f"{what} is already a {kind} tower (experts in blocks "
+                        f"{list(tower_cfg['moe_layers'])}); give the dense vit-* tower folder or timm vit_* "
+                        "weights to upcycle, or train this tower as it is")
 
 
 # ---- mapping ------------------------------------------------------------------------------------
@@ -275,6 +286,7 @@ def upcycle_tower(dense_tower: VisionTransformer, target_name: str, seed: int = 
     `device="meta"` maps names and shapes only (the dense tower may be on meta too): this is how a
     vit-h14 → soft-h14-256e upcycle is checked without 216 GB of fp32 weights.
     """
+    _refuse_moe_source("the tower to upcycle", dense_tower.cfg.to_dict())
     dense_state = dense_tower.state_dict()
     if device is not None and torch.device(device).type == "meta":
         dense_state = {k: v.to("meta") for k, v in dense_state.items()}
@@ -300,13 +312,16 @@ def _fresh_qk_norms(cfg: ViTConfig, dense_state) -> dict[str, torch.Tensor]:
 
 
 def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path, seed: int = 0,
-                       qk_norm: bool | None = None) -> dict:
+                       qk_norm: bool | None = None, overwrite: bool = False) -> dict:
     """Read a dense checkpoint, upcycle it into `target_name`, write a tower folder atomically.
 
     The dense tower's `preprocess` (and class names) are kept in config.json; an `upcycled` entry
     records the source, the seed, the fresh tensors and what did not map. Returns that entry.
+    A non-empty `out_dir` is refused unless `overwrite`, or it holds this same upcycle (a rerun).
     """
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.train.checkpoint import check_tower_out, save_tower
+    check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
+                    overwrite, source=source)
     dense_state, extra, notes = read_dense_checkpoint(source)
     cfg = target_config(dense_state, target_name, qk_norm)
     fresh_norms = {}

@@ -169,3 +169,23 @@ def test_cli_convert_writes_a_loadable_tower(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "x").exists()
+
+
+def test_cli_convert_refuses_a_non_empty_out_unless_overwrite(tmp_path, capsys):
+    # Review item 1: an unrelated file in --out was deleted without a word.
+    path = _save(tmp_path, vmoe_tree(3))
+    out = tmp_path / "cvdir"
+    out.mkdir()
+    (out / "important.txt").write_text("keep me")
+    argv = ["convert", "--from-vmoe", str(path), "--to", "soft-test-4e", "--out", str(out)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"lit-softmoe convert: error: --out {out} exists and is not empty; pass --overwrite " \
+                  "to replace it, or pick another folder\n"
+    assert (out / "important.txt").read_text() == "keep me"
+    assert main([*argv, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert main(argv) == 0  # the same conversion again: its own output is rewritten without --overwrite
+    assert main([*argv[:3], "--to", "vit-test", "--out", str(out)]) == 2  # another tower there: refused
+    assert "exists and is not empty" in capsys.readouterr().err

@@ -247,3 +247,46 @@ def test_qk_norm_follows_the_dense_tower_unless_asked():
         assert torch.equal(moe.blocks[i].attn.q_norm.weight, torch.ones(16))
         assert torch.equal(moe.blocks[i].attn.k_norm.bias, torch.zeros(16))
         assert torch.equal(moe.blocks[i].attn.qkv.weight, dense.blocks[i].attn.qkv.weight)
+
+
+def test_a_non_empty_out_is_refused_unless_overwrite_and_a_rerun_rewrites(tmp_path, capsys):
+    # Review item 1: --out pointed at a pretraining run deleted its checkpoints and metrics.
+    save_tower(tmp_path / "dense", _dense_test_tower(4), extra={"preprocess": {"image_size": 28}})
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    save_tower(run / "tower", _dense_test_tower(5))
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    argv = ["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-test-4e"]
+    for out in (run, run / "tower"):  # a run folder, and a tower this command did not write
+        capsys.readouterr()
+        assert main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"lit-softmoe upcycle: error: --out {out} exists and is not empty; pass --overwrite " \
+                      "to replace it, or pick another folder\n"
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # nothing deleted
+    # Rerunning the same upcycle into its own output rewrites it; another seed there needs --overwrite.
+    main_ok([*argv, "--out", str(tmp_path / "up")])
+    main_ok([*argv, "--out", str(tmp_path / "up")])
+    assert main([*argv, "--out", str(tmp_path / "up"), "--seed", "1"]) == 2
+    main_ok([*argv, "--out", str(tmp_path / "up"), "--seed", "1", "--overwrite"])
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["upcycled"]["seed"] == 1
+    main_ok([*argv, "--out", str(run / "tower"), "--overwrite"])
+    assert load_tower(run / "tower")[0].cfg.moe_layers == (1,) and (run / "metrics.jsonl").is_file()
+    # Never the input itself, not even with --overwrite.
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path), "--overwrite"]) == 2
+    assert "holds the input" in capsys.readouterr().err and (tmp_path / "dense" / "model.safetensors").is_file()
+
+
+def test_a_tower_that_is_already_soft_moe_is_refused(tmp_path, capsys):
+    # Review item 9: it was "upcycled" with an empty list of fresh tensors.
+    torch.manual_seed(0)
+    save_tower(tmp_path / "soft", create_image_tower("soft-test-4e"))
+    assert main(["upcycle", "--from", str(tmp_path / "soft"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "up")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is already a Soft MoE tower (experts in blocks [1])" in err
+    assert "give the dense vit-* tower folder" in err and not (tmp_path / "up").exists()
+    with pytest.raises(UserError, match="already a Soft MoE tower"):
+        upcycle_tower(create_image_tower("soft-test-4e"), "soft-test-4e")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.vit import ViTConfig, VisionTransformer
 
 TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
@@ -131,6 +131,32 @@ def write_folder_atomically(final_dir: str | Path, write) -> Path:
             shutil.rmtree(tmp_dir)
         _in_flight.discard(tmp_dir)
     return final_dir
+
+
+def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,
+                    source: str | Path) -> None:
+    """Refuse, before any work, an `out_dir` that saving a tower there would destroy.
+
+    Saving replaces the whole folder, so a non-empty one (a run, a dataset, another tower) needs
+    `overwrite`, as export's --out does. A tower this same command wrote (config.json's
+    `record_key` entry holds `record`) is replaced without it: a rerun gives the same tower.
+    Never, even with `overwrite`: the folder the tower is read from, or one holding it.
+    """
+    out_dir = Path(out_dir)
+    check_writable(out_dir, "--out", folder=True)
+    target, source = out_dir.resolve(), Path(source).resolve()
+    if target == source or target in source.parents:
+        raise UserError(f"--out {out_dir} holds the input {source}; pick another folder")
+    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    try:
+        written = json.loads((out_dir / TOWER_CONFIG).read_text()).get(record_key) or {}
+    except (OSError, ValueError, AttributeError):
+        written = {}
+    own_files = {p.name for p in out_dir.iterdir()} <= {TOWER_CONFIG, TOWER_WEIGHTS}
+    if not (own_files and isinstance(written, dict) and all(written.get(k) == v for k, v in record.items())):
+        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, "
+                        "or pick another folder")
 
 
 def _contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
