@@ -172,3 +172,34 @@ def test_rewritten_source_shards_are_embedded_again(cache, tmp_path):
     assert (second["num_samples"], second["skipped"]) == (100, False)
     assert len(_read_raw(tmp_path / "features" / "test")) == 100
     assert embed_shards(root / "tower", str(source / "test"), tmp_path / "features")["skipped"]  # unchanged now
+
+
+def test_feature_shards_as_source_are_refused_in_one_line(cache, tmp_path, capsys):
+    # Review item 8: this said "raise data.max_bad_fraction", an option embed does not have.
+    root = cache["root"]
+    args = ["embed", "--tower", str(root / "tower"), "--out", str(tmp_path / "out")]
+    assert main([*args, "--shards", str(root / "features" / "test")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"lit-softmoe embed: error: {root / 'features' / 'test'} holds feature shards written by "
+                   f"`lit-softmoe embed`, not images; pass the image shards to embed (these came from --shards "
+                   f"{root / 'fmnist' / 'test'})\n")
+    # Without their embed.json (copied elsewhere), the samples themselves tell.
+    shutil.copytree(root / "features" / "test", tmp_path / "copied")
+    (tmp_path / "copied" / "embed.json").unlink()
+    with pytest.raises(UserError, match=r"copied holds feature shards written by `lit-softmoe embed`, not "
+                                        r"images; pass the image shards to embed$"):
+        embed_shards(root / "tower", str(tmp_path / "copied"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_many_bad_samples_name_no_option_embed_lacks(cache, tmp_path):
+    source = _read_raw(cache["root"] / "fmnist" / "train")
+    samples = [{key: value for key, value in sample.items() if not key.startswith("__")} | {"__key__": key}
+               for key, sample in sorted(source.items())[:40]]
+    for sample in samples[:20]:
+        sample["png"] = b"not a png"
+    write_split(samples, tmp_path / "broken", "train", keep_keys=True)
+    with pytest.raises(UserError) as raised:
+        embed_shards(cache["root"] / "tower", str(tmp_path / "broken" / "train"), tmp_path / "out")
+    assert "max_bad_fraction=0.01" in str(raised.value) and "data.max_bad_fraction" not in str(raised.value)
+    assert str(raised.value).endswith("; fix or rewrite the source shards")

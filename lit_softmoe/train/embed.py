@@ -42,7 +42,7 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import shard_urls, write_split, write_text_atomic
+from lit_softmoe.data.shards import IMAGE_EXTENSIONS, shard_urls, write_split, write_text_atomic
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
@@ -176,6 +176,23 @@ def _has_class_member(first_url: str) -> bool:
     return first is not None and "cls" in first
 
 
+def _refuse_feature_shards(shards: str, urls: list[str]) -> None:
+    """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
+    counted as missing_image and the bad-fraction message would send the user the wrong way."""
+    first = urls[0]
+    local = "://" not in first and not first.startswith("pipe:")
+    info = _read_embed_json(Path(first).parent) if local else None
+    if info is None:
+        samples = wds.tarfile_to_samples(handler=_ignore)(iter([{"url": first}]))
+        sample = next(iter(samples), None)
+        if sample is None or "npy" not in sample or any(ext in sample for ext in IMAGE_EXTENSIONS):
+            return
+        info = {}
+    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
+    raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
+                    f"image shards to embed{source}")
+
+
 def _read_class_members(urls: list[str]) -> dict[str, bytes]:
     """{key: raw .cls bytes} of every sample, read with only `.cls` members extracted.
 
@@ -284,6 +301,7 @@ def embed_shards(
     start = time.perf_counter()
     out_dir = Path(out_dir)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
+    _refuse_feature_shards(shards, urls)
     split = split or _source_split_name(shards, urls)
     split_dir = out_dir / split
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -320,6 +338,11 @@ def embed_shards(
         samples = _feature_samples(loader, tower, device, autocast, labels, stats, progress)
         try:
             write_split(samples, tmp_dir.parent, tmp_dir.name, samples_per_shard=samples_per_shard, keep_keys=True)
+        except UserError as err:
+            # The loader's hint names data.max_bad_fraction, a training option `embed` does not take.
+            message = str(err).replace("; fix the shards or raise data.max_bad_fraction",
+                                       "; fix or rewrite the source shards")
+            raise UserError(message) from None
         except ValueError as err:
             if "sample key" not in str(err):
                 raise
