@@ -400,3 +400,79 @@ def test_default_results_go_to_the_run_and_survive_checkpoint_pruning(fmnist, tm
         save_training_state(run / "checkpoints" / f"step_{s:08d}", s, model, optimizer, skip_prefixes=("image_tower.",))
     prune_checkpoints(run / "checkpoints", 2)
     assert not step.exists() and Path(from_step).is_file() and Path(from_model).is_file()
+
+
+# ---- where the shipped suites look, and a suite in which nothing ran -------------------------------
+
+SUITES = Path(__file__).parent.parent / "eval"
+
+
+def test_shipped_suites_read_the_shards_lit_softmoe_data_writes(fmnist, tmp_path, monkeypatch):
+    """LIT_SOFTMOE_DATA names the raw *-ubyte.gz downloads (README Quickstart); the suites read the
+    converted shards: data/NAME, or $LIT_SOFTMOE_BENCHMARKS/NAME."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "t10k-images-idx3-ubyte.gz").write_bytes(b"")
+    monkeypatch.setenv("LIT_SOFTMOE_DATA", str(raw))
+    monkeypatch.delenv("LIT_SOFTMOE_BENCHMARKS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "fashion-mnist").symlink_to(fmnist)  # where `lit-softmoe data fashion-mnist` writes
+    cfg = load_config(EvalSuiteConfig, SUITES / "fashion-mnist.yaml", ["workers=0", f"cache_dir={tmp_path / 'c'}"])
+    assert cfg.benchmarks[0].root == "data/fashion-mnist"
+    report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
+    assert report["evaluated"] == 1 and report["results"][0]["num_samples"] == 300
+    monkeypatch.setenv("LIT_SOFTMOE_BENCHMARKS", "/bench")
+    for suite in SUITES.glob("*.yaml"):
+        for b in load_config(EvalSuiteConfig, suite).benchmarks:
+            assert b.root == f"/bench/{b.name}", (suite, b.root)
+
+
+def test_a_skipped_benchmark_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv("LIT_SOFTMOE_DATA", raising=False)
+
+    def reason(name, root):
+        cfg = EvalSuiteConfig(name="s", benchmarks=[BenchmarkConfig(name=name, root=str(root))], workers=0)
+        return run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())["results"][0]["reason"]
+
+    assert reason("fashion-mnist", tmp_path / "data" / "fashion-mnist").endswith(
+        f"write it with `lit-softmoe data fashion-mnist --out {tmp_path / 'data' / 'fashion-mnist'}`")
+    assert "set LIT_SOFTMOE_BENCHMARKS=DIR to read DIR/cifar100" in reason("cifar100", tmp_path / "cifar100")
+    # LIT_SOFTMOE_BENCHMARKS set to the raw downloads: they are not what the suite reads.
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    assert f"convert them with `lit-softmoe data fashion-mnist --source {raw} --out data/fashion-mnist`" in \
+        reason("fashion-mnist", raw / "fashion-mnist")
+    # Benchmarks kept under LIT_SOFTMOE_DATA, as the suites once read it: the new variable is named.
+    old = tmp_path / "benchmarks"
+    (old / "cifar100").mkdir(parents=True)
+    monkeypatch.setenv("LIT_SOFTMOE_DATA", str(old))
+    assert reason("cifar100", tmp_path / "data" / "cifar100").endswith(f"set LIT_SOFTMOE_BENCHMARKS={old}")
+
+
+def test_a_suite_in_which_nothing_ran_says_so_and_writes_nothing(tmp_path):
+    from lit_softmoe.zeroshot.suite import markdown_table, nothing_evaluated
+    cfg = EvalSuiteConfig(name="s", workers=0, benchmarks=[
+        BenchmarkConfig(name="imagenet1k", root=str(tmp_path / "imagenet1k"), split="val"),
+        BenchmarkConfig(name="cifar100", root=str(tmp_path / "cifar100"))])
+    report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
+    assert report["evaluated"] == 0 and [e["status"] for e in report["results"]] == ["skipped", "skipped"]
+    assert list(tmp_path.iterdir()) == [] and report["paths"] == {}
+    line = nothing_evaluated(report)
+    assert line.startswith("nothing evaluated: all 2 benchmarks were skipped") and "\n" not in line
+    # The table of such a report: every row has as many cells as the header (no phantom column).
+    rows = [l for l in markdown_table(report).splitlines() if l.startswith("|")]
+    assert len(rows) == 4
+    assert {row.count("|") for row in rows} == {6}, rows  # benchmark, task, samples, templates, seconds
+
+
+def test_markdown_rows_line_up_with_metrics_and_skips(fmnist, tmp_path):
+    from lit_softmoe.zeroshot.suite import markdown_table, nothing_evaluated
+    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg.benchmarks.append(BenchmarkConfig(name="cifar100", root=str(tmp_path / "nowhere")))
+    report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
+    assert report["evaluated"] == 1 and nothing_evaluated(report) is None
+    rows = [l for l in (tmp_path / "r.md").read_text().splitlines() if l.startswith("|")]
+    assert len({row.count("|") for row in rows}) == 1, rows
+    assert rows[1] == "|---|---|---:|---:|---:|---:|---|---:|"

@@ -11,7 +11,8 @@ handled on purpose (`../shared/reference/lit-and-zero-shot.md` §4):
 - a benchmark without templates of its own does not silently borrow ImageNet's: the result names the
   templates it used and says when they are borrowed;
 - results are never overwritten silently; a benchmark whose data is absent is reported as skipped
-  with the path looked for, and the rest still run.
+  with the path looked for and what puts the data there, and the rest still run (a suite in which
+  nothing ran writes no results and says so: `nothing_evaluated`).
 
 The cache holds the tower's pooled `forward_features` (before any trainable image head), so it stays
 valid for every text tower and head trained against the same locked tower.
@@ -41,6 +42,12 @@ from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
 
 CACHE_FORMAT = 2  # 2: the key names the task and the image transform too
+# The shipped suites (eval/*.yaml) read each benchmark from $LIT_SOFTMOE_BENCHMARKS/<name>, default
+# data/<name>: where `lit-softmoe data fashion-mnist --out data/fashion-mnist` writes. It is not
+# LIT_SOFTMOE_DATA, which names the folder of Fashion-MNIST's raw *-ubyte.gz downloads that
+# `lit-softmoe data fashion-mnist` converts (the suites read shards, never the raw files).
+BENCHMARKS_ENV = "LIT_SOFTMOE_BENCHMARKS"
+RAW_DATA_ENV = "LIT_SOFTMOE_DATA"
 
 
 def default_cache_dir() -> Path:
@@ -223,7 +230,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
                               task=spec.task or (meta.task if meta is not None else ""))
     except MissingData as missing:
         return {"benchmark": spec.name, "task": spec.task or (meta.task if meta else "classification"),
-                "status": "skipped", "reason": str(missing), "path": missing.path}
+                "status": "skipped", "reason": f"{missing}; {_missing_data_fix(spec)}", "path": missing.path}
     # Prompts first: a missing class list or a bad template is reported before the images are encoded.
     prompts = resolve_prompts(spec, data) if data.task == "classification" else None
     features, targets, bad, cache = cached_image_features(model, spec, data, cfg, device, cache_dir, progress)
@@ -254,6 +261,26 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
     return result
+
+
+def _missing_data_fix(spec: BenchmarkConfig) -> str:
+    """What puts a skipped benchmark's data where the suite looks (ends its skip reason)."""
+    root = Path(spec.root)
+    raw = next((d for d in (root, root.parent) if d.is_dir() and any(d.glob("*-ubyte.gz"))), None)
+    if raw is not None:  # e.g. LIT_SOFTMOE_BENCHMARKS pointed at the raw downloads
+        return (f"{raw} holds raw *-ubyte.gz files, which the suites do not read: convert them with "
+                f"`lit-softmoe data fashion-mnist --source {raw} --out data/fashion-mnist` and leave "
+                f"{BENCHMARKS_ENV} unset (or set it to the folder holding fashion-mnist/)")
+    legacy = os.environ.get(RAW_DATA_ENV)
+    if legacy and root.name == spec.name and (Path(legacy) / spec.name).is_dir():
+        # Suites once read LIT_SOFTMOE_DATA: a benchmark folder found there names the new variable.
+        return (f"{Path(legacy) / spec.name} exists, but the suites read {BENCHMARKS_ENV}, not {RAW_DATA_ENV}; "
+                f"set {BENCHMARKS_ENV}={legacy}")
+    if spec.name == "fashion-mnist":
+        return f"write it with `lit-softmoe data fashion-mnist --out {root}`"
+    if root.name == spec.name:
+        return f"put the data there, or set {BENCHMARKS_ENV}=DIR to read DIR/{spec.name}"
+    return "put the data there, or change the benchmark's root: in the suite"
 
 
 def _imagenet_wnids(meta) -> list[str] | None:
@@ -316,11 +343,29 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
         results.append(entry)
         if progress:
             print(f"  {summary_line(entry)}", flush=True)
+    evaluated = sum(entry["status"] == "ok" for entry in results)
     report = {"model": str(model_path), "suite": cfg.name, "device": str(device), "torch": torch.__version__,
-              "created": dt.datetime.now().isoformat(timespec="seconds"), "results": results}
+              "created": dt.datetime.now().isoformat(timespec="seconds"), "evaluated": evaluated,
+              "results": results}
+    if evaluated == 0:  # nothing to report: no empty results files (and a rerun's --out stays free)
+        report["paths"] = {}
+        return report
     write_report(report, out)
     report["paths"] = {"json": str(out), "markdown": str(out.with_suffix(".md")), "png": str(out.with_suffix(".png"))}
     return report
+
+
+def nothing_evaluated(report: dict) -> str | None:
+    """One line for a report in which no benchmark ran (each was skipped), else None. run_suite
+    writes no files then; `lit-softmoe eval` prints the skip reasons and this, and exits 2."""
+    if report.get("evaluated", 1) > 0:
+        return None
+    if not report["results"]:
+        return f"nothing evaluated: suite {report['suite']} lists no benchmarks"
+    count = len(report["results"])
+    which = "its one benchmark was" if count == 1 else f"all {count} benchmarks were"
+    return (f"nothing evaluated: {which} skipped (reasons above), so no results were written; put the data "
+            f"where the reasons say (the shipped suites read ${BENCHMARKS_ENV}/NAME, default data/NAME)")
 
 
 # ---------------------------------------------------------------------------------- reports
@@ -337,23 +382,33 @@ def summary_line(entry: dict) -> str:
            f"image cache {entry['image_cache']})"
 
 
+def markdown_row(cells: list[str]) -> str:
+    """One table row from its cells. Rows are built as lists and joined last: joining an empty list
+    of metric columns in the middle of a row (nothing ran) would add a phantom cell."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_separator(aligns: list[str]) -> str:
+    return "|" + "".join(f"{align}|" for align in aligns)
+
+
 def markdown_table(report: dict) -> str:
     present = {k for e in report["results"] if e["status"] == "ok" for k in e["metrics"]}
     columns = [c for c in _COLUMNS if c in present] + sorted(present - set(_COLUMNS))
     lines = [f"Zero-shot results of `{report['model']}` on suite `{report['suite']}` ({report['device']})", "",
-             "| benchmark | task | " + " | ".join(columns) + " | samples | templates | seconds |",
-             "|---|---|" + "---:|" * len(columns) + "---:|---|---:|"]
+             markdown_row(["benchmark", "task", *columns, "samples", "templates", "seconds"]),
+             markdown_separator(["---", "---", *["---:"] * len(columns), "---:", "---", "---:"])]
     for entry in report["results"]:
         if entry["status"] != "ok":
-            lines.append(f"| {entry['benchmark']} | {entry['task']} | " + " | ".join("" for _ in columns) +
-                         f" | | skipped: {entry['path']} not found | |")
+            lines.append(markdown_row([entry["benchmark"], entry["task"], *[""] * len(columns), "",
+                                       f"skipped: {entry['path']} not found", ""]))
             continue
         cells = [f"{100 * entry['metrics'][c]:.2f}" if c in entry["metrics"] else "–" for c in columns]
         templates = entry.get("templates") or {}
         used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
             if templates else "captions"
-        lines.append(f"| {entry['benchmark']} | {entry['task']} | " + " | ".join(cells) +
-                     f" | {entry['num_samples']} | {used} | {entry['seconds']:.1f} |")
+        lines.append(markdown_row([entry["benchmark"], entry["task"], *cells, str(entry["num_samples"]), used,
+                                   f"{entry['seconds']:.1f}"]))
     return "\n".join(lines) + "\n"
 
 
