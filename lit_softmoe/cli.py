@@ -14,7 +14,8 @@ from lit_softmoe.errors import UserError, check_writable
 def _cmd_data(args) -> None:
     if args.dataset == "fashion-mnist":
         from lit_softmoe.data.sources import write_fashion_mnist_shards
-        summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit)
+        summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit,
+                                             overwrite=args.overwrite)
         counts = " + ".join(f"{n} {split}" for split, n in summary["samples"].items())
         verb = "already there, nothing written" if summary["skipped"] else f"written in {summary['seconds']:.0f} s"
         print(f"Fashion-MNIST {counts} samples in {sum(summary['shards'].values())} shards at {args.out}: {verb}")
@@ -24,10 +25,11 @@ def _cmd_data(args) -> None:
                            samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
     progress = sys.stderr.isatty()
     if args.dataset == "from-folder":
-        summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress)
+        summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
+                                      overwrite=args.overwrite)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
-                                     key_col=args.key_col, progress=progress)
+                                     key_col=args.key_col, progress=progress, overwrite=args.overwrite)
     print(summary.line())
 
 
@@ -154,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmnist.add_argument("--source", default=None,
                         help="folder with the raw files (default: search the usual places)")
     fmnist.add_argument("--limit", type=int, default=None, help="keep the first N images of each split")
+    fmnist.add_argument("--overwrite", action="store_true",
+                        help="replace OUT/train and OUT/test if they hold other data (another source's shards)")
 
     folder = sources.add_parser("from-folder", help="a folder of images with same-stem .txt captions, "
                                 "or of class subfolders → shards")
@@ -178,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         writer.add_argument("--samples-per-shard", type=int, default=10_000, help="default: 10000")
         writer.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30, metavar="SIZE",
                             help="start a new shard past this size, e.g. 500M (default: 1G)")
+        writer.add_argument("--overwrite", action="store_true",
+                            help="replace OUT/SPLIT if it holds other data (another source's shards)")
     data.set_defaults(func=_cmd_data)
 
     pre = sub.add_parser("pretrain", help="pretrain an image tower on class shards")

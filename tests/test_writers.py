@@ -234,7 +234,7 @@ def test_every_bad_input_is_skipped_or_normalized_and_counted(tmp_path):
     assert json.loads(samples["000000001"]["json"])["path"] == "bad/sub/000000001.png"
 
 
-def test_reruns_are_skipped_or_byte_identical(tmp_path):
+def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
     src = tmp_path / "src"
     _captioned_folder(src, count=4)
     (src / "rgba.png").write_bytes(_encode(_rng_image(1, mode="RGBA")))
@@ -250,9 +250,23 @@ def test_reruns_are_skipped_or_byte_identical(tmp_path):
                                    "nothing written")
     assert {path.name: path.stat().st_mtime_ns for path in (tmp_path / "out/train").iterdir()} == mtimes
 
-    # An interrupted run leaves no manifest: the rerun writes everything again, to the same bytes.
-    (tmp_path / "out/train/manifest.json").unlink()
-    (tmp_path / "out/train/1.tar").unlink()
+    # A run killed after its first shard leaves a manifest without a summary (not complete, but
+    # naming its source): the rerun writes everything again, to the same bytes.
+    from lit_softmoe.data import writers
+    calls, prepare = [], writers.prepare_image
+
+    def killed_at_the_fifth_image(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(writers, "prepare_image", killed_at_the_fifth_image)
+    (tmp_path / "out/train/1.tar").unlink()  # no longer complete: not skipped
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_shards(src, tmp_path / "out", options)
+    monkeypatch.undo()
+    assert "summary" not in json.loads((tmp_path / "out/train/manifest.json").read_text())
     redone = write_folder_shards(src, tmp_path / "out", options)
     assert not redone.already_complete and _hashes(tmp_path / "out/train") == hashes
 
@@ -437,6 +451,72 @@ def test_cli_mistakes_are_one_line_with_exit_code_2(tmp_path, capsys):
         captured = capsys.readouterr()
         assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
         assert captured.err.startswith("lit-softmoe data: error: ") and expected in captured.err
+
+
+def _class_folder(root, classes=("cat", "dog"), count=2):
+    for label, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for index in range(count):
+            (root / name / f"{index}.png").write_bytes(_encode(_rng_image(10 * label + index, mode="L")))
+    return root
+
+
+def _tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys):
+    # Review item 4: a 60k Fashion-MNIST split was replaced by 600 images without a word, and a
+    # class dataset by caption shards with the old classnames.txt left beside them.
+    out = tmp_path / "mine-cls"
+    assert main(["data", "from-folder", str(_class_folder(tmp_path / "labelled")), "--layout", "classes",
+                 "--out", str(out)]) == 0
+    _captioned_folder(tmp_path / "photos", count=3)
+    table = _write_table(tmp_path / "tab", "csv")
+    before = _tree(out)
+    for argv in (["from-folder", str(tmp_path / "photos")],
+                 ["from-table", str(table), "--image-col", "filepath", "--caption-col", "title"]):
+        capsys.readouterr()
+        assert main(["data", *argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"lit-softmoe data: error: {out / 'train'} already holds 4 samples of "
+                       f"{(tmp_path / 'labelled').resolve()}; pass --overwrite to replace that split, "
+                       "or choose another --out or --split\n")
+        assert _tree(out) == before  # nothing written, nothing deleted
+
+    # The same command again is still skipped (or rewritten after a change): its own split.
+    assert main(["data", "from-folder", str(tmp_path / "labelled"), "--layout", "classes", "--out", str(out)]) == 0
+    assert "nothing written" in capsys.readouterr().out and _tree(out) == before
+
+    # --overwrite: the whole split is replaced, and the class list of the replaced data goes too.
+    assert main(["data", "from-folder", str(tmp_path / "photos"), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["train"]
+    assert sorted(p.name for p in (out / "train").iterdir()) == ["0.tar", "manifest.json", "nshards.txt",
+                                                                 "sizes.json"]
+    assert all("cls" not in sample for sample in _read_split(out / "train").values())
+    assert len(_read_split(out / "train")) == 3
+
+
+def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
+    from lit_softmoe.data.sources import write_fashion_mnist_shards
+    out = tmp_path / "data"
+    write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
+    _captioned_folder(tmp_path / "photos", count=3)
+    before = _tree(out)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 20 samples written "
+                                        r"from another source; pass --overwrite"):
+        write_folder_shards(tmp_path / "photos", out)
+    assert _tree(out) == before
+    # Replacing train keeps test and the class list it still uses; no shard of the old train is left.
+    write_folder_shards(tmp_path / "photos", out, overwrite=True)
+    assert sorted(p.name for p in (out / "train").glob("*.tar")) == ["0.tar"] and len(_read_split(out / "train")) == 3
+    assert read_classnames(out) == list(FASHION_MNIST_CLASSNAMES) and (out / "test" / "2.tar").is_file()
+    # Fashion-MNIST back over the folder's split: refused, then replaced whole with --overwrite.
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 3 samples of "
+                                        rf"{re.escape(str((tmp_path / 'photos').resolve()))}; pass --overwrite"):
+        write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
+    assert main(["data", "fashion-mnist", "--out", str(out), "--limit", "20", "--overwrite"]) == 0
+    assert len(_read_split(out / "train")) == 20 and not (out / "train" / "manifest.json").exists()
 
 
 # ---------------------------------------------------------------------------------------- real images

@@ -207,14 +207,17 @@ def write_fashion_mnist_shards(
     limit: int | None = None,
     allow_download: bool = True,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Write Fashion-MNIST as `out_dir/{train,test}/` shards + class names, templates, dataset type.
 
     Each sample holds `.png` (28×28 grayscale), `.cls` (label digits), `.txt` (a caption from the
     class name) and `.json` ({"source", "split", "index"}). `limit` keeps the first N samples of
     each split (for quick tests). Rerunning with the same arguments rewrites identical bytes, and
-    is skipped if `out_dir` already holds the complete set (its manifest.json, written last,
-    matches the arguments, and every sizes.json and shard is in place).
+    is skipped if `out_dir` already holds the complete set (its manifest.json, completed last,
+    matches the arguments, and every sizes.json and shard is in place). A train/ or test/ folder
+    holding other data (written by `data from-folder`, `embed`, …) is refused unless `overwrite`;
+    then it is replaced whole, in one swap.
 
     Returns:
         {"out_dir", "samples": {split: count}, "shards": {split: count}, "skipped", "seconds"}.
@@ -234,25 +237,56 @@ def write_fashion_mnist_shards(
         logger.info("%s already holds these Fashion-MNIST shards; nothing written", out_dir)
         return _summary(out_dir, written, skipped=True, start=start)
 
+    others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
+    for split, other in others.items():
+        if other and not overwrite:
+            raise UserError(f"{out_dir / split} already holds {other}; pass --overwrite to replace it with "
+                            "Fashion-MNIST, or choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # written last: its presence means complete
+    # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
+    # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
+    write_text_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
     splits = {}
     for split in FASHION_MNIST_FILES:
         images, labels = read_fashion_mnist(split, folder)
         images, labels = images[:limit], labels[:limit]
-        sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
-                            out_dir, split, samples_per_shard=samples_per_shard)
-        # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
-        # and the first `load_class_split` of this split costs no decoding.
-        cache_decoded_split(out_dir / split, torch.from_numpy(images[:, None].copy()),
-                            torch.from_numpy(labels.astype(np.int64)))
-        nbytes = {name: (out_dir / split / name).stat().st_size for name in sizes}
-        splits[split] = {"sizes": sizes, "bytes": nbytes}
+
+        def write(split_dir: Path) -> None:
+            sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
+                                split_dir.parent, split_dir.name, samples_per_shard=samples_per_shard)
+            # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
+            # and the first `load_class_split` of this split costs no decoding.
+            cache_decoded_split(split_dir, torch.from_numpy(images[:, None].copy()),
+                                torch.from_numpy(labels.astype(np.int64)))
+            nbytes = {name: (split_dir / name).stat().st_size for name in sizes}
+            splits[split] = {"sizes": sizes, "bytes": nbytes}
+
+        if others[split]:  # another dataset's split: replaced whole, nothing of it left behind
+            from lit_softmoe.train.checkpoint import write_folder_atomically
+            write_folder_atomically(out_dir / split, write)
+        else:
+            write(out_dir / split)
     write_text_atomic(out_dir / "classnames.txt", "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
     write_text_atomic(out_dir / "zeroshot_classification_templates.txt", "\n".join(ZEROSHOT_TEMPLATES) + "\n")
     write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
     write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
     return _summary(out_dir, splits, skipped=False, start=start)
+
+
+def _other_data(out_dir: Path, split: str) -> str | None:
+    """What `out_dir/split` holds other than Fashion-MNIST written here (None: nothing, or ours).
+
+    Ours: the set's manifest.json (written before the first shard) names Fashion-MNIST, and the
+    split has no manifest of its own (`data from-folder|from-table` write one) or embed.json.
+    """
+    from lit_softmoe.data.writers import other_split_data
+    try:
+        ours = json.loads((out_dir / MANIFEST_FILE).read_text()).get("dataset") == "fashion-mnist"
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if ours and not (out_dir / split / MANIFEST_FILE).exists() and not (out_dir / split / "embed.json").exists():
+        return None
+    return other_split_data(out_dir / split, lambda written: False)
 
 
 def _summary(out_dir: Path, splits: dict, skipped: bool, start: float) -> dict:

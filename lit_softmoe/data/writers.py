@@ -19,9 +19,10 @@ broken image, an empty or non-UTF-8 caption or a key already taken is skipped an
 reason; an image in RGBA, LA, P, 16-bit, CMYK or another mode is normalized to L or RGB and
 counted. An image file's own bytes are kept when they are already in the requested format and need
 no change; otherwise they are re-encoded with fixed settings and no metadata, so equal inputs give
-byte-identical shards. A `manifest.json` in the split folder, written last, records the arguments,
-a fingerprint of the inputs (name, size and mtime of every file read) and the summary: rerunning a
-finished command writes nothing, and rerunning an interrupted one rewrites the same bytes.
+byte-identical shards. A `manifest.json` in the split folder records the arguments, a fingerprint
+of the inputs (name, size and mtime of every file read) and, written last, the summary: rerunning a
+finished command writes nothing, and rerunning an interrupted one rewrites the same bytes. A split
+that holds anything else (another source's shards, Fashion-MNIST) is refused unless `overwrite`.
 
 Reasons a sample is skipped: missing_image, unreadable_image, bad_image (does not decode),
 remote_image (a URL in a table), missing_caption, empty_caption, non_utf8_text, bad_caption (not a
@@ -42,7 +43,7 @@ import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import PIL.Image
@@ -62,6 +63,8 @@ SOURCE_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif
 TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
                   ".parquet": "parquet"}
 MANIFEST_FILE = "manifest.json"
+# Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
+DATASET_FILES = (CLASSNAMES_FILE, "zeroshot_classification_templates.txt", "dataset_type.txt", MANIFEST_FILE)
 _FORMAT_VERSION = 1  # bump when the shard content changes, so old splits get rewritten
 # PIL format → the extension readers know; a format not listed (BMP, GIF, TIFF) is re-encoded.
 _KEPT_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
@@ -693,33 +696,42 @@ def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption
 # ---------------------------------------------------------------------------------------- writing
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
-                        layout: str = "auto", progress: bool = False) -> WriteSummary:
+                        layout: str = "auto", progress: bool = False, overwrite: bool = False) -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
     The classes layout also writes `out_dir/classnames.txt`. See `list_folder` for the layouts
-    and keys, and the module docstring for what is skipped, normalized and rewritten.
+    and keys, and the module docstring for what is skipped, normalized and rewritten. A split
+    holding other data is refused unless `overwrite` (see `_write_listing`).
     """
     listing = list_folder(src, layout, exclude=out_dir)
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
-    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src))
+    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
 
 
 def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str,
                        options: WriteOptions = WriteOptions(), key_col: str | None = None,
-                       progress: bool = False) -> WriteSummary:
+                       progress: bool = False, overwrite: bool = False) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
     Image paths are relative to the table's folder (or absolute); see `list_table` for keys and
-    extra columns.
+    extra columns. A split holding other data is refused unless `overwrite`.
     """
     listing = list_table(table, image_col, caption_col, key_col)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
                  "caption_col": caption_col, "key_col": key_col}
-    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(table))
+    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite)
 
 
 def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, arguments: dict,
-                   progress: bool, source_name: str) -> WriteSummary:
+                   progress: bool, source_name: str, overwrite: bool = False) -> WriteSummary:
+    """Write `listing` to `out_dir/{split}/`.
+
+    A split this source wrote before (same `arguments`: finished, interrupted, or with other
+    options or changed files) is rewritten in place, or skipped when already complete. A split
+    holding anything else (another source's shards, Fashion-MNIST, features) is refused unless
+    `overwrite`; then the new split is written beside it and swapped in whole, and the dataset
+    files beside the splits (classnames.txt & co.) go too when no other split uses them.
+    """
     start = time.perf_counter()
     split_dir = out_dir / options.split
     manifest = {"format": _FORMAT_VERSION, "pillow": PIL.__version__, "arguments": arguments,
@@ -732,27 +744,71 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     if not listing.candidates:
         raise UserError(f"nothing to write from {source_name}: every sample was skipped"
                         f"{_reasons(dict(listing.counter.counts))}; fix the source and rerun")
+    other = other_split_data(split_dir, lambda written: written.get("arguments") == arguments)
+    if other and not overwrite:
+        raise UserError(f"{split_dir} already holds {other}; pass --overwrite to replace that split, "
+                        "or choose another --out or --split")
+    other_splits = sorted(p.parent.name for p in out_dir.glob(f"*/{NSHARDS_FILE}") if p.parent.name != options.split)
     _check_classnames(out_dir, options.split, listing.classnames)
-
-    split_dir.mkdir(parents=True, exist_ok=True)
-    (split_dir / MANIFEST_FILE).unlink(missing_ok=True)  # written last: its presence means complete
     counter, tally = listing.counter, _ImageTally()
-    candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
-    sizes = write_split(_encoded_samples(candidates, options, counter, tally), out_dir, options.split,
-                        samples_per_shard=options.samples_per_shard, max_bytes=options.max_shard_bytes,
-                        keep_keys=True)
-    skipped = dict(sorted(counter.counts.items()))
-    if sum(sizes.values()) == 0:
-        raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
-                        f"{_reasons(skipped)}; fix the source and rerun")
-    summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
-                           {name: (split_dir / name).stat().st_size for name in sizes})
+
+    def write(target: Path) -> WriteSummary:
+        target.mkdir(parents=True, exist_ok=True)
+        # Before any shard: tells a rerun that these shards are this source's (an interrupted run
+        # is rewritten, not refused). Without its "summary" it does not mark the split complete.
+        write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+        candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
+        sizes = write_split(_encoded_samples(candidates, options, counter, tally), target.parent, target.name,
+                            samples_per_shard=options.samples_per_shard, max_bytes=options.max_shard_bytes,
+                            keep_keys=True)
+        skipped = dict(sorted(counter.counts.items()))
+        if sum(sizes.values()) == 0:
+            raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
+                            f"{_reasons(skipped)}; fix the source and rerun")
+        summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
+                               {name: (target / name).stat().st_size for name in sizes})
+        recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
+        write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
+        return summary
+
+    if other:
+        from lit_softmoe.train.checkpoint import write_folder_atomically
+        results = []
+        write_folder_atomically(split_dir, lambda tmp: results.append(write(tmp)))
+        summary = results[0]
+        if not other_splits:  # they described the data just replaced, and no other split
+            for name in DATASET_FILES:
+                (out_dir / name).unlink(missing_ok=True)
+    else:
+        summary = write(split_dir)
     if listing.classnames is not None:
         write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
-    recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
-    write_text_atomic(split_dir / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
     summary.seconds = round(time.perf_counter() - start, 3)
     return summary
+
+
+def other_split_data(split_dir: Path, is_own: Callable[[dict], bool]) -> str | None:
+    """What `split_dir` holds that a writer must not silently replace, in words; None when it is
+    empty or missing, or its manifest.json (written before the first shard) passes `is_own`."""
+    if not split_dir.is_dir():
+        return None
+    names = [p.name for p in split_dir.iterdir() if not p.name.startswith(".")]  # hidden: leftovers
+    if not names:
+        return None
+    try:
+        written = json.loads((split_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        written = None
+    if isinstance(written, dict) and is_own(written):
+        return None
+    try:
+        samples = f"{sum(json.loads((split_dir / SIZES_FILE).read_text()).values())} samples"
+    except (OSError, ValueError, TypeError, AttributeError):
+        samples = f"{len(names)} files"
+    if "embed.json" in names:
+        return f"{samples} of feature shards (written by `lit-softmoe embed`)"
+    source = written.get("arguments", {}).get("path") if isinstance(written, dict) else None
+    return f"{samples} of {source}" if isinstance(source, str) else f"{samples} written from another source"
 
 
 def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
