@@ -477,8 +477,14 @@ def _latest_eval(run_dir: Path | None) -> tuple[Path, dict] | None:
     return None
 
 
-def _fmt(value) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+def _percent(value) -> str:
+    """A metric (a fraction) as the eval table shows it: a percentage with 2 decimals."""
+    return f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _row(cells: list[str]) -> str:
+    # Cells joined last: an empty list of metric columns (no benchmark ran) adds no phantom cell.
+    return "| " + " | ".join(cells) + " |"
 
 
 def _zeroshot_section(run_dir: Path | None, results: dict) -> list[str]:
@@ -487,22 +493,23 @@ def _zeroshot_section(run_dir: Path | None, results: dict) -> list[str]:
         file, report = latest
         rows = report["results"]
         metrics = list(dict.fromkeys(k for row in rows for k in (row.get("metrics") or {})))
-        lines = [f"From `{file.name}` (suite `{report.get('suite', '?')}`, model `{report.get('model', '?')}`):", "",
-                 "| benchmark | task | " + " | ".join(metrics) + " | samples | status |",
-                 "|---|---|" + "---|" * len(metrics) + "---|---|"]
+        lines = [f"From `{file.name}` (suite `{report.get('suite', '?')}`, model `{report.get('model', '?')}`), "
+                 "metrics in %:", "",
+                 _row(["benchmark", "task", *metrics, "samples", "status"]),
+                 "|" + "---|" * (len(metrics) + 4)]
         for row in rows:
-            values = [_fmt((row.get("metrics") or {}).get(m, "")) for m in metrics]
+            values = [_percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
             status = row.get("status", "")
             if status == "skipped" and row.get("reason"):
                 status = f"skipped: {row['reason']}"
-            lines.append(f"| {row.get('benchmark', '')} | {row.get('task', '')} | " + " | ".join(values) +
-                         f" | {row.get('num_samples', '')} | {status} |")
+            lines.append(_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
+                               str(row.get("num_samples", "")), status]))
         return lines
     scores = {k: v for k, v in results.items() if k.startswith(("zeroshot_", "linear_probe_top1"))}
     if not scores:
         return ["No evaluation recorded."]
-    return ["From the run's results.json (the LiT recipe's own eval set):", "", "| metric | value |", "|---|---|",
-            *[f"| {k} | {_fmt(v)} |" for k, v in scores.items()]]
+    return ["From the run's results.json (the LiT recipe's own eval set):", "", "| metric | % |", "|---|---|",
+            *[f"| {k} | {_percent(v)} |" for k, v in scores.items()]]
 
 
 def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
@@ -539,7 +546,7 @@ def _model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, 
     if pretrain:
         lines.append(f"- Image tower: pretrained by `lit-softmoe pretrain` ({pretrain.get('config', '?')}), "
                      f"{pretrain.get('steps', '?')} steps in {pretrain.get('train_seconds', '?')} s"
-                     + (f", test top-1 {_fmt(pretrain['test_top1'])}" if "test_top1" in pretrain else ""))
+                     + (f", test top-1 {_percent(pretrain['test_top1'])}%" if "test_top1" in pretrain else ""))
     pre_run = _run_config(run_dir) if run_dir is not None and model is None else {}
     if pre_run.get("data"):
         lines.append(f"- Pretraining data: train `{pre_run['data'].get('train')}`, test `{pre_run['data'].get('test')}`")

@@ -267,7 +267,7 @@ def test_tower_only_export(run, tmp_path):
     with pytest.raises(UserError, match="load_image_tower"):
         load_pretrained(pretrain_run / "tower")
     card = (out / "README.md").read_text()
-    assert "soft-test-4e" in card and "test top-1 0.5000" in card and "load_image_tower" in card
+    assert "soft-test-4e" in card and "test top-1 50.00%" in card and "load_image_tower" in card
     assert "Pretraining data: train `data/fm/train`" in card
 
 
@@ -276,7 +276,7 @@ def test_tower_only_export(run, tmp_path):
 def test_model_card_shows_the_newest_eval_json(tmp_path):
     run = _make_run(tmp_path)
     card = (export_pair(run, tmp_path / "no-eval") / "README.md").read_text()
-    assert "0.4321" in card and "0.6543" in card  # results.json when there is no eval/
+    assert "| zeroshot_top1 | 43.21 |" in card and "| linear_probe_top1 | 65.43 |" in card  # results.json, no eval/
     assert "soft-test-4e" in card and "data/feats/train" in card and "10 steps in 2.5 s" in card
     (run / "eval").mkdir()
     old = {"model": "m", "suite": "s", "results": [{"benchmark": "old", "task": "zeroshot_classification",
@@ -292,15 +292,30 @@ def test_model_card_shows_the_newest_eval_json(tmp_path):
     time.sleep(0.05)
     (run / "eval" / "a-new.json").write_text(json.dumps(new))  # newer by time, though earlier by name
     card = (export_pair(run, tmp_path / "eval") / "README.md").read_text()
-    assert "| fashion-mnist | zeroshot_classification | 0.8765 | 0.9912 | 0.8701 | 10000 | ok |" in card
+    assert "| fashion-mnist | zeroshot_classification | 87.65 | 99.12 | 87.01 | 10000 | ok |" in card
+    assert "metrics in %" in card  # percentages with 2 decimals, as the eval table shows them
     assert "skipped: data not found at /nowhere" in card
-    assert "0.1111" not in card and "0.4321" not in card
+    assert "11.11" not in card and "43.21" not in card
     time.sleep(0.05)  # an eval of a checkpoint, newer still, is not the exported model's
     step = {**new, "model": str(run / "checkpoints" / "step_00000005"), "results": [
         {**new["results"][0], "metrics": {"acc1": 0.2222}}]}
     (run / "eval" / "fmnist-step_00000005-20261126.json").write_text(json.dumps(step))
     card = (export_pair(run, tmp_path / "eval-after-step") / "README.md").read_text()
-    assert "0.8765" in card and "0.2222" not in card
+    assert "87.65" in card and "22.22" not in card
+
+
+def test_model_card_table_of_an_eval_where_nothing_ran(tmp_path):
+    """An eval report whose benchmarks were all skipped (written by older versions): no metric
+    columns, and every row has as many cells as the header."""
+    run = _make_run(tmp_path)
+    (run / "eval").mkdir()
+    (run / "eval" / "s.json").write_text(json.dumps({"model": str(run), "suite": "lit-paper", "results": [
+        {"benchmark": "imagenet1k", "task": "classification", "status": "skipped",
+         "reason": "imagenet1k data folder not found at data/imagenet1k", "path": "data/imagenet1k"}]}))
+    card = (export_pair(run, tmp_path / "out") / "README.md").read_text()
+    rows = [line for line in card.splitlines() if line.startswith("|")]
+    assert rows[:2] == ["| benchmark | task | samples | status |", "|---|---|---|---|"]
+    assert rows[2] == "| imagenet1k | classification |  | skipped: imagenet1k data folder not found at data/imagenet1k |"
 
 
 # ---- a user's mistake: one line, exit code 2, nothing written -----------------------------------
