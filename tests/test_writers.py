@@ -503,8 +503,8 @@ def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
     write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
     _captioned_folder(tmp_path / "photos", count=3)
     before = _tree(out)
-    with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 20 samples written "
-                                        r"from another source; pass --overwrite"):
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 20 samples of "
+                                        r"fashion-mnist; pass --overwrite"):
         write_folder_shards(tmp_path / "photos", out)
     assert _tree(out) == before
     # Replacing train keeps test and the class list it still uses; no shard of the old train is left.

@@ -808,6 +808,11 @@ def other_split_data(split_dir: Path, is_own: Callable[[dict], bool]) -> str | N
     if "embed.json" in names:
         return f"{samples} of feature shards (written by `lit-softmoe embed`)"
     source = written.get("arguments", {}).get("path") if isinstance(written, dict) else None
+    if written is None:  # `data fashion-mnist` keeps its manifest beside the splits, not in them
+        try:
+            source = json.loads((split_dir.parent / MANIFEST_FILE).read_text()).get("dataset")
+        except (OSError, ValueError, AttributeError):
+            pass
     return f"{samples} of {source}" if isinstance(source, str) else f"{samples} written from another source"
 
 
