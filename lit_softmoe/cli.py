@@ -51,9 +51,11 @@ def _cmd_train(args) -> None:
     from lit_softmoe.train.lit import train_lit
     cfg = load_config(LiTConfig, args.config, args.overrides)
     results = train_lit(cfg)
+    scores = ""
     if "zeroshot_top1" in results:
         probe = f", linear-probe ceiling {results['linear_probe_top1']:.4f}" if "linear_probe_top1" in results else ""
-        print(f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; model saved to {cfg.run_dir}/model")
+        scores = f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; "
+    print(f"{scores}model saved to {cfg.run_dir}/model")
 
 
 def _cmd_embed(args) -> None:
@@ -279,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lit-softmoe {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"lit-softmoe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        # On a line of its own: a progress bar may have left the cursor at the end of its line.
+        print(f"\nlit-softmoe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     return 0
 

@@ -61,3 +61,29 @@ def test_zero_periods_and_batches_in_the_config(tmp_path, capsys, command, overr
     line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), override])
     key = override.split("=")[0]
     assert f"config key '{key}' is 0; it must be at least 1: set {key}=1 or more" in line
+
+
+def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsys, monkeypatch):
+    import lit_softmoe.train.lit as lit
+    config = tmp_path / "lit.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\n")
+    monkeypatch.setattr(lit, "train_lit", lambda cfg: {"steps": 3})  # eval.shards= : no zero-shot score
+    assert main(["train", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == f"model saved to {tmp_path / 'run'}/model"
+    monkeypatch.setattr(lit, "train_lit", lambda cfg: {"zeroshot_top1": 0.5})
+    assert main(["train", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == f"zero-shot top-1 0.5000; model saved to {tmp_path / 'run'}/model"
+
+
+def test_an_interrupt_is_reported_on_its_own_line(tmp_path, capsys, monkeypatch):
+    import lit_softmoe.train.lit as lit
+    config = tmp_path / "lit.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\n")
+
+    def interrupted(cfg):
+        print("  12%|#  | 108/468", end="", file=__import__("sys").stderr)  # a progress bar mid-line
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lit, "train_lit", interrupted)
+    assert main(["train", "--config", str(config)]) == 130
+    err = capsys.readouterr().err
+    assert err.endswith("108/468\nlit-softmoe train: interrupted; rerun the same command to resume\n")
