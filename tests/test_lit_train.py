@@ -17,6 +17,7 @@ from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.sources import CAPTION_TEMPLATES, FASHION_MNIST_CLASSNAMES, write_fashion_mnist_shards
 from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train import lit as lit_recipe
@@ -213,6 +214,26 @@ def test_killed_run_resumes_exactly(data, tmp_path):
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(data, tmp_path):
+    run = tmp_path / "run"
+    train_lit(_cfg(data, run, "steps=4", "eval.shards=''"))
+    saved = (run / "config.yaml").read_text()
+    # The README's MiniLM case: another text tower into the same folder (here 2 layers, not 1) was
+    # resumed from this run's checkpoint and failed on its keys; another lr silently mixed two runs.
+    with pytest.raises(UserError, match="holds another run") as refused:
+        train_lit(_cfg(data, run, "steps=4", "eval.shards=''", "text.layers=2", "optim.lr=1e-3"))
+    assert f"{run} holds another run (optim.lr: 0.003 → 0.001, text.layers: 1 → 2: its config.yaml → this " \
+           "config); start this one with another run_dir=" in str(refused.value)
+    with pytest.raises(UserError, match="data.workers: 0 → 1"):  # workers split the shards: other batches
+        train_lit(_cfg(data, run, "steps=4", "eval.shards=''", "data.workers=1"))
+    assert (run / "config.yaml").read_text() == saved
+    # Longer, logged and checkpointed differently, another bad-sample limit: the same run, resumed.
+    results = train_lit(_cfg(data, run, "steps=6", "eval.shards=''", "log_every=2", "checkpoint_every=3",
+                             "data.max_bad_fraction=0.5", "threads=1"))
+    assert results["steps"] == 6
+    assert sorted(_losses(run)) == [1, 2, 3, 4, 6]  # steps 1-4 were not trained again
 
 
 def test_two_processes_follow_the_single_process_curve(data, tmp_path):

@@ -117,17 +117,35 @@ def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):
         assert "Traceback" not in result.stderr
 
 
-def test_checkpoint_of_another_tower_is_refused_in_one_line(shards, tmp_path):
+def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shards, tmp_path):
     run_dir = tmp_path / "run"
     pretrain(_cfg(shards, run_dir, "steps=10", "checkpoint_every=5", "fewshot_shots=0"))
+    saved = (run_dir / "config.yaml").read_text()
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("{}\n")
-    # Same run folder, wider tower: the checkpoint's shapes do not fit.
-    result = _cli("pretrain", "--config", str(yaml_file), f"data.train={shards / 'train'}",
-                  f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20", *SMALL_TOWER,
-                  "tower.options.width=96", "tower.options.mlp_dim=192")
+    # Same run folder, a wider tower and another learning rate: another run, not a resume of this one.
+    wider = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20",
+             "optim.warmup_steps=20", *SMALL_TOWER, "tower.options.width=96", "tower.options.mlp_dim=192", "optim.lr=3e-3"]
+    result = _cli("pretrain", "--config", str(yaml_file), *wider)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{run_dir} holds another run (" in result.stderr and "another run_dir=" in result.stderr
+    for change in ("tower.options.width: 64 → 96", "tower.options.mlp_dim: 128 → 192", "optim.lr: 0.001 → 0.003",
+                   "batch_size: 64 → 128"):
+        assert change in result.stderr, result.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+    # A run folder whose config.yaml is gone: the checkpoint's shapes still do not fit, in one line.
+    (run_dir / "config.yaml").unlink()
+    result = _cli("pretrain", "--config", str(yaml_file), *wider)
     assert result.returncode == 2
     assert "does not fit the tower" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    (run_dir / "config.yaml").write_text(saved)
+    # Longer, and logged, checkpointed and evaluated differently: the same run, resumed at step 10.
+    results = pretrain(_cfg(shards, run_dir, "steps=14", "checkpoint_every=7", "fewshot_shots=2", "log_every=2",
+                            "threads=1", "eval_batch_size=100"))
+    assert results["steps"] == 14 and "fewshot2_top1" in results
+    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert logged == [5, 10, 12, 14]  # steps 1-10 were not trained again
+    assert "steps: 14" in (run_dir / "config.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -8,10 +8,12 @@ class prompts are re-encoded at each evaluation; with `unlocked_blocks` the towe
 eval images go through it again at every evaluation) → train with checkpoints and exact resume →
 final evaluation and the trained pair saved.
 
-Resume: the shard order of an epoch is a function of (seed, epoch), so a resumed run replays the
-interrupted epoch's batches and skips the ones it had already trained on. The bad-sample counts of
-the data are saved as of the start of that epoch and restored, and the replay counts the epoch's
-samples again, so a resumed run reports the totals an uninterrupted one does.
+Resume: a rerun into a run folder continues its run only with the same config, up to the keys
+`runtime.RESUMABLE_KEYS` lists (training length, frequencies, speed). The shard order of an epoch is
+a function of (seed, epoch), so a resumed run replays the interrupted epoch's batches and skips the
+ones it had already trained on. The bad-sample counts of the data are saved as of the start of that
+epoch and restored, and the replay counts the epoch's samples again, so a resumed run reports the
+totals an uninterrupted one does.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
-from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
+from lit_softmoe.train.runtime import check_same_run, create_accelerator, global_loss, open_run_folder, resume_state
 from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.zeroshot.classifier import check_templates
 
@@ -171,6 +173,7 @@ def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, resu
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
+    check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 

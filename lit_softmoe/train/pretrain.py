@@ -13,7 +13,9 @@ dense towers have neither (0), so their training is unchanged.
 The training split is decoded into memory once (Fashion-MNIST is 47 MB) and every random choice is
 a function of (seed, step): the epoch's order comes from a generator seeded with (seed, epoch) and
 each batch's augmentation from one seeded with (seed, step, rank). So a killed run resumed from its
-checkpoint replays exactly the batches the uninterrupted run would have seen.
+checkpoint replays exactly the batches the uninterrupted run would have seen. A rerun into a run
+folder resumes only with the same config, up to `runtime.RESUMABLE_KEYS` (training length,
+frequencies, speed); another config there is refused, naming the keys that differ.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_tra
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
-from lit_softmoe.train.runtime import create_accelerator, global_loss, open_run_folder, resume_state
+from lit_softmoe.train.runtime import check_same_run, create_accelerator, global_loss, open_run_folder, resume_state
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +156,7 @@ def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
+    check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -65,6 +67,75 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
     return state["step"], state.get("train_seconds", 0.0), latest
 
 
+# Config keys a rerun into a run folder may change and still resume the run there: they set how
+# long to train (steps/epochs extend a run; the learning-rate schedule stretches to the new end), how
+# often to log, evaluate and checkpoint, how fast the same computation runs, or what only the final
+# evaluation reports (two of them are what error messages tell a user to change and rerun). Every
+# other key (the towers, the data and its order, data.workers included since the shards are split
+# per worker, the optimizer, the loss, batch size, seed, the eval set logged during training) makes
+# a different run, which a checkpoint of this one must not start.
+RESUMABLE_KEYS = frozenset({
+    "run_dir", "steps", "epochs",
+    "log_every", "eval_every", "eval.every", "checkpoint_every", "keep_checkpoints",
+    "threads", "compile", "precision", "eval_batch_size",
+    "fewshot_shots", "eval.probe_train", "data.max_bad_fraction",
+})
+
+
+def _flatten(node: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} → {"a.b": 1}; an empty mapping (tower.options: {}) adds no key."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_UNSET = object()  # a key one of the two configs lacks
+
+
+def _show(value) -> str:
+    return "(unset)" if value is _UNSET else repr(value) if value == "" else str(value)
+
+
+def check_same_run(run_dir, config) -> None:
+    """Refuse (UserError, one line) to continue a run folder that holds another run: one whose
+    config.yaml differs from `config` in a key outside RESUMABLE_KEYS, when the folder holds what
+    this run would resume from or replace (a checkpoint, tower/ or model/). Without this check a
+    different config silently resumed the old run's checkpoint and rewrote its config.yaml."""
+    from omegaconf import OmegaConf
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.train.checkpoint import latest_checkpoint
+    run_dir = Path(run_dir)
+    saved_file = run_dir / "config.yaml"
+    holds_run = latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / "tower").is_dir() \
+        or (run_dir / "model").is_dir()
+    if not saved_file.is_file() or not holds_run:
+        return  # nothing to resume or replace: a run killed before its first checkpoint starts afresh
+    try:
+        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)) or {})
+    except Exception as err:
+        raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); pass a new run_dir=...") from None
+    new = _flatten(OmegaConf.to_container(OmegaConf.structured(config)))
+    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(type(config))))
+    changed = []
+    for key in sorted(saved.keys() | new.keys()):
+        if key in RESUMABLE_KEYS:
+            continue
+        old, value = saved.get(key, _UNSET), new.get(key, _UNSET)
+        if old is _UNSET and key in defaults and value == defaults[key]:
+            continue  # a key added to the config since the run was saved, at its default
+        if old != value:
+            changed.append(f"{key}: {_show(old)} → {_show(value)}")
+    if changed:
+        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+        raise UserError(f"{run_dir} holds another run ({', '.join(changed[:6])}{more}: its config.yaml → this "
+                        "config); start this one with another run_dir=..., or rerun with that one's config to resume "
+                        "it (steps, epochs and logging may change)")
+
+
 def open_run_folder(run_dir, config, step: int, is_main: bool):
     """Write the run's config.yaml and open its metrics log, dropping records past `step`
     (what a killed run logged after its last checkpoint)."""
@@ -73,7 +144,10 @@ def open_run_folder(run_dir, config, step: int, is_main: bool):
     logger = RunLogger(run_dir, enabled=is_main)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
+        # Renamed into place: a kill mid-write must not leave a half config for check_same_run.
+        tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
+        tmp.write_text(to_yaml(config))
+        os.replace(tmp, run_dir / "config.yaml")
         logger.truncate_after(step)
     return logger
 
