@@ -460,7 +460,13 @@ def test_a_suite_in_which_nothing_ran_says_so_and_writes_nothing(tmp_path):
     assert report["evaluated"] == 0 and [e["status"] for e in report["results"]] == ["skipped", "skipped"]
     assert list(tmp_path.iterdir()) == [] and report["paths"] == {}
     line = nothing_evaluated(report)
-    assert line.startswith("nothing evaluated: all 2 benchmarks were skipped") and "\n" not in line
+    assert line.startswith("nothing evaluated, so no results were written: all 2 benchmarks were skipped "
+                           f"(imagenet1k: imagenet1k data folder not found at {tmp_path / 'imagenet1k'}; put") and \
+        "\n" not in line
+    one = {**report, "results": report["results"][1:]}
+    assert nothing_evaluated(one) == ("nothing evaluated, so no results were written: cifar100: "
+                                      f"{report['results'][1]['reason']}")
+    assert "set LIT_SOFTMOE_BENCHMARKS=DIR to read DIR/cifar100" in nothing_evaluated(one)
     # The table of such a report: every row has as many cells as the header (no phantom column).
     rows = [l for l in markdown_table(report).splitlines() if l.startswith("|")]
     assert len(rows) == 4

@@ -357,15 +357,17 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
 
 def nothing_evaluated(report: dict) -> str | None:
     """One line for a report in which no benchmark ran (each was skipped), else None. run_suite
-    writes no files then; `lit-softmoe eval` prints the skip reasons and this, and exits 2."""
+    writes no files then; `lit-softmoe eval` prints the skip reasons and this, and exits 2. The line
+    carries the first skip reason, which names the fix (often the same for every benchmark)."""
     if report.get("evaluated", 1) > 0:
         return None
-    if not report["results"]:
+    results = report["results"]
+    if not results:
         return f"nothing evaluated: suite {report['suite']} lists no benchmarks"
-    count = len(report["results"])
-    which = "its one benchmark was" if count == 1 else f"all {count} benchmarks were"
-    return (f"nothing evaluated: {which} skipped (reasons above), so no results were written; put the data "
-            f"where the reasons say (the shipped suites read ${BENCHMARKS_ENV}/NAME, default data/NAME)")
+    first = f"{results[0]['benchmark']}: {results[0]['reason']}"
+    if len(results) == 1:
+        return f"nothing evaluated, so no results were written: {first}"
+    return f"nothing evaluated, so no results were written: all {len(results)} benchmarks were skipped ({first}; …)"
 
 
 # ---------------------------------------------------------------------------------- reports
