@@ -107,17 +107,21 @@ def _cmd_models(args) -> None:
 
 def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
-    from lit_softmoe.zeroshot.suite import markdown_table, run_suite, summary_line
+    from lit_softmoe.zeroshot.suite import markdown_table, nothing_evaluated, run_suite, summary_line
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks else None
     report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
                        use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
-    print(markdown_table(report))
+    nothing = nothing_evaluated(report)  # every benchmark skipped: no results were written
+    if nothing is None:
+        print(markdown_table(report))
     for entry in report["results"]:
         if entry.get("peer", {}).get("status") == "ok":
             print(f"{entry['benchmark']}: clip_benchmark agrees within {entry['peer']['max_abs_diff_points']:.3f} points")
         elif entry["status"] != "ok":
             print(summary_line(entry))
+    if nothing is not None:
+        raise UserError(nothing)
     print(f"results: {report['paths']['json']} (+ .md, .png)")
 
 

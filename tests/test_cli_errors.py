@@ -87,3 +87,16 @@ def test_an_interrupt_is_reported_on_its_own_line(tmp_path, capsys, monkeypatch)
     assert main(["train", "--config", str(config)]) == 130
     err = capsys.readouterr().err
     assert err.endswith("108/468\nlit-softmoe train: interrupted; rerun the same command to resume\n")
+
+
+def test_eval_where_every_benchmark_was_skipped_exits_2(tmp_path, capsys, monkeypatch, suite):
+    from lit_softmoe.zeroshot import suite as suite_module
+    skipped = {"benchmark": "fashion-mnist", "task": "classification", "status": "skipped",
+               "reason": "fashion-mnist data folder not found at data/fashion-mnist"}
+    monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: {"suite": "s", "evaluated": 0, "paths": {},
+                                                                   "results": [skipped]})
+    assert main(["eval", "--model", str(tmp_path), "--suite", suite]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("lit-softmoe eval: error: nothing evaluated, so no results were written: "
+                                    "fashion-mnist: fashion-mnist data folder not found at data/fashion-mnist")
+    assert "not found at data/fashion-mnist" in captured.out and "| benchmark" not in captured.out
