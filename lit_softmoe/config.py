@@ -140,7 +140,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"config file {path} does not exist; shipped configs are under configs/")
+            shipped = "suites are under eval/" if schema is EvalSuiteConfig else "configs are under configs/"
+            raise UserError(f"config file {path} does not exist; shipped {shipped}")
         try:
             layers.append(OmegaConf.load(path))
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
@@ -154,7 +155,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         merged = OmegaConf.merge(base, *layers)
     except ConfigKeyError as err:
         key = getattr(err, "full_key", None) or str(err)
-        source = f" in {path}" if path else ""
+        given = {item.split("=", 1)[0].strip() for item in overrides}
+        source = " on the command line" if str(key) in given else (f" in {path}" if path else "")
         raise UserError(f"unknown config key {key!r}{source}{_suggest(str(key), base, schema)}") from None
     except (ValidationError, OmegaConfBaseException) as err:
         key = getattr(err, "full_key", "?")

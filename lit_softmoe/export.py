@@ -64,7 +64,7 @@ IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
 TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ONNX_TOLERANCE = 1e-4  # max abs difference of fp32 ONNX vs PyTorch embeddings
-_EXPECTED = ("an export folder (from `lit-softmoe export`), a LiT run folder, its model/ folder, a checkpoint "
+_EXPECTED = ("an export folder (from `lit-softmoe export`), a LiT run folder, its model/ folder, a LiT checkpoint "
              "folder RUN/checkpoints/step_N, or (for the image tower alone) a pretraining run or its tower/ folder")
 
 

@@ -116,3 +116,18 @@ def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):
         check_same_run(run, load_config(PretrainConfig, None, ["tower.options.width=96", "tower.options.depth=4"]))
     with pytest.raises(UserError, match=r"tower\.options\.width: 64 → \(unset\)"):
         check_same_run(run, load_config(PretrainConfig, None, []))
+
+
+def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
+    from lit_softmoe.config import EvalSuiteConfig
+    with pytest.raises(UserError, match="shipped suites are under eval/$"):
+        load_config(EvalSuiteConfig, tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="shipped configs are under configs/$"):
+        load_config(PretrainConfig, tmp_path / "nope.yaml")
+    config = tmp_path / "run.yaml"
+    config.write_text("optim:\n  lrr: 1\n")
+    with pytest.raises(UserError, match=f"unknown config key 'optim.lrr' in {config}"):
+        load_config(PretrainConfig, config)
+    config.write_text("steps: 3\n")
+    with pytest.raises(UserError, match="unknown config key 'optim.lrr' on the command line"):
+        load_config(PretrainConfig, config, ["optim.lrr=1"])
