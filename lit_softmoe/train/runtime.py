@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
+from lit_softmoe.data.shards import write_text_atomic
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -145,9 +145,7 @@ def open_run_folder(run_dir, config, step: int, is_main: bool):
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Renamed into place: a kill mid-write must not leave a half config for check_same_run.
-        tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
-        tmp.write_text(to_yaml(config))
-        os.replace(tmp, run_dir / "config.yaml")
+        write_text_atomic(run_dir / "config.yaml", to_yaml(config))
         logger.truncate_after(step)
     return logger
 
