@@ -317,6 +317,27 @@ def test_a_missing_class_folder_does_not_shift_the_names(tmp_path):
         assert classnames[data.dataset.items[i][1]] == folder
 
 
+def test_class_folders_named_after_the_classes_get_their_own_names(tmp_path):
+    # fashion-mnist's order is not alphabetical: "ankle boot" sorts first but is class 9. Folders spelled
+    # the way folders are (case, "_" for " ") still match; folders with other names keep their own.
+    image = foolbox_images("cifar10")[0][0].read_bytes()
+    names = list(benchmark_info("fashion-mnist").classnames)
+    for i, name in enumerate(names):
+        folder = tmp_path / "named" / "test" / (name.replace(" ", "_").upper() if i % 2 else name)
+        folder.mkdir(parents=True)
+        (folder / "x.png").write_bytes(image)
+        (tmp_path / "other" / "test" / f"kind{i}").mkdir(parents=True)
+        (tmp_path / "other" / "test" / f"kind{i}" / "x.png").write_bytes(image)
+    data = read_benchmark("fashion-mnist", tmp_path / "named", "test", lambda im: im, classnames=names)
+    classnames, _, _ = resolve_prompts(BenchmarkConfig(name="fashion-mnist"), data)
+    assert classnames == names
+    for load, label in data.dataset.items:
+        assert classnames[label].replace(" ", "_").upper() == load.__defaults__[0].parent.name.upper()
+    data = read_benchmark("fashion-mnist", tmp_path / "other", "test", lambda im: im, classnames=names)
+    classnames, _, _ = resolve_prompts(BenchmarkConfig(name="fashion-mnist"), data)
+    assert [classnames[label] for _, label in data.dataset.items] == [f"kind{i}" for i in range(10)]
+
+
 def test_torchvision_reader_on_real_fashion_mnist_files(tmp_path, fmnist):
     import gzip
     from lit_softmoe.data.sources import find_fashion_mnist

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from lit_softmoe.data.shards import CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_F
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
+logger = logging.getLogger(__name__)
 
 
 class MissingData(Exception):
@@ -145,8 +147,9 @@ class _Indexed(Dataset):
 def read_image_folder(root: Path, split: str, transform, classnames: list[str] | None = None,
                       wnids: list[str] | None = None) -> EvalData:
     """ROOT/SPLIT/CLASS/img (or ROOT/CLASS/img). Folders named by wnids map onto `wnids`' order
-    (the benchmark's classes); other folders are classes in sorted order, named after the folder
-    unless the benchmark's `classnames` has exactly as many entries."""
+    (the benchmark's classes), numeric folders are their labels, folders named after each of the
+    benchmark's `classnames` take their class's index; other folders are classes in sorted order,
+    named after the folder."""
     base = root / split if (root / split).is_dir() else root
     folders = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
     if not folders:
@@ -154,22 +157,48 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
     if len(folders) < 2:
         raise MissingData(base, f"class folders (found only {folders[0].name if folders else 'none'}/; "
                           "is this another layout? set format:)")
+    by_name = _match_names(folders, classnames) if classnames and len(classnames) == len(folders) else None
     if wnids and all(f.name in wnids for f in folders):
         labels = {f.name: wnids.index(f.name) for f in folders}
         names = classnames
     elif all(f.name.isdigit() for f in folders):  # e.g. ImageNetV2's 0 … 999: the folder is the label
         labels = {f.name: int(f.name) for f in folders}
         names = classnames if classnames and len(classnames) > max(labels.values()) else None
+    elif by_name is not None:
+        # Folders named after the benchmark's classes ("ankle_boot", "T-shirt" …): each gets the index of
+        # its own name, as wnid folders do. Sorted folder order is not the benchmark's order (fashion-mnist).
+        labels, names = by_name, classnames
     else:
+        # Names that are not the benchmark's: the folders name their own classes. Taking the benchmark's
+        # list by position because the counts agree would score a folder against another class's prompt;
+        # a suite whose folders do follow that order can say so with `classnames:`.
+        if classnames and len(classnames) == len(folders):
+            logger.warning("%s: the class folders do not match the benchmark's %d class names; using the folder "
+                           "names as class names (set classnames: in the suite to use others)", base, len(classnames))
         labels = {f.name: i for i, f in enumerate(folders)}
-        names = classnames if classnames and len(classnames) == len(folders) else \
-            [f.name.replace("_", " ") for f in folders]
+        names = [f.name.replace("_", " ") for f in folders]
     suffixes = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
              if path.suffix.lower() in suffixes and not path.name.startswith(".")]
     items = [((lambda p=path: _load_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": _file_signature([p for p, _ in files])})
+
+
+def _normalized(name: str) -> str:
+    """A class name as folders spell it or as a list does: case, `_`, `-` and spacing ignored."""
+    return " ".join(name.casefold().replace("_", " ").replace("-", " ").split())
+
+
+def _match_names(folders: list[Path], classnames: list[str]) -> dict[str, int] | None:
+    """{folder: index of its class in `classnames`}, or None unless every folder names a distinct class."""
+    index = {_normalized(n): i for i, n in enumerate(classnames)}
+    if len(index) < len(classnames):  # two classes that differ only in case or punctuation: ambiguous
+        return None
+    labels = {f.name: index.get(_normalized(f.name)) for f in folders}
+    if None in labels.values() or len(set(labels.values())) < len(labels):
+        return None
+    return labels
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
