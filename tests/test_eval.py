@@ -241,6 +241,19 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path):
     assert entry["templates"]["from"] == "cifar10" and entry["templates"]["borrowed"] is False
 
 
+def test_a_cls_that_is_no_class_index_is_skipped_and_counted(tmp_path):
+    # As the training pipeline's bad_cls: a .cls of "dog" or "-1" loses that sample, not the suite.
+    images = foolbox_images("cifar10")[:5]
+    samples = [(p.read_bytes(), "png", l) for p, l in images]
+    samples[1] = (samples[1][0], "png", "dog")
+    samples[3] = (samples[3][0], "png", -1)
+    root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
+    report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
+                       model_bundle=tiny_pair(in_channels=3, image_size=32))
+    entry = report["results"][0]
+    assert entry["status"] == "ok" and entry["num_samples"] == 3 and entry["bad_samples"] == 2
+
+
 # ---- suite files and the command line -------------------------------------------------------------
 
 def test_every_shipped_suite_loads():

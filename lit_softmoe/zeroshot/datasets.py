@@ -100,13 +100,25 @@ class _TarSamples(IterableDataset):
         for index, sample in enumerate(samples):
             if index % workers != worker:
                 continue
-            extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
-            image = None if extension is None else _transformed(lambda: _load_image(sample[extension]), self.transform)
             if self.task == "retrieval":
                 target = sample.get("txt", b"").decode("utf-8", "replace").strip()
             else:
-                target = int(sample["cls"].decode().strip()) if "cls" in sample else -1
+                target = _class_index(sample["cls"]) if "cls" in sample else -1
+            extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+            # A sample without a usable image or class is skipped and counted (image None), like the
+            # training pipeline's bad_cls: one bad sample must not end the suite.
+            image = None if extension is None or target is None else \
+                _transformed(lambda: _load_image(sample[extension]), self.transform)
             yield index, image, target
+
+
+def _class_index(cls: bytes) -> int | None:
+    """The class index a `.cls` holds, or None when it holds no class index ("dog", "-1", bad bytes)."""
+    try:
+        label = int(cls.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return label if label >= 0 else None
 
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
