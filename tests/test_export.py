@@ -429,6 +429,33 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     assert torch.equal(torch.tensor([e.ids for e in fast.encode_batch(CAPTIONS)]), tokenizer(CAPTIONS))
 
 
+def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
+    from test_lit_model import _tiny_bert
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
+    cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
+                                        f"text.path={_tiny_bert(tmp_path / 'bert', torch.float16)}",
+                                        "text.context_length=16"])
+    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
+    run = Path(cfg.run_dir)
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, {"steps": 0})
+    reference, _, tokenizer = load_pretrained(run)
+    image, text = _embed(reference, tokenizer)
+    out = export_pair(run, tmp_path / "export")
+    architecture = out / "tokenizer" / "config.json"
+    assert json.loads(architecture.read_text())["dtype"] == "float32"
+    # An export whose architecture records fp16 (written before the fix) loads in fp32 all the same.
+    architecture.write_text(json.dumps({**json.loads(architecture.read_text()), "dtype": "float16"}))
+    loaded, _, tok = load_pretrained(out)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    got_image, got_text = _embed(loaded, tok)
+    assert torch.equal(got_image, image) and torch.equal(got_text, text)
+
+
 def test_model_card_names_the_moe_kind():
     from lit_softmoe.export import _tower_line
     from lit_softmoe.models.vit import image_tower_config

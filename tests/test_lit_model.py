@@ -105,6 +105,33 @@ def test_hf_text_tower_other_poolings_ignore_padding(minilm_path, pooling):
                                    tower(create_tokenizer(tower.tokenizer_spec, 24)(texts)), rtol=1e-5, atol=1e-5)
 
 
+def _tiny_bert(folder, dtype: torch.dtype):
+    """A randomly initialized 1-layer BERT + its tokenizer, saved in `dtype` as a local HF model folder."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "cat", "dog"]
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    BertModel(config).to(dtype).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monkeypatch, dtype):
+    from lit_softmoe.data.tokenizers import create_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", dtype),
+                                              context_length=16), embed_dim=8)
+    assert {p.dtype for p in tower.parameters()} == {torch.float32}  # the optimizer's master weights
+    out = tower(create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "a dog"]))
+    assert out.shape == (2, 8) and out.dtype == torch.float32
+
+
 # ---- the locked image tower ----------------------------------------------------------------------
 
 def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():

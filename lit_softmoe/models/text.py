@@ -120,6 +120,15 @@ class OpenClipTextTower(TextTower):
         return {f"transformer.{n}" for n in self.transformer.no_weight_decay()}
 
 
+def _fp32_kwargs() -> dict:
+    """The from_pretrained / from_config keyword that loads a model in fp32 (renamed in transformers 4.56)."""
+    import transformers
+    from packaging.version import Version
+
+    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {name: torch.float32}
+
+
 class HFTextTower(TextTower):
     """A pretrained Hugging Face encoder + masked pooling + a bias-free projection to `embed_dim`."""
 
@@ -133,7 +142,10 @@ class HFTextTower(TextTower):
         self.tokenizer_spec = f"{HF_PREFIX}{cfg.path}"
         self.pooling = cfg.pooling
         try:
-            self.encoder = AutoModel.from_pretrained(cfg.path)
+            # Loaded in fp32 whatever dtype the checkpoint was saved in (transformers >= 5 keeps the saved
+            # fp16/bf16): the master weights the optimizer updates stay fp32, the fp32 projection matches
+            # them, and autocast alone decides where to compute in low precision.
+            self.encoder = AutoModel.from_pretrained(cfg.path, **_fp32_kwargs())
         except (OSError, ValueError) as exn:
             first_line = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
             raise UserError(
