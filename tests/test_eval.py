@@ -254,6 +254,23 @@ def test_a_cls_that_is_no_class_index_is_skipped_and_counted(tmp_path):
     assert entry["status"] == "ok" and entry["num_samples"] == 3 and entry["bad_samples"] == 2
 
 
+def test_retrieval_leaves_out_images_without_captions_and_skips_a_set_with_none(tmp_path):
+    images = foolbox_images("imagenet")[:4]
+    captions = ["a dog\n\nanother dog", "", "a cat", " \n "]  # blank lines are no captions
+    root = write_wds_benchmark(tmp_path / "r", [(p.read_bytes(), "jpg", c) for (p, _), c in zip(images, captions)],
+                               retrieval=True)
+    same = write_wds_benchmark(tmp_path / "same", [(images[i][0].read_bytes(), "jpg", captions[i]) for i in (0, 2)],
+                               retrieval=True)  # the same set without the two captionless images
+    none = write_wds_benchmark(tmp_path / "none", [(p.read_bytes(), "jpg", "") for p, _ in images], retrieval=True)
+    cfg = EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=[
+        BenchmarkConfig(name="r", root=str(root)), BenchmarkConfig(name="same", root=str(same)),
+        BenchmarkConfig(name="none", root=str(none))])
+    partial, reference, empty = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"]
+    assert (partial["num_samples"], partial["num_captions"], partial["images_without_captions"]) == (2, 3, 2)
+    assert reference["images_without_captions"] == 0 and partial["metrics"] == reference["metrics"]
+    assert empty["status"] == "skipped" and "no captions" in empty["reason"] and ".txt" in empty["reason"]
+
+
 # ---- suite files and the command line -------------------------------------------------------------
 
 def test_every_shipped_suite_loads():

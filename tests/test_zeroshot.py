@@ -213,3 +213,9 @@ def test_retrieval_recall_counts_a_hit_when_any_caption_is_in_the_top_k():
     # caption 4; its second is caption 3 (0.98) — still not 4 → miss at 1 and 2.
     assert m["image_to_text_R@1"] == pytest.approx(2 / 3)
     assert m["image_to_text_R@2"] == pytest.approx(2 / 3)
+
+
+def test_retrieval_without_captions_says_so():
+    # Not a torch.cat traceback: the suite skips such a benchmark before it gets here.
+    with pytest.raises(ValueError, match="2 images and 0 captions"):
+        retrieval_metrics(torch.eye(2), torch.empty(0, 2), torch.empty(0, dtype=torch.long))

@@ -58,6 +58,9 @@ def retrieval_metrics(image_embeddings: torch.Tensor, text_embeddings: torch.Ten
         text_to_image: (M,) the index of each caption's image.
         chunk: rows of the (rows, N or M) score matrix held at once (COCO: 25k × 5k).
     """
+    if len(text_embeddings) == 0 or len(image_embeddings) == 0:  # not a 0: there is nothing to rank
+        raise ValueError(f"retrieval needs images and captions; got {len(image_embeddings)} images and "
+                         f"{len(text_embeddings)} captions")
     images, texts = image_embeddings.float(), text_embeddings.float()
     text_to_image = text_to_image.to(images.device)
     kmax = max(ks)

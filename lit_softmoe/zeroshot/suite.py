@@ -237,6 +237,17 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
                 "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
+    uncaptioned = 0
+    if data.task == "retrieval":
+        # An image without a caption could only ever miss in image→text: it is left out and counted.
+        captions = [[t.strip() for t in c.splitlines() if t.strip()] for c in targets]
+        keep = [i for i, group in enumerate(captions) if group]
+        uncaptioned = len(targets) - len(keep)
+        if not keep:
+            return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
+                    "reason": f"no captions in {spec.root} ({len(targets)} images, none with a caption); put the "
+                              "captions in the samples' .txt files, or set task: classification if it is a class set"}
+        features, targets, captions = features[keep], [targets[i] for i in keep], [captions[i] for i in keep]
     with torch.inference_mode():
         images = model.encode_image_features(features.to(device)).float()  # (N, D), normalized
         result = {"benchmark": spec.name, "task": data.task}
@@ -252,12 +263,11 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
             result.update(metrics=zeroshot_metrics(images, labels, classifier), templates=source,
                           num_classes=len(classnames))
         else:
-            captions = [c.splitlines() for c in targets]
             texts = [t for group in captions for t in group]
             owner = torch.tensor([i for i, group in enumerate(captions) for _ in group])
             texts_emb = _encode_texts(model, tokenizer, texts, cfg.text_batch_size, device, cfg.precision)
             result.update(metrics=retrieval_metrics(images, texts_emb, owner.to(device), ks=tuple(cfg.recall_k)),
-                          num_captions=len(texts), templates=None)
+                          num_captions=len(texts), images_without_captions=uncaptioned, templates=None)
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
     return result
