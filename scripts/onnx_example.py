@@ -12,14 +12,18 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from PIL import Image
+from PIL import Image, ImageOps
 from tokenizers import Tokenizer  # installed with transformers; `pip install tokenizers` alone works too
 
 export_dir, image_path, caption = sys.argv[1:4]
 
 pre = json.load(open(f"{export_dir}/config.json"))["preprocess"]
 size = pre["image_size"]
-image = Image.open(image_path)
+image = ImageOps.exif_transpose(Image.open(image_path))  # upright, as training saw it
+if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit gray: scale to 8 bits (convert would clip at 255)
+    image = Image.fromarray(((np.asarray(image, np.int64).clip(0, 65535) * 255 + 32767) // 65535).astype(np.uint8))
+if image.has_transparency_data:  # transparent pixels on white, as in training
+    image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
 image = image.convert(pre["mode"])  # "L" or "RGB", as the tower takes (PIL's own RGB → gray)
 short, long = sorted(image.size)  # resize the shorter side to `size`, then crop the center
 resized = (size, int(size * long / short))

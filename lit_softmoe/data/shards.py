@@ -35,6 +35,7 @@ import torch
 import webdataset as wds
 from webdataset.shardlists import expand_urls
 
+from lit_softmoe.data.images import upright_l_or_rgb
 from lit_softmoe.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,9 @@ CLASSNAMES_FILE = "classnames.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
 _PARTIAL_SUFFIX = ".tar.partial"
 _DECODED_CACHE_PREFIX = ".decoded-"
-_DECODED_CACHE_VERSION = 2  # 2: bad samples with their positions; negative labels skipped
+# 2: bad samples with their positions; negative labels skipped.
+# 3: images decoded by images.upright_l_or_rgb (16-bit scaled, alpha on white, EXIF applied).
+_DECODED_CACHE_VERSION = 3
 _LAYOUT_HINT = (
     "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout); "
     "or pass a brace pattern such as DIR/{0..9}.tar, or several patterns joined with '::'"
@@ -418,8 +421,7 @@ def load_class_split(
 
     for image, label in iter_class_samples(split_dir, counter):
         note_bad()
-        if image.mode not in ("L", "RGB"):
-            image = image.convert("L" if image.mode in ("1", "I;16", "I", "F") else "RGB")
+        image = upright_l_or_rgb(image)  # as every other path decodes (16-bit scaled, alpha on white)
         arrays.append(np.asarray(image))
         labels_list.append(label)
         if max_samples is not None and len(labels_list) >= max_samples:

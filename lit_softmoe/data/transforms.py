@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
+from lit_softmoe.data.images import upright_l_or_rgb
+
 # ITU-R 601-2 luma, the weights PIL's convert("L") and torchvision's Grayscale use.
 _LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 
@@ -34,15 +36,15 @@ def _per_channel(values: float | Sequence[float], in_channels: int, name: str) -
 
 
 def to_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
-    """A PIL image in mode "L" or "RGB": palette, alpha, CMYK, 16-bit… images are converted.
+    """A PIL image upright and in mode "L" or "RGB", as the shards were written.
 
     `v2.ToImage` copies a PIL image's raw bands, so a palette ("P") image would become a map of
-    palette indices and an "RGBA" one four channels. Alpha is dropped as open_clip's
-    `_convert_to_rgb` does; 1-bit and integer/float grayscale modes become "L".
+    palette indices and an "RGBA" one four channels. The conversion is `writers.normalize_image`'s
+    (`images.upright_l_or_rgb`): EXIF orientation applied, alpha composited on white (open_clip
+    drops it, exposing whatever color hides under transparent pixels, often black), 16-bit gray
+    scaled to 8 bits — so eval and a loaded model's `preprocess` see raw images as training did.
     """
-    if image.mode in ("L", "RGB"):
-        return image
-    return image.convert("L" if image.mode in ("1", "I;16", "I;16B", "I;16L", "I", "F") else "RGB")
+    return upright_l_or_rgb(image)
 
 
 def _channel_conversion(in_channels: int) -> tuple[list[v2.Transform], list[v2.Transform]]:

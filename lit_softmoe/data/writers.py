@@ -47,9 +47,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import PIL.Image
-import PIL.ImageOps
 from tqdm import tqdm
 
+from lit_softmoe.data.images import exif_orientation, l_or_rgb, upright
 from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, write_split,
                                      write_text_atomic)
 from lit_softmoe.errors import UserError
@@ -74,7 +74,6 @@ _ENCODERS = {
     "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False, "progressive": False}),
     "webp": ("WEBP", {"quality": 90, "method": 4, "lossless": False}),
 }
-_EXIF_ORIENTATION = 0x0112
 _UNSAFE_KEY_CHARACTERS = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -203,47 +202,22 @@ def normalize_image(image: PIL.Image.Image,
     """Turn `image` upright, into mode L or RGB, and no larger than `max_size`; name each change.
 
     Changes: "exif_rotated" (an EXIF orientation other than upright is applied: re-encoding drops
-    the tag that told viewers to rotate), "alpha" (RGBA, LA, PA and transparent-color images
-    composited on white; gray ones stay L), "palette" (P → RGB), "16bit" (I;16 / I → L, scaled
-    from 0‥65535), "cmyk" (→ RGB), "other_mode" (1, F, YCbCr, LAB, HSV… → L or RGB), "resized".
+    the tag that told viewers to rotate), the mode changes of `images.l_or_rgb` ("alpha",
+    "palette", "16bit", "cmyk", "other_mode"), "resized". The conversion is the one training,
+    eval and inference apply to raw images (`transforms.to_l_or_rgb`), so shards hold what a
+    model later sees.
     """
     changes = []
-    if _exif_orientation(image) in range(2, 9):
-        image = PIL.ImageOps.exif_transpose(image)
+    if exif_orientation(image) in range(2, 9):
+        image = upright(image)
         changes.append("exif_rotated")
-    image, mode_change = _to_l_or_rgb(image)
+    image, mode_change = l_or_rgb(image)
     if mode_change:
         changes.append(mode_change)
     if max_size is not None and max(image.size) > max_size:
         image = _shrink(image, max_size)
         changes.append("resized")
     return image, tuple(changes)
-
-
-def _exif_orientation(image: PIL.Image.Image) -> int:
-    try:
-        return int(image.getexif().get(_EXIF_ORIENTATION, 1))
-    except Exception:  # a damaged EXIF block: the pixels are still good, so treat it as upright
-        return 1
-
-
-def _to_l_or_rgb(image: PIL.Image.Image) -> tuple[PIL.Image.Image, str | None]:
-    mode = image.mode
-    if image.has_transparency_data:
-        white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
-        flat = PIL.Image.alpha_composite(white, image.convert("RGBA"))
-        return flat.convert("L" if mode in ("L", "LA", "La") else "RGB"), "alpha"
-    if mode in ("L", "RGB"):
-        return image, None
-    if mode == "P":
-        return image.convert("RGB"), "palette"
-    if mode.startswith("I;16") or mode == "I":
-        # PIL's own convert("L") clips at 255, which would turn most 16-bit images white.
-        values = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
-        return PIL.Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8)), "16bit"
-    if mode == "CMYK":
-        return image.convert("RGB"), "cmyk"
-    return image.convert("L" if mode in ("1", "F") else "RGB"), "other_mode"
 
 
 def _shrink(image: PIL.Image.Image, max_size: int) -> PIL.Image.Image:

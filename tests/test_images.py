@@ -1,0 +1,113 @@
+"""One image decoding everywhere: what `lit-softmoe data` writes into shards, what the streaming
+pipeline, in-memory splits, eval and a loaded model's `preprocess` read from a raw file, and what
+the no-torch `scripts/onnx_example.py` computes are the same pixels — 16-bit gray scaled (not
+clipped white), transparency on white, EXIF orientation applied."""
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from lit_softmoe.data.shards import load_class_split, write_split
+from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
+from lit_softmoe.data.writers import prepare_image
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "onnx_example.py"
+RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
+
+
+def _encode(image, **settings):
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **settings)
+    return buffer.getvalue()
+
+
+def _rotated_by_exif():
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    return _encode(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1], RAMP8.T[:12, :12].repeat(2, 1)[:, :16]], -1)),
+                   exif=exif.tobytes())
+
+
+def _transparent_color():  # transparent black around an opaque red square, half-transparent corner
+    rgba = np.zeros((12, 16, 4), np.uint8)
+    rgba[3:9, 4:12] = (200, 30, 30, 255)
+    rgba[0, 0] = (0, 0, 0, 128)
+    return _encode(PIL.Image.fromarray(rgba, "RGBA"))
+
+
+def _transparent_palette():
+    palette = PIL.Image.fromarray(np.arange(12 * 16).reshape(12, 16).astype(np.uint8) % 4, "P")
+    palette.putpalette([0, 0, 0, 200, 100, 50, 10, 200, 10, 0, 0, 255] + [0] * 756)
+    return _encode(palette, transparency=0)  # index 0 (black) transparent
+
+
+RAW = {
+    "16bit": _encode(PIL.Image.fromarray(RAMP8.astype(np.uint16) * 257)),  # the ramp at 16 bits
+    "gray_alpha": _encode(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1]], -1), "LA")),
+    "alpha": _transparent_color(),
+    "palette_alpha": _transparent_palette(),
+    "exif_rotated": _rotated_by_exif(),
+}
+
+
+def _open(data):
+    image = PIL.Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def _onnx_example_image(tmp_path, data, mode):
+    """The PIL image the no-torch example feeds its resize: its own lines, run up to the resize."""
+    code = EXAMPLE.read_text().split("# --- example start\n")[1].split("short, long =")[0]
+    (tmp_path / "config.json").write_text(json.dumps({"preprocess": {"image_size": 8, "mode": mode}}))
+    (tmp_path / "image.png").write_bytes(data)
+    argv, sys.argv = sys.argv, ["onnx_example.py", str(tmp_path), str(tmp_path / "image.png"), "a caption"]
+    try:
+        scope = {}
+        exec(code, scope)
+    finally:
+        sys.argv = argv
+    return scope["image"]
+
+
+def test_16bit_gray_is_scaled_not_clipped_white():
+    sixteen = _open(RAW["16bit"])
+    assert sixteen.mode == "I;16"
+    assert np.array_equal(np.asarray(to_l_or_rgb(sixteen)), RAMP8)
+    for channels in (1, 3):
+        transform = eval_transform(16, channels)
+        assert torch.equal(transform(sixteen), transform(PIL.Image.fromarray(RAMP8)))
+
+
+@pytest.mark.parametrize("name", sorted(RAW))
+def test_training_eval_and_onnx_example_decode_a_raw_image_alike(tmp_path, name):
+    raw = _open(RAW[name])
+    prepared = prepare_image(RAW[name])  # what `lit-softmoe data` writes (lossless png here)
+    assert prepared.changes == (name.replace("gray_", "").replace("palette_", ""),)
+    written = to_l_or_rgb(_open(prepared.data))  # what training decodes from the shard
+    inferred = to_l_or_rgb(raw)  # what eval and load_pretrained's preprocess decode from the file
+    assert written.mode == inferred.mode and np.array_equal(np.asarray(written), np.asarray(inferred))
+    for channels, mode in ((1, "L"), (3, "RGB")):
+        transform = eval_transform(16, channels)
+        assert torch.equal(transform(written), transform(raw))
+        example = _onnx_example_image(tmp_path, RAW[name], mode)
+        assert np.array_equal(np.asarray(example), np.asarray(inferred.convert(mode)))
+    if name in ("alpha", "palette_alpha"):
+        assert np.asarray(inferred)[0, 4].tolist() == [255, 255, 255]  # transparent → white, not black
+    if name == "exif_rotated":
+        assert inferred.size == (12, 16)  # upright
+
+
+def test_in_memory_split_decodes_like_the_pipeline(tmp_path):
+    """Shards written by another tool may hold raw 16-bit or transparent images."""
+    write_split([{"png": RAW["16bit"], "cls": "0"}, {"png": RAW["gray_alpha"], "cls": "1"}], tmp_path, "a")
+    images, labels, _ = load_class_split(tmp_path / "a", cache=False)
+    assert images.shape == (2, 1, 12, 16) and labels.tolist() == [0, 1]
+    for image, name in zip(images, ("16bit", "gray_alpha")):
+        assert np.array_equal(image[0].numpy(), np.asarray(to_l_or_rgb(_open(RAW[name]))))
+    assert np.array_equal(images[0, 0].numpy(), RAMP8)
