@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_softmoe import cli
+from lit_softmoe import cli, export
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config, to_yaml
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.errors import UserError
@@ -127,7 +127,8 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["format"] == 1 and config["kind"] == "pair" and config["lit_softmoe_version"]
     assert config["tokenizer"] == {"spec": "openclip-bpe", "context_length": 16, "pad_id": 0, "vocab_size": 49408,
-                                   "tokenizer_json": "tokenizer.json", "files": "tokenizer"}
+                                   "tokenizer_json": "tokenizer.json", "files": "tokenizer",
+                                   "tokenizer_json_differences": export.OPENCLIP_BPE_DIFFERENCES}
     assert config["preprocess"]["mean"] == [0.2860] and config["preprocess"]["channels"] == 1
     assert config["temperature"] == pytest.approx(np.exp(2.7), rel=1e-6) and config["logit_bias"] is None
     assert (out / "tokenizer" / "bpe_simple_vocab_16e6.txt.gz").is_file()
@@ -172,7 +173,10 @@ def test_tokenizer_json_gives_open_clips_ids(onnx_export):
     from tokenizers import Tokenizer
     fast = Tokenizer.from_file(str(onnx_export / "tokenizer.json"))
     texts = CAPTIONS + ["", "  Ankle   BOOT!! ", "Café naïve 123 4567", "it's a dog's life, isn't it?",
-                        "emoji 🐶 and 漢字", "tab\tnew\nline", "x" * 80]
+                        "emoji 🐶 and 漢字", "tab\tnew\nline", "x" * 80,
+                        # ftfy's clean-up in open_clip: curly quotes, ligatures, fullwidth forms, entities
+                        "it’s a dog’s life", "“a photo” of a cat", "a ‘quoted’ word", "a ﬁsh ﬂying", "ĳs",
+                        "ＡＢＣ fullwidth", "ﾊﾟﾝ", "Rock & Roll &amp; more", "a&nbsp;photo", "bell\x07", "ΟΔΟΣ σ"]
     ours = torch.tensor([e.ids for e in fast.encode_batch(texts)])
     assert torch.equal(ours, create_tokenizer("openclip-bpe", 16)(texts))
 
