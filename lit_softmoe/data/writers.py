@@ -49,7 +49,7 @@ import numpy as np
 import PIL.Image
 from tqdm import tqdm
 
-from lit_softmoe.data.images import exif_orientation, l_or_rgb, upright
+from lit_softmoe.data.images import l_or_rgb, upright
 from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, write_split,
                                      write_text_atomic)
 from lit_softmoe.errors import UserError
@@ -208,8 +208,9 @@ def normalize_image(image: PIL.Image.Image,
     model later sees.
     """
     changes = []
-    if exif_orientation(image) in range(2, 9):
-        image = upright(image)
+    rotated = upright(image)
+    if rotated is not image:
+        image = rotated
         changes.append("exif_rotated")
     image, mode_change = l_or_rgb(image)
     if mode_change:

@@ -42,7 +42,7 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import IMAGE_EXTENSIONS, shard_urls, write_split, write_text_atomic
+from lit_softmoe.data.shards import IMAGE_EXTENSIONS, files_signature, shard_urls, write_split, write_text_atomic
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
@@ -145,23 +145,6 @@ def _source_dataset_dir(shards: str, urls: list[str]) -> Path | None:
     if "://" in first or first.startswith("pipe:"):
         return None
     return Path(first).resolve().parent.parent
-
-
-def _source_signature(urls: list[str]) -> str:
-    """A cheap identity of the source shards: each local one's path, size and modification time.
-
-    A split rewritten at the same path (new images, more or fewer samples) gets a new signature, so
-    a rerun embeds it again instead of keeping stale features. Remote shards (URLs, pipes) cannot be
-    stat'ed and count by their name alone.
-    """
-    digest = hashlib.sha256()
-    for url in urls:
-        if "://" in url or url.startswith("pipe:"):
-            digest.update(f"{url}\n".encode())
-        else:
-            stat = os.stat(url)
-            digest.update(f"{url}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
 
 
 def _ignore(exn: Exception) -> bool:
@@ -307,7 +290,7 @@ def embed_shards(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = autocast_dtype(precision, device)
     fingerprint = tower_fingerprint(tower_dir)
-    wanted = {**fingerprint, "source": str(shards), "source_files": _source_signature(urls),
+    wanted = {**fingerprint, "source": str(shards), "source_files": files_signature(urls),
               "precision": "bf16" if autocast else "fp32"}
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,7 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.train.checkpoint import (STATE_META, load_tower, prune_checkpoints,
-                                          save_training_state, write_folder_atomically)
+from lit_softmoe.train.checkpoint import load_tower, prune_checkpoints, save_training_state, write_folder_atomically
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
@@ -213,11 +212,12 @@ def train_lit(cfg: LiTConfig) -> dict:
 
     # ---- resume
     checkpoints_dir = run_dir / "checkpoints"
-    step, train_seconds, latest = resume_state(checkpoints_dir, model, optimizer, skip_prefixes=frozen)
+    step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, skip_prefixes=frozen)
+    train_seconds = checkpoint_meta.get("train_seconds", 0.0)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
-            _restore_data_counts(loader, json.loads((latest / STATE_META).read_text()).get("data_counts"))
+            _restore_data_counts(loader, checkpoint_meta.get("data_counts"))
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main)

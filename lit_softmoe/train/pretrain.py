@@ -43,6 +43,7 @@ from lit_softmoe.train.runtime import check_same_run, create_accelerator, global
 
 _log = logging.getLogger(__name__)
 
+
 @dataclass
 class ClassData:
     train_images: torch.Tensor  # (N, C, H, W) uint8
@@ -62,7 +63,7 @@ def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]
     if not unnamed.any():
         return images, labels
     _log.warning("skipping bad_cls: %d %s samples have a class index past the %d class names (largest %d)",
-                    int(unnamed.sum()), split, len(classnames), int(labels.max()))
+                 int(unnamed.sum()), split, len(classnames), int(labels.max()))
     bad["bad_cls"] += int(unnamed.sum())
     return images[~unnamed], labels[~unnamed]
 
@@ -184,7 +185,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     # ---- resume from the newest complete checkpoint in the run folder
     checkpoints_dir = run_dir / "checkpoints"
-    step, train_seconds, latest = resume_state(checkpoints_dir, tower, optimizer)
+    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer)
+    train_seconds = checkpoint_meta.get("train_seconds", 0.0)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers

@@ -57,14 +57,15 @@ def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator
 
 
 def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 skip_prefixes: tuple[str, ...] = ()) -> tuple[int, float, object]:
-    """(step, training seconds so far, the checkpoint) from the newest complete checkpoint; (0, 0, None)."""
+                 skip_prefixes: tuple[str, ...] = ()) -> tuple[int, dict, object]:
+    """(step, the checkpoint's JSON metadata, the checkpoint) from the newest complete checkpoint,
+    restored into `model` and `optimizer`; (0, {}, None) when there is none."""
     from lit_softmoe.train.checkpoint import latest_checkpoint, load_training_state
     latest = latest_checkpoint(checkpoints_dir)
     if latest is None:
-        return 0, 0.0, None
-    state = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
-    return state["step"], state.get("train_seconds", 0.0), latest
+        return 0, {}, None
+    meta = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
+    return meta["step"], meta, latest
 
 
 # Config keys a rerun into a run folder may change and still resume the run there: they set how

@@ -18,7 +18,6 @@ naming the path looked for, and the suite reports it as skipped):
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -33,7 +32,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from lit_softmoe.data.shards import CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, read_lines, shard_urls
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, files_signature, read_lines,
+                                     shard_urls)
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
@@ -70,15 +70,6 @@ def _transformed(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor
         return transform(load())
     except Exception:  # a broken image is skipped and counted by the encoder, never fatal
         return None
-
-
-def _file_signature(paths: list[Path]) -> str:
-    """A cheap identity of a set of files: names, sizes, modification times (not their bytes)."""
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        stat = path.stat()
-        digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------- wds
@@ -137,7 +128,7 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
                     classnames=read_lines(root / CLASSNAMES_FILE),
                     templates=read_lines(root / "zeroshot_classification_templates.txt"),
-                    signature={"files": _file_signature([Path(u) for u in urls])})
+                    signature={"files": files_signature([Path(u) for u in urls])})
 
 
 # ---------------------------------------------------------------------------------- map-style readers
@@ -194,7 +185,7 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
              if path.suffix.lower() in suffixes and not path.name.startswith(".")]
     items = [((lambda p=path: _load_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
-                    signature={"files": _file_signature([p for p, _ in files])})
+                    signature={"files": files_signature([p for p, _ in files])})
 
 
 def _normalized(name: str) -> str:
@@ -254,7 +245,7 @@ def read_cifar(root: Path, split: str, transform, variant: str) -> EvalData:
         names = [n.replace("_", " ") for n in names]
     items = [((lambda i=i: PIL.Image.fromarray(pixels[i])), label) for i, label in enumerate(labels)]
     return EvalData("classification", _Indexed(items, transform), "cifar", classnames=names,
-                    signature={"files": _file_signature(paths)})
+                    signature={"files": files_signature(paths)})
 
 
 # torchvision's dataset classes for the test split of each benchmark they cover (download=False).
@@ -292,7 +283,7 @@ def read_torchvision(name: str, root: Path, transform) -> EvalData:
     items = [((lambda i=i: load(i)), int(t)) for i, t in enumerate(targets)]
     files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
     return EvalData("classification", _Indexed(items, transform), "torchvision",
-                    signature={"files": _file_signature(files), "class": class_name})
+                    signature={"files": files_signature(files), "class": class_name})
 
 
 def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> EvalData:
@@ -315,7 +306,7 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
     if not items or not paths[0].is_file():
         raise MissingData(paths[0] if paths else root, f"{split} images of {ann.name}")
     return EvalData("retrieval", _Indexed(items, transform), "karpathy",
-                    signature={"files": _file_signature([ann] + [p for p in paths if p.is_file()]),
+                    signature={"files": files_signature([ann] + [p for p in paths if p.is_file()]),
                                "images": len(items)})
 
 
