@@ -49,22 +49,30 @@ def _sync(device: torch.device):
 
 
 def time_step(step, device: torch.device, warmup: int, iters: int) -> tuple[float, float | None]:
-    """Median milliseconds of `step()`, and peak CUDA MiB over the timed steps."""
+    """Median milliseconds of `step()`, and peak CUDA MiB over the timed steps.
+
+    CUDA: an event pair around each step, with no synchronization between steps (as
+    `triton.testing.do_bench` and `torch.utils.benchmark` time), so the host queues the next step
+    while the GPU runs this one, as in a training loop. A step whose host-side work (Python,
+    kernel launches) outlasts its GPU work is still timed at the host's pace: the GPU idles between
+    the events. Synchronizing after every step instead would add the launch latency of each step's
+    first kernels to its time, which penalizes implementations by their launch count, not their work.
+    """
     for _ in range(warmup):  # also triggers torch.compile's compilation
         step()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
             start.record()
             step()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+        _sync(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(iters):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
