@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 
 import numpy as np
@@ -128,6 +129,27 @@ def test_changed_preprocessing_is_refused(cache, tmp_path):
     (tmp_path / "tower" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="made with another tower .* or preprocessing"):
         check_feature_cache(cache["root"] / "features" / "test", tmp_path / "tower")
+
+
+def test_a_rewritten_source_is_refused_and_a_deleted_one_is_not(cache, tmp_path):
+    # A copy of the source, so the shared fixture's shards stay as they are.
+    source = tmp_path / "fmnist" / "test"
+    shutil.copytree(cache["root"] / "fmnist" / "test", source)
+    embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64)
+    features = tmp_path / "features" / "test"
+    recorded = json.loads((features / "embed.json").read_text())["source_stats"]
+    assert sorted(recorded) == sorted(str(path.resolve()) for path in source.glob("*.tar"))
+    assert check_feature_cache(features, cache["root"] / "tower")["num_samples"] == LIMIT
+
+    rewritten = sorted(source.glob("*.tar"))[1]
+    stat = rewritten.stat()
+    os.utime(rewritten, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten: same size, newer
+    with pytest.raises(UserError, match=rf"is older than its source: .*{rewritten.name} changed since it was "
+                                        r"embedded; rerun `lit-softmoe embed --tower "):
+        check_feature_cache(features, cache["root"] / "tower")
+
+    shutil.rmtree(source)  # the images dropped once their features are cached: the cache still serves
+    assert check_feature_cache(features, cache["root"] / "tower")["num_samples"] == LIMIT
 
 
 def test_a_folder_without_embed_json_is_refused(cache, tmp_path):

@@ -156,7 +156,7 @@ def _checked_key(key: Any, seen_keys: set[str]) -> str:
 
 # ---------------------------------------------------------------------------------------- listing
 
-def _is_local(url: str) -> bool:
+def is_local_url(url: str) -> bool:
     return "://" not in url and not url.startswith("pipe:")
 
 
@@ -166,7 +166,7 @@ def files_signature(paths) -> str:
     be stat'ed and count by their name alone."""
     digest = hashlib.sha256()
     for path in sorted(str(p) for p in paths):
-        if _is_local(path):
+        if is_local_url(path):
             stat = os.stat(path)
             digest.update(f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
         else:
@@ -206,10 +206,10 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
     if isinstance(spec, (list, tuple)):
         return [url for part in spec for url in shard_urls(part)]
     spec = str(spec)
-    if _is_local(spec) and Path(spec).is_dir():
+    if is_local_url(spec) and Path(spec).is_dir():
         return _split_dir_urls(Path(spec))
     urls = expand_urls(spec)
-    missing = [url for url in urls if _is_local(url) and not Path(url).is_file()]
+    missing = [url for url in urls if is_local_url(url) and not Path(url).is_file()]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"shards not found: {missing[0]}{more}; {_LAYOUT_HINT}")
@@ -356,7 +356,7 @@ def _decoded_cache_path(split_dir: str | Path) -> Path | None:
 
     The name carries a hash of every shard's name, size and mtime, so rewritten shards miss it.
     """
-    if not (_is_local(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
+    if not (is_local_url(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
         return None
     stats = [(Path(url).name, Path(url).stat().st_size, Path(url).stat().st_mtime_ns)
              for url in _split_dir_urls(Path(split_dir))]

@@ -22,7 +22,9 @@ fingerprint (sha256 of its weights, its config, its preprocessing). The whole sp
 written under a temporary name and renamed when complete, so its presence means a finished
 cache: a rerun with the same tower and the same source files (each shard's path, size and
 modification time) is skipped, one with anything changed embeds again, and `check_feature_cache`
-refuses a cache made with another tower or preprocessing instead of training on stale embeddings.
+refuses a cache made with another tower or preprocessing, or one whose local source shards were
+rewritten since, instead of training on stale embeddings (a deleted source is fine: the features
+are what is left of it).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import IMAGE_EXTENSIONS, files_signature, shard_urls, write_split, write_text_atomic
+from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, files_signature, is_local_url, shard_urls, write_split,
+                                    write_text_atomic)
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
@@ -110,8 +113,9 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
     """Raise UserError unless `feature_split_dir` was embedded by the tower in `tower_dir`.
 
     Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
-    refused when embed.json is missing (not a cache, or a run that did not finish) or when the
-    tower's weights, config or preprocessing differ from those it was made with.
+    refused when embed.json is missing (not a cache, or a run that did not finish), when the
+    tower's weights, config or preprocessing differ from those it was made with, or when one of
+    its local source shards still exists with another size or modification time.
     """
     split_dir = Path(feature_split_dir)
     info = _read_embed_json(split_dir)
@@ -123,7 +127,34 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
         raise UserError(f"feature cache {split_dir} was made with another tower (sha "
                         f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
                         f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+    changed = _changed_source_file(info.get("source_stats") or {})
+    if changed is not None:
+        raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
+                        f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
     return info
+
+
+def _source_stats(urls: list[str]) -> dict:
+    """{resolved path: [size, mtime_ns]} of the local source shards, recorded in embed.json."""
+    stats = {}
+    for url in urls:
+        if is_local_url(url):
+            stat = os.stat(url)
+            stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
+    return stats
+
+
+def _changed_source_file(source_stats: dict) -> str | None:
+    """A source shard rewritten since embedding, if any. Deleted sources are fine: dropping the images
+    once their features are cached is a reason to cache (and remote sources cannot be checked)."""
+    for path, (size, mtime_ns) in source_stats.items():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            return path
+    return None
 
 
 # ---------------------------------------------------------------------------------- reading the source
@@ -292,6 +323,7 @@ def embed_shards(
     fingerprint = tower_fingerprint(tower_dir)
     wanted = {**fingerprint, "source": str(shards), "source_files": files_signature(urls),
               "precision": "bf16" if autocast else "fp32"}
+    source_stats = _source_stats(urls)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out_dir, split)
@@ -336,7 +368,8 @@ def embed_shards(
                             "an image and a .txt per sample")
         stats["bad"].update({reason: count for reason, count in sorted(loader.bad.counts.items()) if count})
         stats["seconds"] = round(time.perf_counter() - start, 3)
-        info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
+        info = {**wanted, "source_stats": source_stats, "split": split, "num_samples": stats["num_samples"],
+                "dim": tower.cfg.width,
                 "dtype": "float16", "with_cls": labels is not None, "bad": stats["bad"], "seconds": stats["seconds"]}
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
