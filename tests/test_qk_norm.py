@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -98,3 +99,22 @@ def test_kernel_refuses_a_strided_qkv():
     qkv = torch.randn(2, 3 * 32, 5).transpose(1, 2)  # (2, 5, 96), not contiguous
     with pytest.raises(ValueError, match="contiguous"):
         qk_norm.head_layer_norm(qkv, 0, 2, torch.ones(16), torch.zeros(16), 1e-6)
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_pytorch_once(monkeypatch):
+    # Forced onto CPU tensors without the interpreter, Triton cannot launch: what a GPU machine
+    # without a C compiler looks like to the tower. The output must still be the tower's.
+    import lit_softmoe.models.vit as vit
+    monkeypatch.setattr(qk_norm, "_kernel_error", None)
+    tower = create_image_tower("vit-test", qk_norm=True).eval()
+    pixels = torch.randn(2, 1, 28, 28)
+    with torch.inference_mode():
+        want = tower.forward_features(pixels)
+        monkeypatch.setattr(vit, "can_fuse_qk_norm", lambda *args: qk_norm.fused_qk_norm_enabled())
+        with pytest.warns(RuntimeWarning, match="qk-norm kernel cannot run here .*using PyTorch's LayerNorm"):
+            got = tower.forward_features(pixels)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert qk_norm._kernel_error and not qk_norm.fused_qk_norm_enabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once: later calls go straight to PyTorch's path
+            torch.testing.assert_close(tower.forward_features(pixels), want, rtol=0, atol=0)

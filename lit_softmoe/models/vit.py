@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, head_layer_norm
+from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, fused_qk_norm
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
 
@@ -109,9 +109,11 @@ class Attention(nn.Module):
         b, m, d = x.shape
         qkv = self.qkv(x)  # (b, m, 3·d)
         q, k, v = qkv.view(b, m, 3, self.num_heads, self.head_dim).unbind(2)  # each (b, m, heads, head_dim)
-        if can_fuse_qk_norm(qkv, self.q_norm, self.k_norm):  # CUDA inference: one Triton kernel each
-            q = head_layer_norm(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.bias, self.q_norm.eps)
-            k = head_layer_norm(qkv, 1, self.num_heads, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps)
+        # CUDA inference: one Triton kernel each for q and k (None where it cannot run: PyTorch's path).
+        fused = fused_qk_norm(qkv, self.num_heads, self.q_norm, self.k_norm) \
+            if can_fuse_qk_norm(qkv, self.q_norm, self.k_norm) else None
+        if fused is not None:
+            q, k = fused
         else:
             q, k = _layer_norm_keep_dtype(self.q_norm, q), _layer_norm_keep_dtype(self.k_norm, k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, m, head_dim)

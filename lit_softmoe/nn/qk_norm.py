@@ -13,7 +13,8 @@ Where it runs: CUDA tensors outside autograd (`torch.inference_mode()` / `no_gra
 weights on an input that needs no grad) — the locked tower in LiT, `embed`, the eval suite, exports
 run in PyTorch. Training and `torch.compile` (inductor fuses the LayerNorm on its own) keep the
 PyTorch path, and so does everything on the CPU. `LIT_SOFTMOE_FUSED_QK_NORM=0` turns the kernel
-off (for A/B benchmarks, or a GPU it misbehaves on).
+off (for A/B benchmarks, or a GPU it misbehaves on). Where the kernel cannot be built or launched (Triton
+needs a C compiler the first time), `fused_qk_norm` warns once and the process keeps PyTorch's path.
 
     qkv (b, m, 3·d), d = heads · head_dim, per token laid out (3, heads, head_dim)
         → q, k: (b, m, heads, head_dim) contiguous, LayerNorm'd over head_dim with their own affine
@@ -21,6 +22,7 @@ off (for A/B benchmarks, or a GPU it misbehaves on).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -32,11 +34,14 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 ENV_SWITCH = "LIT_SOFTMOE_FUSED_QK_NORM"
+# Why the kernel could not run in this process, once it failed to: PyTorch's path from then on.
+_kernel_error: str | None = None
 
 
 def fused_qk_norm_enabled() -> bool:
-    """True when Triton is importable and `LIT_SOFTMOE_FUSED_QK_NORM` is not "0" (read on every call)."""
-    return triton is not None and os.environ.get(ENV_SWITCH, "1") != "0"
+    """True when Triton is importable, the kernel has not failed in this process, and
+    `LIT_SOFTMOE_FUSED_QK_NORM` is not "0" (read on every call)."""
+    return triton is not None and _kernel_error is None and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 if triton is not None:
@@ -85,6 +90,23 @@ def head_layer_norm(qkv: torch.Tensor, part: int, heads: int, weight: torch.Tens
     _head_layer_norm_kernel[grid](qkv, out, weight, bias, rows, heads, head_dim, part * width, three_d, eps,
                                   BLOCK_ROWS=block_rows, BLOCK_DIM=block_dim)
     return out
+
+
+def fused_qk_norm(qkv: torch.Tensor, heads: int, q_norm: nn.LayerNorm, k_norm: nn.LayerNorm):
+    """(q, k), each (b, m, heads, head_dim), LayerNorm'd by the kernel; None when the kernel cannot run
+    here (Triton found no C compiler, no driver, ...): warned once, and later calls take PyTorch's path."""
+    global _kernel_error
+    try:
+        return (head_layer_norm(qkv, 0, heads, q_norm.weight, q_norm.bias, q_norm.eps),
+                head_layer_norm(qkv, 1, heads, k_norm.weight, k_norm.bias, k_norm.eps))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # the kernel's build or launch, not the inputs (can_fuse_qk_norm checked those)
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        _kernel_error = f"{type(err).__name__}: {first_line}"
+        warnings.warn(f"the Triton qk-norm kernel cannot run here ({_kernel_error}); using PyTorch's LayerNorm "
+                      f"(set {ENV_SWITCH}=0 to skip the attempt)", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def can_fuse_qk_norm(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) -> bool:
