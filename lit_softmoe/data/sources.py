@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lit_softmoe.data.shards import SIZES_FILE, cache_decoded_split, write_split, write_text_atomic
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,11 @@ def find_fashion_mnist(source: str | Path | None = None, allow_download: bool = 
 def read_idx(path: str | Path) -> np.ndarray:
     """Read an idx file (gzipped or not; the MNIST format) holding uint8 data."""
     path = Path(path)
-    data = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+            data = file.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exn:  # a cut-off download, or not gzip at all
+        raise UserError(f"{path} is a damaged gzip file ({exn}); reinstall the dataset ({_INSTALL_HINT})") from None
     # Header: two zero bytes, a type code (0x08 = uint8), the number of dims, then each dim as a
     # big-endian uint32.
     if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
@@ -224,6 +229,8 @@ def write_fashion_mnist_shards(
     """
     start = time.perf_counter()
     out_dir = Path(out_dir)
+    if limit is not None and limit < 1:  # images[:0] would write empty shards, images[:-5] drop the last five
+        raise UserError(f"--limit must be at least 1 (the first N images of each split), got {limit}")
     folder = find_fashion_mnist(source, allow_download)
     manifest = {
         "format": _FORMAT_VERSION, "dataset": "fashion-mnist", "limit": limit,
@@ -237,6 +244,7 @@ def write_fashion_mnist_shards(
         logger.info("%s already holds these Fashion-MNIST shards; nothing written", out_dir)
         return _summary(out_dir, written, skipped=True, start=start)
 
+    check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
     others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
     for split, other in others.items():
         if other and not overwrite:

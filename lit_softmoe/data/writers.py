@@ -52,7 +52,7 @@ from tqdm import tqdm
 from lit_softmoe.data.images import l_or_rgb, upright
 from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, write_split,
                                      write_text_atomic)
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl"
 MANIFEST_FILE = "manifest.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
 DATASET_FILES = (CLASSNAMES_FILE, "zeroshot_classification_templates.txt", "dataset_type.txt", MANIFEST_FILE)
-_FORMAT_VERSION = 1  # bump when the shard content changes, so old splits get rewritten
+_FORMAT_VERSION = 2  # bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys)
 # PIL format → the extension readers know; a format not listed (BMP, GIF, TIFF) is re-encoded.
 _KEPT_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
 # Fixed encoder settings: equal pixels give equal bytes (PIL writes no timestamps).
@@ -74,7 +74,8 @@ _ENCODERS = {
     "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False, "progressive": False}),
     "webp": ("WEBP", {"quality": 90, "method": 4, "lossless": False}),
 }
-_UNSAFE_KEY_CHARACTERS = re.compile(r"[^A-Za-z0-9_-]+")
+# \w is Unicode-aware: 日本語.jpg keeps its own key (ASCII-only keys turned every such name into "_").
+_UNSAFE_KEY_CHARACTERS = re.compile(r"[^\w-]+")
 
 
 # ---------------------------------------------------------------------------------------- options
@@ -267,10 +268,11 @@ def sample_key(path: str | PurePosixPath) -> str:
     """A webdataset key from a relative path without its extension: `a b/x.y` → `a_b/x_y`.
 
     Parts keep their `/` (a key may name folders), `.` and `..` are dropped, and any run of
-    characters other than letters, digits, `_` and `-` becomes `_` (a dot would end the key).
+    characters other than letters, digits (in any script), `_` and `-` becomes `_` (a dot would
+    end the key). Names are NFC-normalized first: macOS stores `é` as `e` + a combining accent.
     """
     parts = [part for part in PurePosixPath(path).parts if part not in (".", "..", "/")]
-    return "/".join(_UNSAFE_KEY_CHARACTERS.sub("_", part) for part in parts)
+    return "/".join(_UNSAFE_KEY_CHARACTERS.sub("_", unicodedata.normalize("NFC", part)) for part in parts)
 
 
 def _drop_duplicate_keys(candidates: Iterable[Candidate], counter: BadSampleCounter) -> list[Candidate]:
@@ -716,6 +718,7 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         logger.info("%s already holds these shards; nothing written", split_dir)
         finished.seconds = round(time.perf_counter() - start, 3)
         return finished
+    check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
     if not listing.candidates:
         raise UserError(f"nothing to write from {source_name}: every sample was skipped"
                         f"{_reasons(dict(listing.counter.counts))}; fix the source and rerun")

@@ -1,0 +1,95 @@
+"""Review of the data commands as a user meets them: odd file names, bad arguments, broken inputs."""
+import gzip
+import io
+import shutil
+import unicodedata
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.sources import find_fashion_mnist, read_idx, write_fashion_mnist_shards
+from lit_softmoe.data.writers import write_folder_shards
+from lit_softmoe.errors import UserError
+
+
+def _png(seed):
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_non_ascii_file_names_keep_their_own_samples(tmp_path):
+    # A folder of Japanese, Chinese, Korean or accented file names: each name is a sample of its own,
+    # not a duplicate of the first one (every non-ASCII name used to become the key "_").
+    src = tmp_path / "photos"
+    src.mkdir()
+    names = ["日本語", "中文", "한국어", "café", "naïve", "cafe\u0301x"]  # the last one decomposed (macOS)
+    for seed, name in enumerate(names):
+        (src / f"{name}.png").write_bytes(_png(seed))
+        (src / f"{name}.txt").write_text(f"caption of {name}", encoding="utf-8")
+    summary = write_folder_shards(src, tmp_path / "out")
+    assert summary.samples == len(names) and not summary.skipped
+
+    loader = create_shard_loader(ShardDataConfig(urls=str(tmp_path / "out" / "train"), workers=0, shuffle=False,
+                                                 exact_epoch=True), "image-caption")
+    batch = next(iter(loader))
+    assert len(set(batch["key"])) == len(names)
+    # Each image with its own caption (captions are stored NFC-normalized).
+    expected = {unicodedata.normalize("NFC", name): _png(seed) for seed, name in enumerate(names)}
+    for key, caption, image in zip(batch["key"], batch["caption"], batch["image"]):
+        name = caption.removeprefix("caption of ")
+        assert key == name
+        assert np.array_equal(image[0].numpy(), np.asarray(PIL.Image.open(io.BytesIO(expected[name]))))
+
+
+def test_non_ascii_class_folders_keep_every_image(tmp_path):
+    src = tmp_path / "classes"
+    for label, classname in enumerate(["猫", "犬"]):
+        (src / classname).mkdir(parents=True)
+        (src / classname / "1.png").write_bytes(_png(label))
+    summary = write_folder_shards(src, tmp_path / "out", layout="classes")
+    assert summary.samples == 2 and not summary.skipped
+
+
+@pytest.mark.parametrize("limit", [0, -5])
+def test_fashion_mnist_limit_below_one_is_refused(tmp_path, limit):
+    # --limit 0 wrote empty shards; --limit -5 silently dropped the last five images of each split.
+    with pytest.raises(UserError, match="limit"):
+        write_fashion_mnist_shards(tmp_path / "fm", limit=limit, allow_download=False)
+    assert not (tmp_path / "fm").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_damaged_gzip_idx_file_is_a_user_error(tmp_path, damage):
+    original = find_fashion_mnist(allow_download=False) / "t10k-labels-idx1-ubyte.gz"
+    broken = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    if damage == "truncated":
+        broken.write_bytes(original.read_bytes()[:-40])
+    else:
+        broken.write_bytes(b"garbage, not gzip")
+    with pytest.raises(UserError, match="reinstall"):
+        read_idx(broken)
+
+
+def test_out_that_is_a_file_is_a_user_error(tmp_path):
+    src = tmp_path / "photos"
+    src.mkdir()
+    (src / "a.png").write_bytes(_png(0))
+    (src / "a.txt").write_text("a caption")
+    out = tmp_path / "out"
+    out.write_text("I am a file")
+    with pytest.raises(UserError, match="--out"):
+        write_folder_shards(src, out)
+    with pytest.raises(UserError, match="--out"):
+        write_fashion_mnist_shards(out, limit=5, allow_download=False)
+    assert out.read_text() == "I am a file"
+
+
+def test_gzip_check_uses_a_real_gzip(tmp_path):
+    # Sanity for the test above: an intact copy reads fine.
+    original = find_fashion_mnist(allow_download=False) / "t10k-labels-idx1-ubyte.gz"
+    shutil.copy(original, tmp_path / "labels.gz")
+    assert read_idx(tmp_path / "labels.gz").shape == (10_000,)
+    assert gzip.decompress(original.read_bytes())[:4] == b"\0\0\x08\x01"
