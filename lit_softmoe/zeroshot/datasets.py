@@ -133,6 +133,9 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
 
 # ---------------------------------------------------------------------------------- map-style readers
 
+_IMAGE_SUFFIXES = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}  # class folders' files
+
+
 class _Indexed(Dataset):
     """(index, transformed image, target) over a list of (load image, target) items."""
 
@@ -180,9 +183,8 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
                            "names as class names (set classnames: in the suite to use others)", base, len(classnames))
         labels = {f.name: i for i, f in enumerate(folders)}
         names = [f.name.replace("_", " ") for f in folders]
-    suffixes = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
-             if path.suffix.lower() in suffixes and not path.name.startswith(".")]
+             if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".")]
     items = [((lambda p=path: _load_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})
@@ -262,13 +264,32 @@ _TORCHVISION = {
 }
 
 
-def read_torchvision(name: str, root: Path, transform) -> EvalData:
+def _split_kwargs(class_name: str, kwargs: dict, split: str) -> dict:
+    """The test-split kwargs of `_TORCHVISION` turned to `split`'s (CLIP_benchmark's #13: a split that
+    is ignored gives the test set under another name)."""
+    if "train" in kwargs:  # MNIST, FashionMNIST
+        if split not in ("train", "test"):
+            raise UserError(f"torchvision's {class_name} has the splits train and test, not {split!r}; "
+                            "set split: to one of them")
+        return {**kwargs, "train": split == "train"}
+    if "split" in kwargs:  # torchvision checks the name itself (a ValueError, caught by the caller)
+        return {**kwargs, "split": split}
+    if split != "test":  # EuroSAT, Caltech101, SUN397 come as one set
+        raise UserError(f"torchvision's {class_name} has no splits (it reads the whole set), so split "
+                        f"{split!r} cannot be read; leave split: test, or use format wds / imagefolder")
+    return kwargs
+
+
+def read_torchvision(name: str, root: Path, transform, split: str = "test") -> EvalData:
     import torchvision.datasets
     if name not in _TORCHVISION:
         raise MissingData(root, f"a reader for {name!r} (torchvision has none here; use format wds or imagefolder)")
     class_name, kwargs = _TORCHVISION[name]
+    kwargs = _split_kwargs(class_name, kwargs, split)
     try:
         dataset = getattr(torchvision.datasets, class_name)(str(root), download=False, **kwargs)
+    except ValueError as err:  # verify_str_arg: "Unknown value 'tset' for argument split. Valid values are ..."
+        raise UserError(f"{name}: split {split!r}: {' '.join(str(err).split())}") from None
     except (RuntimeError, FileNotFoundError, OSError) as err:  # torchvision's "Dataset not found"
         raise MissingData(root, f"torchvision {class_name} files ({' '.join(str(err).split())[:120]})") from None
 
@@ -283,7 +304,9 @@ def read_torchvision(name: str, root: Path, transform) -> EvalData:
     items = [((lambda i=i: load(i)), int(t)) for i, t in enumerate(targets)]
     files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
     return EvalData("classification", _Indexed(items, transform), "torchvision",
-                    signature={"files": files_signature(files), "class": class_name})
+                    # The split's kwargs too: caches written when the split was ignored (the test set
+                    # under a split: train key) are not met again.
+                    signature={"files": files_signature(files), "class": class_name, "kwargs": kwargs})
 
 
 def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> EvalData:
@@ -310,10 +333,21 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
                                "images": len(items)})
 
 
+def _holds_class_folders(root: Path) -> bool:
+    """Two or more subfolders with images directly inside: ROOT/CLASS/*.png. torchvision's own roots
+    hold one dataset folder (FashionMNIST/, oxford-iiit-pet/, dtd/ …) with its images further down."""
+    found = 0
+    for folder in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        found += any(f.suffix.lower() in _IMAGE_SUFFIXES for f in folder.iterdir())
+        if found >= 2:
+            return True
+    return False
+
+
 def detect_format(root: Path, split: str, name: str = "") -> str:
     if (root / split / NSHARDS_FILE).is_file() or any((root / split).glob("*.tar")):
         return "wds"
-    if name in _TORCHVISION and not (root / split).is_dir():
+    if name in _TORCHVISION and not (root / split).is_dir() and not _holds_class_folders(root):
         return "torchvision"  # torchvision's own folders (oxford-iiit-pet/, dtd/ …) are not class folders
     if (root / "cifar-10-batches-py").is_dir() or (root / "cifar-100-python").is_dir():
         return "cifar"
@@ -344,5 +378,5 @@ def read_benchmark(name: str, root: str | Path, split: str, transform, format: s
     if format == "karpathy":
         return read_karpathy(root, split, transform, annotations)
     if format == "torchvision":
-        return read_torchvision(name, root, transform)
+        return read_torchvision(name, root, transform, split)
     raise ValueError(f"unknown format {format!r}")

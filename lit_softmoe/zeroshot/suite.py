@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import itertools
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -40,6 +42,8 @@ from lit_softmoe.train.runtime import autocast_dtype, parse_device
 from lit_softmoe.zeroshot.classifier import build_zeroshot_classifier, check_templates
 from lit_softmoe.zeroshot.datasets import EvalData, MissingData, read_benchmark
 from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
+
+logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2  # 2: the key names the task and the image transform too
 # The shipped suites (eval/*.yaml) read each benchmark from $LIT_SOFTMOE_BENCHMARKS/<name>, default
@@ -199,8 +203,12 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
         templates, source = None, {}
     if not classnames or not templates:
         missing = "class names" if not classnames else "templates"
+        # Caption shards (`lit-softmoe data from-folder` writes no dataset_type.txt) are read as classes.
+        captions = " (or, for a set of images with .txt captions, set task: retrieval)" \
+            if data.format == "wds" and not classnames else ""
         raise UserError(f"{spec.name}: no {missing}; put classnames.txt / zeroshot_classification_templates.txt "
-                        f"beside the split, or set {'classnames' if not classnames else 'templates'} in the suite")
+                        f"beside the split, or set {'classnames' if not classnames else 'templates'} in the suite"
+                        f"{captions}")
     check_templates(templates, str(source.get("from", "templates")))
     source["count"] = len(templates)
     return classnames, templates, source
@@ -319,10 +327,23 @@ def _default_out(model_path: Path, suite: str) -> Path:
     return folder / "eval" / f"{suite}-{stamp}.json"
 
 
+def check_suite(cfg: EvalSuiteConfig) -> None:
+    """Every entry names a benchmark and its data. An empty `root` is Path(""), the working directory:
+    its subfolders would be read as class folders and scored as the benchmark, silently."""
+    for i, spec in enumerate(cfg.benchmarks, 1):
+        if not spec.name.strip():
+            raise UserError(f"suite {cfg.name}: benchmark {i} has no name:; give a shipped one (e.g. cifar100) "
+                            "or one of your own")
+        if not str(spec.root).strip():
+            raise UserError(f"suite {cfg.name}: benchmark {spec.name} has no root:; set it to its data folder, "
+                            f"e.g. root: ${{oc.env:{BENCHMARKS_ENV},data}}/{spec.name}")
+
+
 def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str] | None = None,
               out: str | Path | None = None, overwrite: bool = False, device: str | None = None,
               use_cache: bool = True, peer: bool = False, progress: bool = False, model_bundle=None) -> dict:
     """Evaluate the model at `model_path` on the suite; write results JSON + Markdown + PNG."""
+    check_suite(cfg)
     specs = cfg.benchmarks
     if benchmarks:
         known = {b.name for b in specs}
@@ -331,6 +352,9 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
             raise UserError(f"benchmark {unknown[0]!r} is not in suite {cfg.name}; it has: {', '.join(sorted(known))}")
         specs = [b for b in specs if b.name in benchmarks]
     out = Path(out) if out else _default_out(Path(model_path), cfg.name)
+    if out.suffix.lower() in (".md", ".png"):  # the table and chart take --out's name with their suffix
+        raise UserError(f"--out {out}: the Markdown table and PNG chart are written beside the results JSON "
+                        f"under its name; give a .json path, e.g. {out.with_suffix('.json')}")
     check_writable(out, "--out", folder=False)  # now, not after the whole suite has run
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; choose another --out or pass --overwrite")
@@ -360,9 +384,30 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
     if evaluated == 0:  # nothing to report: no empty results files (and a rerun's --out stays free)
         report["paths"] = {}
         return report
+    out = out if overwrite else _claim(out)
     write_report(report, out)
     report["paths"] = {"json": str(out), "markdown": str(out.with_suffix(".md")), "png": str(out.with_suffix(".png"))}
     return report
+
+
+def _claim(out: Path) -> Path:
+    """`out`, created empty here so that no other run can take it, or the first free `out-N` beside it.
+
+    The check at the start does not settle it: two runs of a suite started in the same second (say
+    --benchmarks a and b on two GPUs) get the same default name, both pass the check, and the second
+    to finish replaced the first's results (CLIP_benchmark's #140). An explicit --out that appeared
+    while the suite ran is kept too: the results go beside it, with a warning, rather than being lost.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = out if n == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        if path != out:
+            logger.warning("%s was written by another run while this one ran; results go to %s", out, path)
+        return path
 
 
 def nothing_evaluated(report: dict) -> str | None:

@@ -1,0 +1,145 @@
+"""Review of `lit-softmoe eval` as a user meets it: suite entries that name no data, class folders
+taken for torchvision's files, torchvision splits, results of two runs landing on one path, --out
+pointing at the Markdown, and --peer on a caption set CLIP_benchmark does not know by name."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from evalkit import FOOLBOX_DATA, foolbox_images, save_pair, tiny_pair, write_wds_benchmark
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.errors import UserError
+from lit_softmoe.zeroshot import suite
+from lit_softmoe.zeroshot.datasets import detect_format, read_benchmark
+from lit_softmoe.zeroshot.metadata import benchmark_info
+from lit_softmoe.zeroshot.suite import run_suite
+
+pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
+
+
+def _class_folders(root, names, per_class=1):
+    image = foolbox_images("cifar10")[0][0].read_bytes()
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (root / name / f"{i}.png").write_bytes(image)
+    return root
+
+
+def _wds_set(root):
+    images = foolbox_images("cifar10")[:6]
+    return write_wds_benchmark(root, [(p.read_bytes(), "png", label) for p, label in images],
+                               classnames=list(benchmark_info("cifar10").classnames), templates=["a photo of a {c}."])
+
+
+def test_a_benchmark_without_root_or_name_is_refused(tmp_path, monkeypatch):
+    # Path("") is the working directory: without the check, its subfolders were read as a class set.
+    _class_folders(tmp_path, ["a", "b"])
+    monkeypatch.chdir(tmp_path)
+    for spec, words in ((BenchmarkConfig(name="cifar100"), "cifar100 has no root"),
+                        (BenchmarkConfig(root=str(tmp_path)), "benchmark 1 has no name")):
+        cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"), benchmarks=[spec])
+        with pytest.raises(UserError, match=words):
+            run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_class_folders_without_a_split_folder_are_read_for_torchvision_names(tmp_path):
+    # ROOT/CLASS/*.png is a layout the README lists; for a name torchvision knows it was taken for
+    # torchvision's own files and skipped as "not found".
+    names = list(benchmark_info("fashion-mnist").classnames)
+    root = _class_folders(tmp_path / "fm", names)
+    assert detect_format(root, "test", "fashion-mnist") == "imagefolder"
+    data = read_benchmark("fashion-mnist", root, "test", lambda im: im, classnames=names)
+    assert data.format == "imagefolder" and len(data.dataset) == 10
+    (tmp_path / "pet" / "oxford-iiit-pet" / "images").mkdir(parents=True)  # torchvision's own layout
+    assert detect_format(tmp_path / "pet", "test", "pets") == "torchvision"
+
+
+@pytest.fixture(scope="module")
+def torchvision_fmnist(tmp_path_factory):
+    from lit_softmoe.data.sources import find_fashion_mnist
+    try:
+        source = find_fashion_mnist(None, allow_download=False)
+    except Exception:
+        pytest.skip("Fashion-MNIST's raw files are not installed")
+    root = tmp_path_factory.mktemp("tv")
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (raw / stem).write_bytes(gzip.decompress((source / f"{stem}.gz").read_bytes()))
+    return root
+
+
+def test_the_torchvision_reader_reads_the_split_asked_for(torchvision_fmnist):
+    # split: train used to give the 10k test images, reported as split train (CLIP_benchmark's #13).
+    train = read_benchmark("fashion-mnist", torchvision_fmnist, "train", lambda im: im, format="torchvision")
+    test = read_benchmark("fashion-mnist", torchvision_fmnist, "test", lambda im: im, format="torchvision")
+    assert len(train.dataset) == 60_000 and len(test.dataset) == 10_000
+    assert train.signature != test.signature
+    with pytest.raises(UserError, match="train and test, not 'val'"):
+        read_benchmark("fashion-mnist", torchvision_fmnist, "val", lambda im: im, format="torchvision")
+
+
+def test_a_split_torchvision_does_not_know_is_one_line(tmp_path):
+    # A split torchvision validates itself (ValueError) is a UserError, not a traceback.
+    (tmp_path / "dtd" / "dtd").mkdir(parents=True)
+    with pytest.raises(UserError, match="tset"):
+        read_benchmark("dtd", tmp_path, "tset", lambda im: im, format="torchvision")
+
+
+def test_two_runs_finishing_on_one_default_path_keep_both_results(tmp_path, monkeypatch):
+    # Two evals of one suite started in the same second (e.g. --benchmarks a and b on two GPUs) got the
+    # same default name; both passed the check at the start and the second overwrote the first.
+    root = _wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    taken = [tmp_path / "eval" / "s-20260101-000000.json"]  # the path the other run writes
+    monkeypatch.setattr(suite, "_default_out", lambda model_path, name: taken[0])
+    evaluate = suite.evaluate_benchmark
+
+    def other_run_finishes_first(*args, **kwargs):
+        taken[0].parent.mkdir(exist_ok=True)
+        taken[0].write_text('{"other": "run"}')
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "evaluate_benchmark", other_run_finishes_first)
+    report = run_suite(tmp_path / "m", cfg, model_bundle=tiny_pair(3, 32))
+    assert json.loads(taken[0].read_text()) == {"other": "run"}
+    mine = report["paths"]["json"]
+    assert mine == str(taken[0].with_name("s-20260101-000000-2.json"))
+    assert json.loads(open(mine).read())["results"][0]["status"] == "ok"
+    # An explicit --out that appeared during the run is not replaced either (without --overwrite).
+    taken[0] = tmp_path / "mine.json"
+    report = run_suite(tmp_path / "m", cfg, out=taken[0], model_bundle=tiny_pair(3, 32))
+    assert json.loads(taken[0].read_text()) == {"other": "run"} and report["paths"]["json"] != str(taken[0])
+    report = run_suite(tmp_path / "m", cfg, out=taken[0], overwrite=True, model_bundle=tiny_pair(3, 32))
+    assert report["paths"]["json"] == str(taken[0]) and "results" in json.loads(taken[0].read_text())
+
+
+def test_out_naming_the_markdown_or_png_is_refused(tmp_path):
+    # The Markdown and PNG go beside --out with its suffix swapped: --out r.md wrote the JSON, then
+    # replaced it with the table.
+    root = _wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    for name in ("r.md", "r.PNG"):
+        with pytest.raises(UserError, match="give a .json path"):
+            run_suite("m", cfg, out=tmp_path / name, model_bundle=tiny_pair(3, 32))
+    assert not list(tmp_path.glob("r.*"))
+
+
+def test_a_caption_set_without_dataset_type_names_task_retrieval(tmp_path):
+    images = foolbox_images("imagenet")[:3]
+    root = write_wds_benchmark(tmp_path / "caps", [(p.read_bytes(), "jpg", f"caption {i}")
+                                                   for i, (p, _) in enumerate(images)], retrieval=True)
+    (root / "dataset_type.txt").unlink()  # what `lit-softmoe data from-folder` writes for captions
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="my-captions", root=str(root))])
+    with pytest.raises(UserError, match="task: retrieval"):
+        run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
