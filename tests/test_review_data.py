@@ -93,3 +93,23 @@ def test_gzip_check_uses_a_real_gzip(tmp_path):
     shutil.copy(original, tmp_path / "labels.gz")
     assert read_idx(tmp_path / "labels.gz").shape == (10_000,)
     assert gzip.decompress(original.read_bytes())[:4] == b"\0\0\x08\x01"
+
+
+def test_split_folders_joined_with_double_colon(tmp_path):
+    # The documented `::` list works for split folders too (two datasets in one stream), with the
+    # epoch length from both sizes.json; it used to end in "shards not found: DIR/train".
+    from lit_softmoe.data.shards import shard_urls, write_split
+    for name, count in (("a", 5), ("b", 7)):
+        write_split([{"png": _png(i), "txt": f"{name} {i}".encode()} for i in range(count)], tmp_path / name,
+                    "train", samples_per_shard=3)
+    spec = f"{tmp_path / 'a' / 'train'}::{tmp_path / 'b' / 'train'}"
+    assert len(shard_urls(spec)) == 2 + 3
+    assert shard_urls(spec + "::") == shard_urls(spec)  # a trailing separator adds nothing
+    assert shard_urls(f"{tmp_path / 'a' / 'train'}::") == shard_urls(tmp_path / "a" / "train")
+    with pytest.raises(UserError, match="no shards"):
+        shard_urls("::")
+    loader = create_shard_loader(ShardDataConfig(urls=spec, workers=0, batch_size=4), "image-caption")
+    assert loader.num_samples == 12
+    exact = create_shard_loader(ShardDataConfig(urls=spec, workers=0, exact_epoch=True), "image-caption")
+    captions = [caption for batch in exact for caption in batch["caption"]]
+    assert sorted(captions) == sorted([f"a {i}" for i in range(5)] + [f"b {i}" for i in range(7)])

@@ -206,6 +206,13 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
     if isinstance(spec, (list, tuple)):
         return [url for part in spec for url in shard_urls(part)]
     spec = str(spec)
+    # Split the `::` list here, not in webdataset's expand_urls: a part may be a split folder.
+    parts = [part for part in spec.split("::") if part.strip()]
+    if not parts:
+        raise UserError(f"no shards named in {spec!r}; {_LAYOUT_HINT}")
+    if len(parts) > 1:
+        return shard_urls(parts)
+    spec = parts[0]
     if is_local_url(spec) and Path(spec).is_dir():
         return _split_dir_urls(Path(spec))
     urls = expand_urls(spec)
