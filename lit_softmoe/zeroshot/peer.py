@@ -11,11 +11,14 @@ image_retrieval_recall@k (an image for each caption) → text_to_image_R@k.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "lit_softmoe"
 _BUNDLES: dict[str, tuple] = {}  # path → (model, preprocess, tokenizer) already loaded in this process
@@ -55,8 +58,14 @@ def register_with_clip_benchmark() -> None:
 
 
 def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str, split: str = "test",
-                       batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None) -> dict:
-    """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON."""
+                       batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None, task: str = "",
+                       classnames=None, templates=None) -> dict:
+    """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON.
+
+    `task` ("classification" | "retrieval"): CLIP_benchmark otherwise picks it by the dataset's name, so
+    a caption set of the user's own name is run as classification (and fails). `classnames` and
+    `templates`: the prompts our suite used, handed over as its custom JSON files, so both score the
+    same prompts even where the suite set them or the dataset has no files of its own."""
     from clip_benchmark import cli
     register_with_clip_benchmark()
     if bundle is not None:
@@ -72,6 +81,13 @@ def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset
                 str(dataset_root), "--split", split, "--no_amp", "--batch_size", str(batch_size),
                 "--num_workers", str(workers), "--output", str(out), "--quiet",
                 "--recall_k", *[str(k) for k in recall_k]]
+        if task:
+            argv += ["--task", f"zeroshot_{task}"]
+        for flag, values in (("--custom_classname_file", classnames), ("--custom_template_file", templates)):
+            if values:  # keyed by the dataset's short name, which it looks up for wds/NAME
+                path = Path(tmp) / f"{flag.strip('-')}.json"
+                path.write_text(json.dumps({dataset_name: list(values)}))
+                argv += [flag, str(path)]
         saved_argv, sys.argv = sys.argv, argv
         try:
             with warnings.catch_warnings():  # its webdataset calls predate webdataset 1.0's shardshuffle warning
@@ -100,12 +116,21 @@ def in_our_names(metrics: dict) -> dict:
 
 
 def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kwargs) -> dict:
-    """CLIP_benchmark's metrics for one of our result entries, and the largest gap in points."""
+    """CLIP_benchmark's metrics for one of our result entries, and the largest gap in points.
+
+    A CLIP_benchmark that fails is recorded as status "failed" with its error: the cross-check must not
+    take the suite's own results down with it."""
     if not clip_benchmark_available():
         return {"status": "skipped", "reason": "clip-benchmark is not installed (pip install clip-benchmark)"}
     tic = time.perf_counter()
-    theirs = in_our_names(run_clip_benchmark(model_path, spec.root, spec.name, spec.split, bundle=bundle,
-                                             **kwargs)["metrics"])
+    try:
+        run = run_clip_benchmark(model_path, spec.root, spec.name, spec.split, bundle=bundle, task=entry["task"],
+                                 **kwargs)
+    except Exception as err:  # its asserts, a dataset it cannot read …
+        reason = f"clip_benchmark failed: {type(err).__name__}: {err}"
+        logger.warning("%s: %s", spec.name, reason)  # on the console too, not only in the results JSON
+        return {"status": "failed", "reason": reason}
+    theirs = in_our_names(run["metrics"])
     shared = [k for k in entry["metrics"] if k in theirs]
     gap = max((abs(entry["metrics"][k] - theirs[k]) * 100 for k in shared), default=None)
     return {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap, "seconds": round(time.perf_counter() - tic, 2)}

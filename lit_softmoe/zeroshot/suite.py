@@ -232,10 +232,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     tic = time.perf_counter()
     meta = _metadata(spec.name)
     try:
-        data = read_benchmark(spec.name, spec.root, spec.split, preprocess, spec.format,
-                              classnames=list(meta.classnames) if meta and meta.classnames else None,
-                              wnids=_imagenet_wnids(meta), annotations=spec.annotations,
-                              task=spec.task or (meta.task if meta is not None else ""))
+        data = _read(spec, preprocess)
     except MissingData as missing:
         return {"benchmark": spec.name, "task": spec.task or (meta.task if meta else "classification"),
                 "status": "skipped", "reason": f"{missing}; {_missing_data_fix(spec)}", "path": missing.path}
@@ -279,6 +276,15 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
     return result
+
+
+def _read(spec: BenchmarkConfig, preprocess) -> EvalData:
+    """The benchmark's split through its reader, told the shipped class list, wnids and task."""
+    meta = _metadata(spec.name)
+    return read_benchmark(spec.name, spec.root, spec.split, preprocess, spec.format,
+                          classnames=list(meta.classnames) if meta and meta.classnames else None,
+                          wnids=_imagenet_wnids(meta), annotations=spec.annotations,
+                          task=spec.task or (meta.task if meta is not None else ""))
 
 
 def _missing_data_fix(spec: BenchmarkConfig) -> str:
@@ -373,7 +379,12 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
         entry = evaluate_benchmark(model, preprocess, tokenizer, spec, cfg, device, cache_dir, progress)
         if peer and entry["status"] == "ok" and entry["format"] == "wds":
             from lit_softmoe.zeroshot.peer import compare_with_clip_benchmark
-            entry["peer"] = compare_with_clip_benchmark(model_path, spec, entry, model_bundle)
+            prompts = {}
+            if entry["task"] == "classification":  # the prompts we scored, wherever they came from
+                classnames, templates, _ = resolve_prompts(spec, _read(spec, preprocess))
+                prompts = {"classnames": classnames, "templates": templates}
+            entry["peer"] = compare_with_clip_benchmark(model_path, spec, entry, model_bundle,
+                                                        recall_k=tuple(cfg.recall_k), **prompts)
         results.append(entry)
         if progress:
             print(f"  {summary_line(entry)}", flush=True)

@@ -1,0 +1,67 @@
+"""`--peer` as a user meets it: a caption set under a name of the user's own, prompts the suite sets
+itself, and a CLIP_benchmark that fails, none of which may end the suite or compare unlike things."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evalkit import FOOLBOX_DATA, foolbox_images, save_pair, write_wds_benchmark
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.zeroshot import peer
+from lit_softmoe.zeroshot.metadata import benchmark_info
+from lit_softmoe.zeroshot.peer import clip_benchmark_available
+from lit_softmoe.zeroshot.suite import run_suite
+
+pytestmark = [pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed"),
+              pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")]
+
+
+@pytest.fixture(scope="module")
+def rgb_model(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("rgb"), in_channels=3, image_size=32)
+
+
+def _peer_entry(model, tmp_path, **spec) -> dict:
+    cfg = EvalSuiteConfig(name="s", workers=0, batch_size=64, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(**spec)])
+    report = run_suite(model, cfg, out=tmp_path / "r.json", peer=True)
+    entry = report["results"][0]
+    assert entry["status"] == "ok" and json.loads((tmp_path / "r.json").read_text())["results"][0]["peer"]
+    return entry
+
+
+def test_peer_on_a_caption_set_of_the_users_own_name(rgb_model, tmp_path):
+    # CLIP_benchmark picks the task by the dataset's name: "my-captions" was run as classification and
+    # failed with an AssertionError traceback, after our own results were computed and before any was written.
+    samples = [(path.read_bytes(), "jpg", f"a photo number {i}.\nimage {i}, up close.")
+               for i, (path, _) in enumerate(foolbox_images("imagenet"))]
+    root = write_wds_benchmark(tmp_path / "caps", samples, retrieval=True)
+    entry = _peer_entry(rgb_model, tmp_path, name="my-captions", root=str(root))
+    assert entry["peer"]["status"] == "ok", entry["peer"]
+    assert set(entry["peer"]["metrics"]) == set(entry["metrics"]) and entry["peer"]["max_abs_diff_points"] <= 0.1
+
+
+def test_peer_uses_the_prompts_the_suite_used(rgb_model, tmp_path):
+    # The suite's templates (and the shipped class names, the set having no classnames.txt) were not
+    # passed on: CLIP_benchmark scored the dataset's own templates file, or failed for want of class names.
+    names = list(benchmark_info("cifar10").classnames)
+    root = write_wds_benchmark(tmp_path / "cifar10", [(p.read_bytes(), "png", label)
+                                                      for p, label in foolbox_images("cifar10")],
+                               templates=["{c}"])
+    (tmp_path / "mine.txt").write_text("a blurry photo of a {c}.\na drawing of the {c}.\nitap of a {c}.\n")
+    entry = _peer_entry(rgb_model, tmp_path, name="cifar10", root=str(root), templates=str(tmp_path / "mine.txt"))
+    assert entry["templates"]["count"] == 3 and entry["num_classes"] == len(names)
+    assert entry["peer"]["status"] == "ok", entry["peer"]
+    assert entry["peer"]["max_abs_diff_points"] <= 0.1 and set(entry["peer"]["metrics"]) == set(entry["metrics"])
+
+
+def test_a_failing_peer_is_recorded_and_the_results_are_written(rgb_model, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise AssertionError("Classes not specified for wds/x")
+
+    monkeypatch.setattr(peer, "run_clip_benchmark", broken)
+    root = write_wds_benchmark(tmp_path / "cifar10", [(p.read_bytes(), "png", label)
+                                                      for p, label in foolbox_images("cifar10")[:4]])
+    entry = _peer_entry(rgb_model, tmp_path, name="cifar10", root=str(root))
+    assert entry["peer"]["status"] == "failed" and "Classes not specified" in entry["peer"]["reason"]
