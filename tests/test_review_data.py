@@ -113,3 +113,17 @@ def test_split_folders_joined_with_double_colon(tmp_path):
     exact = create_shard_loader(ShardDataConfig(urls=spec, workers=0, exact_epoch=True), "image-caption")
     captions = [caption for batch in exact for caption in batch["caption"]]
     assert sorted(captions) == sorted([f"a {i}" for i in range(5)] + [f"b {i}" for i in range(7)])
+
+
+def test_out_equal_to_the_source_is_not_read_back(tmp_path):
+    # `from-folder photos --out photos`: the rerun read photos/train/nshards.txt as a caption without
+    # an image (skipped 1) and, that file being rewritten each time, never found the output complete.
+    src = tmp_path / "photos"
+    src.mkdir()
+    for seed in range(3):
+        (src / f"{seed}.png").write_bytes(_png(seed))
+        (src / f"{seed}.txt").write_text(f"caption {seed}")
+    first = write_folder_shards(src, src)
+    again = write_folder_shards(src, src)
+    assert first.samples == again.samples == 3 and not first.skipped and not again.skipped
+    assert again.already_complete

@@ -680,7 +680,9 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     and keys, and the module docstring for what is skipped, normalized and rewritten. A split
     holding other data is refused unless `overwrite` (see `_write_listing`).
     """
-    listing = list_folder(src, layout, exclude=out_dir)
+    # With --out SRC itself, the split folder written into it is what must not be read back.
+    exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
+    listing = list_folder(src, layout, exclude=exclude)
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
     return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
 
