@@ -49,7 +49,7 @@ from torch import nn
 
 from lit_softmoe.data.tokenizers import HF_PREFIX, OPENCLIP_BPE, create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.vit import ViTConfig, VisionTransformer
@@ -614,16 +614,40 @@ def _model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, 
 
 # ---- export -------------------------------------------------------------------------------------
 
-def _check_out_dir(out_dir: Path, source: _Source, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a folder path")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+def _check_out_dir(out_dir: Path, read_from: list[Path], overwrite: bool) -> None:
+    """Refuse an --out that cannot be written, or whose replacement would delete what is exported."""
+    check_writable(out_dir, "--out", folder=True)  # a file in the way, a read-only parent: before any work
+    filled = out_dir.is_dir() and any(out_dir.iterdir())
+    if filled and not overwrite:
         raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, or pick another folder")
-    # --overwrite replaces the whole folder: never the run (or a folder holding it) we read from.
+    # --overwrite replaces the whole folder: never a folder we read from (the run, its image tower and
+    # the pretraining run around it) nor one holding it, and inside them only an earlier export
+    # (RUN/checkpoints or the tower's run would be lost).
     target = out_dir.resolve()
-    for protected in {source.path.resolve(), *( [source.run_dir.resolve()] if source.run_dir else [])}:
+    for protected in dict.fromkeys(path.resolve() for path in read_from):
         if target == protected or target in protected.parents:
             raise UserError(f"--out {out_dir} holds the model being exported ({protected}); pick another folder")
+        if filled and protected in target.parents and not _is_export(out_dir):
+            raise UserError(f"--out {out_dir} is inside {protected}, which this export reads, and is not an "
+                            "earlier export: --overwrite would delete it; pick another folder")
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        return "format" in json.loads((path / EXPORT_CONFIG).read_text()) and (path / IMAGE_WEIGHTS).is_file()
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _read_from(source: _Source, tower_dir: Path | None = None) -> list[Path]:
+    """The folders an export of `source` reads: the run (or model/checkpoint/tower folder), and for a
+    pair the image tower with the pretraining run that holds it."""
+    paths = [source.path, *([source.run_dir] if source.run_dir else [])]
+    if tower_dir is not None:
+        paths.append(tower_dir)
+        if (tower_dir.parent / "config.yaml").is_file():
+            paths.append(tower_dir.parent)
+    return paths
 
 
 def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx: bool = False,
@@ -639,7 +663,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     if source.kind == "export":
         raise UserError(f"{run} is already an export; copy the folder instead of exporting it again")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, source, overwrite)
+    _check_out_dir(out_dir, _read_from(source), overwrite)
     if source.kind == "tower":
         tower, tower_meta = load_tower(source.path)
         model = None
@@ -650,6 +674,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     else:
         model, facts = _load_run_pair(source)
         tower = model.image_tower
+        _check_out_dir(out_dir, _read_from(source, Path(facts["tower_dir"])), overwrite)  # now the tower is known
     run_dir = source.run_dir
     results = _read_json(run_dir / "results.json") if run_dir and (run_dir / "results.json").is_file() else {}
 

@@ -1,0 +1,62 @@
+"""Review of `lit-softmoe export`, `load_pretrained` and `inspect-routing` as a user meets them: --overwrite
+aimed at a folder the export reads from, --out paths that cannot be written, routing figures with a
+suffix matplotlib cannot write."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lit_softmoe import cli
+from test_export import _make_run, _snapshot
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return _make_run(tmp_path_factory.mktemp("review-export"))
+
+
+def _one_error_line(capsys, code: int) -> str:
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+# ---- --overwrite never deletes what the export reads ---------------------------------------------
+
+def test_overwrite_refuses_the_image_tower_and_its_pretraining_run(run, capsys):
+    pre = run.parent / "pre"
+    before = _snapshot(pre)
+    for out in (pre, pre / "tower"):
+        line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
+        assert "holds the model being exported" in line and str(pre / "tower") in line, line
+    assert _snapshot(pre) == before
+
+
+def test_overwrite_refuses_a_folder_of_the_run_that_is_not_an_export(run, tmp_path, capsys):
+    before = _snapshot(run)
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]))
+    assert "--overwrite would delete" in line and "pick another folder" in line, line
+    assert _snapshot(run) == before
+    # A new folder inside the run is fine, and an earlier export there may be replaced.
+    inside = run / "export"
+    try:
+        assert cli.main(["export", str(run), "--out", str(inside)]) == 0
+        assert cli.main(["export", str(run), "--out", str(inside), "--overwrite"]) == 0
+        assert (inside / "config.json").is_file()
+    finally:
+        import shutil
+        shutil.rmtree(inside, ignore_errors=True)
+    capsys.readouterr()
+
+
+# ---- --out that cannot be written -----------------------------------------------------------------
+
+def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(blocker / "sub")]))
+    assert "--out" in line and "is a file" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
