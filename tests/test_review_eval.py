@@ -143,3 +143,14 @@ def test_a_caption_set_without_dataset_type_names_task_retrieval(tmp_path):
                           benchmarks=[BenchmarkConfig(name="my-captions", root=str(root))])
     with pytest.raises(UserError, match="task: retrieval"):
         run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+
+
+def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):
+    # The shipped suites read imagenet1k's split val (ImageFolder's name); CLIP_benchmark's export
+    # (clip-benchmark/wds_imagenet1k) calls the same images test. The skip said "class folders (found
+    # only test/ …)"; it now names the split to set.
+    from lit_softmoe.zeroshot.datasets import MissingData
+    root = _wds_set(tmp_path / "imagenet1k")
+    for format in ("auto", "wds"):
+        with pytest.raises(MissingData, match="webdataset split here: test; set split: test"):
+            read_benchmark("imagenet1k", root, "val", lambda im: im, format=format)

@@ -368,6 +368,12 @@ def read_benchmark(name: str, root: str | Path, split: str, transform, format: s
     root = Path(root)
     if not root.exists():
         raise MissingData(root, f"{name} data folder")
+    others = sorted(p.parent.name for p in root.glob(f"*/{NSHARDS_FILE}")) if not (root / split).exists() else []
+    if others and format in ("auto", "wds"):
+        # e.g. imagenet1k: ImageFolder copies call ImageNet's labelled images val, CLIP_benchmark's export
+        # (clip-benchmark/wds_imagenet1k) calls them test. Another split is never read in its place.
+        raise MissingData(root / split, f"split {split!r} (webdataset split{'s' if len(others) > 1 else ''} here: "
+                                        f"{', '.join(others)}; set split: {others[0]} for {name} in the suite)")
     format = detect_format(root, split, name) if format == "auto" else format
     if format == "wds":
         return read_wds(root, split, transform, task)
