@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 PANEL_PIXELS = 200  # each panel of the routing figure is 200×200 px (2 in at 100 dpi)
@@ -180,6 +180,18 @@ def _read_image(path: Path):
         raise UserError(f"cannot read {path} as an image ({type(err).__name__}: {err}); give a PNG or JPEG file") from None
 
 
+def _check_out(out_png: Path) -> None:
+    """--out must be a writable file whose suffix names a format matplotlib writes (the JSON goes beside it)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    check_writable(out_png, "--out", folder=False)
+    suffix = out_png.suffix.lstrip(".").lower()
+    if not suffix:  # matplotlib would write OUT.png, and the report and message would name OUT
+        raise UserError(f"--out {out_png} has no file suffix; give the figure's file, e.g. {out_png}.png")
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise UserError(f"--out {out_png}: cannot write a .{suffix} figure; give a .png (or .pdf, .svg, .jpg) "
+                        f"file, e.g. {out_png.with_suffix('.png')}")
+
+
 def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str | Path,
                     layer: int | None = None, num_slots: int = 8) -> dict:
     """Route one image through a tower; write the heatmap PNG and the statistics as JSON beside it.
@@ -193,6 +205,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     from lit_softmoe.data.transforms import eval_transform
     from lit_softmoe.train.checkpoint import load_tower
 
+    _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
     tower, meta = load_tower(tower_dir)
     blocks = soft_moe_blocks(tower)
     if not blocks:
