@@ -127,3 +127,14 @@ def test_out_equal_to_the_source_is_not_read_back(tmp_path):
     again = write_folder_shards(src, src)
     assert first.samples == again.samples == 3 and not first.skipped and not again.skipped
     assert again.already_complete
+
+
+@pytest.mark.parametrize("width", [5, 6])
+def test_split_folder_with_padded_shard_names(tmp_path, width):
+    # img2dataset names its shards 00000.tar (5 digits), webdataset's ShardWriter 000000.tar (6).
+    from lit_softmoe.data.shards import shard_urls, write_split
+    write_split([{"png": _png(i), "txt": b"x"} for i in range(4)], tmp_path, "train", samples_per_shard=2)
+    split = tmp_path / "train"
+    for index in range(2):
+        (split / f"{index}.tar").rename(split / f"{index:0{width}d}.tar")
+    assert shard_urls(split) == [str(split / f"{index:0{width}d}.tar") for index in range(2)]

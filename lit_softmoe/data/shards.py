@@ -184,8 +184,9 @@ def _split_dir_urls(split_dir: Path) -> list[str]:
         nshards = int(nshards_path.read_text().strip())
     except ValueError:
         raise UserError(f"{nshards_path} does not hold a number; rewrite the split's shards") from None
-    # CLIP_benchmark names shards 0.tar…; zero-padded names (000000.tar) are read too.
-    width = 6 if not (split_dir / "0.tar").exists() and (split_dir / "000000.tar").exists() else 1
+    # CLIP_benchmark names shards 0.tar…; zero-padded names are read too, at the width the first
+    # shard has (img2dataset's 00000.tar, webdataset's 000000.tar).
+    width = next((width for width in range(1, 10) if (split_dir / f"{0:0{width}d}.tar").exists()), 1)
     urls = [str(split_dir / f"{index:0{width}d}.tar") for index in range(nshards)]
     missing = [url for url in urls if not Path(url).is_file()]
     if missing:
