@@ -154,3 +154,15 @@ def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):
     for format in ("auto", "wds"):
         with pytest.raises(MissingData, match="webdataset split here: test; set split: test"):
             read_benchmark("imagenet1k", root, "val", lambda im: im, format=format)
+
+
+def test_a_cache_that_cannot_be_written_does_not_end_the_suite(tmp_path, caplog):
+    # A read-only ~/.cache (containers) or a cache_dir that is a file raised after every image was encoded.
+    root = _wds_set(tmp_path / "cifar10")
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(blocker),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and entry["image_cache"] == "off"
+    assert "not cached" in caplog.text and str(blocker) in caplog.text

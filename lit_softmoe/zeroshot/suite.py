@@ -145,7 +145,12 @@ def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: Eva
         save_file({"features": features.contiguous()}, tmp / "features.safetensors")
         (tmp / "meta.json").write_text(json.dumps({"benchmark": spec.name, "targets": targets, "bad": bad}))
 
-    write_folder_atomically(folder, write)
+    try:
+        write_folder_atomically(folder, write)
+    except OSError as err:  # a read-only ~/.cache, a full disk: the features are in hand, the suite goes on
+        logger.warning("image features of %s not cached in %s (%s); set cache_dir= or pass --no-cache",
+                       spec.name, cache_dir, err)
+        return features, targets, bad, "off"
     return features, targets, bad, "miss"
 
 
