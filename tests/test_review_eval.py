@@ -166,3 +166,13 @@ def test_a_cache_that_cannot_be_written_does_not_end_the_suite(tmp_path, caplog)
     entry = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["status"] == "ok" and entry["image_cache"] == "off"
     assert "not cached" in caplog.text and str(blocker) in caplog.text
+
+
+@pytest.mark.parametrize("ks", [[0], [-1, 5], []])
+def test_recall_k_below_one_is_refused(tmp_path, ks):
+    # recall_k=[0] scored R@0 = 0 and [-1] ranked "all but the last" (a slice), both silently.
+    root = _wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"), recall_k=ks,
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    with pytest.raises(UserError, match="recall_k"):
+        run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))

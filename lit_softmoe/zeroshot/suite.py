@@ -340,7 +340,10 @@ def _default_out(model_path: Path, suite: str) -> Path:
 
 def check_suite(cfg: EvalSuiteConfig) -> None:
     """Every entry names a benchmark and its data. An empty `root` is Path(""), the working directory:
-    its subfolders would be read as class folders and scored as the benchmark, silently."""
+    its subfolders would be read as class folders and scored as the benchmark, silently. recall_k's
+    entries are ranks from 1: R@0 is 0 by definition and a negative k slices off the last ranks."""
+    if not cfg.recall_k or any(k < 1 for k in cfg.recall_k):
+        raise UserError(f"recall_k is {list(cfg.recall_k)}; give ranks of 1 or more, e.g. recall_k=[1,5,10]")
     for i, spec in enumerate(cfg.benchmarks, 1):
         if not spec.name.strip():
             raise UserError(f"suite {cfg.name}: benchmark {i} has no name:; give a shipped one (e.g. cifar100) "
