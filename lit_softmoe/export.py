@@ -237,6 +237,7 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
     facts = {"text": text_cfg.to_dict(), "image_tower": tower.cfg.to_dict(), "embed_dim": model.text_tower.embed_dim,
              "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
              "tower_meta": tower_meta, "step": step,
+             "checkpoint": str(source.path) if source.kind == "checkpoint" else None,
              "preprocess": _preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
     return model.eval(), facts
 
@@ -498,9 +499,9 @@ def _openclip_bpe_as_tokenizers(bpe):
 
 # ---- model card ---------------------------------------------------------------------------------
 
-def _latest_eval(run_dir: Path | None) -> tuple[Path, dict] | None:
-    """The newest RUN/eval/*.json the eval suite wrote for the run's final model, if any (a report on a
-    checkpoint, RUN/eval/SUITE-step_N-TIME.json, describes another model than the one exported)."""
+def _latest_eval(run_dir: Path | None, checkpoint: Path | None = None) -> tuple[Path, dict] | None:
+    """The newest RUN/eval/*.json the eval suite wrote for the exported model, if any: the run's final
+    model, or the exported `checkpoint` (a report on another model describes other weights)."""
     if run_dir is None or not (run_dir / "eval").is_dir():
         return None
     files = sorted((run_dir / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
@@ -511,7 +512,10 @@ def _latest_eval(run_dir: Path | None) -> tuple[Path, dict] | None:
             continue
         if not isinstance(report, dict) or not isinstance(report.get("results"), list):
             continue
-        if Path(str(report.get("model", ""))).parent.name == "checkpoints":
+        evaluated = Path(str(report.get("model", "")))
+        if (evaluated.parent.name == "checkpoints") != (checkpoint is not None):
+            continue
+        if checkpoint is not None and evaluated.name != checkpoint.name:  # another step of the run
             continue
         return file, report
     return None
@@ -527,8 +531,8 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _zeroshot_section(run_dir: Path | None, results: dict) -> list[str]:
-    latest = _latest_eval(run_dir)
+def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | None = None) -> list[str]:
+    latest = _latest_eval(run_dir, checkpoint)
     if latest is not None:
         file, report = latest
         rows = report["results"]
@@ -598,7 +602,8 @@ def _model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, 
     if model is not None:
         lines.append(f"- LiT: {results.get('steps', facts.get('step', '?'))} steps in {results.get('train_seconds', '?')} s")
     if model is not None:
-        lines += ["", "## Zero-shot", "", *_zeroshot_section(run_dir, results)]
+        checkpoint = Path(facts["checkpoint"]) if facts.get("checkpoint") else None
+        lines += ["", "## Zero-shot", "", *_zeroshot_section(run_dir, results, checkpoint)]
     lines += ["", "## Use", "", "```python", "from lit_softmoe import " + ("load_pretrained" if model else "load_image_tower"),
               "", (f"model, preprocess, tokenizer = load_pretrained(\"{out_dir}\")" if model is not None else
                    f"tower, preprocess = load_image_tower(\"{out_dir}\")"),
@@ -677,6 +682,13 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         _check_out_dir(out_dir, _read_from(source, Path(facts["tower_dir"])), overwrite)  # now the tower is known
     run_dir = source.run_dir
     results = _read_json(run_dir / "results.json") if run_dir and (run_dir / "results.json").is_file() else {}
+    if source.kind == "checkpoint":
+        # The run's results.json describes its final model, not this checkpoint: keep only what the
+        # whole run shares, and take the step and training time from the checkpoint itself.
+        state_meta = _read_json(source.path / STATE_META)
+        seconds = state_meta.get("train_seconds")
+        results = {"steps": state_meta.get("step"), "train_seconds": round(seconds, 1) if seconds is not None else "?",
+                   **({"cached_features": results["cached_features"]} if "cached_features" in results else {})}
 
     # The state to write, in the export's dtype; the model then takes these exact (rounded) values
     # so that the ONNX graphs and their check see what a user loading the export gets.

@@ -60,3 +60,31 @@ def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
     line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(blocker / "sub")]))
     assert "--out" in line and "is a file" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+# ---- an export of a checkpoint describes that checkpoint ------------------------------------------
+
+def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
+    import json
+    import shutil
+
+    from lit_softmoe.export import export_pair
+    run = _make_run(tmp_path)  # finished at step 10; results.json and model/ are the final model's
+    early = run / "checkpoints" / "step_00000005"
+    shutil.copytree(run / "checkpoints" / "step_00000010", early)
+    meta = json.loads((early / "state.json").read_text())
+    (early / "state.json").write_text(json.dumps({**meta, "step": 5, "train_seconds": 1.04}))
+    (run / "eval").mkdir()
+    for name, model, top1 in [("fm-step_00000005-1.json", early, 0.1111), ("fm-2.json", run, 0.9999)]:
+        (run / "eval" / name).write_text(json.dumps({"model": str(model), "suite": "fm", "results": [
+            {"benchmark": "fashion-mnist", "task": "classification", "metrics": {"top1": top1}, "status": "ok"}]}))
+
+    out = export_pair(early, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["source"]["step"] == 5
+    card = (out / "README.md").read_text()
+    assert "LiT: 5 steps in 1.0 s" in card and "11.11" in card, card
+    assert "99.99" not in card and "43.21" not in card  # the final model's eval and results.json
+    # The final model's export still shows the final model's numbers.
+    card = (export_pair(run, tmp_path / "final") / "README.md").read_text()
+    assert "LiT: 10 steps in 2.5 s" in card and "99.99" in card and "11.11" not in card
