@@ -65,3 +65,15 @@ def test_a_failing_peer_is_recorded_and_the_results_are_written(rgb_model, tmp_p
                                                       for p, label in foolbox_images("cifar10")[:4]])
     entry = _peer_entry(rgb_model, tmp_path, name="cifar10", root=str(root))
     assert entry["peer"]["status"] == "failed" and "Classes not specified" in entry["peer"]["reason"]
+
+
+def test_peer_on_a_layout_it_cannot_read_says_so(rgb_model, tmp_path):
+    # --peer on class folders: no cross-check could run, and the result said nothing about it.
+    image = foolbox_images("cifar10")[0][0].read_bytes()
+    for name in ("kind a", "kind b"):
+        (tmp_path / "mine" / "test" / name).mkdir(parents=True)
+        (tmp_path / "mine" / "test" / name / "x.png").write_bytes(image)
+    (tmp_path / "t.txt").write_text("a photo of a {c}.\n")
+    entry = _peer_entry(rgb_model, tmp_path, name="mine", root=str(tmp_path / "mine"), templates=str(tmp_path / "t.txt"))
+    assert entry["format"] == "imagefolder"
+    assert entry["peer"]["status"] == "skipped" and "webdataset" in entry["peer"]["reason"]

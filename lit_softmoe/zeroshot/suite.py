@@ -393,6 +393,10 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
                 prompts = {"classnames": classnames, "templates": templates}
             entry["peer"] = compare_with_clip_benchmark(model_path, spec, entry, model_bundle,
                                                         recall_k=tuple(cfg.recall_k), **prompts)
+        elif peer and entry["status"] == "ok":  # asked for, and not run: say so rather than leave it out
+            entry["peer"] = {"status": "skipped", "reason": f"CLIP_benchmark is run on the webdataset layout only, "
+                                                            f"and {spec.name} was read as {entry['format']}"}
+            logger.warning("--peer: %s", entry["peer"]["reason"])
         results.append(entry)
         if progress:
             print(f"  {summary_line(entry)}", flush=True)
