@@ -176,3 +176,28 @@ def test_recall_k_below_one_is_refused(tmp_path, ks):
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     with pytest.raises(UserError, match="recall_k"):
         run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+
+
+def _cifar100_pickles(root):
+    images = foolbox_images("cifar100")
+    pixels = np.stack([np.asarray(__import__("PIL.Image").Image.open(p).convert("RGB")) for p, _ in images])
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1), b"fine_labels": [l for _, l in images]}
+    (folder / "test").write_bytes(__import__("pickle").dumps(batch))
+    return folder
+
+
+def test_cifar100_pickles_under_a_name_of_the_users_own(tmp_path):
+    # The variant came from the benchmark's name alone: "my-cifar100" looked for CIFAR-10's test_batch.
+    _cifar100_pickles(tmp_path)
+    data = read_benchmark("my-cifar100", tmp_path, "test", lambda im: im)
+    assert data.format == "cifar" and len(data.dataset) == 20
+
+
+def test_a_broken_cifar_pickle_is_one_line(tmp_path):
+    # A truncated download raised EOFError / UnpicklingError from deep in pickle.
+    folder = _cifar100_pickles(tmp_path)
+    (folder / "test").write_bytes((folder / "test").read_bytes()[:1000])
+    with pytest.raises(UserError, match="cifar-100-python/test"):
+        read_benchmark("cifar100", tmp_path, "test", lambda im: im)

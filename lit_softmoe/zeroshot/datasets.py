@@ -219,8 +219,12 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 
 def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as file:
-        batch = _NumpyOnlyUnpickler(file, encoding="bytes").load()
+    try:
+        with open(path, "rb") as file:
+            batch = _NumpyOnlyUnpickler(file, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:  # truncated, or not CIFAR's
+        raise UserError(f"{path} is not a CIFAR python pickle this reader accepts ({err}); unpack the "
+                        "cifar-*-python.tar.gz from the CIFAR page again") from None
     return {(k.decode() if isinstance(k, bytes) else k): v for k, v in batch.items()}
 
 
@@ -380,7 +384,11 @@ def read_benchmark(name: str, root: str | Path, split: str, transform, format: s
     if format == "imagefolder":
         return read_image_folder(root, split, transform, classnames, wnids)
     if format == "cifar":
-        return read_cifar(root, split, transform, "cifar100" if name == "cifar100" else "cifar10")
+        # The folder says which CIFAR it is when the name does not (a benchmark of the user's own name).
+        variant = "cifar100" if name == "cifar100" or (
+            name != "cifar10" and (root / "cifar-100-python").is_dir() and not (root / "cifar-10-batches-py").is_dir()) \
+            else "cifar10"
+        return read_cifar(root, split, transform, variant)
     if format == "karpathy":
         return read_karpathy(root, split, transform, annotations)
     if format == "torchvision":
