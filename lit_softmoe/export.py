@@ -211,6 +211,20 @@ def _state_sha256(state: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(save({k: v.contiguous() for k, v in state.items()})).hexdigest()
 
 
+def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: Path) -> None:
+    """model/config.json records the tower's config and preprocessing the text tower was trained
+    against; a tower folder rewritten since (another tower, other preprocessing) would be paired with
+    that text tower without a word, and every embedding of the export would be wrong."""
+    recorded_cfg, recorded_pre = info.get("image_tower_config"), info.get("preprocess")
+    # Keys both know only: a run saved by an older version may lack a key added since.
+    changed = [key for key in (recorded_cfg or {}) if key in tower_cfg and recorded_cfg[key] != tower_cfg[key]]
+    if recorded_pre and recorded_pre != tower_meta.get("preprocess"):
+        changed.append("preprocess")
+    if changed:
+        raise UserError(f"the image tower at {tower_dir} is not the one the run was trained against (it differs in "
+                        f"{', '.join(changed)}); put that tower back there, or train the text tower against this one")
+
+
 def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
     if source.kind == "checkpoint":
@@ -229,6 +243,8 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
         image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
     tower, tower_meta = load_tower(tower_dir)
+    if source.kind != "checkpoint":
+        _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
     _load_weights(model, state, str(source.path))
     tower_state = {k: v for k, v in state.items() if k.startswith("image_tower.")}

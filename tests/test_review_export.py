@@ -88,3 +88,31 @@ def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     # The final model's export still shows the final model's numbers.
     card = (export_pair(run, tmp_path / "final") / "README.md").read_text()
     assert "LiT: 10 steps in 2.5 s" in card and "99.99" in card and "11.11" not in card
+
+
+# ---- the run's tower must be the one it was trained against ----------------------------------------
+
+def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
+    import json
+
+    from lit_softmoe import load_pretrained
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.models.vit import create_image_tower
+    from lit_softmoe.train.checkpoint import save_tower
+    run = _make_run(tmp_path)
+    tower_dir = tmp_path / "pre" / "tower"
+    meta = json.loads((tower_dir / "config.json").read_text())
+    # Same width (the pair still builds), other architecture: a dense tower saved over the Soft MoE one.
+    save_tower(tower_dir, create_image_tower("vit-test", num_classes=3),
+               extra={k: v for k, v in meta.items() if k != "tower"})
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    assert "not the one the run was trained against" in line and "moe_layers" in line, line
+    with pytest.raises(UserError, match="not the one the run was trained against"):
+        load_pretrained(run)
+    # Other preprocessing is refused too.
+    save_tower(tower_dir, create_image_tower("soft-test-4e", num_classes=3),
+               extra={**{k: v for k, v in meta.items() if k != "tower"},
+                      "preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    assert "differs in preprocess" in line, line
+    assert not (tmp_path / "out").exists()
