@@ -83,6 +83,16 @@ def _read_json(path: Path) -> dict:
         raise UserError(f"cannot read {path} ({err}); is it a complete folder?") from None
 
 
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A weights file, or one line saying it is missing or damaged (a folder copied only in part)."""
+    from safetensors import SafetensorError
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or "
+                        "damaged: copy or export it again") from None
+
+
 def _sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
@@ -232,14 +242,14 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
         cfg = load_config(LiTConfig, source.run_dir / "config.yaml")
         text_cfg, loss, image_head = cfg.text, cfg.loss, cfg.image_head
         tower_dir = _find_tower(cfg.image_tower, source.run_dir)
-        tensors = load_file(source.path / STATE_TENSORS)
+        tensors = _load_safetensors(source.path / STATE_TENSORS)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         step = _read_json(source.path / STATE_META).get("step")
     else:
         info = _read_json(source.path / EXPORT_CONFIG)
         text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
         tower_dir = _find_tower(info["image_tower"], source.run_dir)
-        state = load_file(source.path / TOWER_WEIGHTS)
+        state = _load_safetensors(source.path / TOWER_WEIGHTS)
         image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
     tower, tower_meta = load_tower(tower_dir)
@@ -275,7 +285,7 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
         text_tower = create_text_tower(text_cfg, embed_dim=config["embed_dim"])
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
     state = {k: v.float() if v.is_floating_point() else v
-             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_file(path / name).items()}
+             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in _load_safetensors(path / name).items()}
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     model.lock_image_tower()
@@ -328,7 +338,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
         config = _read_json(source.path / EXPORT_CONFIG)
         tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
         state = {k[len("image_tower."):]: v.float() if v.is_floating_point() else v
-                 for k, v in load_file(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
+                 for k, v in _load_safetensors(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
         check_state_dict(tower, state, str(source.path / IMAGE_WEIGHTS))
         tower.load_state_dict(state, assign=True)
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"

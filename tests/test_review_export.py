@@ -116,3 +116,25 @@ def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
     line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
     assert "differs in preprocess" in line, line
     assert not (tmp_path / "out").exists()
+
+
+# ---- a damaged export is one line ----------------------------------------------------------------
+
+def test_an_export_copied_in_part_is_one_line(run, tmp_path):
+    import shutil
+
+    from lit_softmoe import load_image_tower, load_pretrained
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.export import export_pair
+    out = export_pair(run, tmp_path / "export")
+    missing, truncated = tmp_path / "missing", tmp_path / "truncated"
+    shutil.copytree(out, missing)
+    (missing / "text_encoder.safetensors").unlink()
+    shutil.copytree(out, truncated)
+    with open(truncated / "image_encoder.safetensors", "r+b") as file:
+        file.truncate(1000)
+    with pytest.raises(UserError, match="text_encoder.safetensors .*incomplete or damaged"):
+        load_pretrained(missing)
+    for load in (load_pretrained, load_image_tower):
+        with pytest.raises(UserError, match="image_encoder.safetensors .*incomplete or damaged"):
+            load(truncated)
