@@ -116,10 +116,13 @@ def _cmd_eval(args) -> None:
     if nothing is None:
         print(markdown_table(report))
     for entry in report["results"]:
-        if entry.get("peer", {}).get("status") == "ok":
-            print(f"{entry['benchmark']}: clip_benchmark agrees within {entry['peer']['max_abs_diff_points']:.3f} points")
+        peer = entry.get("peer") or {}
+        if peer.get("status") == "ok":
+            print(f"{entry['benchmark']}: clip_benchmark differs by at most {peer['max_abs_diff_points']:.3f} points")
         elif entry["status"] != "ok":
             print(summary_line(entry))
+        elif peer:  # asked for, but it did not run (another layout) or failed: say so
+            print(f"{entry['benchmark']}: clip_benchmark {peer.get('status')}: {peer.get('reason', '')}")
     if nothing is not None:
         raise UserError(nothing)
     print(f"results: {report['paths']['json']} (+ .md, .png)")
