@@ -77,3 +77,22 @@ def test_peer_on_a_layout_it_cannot_read_says_so(rgb_model, tmp_path):
     entry = _peer_entry(rgb_model, tmp_path, name="mine", root=str(tmp_path / "mine"), templates=str(tmp_path / "t.txt"))
     assert entry["format"] == "imagefolder"
     assert entry["peer"]["status"] == "skipped" and "webdataset" in entry["peer"]["reason"]
+
+
+def test_the_cli_names_the_peer_gap_and_a_peer_that_did_not_run(rgb_model, tmp_path, capsys):
+    from lit_softmoe.cli import main
+    root = write_wds_benchmark(tmp_path / "cifar10", [(p.read_bytes(), "png", label)
+                                                      for p, label in foolbox_images("cifar10")])
+    image = foolbox_images("cifar10")[0][0].read_bytes()
+    for name in ("kind a", "kind b"):
+        (tmp_path / "mine" / "test" / name).mkdir(parents=True)
+        (tmp_path / "mine" / "test" / name / "x.png").write_bytes(image)
+    (tmp_path / "t.txt").write_text("a photo of a {c}.\n")
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(f"name: s\nworkers: 0\ncache_dir: {tmp_path / 'cache'}\nbenchmarks:\n"
+                     f"  - {{name: cifar10, root: {root}}}\n"
+                     f"  - {{name: mine, root: {tmp_path / 'mine'}, templates: {tmp_path / 't.txt'}}}\n")
+    main(["eval", "--model", str(rgb_model), "--suite", str(suite), "--out", str(tmp_path / "r.json"), "--peer"])
+    out = capsys.readouterr().out
+    assert "cifar10: clip_benchmark differs by at most 0.000 points" in out
+    assert "mine: clip_benchmark skipped: CLIP_benchmark is run on the webdataset layout only" in out
