@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -375,6 +376,28 @@ class _TextEncoder(nn.Module):
         return self.model.encode_text(ids)
 
 
+@contextlib.contextmanager
+def _silenced_output():
+    """Send stdout and stderr to nowhere, Python's and the file descriptors both: the TorchScript
+    exporter prints its whole graph (hundreds of lines) from C++ when it fails, past sys.stdout."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(os.devnull, "w") as nowhere:
+        os.dup2(nowhere.fileno(), 1)
+        os.dup2(nowhere.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
 def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, file: Path,
                  input_name: str, output_name: str, what: str) -> dict:
     """Export `module` with a dynamic batch axis, then check onnxruntime against PyTorch on `check`.
@@ -398,12 +421,13 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
         try:
             # The exporter reports progress (and its optimizer's harmless constant-folding misses) on
             # stdout and stderr; the CLI prints one line, and a real failure raises anyway.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            with _silenced_output(), torch.no_grad():
                 torch.onnx.export(module, (example,), str(file), input_names=[input_name], output_names=[output_name],
                                   dynamo=exporter == "dynamo", external_data=external, verbose=False, **kwargs)
             break
         except Exception as err:  # noqa: BLE001 — any exporter failure: try the other, then say why
-            errors.append(f"{exporter}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            message = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # no terminal colour codes in the one line
+            errors.append(f"{exporter}: {type(err).__name__}: {message.splitlines()[0] if message else ''}")
             for leftover in (file, file.with_name(file.name + ".data")):
                 leftover.unlink(missing_ok=True)
     else:

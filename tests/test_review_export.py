@@ -138,3 +138,24 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
     for load in (load_pretrained, load_image_tower):
         with pytest.raises(UserError, match="image_encoder.safetensors .*incomplete or damaged"):
             load(truncated)
+
+
+# ---- an ONNX failure is one line, whatever the exporters print ----------------------------------
+
+def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
+    import torch
+
+    from lit_softmoe.models.vit import create_image_tower
+    from lit_softmoe.train.checkpoint import save_tower
+    from test_export import _run_cli
+    torch.manual_seed(0)
+    # Tokens Choice's sort has no ONNX export in torch 2.14: both exporters fail, and the TorchScript
+    # one prints its whole graph from C++ on the way (past sys.stdout).
+    save_tower(tmp_path / "tower", create_image_tower("tc-test-4e-k1", num_classes=3),
+               extra={"preprocess": {"image_size": 28, "mean": [0.3], "std": [0.35]}})
+    code, stdout, stderr = _run_cli("export", tmp_path / "tower", "--out", tmp_path / "out", "--onnx")
+    if code == 0:
+        pytest.skip("this torch exports Tokens Choice towers to ONNX")
+    assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, (stdout[:500], stderr[:500])
+    assert "ONNX export of the image tower failed" in stderr and "\x1b[" not in stderr
+    assert not (tmp_path / "out").exists()
