@@ -159,3 +159,18 @@ def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
     assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, (stdout[:500], stderr[:500])
     assert "ONNX export of the image tower failed" in stderr and "\x1b[" not in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_onnx_example_on_an_export_without_onnx_says_how_to_make_one(run, tmp_path):
+    import subprocess
+    import sys
+
+    from lit_softmoe.export import export_pair
+    from test_export import EXAMPLE
+    out = export_pair(run, tmp_path / "export")  # no --onnx
+    PIL = pytest.importorskip("PIL.Image")
+    PIL.new("L", (28, 28)).save(tmp_path / "x.png")
+    for args in ([out, tmp_path / "x.png", "a cat"], [out]):
+        result = subprocess.run([sys.executable, EXAMPLE, *map(str, args)], capture_output=True, text=True)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert ("--onnx" in result.stderr) if len(args) == 3 else ("usage:" in result.stderr)
