@@ -223,14 +223,17 @@ def _state_sha256(state: dict[str, torch.Tensor]) -> str:
 
 
 def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: Path) -> None:
-    """model/config.json records the tower's config and preprocessing the text tower was trained
-    against; a tower folder rewritten since (another tower, other preprocessing) would be paired with
-    that text tower without a word, and every embedding of the export would be wrong."""
+    """model/config.json records the tower's config, preprocessing and weights' sha256 the text tower
+    was trained against; a tower folder rewritten since (another tower, other preprocessing, retrained
+    weights) would be paired with that text tower without a word, and every embedding would be wrong."""
     recorded_cfg, recorded_pre = info.get("image_tower_config"), info.get("preprocess")
     # Keys both know only: a run saved by an older version may lack a key added since.
     changed = [key for key in (recorded_cfg or {}) if key in tower_cfg and recorded_cfg[key] != tower_cfg[key]]
     if recorded_pre and recorded_pre != tower_meta.get("preprocess"):
         changed.append("preprocess")
+    recorded_sha = info.get("image_tower_sha256")  # runs saved before it was recorded have none
+    if recorded_sha and recorded_sha != tower_fingerprint(tower_dir)["tower_sha256"]:
+        changed.append("its weights")
     if changed:
         raise UserError(f"the image tower at {tower_dir} is not the one the run was trained against (it differs in "
                         f"{', '.join(changed)}); put that tower back there, or train the text tower against this one")

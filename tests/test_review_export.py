@@ -118,6 +118,30 @@ def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from lit_softmoe import load_pretrained
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.models.vit import create_image_tower
+    from lit_softmoe.train.checkpoint import save_tower
+    run = _make_run(tmp_path)
+    assert json.loads((run / "model" / "config.json").read_text())["image_tower_sha256"]
+    load_pretrained(run)  # the tower the run recorded: accepted
+    tower_dir = tmp_path / "pre" / "tower"
+    meta = json.loads((tower_dir / "config.json").read_text())
+    # Same tower name, config and preprocessing, other weights: only the recorded sha256 can tell.
+    torch.manual_seed(1)
+    save_tower(tower_dir, create_image_tower("soft-test-4e", num_classes=3),
+               extra={k: v for k, v in meta.items() if k != "tower"})
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    assert "not the one the run was trained against (it differs in its weights)" in line, line
+    with pytest.raises(UserError, match="differs in its weights"):
+        load_pretrained(run)
+
+
 # ---- a damaged export is one line ----------------------------------------------------------------
 
 def test_an_export_copied_in_part_is_one_line(run, tmp_path):

@@ -34,7 +34,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.train.checkpoint import load_tower, prune_checkpoints, save_training_state, write_folder_atomically
-from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
+from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache, tower_fingerprint
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
@@ -158,7 +158,10 @@ def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, resu
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
              if not k.startswith(_frozen_prefixes(model))}
+    # The tower file's sha256: exports and load_pretrained refuse a tower folder rewritten since (even
+    # with the same architecture), which would pair this text tower with other image features.
     info = {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
+            "image_tower_sha256": tower_fingerprint(cfg.image_tower)["tower_sha256"],
             "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
             "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "results": results}
 
