@@ -36,6 +36,17 @@ def test_checkpoint_that_does_not_fit_names_the_keys(tmp_path):
         load_tower(tmp_path / "missing")
 
 
+def test_a_damaged_tower_folder_is_one_user_error(tmp_path):
+    save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10))
+    weights = tmp_path / "tower" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy cut short
+    with pytest.raises(UserError, match=r"cannot read .*model\.safetensors \(SafetensorError: .*incomplete or damaged"):
+        load_tower(tmp_path / "tower")
+    (tmp_path / "tower" / "config.json").write_text('{"tower": ')  # cut short too
+    with pytest.raises(UserError, match=r"config\.json is not valid JSON"):
+        load_tower(tmp_path / "tower")
+
+
 def test_failed_write_leaves_nothing_under_the_final_name(tmp_path):
     def write(tmp):
         (tmp / "half.bin").write_bytes(b"x")

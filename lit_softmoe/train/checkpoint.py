@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError, check_writable
@@ -219,13 +220,21 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
     if not config_file.is_file() or not weights_file.is_file():
         raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
                         "point to the `tower` folder of a finished pretraining run")
-    meta = json.loads(config_file.read_text())
+    try:
+        meta = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise UserError(f"{config_file} is not valid JSON ({err}); the tower folder is damaged: save or copy it again") \
+            from None
     try:
         cfg = ViTConfig.from_dict(meta["tower"])
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(f"{config_file} has no valid tower config: {err}") from None
     tower = VisionTransformer(cfg, device="meta")
-    state = load_file(weights_file, device=str(device))
+    try:
+        state = load_file(weights_file, device=str(device))
+    except (OSError, SafetensorError) as err:  # a folder copied only in part, a truncated download
+        raise UserError(f"cannot read {weights_file} ({type(err).__name__}: {err}); the tower folder is incomplete "
+                        "or damaged: save or copy it again") from None
     check_state_dict(tower, state, str(weights_file))
     tower.load_state_dict(state, assign=True)
     return tower, meta
