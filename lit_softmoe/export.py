@@ -597,8 +597,8 @@ def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | No
         for row in rows:
             values = [_percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
             status = row.get("status", "")
-            if status == "skipped" and row.get("reason"):
-                status = f"skipped: {row['reason']}"
+            if status in ("skipped", "failed") and row.get("reason"):
+                status = f"{status}: {row['reason']}"
             lines.append(_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
                                str(row.get("num_samples", "")), status]))
         return lines

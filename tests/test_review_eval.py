@@ -141,8 +141,41 @@ def test_a_caption_set_without_dataset_type_names_task_retrieval(tmp_path):
     (root / "dataset_type.txt").unlink()  # what `lit-softmoe data from-folder` writes for captions
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
                           benchmarks=[BenchmarkConfig(name="my-captions", root=str(root))])
-    with pytest.raises(UserError, match="task: retrieval"):
-        run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+    report = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+    entry = report["results"][0]
+    assert entry["status"] == "failed" and "set task: retrieval" in entry["reason"], entry
+    assert report["evaluated"] == 0 and not (tmp_path / "o.json").exists()
+
+
+def test_a_failing_benchmark_loses_none_of_the_others_results(tmp_path, capsys):
+    # A mistake in one entry (here a caption set read as classes) ended the suite with the results of
+    # the benchmarks before it, already computed, unwritten.
+    from lit_softmoe import cli
+    images = foolbox_images("imagenet")[:3]
+    captions = write_wds_benchmark(tmp_path / "caps", [(p.read_bytes(), "jpg", f"caption {i}")
+                                                       for i, (p, _) in enumerate(images)], retrieval=True)
+    (captions / "dataset_type.txt").unlink()
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(_wds_set(tmp_path / "cifar10"))),
+                                      BenchmarkConfig(name="my-captions", root=str(captions))])
+    report = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+    written = json.loads((tmp_path / "o.json").read_text())["results"]
+    assert [(e["benchmark"], e["status"]) for e in written] == [("cifar10", "ok"), ("my-captions", "failed")]
+    assert written[0]["metrics"]["top1"] == report["results"][0]["metrics"]["top1"]
+    table = (tmp_path / "o.md").read_text()
+    assert "failed: my-captions" in table and "set task: retrieval" in table
+
+    # The CLI writes them too, then ends in one line naming the failure and where the rest went: exit 2.
+    model = save_pair(tmp_path / "pair", in_channels=3, image_size=32)
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(f"name: s\nworkers: 0\ncache_dir: {tmp_path / 'c2'}\nbenchmarks:\n"
+                     f"  - {{name: cifar10, root: {tmp_path / 'cifar10'}}}\n"
+                     f"  - {{name: my-captions, root: {captions}}}\n")
+    code = cli.main(["eval", "--model", str(model), "--suite", str(suite), "--out", str(tmp_path / "cli.json")])
+    captured = capsys.readouterr()
+    assert code == 2 and (tmp_path / "cli.json").is_file()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lit-softmoe eval: error: my-captions: ") and str(tmp_path / "cli.json") in lines[0]
 
 
 def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):

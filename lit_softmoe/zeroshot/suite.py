@@ -384,7 +384,14 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
 
     results = []
     for spec in specs:
-        entry = evaluate_benchmark(model, preprocess, tokenizer, spec, cfg, device, cache_dir, progress)
+        try:
+            entry = evaluate_benchmark(model, preprocess, tokenizer, spec, cfg, device, cache_dir, progress)
+        except UserError as err:
+            # One benchmark's mistake (labels past its class names, a bad templates file) is reported with
+            # the rest; stopping here would lose the results the benchmarks before it already paid for.
+            entry = {"benchmark": spec.name, "task": spec.task or "classification", "status": "failed",
+                     "reason": str(err), "path": str(spec.root)}
+            logger.warning("%s failed: %s", spec.name, err)
         if peer and entry["status"] == "ok" and entry["format"] == "wds":
             from lit_softmoe.zeroshot.peer import compare_with_clip_benchmark
             prompts = {}
@@ -434,7 +441,7 @@ def _claim(out: Path) -> Path:
 
 
 def nothing_evaluated(report: dict) -> str | None:
-    """One line for a report in which no benchmark ran (each was skipped), else None. run_suite
+    """One line for a report in which no benchmark ran (each was skipped or failed), else None. run_suite
     writes no files then; `lit-softmoe eval` prints the skip reasons and this, and exits 2. The line
     carries the first skip reason, which names the fix (often the same for every benchmark)."""
     if report.get("evaluated", 1) > 0:
@@ -445,7 +452,19 @@ def nothing_evaluated(report: dict) -> str | None:
     first = f"{results[0]['benchmark']}: {results[0]['reason']}"
     if len(results) == 1:
         return f"nothing evaluated, so no results were written: {first}"
-    return f"nothing evaluated, so no results were written: all {len(results)} benchmarks were skipped ({first}; …)"
+    how = "skipped or failed" if any(entry["status"] == "failed" for entry in results) else "skipped"
+    return f"nothing evaluated, so no results were written: all {len(results)} benchmarks were {how} ({first}; …)"
+
+
+def failed_benchmarks(report: dict) -> str | None:
+    """One line naming the benchmarks that failed on a mistake in their data or suite entry (their
+    reasons are in the results), else None; `lit-softmoe eval` prints it and exits 2."""
+    failed = [entry for entry in report["results"] if entry["status"] == "failed"]
+    if not failed:
+        return None
+    where = f"; the other results are in {report['paths']['json']}" if report.get("paths") else ""
+    more = f" (and {len(failed) - 1} more benchmark(s) failed)" if len(failed) > 1 else ""
+    return f"{failed[0]['benchmark']}: {failed[0]['reason']}{more}{where}"
 
 
 # ---------------------------------------------------------------------------------- reports
@@ -456,7 +475,7 @@ _COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image
 
 def summary_line(entry: dict) -> str:
     if entry["status"] != "ok":
-        return f"{entry['benchmark']}: skipped ({entry['reason']})"
+        return f"{entry['benchmark']}: {entry['status']} ({entry['reason']})"
     metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in entry["metrics"].items())
     return f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
            f"image cache {entry['image_cache']})"
@@ -481,7 +500,7 @@ def markdown_table(report: dict) -> str:
     for entry in report["results"]:
         if entry["status"] != "ok":
             lines.append(markdown_row([entry["benchmark"], entry["task"], *[""] * len(columns), "",
-                                       f"skipped: {entry['path']} not found", ""]))
+                                       f"{entry['status']}: {entry['reason']}".replace("|", "\\|"), ""]))
             continue
         cells = [f"{100 * entry['metrics'][c]:.2f}" if c in entry["metrics"] else "–" for c in columns]
         templates = entry.get("templates") or {}
