@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig
-from lit_softmoe.data.shards import load_class_split, read_classnames
+from lit_softmoe.data.shards import load_class_split, read_classnames, write_text_atomic
 from lit_softmoe.data.transforms import batch_augment
-from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import create_image_tower, image_tower_config
+from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.models.vit import VisionTransformer, create_image_tower, image_tower_config
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_training_state, update_tower_meta
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
@@ -108,10 +108,29 @@ def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
 
 def _validate_tower(cfg: PretrainConfig):
     """The tower's config, checked before any data is read (unknown names and options fail fast)."""
+    if "num_classes" in cfg.tower.options:  # create_image_tower gets it from the class names below
+        raise UserError("tower.options.num_classes cannot be set: the head has one output per class name of "
+                        "data.train (its classnames.txt); leave the option out")
     try:
-        return image_tower_config(cfg.tower.name, **cfg.tower.options)
+        tower_cfg = image_tower_config(cfg.tower.name, **cfg.tower.options)
+        # The layers' own checks (slots_per_expert, a capacity_factor that leaves an expert no
+        # place for the tower's tokens) would otherwise fail as a traceback at the first step.
+        for block in VisionTransformer(tower_cfg, device="meta").blocks:
+            if hasattr(block.mlp, "capacity"):
+                block.mlp.capacity(tower_cfg.num_patches)
+        return tower_cfg
     except (TypeError, ValueError) as err:  # e.g. a width that the number of heads does not divide
         raise UserError(f"tower {cfg.tower.name!r} with options {dict(cfg.tower.options)}: {err}") from None
+
+
+def _check_settings(cfg: PretrainConfig) -> None:
+    """Settings torch refuses only once training runs (a traceback after the data is read), checked first."""
+    if not 0.0 <= cfg.label_smoothing <= 1.0:
+        raise UserError(f"label_smoothing must be in [0, 1], got {cfg.label_smoothing}")
+    try:  # torch's own checks of lr, betas and weight decay, on a stand-in parameter
+        create_optimizer(torch.nn.Linear(1, 1), cfg.optim)
+    except ValueError as err:
+        raise UserError(f"optim: {err}; fix optim.lr, optim.beta1, optim.beta2 or optim.weight_decay") from None
 
 
 def _check_fits(cfg: PretrainConfig, tower_cfg, data: ClassData) -> None:
@@ -157,7 +176,9 @@ def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
+    check_writable(run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
+    _check_settings(cfg)
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 
@@ -198,10 +219,16 @@ def pretrain(cfg: PretrainConfig) -> dict:
                       f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
 
     # ---- train
-    last_log_step, last_log_seconds = step, train_seconds
+    # The open logging window (sums since the last record) and the dropped-token totals are part of
+    # the checkpoint: a resumed run then logs, and reports in results.json, what the uninterrupted
+    # run does, also when a checkpoint falls between two records.
+    window = checkpoint_meta.get("log_window", {})
+    last_log_step, last_log_seconds = window.get("step", step), window.get("seconds", train_seconds)
     is_moe = bool(tower_cfg.moe_layers)
-    window_aux, window_dropped = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-    dropped_steps, dropped_total = 0, 0.0  # over the steps this process ran (for results.json)
+    window_aux = torch.tensor(window.get("aux", 0.0), device=accelerator.device)
+    window_dropped = torch.tensor(window.get("dropped", 0.0), device=accelerator.device)
+    # Over all steps of the run (this process's batches), for results.json.
+    dropped_steps, dropped_total = checkpoint_meta.get("dropped_steps", 0), checkpoint_meta.get("dropped_total", 0.0)
     order, order_epoch = None, -1
     tower.train()
     progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
@@ -263,7 +290,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
             accelerator.wait_for_everyone()
             if is_main:
                 save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,
-                                    meta={"train_seconds": train_seconds})
+                                    meta={"train_seconds": train_seconds, "dropped_steps": dropped_steps,
+                                          "dropped_total": dropped_total,
+                                          "log_window": {"step": last_log_step, "seconds": last_log_seconds,
+                                                         "aux": float(window_aux), "dropped": float(window_dropped)}})
                 prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
 
@@ -301,7 +331,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                                             and k != "fewshot_skipped"}})
         update_tower_meta(run_dir / "tower", {"pretrain": {**pretrain_meta, **results}})
         results["bad_samples"] = data.bad_samples
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")  # never half a file
         plot_curves(read_metrics(logger.path), run_dir / "curves.png",
                     keys=("loss", "lr", "test_top1"), title=f"pretrain {cfg.tower.name}")
     logger.close()
