@@ -106,6 +106,19 @@ def _strip_prefix(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _as_numbers(key: str, array) -> np.ndarray:
+    """`array` as a numeric numpy array. JAX trees are often bfloat16, which is no numpy type:
+    np.savez stores it as 2-byte voids (ml_dtypes' bfloat16 is a 2-byte void kind too). Its bits are
+    the top half of a float32's, so it widens exactly."""
+    array = np.asarray(array)
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if array.dtype.kind not in "fiub":
+        raise UserError(f"{key} holds {array.dtype} values, not numbers; save the tree's arrays as float32 "
+                        "(or bfloat16) with np.savez(path, **flat_params)")
+    return array
+
+
 def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """A flat vmoe tree ('/'-joined names → arrays) → our state dict for `cfg`. Pure and loud: raises
     UserError naming missing keys, unused keys, or the first array whose shape does not fit."""
@@ -124,7 +137,7 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, to
                     missing.append(key)
                 continue
             used.add(key)
-            parts.append(np.asarray(transform(np.asarray(arrays[key]))))
+            parts.append(np.asarray(transform(_as_numbers(key, arrays[key]))))
         if len(parts) < sum(not k.endswith("?") for k, _ in plan[name]):
             continue
         if not parts:  # an optional source that is absent: flax's qk LayerNorm has no bias
@@ -133,7 +146,7 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, to
         value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         if tuple(value.shape) != tuple(ref.shape):
             first = plan[name][0][0].rstrip("?")
-            source_shape = tuple(np.asarray(arrays[first]).shape)
+            source_shape = tuple(_as_numbers(first, arrays[first]).shape)
             relaid = f" (→ {tuple(value.shape)} in our layout)" if tuple(value.shape) != source_shape else ""
             raise UserError(f"{first} {source_shape} does not fit {name} {tuple(ref.shape)}{relaid}; the "
                             "checkpoint was trained as another tower: pick the --to name with its width, depth, "
@@ -155,9 +168,14 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, to
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path} does not exist; give a .npz of the flattened vmoe parameter tree")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise UserError(f"{path} {what}; give a .npz of the flattened vmoe parameter tree")
     try:
-        with np.load(path, allow_pickle=False) as npz:  # no pickles from a user's file
+        loaded = np.load(path, allow_pickle=False)  # no pickles from a user's file
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy: one array, no names to map
+            raise UserError(f"{path} holds a single array (.npy), not the named arrays of a parameter tree; save "
+                            "the tree with np.savez(path, **flat_params)")
+        with loaded as npz:
             return {k: npz[k] for k in npz.files}
     except (OSError, ValueError, zipfile.BadZipFile) as err:
         raise UserError(f"cannot read {path} as .npz ({err}); save the tree with np.savez(path, **flat_params)") from None

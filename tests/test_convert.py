@@ -189,3 +189,24 @@ def test_cli_convert_refuses_a_non_empty_out_unless_overwrite(tmp_path, capsys):
     assert main(argv) == 0  # the same conversion again: its own output is rewritten without --overwrite
     assert main([*argv[:3], "--to", "vit-test", "--out", str(out)]) == 2  # another tower there: refused
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_a_bfloat16_tree_converts_exactly_and_other_files_are_one_line(tmp_path, capsys):
+    """JAX trees are often bfloat16: np.savez stores those arrays as 2-byte voids, which ended in a
+    torch TypeError traceback; so did a .npy file (np.load returns a bare array) and a tree of strings."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    tree = vmoe_tree(4)
+    bf16 = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in tree.items()}
+    tower = load_vmoe_tower(_save(tmp_path, bf16, "bf16.npz"), "soft-test-4e")
+    for key, ours in (("Encoder/encoderblock_1/Moe/Router/mu", "blocks.1.mlp.phi"),
+                      ("Encoder/encoderblock_1/Moe/Router/scale", "blocks.1.mlp.scale"),
+                      ("head/bias", "head.bias")):
+        np.testing.assert_array_equal(tower.state_dict()[ours].numpy(), bf16[key].astype(np.float32))
+    np.save(tmp_path / "one.npy", np.zeros(3, np.float32))
+    strings = dict(tree, **{"head/bias": np.array(["a"] * CLASSES)})
+    for path, message in [(tmp_path / "one.npy", "holds a single array (.npy)"),
+                          (_save(tmp_path, strings, "strings.npz"), "head/bias holds <U1 values, not numbers"),
+                          (tmp_path, "is a folder")]:
+        assert main(["convert", "--from-vmoe", str(path), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
