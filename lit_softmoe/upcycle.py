@@ -323,6 +323,9 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
                     overwrite, source=source)
     dense_state, extra, notes = read_dense_checkpoint(source)
+    # Towers are float32 everywhere downstream (embed, LiT, export feed them float32 pixels); a half
+    # precision checkpoint (fp16/bf16 weights) is widened exactly, as `convert` does.
+    dense_state = {k: v.float() if v.is_floating_point() else v for k, v in dense_state.items()}
     cfg = target_config(dense_state, target_name, qk_norm)
     fresh_norms = {}
     if cfg.qk_norm and not any(k.endswith(".attn.q_norm.weight") for k in dense_state):
