@@ -82,6 +82,7 @@ _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides
     "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
     "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
     "data.max_test_samples": 0, "data.max_bad_fraction": 0, "optim.warmup_steps": 0, "optim.cooldown_steps": 0,
+    "optim.lr": 0, "optim.weight_decay": 0,
 }
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),

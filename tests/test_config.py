@@ -70,11 +70,13 @@ def test_an_empty_override_is_the_empty_string():
     (PretrainConfig, "log_every=0"), (PretrainConfig, "checkpoint_every=0"), (PretrainConfig, "batch_size=0"),
     (PretrainConfig, "eval_batch_size=0"), (PretrainConfig, "data.max_train_samples=-1"),
     (LiTConfig, "log_every=0"), (LiTConfig, "checkpoint_every=0"), (LiTConfig, "eval.every=-5"),
-    (LiTConfig, "data.workers=-1")])
+    (LiTConfig, "data.workers=-1"), (LiTConfig, "optim.lr=-1"), (LiTConfig, "optim.weight_decay=-0.5"),
+    (PretrainConfig, "optim.lr=-0.001")])
 def test_values_that_would_break_the_run_are_refused_up_front(schema, override):
-    """A zero logging or checkpoint period, or a zero batch, divided by zero mid-run (a traceback)."""
+    """A zero logging or checkpoint period, or a zero batch, divided by zero mid-run (a traceback); a
+    negative learning rate or weight decay ended in the optimizer's own traceback."""
     key = override.split("=")[0]
-    with pytest.raises(UserError, match=rf"config key '{key}' is -?\d+; it must be at least \d: set {key}="):
+    with pytest.raises(UserError, match=rf"config key '{key}' is -?[\d.]+; it must be at least \d: set {key}="):
         load_config(schema, None, [override])
 
 
