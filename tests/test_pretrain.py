@@ -242,3 +242,16 @@ def test_tower_is_saved_before_the_final_evaluation(shards, tmp_path, monkeypatc
         pretrain(_cfg(shards, tmp_path / "run", "data.max_train_samples=200", "steps=2", "fewshot_shots=0"))
     _, meta = load_tower(tmp_path / "run" / "tower")
     assert meta["pretrain"]["steps"] == 2 and "test_top1" not in meta["pretrain"]
+
+
+def test_class_names_are_found_beside_a_pattern_or_a_list_of_splits(shards, tmp_path):
+    # A brace pattern or a '::' list as data.train looked for classnames.txt in the wrong folder and
+    # silently named the classes "0" ... "9".
+    from lit_softmoe.train.pretrain import _dataset_dir, _setup_data
+    for spec in (f"{shards}/train", f"{shards}/train/{{0..0}}.tar", f"{shards}/train::{shards}/test",
+                 f"{shards}/train/0.tar::{shards}/test/0.tar"):
+        assert _dataset_dir(spec) == shards, spec
+    names = (shards / "classnames.txt").read_text().splitlines()
+    data = _setup_data(_cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar",
+                            "data.max_train_samples=100", "data.max_test_samples=100"))
+    assert data.classnames == names and len(names) == 10 and names[0] != "0"
