@@ -138,3 +138,13 @@ def test_split_folder_with_padded_shard_names(tmp_path, width):
     for index in range(2):
         (split / f"{index}.tar").rename(split / f"{index:0{width}d}.tar")
     assert shard_urls(split) == [str(split / f"{index:0{width}d}.tar") for index in range(2)]
+
+
+def test_from_table_given_a_folder_points_to_from_folder(tmp_path, capsys):
+    from lit_softmoe.cli import main
+    (tmp_path / "photos").mkdir()
+    code = main(["data", "from-table", str(tmp_path / "photos"), "--image-col", "path", "--caption-col", "text",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is a folder" in err[0] and "data from-folder" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -616,6 +616,9 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
     row number for embedded bytes. Columns other than these go to `.json` as "extra".
     """
     table = Path(table)
+    if table.is_dir():
+        raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
+                        "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
     if not table.is_file():
         raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
     kind = _table_kind(table)
