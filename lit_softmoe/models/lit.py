@@ -33,7 +33,7 @@ class LiTModel(nn.Module):
         text_tower: projects ids (B, L) to (B, D) with D = the image embedding width.
         loss: "softmax" (CLIP/LiT contrastive) or "sigmoid" (SigLIP; adds the learned bias).
         temperature_init: initial logit scale, stored as its log (big_vision's `t`).
-        max_temperature: the scale is clamped at this value (CLIP's 100).
+        max_temperature: the scale is capped at this value (CLIP's 100); at the cap it still learns.
         bias_init: initial logit bias of the sigmoid loss.
         image_head: a trainable Linear(width, D) on top of the locked features (LiT found none best).
         unlocked_blocks: how many of the tower's last blocks train (0 = fully locked, LiT's choice).
@@ -47,6 +47,8 @@ class LiTModel(nn.Module):
             raise UserError(f"unknown loss {loss!r}; use one of {list(LOSSES)}")
         if image_tower is None and unlocked_blocks:
             raise UserError("unlocked_blocks needs the image tower; cached image features cannot be fine-tuned")
+        if not 0 < temperature_init <= max_temperature:  # its log is the parameter; past the cap it would not learn
+            raise UserError(f"temperature_init must be above 0 and at most {max_temperature:g}, got {temperature_init:g}")
         if image_tower is not None and not 0 <= unlocked_blocks <= len(image_tower.blocks):
             raise UserError(f"unlocked_blocks={unlocked_blocks} but the image tower has "
                             f"{len(image_tower.blocks)} blocks")
@@ -134,12 +136,22 @@ class LiTModel(nn.Module):
                                 "embedding cache, or feed images")
             zimg = self.encode_image_features(image_features)
         ztxt = self.encode_text(text_ids)
+        # Capped at max_temperature in value only: the gradient passes as if uncapped, because a
+        # clamp gives none at or past its bound (and exp(float32 ln 100) is just past 100), so a
+        # scale that reached the cap could never come back down. The recipe also caps the
+        # parameter itself after each step (`clamp_logit_scale_`), as CLIP and open_clip do.
+        overshoot = (self.log_scale.detach() - math.log(self.max_temperature)).clamp(min=0)
         extras = {
-            # Clamped, not renormalized: past max_temperature the scale stops receiving gradient (CLIP).
-            "logit_scale": self.log_scale.exp().clamp(max=self.max_temperature),
+            "logit_scale": (self.log_scale - overshoot).exp(),
             "logit_bias": self.logit_bias,
         }
         return zimg, ztxt, extras
+
+    @torch.no_grad()
+    def clamp_logit_scale_(self) -> None:
+        """Cap the log-scale parameter at log(max_temperature); call after each optimizer step
+        (open_clip's `logit_scale.clamp_(0, math.log(100))`), so Adam cannot carry it past the cap."""
+        self.log_scale.clamp_(max=math.log(self.max_temperature))
 
     def no_weight_decay(self) -> set[str]:
         """Biases, norms, scale/bias, position embeddings: names as in `named_parameters()`."""

@@ -152,6 +152,11 @@ class HFTextTower(TextTower):
                 f"cannot load the Hugging Face text model {cfg.path!r} ({first_line}); set text.path to a local "
                 "folder holding config.json and the weights (model.safetensors), or a hub id with network access"
             ) from None
+        # BERT-like models come with a pooler (dense + tanh over [CLS]) that forward below never uses:
+        # frozen, so no parameter goes without a gradient, which DDP (several processes) refuses
+        # at the second step. Kept in the state dict, so runs and exports saved with it still load.
+        if getattr(self.encoder, "pooler", None) is not None:
+            self.encoder.pooler.requires_grad_(False)
         max_positions = getattr(self.encoder.config, "max_position_embeddings", None)
         if max_positions is not None and cfg.context_length > max_positions:
             raise UserError(f"text context_length {cfg.context_length} exceeds the {max_positions} positions of "

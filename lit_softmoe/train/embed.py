@@ -318,6 +318,11 @@ def embed_shards(
     _refuse_feature_shards(shards, urls)
     split = split or _source_split_name(shards, urls)
     split_dir = out_dir / split
+    # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
+    # for `--shards DATA/train` (the dataset folder, not a new one) replaced the images themselves.
+    if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
+        raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
+                        f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = autocast_dtype(precision, device)
     fingerprint = tower_fingerprint(tower_dir)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import read_lines
+from lit_softmoe.data.shards import is_local_url, read_lines, shard_urls, write_text_atomic
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
@@ -43,9 +43,33 @@ from lit_softmoe.train.runtime import check_same_run, create_accelerator, global
 from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.zeroshot.classifier import check_templates
 
+def _feature_split_dirs(spec: str | Path) -> list[Path]:
+    """The split folders of feature shards (written by `lit-softmoe embed`, which leaves embed.json in
+    each) that `spec` names: a split folder, a brace pattern or several joined with `::`, as the
+    shard reader takes them; [] for image shards. Parts of both kinds cannot share one loader."""
+    if not str(spec).strip():
+        return []
+    if Path(spec).is_dir():
+        return [Path(spec)] if (Path(spec) / EMBED_FILE).is_file() else []
+    urls = shard_urls(str(spec))
+    folders = list(dict.fromkeys(Path(url).parent for url in urls if is_local_url(url)))
+    cached = [folder for folder in folders if (folder / EMBED_FILE).is_file()]
+    if cached and (len(cached) < len(folders) or not all(map(is_local_url, urls))):
+        raise UserError(f"{spec} mixes feature shards of `lit-softmoe embed` ({cached[0]}) with other shards; "
+                        "give only feature caches, or only image shards")
+    return cached
+
+
 def is_feature_cache(split: str | Path) -> bool:
-    """A split of feature shards (written by `lit-softmoe embed`, which leaves embed.json in it)."""
-    return (Path(split) / EMBED_FILE).is_file()
+    """Feature shards (written by `lit-softmoe embed`): a split folder holding embed.json, or a
+    pattern or `::` list of such splits."""
+    return bool(_feature_split_dirs(split))
+
+
+def _check_feature_caches(spec: str | Path, tower_dir) -> None:
+    """check_feature_cache for every split `spec` names (a stale one in a `::` list is refused too)."""
+    for split_dir in _feature_split_dirs(spec):
+        check_feature_cache(split_dir, tower_dir)
 
 
 def _image_transform(meta: dict, in_channels: int):
@@ -78,9 +102,12 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
                   exact: bool = False, pin_memory: bool = False):
     # pin_memory: batches land in page-locked memory, so the copies to the GPU run asynchronously
     # (non_blocking) while the workers prefetch the next batches.
+    # exact (the eval and probe sets): read by the main process alone, so every shard, not this
+    # process's share of them (under torchrun the loader would split them by rank).
+    node = {"rank": 0, "world_size": 1} if exact else {}
     data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
                                shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
-                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory)
+                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
     return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
 
 
@@ -88,7 +115,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
 def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
-        check_feature_cache(split, cfg.image_tower)
+        _check_feature_caches(split, cfg.image_tower)
         loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
@@ -194,7 +221,7 @@ def train_lit(cfg: LiTConfig) -> dict:
     if cached:
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_cache(cfg.data.train, cfg.image_tower)
+        _check_feature_caches(cfg.data.train, cfg.image_tower)
     for split, key in ((cfg.eval.shards, "eval.shards"), (cfg.eval.probe_train, "eval.probe_train")):
         if cfg.unlocked_blocks and split and is_feature_cache(split):
             raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
@@ -258,6 +285,7 @@ def train_lit(cfg: LiTConfig) -> dict:
             if cfg.optim.grad_clip > 0:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
+            model_module.clamp_logit_scale_()  # CLIP's cap on the parameter itself (see LiTModel)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             progress.update(1)
@@ -302,7 +330,8 @@ def train_lit(cfg: LiTConfig) -> dict:
                 results.update(linear_probe(train_features, train_labels, eval_set["features"], eval_set["labels"]))
             logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
         _save_model(run_dir, model_module, cfg, meta, results)
-        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        # Atomic: a kill mid-write must not leave half a JSON file for export's model card to choke on.
+        write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         plot_curves(read_metrics(logger.path), run_dir / "curves.png", keys=("loss", "temperature", "zeroshot_top1"),
                     title=f"LiT {cfg.text.kind} text tower")
     logger.close()

