@@ -39,7 +39,8 @@ from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
-from lit_softmoe.train.runtime import check_same_run, create_accelerator, global_loss, open_run_folder, resume_state
+from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
+                                      open_run_folder, resume_state)
 from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.zeroshot.classifier import check_templates
 
@@ -203,6 +204,7 @@ def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
+    check_training_length(cfg)
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 

@@ -39,7 +39,8 @@ from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_tra
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
-from lit_softmoe.train.runtime import check_same_run, create_accelerator, global_loss, open_run_folder, resume_state
+from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
+                                      open_run_folder, resume_state)
 
 _log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     check_writable(run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
+    check_training_length(cfg)
     _check_settings(cfg)
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process

@@ -101,6 +101,13 @@ def _show(value) -> str:
     return "(unset)" if value is _UNSET else repr(value) if value == "" else str(value)
 
 
+def check_training_length(config) -> None:
+    """`steps` wins when above 0, else `epochs` sets the length: both 0 would save an untrained model."""
+    from lit_softmoe.errors import UserError
+    if config.steps <= 0 and config.epochs <= 0:
+        raise UserError("steps=0 and epochs=0 train nothing; set steps=N or epochs=E (steps wins when both are set)")
+
+
 def check_same_run(run_dir, config) -> None:
     """Refuse (UserError, one line) to continue a run folder that holds another run: one whose
     config.yaml differs from `config` in a key outside RESUMABLE_KEYS, when the folder holds what
