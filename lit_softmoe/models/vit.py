@@ -197,10 +197,25 @@ class VisionTransformer(nn.Module):
         if self.pos_embed.is_meta:
             return
         nn.init.normal_(self.pos_embed, std=0.02)
+        attention = [m for m in self.modules() if isinstance(m, Attention)]
         for module in self.modules():
             if isinstance(module, nn.Linear) and module is not self.head:
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.normal_(module.bias, std=1e-6)
+        for attn in attention:
+            # flax's attention (vmoe passes kernel_init=xavier_uniform): q, k and v are three (d, d)
+            # kernels, each xavier on its own (one xavier over the fused (3d, d) weight would draw
+            # them sqrt(2) too narrow); all its biases start at zero.
+            for kernel in attn.qkv.weight.chunk(3, dim=0):
+                nn.init.xavier_uniform_(kernel)
+            nn.init.zeros_(attn.qkv.bias)
+            nn.init.zeros_(attn.proj.bias)
+        # vmoe's `embedding` is a flax nn.Conv with its defaults: lecun-normal kernel (fan_in = c·p·p,
+        # truncated at ±2σ; 0.8796 is the std of a unit normal truncated there), zero bias.
+        # PyTorch's Conv2d default would be sqrt(3) narrower, with a uniform bias.
+        std = 1.0 / math.sqrt(self.patch_embed.weight[0].numel()) / 0.87962566103423978
+        nn.init.trunc_normal_(self.patch_embed.weight, std=std, a=-2 * std, b=2 * std)
+        nn.init.zeros_(self.patch_embed.bias)
         if isinstance(self.head, nn.Linear):
             # Zero weights and a bias of -log(C): every class starts at probability 1/C, which is what
             # the sigmoid cross-entropy of the released configs wants (harmless for softmax).

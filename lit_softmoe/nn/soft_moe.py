@@ -137,7 +137,10 @@ def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, ex
         logits = (x @ phi_hat.to(dtype)).to(routing_dtype) * torch.rsqrt(token_norm.square() + _NORM_EPS)
         if noise_std > 0:
             logits = logits + noise_std * torch.randn_like(logits)
-        dispatch_logits = logits if mask is None else logits.masked_fill(~mask[:, :, None], float("-inf"))
+        # The most negative finite value, not -inf: an example that is all padding then dispatches
+        # (zeroed) padding instead of NaN (a softmax over -inf only), which its zero output discards.
+        dispatch_logits = logits if mask is None else logits.masked_fill(
+            ~mask[:, :, None], torch.finfo(logits.dtype).min)
         dispatch = dispatch_logits.softmax(dim=1).to(dtype)  # (b, m, n·p): each slot mixes tokens
         combine = logits.softmax(dim=2).to(dtype)  # (b, m, n·p): each token mixes slots
         slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d)
@@ -237,8 +240,9 @@ class SoftMoE(nn.Module):
         # Softmaxes and their sums in fp32 at least, even when x is bf16/fp16 (or under autocast).
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if mask is not None:
-            # A padding token is never dispatched to a slot; its own output is zeroed later.
-            logits_for_dispatch = logits.masked_fill(~mask[:, :, None], float("-inf"))
+            # A padding token is never dispatched to a slot (exp(min - max) is exactly 0); its own
+            # output is zeroed later. Not -inf: an all-padding example would give NaN weights.
+            logits_for_dispatch = logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min)
         else:
             logits_for_dispatch = logits
         dispatch = logits_for_dispatch.softmax(dim=1)

@@ -1,0 +1,212 @@
+"""Review of the core algorithm against the official code (google-research/vmoe; `shared/reference/soft-moe.md`).
+
+What the existing `test_soft_moe.py` / `test_vit.py` did not pin down:
+- the ViT's initializations as vmoe builds them: flax `MultiHeadDotProductAttention` with
+  `kernel_init=xavier_uniform()` initializes q, k and v as three separate (d, d) kernels (flax's
+  DenseGeneral flattens each to (d, heads·head_dim) before the initializer) with zero biases, and the
+  patch embedding is a flax `nn.Conv` with its defaults (lecun-normal kernel, zero bias);
+- a padding mask that masks a whole example (no NaN in the output or in any gradient);
+- `forward_reference` under gradcheck, bf16 weights through both implementations, and the
+  remaining architectural constants (LayerNorm eps, GELU form, no dropout, GAP after the final norm).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_softmoe.models.vit import Mlp, create_image_tower
+from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
+
+TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated at ±2
+
+
+def _layer(dim=8, num_experts=3, slots=2, hidden=12, dtype=torch.float64, seed=0, scale=3.0) -> SoftMoE:
+    torch.manual_seed(seed)
+    layer = SoftMoE(dim, num_experts, hidden, slots_per_expert=slots, shared_expert_init=False, dtype=dtype)
+    with torch.no_grad():
+        layer.phi.normal_()
+        layer.scale.fill_(scale)
+        layer.experts.b1.normal_(std=0.3)
+        layer.experts.b2.normal_(std=0.3)
+    return layer
+
+
+def _randn(*shape, dtype=torch.float64, seed=1, std=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * std
+
+
+# ---- ViT initializations as vmoe's flax modules make them ----------------------------------------
+
+def test_q_k_v_kernels_are_each_xavier_uniform_over_d_by_d():
+    torch.manual_seed(0)
+    d = 384
+    tower = create_image_tower("vit-s16", depth=2)
+    bound = math.sqrt(6.0 / (d + d))  # per projection; a fused (3d, d) xavier would give sqrt(6 / 4d)
+    for block in tower.blocks:
+        attn = block.attn
+        for part in attn.qkv.weight.detach().chunk(3, dim=0):  # q, k, v rows
+            assert part.abs().max() <= bound
+            assert part.abs().max() > 0.99 * bound
+            assert abs(part.std().item() / math.sqrt(1.0 / d) - 1.0) < 0.02
+        # flax's attention Dense layers have zero-initialized biases.
+        assert torch.equal(attn.qkv.bias, torch.zeros_like(attn.qkv.bias))
+        assert torch.equal(attn.proj.bias, torch.zeros_like(attn.proj.bias))
+        proj = attn.proj.weight.detach()
+        assert proj.abs().max() <= bound and proj.abs().max() > 0.99 * bound
+
+
+def test_patch_embedding_is_lecun_normal_with_zero_bias():
+    torch.manual_seed(0)
+    tower = create_image_tower("vit-b16", depth=1)
+    weight, bias = tower.patch_embed.weight.detach(), tower.patch_embed.bias.detach()
+    fan_in = 3 * 16 * 16
+    std = 1.0 / math.sqrt(fan_in)
+    assert abs(weight.std().item() / std - 1.0) < 0.02
+    assert weight.abs().max() <= 2 * std / TRUNC_STD + 1e-7  # truncated at ±2σ of the untruncated normal
+    assert weight.abs().max() > 0.98 * 2 * std / TRUNC_STD
+    assert torch.equal(bias, torch.zeros_like(bias))
+
+
+def test_other_initializations_are_unchanged():
+    # MLP blocks: xavier-uniform kernels, N(0, 1e-6) biases; pos-embedding N(0, 0.02); LayerNorms 1 / 0.
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-s16-128e", depth=2, moe_layers=(1,), num_experts=4, num_classes=10)
+    d, mlp = 384, 1536
+    fc1 = tower.blocks[0].mlp.fc1
+    bound = math.sqrt(6.0 / (d + mlp))
+    assert bound * 0.99 < fc1.weight.abs().max() <= bound
+    assert 0 < fc1.bias.abs().max() < 1e-5
+    assert abs(tower.pos_embed.std().item() / 0.02 - 1.0) < 0.02
+    moe = tower.blocks[1].mlp
+    assert isinstance(moe, SoftMoE) and moe.scale.item() == 1.0
+    assert bound * 0.99 < moe.experts.w1.abs().max() <= bound
+    assert torch.equal(tower.head.weight, torch.zeros_like(tower.head.weight))
+    torch.testing.assert_close(tower.head.bias, torch.full((10,), -math.log(10)))
+
+
+# ---- architectural constants ---------------------------------------------------------------------
+
+def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e").eval()
+    norms = [m for m in tower.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) == 2 * 2 + 2 * 2 + 1  # norm1, norm2, q_norm, k_norm per block, final norm
+    assert all(m.eps == 1e-6 for m in norms)  # flax's LayerNorm default
+    assert not any(isinstance(m, nn.Dropout) for m in tower.modules())
+    # GELU: flax's nn.gelu default, the tanh approximation, in dense and expert MLPs alike.
+    v = torch.linspace(-4, 4, 101, dtype=torch.float64)[None, :, None].expand(1, 101, 32)
+    tanh_gelu = lambda t: 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))
+    mlp = Mlp(32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(torch.eye(32)), mlp.fc1.bias.zero_()
+        mlp.fc2.weight.copy_(torch.eye(32)), mlp.fc2.bias.zero_()
+        torch.testing.assert_close(mlp(v), tanh_gelu(v), rtol=1e-12, atol=1e-12)
+        experts = BatchedExperts(1, 32, 32, dtype=torch.float64)
+        experts.w1.copy_(torch.eye(32)[None]), experts.b1.zero_()
+        experts.w2.copy_(torch.eye(32)[None]), experts.b2.zero_()
+        torch.testing.assert_close(experts(v), tanh_gelu(v), rtol=1e-12, atol=1e-12)
+    pixels = _randn(2, 1, 28, 28, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(tower.forward_features(pixels), tower.forward_tokens(pixels).mean(1))
+
+
+# ---- padding mask: a fully padded example ---------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["forward", "forward_reference"])
+def test_fully_padded_example_gives_zeros_and_finite_gradients(impl):
+    layer = _layer()
+    run = getattr(layer, impl)
+    x = _randn(3, 5, 8, std=2.0).requires_grad_()
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False  # example 1: padding only
+    mask[2, 3:] = False
+    y = run(x, mask)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    # The other examples are what they would be without it.
+    keep = torch.tensor([0, 2])
+    x_kept = x.detach()[keep].clone().requires_grad_()
+    y_kept = run(x_kept, mask[keep])
+    torch.testing.assert_close(y[keep], y_kept)
+    grad = _randn(*y.shape, seed=3)
+    params = list(layer.parameters())
+    grads = torch.autograd.grad(y, [x, *params], grad)
+    grads_kept = torch.autograd.grad(y_kept, [x_kept, *params], grad[keep])
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1]))
+    torch.testing.assert_close(grads[0][keep], grads_kept[0])
+    for got, want in zip(grads[1:], grads_kept[1:]):
+        torch.testing.assert_close(got, want)
+
+
+def test_fully_padded_example_routing_weights_are_finite():
+    layer = _layer()
+    mask = torch.tensor([[False] * 4, [True, True, False, False]])
+    dispatch, combine = layer.routing_weights(_randn(2, 4, 8), mask)
+    assert torch.isfinite(dispatch).all() and torch.isfinite(combine).all()
+    assert torch.equal(dispatch[1, 2:], torch.zeros_like(dispatch[1, 2:]))
+
+
+# ---- numerics of both implementations --------------------------------------------------------------
+
+class _Reference(nn.Module):
+    """`layer.forward_reference` as a module's forward, for `torch.func.functional_call`."""
+
+    def __init__(self, layer: SoftMoE):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, mask=None):
+        return self.layer.forward_reference(x, mask)
+
+
+def test_reference_forward_gradcheck_fp64():
+    layer = _layer(dim=6, num_experts=3, slots=2, hidden=5)
+    x = _randn(2, 4, 6, std=1.5).requires_grad_()
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    module = _Reference(layer)
+    names = [name for name, _ in module.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
+
+    def run(x, *ps, mask=None):
+        return torch.func.functional_call(module, dict(zip(names, ps)), (x, mask))
+
+    assert torch.autograd.gradcheck(run, (x, *params))
+    assert torch.autograd.gradcheck(lambda x, *ps: run(x, *ps, mask=mask), (x, *params))
+
+
+def test_bf16_weights_forward_equals_reference_and_routing_stays_fp32():
+    layer = _layer(dim=32, num_experts=4, slots=2, hidden=64, dtype=torch.float32, scale=2.0)
+    x = F.layer_norm(_randn(2, 16, 32, dtype=torch.float32), (32,))
+    with torch.no_grad():
+        ref32 = layer.forward_reference(x)
+        low = layer.bfloat16()
+        new, ref = low(x.bfloat16()), low.forward_reference(x.bfloat16())
+        dispatch, combine = low.routing_weights(x.bfloat16())
+    assert new.dtype == ref.dtype == torch.bfloat16
+    assert dispatch.dtype == combine.dtype == torch.float32
+    torch.testing.assert_close(dispatch.sum(1), torch.ones(2, 4, 2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(combine.sum((2, 3)), torch.ones(2, 16), atol=1e-6, rtol=0)
+    err_new = (new.float() - ref32).norm() / ref32.norm()
+    err_ref = (ref.float() - ref32).norm() / ref32.norm()
+    assert err_new < 2e-2 and err_ref < 2e-2, (err_new, err_ref)
+    assert ((new.float() - ref.float()).norm() / ref32.norm()) < 2e-2
+
+
+def test_fused_forward_slots_are_dispatch_weighted_raw_tokens_per_example():
+    # The bugs list on the path `forward` runs (not only on `routing_weights`): the slot inputs the
+    # experts see are softmax-over-tokens mixes of the raw x of the same example.
+    layer = _layer(num_experts=3, slots=2)
+    x = _randn(2, 7, 8, std=4.0)
+    seen = []
+    handle = layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        layer(x)
+    handle.remove()
+    logits = layer._logits(x).detach().view(2, 7, 3, 2)
+    want = torch.einsum("bmnp,bmd->nbpd", logits.softmax(dim=1), x).reshape(3, 4, 8)
+    torch.testing.assert_close(seen[0], want)
