@@ -15,7 +15,7 @@ Name and layout map (flax Dense kernels are (in, out), nn.Linear weights (out, i
       SelfAttention/{query,key,value}/kernel (d, heads, head_dim), bias (heads, head_dim)
                                                    → blocks.i.attn.qkv rows [q; k; v], each (d, d)ᵀ
       SelfAttention/{query,key}_ln/scale (head_dim) → attn.q_norm / k_norm (flax's qk LayerNorm has
-                                                     no bias: ours is set to 0)
+                                                     no bias, nor have our towers)
       SelfAttention/out/kernel (heads, head_dim, d) → attn.proj.weight (d, d)ᵀ
       Mlp/Dense_{0,1}/kernel                       → mlp.fc1 / fc2 (dense blocks), transposed
       Moe/Router/mu (d, n, p), scale ()             → mlp.phi, mlp.scale (same layout)
@@ -73,7 +73,8 @@ def vmoe_names(cfg: ViTConfig) -> dict[str, list[tuple[str, callable]]]:
         if cfg.qk_norm:
             for ours, theirs in (("q_norm", "query_ln"), ("k_norm", "key_ln")):
                 plan[f"{dst}.attn.{ours}.weight"] = [(f"{att}/{theirs}/scale", same)]
-                plan[f"{dst}.attn.{ours}.bias"] = [(f"{att}/{theirs}/bias?", same)]  # '?': optional, else 0
+                if cfg.qk_norm_bias:  # a tower asked for with the biases: flax has none, they start at 0
+                    plan[f"{dst}.attn.{ours}.bias"] = [(f"{att}/{theirs}/bias?", same)]  # '?': optional, else 0
         plan[f"{dst}.attn.proj.weight"] = [(f"{att}/out/kernel", _heads_out)]
         plan[f"{dst}.attn.proj.bias"] = [(f"{att}/out/bias", same)]
         plan[f"{dst}.norm2.weight"] = [(f"{src}/LayerNorm_1/scale", same)]

@@ -275,8 +275,10 @@ def target_config(dense_state: dict[str, torch.Tensor], target_name: str,
                         "target (`lit-softmoe models` lists them)")
     head = dense_state.get("head.weight")
     has_qk_norm = any(k.endswith(".attn.q_norm.weight") for k in dense_state)
+    # A dense qk-norm with biases (timm's, or our towers saved before they lost them) keeps them.
+    has_qk_bias = any(k.endswith(".attn.q_norm.bias") for k in dense_state)
     return image_tower_config(target_name, num_classes=0 if head is None else head.shape[0],
-                              qk_norm=has_qk_norm if qk_norm is None else qk_norm)
+                              qk_norm=has_qk_norm if qk_norm is None else qk_norm, qk_norm_bias=has_qk_bias)
 
 
 def upcycle_tower(dense_tower: VisionTransformer, target_name: str, seed: int = 0, device=None,
@@ -307,7 +309,8 @@ def _fresh_qk_norms(cfg: ViTConfig, dense_state) -> dict[str, torch.Tensor]:
     for i in range(cfg.depth):
         for which in ("q_norm", "k_norm"):
             out[f"blocks.{i}.attn.{which}.weight"] = torch.ones(head_dim, dtype=some.dtype, device=some.device)
-            out[f"blocks.{i}.attn.{which}.bias"] = torch.zeros(head_dim, dtype=some.dtype, device=some.device)
+            if cfg.qk_norm_bias:
+                out[f"blocks.{i}.attn.{which}.bias"] = torch.zeros(head_dim, dtype=some.dtype, device=some.device)
     return out
 
 

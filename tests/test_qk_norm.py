@@ -31,26 +31,33 @@ INTERPRETED_CHECKS = textwrap.dedent("""
             d = heads * head_dim
             qkv = (torch.randn(b, m, 3 * d) * 3 + 1).to(dtype)
             errors = []
-            for part in (0, 1):
+            for part, with_bias in ((0, True), (1, True), (0, False), (1, False)):  # our towers' norms have no bias
                 weight, bias = torch.randn(head_dim) * 0.5 + 1, torch.randn(head_dim) * 0.5
-                got = head_layer_norm(qkv, part, heads, weight.to(dtype), bias.to(dtype), 1e-6)
+                bias = bias.to(dtype) if with_bias else None
+                got = head_layer_norm(qkv, part, heads, weight.to(dtype), bias, 1e-6)
                 view = qkv.view(b, m, 3, heads, head_dim)[:, :, part].float()
-                want = F.layer_norm(view, (head_dim,), weight.to(dtype).float(), bias.to(dtype).float(), 1e-6)
+                want = F.layer_norm(view, (head_dim,), weight.to(dtype).float(), None if bias is None else bias.float(),
+                                    1e-6)
                 errors.append([list(got.shape) == [b, m, heads, head_dim], str(got.dtype),
                                (got.float() - want).abs().max().item(), want.abs().max().item()])
             report[f"{b}x{m}x{heads}x{head_dim} {dtype}"] = errors
     # Inside a tower: the kernel forced on (the CPU normally takes PyTorch's path) must give the tower's output.
-    tower = vit.create_image_tower("vit-test", qk_norm=True).eval()
-    with torch.no_grad():
-        for block in tower.blocks:
-            for norm in (block.attn.q_norm, block.attn.k_norm):
-                norm.weight.normal_(1, 0.3); norm.bias.normal_(0, 0.3)
     pixels = torch.randn(3, 1, 28, 28)
-    with torch.inference_mode():
-        want = tower.forward_features(pixels)
-        vit.can_fuse_qk_norm = lambda *args: True
-        got = tower.forward_features(pixels)
-    report["tower"] = [(got - want).abs().max().item(), want.abs().max().item()]
+    fuse = vit.can_fuse_qk_norm
+    for bias in (False, True):  # ours (no bias, as flax), and towers saved with the biases
+        tower = vit.create_image_tower("vit-test", qk_norm=True, qk_norm_bias=bias).eval()
+        with torch.no_grad():
+            for block in tower.blocks:
+                for norm in (block.attn.q_norm, block.attn.k_norm):
+                    norm.weight.normal_(1, 0.3)
+                    if bias:
+                        norm.bias.normal_(0, 0.3)
+        with torch.inference_mode():
+            vit.can_fuse_qk_norm = fuse
+            want = tower.forward_features(pixels)
+            vit.can_fuse_qk_norm = lambda *args: True
+            got = tower.forward_features(pixels)
+        report[f"tower bias={bias}"] = [(got - want).abs().max().item(), want.abs().max().item()]
     print(json.dumps(report))
 """)
 
@@ -66,7 +73,7 @@ def interpreted():
 
 @pytest.mark.parametrize("case", ["2x9x2x64", "3x7x3x12"])
 def test_kernel_equals_layer_norm_in_fp32(interpreted, case):
-    for shape_ok, dtype, max_error, scale in interpreted[f"{case} torch.float32"]:  # q, then k
+    for shape_ok, dtype, max_error, scale in interpreted[f"{case} torch.float32"]:  # q, k; with and without bias
         assert shape_ok and dtype == "torch.float32"
         assert scale > 1.0 and max_error < 1e-5
 
@@ -78,8 +85,9 @@ def test_kernel_equals_layer_norm_within_bf16_rounding(interpreted, case):
         assert max_error <= 2 ** -7 * scale  # one bf16 ulp at the largest value
 
 
-def test_tower_with_the_kernel_equals_the_tower_without(interpreted):
-    max_error, scale = interpreted["tower"]
+@pytest.mark.parametrize("bias", [False, True])
+def test_tower_with_the_kernel_equals_the_tower_without(interpreted, bias):
+    max_error, scale = interpreted[f"tower bias={bias}"]
     assert scale > 0.1 and max_error < 1e-5
 
 

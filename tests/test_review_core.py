@@ -210,3 +210,28 @@ def test_fused_forward_slots_are_dispatch_weighted_raw_tokens_per_example():
     logits = layer._logits(x).detach().view(2, 7, 3, 2)
     want = torch.einsum("bmnp,bmd->nbpd", logits.softmax(dim=1), x).reshape(3, 4, 8)
     torch.testing.assert_close(seen[0], want)
+
+
+def test_qk_norm_has_no_bias_as_flax_and_old_towers_keep_theirs(tmp_path):
+    # flax's qk LayerNorm (use_bias=False) has a scale only; ours had a bias on q and k. A bias on k
+    # adds one score to every key of a query (dead weight); one on q adds a per-key logit.
+    import json
+
+    from lit_softmoe.models.vit import ViTConfig, create_image_tower
+    from lit_softmoe.train.checkpoint import load_tower, save_tower
+    tower = create_image_tower("soft-test-4e")
+    assert tower.blocks[0].attn.q_norm.bias is None and tower.blocks[0].attn.k_norm.bias is None
+    assert not [k for k in tower.state_dict() if k.endswith(("q_norm.bias", "k_norm.bias"))]
+    # A tower saved before the key existed (its config.json lacks it) loads with its biases, exactly.
+    torch.manual_seed(0)
+    old = create_image_tower("soft-test-4e", qk_norm_bias=True).eval()
+    with torch.no_grad():
+        old.blocks[0].attn.q_norm.bias.normal_()
+    save_tower(tmp_path / "old", old)
+    meta = json.loads((tmp_path / "old" / "config.json").read_text())
+    del meta["tower"]["qk_norm_bias"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
+    loaded, _ = load_tower(tmp_path / "old")
+    x = torch.randn(2, 1, 28, 28)
+    assert loaded.cfg.qk_norm_bias and torch.equal(loaded.eval()(x), old(x))
+    assert ViTConfig.from_dict(create_image_tower("vit-test").cfg.to_dict()).qk_norm_bias is False

@@ -50,6 +50,10 @@ class ViTConfig:
     slots_per_expert: int = 1  # Soft MoE only
     shared_expert_init: bool = True
     qk_norm: bool = True
+    # flax's qk LayerNorm (vmoe's towers) has a scale and no bias. A bias on k is dead weight (it adds
+    # the same score to every key of a query) and one on q adds a per-key logit the paper's model lacks.
+    # Towers saved before this key existed had both biases: `from_dict` reads them as True.
+    qk_norm_bias: bool = False
     # Which MoE layer: "soft" (Soft MoE), or the paper's sparse baselines "tokens_choice" / "experts_choice".
     # The fields below are read by the sparse layers only (defaults: the reference's, soft-moe.md §3).
     moe_type: str = "soft"
@@ -90,19 +94,21 @@ class ViTConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown tower config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**d)
+        return cls(**{"qk_norm_bias": True, **d})  # saved before the key existed: with the biases
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with optional LayerNorm on q and k, via SDPA."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, device=None, dtype=None):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, qk_norm_bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, **factory)
-        self.q_norm = nn.LayerNorm(self.head_dim, eps=1e-6, **factory) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, **factory) if qk_norm else nn.Identity()
+        norm = dict(eps=1e-6, bias=qk_norm_bias, **factory)
+        self.q_norm = nn.LayerNorm(self.head_dim, **norm) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, **norm) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +134,8 @@ def _layer_norm_keep_dtype(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
     if isinstance(norm, nn.Identity) or t.device.type not in ("cuda", "cpu"):
         return norm(t)
     with torch.autocast(t.device.type, enabled=False):
-        return F.layer_norm(t, norm.normalized_shape, norm.weight.to(t.dtype), norm.bias.to(t.dtype), norm.eps)
+        bias = None if norm.bias is None else norm.bias.to(t.dtype)
+        return F.layer_norm(t, norm.normalized_shape, norm.weight.to(t.dtype), bias, norm.eps)
 
 
 class Mlp(nn.Module):
@@ -164,7 +171,7 @@ class Block(nn.Module):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
-        self.attn = Attention(cfg.width, cfg.num_heads, cfg.qk_norm, **factory)
+        self.attn = Attention(cfg.width, cfg.num_heads, cfg.qk_norm, cfg.qk_norm_bias, **factory)
         self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
         if use_moe:
             self.mlp = _moe_layer(cfg, **factory)

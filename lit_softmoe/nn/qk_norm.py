@@ -47,7 +47,8 @@ def fused_qk_norm_enabled() -> bool:
 if triton is not None:
     @triton.jit
     def _head_layer_norm_kernel(qkv_ptr, out_ptr, weight_ptr, bias_ptr, rows, heads, head_dim, part_offset,
-                                token_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+                                token_stride, eps, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                BLOCK_DIM: tl.constexpr):
         # One program: BLOCK_ROWS rows, a row = one (token, head) pair of q (part 0) or k (part 1).
         row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         col = tl.arange(0, BLOCK_DIM)
@@ -61,17 +62,18 @@ if triton is not None:
         centred = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / head_dim + eps)
         weight = tl.load(weight_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
-        bias = tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
-        y = centred * rstd[:, None] * weight[None, :] + bias[None, :]
+        y = centred * rstd[:, None] * weight[None, :]
+        if HAS_BIAS:  # flax's qk LayerNorm, as our towers use it, has none
+            y += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dst = row64 * head_dim  # the output is (tokens, heads, head_dim), contiguous
         tl.store(out_ptr + dst[:, None] + col[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def head_layer_norm(qkv: torch.Tensor, part: int, heads: int, weight: torch.Tensor, bias: torch.Tensor,
+def head_layer_norm(qkv: torch.Tensor, part: int, heads: int, weight: torch.Tensor, bias: torch.Tensor | None,
                     eps: float) -> torch.Tensor:
     """LayerNorm over head_dim of q (part 0) or k (part 1) inside `qkv`, with the Triton kernel.
 
-    qkv: (b, m, 3·d), contiguous, any float dtype; weight, bias: (head_dim,). Returns
+    qkv: (b, m, 3·d), contiguous, any float dtype; weight, bias: (head_dim,), bias may be None. Returns
     (b, m, heads, head_dim) in qkv's dtype, statistics computed in fp32 (as PyTorch's kernel does).
     Runs wherever Triton does (a CUDA GPU, or the CPU under `TRITON_INTERPRET=1` for tests).
     """
@@ -87,7 +89,8 @@ def head_layer_norm(qkv: torch.Tensor, part: int, heads: int, weight: torch.Tens
     block_dim = triton.next_power_of_2(head_dim)
     block_rows = max(1, min(64, 4096 // block_dim))  # ~4k elements a program: 64 rows of 64
     grid = (triton.cdiv(rows, block_rows),)
-    _head_layer_norm_kernel[grid](qkv, out, weight, bias, rows, heads, head_dim, part * width, three_d, eps,
+    _head_layer_norm_kernel[grid](qkv, out, weight, weight if bias is None else bias, rows, heads, head_dim,
+                                  part * width, three_d, eps, HAS_BIAS=bias is not None,
                                   BLOCK_ROWS=block_rows, BLOCK_DIM=block_dim)
     return out
 
@@ -116,7 +119,6 @@ def can_fuse_qk_norm(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) ->
         return False
     if not qkv.is_cuda or not qkv.is_contiguous() or torch.compiler.is_compiling() or not fused_qk_norm_enabled():
         return False
-    if torch.is_grad_enabled() and (qkv.requires_grad or any(n.weight.requires_grad or n.bias.requires_grad
-                                                             for n in norms)):
+    if torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for n in norms for p in n.parameters())):
         return False  # training: the kernel has no backward
     return qkv.dtype in (torch.float32, torch.bfloat16, torch.float16)
