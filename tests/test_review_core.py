@@ -153,32 +153,6 @@ def test_fully_padded_example_routing_weights_are_finite():
 
 # ---- numerics of both implementations --------------------------------------------------------------
 
-class _Reference(nn.Module):
-    """`layer.forward_reference` as a module's forward, for `torch.func.functional_call`."""
-
-    def __init__(self, layer: SoftMoE):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x, mask=None):
-        return self.layer.forward_reference(x, mask)
-
-
-def test_reference_forward_gradcheck_fp64():
-    layer = _layer(dim=6, num_experts=3, slots=2, hidden=5)
-    x = _randn(2, 4, 6, std=1.5).requires_grad_()
-    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
-    module = _Reference(layer)
-    names = [name for name, _ in module.named_parameters()]
-    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
-
-    def run(x, *ps, mask=None):
-        return torch.func.functional_call(module, dict(zip(names, ps)), (x, mask))
-
-    assert torch.autograd.gradcheck(run, (x, *params))
-    assert torch.autograd.gradcheck(lambda x, *ps: run(x, *ps, mask=mask), (x, *params))
-
-
 def test_bf16_weights_forward_equals_reference_and_routing_stays_fp32():
     layer = _layer(dim=32, num_experts=4, slots=2, hidden=64, dtype=torch.float32, scale=2.0)
     x = F.layer_norm(_randn(2, 16, 32, dtype=torch.float32), (32,))

@@ -531,15 +531,28 @@ def test_fused_forward_equals_the_reference_fp32(slots, masked):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_fused_forward_gradcheck_fp64():
+class _ReferenceForward(nn.Module):
+    """`layer.forward_reference` as a module's forward, for `torch.func.functional_call`."""
+
+    def __init__(self, layer: SoftMoE):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, mask=None):
+        return self.layer.forward_reference(x, mask)
+
+
+@pytest.mark.parametrize("path", ["forward", "forward_reference"])
+def test_forward_gradcheck_fp64(path):
     layer = make_layer(dim=6, num_experts=3, slots=2, hidden=5, dtype=torch.float64)
+    module = layer if path == "forward" else _ReferenceForward(layer)
     x = randn(2, 4, 6, std=1.5).requires_grad_()
     mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
-    names = [name for name, _ in layer.named_parameters()]
-    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    names = [name for name, _ in module.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
 
     def run(x, *ps, mask=None):
-        return torch.func.functional_call(layer, dict(zip(names, ps)), (x, mask))
+        return torch.func.functional_call(module, dict(zip(names, ps)), (x, mask))
 
     assert torch.autograd.gradcheck(run, (x, *params))
     assert torch.autograd.gradcheck(lambda x, *ps: run(x, *ps, mask=mask), (x, *params))
