@@ -70,7 +70,7 @@ def test_resumed_tokens_choice_run_logs_and_reports_what_the_uninterrupted_run_d
     (["tower.name=ec-tiny-p7-16e", "tower.options.capacity_factor=0.01"], "tokens per expert (< 1)"),
     (["tower.name=soft-tiny-p7-16e", "tower.options.slots_per_expert=0"], "slots_per_expert must be >= 1"),
     (["tower.options.num_classes=5"], "tower.options.num_classes cannot be set"),
-    (["optim.lr=-1"], "optim: Invalid learning rate"),
+    (["optim.lr=-1"], "config key 'optim.lr' is -1.0; it must be at least 0"),  # refused by the config itself
     (["optim.beta2=1.5"], "optim: Invalid beta parameter"),
     (["label_smoothing=1.5"], "label_smoothing must be in [0, 1]"),
 ])
