@@ -98,20 +98,21 @@ def test_triton_qk_norm_equals_layer_norm_at_paper_shapes():
     b, m, heads, head_dim = 8, 196, 12, 64
     qkv = (torch.randn(b, m, 3 * heads * head_dim, device="cuda") * 2 + 0.5).bfloat16()
     weight = (torch.randn(head_dim, device="cuda") * 0.3 + 1).bfloat16()
-    bias = (torch.randn(head_dim, device="cuda") * 0.3).bfloat16()
-    for part in (0, 1):
-        got = head_layer_norm(qkv, part, heads, weight, bias, 1e-6)
-        view = qkv.view(b, m, 3, heads, head_dim)[:, :, part]
-        want = F.layer_norm(view.float(), (head_dim,), weight.float(), bias.float(), 1e-6)
-        assert got.shape == (b, m, heads, head_dim) and got.dtype == torch.bfloat16
-        assert (got.float() - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+    for bias in ((torch.randn(head_dim, device="cuda") * 0.3).bfloat16(), None):  # ours have none (flax)
+        for part in (0, 1):
+            got = head_layer_norm(qkv, part, heads, weight, bias, 1e-6)
+            view = qkv.view(b, m, 3, heads, head_dim)[:, :, part]
+            want = F.layer_norm(view.float(), (head_dim,), weight.float(), None if bias is None else bias.float(),
+                                1e-6)
+            assert got.shape == (b, m, heads, head_dim) and got.dtype == torch.bfloat16
+            assert (got.float() - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
 def test_tower_takes_the_kernel_in_inference_only(monkeypatch):
-    import lit_softmoe.models.vit as vit
+    from lit_softmoe.nn import qk_norm
     calls = []
-    kernel = vit.head_layer_norm
-    monkeypatch.setattr(vit, "head_layer_norm", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = qk_norm.head_layer_norm  # what fused_qk_norm calls, once for q and once for k
+    monkeypatch.setattr(qk_norm, "head_layer_norm", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     torch.manual_seed(0)
     tower = create_image_tower("vit-s16").cuda().bfloat16().eval()
     pixels = torch.randn(4, 3, 224, 224, device="cuda").bfloat16()
