@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import save, save_file
 from torch import nn
 
 from lit_softmoe.data.tokenizers import HF_PREFIX, OPENCLIP_BPE, create_tokenizer
@@ -55,7 +55,7 @@ from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.vit import ViTConfig, VisionTransformer
 from lit_softmoe.train.checkpoint import (STATE_META, STATE_TENSORS, TOWER_CONFIG, TOWER_WEIGHTS,
-                                          check_state_dict, load_tower, write_folder_atomically)
+                                          check_state_dict, load_tower, load_weights, write_folder_atomically)
 from lit_softmoe.train.embed import tower_fingerprint
 
 FORMAT_VERSION = 1
@@ -82,16 +82,6 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {path} ({err}); is it a complete folder?") from None
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """A weights file, or one line saying it is missing or damaged (a folder copied only in part)."""
-    from safetensors import SafetensorError
-    try:
-        return load_file(path)
-    except (OSError, SafetensorError) as err:
-        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or "
-                        "damaged: copy or export it again") from None
 
 
 def _sha256_file(path: Path) -> str:
@@ -246,14 +236,14 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
         cfg = load_config(LiTConfig, source.run_dir / "config.yaml")
         text_cfg, loss, image_head = cfg.text, cfg.loss, cfg.image_head
         tower_dir = _find_tower(cfg.image_tower, source.run_dir)
-        tensors = _load_safetensors(source.path / STATE_TENSORS)
+        tensors = load_weights(source.path / STATE_TENSORS)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         step = _read_json(source.path / STATE_META).get("step")
     else:
         info = _read_json(source.path / EXPORT_CONFIG)
         text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
         tower_dir = _find_tower(info["image_tower"], source.run_dir)
-        state = _load_safetensors(source.path / TOWER_WEIGHTS)
+        state = load_weights(source.path / TOWER_WEIGHTS)
         image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
     tower, tower_meta = load_tower(tower_dir)
@@ -289,7 +279,7 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
         text_tower = create_text_tower(text_cfg, embed_dim=config["embed_dim"])
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
     state = {k: v.float() if v.is_floating_point() else v
-             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in _load_safetensors(path / name).items()}
+             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_weights(path / name).items()}
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     model.lock_image_tower()
@@ -342,7 +332,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
         config = _read_json(source.path / EXPORT_CONFIG)
         tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
         state = {k[len("image_tower."):]: v.float() if v.is_floating_point() else v
-                 for k, v in _load_safetensors(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
+                 for k, v in load_weights(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
         check_state_dict(tower, state, str(source.path / IMAGE_WEIGHTS))
         tower.load_state_dict(state, assign=True)
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"

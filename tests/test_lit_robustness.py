@@ -31,17 +31,21 @@ from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Image shards of 50, a random tower with its preprocess entry, and the tower's feature cache."""
-    root = tmp_path_factory.mktemp("lit_robust")
+def write_lit_data(root: Path, **embed_options) -> Path:
+    """300 + 300 Fashion-MNIST images in shards of 50, a random tower with its preprocess entry, and
+    the tower's feature cache of both splits (`embed_options` go to `embed_shards`)."""
     write_fashion_mnist_shards(root / "fmnist", samples_per_shard=50, limit=300, allow_download=False)
     torch.manual_seed(0)
     save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={"preprocess": PREPROCESS})
     for split in ("train", "test"):
-        embed_shards(root / "tower", str(root / "fmnist" / split), root / "features", batch_size=100)
+        embed_shards(root / "tower", str(root / "fmnist" / split), root / "features", batch_size=100, **embed_options)
     return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_lit_data(tmp_path_factory.mktemp("lit_robust"))
 
 
 def _cfg(data, run_dir, *extra) -> LiTConfig:

@@ -247,10 +247,11 @@ def test_tower_is_saved_before_the_final_evaluation(shards, tmp_path, monkeypatc
 def test_class_names_are_found_beside_a_pattern_or_a_list_of_splits(shards, tmp_path):
     # A brace pattern or a '::' list as data.train looked for classnames.txt in the wrong folder and
     # silently named the classes "0" ... "9".
-    from lit_softmoe.train.pretrain import _dataset_dir, _setup_data
+    from lit_softmoe.data.shards import dataset_dir
+    from lit_softmoe.train.pretrain import _setup_data
     for spec in (f"{shards}/train", f"{shards}/train/{{0..0}}.tar", f"{shards}/train::{shards}/test",
                  f"{shards}/train/0.tar::{shards}/test/0.tar"):
-        assert _dataset_dir(spec) == shards, spec
+        assert dataset_dir(spec) == shards, spec
     names = (shards / "classnames.txt").read_text().splitlines()
     data = _setup_data(_cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar",
                             "data.max_train_samples=100", "data.max_test_samples=100"))

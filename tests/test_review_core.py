@@ -20,23 +20,9 @@ from torch import nn
 
 from lit_softmoe.models.vit import Mlp, create_image_tower
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
+from test_soft_moe import make_layer, randn
 
 TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated at ±2
-
-
-def _layer(dim=8, num_experts=3, slots=2, hidden=12, dtype=torch.float64, seed=0, scale=3.0) -> SoftMoE:
-    torch.manual_seed(seed)
-    layer = SoftMoE(dim, num_experts, hidden, slots_per_expert=slots, shared_expert_init=False, dtype=dtype)
-    with torch.no_grad():
-        layer.phi.normal_()
-        layer.scale.fill_(scale)
-        layer.experts.b1.normal_(std=0.3)
-        layer.experts.b2.normal_(std=0.3)
-    return layer
-
-
-def _randn(*shape, dtype=torch.float64, seed=1, std=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * std
 
 
 # ---- ViT initializations as vmoe's flax modules make them ----------------------------------------
@@ -109,7 +95,7 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
         experts.w1.copy_(torch.eye(32)[None]), experts.b1.zero_()
         experts.w2.copy_(torch.eye(32)[None]), experts.b2.zero_()
         torch.testing.assert_close(experts(v), tanh_gelu(v), rtol=1e-12, atol=1e-12)
-    pixels = _randn(2, 1, 28, 28, dtype=torch.float32)
+    pixels = randn(2, 1, 28, 28, dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(tower.forward_features(pixels), tower.forward_tokens(pixels).mean(1))
 
@@ -118,9 +104,9 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
 
 @pytest.mark.parametrize("impl", ["forward", "forward_reference"])
 def test_fully_padded_example_gives_zeros_and_finite_gradients(impl):
-    layer = _layer()
+    layer = make_layer()
     run = getattr(layer, impl)
-    x = _randn(3, 5, 8, std=2.0).requires_grad_()
+    x = randn(3, 5, 8, std=2.0).requires_grad_()
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[1] = False  # example 1: padding only
     mask[2, 3:] = False
@@ -132,7 +118,7 @@ def test_fully_padded_example_gives_zeros_and_finite_gradients(impl):
     x_kept = x.detach()[keep].clone().requires_grad_()
     y_kept = run(x_kept, mask[keep])
     torch.testing.assert_close(y[keep], y_kept)
-    grad = _randn(*y.shape, seed=3)
+    grad = randn(*y.shape, seed=3)
     params = list(layer.parameters())
     grads = torch.autograd.grad(y, [x, *params], grad)
     grads_kept = torch.autograd.grad(y_kept, [x_kept, *params], grad[keep])
@@ -144,9 +130,9 @@ def test_fully_padded_example_gives_zeros_and_finite_gradients(impl):
 
 
 def test_fully_padded_example_routing_weights_are_finite():
-    layer = _layer()
+    layer = make_layer()
     mask = torch.tensor([[False] * 4, [True, True, False, False]])
-    dispatch, combine = layer.routing_weights(_randn(2, 4, 8), mask)
+    dispatch, combine = layer.routing_weights(randn(2, 4, 8), mask)
     assert torch.isfinite(dispatch).all() and torch.isfinite(combine).all()
     assert torch.equal(dispatch[1, 2:], torch.zeros_like(dispatch[1, 2:]))
 
@@ -154,8 +140,8 @@ def test_fully_padded_example_routing_weights_are_finite():
 # ---- numerics of both implementations --------------------------------------------------------------
 
 def test_bf16_weights_forward_equals_reference_and_routing_stays_fp32():
-    layer = _layer(dim=32, num_experts=4, slots=2, hidden=64, dtype=torch.float32, scale=2.0)
-    x = F.layer_norm(_randn(2, 16, 32, dtype=torch.float32), (32,))
+    layer = make_layer(dim=32, num_experts=4, slots=2, hidden=64, dtype=torch.float32, scale=2.0)
+    x = F.layer_norm(randn(2, 16, 32, dtype=torch.float32), (32,))
     with torch.no_grad():
         ref32 = layer.forward_reference(x)
         low = layer.bfloat16()
@@ -174,8 +160,8 @@ def test_bf16_weights_forward_equals_reference_and_routing_stays_fp32():
 def test_fused_forward_slots_are_dispatch_weighted_raw_tokens_per_example():
     # The bugs list on the path `forward` runs (not only on `routing_weights`): the slot inputs the
     # experts see are softmax-over-tokens mixes of the raw x of the same example.
-    layer = _layer(num_experts=3, slots=2)
-    x = _randn(2, 7, 8, std=4.0)
+    layer = make_layer(num_experts=3, slots=2)
+    x = randn(2, 7, 8, std=4.0)
     seen = []
     handle = layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
     with torch.no_grad():

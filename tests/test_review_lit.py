@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.shards import shard_urls
-from lit_softmoe.data.sources import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -26,23 +25,15 @@ from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.loss import contrastive_loss
+from test_lit_robustness import PREPROCESS, write_lit_data
 
-PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """300 + 300 Fashion-MNIST images in shards of 50, a random tower, and its feature cache (6 shards a split)."""
-    root = tmp_path_factory.mktemp("review_lit")
-    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=50, limit=300, allow_download=False)
-    torch.manual_seed(0)
-    save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
-               extra={"preprocess": PREPROCESS})
-    for split in ("train", "test"):
-        embed_shards(root / "tower", str(root / "fmnist" / split), root / "features", batch_size=100,
-                     samples_per_shard=50)
-    return root
+    """test_lit_robustness's images and tower, with a feature cache of 6 shards a split."""
+    return write_lit_data(tmp_path_factory.mktemp("review_lit"), samples_per_shard=50)
 
 
 def _cfg(data, run_dir, *extra) -> LiTConfig:

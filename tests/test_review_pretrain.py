@@ -11,21 +11,14 @@ from pathlib import Path
 import pytest
 
 from lit_softmoe.config import PretrainConfig, load_config
-from lit_softmoe.data.sources import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
+from test_routers import shards  # noqa: F401  (1,000 Fashion-MNIST images)
 
 # A narrow Tokens Choice tower (router noise on, tokens dropped) so that these tests take seconds.
 SMALL_TC = ["tower.name=tc-tiny-p7-16e-k1", "tower.options.width=64", "tower.options.num_heads=2",
             "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
-    return out
 
 
 def _cfg(shards, run_dir, *extra):

@@ -224,6 +224,17 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
     return urls
 
 
+def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
+    """The local folder holding a split folder, where classnames.txt and the templates lie: DATA/x for
+    DATA/x/train, for a pattern DATA/x/train/{0..9}.tar, and for the first part of a '::' list of
+    either; None for remote shards. `urls`: the spec's `shard_urls`, when the caller has them."""
+    first = str(spec).split("::")[0]
+    if is_local_url(first) and Path(first).is_dir():
+        return Path(first).resolve().parent
+    first_url = (urls or shard_urls(spec))[0]
+    return Path(first_url).resolve().parent.parent if is_local_url(first_url) else None
+
+
 def num_samples(split_dir: str | Path) -> int:
     """Number of samples in a split written by `write_split` (from its sizes.json)."""
     sizes_path = Path(split_dir) / SIZES_FILE

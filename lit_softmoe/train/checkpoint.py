@@ -208,6 +208,16 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
                         "use the tower name and options the checkpoint was trained with")
 
 
+def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
+    copied only in part, a truncated download)."""
+    try:
+        return load_file(path, device=str(device))
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
+                        "copy it again or write it anew") from None
+
+
 def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
     """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
     path = Path(path)
@@ -230,11 +240,7 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(f"{config_file} has no valid tower config: {err}") from None
     tower = VisionTransformer(cfg, device="meta")
-    try:
-        state = load_file(weights_file, device=str(device))
-    except (OSError, SafetensorError) as err:  # a folder copied only in part, a truncated download
-        raise UserError(f"cannot read {weights_file} ({type(err).__name__}: {err}); the tower folder is incomplete "
-                        "or damaged: save or copy it again") from None
+    state = load_weights(weights_file, device)
     check_state_dict(tower, state, str(weights_file))
     tower.load_state_dict(state, assign=True)
     return tower, meta

@@ -44,7 +44,7 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, files_signature, is_local_url, shard_urls, write_split,
+from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, dataset_dir, is_local_url, shard_urls, write_split,
                                     write_text_atomic)
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
@@ -135,24 +135,29 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
 
 
 def _source_stats(urls: list[str]) -> dict:
-    """{resolved path: [size, mtime_ns]} of the local source shards, recorded in embed.json."""
+    """{resolved path: [size, mtime_ns]} of each local source shard, {url: None} of a remote one (it
+    cannot be stat'ed): what embed.json records, a rerun compares and `check_feature_cache` checks."""
     stats = {}
     for url in urls:
         if is_local_url(url):
             stat = os.stat(url)
             stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
+        else:
+            stats[url] = None
     return stats
 
 
 def _changed_source_file(source_stats: dict) -> str | None:
     """A source shard rewritten since embedding, if any. Deleted sources are fine: dropping the images
     once their features are cached is a reason to cache (and remote sources cannot be checked)."""
-    for path, (size, mtime_ns) in source_stats.items():
+    for path, recorded in source_stats.items():
+        if recorded is None:  # remote
+            continue
         try:
             stat = os.stat(path)
         except OSError:
             continue
-        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+        if [stat.st_size, stat.st_mtime_ns] != recorded:
             return path
     return None
 
@@ -165,17 +170,6 @@ def _source_split_name(shards: str, urls: list[str]) -> str:
     if Path(spec).is_dir():
         return Path(spec).resolve().name
     return Path(os.path.dirname(urls[0])).name or "train"
-
-
-def _source_dataset_dir(shards: str, urls: list[str]) -> Path | None:
-    """The local folder holding the source split folder (where classnames.txt lies), if local."""
-    spec = str(shards)
-    if Path(spec).is_dir():
-        return Path(spec).resolve().parent
-    first = urls[0]
-    if "://" in first or first.startswith("pipe:"):
-        return None
-    return Path(first).resolve().parent.parent
 
 
 def _ignore(exn: Exception) -> bool:
@@ -326,15 +320,14 @@ def embed_shards(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = autocast_dtype(precision, device)
     fingerprint = tower_fingerprint(tower_dir)
-    wanted = {**fingerprint, "source": str(shards), "source_files": files_signature(urls),
+    wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
               "precision": "bf16" if autocast else "fp32"}
-    source_stats = _source_stats(urls)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out_dir, split)
-    _copy_metadata(_source_dataset_dir(shards, urls), out_dir)
+    _copy_metadata(dataset_dir(shards, urls), out_dir)
     done = _read_embed_json(split_dir)
-    # Anything else (another tower, other source files, a cache from before source_files was
+    # Anything else (another tower, other source files, a cache from before source_stats was
     # recorded) is embedded again; the new split replaces the old one atomically.
     if done is not None and all(done.get(key) == value for key, value in wanted.items()):
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
@@ -373,8 +366,7 @@ def embed_shards(
                             "an image and a .txt per sample")
         stats["bad"].update({reason: count for reason, count in sorted(loader.bad.counts.items()) if count})
         stats["seconds"] = round(time.perf_counter() - start, 3)
-        info = {**wanted, "source_stats": source_stats, "split": split, "num_samples": stats["num_samples"],
-                "dim": tower.cfg.width,
+        info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
                 "dtype": "float16", "with_cls": labels is not None, "bad": stats["bad"], "seconds": stats["seconds"]}
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")

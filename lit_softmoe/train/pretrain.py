@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig
-from lit_softmoe.data.shards import load_class_split, read_classnames, write_text_atomic
+from lit_softmoe.data.shards import dataset_dir, load_class_split, read_classnames, write_text_atomic
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.vit import VisionTransformer, create_image_tower, image_tower_config
@@ -69,19 +69,12 @@ def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]
     return images[~unnamed], labels[~unnamed]
 
 
-def _dataset_dir(train_spec: str) -> Path:
-    """The folder beside the train split that holds classnames.txt: DATA/x for DATA/x/train, for a
-    pattern DATA/x/train/{0..9}.tar, and for the first part of a '::' list of either."""
-    first = Path(str(train_spec).split("::")[0])
-    return first.parent if first.is_dir() else first.parent.parent
-
-
 def _setup_data(cfg: PretrainConfig) -> ClassData:
     train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
     test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
-    classnames_dir = _dataset_dir(cfg.data.train)
-    classnames = read_classnames(classnames_dir) if (classnames_dir / "classnames.txt").exists() else \
-        [str(i) for i in range(int(train_labels.max()) + 1)]
+    classnames_dir = dataset_dir(cfg.data.train)  # beside the split, for a pattern or a '::' list too
+    has_names = classnames_dir is not None and (classnames_dir / "classnames.txt").exists()
+    classnames = read_classnames(classnames_dir) if has_names else [str(i) for i in range(int(train_labels.max()) + 1)]
     train_images, train_labels = _drop_unnamed_classes("train", train_images, train_labels, train_bad, classnames)
     test_images, test_labels = _drop_unnamed_classes("test", test_images, test_labels, test_bad, classnames)
     for split, labels, bad in (("train", train_labels, train_bad), ("test", test_labels, test_bad)):
