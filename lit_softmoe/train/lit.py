@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import is_local_url, read_lines, shard_urls, write_text_atomic
+from lit_softmoe.data.shards import dataset_dir, is_local_url, read_lines, shard_urls, write_text_atomic
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
@@ -149,19 +149,26 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, t
 def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     if not cfg.eval.shards:
         return None
-    split = Path(cfg.eval.shards)
-    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else split.parent / "classnames.txt"
-    templates = Path(cfg.eval.templates) if cfg.eval.templates else split.parent / "zeroshot_classification_templates.txt"
+    split = str(cfg.eval.shards)
+    # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
+    folder = dataset_dir(split)
+    for value, name, key in ((cfg.eval.classnames, "classnames.txt", "eval.classnames"),
+                             (cfg.eval.templates, "zeroshot_classification_templates.txt", "eval.templates")):
+        if not value and folder is None:
+            raise UserError(f"eval.shards {split} is not a local split, so there is no {name} beside it; "
+                            f"set {key} to a file with one entry per line")
+    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / "classnames.txt"
+    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / "zeroshot_classification_templates.txt"
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
-    eval_set = {"split": str(split), "classnames": read_lines(classnames), "templates": read_lines(templates),
+    eval_set = {"split": split, "classnames": read_lines(classnames), "templates": read_lines(templates),
                 "features": None, "labels": None}
     if not eval_set["classnames"]:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
     check_templates(eval_set["templates"], str(templates))  # now, not after training
     if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, str(split), model, transform, accelerator)
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
     return eval_set
 
 
