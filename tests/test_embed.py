@@ -225,3 +225,35 @@ def test_too_many_bad_samples_name_no_option_embed_lacks(cache, tmp_path):
         embed_shards(cache["root"] / "tower", str(tmp_path / "broken" / "train"), tmp_path / "out")
     assert "max_bad_fraction=0.01" in str(raised.value) and "data.max_bad_fraction" not in str(raised.value)
     assert str(raised.value).endswith("; fix or rewrite the source shards")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-size", "0", "--batch-size must be at least 1, got 0"),
+    ("--workers", "-1", "--workers must be at least 0, got -1"),
+    ("--split", "a/b", "--split 'a/b' must be a folder name (e.g. train), not a path; give the parent folder as --out"),
+    ("--split", "..", "--split '..' must be a folder name"),
+])
+def test_bad_flags_are_named_as_the_command_spells_them(cache, tmp_path, capsys, flag, value, message):
+    root = cache["root"]
+    assert main(["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
+                 "--out", str(tmp_path / "out"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lit-softmoe embed: error: {message}") and err.count("\n") == 1 and "data." not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_dataset_does_not_rename_the_first_ones_classes(cache, tmp_path):
+    root = cache["root"]
+    other = tmp_path / "other"
+    shutil.copytree(root / "fmnist", other)
+    (other / "classnames.txt").write_text("".join(f"digit {i}\n" for i in range(10)))
+    out = tmp_path / "features"
+    embed_shards(root / "tower", str(root / "fmnist" / "test"), out, batch_size=100)
+    names = (out / "classnames.txt").read_text()
+    with pytest.raises(UserError, match=r"classnames.txt differs from .*other/classnames.txt and the feature "
+                                        r"split\(s\) test in .* use it; embed another dataset into its own --out"):
+        embed_shards(root / "tower", str(other / "train"), out, batch_size=100)
+    assert (out / "classnames.txt").read_text() == names and not (out / "train").exists()
+    # Re-embedding the split that uses them (the same dataset, its class names since corrected) takes them.
+    embed_shards(root / "tower", str(other / "test"), out, batch_size=100)
+    assert (out / "classnames.txt").read_text().startswith("digit 0\n")

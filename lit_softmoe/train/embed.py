@@ -265,6 +265,19 @@ def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
     return copied
 
 
+def _refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
+    """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
+    embedding a second dataset into the same --out would rename the first one's classes."""
+    others = sorted(path.parent.name for path in out_dir.glob(f"*/{EMBED_FILE}") if path.parent.name != split)
+    for name in METADATA_FILES if source_dir is not None and others else ():
+        source, target = source_dir / name, out_dir / name
+        if (source.is_file() and target.is_file()
+                and source.read_text(encoding="utf-8") != target.read_text(encoding="utf-8")):
+            raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
+                            f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
+                            f"{target} to take the new one")
+
+
 def _remove_leftovers(out_dir: Path, split: str) -> None:
     # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming).
     for leftover in out_dir.glob(f".{split}.tmp-*"):
@@ -308,6 +321,14 @@ def embed_shards(
     """
     start = time.perf_counter()
     out_dir = Path(out_dir)
+    # The command's own flags: the loader's checks would name data.* options embed does not take.
+    for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0),
+                               (samples_per_shard, "samples_per_shard", 1)):
+        if value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
+        raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
+                        "give the parent folder as --out")
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     _refuse_feature_shards(shards, urls)
     split = split or _source_split_name(shards, urls)
@@ -323,9 +344,11 @@ def embed_shards(
     wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
               "precision": "bf16" if autocast else "fp32"}
 
+    source_dir = dataset_dir(shards, urls)
+    _refuse_other_metadata(source_dir, out_dir, split)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out_dir, split)
-    _copy_metadata(dataset_dir(shards, urls), out_dir)
+    _copy_metadata(source_dir, out_dir)
     done = _read_embed_json(split_dir)
     # Anything else (another tower, other source files, a cache from before source_stats was
     # recorded) is embedded again; the new split replaces the old one atomically.
