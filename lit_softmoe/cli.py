@@ -5,10 +5,17 @@ A user's mistake raises UserError anywhere below; it is printed here as one line
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from lit_softmoe.errors import UserError, check_writable
+
+
+def _is_main_process() -> bool:
+    """False in the other processes of `torchrun` / `accelerate launch` (they set RANK), so the closing
+    line of a distributed run is printed once."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _cmd_data(args) -> None:
@@ -38,7 +45,7 @@ def _cmd_pretrain(args) -> None:
     from lit_softmoe.train.pretrain import pretrain
     cfg = load_config(PretrainConfig, args.config, args.overrides)
     results = pretrain(cfg)
-    if "test_top1" in results:
+    if "test_top1" in results and _is_main_process():
         fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
         print(f"test top-1 {results['test_top1']:.4f}" +
               (f", {cfg.fewshot_shots}-shot linear probe {results[fewshot_key]:.4f}" if fewshot_key in results else "")
@@ -55,7 +62,8 @@ def _cmd_train(args) -> None:
     if "zeroshot_top1" in results:
         probe = f", linear-probe ceiling {results['linear_probe_top1']:.4f}" if "linear_probe_top1" in results else ""
         scores = f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; "
-    print(f"{scores}model saved to {cfg.run_dir}/model")
+    if _is_main_process():
+        print(f"{scores}model saved to {cfg.run_dir}/model")
 
 
 def _cmd_embed(args) -> None:

@@ -82,6 +82,22 @@ def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsy
     monkeypatch.setattr(lit, "train_lit", lambda cfg: {"zeroshot_top1": 0.5})
     assert main(["train", "--config", str(config)]) == 0
     assert capsys.readouterr().out.strip() == f"zero-shot top-1 0.5000; model saved to {tmp_path / 'run'}/model"
+    # Under torchrun every process returns; only rank 0 says it.
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", "--config", str(config)]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_pretrain_prints_its_closing_line_in_the_main_process_only(tmp_path, capsys, monkeypatch):
+    import lit_softmoe.train.pretrain as pretrain
+    config = tmp_path / "pretrain.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\n")
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg: {"test_top1": 0.25})
+    assert main(["pretrain", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == f"test top-1 0.2500; tower saved to {tmp_path / 'run'}/tower"
+    monkeypatch.setenv("RANK", "3")
+    assert main(["pretrain", "--config", str(config)]) == 0
+    assert capsys.readouterr().out == ""
 
 
 def test_an_interrupt_is_reported_on_its_own_line(tmp_path, capsys, monkeypatch):
