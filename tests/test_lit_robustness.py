@@ -116,6 +116,25 @@ def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(
         train_lit(_cfg(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
 
 
+def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_path):
+    """A stream shorter than its batch wraps around inside it, and a repeated pair is its own negative."""
+    images = data / "fmnist" / "train"  # 300 samples in 6 shards of 50
+    with pytest.raises(UserError, match=r"read as 1 process\(es\) × 1 data worker\(s\), and one of them holds only "
+                                        r"300 samples, fewer than its batch of 400"):
+        train_lit(_cfg(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
+    with pytest.raises(UserError, match=r"× 2 data worker\(s\), and one of them holds only 150 samples, fewer "
+                                        r"than its batch of 200"):
+        train_lit(_cfg(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
+                       f"data.train={images}"))
+    assert not (tmp_path / "run").exists()
+    # Each of two workers holds three shards (150 samples): a batch of 150 never repeats one.
+    batches = create_shard_loader(ShardDataConfig(urls=str(images), batch_size=150, workers=2), "image-class",
+                                  transform=eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"]))
+    assert batches.smallest_pass == 150
+    for batch in batches:
+        assert len(set(batch["key"])) == 150
+
+
 # ---- bad-sample counts across a resume -------------------------------------------------------------
 
 def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):

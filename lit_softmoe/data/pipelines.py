@@ -433,6 +433,10 @@ class ShardLoader:
         num_samples: samples per epoch over all processes (rolled up to whole global batches).
         bad: a BadSampleCounter holding the skipped samples and shards of the run, by reason.
         samples_read: samples read in the run (used or skipped).
+        smallest_pass: for endless streams read from whole shards, the fewest samples one of the
+            processes × workers streams can hold in one pass over its shards (any epoch's order);
+            a batch larger than that repeats samples. None for exact epochs, resampled shards or
+            unknown sizes.
     """
 
     def __init__(self, cfg: ShardDataConfig, kind: str, transform: Callable | None = None,
@@ -461,6 +465,11 @@ class ShardLoader:
             batches_per_worker = math.ceil(math.ceil(total / global_batch) / workers)
             self.num_samples = batches_per_worker * workers * global_batch
         self._batches_per_worker = batches_per_worker
+        self.smallest_pass = None
+        if not cfg.exact_epoch and not cfg.resampled and self._sizes is not None:
+            # A stream gets every world_size-th shard, then every workers-th of those: at least this many.
+            fewest_shards = len(self.urls) // self.world_size // workers
+            self.smallest_pass = sum(sorted(self._sizes.values())[:fewest_shards])
 
         self._epoch = multiprocessing.Value("i", 0)
         self.dataset = _ShardStream(self.urls, kind, cfg, self.rank, self.world_size, batches_per_worker,

@@ -241,6 +241,12 @@ def train_lit(cfg: LiTConfig) -> dict:
     loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
                            transform=None if cached else transform, tokenizer=tokenizer,
                            pin_memory=accelerator.device.type == "cuda")
+    if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
+        # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
+        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
+        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
+                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
+                        "lower batch_size or data.workers, or add data")
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
     model.to(accelerator.device)
