@@ -277,6 +277,11 @@ def test_a_non_empty_out_is_refused_unless_overwrite_and_a_rerun_rewrites(tmp_pa
     capsys.readouterr()
     assert main([*argv, "--out", str(tmp_path), "--overwrite"]) == 2
     assert "holds the input" in capsys.readouterr().err and (tmp_path / "dense" / "model.safetensors").is_file()
+    # Nor a folder inside it: the next save of the input tower would replace its folder, and this with it.
+    assert main([*argv, "--out", str(tmp_path / "dense" / "up")]) == 2
+    assert capsys.readouterr().err == (f"lit-softmoe upcycle: error: --out {tmp_path / 'dense' / 'up'} is inside "
+                                       f"the input tower folder {tmp_path / 'dense'}; pick a folder outside it\n")
+    assert not (tmp_path / "dense" / "up").exists()
 
 
 def test_a_tower_that_is_already_soft_moe_is_refused(tmp_path, capsys):

@@ -148,6 +148,9 @@ def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrit
     target, source = out_dir.resolve(), Path(source).resolve()
     if target == source or target in source.parents:
         raise UserError(f"--out {out_dir} holds the input {source}; pick another folder")
+    if (source / TOWER_CONFIG).is_file() and source in target.parents:
+        # Saving the source tower again (a pretraining rerun) replaces its folder whole, with this one.
+        raise UserError(f"--out {out_dir} is inside the input tower folder {source}; pick a folder outside it")
     if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     try:
