@@ -90,6 +90,76 @@ def test_training_state_restores_optimizer_and_rng(tmp_path):
         assert torch.equal(p, q)
 
 
+class _TextWithPooler(torch.nn.Module):
+    """A BERT-like shape: the pooler sits between other trained parameters in named_parameters()."""
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pooler, self.proj = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.proj(self.pooler(self.embed(x)).tanh())
+
+
+def _pair_with_pooler() -> torch.nn.Module:
+    torch.manual_seed(0)
+    pair = torch.nn.Module()
+    pair.text, pair.head = _TextWithPooler(), torch.nn.Linear(2, 2)
+    return pair
+
+
+def _trained_pair_checkpoint(path, legacy: bool, freeze_pooler: bool = False) -> torch.nn.Module:
+    """Two AdamW steps with every parameter trained (the pooler too, unless `freeze_pooler`), saved at
+    `path`; `legacy`: state.json without parameter names, as checkpoints were written before them."""
+    pair = _pair_with_pooler()
+    pair.text.pooler.requires_grad_(not freeze_pooler)
+    opt = create_optimizer(pair, OptimConfig(lr=1e-2))
+    for _ in range(2):
+        opt.zero_grad()
+        pair.head(pair.text(torch.randn(6, 4))).square().mean().backward()
+        opt.step()
+    save_training_state(path, 2, pair, opt)
+    if legacy:
+        info = json.loads((path / "state.json").read_text())
+        del info["param_names"]
+        (path / "state.json").write_text(json.dumps(info))
+    return pair, opt
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_parameter_frozen_since_the_checkpoint_leaves_the_others_their_moments(tmp_path, legacy):
+    # LiT's HF text towers froze their unused pooler after checkpoints had its moments.
+    old, old_opt = _trained_pair_checkpoint(tmp_path / "step_00000002", legacy)
+    new = _pair_with_pooler()
+    new.text.pooler.requires_grad_(False)
+    opt = create_optimizer(new, OptimConfig(lr=1e-2))
+    assert load_training_state(tmp_path / "step_00000002", new, opt)["step"] == 2
+    old_params = dict(old.named_parameters())
+    restored = 0
+    for name, param in new.named_parameters():
+        assert torch.equal(param, old_params[name])
+        if param.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[param][key], old_opt.state[old_params[name]][key]), (name, key)
+            restored += 1
+        else:
+            assert param not in opt.state
+    assert restored == 6 and [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+
+
+def test_an_optimizer_of_another_model_is_one_user_error(tmp_path):
+    # Checkpoints of a run that never trained the pooler, resumed with the pooler trained.
+    _trained_pair_checkpoint(tmp_path / "named", legacy=False, freeze_pooler=True)
+    _trained_pair_checkpoint(tmp_path / "legacy", legacy=True, freeze_pooler=True)
+    other = _pair_with_pooler()
+    opt = create_optimizer(other, OptimConfig(lr=1e-2))
+    with pytest.raises(UserError, match=r"named has no optimizer state for text.pooler.weight and 1 more, which "
+                                        r"this model trains; resume with the run's own settings"):
+        load_training_state(tmp_path / "named", other, opt)
+    with pytest.raises(UserError, match=r"legacy holds the optimizer of another model \(6 trained tensors, this "
+                                        r"one trains 8\)"):
+        load_training_state(tmp_path / "legacy", other, opt)
+
+
 def test_latest_and_prune(tmp_path):
     for step in (5, 10, 15):
         (tmp_path / f"step_{step:08d}").mkdir()

@@ -267,7 +267,10 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
     if torch.cuda.is_available():
         for i, rng in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = rng
-    info = {"step": step, "param_groups": opt_state["param_groups"], **(meta or {})}
+    # The names behind the optimizer's numbered parameters: a resume maps the moments by name, so a
+    # parameter frozen since (or a model whose parameter order changed) still finds its own.
+    info = {"step": step, "param_groups": opt_state["param_groups"],
+            "param_names": _optimizer_param_names(model, optimizer), **(meta or {})}
 
     def write(tmp: Path):
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
@@ -290,12 +293,58 @@ def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
         if key.startswith("optim."):
             _, param_id, name = key.split(".", 2)
             opt_state.setdefault(int(param_id), {})[name] = value
-    optimizer.load_state_dict({"state": opt_state, "param_groups": info["param_groups"]})
+    optimizer.load_state_dict(_optimizer_state_by_name(ckpt_dir, info, opt_state, model, optimizer))
     torch.set_rng_state(tensors["rng.cpu"])
     cuda_states = [tensors[f"rng.cuda.{i}"] for i in range(torch.cuda.device_count()) if f"rng.cuda.{i}" in tensors]
     if cuda_states and len(cuda_states) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda_states)
     return info
+
+
+def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, dict], model: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict:
+    """The checkpoint's optimizer state renumbered for `optimizer`, matching parameters by name.
+
+    Moments of parameters the model no longer trains are dropped (e.g. the HF text towers' pooler,
+    frozen since: it never gets a gradient). A checkpoint from before names were saved is read in
+    the model's parameter order, as it was written, or failing that with the parameters frozen since
+    counted as trained. A trained parameter the checkpoint lacks means another model: refused."""
+    from lit_softmoe.train.optim import param_group_names
+    now = _optimizer_param_names(model, optimizer)
+    saved_groups = info["param_groups"]
+    saved = info.get("param_names")
+    if saved is None:  # written before names were saved
+        if [len(g["params"]) for g in saved_groups] == [len(names) for names in now]:
+            saved = now
+        else:
+            saved = param_group_names(model, lambda name, param: param.requires_grad or ".pooler." in name)
+    if [len(g["params"]) for g in saved_groups] != [len(names) for names in saved] or \
+            len(saved_groups) != len(now):
+        raise UserError(f"{ckpt_dir} holds the optimizer of another model "
+                        f"({sum(len(g['params']) for g in saved_groups)} trained "
+                        f"tensors, this one trains {sum(map(len, now))}); resume with the run's own settings, "
+                        "or start a new run_dir")
+    saved_ids = {name: param_id for group, names in zip(saved_groups, saved)
+                 for param_id, name in zip(group["params"], names)}
+    missing = [name for names in now for name in names if name not in saved_ids]
+    if missing:
+        raise UserError(f"{ckpt_dir} has no optimizer state for {missing[0]}"
+                        f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which this model trains; "
+                        "resume with the run's own settings, or start a new run_dir")
+    state, groups, next_id = {}, [], 0
+    for saved_group, names in zip(saved_groups, now):
+        ids = list(range(next_id, next_id + len(names)))
+        next_id += len(names)
+        for param_id, name in zip(ids, names):
+            if saved_ids[name] in opt_state:
+                state[param_id] = opt_state[saved_ids[name]]
+        groups.append({**saved_group, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
