@@ -18,6 +18,7 @@ naming the path looked for, and the suite reports it as skipped):
 """
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import logging
@@ -266,6 +267,12 @@ _TORCHVISION = {
     "renderedsst2": ("RenderedSST2", {"split": "test"}), "eurosat": ("EuroSAT", {}),
     "caltech101": ("Caltech101", {}), "sun397": ("SUN397", {}),
 }
+# Where torchvision's label order is not the shipped class list's (CLIP_benchmark's, which reads these
+# sets another way): torchvision label i is shipped class RELABEL[i]. FER2013: torchvision reads the
+# CSV's emotion ids (angry, disgust, fear, happy, sad, surprise, neutral), CLIP_benchmark the Kaggle
+# copy's class folders in sorted order (… happy, neutral, sad, surprised). Caltech101 is read apart
+# (`_caltech101_items`).
+_TORCHVISION_RELABEL = {"fer2013": (0, 1, 2, 3, 5, 6, 4)}
 
 
 def _split_kwargs(class_name: str, kwargs: dict, split: str) -> dict:
@@ -290,8 +297,11 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
         raise MissingData(root, f"a reader for {name!r} (torchvision has none here; use format wds or imagefolder)")
     class_name, kwargs = _TORCHVISION[name]
     kwargs = _split_kwargs(class_name, kwargs, split)
+    reader = getattr(torchvision.datasets, class_name)
+    # FER2013 never downloads and takes no download argument (passing one was a TypeError).
+    offline = {"download": False} if "download" in inspect.signature(reader.__init__).parameters else {}
     try:
-        dataset = getattr(torchvision.datasets, class_name)(str(root), download=False, **kwargs)
+        dataset = reader(str(root), **offline, **kwargs)
     except ValueError as err:  # verify_str_arg: "Unknown value 'tset' for argument split. Valid values are ..."
         raise UserError(f"{name}: split {split!r}: {' '.join(str(err).split())}") from None
     except (RuntimeError, FileNotFoundError, OSError) as err:  # torchvision's "Dataset not found"
@@ -305,12 +315,30 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
                     if getattr(dataset, attr, None) is not None), None)  # a tensor or array has no truth value
     if targets is None:
         targets = [dataset[i][1] for i in range(len(dataset))]
-    items = [((lambda i=i: load(i)), int(t)) for i, t in enumerate(targets)]
+    if any(t is None for t in targets):  # FER2013 read from Kaggle's test.csv, which has no labels
+        raise UserError(f"{name}: torchvision's {class_name} found no labels for split {split!r} in {root}; it reads "
+                        f"test labels only from fer2013.csv or icml_face_data.csv: put one of them in {root / 'fer2013'}")
+    relabel = _TORCHVISION_RELABEL.get(name)
+    items = [((lambda i=i: load(i)), relabel[int(t)] if relabel else int(t)) for i, t in enumerate(targets)]
+    if name == "caltech101":
+        items = _caltech101_items(Path(dataset.root))
     files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
     return EvalData("classification", _Indexed(items, transform), "torchvision",
                     # The split's kwargs too: caches written when the split was ignored (the test set
-                    # under a split: train key) are not met again.
-                    signature={"files": files_signature(files), "class": class_name, "kwargs": kwargs})
+                    # under a split: train key) are not met again. "labels": caches of FER2013 and
+                    # Caltech101 written with torchvision's label order hold other targets.
+                    signature={"files": files_signature(files), "class": class_name, "kwargs": kwargs,
+                               "labels": "shipped order"})
+
+
+def _caltech101_items(root: Path) -> list[tuple[Callable[[], PIL.Image.Image], int]]:
+    """Caltech101 as CLIP_benchmark reads it, whose 102 class names the package ships: every folder of
+    101_ObjectCategories in sorted order, BACKGROUND_Google ("background", label 0) included.
+    torchvision's reader drops that folder, so its labels were one below the shipped names' (every
+    image scored against the previous class's prompt) and the background images went unread."""
+    folders = sorted(p for p in (root / "101_ObjectCategories").iterdir() if p.is_dir())
+    return [((lambda p=path: _load_image(p)), label)
+            for label, folder in enumerate(folders) for path in sorted(folder.glob("*.jpg"))]
 
 
 def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> EvalData:

@@ -1,0 +1,62 @@
+"""Review 3 of zero-shot evaluation and export: class order of torchvision-read benchmarks against
+the shipped (CLIP_benchmark) class lists, …"""
+from __future__ import annotations
+
+import csv
+
+import PIL.Image
+import pytest
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.zeroshot.datasets import read_benchmark
+from lit_softmoe.zeroshot.metadata import benchmark_info
+
+
+def _names_of(data, benchmark: str) -> list[str]:
+    """The shipped class name each sample of `data` is scored against, in dataset order."""
+    classnames = benchmark_info(benchmark).classnames
+    return [classnames[target] for _, _, target in (data.dataset[i] for i in range(len(data.dataset)))]
+
+
+def test_caltech101_labels_line_up_with_the_shipped_names_background_included(tmp_path):
+    # torchvision's Caltech101 drops BACKGROUND_Google, so its label 0 is Faces; the shipped list
+    # (CLIP_benchmark's) starts with "background": every image was scored against the previous
+    # class's name, and the background images were never read.
+    base = tmp_path / "caltech101" / "101_ObjectCategories"
+    folders = ["BACKGROUND_Google", "Faces", "Faces_easy", "Leopards", "Motorbikes", "accordion"]
+    for folder in folders:
+        (base / folder).mkdir(parents=True)
+        PIL.Image.new("RGB", (8, 8), "gray").save(base / folder / "image_0001.jpg")
+    data = read_benchmark("caltech101", tmp_path, "test", lambda image: image, format="torchvision")
+    assert _names_of(data, "caltech101") == ["background", "off-center face", "centered face", "leopard",
+                                             "motorbike", "accordion"]
+
+
+def _fer_csv(path, usage: str, with_labels: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["emotion", "pixels", "Usage"] if with_labels else ["pixels"])
+        for emotion in range(7):  # FER's ids: angry, disgust, fear, happy, sad, surprise, neutral
+            pixels = " ".join([str(30 * emotion)] * 48 * 48)
+            writer.writerow([emotion, pixels, usage] if with_labels else [pixels])
+
+
+def test_fer2013_emotion_ids_are_mapped_onto_the_shipped_alphabetical_names(tmp_path, monkeypatch):
+    # torchvision reads FER's emotion ids (4 sad, 5 surprise, 6 neutral); the shipped names are
+    # CLIP_benchmark's alphabetical folders (4 neutral, 5 sad, 6 surprised): three classes were
+    # scored against another emotion's prompt.
+    import torchvision.datasets.fer2013 as fer
+    monkeypatch.setattr(fer, "check_integrity", lambda *args, **kwargs: True)  # our CSV is not FER's md5
+    _fer_csv(tmp_path / "fer2013" / "fer2013.csv", "PublicTest")
+    data = read_benchmark("fer2013", tmp_path, "test", lambda image: image, format="torchvision")
+    assert _names_of(data, "fer2013") == ["angry", "disgusted", "fearful", "happy", "sad", "surprised", "neutral"]
+
+
+def test_fer2013_without_test_labels_is_one_line(tmp_path, monkeypatch):
+    # Kaggle's test.csv has no labels; torchvision then gives None, which ended in int(None).
+    import torchvision.datasets.fer2013 as fer
+    monkeypatch.setattr(fer, "check_integrity", lambda *args, **kwargs: True)
+    _fer_csv(tmp_path / "fer2013" / "test.csv", "", with_labels=False)
+    with pytest.raises(UserError, match="fer2013.csv or icml_face_data.csv"):
+        read_benchmark("fer2013", tmp_path, "test", lambda image: image, format="torchvision")
