@@ -60,3 +60,20 @@ def test_fer2013_without_test_labels_is_one_line(tmp_path, monkeypatch):
     _fer_csv(tmp_path / "fer2013" / "test.csv", "", with_labels=False)
     with pytest.raises(UserError, match="fer2013.csv or icml_face_data.csv"):
         read_benchmark("fer2013", tmp_path, "test", lambda image: image, format="torchvision")
+
+
+def test_a_cifar10_split_other_than_train_or_test_is_refused_not_read_as_train(tmp_path):
+    # Any split but "test" read the five training batches: split: val scored CIFAR-10's training
+    # images under the name val (CLIP_benchmark's #13, a split silently ignored).
+    import pickle
+
+    import numpy as np
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for i, name in enumerate(["test_batch", *[f"data_batch_{n}" for n in range(1, 6)]]):
+        batch = {b"data": np.full((2, 3 * 32 * 32), i, np.uint8), b"labels": [i % 10, (i + 1) % 10]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    assert len(read_benchmark("cifar10", tmp_path, "train", lambda image: image).dataset) == 10
+    assert len(read_benchmark("cifar10", tmp_path, "test", lambda image: image).dataset) == 2
+    with pytest.raises(UserError, match="split: train or split: test"):
+        read_benchmark("cifar10", tmp_path, "val", lambda image: image)

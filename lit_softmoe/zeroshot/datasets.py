@@ -231,6 +231,9 @@ def _unpickle(path: Path) -> dict:
 
 def read_cifar(root: Path, split: str, transform, variant: str) -> EvalData:
     """CIFAR-10 (`cifar-10-batches-py/test_batch`) or CIFAR-100 (`cifar-100-python/test`)."""
+    if split not in ("train", "test"):  # CIFAR-10 read its training batches for any other name
+        raise UserError(f"{variant}'s python pickles hold the splits train and test, not {split!r}; "
+                        "set split: train or split: test")
     folder, files, meta, label_key, names_key = {
         "cifar10": ("cifar-10-batches-py", ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)],
                     "batches.meta", "labels", "label_names"),
