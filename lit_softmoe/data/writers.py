@@ -393,12 +393,24 @@ def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSamp
 
 def _walk_files(src: Path, exclude: Path | None) -> list[PurePosixPath]:
     """Every non-hidden file under `src` as a relative path, sorted by path parts (not by string:
-    `a/x` comes before `a-b/y`, as a tree listing shows them)."""
+    `a/x` comes before `a-b/y`, as a tree listing shows them).
+
+    Linked folders are followed, as ImageFolder follows them (a class folder is often a link into a
+    bigger dataset; skipping it dropped its images uncounted and renumbered the other classes); a
+    link to a folder already on its own path would loop, so it is not entered.
+    """
     found = []
-    for root, dirs, files in os.walk(src):
+    on_path = {src: {src.resolve()}}  # folder → the real folders from `src` down to it
+    for root, dirs, files in os.walk(src, followlinks=True):
         root_path = Path(root)
-        dirs[:] = [d for d in dirs if not d.startswith(".") and
-                   (exclude is None or (root_path / d).resolve() != exclude)]
+        above = on_path.pop(root_path)
+        kept = []
+        for name in dirs:
+            real = (root_path / name).resolve()
+            if not name.startswith(".") and real != exclude and real not in above:
+                on_path[root_path / name] = above | {real}
+                kept.append(name)
+        dirs[:] = kept
         relative_root = PurePosixPath(root_path.relative_to(src).as_posix())
         found.extend(relative_root / name for name in files if not name.startswith("."))
     return sorted(found, key=lambda path: path.parts)
@@ -445,7 +457,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     # The output folder may lie inside the source: its files are not inputs.
     exclude = Path(exclude).resolve() if exclude is not None else None
-    files = _walk_files(src, exclude if exclude is not None and exclude.is_relative_to(src.resolve()) else None)
+    files = _walk_files(src, exclude)  # compared to real paths: the output may lie behind a link
     images = [path for path in files if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES]
     captions = {path.with_suffix(""): path for path in files if path.suffix.lower() == ".txt"}
     if not images:

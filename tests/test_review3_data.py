@@ -1,0 +1,33 @@
+"""Third review of the data package: each test failed before the fix it names."""
+from __future__ import annotations
+
+import os
+
+import PIL.Image
+import torchvision
+
+from lit_softmoe.data.shards import iter_class_samples, read_classnames
+from lit_softmoe.data.writers import write_folder_shards
+
+
+def _gray_png(path, value: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    PIL.Image.new("L", (8, 8), value).save(path)
+
+
+def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):
+    # A class folder is often a link into a bigger dataset; os.walk did not enter it, so its images
+    # were dropped without a count and the remaining classes were numbered differently from ImageFolder.
+    for index in range(3):
+        _gray_png(tmp_path / "elsewhere" / "cat" / f"{index}.png", 10 * index)
+    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    os.symlink(tmp_path / "elsewhere" / "cat", tmp_path / "src" / "cat")
+    imagefolder = torchvision.datasets.ImageFolder(str(tmp_path / "src"))
+    os.symlink(tmp_path / "src", tmp_path / "src" / "dog" / "loop")  # a link back up must not loop
+
+    summary = write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+
+    assert read_classnames(tmp_path / "out") == imagefolder.classes == ["cat", "dog"]
+    assert summary.samples == 4 and sum(summary.skipped.values()) == 0
+    labels = sorted(label for _, label in iter_class_samples(tmp_path / "out" / "train"))
+    assert labels == sorted(imagefolder.targets) == [0, 0, 0, 1]
