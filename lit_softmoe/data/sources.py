@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import logging
+import math
 import os
 import time
 import zlib
@@ -136,8 +137,11 @@ def read_idx(path: str | Path) -> np.ndarray:
     if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
         raise UserError(f"{path} is not a uint8 idx file; reinstall the dataset ({_INSTALL_HINT})")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:  # cut off inside the header: numpy would raise a bare ValueError
+        raise UserError(f"{path} is truncated ({len(data)} bytes, its header alone needs {4 + 4 * ndim}); "
+                        f"reinstall the dataset ({_INSTALL_HINT})")
     shape = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
-    if len(data) != 4 + 4 * ndim + int(np.prod(shape)):
+    if len(data) != 4 + 4 * ndim + math.prod(shape):  # Python ints: a damaged header cannot overflow
         raise UserError(f"{path} is truncated or padded ({len(data)} bytes for shape {shape}); "
                         f"reinstall the dataset ({_INSTALL_HINT})")
     return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
