@@ -1,16 +1,26 @@
 """Third review of the data package: each test failed before the fix it names."""
 from __future__ import annotations
 
+import io
 import os
+import pathlib
 
+import numpy as np
 import PIL.Image
 import pytest
 import torchvision
 
-from lit_softmoe.data.shards import iter_class_samples, read_classnames
+from lit_softmoe.data import shards
+from lit_softmoe.data.shards import iter_class_samples, load_class_split, read_classnames, write_split
 from lit_softmoe.data.sources import read_idx
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
+
+
+def _png_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _gray_png(path, value: int) -> None:
@@ -43,3 +53,20 @@ def test_idx_file_cut_inside_its_header_is_a_user_error(tmp_path, header):
     path.write_bytes(header)
     with pytest.raises(UserError, match="truncated.*reinstall"):
         read_idx(path)
+
+
+def test_a_stale_decoded_cache_in_a_read_only_split_does_not_stop_the_load(tmp_path, monkeypatch):
+    # A split cached by an older version (another cache name), then mounted read-only: removing the
+    # stale cache raised PermissionError outside the "not writable" guard, after the whole decode.
+    write_split([{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(i)} for i in range(3)], tmp_path, "a")
+    stale = tmp_path / "a" / ".decoded-0123456789abcdef.npz"
+    stale.write_bytes(b"an older version's cache")
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    monkeypatch.setattr(shards, "open", read_only, raising=False)  # np.savez's file
+    images, labels, counts = load_class_split(tmp_path / "a")
+    assert labels.tolist() == [0, 1, 2] and images[:, 0, 0, 0].tolist() == [0, 1, 2] and not counts
+    assert stale.is_file() and len(list((tmp_path / "a").glob(".decoded-*"))) == 1

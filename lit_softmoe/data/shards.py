@@ -20,6 +20,7 @@ skips and counts a bad shard instead of ending the run; a bad *sample* is skippe
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -395,8 +396,6 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
     path = _decoded_cache_path(split_dir)
     if path is None:
         return None
-    for stale in path.parent.glob(f"{_DECODED_CACHE_PREFIX}*.npz"):
-        stale.unlink(missing_ok=True)
     temporary = path.with_name(path.name + ".partial")
     try:
         with open(temporary, "wb") as file:
@@ -404,9 +403,14 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
             np.savez(file, images=images.numpy(), labels=labels.numpy(),
                      bad=np.array(json.dumps([list(event) for event in bad or []])))
         os.replace(temporary, path)
+        # Inside the guard: a read-only folder may still hold the cache of older shards or versions.
+        for stale in path.parent.glob(f"{_DECODED_CACHE_PREFIX}*.npz"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
     except OSError as exn:  # a read-only dataset folder: decode each time instead
         logger.info("not caching decoded %s: %s", split_dir, exn)
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # where even that fails, nothing was written
+            temporary.unlink(missing_ok=True)
         return None
     return path
 
