@@ -77,3 +77,21 @@ def test_a_cifar10_split_other_than_train_or_test_is_refused_not_read_as_train(t
     assert len(read_benchmark("cifar10", tmp_path, "test", lambda image: image).dataset) == 2
     with pytest.raises(UserError, match="split: train or split: test"):
         read_benchmark("cifar10", tmp_path, "val", lambda image: image)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_truncated_shard_keeps_its_readable_samples_and_the_suite_runs(tmp_path, workers):
+    # A tar cut short ended the whole suite in tarfile's ReadError traceback (the results of the
+    # benchmarks before it lost); the training pipeline keeps the samples before the damage.
+    from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
+
+    from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+    from lit_softmoe.zeroshot.suite import run_suite
+    samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")]
+    root = write_wds_benchmark(tmp_path / "c10", samples, list(benchmark_info("cifar10").classnames), per_shard=10)
+    second = root / "test" / "1.tar"
+    second.write_bytes(second.read_bytes()[:len(second.read_bytes()) // 2])
+    cfg = EvalSuiteConfig(name="s", workers=workers, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and 10 < entry["num_samples"] < 20, entry

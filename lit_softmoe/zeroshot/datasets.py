@@ -33,8 +33,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, files_signature, read_lines,
-                                     shard_urls)
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, BadSampleCounter,
+                                     files_signature, read_lines, shard_urls)
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
@@ -88,8 +88,7 @@ class _TarSamples(IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        samples = wds.DataPipeline(wds.SimpleShardList(self.urls), wds.tarfile_to_samples())
-        for index, sample in enumerate(samples):
+        for index, sample in enumerate(self._samples()):
             if index % workers != worker:
                 continue
             if self.task == "retrieval":
@@ -102,6 +101,16 @@ class _TarSamples(IterableDataset):
             image = None if extension is None or target is None else \
                 _transformed(lambda: _load_image(sample[extension]), self.transform)
             yield index, image, target
+
+    def _samples(self) -> Iterator[dict]:
+        """Raw samples of every shard in turn. A truncated or unreadable tar is warned about (once per
+        shard) and the samples before the damage are kept, as the training pipeline does: it ended
+        the whole suite in a tarfile traceback. One tar stage per shard, so that a damaged shard's
+        last files never join the next shard's first sample."""
+        counter = BadSampleCounter()
+        for url in self.urls:
+            counter.shard = url
+            yield from wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}]))
 
 
 def _class_index(cls: bytes) -> int | None:
