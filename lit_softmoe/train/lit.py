@@ -30,14 +30,14 @@ from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import dataset_dir, is_local_url, read_lines, shard_urls, write_text_atomic
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.train.checkpoint import load_tower, prune_checkpoints, save_training_state, write_folder_atomically
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache, tower_fingerprint
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-from lit_softmoe.train.optim import lr_at, set_lr
+from lit_softmoe.train.optim import check_optim_settings, lr_at, set_lr
 from lit_softmoe.train.probe import linear_probe
 from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
                                       open_run_folder, resume_state)
@@ -210,8 +210,10 @@ def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, resu
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
     run_dir = Path(cfg.run_dir)
+    check_writable(run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
+    check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 

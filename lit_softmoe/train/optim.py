@@ -10,6 +10,7 @@ import math
 import torch
 
 from lit_softmoe.config import OptimConfig
+from lit_softmoe.errors import UserError
 
 
 def param_group_names(model: torch.nn.Module, trains=lambda name, param: param.requires_grad) -> list[list[str]]:
@@ -40,6 +41,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def create_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2))
+
+
+def check_optim_settings(cfg: OptimConfig) -> None:
+    """torch's own checks of lr, betas and weight decay, on a stand-in parameter: run before any work,
+    they are one UserError line instead of a ValueError traceback once the towers are built."""
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                          weight_decay=cfg.weight_decay)
+    except ValueError as err:
+        raise UserError(f"optim: {err}; fix optim.lr, optim.beta1, optim.beta2 or optim.weight_decay") from None
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

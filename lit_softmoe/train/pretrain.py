@@ -37,7 +37,7 @@ from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.vit import VisionTransformer, create_image_tower, image_tower_config
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_tower, save_training_state, update_tower_meta
 from lit_softmoe.train.logging import plot_curves, read_metrics
-from lit_softmoe.train.optim import create_optimizer, lr_at, set_lr
+from lit_softmoe.train.optim import check_optim_settings, create_optimizer, lr_at, set_lr
 from lit_softmoe.train.probe import fewshot_probe, sample_shots
 from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
                                       open_run_folder, resume_state)
@@ -128,10 +128,7 @@ def _check_settings(cfg: PretrainConfig) -> None:
     """Settings torch refuses only once training runs (a traceback after the data is read), checked first."""
     if not 0.0 <= cfg.label_smoothing <= 1.0:
         raise UserError(f"label_smoothing must be in [0, 1], got {cfg.label_smoothing}")
-    try:  # torch's own checks of lr, betas and weight decay, on a stand-in parameter
-        create_optimizer(torch.nn.Linear(1, 1), cfg.optim)
-    except ValueError as err:
-        raise UserError(f"optim: {err}; fix optim.lr, optim.beta1, optim.beta2 or optim.weight_decay") from None
+    check_optim_settings(cfg.optim)
 
 
 def _check_fits(cfg: PretrainConfig, tower_cfg, data: ClassData) -> None:

@@ -1,0 +1,37 @@
+"""Training loops as a demanding user runs them (review 3): LiT refuses a run_dir that is a file and
+an optimizer setting torch refuses, as pretrain does, in one line before any work."""
+import pytest
+
+from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.errors import UserError
+from lit_softmoe.train.lit import train_lit
+from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
+
+
+def _lit(data, run_dir, *extra) -> LiTConfig:
+    return load_config(LiTConfig, None, [
+        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
+        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
+        "precision=fp32", "text.width=64", "text.layers=1", "text.heads=2", *extra])
+
+
+# ---- setting mistakes are one line before any work -------------------------------------------------
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optim.beta1=1.5"], "optim: Invalid beta parameter at index 0: 1.5"),
+    (["optim.beta2=-0.1"], "optim: Invalid beta parameter at index 1: -0.1"),
+])
+def test_lit_refuses_optimizer_settings_before_any_work(data, tmp_path, overrides, expected):
+    """torch's ValueError from AdamW was a traceback after the towers were built (pretrain refused it)."""
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, tmp_path / "run", "steps=2", *overrides))
+    assert expected in str(err.value) and "optim.beta1" in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_lit_run_dir_that_is_a_file_is_one_line(data, tmp_path):
+    """It trained nothing and ended in NotADirectoryError from the metrics log (pretrain refused it)."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    with pytest.raises(UserError, match=f"run_dir {tmp_path / 'a-file'} is a file; give a folder path"):
+        train_lit(_lit(data, tmp_path / "a-file", "steps=2"))
+    assert (tmp_path / "a-file").read_text() == "not a folder\n"
