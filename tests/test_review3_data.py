@@ -10,9 +10,10 @@ import PIL.Image
 import pytest
 import torchvision
 
+from lit_softmoe.cli import main
 from lit_softmoe.data import shards
 from lit_softmoe.data.shards import iter_class_samples, load_class_split, read_classnames, write_split
-from lit_softmoe.data.sources import read_idx
+from lit_softmoe.data.sources import find_fashion_mnist, read_idx
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 
@@ -70,3 +71,17 @@ def test_a_stale_decoded_cache_in_a_read_only_split_does_not_stop_the_load(tmp_p
     images, labels, counts = load_class_split(tmp_path / "a")
     assert labels.tolist() == [0, 1, 2] and images[:, 0, 0, 0].tolist() == [0, 1, 2] and not counts
     assert stale.is_file() and len(list((tmp_path / "a").glob(".decoded-*"))) == 1
+
+
+def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
+    # mkdir raised FileExistsError: a traceback instead of exit code 2.
+    _gray_png(tmp_path / "src" / "x.png", 0)
+    (tmp_path / "src" / "x.txt").write_text("a photo")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train").write_text("not a folder")
+    fmnist = str(find_fashion_mnist(allow_download=False))
+    for command in (["from-folder", str(tmp_path / "src")], ["fashion-mnist", "--source", fmnist, "--limit", "2"]):
+        assert main(["data", *command, "--out", str(tmp_path / "out")]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"{tmp_path / 'out' / 'train'} is a file, not a split folder" in error
+    assert (tmp_path / "out" / "train").read_text() == "not a folder"

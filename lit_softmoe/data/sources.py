@@ -249,6 +249,9 @@ def write_fashion_mnist_shards(
         return _summary(out_dir, written, skipped=True, start=start)
 
     check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
+    for split in FASHION_MNIST_FILES:
+        if (out_dir / split).exists() and not (out_dir / split).is_dir():  # mkdir would raise FileExistsError
+            raise UserError(f"{out_dir / split} is a file, not a split folder; move it away or choose another --out")
     others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
     for split, other in others.items():
         if other and not overwrite:

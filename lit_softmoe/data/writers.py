@@ -736,6 +736,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         finished.seconds = round(time.perf_counter() - start, 3)
         return finished
     check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
+    if split_dir.exists() and not split_dir.is_dir():  # mkdir would raise FileExistsError
+        raise UserError(f"{split_dir} is a file, not a split folder; move it away, or choose another --split or --out")
     if not listing.candidates:
         raise UserError(f"nothing to write from {source_name}: every sample was skipped"
                         f"{_reasons(dict(listing.counter.counts))}; fix the source and rerun")
