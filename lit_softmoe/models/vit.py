@@ -258,14 +258,17 @@ class VisionTransformer(nn.Module):
             return self.pos_embed.new_zeros(()).detach()
         return torch.stack(fractions).sum() / len(moe_layers)
 
-    def _pos_embed(self, num_patches: int) -> torch.Tensor:
-        if num_patches == self.pos_embed.shape[1]:
+    def _pos_embed(self, num_patches: int, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """Position embeddings (1, num_patches, d) for a (rows, cols) patch grid (default: square)."""
+        rows, cols = grid if grid is not None else (math.isqrt(num_patches),) * 2
+        old = math.isqrt(self.pos_embed.shape[1])
+        if (rows, cols) == (old, old):
             return self.pos_embed
-        # Another resolution: resample the learned grid bilinearly (as timm does for fine-tuning).
-        old, new = math.isqrt(self.pos_embed.shape[1]), math.isqrt(num_patches)
-        grid = self.pos_embed.reshape(1, old, old, -1).permute(0, 3, 1, 2)  # (1, d, old, old)
-        grid = F.interpolate(grid, size=(new, new), mode="bilinear", align_corners=False)
-        return grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)
+        # Another resolution or aspect ratio: resample the learned grid bilinearly (as timm does for
+        # fine-tuning), to the image's own rows and columns: a non-square image has rows != cols.
+        learned = self.pos_embed.reshape(1, old, old, -1).permute(0, 3, 1, 2)  # (1, d, old, old)
+        learned = F.interpolate(learned, size=(rows, cols), mode="bilinear", align_corners=False)
+        return learned.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)  # (1, rows·cols, d)
 
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (b, c, h, w) → patch embeddings (b, m, d), token-major and contiguous.
@@ -289,8 +292,9 @@ class VisionTransformer(nn.Module):
 
     def forward_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling."""
-        x = self.embed_patches(pixels)  # (b, m, d)
-        x = x + self._pos_embed(x.shape[1])
+        p = self.cfg.patch_size
+        x = self.embed_patches(pixels)  # (b, m, d), m = rows · cols
+        x = x + self._pos_embed(x.shape[1], (pixels.shape[-2] // p, pixels.shape[-1] // p))
         for block in self.blocks:
             x = block(x)
         return self.norm(x)

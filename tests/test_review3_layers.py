@@ -1,0 +1,35 @@
+"""Review 3 of the layers and towers (nn/, models/vit.py, upcycle, convert): each test failed before its fix."""
+from __future__ import annotations
+
+import torch
+
+from lit_softmoe.models.vit import create_image_tower
+
+
+# ---- a non-square image: the position grid is resampled to its rows and columns ---------------------
+
+def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e").eval()  # 28 px, patch 7: a 4×4 learned grid
+    with torch.no_grad():
+        # The learned grid holds its row index in every channel: resampled to 4 rows × 5 columns,
+        # the rows are kept exactly (same count) and each row stays constant across its columns.
+        rows = torch.arange(4.0).repeat_interleave(4)  # (16,), row-major
+        tower.pos_embed.copy_(rows[None, :, None].expand(1, 16, tower.cfg.width))
+        wide = tower._pos_embed(20, (4, 5))  # (1, 20, d)
+        assert wide.shape == (1, 20, tower.cfg.width)
+        torch.testing.assert_close(wide[0, :, 0], torch.arange(4.0).repeat_interleave(5))
+        # The transposed grid: a column index, 5 rows × 4 columns.
+        tower.pos_embed.copy_(torch.arange(4.0).repeat(4)[None, :, None].expand(1, 16, tower.cfg.width))
+        tall = tower._pos_embed(20, (5, 4))
+        torch.testing.assert_close(tall[0, :, 0], torch.arange(4.0).repeat(5))
+        # The native square grid is still the learned tensor itself.
+        assert tower._pos_embed(16, (4, 4)) is tower.pos_embed
+
+    for name in ("soft-test-4e", "tc-test-4e-k2", "ec-test-4e", "vit-test"):
+        tower = create_image_tower(name, num_classes=3).eval()
+        for h, w in ((28, 35), (35, 28)):  # 4×5 and 5×4 patches
+            pixels = torch.randn(2, 1, h, w)
+            assert tower.forward_tokens(pixels).shape == (2, 20, tower.cfg.width)
+            logits = tower(pixels)
+            assert logits.shape == (2, 3) and torch.isfinite(logits).all()
