@@ -1,9 +1,10 @@
 """Review 3 of the layers and towers (nn/, models/vit.py, upcycle, convert): each test failed before its fix."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.vit import create_image_tower, image_tower_config
 
 
 # ---- a non-square image: the position grid is resampled to its rows and columns ---------------------
@@ -33,3 +34,32 @@ def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():
             assert tower.forward_tokens(pixels).shape == (2, 20, tower.cfg.width)
             logits = tower(pixels)
             assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+
+
+# ---- tower options that used to end in a traceback -------------------------------------------------
+
+@pytest.mark.parametrize("options,message", [
+    (dict(num_heads=0), "num_heads must be a positive integer"),  # was ZeroDivisionError
+    (dict(patch_size=0), "patch_size must be a positive integer"),  # was ZeroDivisionError
+    (dict(width=0), "width must be a positive integer"),  # was ZeroDivisionError in the init
+    (dict(in_channels=0), "in_channels must be a positive integer"),  # was ZeroDivisionError in the init
+    (dict(num_heads=-2), "num_heads must be a positive integer"),  # was torch's "negative dimension"
+    (dict(image_size=0), "image_size must be a positive integer"),  # was a tower of 0 patches: NaN output
+    (dict(num_classes=-1), "num_classes must be an integer >= 0"),
+    (dict(moe_layers=(1.5,)), "moe_layers must be block indices"),  # was silently a dense tower
+])
+def test_impossible_tower_options_are_one_value_error(options, message):
+    # ValueError is what pretrain's option check turns into one UserError line (TypeError too);
+    # ZeroDivisionError and RuntimeError went through it as tracebacks.
+    with pytest.raises(ValueError, match=message):
+        image_tower_config("soft-test-4e", **options)
+
+
+def test_pretrain_names_an_impossible_tower_option_in_one_line():
+    from lit_softmoe.config import PretrainConfig
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.train.pretrain import _validate_tower
+    cfg = PretrainConfig()
+    cfg.tower.name, cfg.tower.options = "soft-test-4e", {"num_heads": 0}
+    with pytest.raises(UserError, match="num_heads must be a positive integer, got 0"):
+        _validate_tower(cfg)

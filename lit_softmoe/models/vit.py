@@ -27,6 +27,10 @@ from lit_softmoe.nn.soft_moe import SoftMoE
 MOE_TYPES = ("soft", "tokens_choice", "experts_choice")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class UnknownTowerError(UserError, KeyError):
     """An image tower name or option that the registry does not know."""
 
@@ -64,6 +68,15 @@ class ViTConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        # Checked first: a 0 here would end in a ZeroDivisionError below or in an init, a negative in
+        # torch's "negative dimension", and a moe_layers entry such as 1.5 matches no block (a dense tower).
+        for name in ("image_size", "patch_size", "in_channels", "width", "depth", "num_heads", "mlp_dim"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not _is_int(self.num_classes) or self.num_classes < 0:
+            raise ValueError(f"num_classes must be an integer >= 0 (0: no head), got {self.num_classes!r}")
+        if not all(_is_int(i) for i in self.moe_layers):
+            raise ValueError(f"moe_layers must be block indices (integers), got {list(self.moe_layers)}")
         if self.width % self.num_heads:
             raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
         if self.image_size % self.patch_size:
