@@ -85,3 +85,20 @@ def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and f"{tmp_path / 'out' / 'train'} is a file, not a split folder" in error
     assert (tmp_path / "out" / "train").read_text() == "not a folder"
+
+
+def test_fashion_mnist_does_not_rename_the_classes_of_another_split(tmp_path, capsys):
+    # `data fashion-mnist` wrote its classnames.txt over that of a class split already in --out, so
+    # val's ant/bee samples read as t-shirt/trousers (the other way round was already refused).
+    for classname in ("ant", "bee"):
+        _gray_png(tmp_path / "src" / classname / "0.png", 0)
+    assert main(["data", "from-folder", str(tmp_path / "src"), "--layout", "classes", "--split", "val",
+                 "--out", str(tmp_path / "out")]) == 0
+    fmnist = str(find_fashion_mnist(allow_download=False))
+    for overwrite in ([], ["--overwrite"]):  # --overwrite replaces train/ and test/, not val's names
+        assert main(["data", "fashion-mnist", "--source", fmnist, "--limit", "2", "--out", str(tmp_path / "out"),
+                     *overwrite]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "for the split(s) val; write Fashion-MNIST to another --out" in error
+    assert read_classnames(tmp_path / "out") == ["ant", "bee"]
+    assert not (tmp_path / "out" / "train").exists()

@@ -24,7 +24,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from lit_softmoe.data.shards import SIZES_FILE, cache_decoded_split, write_split, write_text_atomic
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, cache_decoded_split, read_lines,
+                                     write_split, write_text_atomic)
 from lit_softmoe.errors import UserError, check_writable
 
 logger = logging.getLogger(__name__)
@@ -257,6 +258,7 @@ def write_fashion_mnist_shards(
         if other and not overwrite:
             raise UserError(f"{out_dir / split} already holds {other}; pass --overwrite to replace it with "
                             "Fashion-MNIST, or choose another --out")
+    _check_other_classnames(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
     # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
@@ -286,6 +288,17 @@ def write_fashion_mnist_shards(
     write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
     write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
     return _summary(out_dir, splits, skipped=False, start=start)
+
+
+def _check_other_classnames(out_dir: Path) -> None:
+    """Refuse to rename the classes of a split here that is not train/ or test/ (`data from-folder`
+    refuses the same for its splits): classnames.txt beside the splits describes them all."""
+    existing = read_lines(out_dir / CLASSNAMES_FILE)
+    others = sorted(path.parent.name for path in out_dir.glob(f"*/{NSHARDS_FILE}")
+                    if path.parent.name not in FASHION_MNIST_FILES)
+    if existing is not None and existing != list(FASHION_MNIST_CLASSNAMES) and others:
+        raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {len(existing)} other classes than Fashion-MNIST's for "
+                        f"the split(s) {', '.join(others)}; write Fashion-MNIST to another --out")
 
 
 def _other_data(out_dir: Path, split: str) -> str | None:
