@@ -1,9 +1,11 @@
 """Training loops as a demanding user runs them (review 3): LiT refuses a run_dir that is a file and
-an optimizer setting torch refuses, as pretrain does, in one line before any work."""
+an optimizer setting torch refuses, as pretrain does, in one line before any work; a text tower that
+cannot be built, or whose embedding table is smaller than its tokenizer's ids, is refused when built."""
 import pytest
 
 from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
 from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
@@ -35,3 +37,26 @@ def test_lit_run_dir_that_is_a_file_is_one_line(data, tmp_path):
     with pytest.raises(UserError, match=f"run_dir {tmp_path / 'a-file'} is a file; give a folder path"):
         train_lit(_lit(data, tmp_path / "a-file", "steps=2"))
     assert (tmp_path / "a-file").read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("option, expected", [
+    ({"heads": 0}, "text.heads must be at least 1, got 0"),  # was ZeroDivisionError
+    ({"width": 0}, "text.width must be at least 1, got 0"),  # was torch's ValueError
+    ({"layers": 0}, "text.layers must be at least 1, got 0"),  # was ZeroDivisionError in open_clip's init
+    ({"vocab_size": 1000}, "text.vocab_size 1000 is smaller than the 49408 ids of tokenizer 'openclip-bpe'"),
+])
+def test_text_tower_settings_that_cannot_work_are_user_errors(option, expected):
+    with pytest.raises(UserError) as err:
+        create_text_tower(TextTowerConfig(**{"width": 64, "layers": 1, "heads": 2, **option}), embed_dim=32)
+    assert expected in str(err.value)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data, tmp_path):
+    """The embedding table had rows for ids below 1000 only: the first batch's ids (up to 49407, the
+    end token every caption has) ended the run in an IndexError at step 1."""
+    with pytest.raises(UserError, match="text.vocab_size 1000 is smaller than"):
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "text.vocab_size=1000"))
+    assert not (tmp_path / "run").exists()
+    # The default, and any larger table (unused rows), still train.
+    results = train_lit(_lit(data, tmp_path / "larger", "steps=2", "text.vocab_size=49500", "eval.shards="))
+    assert results["steps"] == 2

@@ -27,6 +27,9 @@ from lit_softmoe.data.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_
 from lit_softmoe.errors import UserError
 
 TEXT_TOWER_KINDS = ("transformer", "hf")
+# CLIP's BPE gives ids 0 … 49407 (<end_of_text>, where the tower pools, is the largest): the size
+# of the smallest embedding table that every id it produces fits.
+OPENCLIP_BPE_VOCAB_SIZE = 49408
 HF_POOLINGS = ("mean", "cls", "eos")
 
 
@@ -40,7 +43,7 @@ class TextTowerConfig:
     heads: int = 8
     mlp_ratio: float = 4.0
     context_length: int = LIT_CONTEXT_LENGTH  # LiT's 16 tokens (CLIP used 77)
-    vocab_size: int = 49408  # CLIP's BPE
+    vocab_size: int = OPENCLIP_BPE_VOCAB_SIZE  # CLIP's BPE
     tokenizer: str = OPENCLIP_BPE
     # kind="hf": a local folder (works offline) or a hub id; the tokenizer is "hf:<path>".
     path: str = ""
@@ -60,6 +63,14 @@ class TextTowerConfig:
                 raise UserError(f"text tower kind 'transformer' pools at CLIP's <end_of_text> and needs "
                                 f"tokenizer '{OPENCLIP_BPE}', got {self.tokenizer!r}; for a Hugging Face "
                                 "tokenizer use kind 'hf' with its pretrained model")
+            # Caught here: torch and open_clip would fail on them as tracebacks (a modulo by zero, an
+            # out-of-range embedding index at the first step).
+            for name in ("width", "heads", "layers"):
+                if getattr(self, name) < 1:
+                    raise UserError(f"text.{name} must be at least 1, got {getattr(self, name)}")
+            if self.vocab_size < OPENCLIP_BPE_VOCAB_SIZE:
+                raise UserError(f"text.vocab_size {self.vocab_size} is smaller than the {OPENCLIP_BPE_VOCAB_SIZE} "
+                                f"ids of tokenizer '{OPENCLIP_BPE}'; leave text.vocab_size at its default")
             if self.width % self.heads:
                 raise UserError(f"text width {self.width} is not divisible by heads {self.heads}")
         else:
