@@ -95,3 +95,38 @@ def test_a_truncated_shard_keeps_its_readable_samples_and_the_suite_runs(tmp_pat
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["status"] == "ok" and 10 < entry["num_samples"] < 20, entry
+
+
+def test_a_sample_without_cls_in_a_class_set_is_skipped_and_counted(tmp_path):
+    # A sample with an image but no .cls got label -1, and the benchmark failed on "labels run from
+    # -1 …": one bad sample lost the whole benchmark, where the docstring (and training's
+    # missing_cls) skip and count it.
+    import webdataset as wds
+    from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
+
+    from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+    from lit_softmoe.zeroshot.suite import run_suite
+    samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")[:5]]
+    root = write_wds_benchmark(tmp_path / "c10", samples, list(benchmark_info("cifar10").classnames))
+    with wds.TarWriter(str(root / "test" / "0.tar")) as sink:  # the same samples, the third without .cls
+        for i, (image, ext, label) in enumerate(samples):
+            sink.write({"__key__": f"s{i:07d}", ext: image, **({} if i == 2 else {"cls": str(label)})})
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and entry["num_samples"] == 4 and entry["bad_samples"] == 1, entry
+
+
+def test_caption_shards_with_class_names_read_as_classes_fail_naming_task_retrieval(tmp_path):
+    from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
+
+    from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+    from lit_softmoe.zeroshot.suite import run_suite
+    samples = [(path.read_bytes(), "png", f"a photo {i}") for i, (path, _) in enumerate(foolbox_images("cifar10")[:3])]
+    root = write_wds_benchmark(tmp_path / "caps", samples, classnames=["cat", "dog"], templates=["a {c}."],
+                               retrieval=True)
+    (root / "dataset_type.txt").unlink()
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(name="my-captions", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "failed" and "set task: retrieval" in entry["reason"], entry

@@ -94,7 +94,9 @@ class _TarSamples(IterableDataset):
             if self.task == "retrieval":
                 target = sample.get("txt", b"").decode("utf-8", "replace").strip()
             else:
-                target = _class_index(sample["cls"]) if "cls" in sample else -1
+                # No .cls is a bad sample (skipped and counted) like a .cls without a class index; as
+                # label -1 it failed the whole benchmark.
+                target = _class_index(sample["cls"]) if "cls" in sample else None
             extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.

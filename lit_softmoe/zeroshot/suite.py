@@ -244,6 +244,11 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     # Prompts first: a missing class list or a bad template is reported before the images are encoded.
     prompts = resolve_prompts(spec, data) if data.task == "classification" else None
     features, targets, bad, cache = cached_image_features(model, spec, data, cfg, device, cache_dir, progress)
+    if len(targets) == 0 and bad and data.format == "wds" and data.task == "classification":
+        # Caption shards read as classes (with a classnames.txt) have no .cls anywhere: a mistake, as
+        # the README lists it, so failed with the fix rather than skipped.
+        raise UserError(f"{spec.name}: none of the {bad} samples in {spec.root} has a readable image and a class "
+                        "index (.cls); for a set of images with .txt captions, set task: retrieval")
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
                 "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
