@@ -184,10 +184,15 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
 
 def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTransformer:
     """Build the registered `tower_name` and load a vmoe .npz into it; the class count follows
-    the checkpoint's head (0 when it has none)."""
+    the checkpoint's head (0 when it has none), the slots per expert its Router/mu (d, n, p)."""
     arrays = _strip_prefix(read_npz(path))
     head = arrays.get("head/kernel")
     overrides.setdefault("num_classes", 0 if head is None else int(head.shape[-1]))
+    # vmoe's SoftRouter takes num_slots or derives p from a capacity factor; the registry's towers all
+    # have p = 1 (the released configs), and a --to name cannot say otherwise.
+    mu = next((v for k, v in arrays.items() if k.endswith("/Moe/Router/mu") and np.ndim(v) == 3), None)
+    if mu is not None and np.shape(mu)[-1] >= 1:
+        overrides.setdefault("slots_per_expert", int(np.shape(mu)[-1]))
     cfg = image_tower_config(tower_name, **overrides)
     if cfg.moe_layers and cfg.moe_type != "soft":
         raise UserError(f"{tower_name} is a {cfg.moe_type} tower; vmoe's Soft MoE checkpoints load into soft-* "

@@ -63,3 +63,30 @@ def test_pretrain_names_an_impossible_tower_option_in_one_line():
     cfg.tower.name, cfg.tower.options = "soft-test-4e", {"num_heads": 0}
     with pytest.raises(UserError, match="num_heads must be a positive integer, got 0"):
         _validate_tower(cfg)
+
+
+# ---- convert: a vmoe Soft MoE tree with p > 1 slots per expert ---------------------------------------
+
+def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
+    """vmoe's SoftRouter has p = num_slots, or round(m·cf / n) from a capacity factor; every registered
+    tower has p = 1 and `convert` takes no tower options, so a p = 2 tree was refused with a message
+    naming width, depth, patch, image size and experts, none of which was wrong."""
+    import numpy as np
+
+    from lit_softmoe.convert import load_vmoe_tower
+    from test_convert import _save, vmoe_tree
+
+    tree = vmoe_tree(5)
+    rng = np.random.default_rng(5)
+    mu = rng.standard_normal((32, 4, 2)).astype(np.float32)  # (d, n, p = 2)
+    tree["Encoder/encoderblock_1/Moe/Router/mu"] = mu
+    tower = load_vmoe_tower(_save(tmp_path, tree), "soft-test-4e")
+    assert tower.cfg.slots_per_expert == 2 and tower.blocks[1].mlp.num_slots == 8
+    np.testing.assert_array_equal(tower.blocks[1].mlp.phi.detach().numpy(), mu)
+    # The layer routes over all 8 slots: combine sums to 1 over (n, p) for every token.
+    x = torch.randn(2, 16, 32)
+    dispatch, combine = tower.blocks[1].mlp.routing_weights(x)
+    assert dispatch.shape == combine.shape == (2, 16, 4, 2)
+    torch.testing.assert_close(combine.sum(dim=(2, 3)), torch.ones(2, 16))
+    # The released p = 1 trees still load as before.
+    assert load_vmoe_tower(_save(tmp_path, vmoe_tree(6), "p1.npz"), "soft-test-4e").cfg.slots_per_expert == 1
