@@ -45,7 +45,8 @@ from lit_softmoe.zeroshot.metrics import retrieval_metrics, zeroshot_metrics
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # 2: the key names the task and the image transform too
+CACHE_FORMAT = 3  # 2: the key names the task and the image transform too; 3: a webdataset sample without
+# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit)
 # The shipped suites (eval/*.yaml) read each benchmark from $LIT_SOFTMOE_BENCHMARKS/<name>, default
 # data/<name>: where `lit-softmoe data fashion-mnist --out data/fashion-mnist` writes. It is not
 # LIT_SOFTMOE_DATA, which names the folder of Fashion-MNIST's raw *-ubyte.gz downloads that
