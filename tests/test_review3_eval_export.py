@@ -1,5 +1,5 @@
-"""Review 3 of zero-shot evaluation and export: class order of torchvision-read benchmarks against
-the shipped (CLIP_benchmark) class lists, …"""
+"""Review 3 of zero-shot evaluation: the class order of torchvision-read benchmarks against the shipped
+(CLIP_benchmark) class lists, CIFAR splits, damaged webdataset shards and samples without a class."""
 from __future__ import annotations
 
 import csv
