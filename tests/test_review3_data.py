@@ -12,6 +12,7 @@ import torchvision
 
 from lit_softmoe.cli import main
 from lit_softmoe.data import shards
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import iter_class_samples, load_class_split, read_classnames, write_split
 from lit_softmoe.data.sources import find_fashion_mnist, read_idx
 from lit_softmoe.data.writers import write_folder_shards
@@ -102,3 +103,20 @@ def test_fashion_mnist_does_not_rename_the_classes_of_another_split(tmp_path, ca
         assert error.count("\n") == 1 and "for the split(s) val; write Fashion-MNIST to another --out" in error
     assert read_classnames(tmp_path / "out") == ["ant", "bee"]
     assert not (tmp_path / "out" / "train").exists()
+
+
+def test_world_size_set_alone_takes_the_rank_from_the_launcher(tmp_path, monkeypatch):
+    # Setting data.world_size without data.rank gave rank 0 to every process: all read the same shards.
+    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "txt": f"caption {i}".encode()} for i in range(8)]
+    write_split(samples, tmp_path, "a", samples_per_shard=2)
+    keys = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        cfg = ShardDataConfig(urls=str(tmp_path / "a"), batch_size=8, workers=0, shuffle=False, exact_epoch=True,
+                              world_size=2)
+        loader = create_shard_loader(cfg, "image-caption")
+        keys[rank] = [key for batch in loader for key in batch["key"]]
+        assert loader.rank == rank and loader.world_size == 2
+    assert keys[0] == ["s0000000", "s0000001", "s0000004", "s0000005"]  # shards 0 and 2
+    assert keys[1] == ["s0000002", "s0000003", "s0000006", "s0000007"]  # shards 1 and 3

@@ -361,13 +361,17 @@ class _ShardStream(IterableDataset):
 # ---------------------------------------------------------------------------------- the loader
 
 def _node(cfg: ShardDataConfig) -> tuple[int, int]:
-    """(rank, world size) of this process: from the config if set, else the launcher's."""
-    if cfg.rank >= 0 or cfg.world_size > 0:
-        rank, world_size = max(cfg.rank, 0), max(cfg.world_size, 1)
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+    """(rank, world size) of this process: each from the config if set there, else the launcher's.
+
+    Each on its own: a config setting only world_size took rank 0 on every process, which then all
+    read the same shards.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = cfg.rank if cfg.rank >= 0 else rank
+    world_size = cfg.world_size if cfg.world_size > 0 else world_size
     if not 0 <= rank < world_size:
         raise UserError(f"data rank {rank} is not in [0, world_size={world_size}); set data.rank below data.world_size")
     return rank, world_size
