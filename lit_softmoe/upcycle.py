@@ -96,7 +96,9 @@ def timm_to_ours(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
-    """A tower folder or a timm ViT state-dict file → (state in our names, extra config, notes)."""
+    """A tower folder or a timm ViT state-dict file → (state in our names, extra config, notes).
+
+    For a tower folder, extra also holds its `num_heads` (no tensor shape shows it without qk-norm)."""
     path = Path(path)
     if path.is_dir():
         from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS
@@ -110,6 +112,7 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
             raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); save the tower again") from None
         _refuse_moe_source(f"--from {path}", (meta.get("tower") or {}) if isinstance(meta, dict) else {})
         extra = {k: meta[k] for k in ("preprocess", "classnames") if k in meta}
+        extra["num_heads"] = (meta.get("tower") or {}).get("num_heads") if isinstance(meta, dict) else None
         return load_file(path / TOWER_WEIGHTS), extra, []
     if not path.is_file():
         raise UserError(f"{path} does not exist; give a tower folder or a timm vit_* .safetensors/.pth file")
@@ -261,18 +264,26 @@ def upcycle_state(dense_state: dict[str, torch.Tensor], target_cfg: ViTConfig, s
 
 
 def target_config(dense_state: dict[str, torch.Tensor], target_name: str,
-                  qk_norm: bool | None = None) -> ViTConfig:
+                  qk_norm: bool | None = None, dense_num_heads: int | None = None) -> ViTConfig:
     """The registered `target_name`, with the head and (by default) qk-norm taken from the checkpoint.
 
     The head is copied, so its class count follows the dense tower. qk-norm follows the dense
     tower too unless `qk_norm` says otherwise: a fresh qk-norm would change every pretrained
-    attention map, while leaving it out keeps the attention exact.
+    attention map, while leaving it out keeps the attention exact. `dense_num_heads`, where known (our
+    tower folders record it; a timm state dict does not), must be the target's: without qk-norm no
+    tensor shape depends on it, and the same weights split into other heads compute another attention.
     """
     base = image_tower_config(target_name)
     if not base.moe_layers or getattr(base, "moe_type", "soft") != "soft":
         kind = getattr(base, "moe_type", "soft") if base.moe_layers else "dense"
         raise UserError(f"{target_name} is a {kind} tower; upcycling makes Soft MoE towers, so give a soft-* "
                         "target (`lit-softmoe models` lists them)")
+    patch = dense_state.get("patch_embed.weight")
+    same_width = patch is not None and patch.shape[0] == base.width  # else a shape error names the misfit
+    if dense_num_heads is not None and dense_num_heads != base.num_heads and same_width:
+        raise UserError(f"the dense tower has {dense_num_heads} attention heads and {target_name} has "
+                        f"{base.num_heads}: its attention weights would be split into other heads and compute "
+                        f"another function; upcycle a dense tower with {base.num_heads} heads into {target_name}")
     head = dense_state.get("head.weight")
     has_qk_norm = any(k.endswith(".attn.q_norm.weight") for k in dense_state)
     # A dense qk-norm with biases (timm's, or our towers saved before they lost them) keeps them.
@@ -292,7 +303,7 @@ def upcycle_tower(dense_tower: VisionTransformer, target_name: str, seed: int = 
     dense_state = dense_tower.state_dict()
     if device is not None and torch.device(device).type == "meta":
         dense_state = {k: v.to("meta") for k, v in dense_state.items()}
-    cfg = target_config(dense_state, target_name, qk_norm)
+    cfg = target_config(dense_state, target_name, qk_norm, dense_tower.cfg.num_heads)
     if qk_norm and not dense_tower.cfg.qk_norm:
         dense_state = dict(dense_state, **_fresh_qk_norms(cfg, dense_state))
     state, _ = upcycle_state(dense_state, cfg, seed=seed, device=device)
@@ -326,10 +337,11 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
                     overwrite, source=source)
     dense_state, extra, notes = read_dense_checkpoint(source)
+    dense_num_heads = extra.pop("num_heads", None)
     # Towers are float32 everywhere downstream (embed, LiT, export feed them float32 pixels); a half
     # precision checkpoint (fp16/bf16 weights) is widened exactly, as `convert` does.
     dense_state = {k: v.float() if v.is_floating_point() else v for k, v in dense_state.items()}
-    cfg = target_config(dense_state, target_name, qk_norm)
+    cfg = target_config(dense_state, target_name, qk_norm, dense_num_heads)
     fresh_norms = {}
     if cfg.qk_norm and not any(k.endswith(".attn.q_norm.weight") for k in dense_state):
         fresh_norms = _fresh_qk_norms(cfg, dense_state)

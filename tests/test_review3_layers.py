@@ -90,3 +90,36 @@ def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     torch.testing.assert_close(combine.sum(dim=(2, 3)), torch.ones(2, 16))
     # The released p = 1 trees still load as before.
     assert load_vmoe_tower(_save(tmp_path, vmoe_tree(6), "p1.npz"), "soft-test-4e").cfg.slots_per_expert == 1
+
+
+# ---- upcycle: a dense tower with other attention heads than the target -----------------------------
+
+def test_upcycle_refuses_a_dense_tower_with_other_attention_heads(tmp_path, capsys):
+    """Without qk-norm no tensor shape depends on the number of heads: a dense vit-test built with 4
+    heads upcycled into soft-test-4e (2 heads) silently, and its attention became another function."""
+    from lit_softmoe.cli import main
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.upcycle import upcycle_tower
+
+    torch.manual_seed(0)
+    dense = create_image_tower("vit-test", num_heads=4, qk_norm=False).eval()
+    with pytest.raises(UserError, match="the dense tower has 4 attention heads and soft-test-4e has 2"):
+        upcycle_tower(dense, "soft-test-4e")
+    save_tower(tmp_path / "dense", dense, extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "soft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4 attention heads and soft-test-4e has 2" in err
+    assert not (tmp_path / "soft").exists()
+    # The same heads upcycle as before, and the output's config is the target's (no stray key).
+    same = create_image_tower("vit-test", qk_norm=False).eval()
+    save_tower(tmp_path / "dense2", same, extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    assert main(["upcycle", "--from", str(tmp_path / "dense2"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "soft2")]) == 0
+    import json
+    meta = json.loads((tmp_path / "soft2" / "config.json").read_text())
+    assert meta["tower"]["num_heads"] == 2 and "num_heads" not in meta
+    pixels = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(upcycle_tower(same, "soft-test-4e").blocks[0](same.embed_patches(pixels)),
+                               same.blocks[0](same.embed_patches(pixels)))
