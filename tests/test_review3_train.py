@@ -1,12 +1,15 @@
 """Training loops as a demanding user runs them (review 3): LiT refuses a run_dir that is a file and
 an optimizer setting torch refuses, as pretrain does, in one line before any work; a text tower that
-cannot be built, or whose embedding table is smaller than its tokenizer's ids, is refused when built."""
+cannot be built, or whose embedding table is smaller than its tokenizer's ids, is refused when built; a rerun shorter than the checkpoint it would resume is refused."""
+import json
+
 import pytest
 
-from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
+from lit_softmoe.train.pretrain import pretrain
 from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
 
@@ -60,3 +63,30 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data
     # The default, and any larger table (unused rows), still train.
     results = train_lit(_lit(data, tmp_path / "larger", "steps=2", "text.vocab_size=49500", "eval.shards="))
     assert results["steps"] == 2
+
+
+# ---- a rerun shorter than the run it resumes -------------------------------------------------------
+
+def test_lit_rerun_with_fewer_steps_than_its_checkpoint_is_refused(data, tmp_path):
+    """steps may change on a rerun, to extend a run. Fewer steps than the newest checkpoint's
+    resumed the 4-step model and saved it as a 2-step run (results.json: "steps": 2)."""
+    run = tmp_path / "run"
+    train_lit(_lit(data, run, "steps=4", "eval.shards="))
+    model_before = (run / "model" / "model.safetensors").read_bytes()
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, run, "steps=2", "eval.shards="))
+    assert str(err.value) == (f"{run} holds a checkpoint at step 4, past the 2 steps this config trains; set steps "
+                              "(or epochs) to at least that, or start this run with another run_dir=...")
+    assert json.loads((run / "results.json").read_text())["steps"] == 4
+    assert (run / "model" / "model.safetensors").read_bytes() == model_before
+    assert "steps: 4" in (run / "config.yaml").read_text()
+
+
+def test_pretrain_rerun_with_fewer_epochs_than_its_checkpoint_is_refused(data, tmp_path):
+    run = tmp_path / "run"
+    common = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+              "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32"]
+    pretrain(load_config(PretrainConfig, None, [*common, "epochs=1"]))  # 6 steps
+    with pytest.raises(UserError, match=f"{run} holds a checkpoint at step 6, past the 3 steps this config trains"):
+        pretrain(load_config(PretrainConfig, None, [*common, "epochs=0.5"]))
+    assert json.loads((run / "results.json").read_text())["steps"] == 6

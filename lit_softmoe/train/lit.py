@@ -259,7 +259,8 @@ def train_lit(cfg: LiTConfig) -> dict:
 
     # ---- resume
     checkpoints_dir = run_dir / "checkpoints"
-    step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, skip_prefixes=frozen)
+    step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
+                                                skip_prefixes=frozen)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")

@@ -205,7 +205,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     # ---- resume from the newest complete checkpoint in the run folder
     checkpoints_dir = run_dir / "checkpoints"
-    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer)
+    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")

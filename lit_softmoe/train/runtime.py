@@ -57,14 +57,23 @@ def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator
 
 
 def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 skip_prefixes: tuple[str, ...] = ()) -> tuple[int, dict, object]:
+                 total_steps: int, skip_prefixes: tuple[str, ...] = ()) -> tuple[int, dict, object]:
     """(step, the checkpoint's JSON metadata, the checkpoint) from the newest complete checkpoint,
-    restored into `model` and `optimizer`; (0, {}, None) when there is none."""
+    restored into `model` and `optimizer`; (0, {}, None) when there is none.
+
+    A checkpoint past `total_steps` is refused: steps/epochs may change on a rerun to extend a run,
+    but a shorter rerun would save the longer run's model as the shorter one (and its learning
+    rates were those of the longer schedule)."""
+    from lit_softmoe.errors import UserError
     from lit_softmoe.train.checkpoint import latest_checkpoint, load_training_state
     latest = latest_checkpoint(checkpoints_dir)
     if latest is None:
         return 0, {}, None
     meta = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
+    if meta["step"] > total_steps:
+        raise UserError(f"{Path(checkpoints_dir).parent} holds a checkpoint at step {meta['step']}, past the "
+                        f"{total_steps} steps this config trains; set steps (or epochs) to at least that, or start "
+                        "this run with another run_dir=...")
     return meta["step"], meta, latest
 
 
