@@ -130,3 +130,16 @@ def test_caption_shards_with_class_names_read_as_classes_fail_naming_task_retrie
                           benchmarks=[BenchmarkConfig(name="my-captions", root=str(root))])
     entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["status"] == "failed" and "set task: retrieval" in entry["reason"], entry
+
+
+def test_a_multilabel_webdataset_is_refused_in_one_line(tmp_path):
+    # CLIP_benchmark's multi-label sets (voc2007_multilabel: dataset_type.txt "multilabel", labels in
+    # .npy) were read as single-label classes whose samples all lack a .cls.
+    from evalkit import foolbox_images, write_wds_benchmark
+    samples = [(path.read_bytes(), "png", 0) for path, _ in foolbox_images("cifar10")[:2]]
+    root = write_wds_benchmark(tmp_path / "voc", samples, classnames=["cat", "dog"])
+    (root / "dataset_type.txt").write_text("multilabel\n")
+    with pytest.raises(UserError, match="multi-label"):
+        read_benchmark("voc2007_multilabel", root, "test", lambda image: image)
+    with pytest.raises(UserError, match="multi-label"):  # as the suite calls it: the shipped task given
+        read_benchmark("voc2007_multilabel", root, "test", lambda image: image, task="classification")

@@ -136,6 +136,9 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     if not urls:
         raise MissingData(split_dir, "webdataset shards (nshards.txt + 0.tar …)")
     kind = (read_lines(root / "dataset_type.txt") or [task or "classification"])[0].lower()
+    if kind == "multilabel":  # labels in .npy, scored by mAP: every sample would lack a .cls
+        raise UserError(f"{root} is a multi-label set (dataset_type.txt says multilabel); lit-softmoe scores "
+                        "single-label classification and retrieval only, so leave it out of the suite")
     task = task or ("retrieval" if kind == "retrieval" else "classification")
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
                     classnames=read_lines(root / CLASSNAMES_FILE),
