@@ -306,6 +306,17 @@ def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
+def _with_frozen_pooler(model: torch.nn.Module, now: list[list[str]]) -> list[list[str]]:
+    """The (decay, no-decay) groups as they were before the HF text towers' pooler was frozen: its
+    weight among the decayed matrices, its bias among the rest, in the model's parameter order."""
+    order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
+    pooler = [(name, param) for name, param in model.named_parameters()
+              if ".pooler." in name and not param.requires_grad]
+    decay = now[0] + [name for name, param in pooler if param.ndim >= 2]
+    no_decay = now[1] + [name for name, param in pooler if param.ndim < 2]
+    return [sorted(decay, key=order.get), sorted(no_decay, key=order.get)]
+
+
 def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, dict], model: torch.nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict:
     """The checkpoint's optimizer state renumbered for `optimizer`, matching parameters by name.
@@ -314,17 +325,16 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
     frozen since: it never gets a gradient). A checkpoint from before names were saved is read in
     the model's parameter order, as it was written, or failing that with the parameters frozen since
     counted as trained. A trained parameter the checkpoint lacks means another model: refused."""
-    from lit_softmoe.train.optim import param_group_names
     now = _optimizer_param_names(model, optimizer)
     saved_groups = info["param_groups"]
     saved = info.get("param_names")
     if saved is None:  # written before names were saved
         if [len(g["params"]) for g in saved_groups] == [len(names) for names in now]:
             saved = now
-        else:
-            saved = param_group_names(model, lambda name, param: param.requires_grad or ".pooler." in name)
-    if [len(g["params"]) for g in saved_groups] != [len(names) for names in saved] or \
-            len(saved_groups) != len(now):
+        elif len(now) == 2:
+            saved = _with_frozen_pooler(model, now)
+    if saved is None or len(saved_groups) != len(now) or \
+            [len(g["params"]) for g in saved_groups] != [len(names) for names in saved]:
         raise UserError(f"{ckpt_dir} holds the optimizer of another model "
                         f"({sum(len(g['params']) for g in saved_groups)} trained "
                         f"tensors, this one trains {sum(map(len, now))}); resume with the run's own settings, "

@@ -13,29 +13,20 @@ from lit_softmoe.config import OptimConfig
 from lit_softmoe.errors import UserError
 
 
-def param_group_names(model: torch.nn.Module, trains=lambda name, param: param.requires_grad) -> list[list[str]]:
-    """Names of the parameters that decay and of those that do not, among those `trains` selects.
-
-    Decay: matrices (kernels) and Soft MoE's `scale`, as the paper does; not biases, norms,
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (kernels) and Soft MoE's `scale`, as the paper does; not biases, norms,
     position embeddings or phi (whose magnitude the layer normalizes away)."""
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if not trains(name, param):
+        if not param.requires_grad:
             continue
         if name.endswith(".scale") or (param.ndim >= 2 and name not in skip):
-            decay.append(name)
+            decay.append(param)
         else:
-            no_decay.append(name)
-    return [decay, no_decay]
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's two groups (see `param_group_names`): with `weight_decay`, and without."""
-    params = dict(model.named_parameters())
-    decay, no_decay = param_group_names(model)
-    return [{"params": [params[name] for name in decay], "weight_decay": weight_decay},
-            {"params": [params[name] for name in no_decay], "weight_decay": 0.0}]
+            no_decay.append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 def create_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
