@@ -257,3 +257,31 @@ def test_a_second_dataset_does_not_rename_the_first_ones_classes(cache, tmp_path
     # Re-embedding the split that uses them (the same dataset, its class names since corrected) takes them.
     embed_shards(root / "tower", str(other / "test"), out, batch_size=100)
     assert (out / "classnames.txt").read_text().startswith("digit 0\n")
+
+
+def test_class_shards_without_captions_are_cached_for_zero_shot_eval(cache, tmp_path):
+    # `data from-folder --layout classes` writes image + .cls only: a labelled eval set.
+    root, tower = cache["root"], cache["tower"]
+    source = _read_raw(root / "fmnist" / "test")
+    samples = [{"__key__": key, "png": sample["png"], "cls": sample["cls"]} for key, sample in sorted(source.items())]
+    write_split(samples, tmp_path / "labelled", "test", keep_keys=True)
+    summary = embed_shards(root / "tower", str(tmp_path / "labelled" / "test"), tmp_path / "features", batch_size=64)
+    assert summary["num_samples"] == LIMIT and summary["bad"] == {}
+    cached = _read_raw(tmp_path / "features" / "test")
+    assert all(set(sample) == {"__key__", "__url__", "npy", "cls"} for sample in cached.values())
+    assert all(cached[key]["cls"] == source[key]["cls"] for key in source)
+
+    loader = create_shard_loader(ShardDataConfig(urls=str(tmp_path / "features" / "test"), batch_size=LIMIT,
+                                                 workers=0, shuffle=False, exact_epoch=True), "embedding-class")
+    batch = next(iter(loader))
+    images = create_shard_loader(ShardDataConfig(urls=str(root / "fmnist" / "test"), batch_size=LIMIT, workers=0,
+                                                 shuffle=False, exact_epoch=True), "image-class",
+                                 transform=eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"]))
+    reference = next(iter(images))
+    order = {key: i for i, key in enumerate(reference["key"])}
+    rows = [order[key] for key in batch["key"]]
+    assert torch.equal(batch["label"], reference["label"][rows])
+    with torch.no_grad():
+        expected = tower.forward_features(reference["image"][rows])
+    assert torch.allclose(batch["embedding"], expected, atol=2e-3, rtol=1e-2)  # float16 storage
+    check_feature_cache(tmp_path / "features" / "test", root / "tower")

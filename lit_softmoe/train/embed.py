@@ -6,7 +6,7 @@ raised their throughput from 17 to 2,409 img/s/core and the largest batch from 1
 has no such cache (its issue #99); this module is ours.
 
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
-zero-shot test split can be cached too), runs `tower.forward_features` under inference mode
+zero-shot test split can be cached too, also without captions), runs `tower.forward_features` under inference mode
 (bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset layout:
 
     out_dir/
@@ -15,7 +15,7 @@ zero-shot test split can be cached too), runs `tower.forward_features` under inf
 
 Each sample keeps its source key and holds `.npy` (the pooled embedding, float16: half the bytes
 of float32, and well inside the rounding a contrastive loss ignores), `.txt` (the caption) and
-`.cls` (copied as-is) when the source had one; `create_shard_loader(…, "embedding-caption")`
+`.cls` (copied as-is) when the source had them; `create_shard_loader(…, "embedding-caption")`
 reads them back. `embed.json` lives in the split folder, so train and test caches can share one
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing). The whole split folder is
@@ -176,12 +176,12 @@ def _ignore(exn: Exception) -> bool:
     return True  # webdataset handler: go on with the next shard
 
 
-def _has_class_member(first_url: str) -> bool:
-    """True if the first sample of the first shard holds a `.cls` (reads one sample, not the shard)."""
-    # A broken first shard reads as "no class": the main pass counts and reports it.
+def _first_sample_members(first_url: str) -> set[str]:
+    """The members ("cls", "txt", "png"…) of the first sample of the first shard (reads one sample)."""
+    # A broken first shard reads as no members: the main pass counts and reports it.
     samples = wds.tarfile_to_samples(handler=_ignore)(iter([{"url": first_url}]))
     first = next(iter(samples), None)
-    return first is not None and "cls" in first
+    return {key for key in first if not key.startswith("__")} if first is not None else set()
 
 
 def _refuse_feature_shards(shards: str, urls: list[str]) -> None:
@@ -240,11 +240,14 @@ def _feature_samples(loader, tower, device, autocast, labels: dict[str, bytes] |
     for batch in tqdm(loader, total=loader.num_batches, desc="embed", unit="batch", disable=not progress):
         embeddings = _embed_batch(tower, batch["image"], device, autocast).numpy()  # (B, width) fp16
         finite = np.isfinite(embeddings).all(axis=1)
-        for key, caption, embedding, ok in zip(batch["key"], batch["caption"], embeddings, finite):
+        captions = batch.get("caption", [None] * len(batch["key"]))  # None: class-only shards
+        for key, caption, embedding, ok in zip(batch["key"], captions, embeddings, finite):
             if not ok:  # fp16 overflow or a NaN from the tower: the reader would skip it anyway
                 stats["bad"]["nonfinite_embedding"] = stats["bad"].get("nonfinite_embedding", 0) + 1
                 continue
-            sample = {"__key__": key, "npy": _npy_bytes(embedding), "txt": caption.encode("utf-8")}
+            sample = {"__key__": key, "npy": _npy_bytes(embedding)}
+            if caption is not None:
+                sample["txt"] = caption.encode("utf-8")
             if labels is not None and key in labels:
                 sample["cls"] = labels[key]
             stats["num_samples"] += 1
@@ -366,8 +369,12 @@ def embed_shards(
     data = ShardDataConfig(urls=shards, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True,
                            rank=0, world_size=1, max_bad_fraction=max_bad_fraction,
                            pin_memory=device.type == "cuda")
-    loader = create_shard_loader(data, "image-caption", transform)
-    labels = _read_class_members(urls) if _has_class_member(urls[0]) else None
+    members = _first_sample_members(urls[0])
+    # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
+    # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
+    class_only = "cls" in members and "txt" not in members
+    loader = create_shard_loader(data, "image-class" if class_only else "image-caption", transform)
+    labels = _read_class_members(urls) if "cls" in members else None
     stats: dict = {"num_samples": 0, "bad": {}}
 
     def write(tmp_dir: Path) -> None:
@@ -384,13 +391,14 @@ def embed_shards(
                 raise
             raise UserError(f"{shards}: {err}; embed each source into its own --split") from None
         if stats["num_samples"] == 0:
-            raise UserError(f"no image+caption sample of {shards} could be embedded "
+            needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
+            raise UserError(f"no sample of {shards} could be embedded "
                             f"(skipped: {dict(loader.bad.counts) or 'nothing'}); check that its shards hold "
-                            "an image and a .txt per sample")
+                            f"{needed} per sample")
         stats["bad"].update({reason: count for reason, count in sorted(loader.bad.counts.items()) if count})
         stats["seconds"] = round(time.perf_counter() - start, 3)
         info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
-                "dtype": "float16", "with_cls": labels is not None, "bad": stats["bad"], "seconds": stats["seconds"]}
+                "dtype": "float16", "with_cls": labels is not None, "with_txt": not class_only, "bad": stats["bad"], "seconds": stats["seconds"]}
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
 
