@@ -90,3 +90,21 @@ def test_pretrain_rerun_with_fewer_epochs_than_its_checkpoint_is_refused(data, t
     with pytest.raises(UserError, match=f"{run} holds a checkpoint at step 6, past the 3 steps this config trains"):
         pretrain(load_config(PretrainConfig, None, [*common, "epochs=0.5"]))
     assert json.loads((run / "results.json").read_text())["steps"] == 6
+
+
+# ---- zero-shot evaluation on the right classes ------------------------------------------------------
+
+@pytest.mark.parametrize("unlocked", [False, True])
+def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training(data, tmp_path, unlocked):
+    """Three class names for a 10-class eval split scored every image of classes 3-9 as wrong and
+    reported that number (zero-shot top-1 0.13) as the model's."""
+    names = tmp_path / "three.txt"
+    names.write_text("t-shirt\ntrouser\npullover\n")
+    source = data / ("fmnist" if unlocked else "features")
+    extra = ["unlocked_blocks=1"] if unlocked else []
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, tmp_path / "run", "steps=2", f"data.train={source / 'train'}",
+                       f"eval.shards={source / 'test'}", f"eval.classnames={names}", *extra))
+    assert str(err.value) == (f"eval.shards {source / 'test'} holds class 9, but {names} names 3 classes; set "
+                              "eval.classnames to a file naming every class of the split, one per line in class order")
+    assert not (tmp_path / "run").exists()

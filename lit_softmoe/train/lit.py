@@ -167,8 +167,14 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     if not eval_set["classnames"]:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
     check_templates(eval_set["templates"], str(templates))  # now, not after training
-    if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
+    # Computed once for a locked tower; with unlocked blocks these are the initial tower's, read now
+    # only for the labels below, and each evaluation computes them anew.
+    eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
+    largest = int(eval_set["labels"].max())
+    if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
+        raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
+                        f"{len(eval_set['classnames'])} classes; set eval.classnames to a file naming every class "
+                        "of the split, one per line in class order")
     return eval_set
 
 
