@@ -108,3 +108,24 @@ def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training
     assert str(err.value) == (f"eval.shards {source / 'test'} holds class 9, but {names} names 3 classes; set "
                               "eval.classnames to a file naming every class of the split, one per line in class order")
     assert not (tmp_path / "run").exists()
+
+
+# ---- weight decay -----------------------------------------------------------------------------------
+
+def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tmp_path):
+    """Soft MoE's `scale` is decayed like a kernel (vmoe's configs; ViT.no_weight_decay leaves it out
+    on purpose), but LiTModel.no_weight_decay added every 0-d/1-d parameter back, so with
+    unlocked_blocks the LiT optimizer trained it without weight decay."""
+    from lit_softmoe.train import lit as lit_recipe
+
+    cfg = _lit(data, tmp_path / "run", "unlocked_blocks=1", "optim.weight_decay=0.1")
+    model, _ = lit_recipe._setup_model(cfg)
+    optimizer = lit_recipe._setup_optimizer(cfg, model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    decay_of = {names[id(param)]: group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
+    assert decay_of["image_tower.blocks.1.mlp.scale"] == 0.1
+    assert decay_of["image_tower.blocks.1.mlp.experts.w1"] == 0.1
+    assert decay_of["image_tower.blocks.1.mlp.phi"] == 0.0 and decay_of["image_tower.norm.weight"] == 0.0
+    assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["log_scale"] == 0.0
+    assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
+    assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()

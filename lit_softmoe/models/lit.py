@@ -154,10 +154,12 @@ class LiTModel(nn.Module):
         self.log_scale.clamp_(max=math.log(self.max_temperature))
 
     def no_weight_decay(self) -> set[str]:
-        """Biases, norms, scale/bias, position embeddings: names as in `named_parameters()`."""
+        """Biases, norms, log-scale/bias, position embeddings, phi: names as in `named_parameters()`."""
         names = {"log_scale"} | ({"logit_bias"} if self.logit_bias is not None else set())
         if self.image_tower is not None:
             names |= {f"image_tower.{n}" for n in self.image_tower.no_weight_decay()}
         names |= {f"text_tower.{n}" for n in self.text_tower.no_weight_decay()}
-        names |= {n for n, p in self.named_parameters() if p.ndim <= 1}
+        # Every other scalar and vector (biases, norms) too, except the image tower's: its own list
+        # leaves out Soft MoE's scalar `scale` on purpose (decayed like a kernel, as vmoe does).
+        names |= {n for n, p in self.named_parameters() if p.ndim <= 1 and not n.startswith("image_tower.")}
         return names

@@ -89,11 +89,13 @@ def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:
 
 
 def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
+    # no_weight_decay alone decides: it holds every vector and scalar but Soft MoE's `scale`, which
+    # unlocked tower blocks decay as pretraining does.
     skip = set(model.no_weight_decay())
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if name in skip or param.ndim < 2 else decay).append(param)
+            (no_decay if name in skip else decay).append(param)
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
