@@ -129,3 +129,23 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["log_scale"] == 0.0
     assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
     assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
+
+
+# ---- settings that were silently ignored -----------------------------------------------------------
+
+def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
+    """The sigmoid loss has no label smoothing: label_smoothing=0.1 trained exactly as 0 would."""
+    with pytest.raises(UserError, match="label_smoothing=0.1 applies to loss=softmax only"):
+        pretrain(load_config(PretrainConfig, None, [
+            f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}",
+            f"run_dir={tmp_path / 'run'}", "tower.name=soft-test-4e", "batch_size=50", "steps=2", "fewshot_shots=0",
+            "loss=sigmoid", "label_smoothing=0.1"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_probe_split_without_an_eval_split_is_refused(data, tmp_path):
+    """The probe is scored on eval.shards: without it, eval.probe_train was silently not run."""
+    with pytest.raises(UserError, match="eval.probe_train is scored on eval.shards"):
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "eval.shards=",
+                       f"eval.probe_train={data / 'features' / 'train'}"))
+    assert not (tmp_path / "run").exists()

@@ -128,6 +128,9 @@ def _check_settings(cfg: PretrainConfig) -> None:
     """Settings torch refuses only once training runs (a traceback after the data is read), checked first."""
     if not 0.0 <= cfg.label_smoothing <= 1.0:
         raise UserError(f"label_smoothing must be in [0, 1], got {cfg.label_smoothing}")
+    if cfg.label_smoothing and cfg.loss != "softmax":  # _loss_fn's sigmoid loss has none: it would be ignored
+        raise UserError(f"label_smoothing={cfg.label_smoothing:g} applies to loss=softmax only; set label_smoothing=0 "
+                        f"with loss={cfg.loss}")
     check_optim_settings(cfg.optim)
 
 
