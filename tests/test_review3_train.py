@@ -142,10 +142,3 @@ def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
             "loss=sigmoid", "label_smoothing=0.1"]))
     assert not (tmp_path / "run").exists()
 
-
-def test_a_probe_split_without_an_eval_split_is_refused(data, tmp_path):
-    """The probe is scored on eval.shards: without it, eval.probe_train was silently not run."""
-    with pytest.raises(UserError, match="eval.probe_train is scored on eval.shards"):
-        train_lit(_lit(data, tmp_path / "run", "steps=2", "eval.shards=",
-                       f"eval.probe_train={data / 'features' / 'train'}"))
-    assert not (tmp_path / "run").exists()

@@ -148,12 +148,6 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, t
     return {f"zeroshot_{k}": v for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
 
 
-def _check_eval_settings(cfg: LiTConfig) -> None:
-    if cfg.eval.probe_train and not cfg.eval.shards:  # the probe would silently not run
-        raise UserError(f"eval.probe_train is scored on eval.shards, which is empty; set eval.shards to the split "
-                        "the probe is tested on, or leave eval.probe_train empty")
-
-
 def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     if not cfg.eval.shards:
         return None
@@ -228,7 +222,6 @@ def train_lit(cfg: LiTConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
-    _check_eval_settings(cfg)
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
 
