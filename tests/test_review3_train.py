@@ -142,3 +142,43 @@ def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
             "loss=sigmoid", "label_smoothing=0.1"]))
     assert not (tmp_path / "run").exists()
 
+
+
+# ---- a diverged run never writes a checkpoint ------------------------------------------------------
+
+def _finite_checkpoints(run) -> dict[int, bool]:
+    from safetensors.torch import load_file
+    return {int(path.name.split("_")[1]): all(value.float().isfinite().all() for key, value in
+                                              load_file(path / "state.safetensors").items() if key.startswith("model."))
+            for path in sorted((run / "checkpoints").glob("step_*"))}
+
+
+def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path):
+    """The loss was checked only at log records (every 100 steps here): the step-4 checkpoint held NaN
+    weights, the run stopped later naming step 6, and rerunning it resumed the NaN model."""
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=r"training diverged: loss is nan at step 4;"):
+        pretrain(load_config(PretrainConfig, None, [
+            f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+            "tower.name=soft-test-4e", "batch_size=50", "steps=6", "fewshot_shots=0", "precision=fp32",
+            "log_every=100", "checkpoint_every=2", "keep_checkpoints=10", "optim.lr=1e9", "optim.warmup_steps=0",
+            "optim.grad_clip=0"]))
+    assert _finite_checkpoints(run) == {2: True}
+
+
+def test_lit_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path, monkeypatch):
+    from lit_softmoe.train import lit as lit_recipe
+    calls = []
+
+    def diverging_loss(*args, **kwargs):  # NaN from step 3 on, as a blown-up run gives
+        calls.append(1)
+        loss = lit_recipe.contrastive_loss.__wrapped__(*args, **kwargs)
+        return loss * float("nan") if len(calls) >= 3 else loss
+
+    diverging_loss.__wrapped__ = lit_recipe.contrastive_loss
+    monkeypatch.setattr(lit_recipe, "contrastive_loss", diverging_loss)
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=r"training diverged: loss is nan at step 4;"):
+        train_lit(_lit(data, run, "steps=6", "log_every=100", "checkpoint_every=2", "keep_checkpoints=10",
+                       "eval.shards="))
+    assert _finite_checkpoints(run) == {2: True}

@@ -329,6 +329,8 @@ def train_lit(cfg: LiTConfig) -> dict:
                 logger.log({"step": step, **_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform,
                                                            accelerator)})
             if step % cfg.checkpoint_every == 0 or step == total_steps:
+                # Also between log records: a diverged model is never saved, or a rerun would resume it.
+                global_loss(accelerator, loss, step)
                 accelerator.wait_for_everyone()
                 if is_main:
                     # A resume replays this epoch from its start (counting its samples again), or at

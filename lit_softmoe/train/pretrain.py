@@ -289,6 +289,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
             logger.log({"step": step, "test_top1": _test_top1(tower_module, data, mean, std, cfg, accelerator)})
         if step % cfg.checkpoint_every == 0 or step == total_steps:
+            # Also between log records: a diverged model is never saved, or a rerun would resume it.
+            global_loss(accelerator, loss, step)
             accelerator.wait_for_everyone()
             if is_main:
                 save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,
