@@ -146,6 +146,37 @@ def test_a_parameter_frozen_since_the_checkpoint_leaves_the_others_their_moments
     assert restored == 6 and [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
 
 
+def test_a_legacy_checkpoint_whose_scale_was_not_decayed_then_resumes_with_it_decayed(tmp_path):
+    # LiT's groups used to leave every scalar undecayed, Soft MoE's `scale` of unlocked blocks too.
+    def model():
+        torch.manual_seed(0)
+        pair = torch.nn.Module()
+        pair.first, pair.moe, pair.last = torch.nn.Linear(4, 4), torch.nn.Module(), torch.nn.Linear(4, 2)
+        pair.moe.scale = torch.nn.Parameter(torch.tensor(2.0))
+        pair.forward = lambda x: pair.last(pair.first(x) * pair.moe.scale)
+        return pair
+
+    old = model()
+    old_opt = torch.optim.AdamW([{"params": [p for p in old.parameters() if p.ndim >= 2], "weight_decay": 0.05},
+                                 {"params": [p for p in old.parameters() if p.ndim < 2], "weight_decay": 0.0}])
+    for _ in range(2):
+        old_opt.zero_grad()
+        old(torch.randn(6, 4)).square().mean().backward()
+        old_opt.step()
+    save_training_state(tmp_path / "ckpt", 2, old, old_opt)
+    info = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    del info["param_names"]
+    (tmp_path / "ckpt" / "state.json").write_text(json.dumps(info))
+
+    new = model()
+    opt = create_optimizer(new, OptimConfig(lr=1e-2))  # decays moe.scale
+    assert len(opt.param_groups[0]["params"]) == 3
+    load_training_state(tmp_path / "ckpt", new, opt)
+    old_params = dict(old.named_parameters())
+    for name, param in new.named_parameters():
+        assert torch.equal(opt.state[param]["exp_avg"], old_opt.state[old_params[name]]["exp_avg"]), name
+
+
 def test_an_optimizer_of_another_model_is_one_user_error(tmp_path):
     # Checkpoints of a run that never trained the pooler, resumed with the pooler trained.
     _trained_pair_checkpoint(tmp_path / "named", legacy=False, freeze_pooler=True)

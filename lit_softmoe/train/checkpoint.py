@@ -306,15 +306,33 @@ def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def _with_frozen_pooler(model: torch.nn.Module, now: list[list[str]]) -> list[list[str]]:
-    """The (decay, no-decay) groups as they were before the HF text towers' pooler was frozen: its
-    weight among the decayed matrices, its bias among the rest, in the model's parameter order."""
-    order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
-    pooler = [(name, param) for name, param in model.named_parameters()
-              if ".pooler." in name and not param.requires_grad]
-    decay = now[0] + [name for name, param in pooler if param.ndim >= 2]
-    no_decay = now[1] + [name for name, param in pooler if param.ndim < 2]
-    return [sorted(decay, key=order.get), sorted(no_decay, key=order.get)]
+def _legacy_groupings(model: torch.nn.Module, now: list[list[str]]):
+    """Candidate (decay, no-decay) name groups of a checkpoint written before names were saved, each
+    in the model's parameter order as the optimizers were built: the groups as now; with the HF text
+    towers' pooler, frozen since, still trained (its weight decayed, its bias not); and either of
+    those with every scalar and vector undecayed, as LiT's groups were before Soft MoE's `scale` of
+    unlocked blocks was decayed."""
+    params = dict(model.named_parameters())
+    order = {name: index for index, name in enumerate(params)}
+    pooler = [name for name, param in params.items() if ".pooler." in name and not param.requires_grad]
+    for extra in ([], pooler):
+        for vectors_apart in (False, True):
+            decayed = set(now[0]) | {name for name in extra if params[name].ndim >= 2}
+            if vectors_apart:
+                decayed = {name for name in decayed if params[name].ndim >= 2}
+            names = sorted(now[0] + now[1] + extra, key=order.get)
+            yield [[name for name in names if name in decayed], [name for name in names if name not in decayed]]
+
+
+def _fits(saved_groups: list[dict], names: list[list[str]], opt_state: dict[int, dict],
+          params: dict[str, torch.Tensor]) -> bool:
+    """Whether `names` can be the checkpoint's groups: the same sizes, and each moment of its parameter's shape."""
+    if [len(group["params"]) for group in saved_groups] != [len(group) for group in names]:
+        return False
+    return all(tuple(moment.shape) == tuple(params[name].shape)
+               for group, group_names in zip(saved_groups, names)
+               for param_id, name in zip(group["params"], group_names)
+               for key, moment in opt_state.get(param_id, {}).items() if key.startswith("exp_avg"))
 
 
 def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, dict], model: torch.nn.Module,
@@ -322,17 +340,16 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
     """The checkpoint's optimizer state renumbered for `optimizer`, matching parameters by name.
 
     Moments of parameters the model no longer trains are dropped (e.g. the HF text towers' pooler,
-    frozen since: it never gets a gradient). A checkpoint from before names were saved is read in
-    the model's parameter order, as it was written, or failing that with the parameters frozen since
-    counted as trained. A trained parameter the checkpoint lacks means another model: refused."""
+    frozen since: it never gets a gradient). A checkpoint from before names were saved is read with
+    the first of `_legacy_groupings` that fits it. A trained parameter the checkpoint lacks means
+    another model: refused."""
     now = _optimizer_param_names(model, optimizer)
     saved_groups = info["param_groups"]
     saved = info.get("param_names")
-    if saved is None:  # written before names were saved
-        if [len(g["params"]) for g in saved_groups] == [len(names) for names in now]:
-            saved = now
-        elif len(now) == 2:
-            saved = _with_frozen_pooler(model, now)
+    if saved is None and len(saved_groups) == len(now) == 2:  # written before names were saved
+        params = dict(model.named_parameters())
+        saved = next((names for names in _legacy_groupings(model, now)
+                      if _fits(saved_groups, names, opt_state, params)), None)
     if saved is None or len(saved_groups) != len(now) or \
             [len(g["params"]) for g in saved_groups] != [len(names) for names in saved]:
         raise UserError(f"{ckpt_dir} holds the optimizer of another model "
