@@ -238,7 +238,8 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
         tower_dir = _find_tower(cfg.image_tower, source.run_dir)
         tensors = load_weights(source.path / STATE_TENSORS)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        step = _read_json(source.path / STATE_META).get("step")
+        info = _read_json(source.path / STATE_META)  # its image_tower_sha256: checkpoints before it have none
+        step = info.get("step")
     else:
         info = _read_json(source.path / EXPORT_CONFIG)
         text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
@@ -247,8 +248,7 @@ def _load_run_pair(source: _Source) -> tuple[LiTModel, dict]:
         image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
     tower, tower_meta = load_tower(tower_dir)
-    if source.kind != "checkpoint":
-        _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
+    _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
     _load_weights(model, state, str(source.path))
     tower_state = {k: v for k, v in state.items() if k.startswith("image_tower.")}

@@ -57,10 +57,12 @@ def _make_run(root: Path, loss: str = "softmax") -> Path:
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(cfg))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    save_training_state(run / "checkpoints" / "step_00000010", 10, model, optimizer, skip_prefixes=("image_tower.",))
+    tower_sha = tower_fingerprint(tower_dir)["tower_sha256"]
+    save_training_state(run / "checkpoints" / "step_00000010", 10, model, optimizer, skip_prefixes=("image_tower.",),
+                        meta={"image_tower_sha256": tower_sha})
     results = {"steps": 10, "train_seconds": 2.5, "cached_features": True, "zeroshot_top1": 0.4321,
                "linear_probe_top1": 0.6543}
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, results)
+    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, results, tower_sha)
     (run / "results.json").write_text(json.dumps(results))
     return run
 

@@ -135,6 +135,23 @@ def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_
         assert len(set(batch["key"])) == 150
 
 
+def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data, tmp_path):
+    tower = tmp_path / "tower"
+    shutil.copytree(data / "tower", tower)
+    run = tmp_path / "run"
+    # Image shards: a feature cache would be refused as another tower's before the checkpoint is read.
+    common = [f"image_tower={tower}", f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
+    train_lit(_cfg(data, run, "steps=2", *common))
+    assert json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())["image_tower_sha256"]
+    meta = json.loads((tower / "config.json").read_text())
+    torch.manual_seed(1)  # same name, config and preprocessing; other weights
+    save_tower(tower, create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={k: v for k, v in meta.items() if k != "tower"})
+    with pytest.raises(UserError, match=r"the image tower at .*tower was rewritten after .*step_00000002 was saved"):
+        train_lit(_cfg(data, run, "steps=4", *common))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+
+
 # ---- bad-sample counts across a resume -------------------------------------------------------------
 
 def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):

@@ -140,6 +140,11 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
     assert "not the one the run was trained against (it differs in its weights)" in line, line
     with pytest.raises(UserError, match="differs in its weights"):
         load_pretrained(run)
+    # A training checkpoint records the tower's sha256 too.
+    line = _one_error_line(capsys, cli.main(["export", str(run / "checkpoints" / "step_00000010"),
+                                             "--out", str(tmp_path / "out")]))
+    assert "not the one the run was trained against (it differs in its weights)" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 # ---- a damaged export is one line ----------------------------------------------------------------

@@ -196,15 +196,17 @@ def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
     return ("image_tower.",) if model.image_tower_locked else ()
 
 
-def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, results: dict) -> Path:
-    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest."""
+def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, results: dict,
+                tower_sha: str | None = None) -> Path:
+    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest.
+    `tower_sha`: the tower file's sha256 as the run read it (default: as it is now)."""
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
              if not k.startswith(_frozen_prefixes(model))}
     # The tower file's sha256: exports and load_pretrained refuse a tower folder rewritten since (even
     # with the same architecture), which would pair this text tower with other image features.
     info = {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
-            "image_tower_sha256": tower_fingerprint(cfg.image_tower)["tower_sha256"],
+            "image_tower_sha256": tower_sha or tower_fingerprint(cfg.image_tower)["tower_sha256"],
             "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
             "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "results": results}
 
@@ -234,6 +236,9 @@ def train_lit(cfg: LiTConfig) -> dict:
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
     tower_hash = model.image_tower_state_hash() if model.image_tower_locked else None
+    # The tower file's sha256, recorded in checkpoints and model/config.json: a resume or an export
+    # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
+    tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
     cached = is_feature_cache(cfg.data.train)
@@ -270,6 +275,9 @@ def train_lit(cfg: LiTConfig) -> dict:
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
                                                 skip_prefixes=frozen)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
+    if checkpoint_meta.get("image_tower_sha256", tower_sha) != tower_sha:  # checkpoints before it: none
+        raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
+                        "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
@@ -338,7 +346,8 @@ def train_lit(cfg: LiTConfig) -> dict:
                     # nothing past its last batch).
                     data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
                     save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
-                                        meta={"train_seconds": train_seconds, "data_counts": data_counts},
+                                        meta={"train_seconds": train_seconds, "data_counts": data_counts,
+                                              "image_tower_sha256": tower_sha},
                                         skip_prefixes=frozen)
                     prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
@@ -357,7 +366,7 @@ def train_lit(cfg: LiTConfig) -> dict:
                                                                accelerator)
                 results.update(linear_probe(train_features, train_labels, eval_set["features"], eval_set["labels"]))
             logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
-        _save_model(run_dir, model_module, cfg, meta, results)
+        _save_model(run_dir, model_module, cfg, meta, results, tower_sha)
         # Atomic: a kill mid-write must not leave half a JSON file for export's model card to choke on.
         write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         plot_curves(read_metrics(logger.path), run_dir / "curves.png", keys=("loss", "temperature", "zeroshot_top1"),
