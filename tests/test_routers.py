@@ -167,6 +167,37 @@ def test_experts_choice_drops_tokens_no_expert_picks():
     assert layer.dropped_fraction.item() == 0.5
 
 
+def test_experts_choice_matches_a_loop_over_experts():
+    """Random gates and real experts (which read their inputs) against a slow loop reference: the
+    one-hot experts above ignore what they are fed, so only this checks which tokens reach which
+    expert and where each output is added back."""
+    torch.manual_seed(0)
+    b, m, d, n = 3, 10, 6, 4
+    layer = ExpertsChoiceMoE(d, n, 8, capacity_factor=1.2, shared_expert_init=False, dtype=torch.float64).eval()
+    with torch.no_grad():
+        layer.experts.b1.normal_(std=0.3)
+        layer.experts.b2.normal_(std=0.3)
+    x = torch.randn(b, m, d, dtype=torch.float64)
+    y = layer(x)
+    capacity = layer.capacity(m)
+    assert capacity == 3  # round(10·1.2 / 4)
+    with torch.no_grad():
+        gates = (x @ layer.router).softmax(-1)
+    e = layer.experts
+    picked_any = torch.zeros(b, m, dtype=torch.bool)
+    for i in range(b):
+        want = torch.zeros(m, d, dtype=torch.float64)
+        for j in range(n):
+            for t in gates[i, :, j].topk(capacity).indices.tolist():  # expert j picks its top-C tokens
+                picked_any[i, t] = True
+                with torch.no_grad():
+                    hidden = torch.nn.functional.gelu(x[i, t] @ e.w1[j] + e.b1[j], approximate="tanh")
+                    want[t] += gates[i, t, j] * (hidden @ e.w2[j] + e.b2[j])
+        torch.testing.assert_close(y[i].detach(), want)
+    assert layer.dropped_fraction.item() == pytest.approx((~picked_any).float().mean().item())
+    assert 0 < layer.dropped_fraction < 1  # the case exercises both picked and unpicked tokens
+
+
 # ---- capacities --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m,n,k,cf,multiple,want", [
