@@ -289,3 +289,49 @@ def test_patch_embedding_equals_the_strided_convolution(size):
     got = tower.embed_patches(x)
     assert got.shape == want.shape == (3, (size // 7) ** 2, 32)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _attention_by_hand(attn, x: torch.Tensor) -> torch.Tensor:
+    """Multi-head self-attention with per-head LayerNorm on q and k, written out with explicit heads."""
+    b, m, d = x.shape
+    h, hd = attn.num_heads, attn.head_dim
+    w, bias = attn.qkv.weight.detach(), attn.qkv.bias.detach()
+    q, k, v = (x @ w[i * d:(i + 1) * d].T + bias[i * d:(i + 1) * d] for i in range(3))  # (b, m, d) each
+    out = torch.zeros_like(x)
+    for head in range(h):
+        cols = slice(head * hd, (head + 1) * hd)
+        qh, kh, vh = q[..., cols], k[..., cols], v[..., cols]
+        qh = torch.nn.functional.layer_norm(qh, (hd,), attn.q_norm.weight.detach(), None, 1e-6)
+        kh = torch.nn.functional.layer_norm(kh, (hd,), attn.k_norm.weight.detach(), None, 1e-6)
+        scores = (qh @ kh.transpose(1, 2)) / math.sqrt(hd)  # (b, m queries, m keys)
+        out[..., cols] = scores.softmax(dim=-1) @ vh
+    return out @ attn.proj.weight.detach().T + attn.proj.bias.detach()
+
+
+def test_tower_forward_equals_a_block_by_block_reference():
+    """patches + position embedding → per block x + attn(LN1 x), then x + MLP/MoE(LN2 x) → final LN → mean
+    over tokens, with attention written out by hand. Every LayerNorm gets a random gain and bias (at init
+    they are 1 and 0, which would hide a swapped norm1/norm2 or a missing final norm)."""
+    tower = tiny("soft-test-4e", dtype=torch.float64)
+    assert not tower.cfg.qk_norm_bias and tower.cfg.qk_norm
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in tower.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.copy_(1 + 0.5 * torch.randn(module.weight.shape, generator=g, dtype=torch.float64))
+                if module.bias is not None:
+                    module.bias.copy_(0.3 * torch.randn(module.bias.shape, generator=g, dtype=torch.float64))
+        for block in tower.blocks:
+            block.attn.qkv.bias.normal_(std=0.3)
+    x = images(tower.cfg, b=2, dtype=torch.float64)
+    ln = lambda norm, t: torch.nn.functional.layer_norm(t, (t.shape[-1],), norm.weight, norm.bias, 1e-6)  # noqa: E731
+    with torch.no_grad():
+        tokens = tower.patch_embed(x).flatten(2).transpose(1, 2) + tower.pos_embed
+        for block in tower.blocks:
+            tokens = tokens + _attention_by_hand(block.attn, ln(block.norm1, tokens))
+            mixed = ln(block.norm2, tokens)
+            tokens = tokens + (block.mlp.forward_reference(mixed) if isinstance(block.mlp, SoftMoE) else block.mlp(mixed))
+        want_tokens = ln(tower.norm, tokens)
+        torch.testing.assert_close(tower.forward_tokens(x), want_tokens, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(tower.forward_features(x), want_tokens.mean(dim=1), rtol=1e-10, atol=1e-10)
+    assert want_tokens.std() > 0.1  # far from a degenerate output
