@@ -68,6 +68,8 @@ class TextTowerConfig:
             for name in ("width", "heads", "layers"):
                 if getattr(self, name) < 1:
                     raise UserError(f"text.{name} must be at least 1, got {getattr(self, name)}")
+            if not self.mlp_ratio > 0:  # 0 built MLPs of no hidden unit, a negative one a traceback
+                raise UserError(f"text.mlp_ratio must be above 0, got {self.mlp_ratio:g}; CLIP's is 4")
             if self.vocab_size < OPENCLIP_BPE_VOCAB_SIZE:
                 raise UserError(f"text.vocab_size {self.vocab_size} is smaller than the {OPENCLIP_BPE_VOCAB_SIZE} "
                                 f"ids of tokenizer '{OPENCLIP_BPE}'; leave text.vocab_size at its default")
