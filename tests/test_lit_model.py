@@ -132,6 +132,33 @@ def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monke
     assert out.shape == (2, 8) and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls", "eos"])
+def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch, pooling):
+    """The padding-invariance tests above hold for any pooling that ignores pads (cls for eos, say):
+    here each pooling is checked against the encoder's own token outputs, picked out by hand."""
+    from lit_softmoe.data.tokenizers import create_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", torch.float32),
+                                              pooling=pooling, context_length=16), embed_dim=8).eval()
+    ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "dog"])
+    lengths = (ids != tower.pad_id).sum(dim=1).tolist()
+    assert lengths == [7, 3] and tower.pad_id == 0  # [CLS] a photo of a cat [SEP] / [CLS] dog [SEP], then pads
+    with torch.no_grad():
+        tokens = tower.encoder(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state  # (2, 16, 16)
+        if pooling == "mean":
+            pooled = torch.stack([tokens[row, :n].mean(dim=0) for row, n in enumerate(lengths)])
+        elif pooling == "cls":
+            pooled = tokens[:, 0]
+        else:  # the last real token: [SEP]
+            pooled = torch.stack([tokens[row, n - 1] for row, n in enumerate(lengths)])
+        want = pooled @ tower.proj.weight.T
+        torch.testing.assert_close(tower(ids), want, rtol=1e-5, atol=1e-6)
+        # The three poolings give different vectors here, so the comparison tells them apart.
+        others = [tokens[:, 0], tokens[:, 1], torch.stack([tokens[r, n - 1] for r, n in enumerate(lengths)])]
+        assert sum(torch.allclose(pooled, o, atol=1e-4) for o in others) <= 1
+
+
 # ---- the locked image tower ----------------------------------------------------------------------
 
 def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
