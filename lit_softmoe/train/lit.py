@@ -18,6 +18,7 @@ totals an uninterrupted one does.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -43,6 +44,9 @@ from lit_softmoe.train.runtime import (check_same_run, check_training_length, cr
                                       open_run_folder, resume_state)
 from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.zeroshot.classifier import check_templates
+
+_log = logging.getLogger(__name__)
+
 
 def _feature_split_dirs(spec: str | Path) -> list[Path]:
     """The split folders of feature shards (written by `lit-softmoe embed`, which leaves embed.json in
@@ -226,6 +230,15 @@ def train_lit(cfg: LiTConfig) -> dict:
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
     accelerator = create_accelerator(cfg.precision, cfg.threads)
     is_main = accelerator.is_main_process
+    # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
+    # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
+    # probe: said now and at the end, and recorded in results.json.
+    probe_skipped = None
+    if cfg.eval.probe_train and not cfg.eval.shards:
+        probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on "
+                         "(eval.shards is empty); set eval.shards to a labelled split to run it")
+        if is_main:
+            _log.warning(probe_skipped)
 
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
@@ -366,6 +379,9 @@ def train_lit(cfg: LiTConfig) -> dict:
                                                                accelerator)
                 results.update(linear_probe(train_features, train_labels, eval_set["features"], eval_set["labels"]))
             logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
+        if probe_skipped:
+            _log.warning(probe_skipped)
+            results["probe_skipped"] = probe_skipped
         _save_model(run_dir, model_module, cfg, meta, results, tower_sha)
         # Atomic: a kill mid-write must not leave half a JSON file for export's model card to choke on.
         write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
