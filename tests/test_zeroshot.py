@@ -219,3 +219,20 @@ def test_retrieval_without_captions_says_so():
     # Not a torch.cat traceback: the suite skips such a benchmark before it gets here.
     with pytest.raises(ValueError, match="2 images and 0 captions"):
         retrieval_metrics(torch.eye(2), torch.empty(0, 2), torch.empty(0, dtype=torch.long))
+
+
+def test_zeroshot_metrics_score_images_against_the_classifier_columns():
+    # Every other test uses an identity classifier, which hides a transposed product or a wrong axis.
+    # Here D = 3, C = 5: column j is class j's direction; the scores are worked out by hand.
+    classifier = F.normalize(torch.tensor([[1., 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0], [0, 1, 1]]), dim=-1).T
+    images = F.normalize(torch.tensor([
+        [1., 0, 0],    # scores (1, 0, 0, .71, 0)      → class 0; label 0: hit
+        [1., 1, 0],    # scores (.71, .71, 0, 1, .5)   → class 3; label 3: hit
+        [0., 1, 1],    # scores (0, .71, .71, .5, 1)   → class 4; label 1: miss
+        [0., 0, 1],    # scores (0, 0, 1, 0, .71)      → class 2; label 4: miss
+        [1., 0, .1],   # scores (.995, 0, .1, .70, .07) → class 0; label 0: hit
+    ]), dim=-1)
+    labels = torch.tensor([0, 3, 1, 4, 0])
+    metrics = zeroshot_metrics(images, labels, classifier)
+    # top-1: 3 of 5; recalls: class 0 2/2, class 3 1/1, class 1 0/1, class 4 0/1 → 1/2; 5 classes: top-5 is 1.
+    assert metrics == pytest.approx({"top1": 0.6, "mean_per_class_recall": 0.5, "top5": 1.0})
