@@ -6,11 +6,13 @@ MLP of no width is refused."""
 import json
 
 import pytest
+import torch
 
 from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
+from lit_softmoe.train.probe import L2_GRID, fit_ridge, linear_probe
 from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
 
@@ -55,3 +57,62 @@ def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(
     # With an eval set the probe runs, and nothing is said to be skipped.
     results = train_lit(_lit(data, tmp_path / "with-eval", "steps=2", f"eval.probe_train={data / 'features' / 'train'}"))
     assert 0.0 <= results["linear_probe_top1"] <= 1.0 and "probe_skipped" not in results
+
+
+# ---- the full linear probe on a handful of training samples -----------------------------------------
+
+def _few_examples(num_train=9):
+    """3 classes in 8 noisy dimensions: 9 training examples, where leave-one-out picks l2 = 16 (its
+    error 1/9 against 3/9 at the smallest penalty), and 300 test examples."""
+    generator = torch.Generator().manual_seed(3)
+    centers = torch.randn(3, 8, generator=generator) * 2
+    train_labels, test_labels = torch.arange(3).repeat(num_train // 3), torch.arange(3).repeat(100)
+    train = centers[train_labels] + 2.0 * torch.randn(len(train_labels), 8, generator=generator)
+    test = centers[test_labels] + 2.0 * torch.randn(len(test_labels), 8, generator=generator)
+    return train, train_labels, test, test_labels
+
+
+def test_linear_probe_without_a_hold_out_picks_its_penalty_by_leave_one_out(caplog):
+    """Under 10 samples the 10% hold-out was empty: every penalty scored NaN and the smallest was
+    taken, silently. The penalty is now chosen by leave-one-out on the training samples, and the
+    probe says so."""
+    train, train_labels, test, test_labels = _few_examples()
+    with caplog.at_level("WARNING", logger="lit_softmoe.train.probe"):
+        results = linear_probe(train, train_labels, test, test_labels)
+    assert results["linear_probe_l2"] == 16.0  # the empty hold-out gave the smallest, 2**-10
+    predict, _, _ = fit_ridge(train, train_labels, 3, l2_grid=(16.0,))  # refit on all 9 at that penalty
+    assert results["linear_probe_top1"] == (predict(test) == test_labels).double().mean().item()
+    assert [r.getMessage() for r in caplog.records] == [
+        "linear probe: 9 training examples are too few for a hold-out of 0.1 of them; its L2 penalty is chosen by "
+        "leave-one-out on all of them instead"]
+    # 10 samples hold one out, as before: no warning.
+    caplog.clear()
+    train, train_labels, test, test_labels = _few_examples(num_train=12)
+    with caplog.at_level("WARNING", logger="lit_softmoe.train.probe"):
+        results = linear_probe(train[:10], train_labels[:10], test, test_labels)
+    assert results["linear_probe_l2"] in L2_GRID and not caplog.records
+    with pytest.raises(ValueError, match="the linear probe needs at least 2 training examples, got 1"):
+        linear_probe(train[:1], train_labels[:1], test, test_labels)
+
+
+def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
+    """One sample has no spread to standardize by: the probe scored NaN features (every test image
+    the first class). The run still saves its model and records why the probe is missing."""
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.train.embed import embed_shards
+    one = tmp_path / "one"
+    write_split(iter([{"png": _png(), "cls": b"3"}]), one, "train", samples_per_shard=10)
+    (one / "classnames.txt").write_text((data / "fmnist" / "classnames.txt").read_text())
+    embed_shards(data / "tower", str(one / "train"), tmp_path / "one-features", batch_size=10)
+    run = tmp_path / "run"
+    results = train_lit(_lit(data, run, "steps=2", f"eval.probe_train={tmp_path / 'one-features' / 'train'}"))
+    assert "linear_probe_top1" not in results and 0.0 <= results["zeroshot_top1"] <= 1.0
+    assert results["probe_skipped"] == (f"the linear probe is skipped: eval.probe_train "
+                                        f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), and it needs at least 2")
+    assert (run / "model" / "model.safetensors").is_file()
+
+
+def _png() -> bytes:
+    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    images, _ = read_fashion_mnist("test", allow_download=False)
+    return _png_bytes(images[0])

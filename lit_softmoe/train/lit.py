@@ -377,7 +377,12 @@ def train_lit(cfg: LiTConfig) -> dict:
             if cfg.eval.probe_train:
                 train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model_module, transform,
                                                                accelerator)
-                results.update(linear_probe(train_features, train_labels, eval_set["features"], eval_set["labels"]))
+                if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
+                    probe_skipped = (f"the linear probe is skipped: eval.probe_train {cfg.eval.probe_train} holds "
+                                     f"{len(train_labels)} sample(s), and it needs at least 2")
+                else:
+                    results.update(linear_probe(train_features, train_labels, eval_set["features"],
+                                                eval_set["labels"]))
             logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
         if probe_skipped:
             _log.warning(probe_skipped)

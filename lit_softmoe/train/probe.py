@@ -7,7 +7,11 @@ itself (closed form for ridge regression), so no test or validation image ever p
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+_log = logging.getLogger(__name__)
 
 L2_GRID = tuple(2.0 ** e for e in range(-10, 11, 2))
 
@@ -64,10 +68,24 @@ def linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor, test_
                  test_labels: torch.Tensor, holdout: float = 0.1, seed: int = 0, l2_grid=L2_GRID) -> dict:
     """Full linear probe (all training examples): ridge regression whose L2 penalty is chosen on a
     held-out slice of the training set, then refit on all of it. The ceiling a zero-shot classifier
-    over the same frozen features can reach."""
+    over the same frozen features can reach.
+
+    A training set too small to hold out one example (fewer than 1 / `holdout`: 10 at the default)
+    has its penalty chosen by leave-one-out error on all of it instead, as the few-shot probe's is,
+    with a warning saying so: an empty hold-out scored every penalty NaN, and the smallest was taken
+    silently. (Larger sets keep the hold-out: leave-one-out's hat matrix is N × N.) The features are
+    standardized, so fewer than 2 training examples are a ValueError."""
+    if len(train_labels) < 2:
+        raise ValueError(f"the linear probe needs at least 2 training examples, got {len(train_labels)}")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     order = torch.randperm(len(train_labels), generator=torch.Generator().manual_seed(seed))
     cut = int(len(order) * holdout)
+    if cut == 0:
+        _log.warning("linear probe: %d training examples are too few for a hold-out of %g of them; its L2 penalty "
+                     "is chosen by leave-one-out on all of them instead", len(order), holdout)
+        predict, best_l2, _ = fit_ridge(train_features, train_labels, num_classes, l2_grid)
+        return {"linear_probe_top1": (predict(test_features) == test_labels).double().mean().item(),
+                "linear_probe_l2": best_l2}
     held, fit = order[:cut], order[cut:]
     best_l2 = max(l2_grid, key=lambda l2: (
         _ridge(train_features[fit], train_labels[fit], num_classes, l2)(train_features[held])
