@@ -45,3 +45,40 @@ def test_ridge_matches_lstsq_and_leave_one_out_is_exact():
         hits += int((design[i] @ w).argmax() == y[i])
     assert loo == hits / len(y)
     assert l2 == 0.5
+
+
+def _hand_ridge(x, y, num_classes, l2, keep=None):
+    """Ridge on {-1, +1} targets with the standardization of all of x (as fit_ridge), solved directly."""
+    mean, std = x.double().mean(0), x.double().std(0) + 1e-6
+    design = torch.cat([(x.double() - mean) / std, torch.ones(len(x), 1, dtype=torch.float64)], 1)
+    targets = 2.0 * torch.nn.functional.one_hot(y, num_classes).double() - 1
+    a, t = (design, targets) if keep is None else (design[keep], targets[keep])
+    w = torch.linalg.solve(a.T @ a + l2 * torch.eye(a.shape[1], dtype=a.dtype), a.T @ t)
+    return w, design, mean, std
+
+
+def test_fit_ridge_picks_the_best_leave_one_out_penalty_and_predicts_with_its_weights():
+    # The test above has a one-value grid (its l2 == 0.5 cannot fail) and never calls `predict`.
+    x, y = _blobs(num_classes=3, per_class=6, dim=4, spread=2.0)
+    grid = (2.0 ** -6, 0.5, 8.0, 64.0, 1024.0)
+    loo_by_l2 = {}
+    for l2 in grid:  # leave-one-out by refitting without each point
+        hits = 0
+        for i in range(len(y)):
+            w, design, _, _ = _hand_ridge(x, y, 3, l2, keep=torch.arange(len(y)) != i)
+            hits += int((design[i] @ w).argmax() == y[i])
+        loo_by_l2[l2] = hits / len(y)
+    assert len(set(loo_by_l2.values())) > 1  # the grid is discriminative
+    best = max(grid, key=lambda l2: loo_by_l2[l2])  # the first of the best, in grid order
+    predict, l2, loo = fit_ridge(x, y, 3, l2_grid=grid)
+    assert (l2, loo) == (best, loo_by_l2[best])
+    # Predictions on other features: the chosen penalty's weights, with the shots' standardization.
+    test = _blobs(num_classes=3, per_class=10, dim=4, spread=4.0, seed=1)[0] * 2 + 1
+    w, _, mean, std = _hand_ridge(x, y, 3, best)
+    scores = torch.cat([(test.double() - mean) / std, torch.ones(len(test), 1, dtype=torch.float64)], 1) @ w
+    want = scores.argmax(1)
+    assert len(want.unique()) == 3
+    assert torch.equal(predict(test), want)
+    other = _hand_ridge(x, y, 3, grid[-1] if best != grid[-1] else grid[0])[0]
+    assert not torch.equal(want, (torch.cat([(test.double() - mean) / std, torch.ones(len(test), 1,
+                                  dtype=torch.float64)], 1) @ other).argmax(1))  # another penalty predicts otherwise
