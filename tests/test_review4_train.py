@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 
-from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.probe import L2_GRID, fit_ridge, linear_probe
 from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
@@ -116,3 +118,41 @@ def _png() -> bytes:
     from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
     images, _ = read_fashion_mnist("test", allow_download=False)
     return _png_bytes(images[0])
+
+
+# ---- a finished run rerun logs its final evaluation once --------------------------------------------
+
+def _pretrain_cfg(data, run, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+        "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=3", "precision=fp32", "log_every=1", *extra])
+
+
+def test_pretrain_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
+    """The rerun resumed at the last step, evaluated again and appended a second final record (and a
+    third on the next rerun). Now the new evaluation replaces the old one; periodic ones stay."""
+    run = tmp_path / "run"
+    first = pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2"))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["step"], "loss" in r) for r in records] == [(1, True), (2, True), (2, False), (3, True), (4, True),
+                                                           (4, False)]
+    for _ in range(2):
+        again = pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2"))
+        assert read_metrics(run / "metrics.jsonl") == records
+        assert again["test_top1"] == first["test_top1"] and again["fewshot3_top1"] == first["fewshot3_top1"]
+    # Extended, the old final evaluation is a record of step 4 like any other, and the new one follows.
+    pretrain(_pretrain_cfg(data, run, "steps=6", "eval_every=2"))
+    steps = [(r["step"], "loss" in r) for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == [(1, True), (2, True), (2, False), (3, True), (4, True), (4, False), (5, True), (6, True),
+                     (6, False)]
+
+
+def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
+    run = tmp_path / "run"
+    first = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["step"], "zeroshot_top1" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False),
+                                                                    (4, False), (4, True)]
+    again = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    assert read_metrics(run / "metrics.jsonl") == records
+    assert again["zeroshot_top1"] == first["zeroshot_top1"] == records[-1]["zeroshot_top1"]

@@ -297,7 +297,7 @@ def train_lit(cfg: LiTConfig) -> dict:
             _restore_data_counts(loader, checkpoint_meta.get("data_counts"))
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
-    logger = open_run_folder(run_dir, cfg, step, is_main)
+    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps)
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({'cached features' if cached else 'images'}), "
                       f"{total_steps} steps of {cfg.batch_size}")
 

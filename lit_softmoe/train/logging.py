@@ -1,7 +1,9 @@
 """Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in TensorBoard, PNG curves.
 
 Only the main process writes. On resume, records past the resumed step are dropped first, so the
-file tells one consistent story even when a killed run had logged beyond its last checkpoint. A run
+file tells one consistent story even when a killed run had logged beyond its last checkpoint; a
+finished run rerun (it resumes at its last step and evaluates again) also drops its final
+evaluation's records, so the new ones replace them instead of repeating them. A run
 killed mid-append (or a full disk) can leave a torn last line: readers drop it with a warning, and
 the resume's rewrite goes through a temporary file, so a kill then cannot lose the log.
 """
@@ -46,11 +48,16 @@ class RunLogger:
             except ImportError:  # tensorboard is a dependency, but a missing one must not stop training
                 self._writer = None
 
-    def truncate_after(self, step: int) -> None:
-        """Drop records with a step beyond `step` (what a killed run logged after its checkpoint)."""
+    def truncate_after(self, step: int, final: bool = False) -> None:
+        """Drop records with a step beyond `step` (what a killed run logged after its checkpoint).
+        `final`: `step` is the run's last, whose final evaluation is about to run again, so its
+        records at `step` are dropped too. They are the ones without a loss: every training record
+        has one, and periodic evaluations stop before the last step."""
         if not self.enabled or not self.path.exists():
             return
         kept = [record for record in _parse_records(self.path) if record.get("step", 0) <= step]
+        if final:
+            kept = [record for record in kept if record.get("step", 0) < step or "loss" in record]
         # Atomic: a kill during the rewrite leaves the old file or the new one, never a half of one.
         write_text_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 

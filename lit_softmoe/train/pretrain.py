@@ -216,7 +216,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     tower, optimizer = accelerator.prepare(tower, optimizer)
     if cfg.compile:
         tower = torch.compile(tower)  # shares parameters with the module we save
-    logger = open_run_folder(run_dir, cfg, step, is_main)
+    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps)
     accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {len(data.train_labels)} "
                       f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
 

@@ -153,9 +153,11 @@ def check_same_run(run_dir, config) -> None:
                         "it (steps, epochs and logging may change)")
 
 
-def open_run_folder(run_dir, config, step: int, is_main: bool):
+def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None):
     """Write the run's config.yaml and open its metrics log, dropping records past `step`
-    (what a killed run logged after its last checkpoint)."""
+    (what a killed run logged after its last checkpoint). At `step` == `total_steps` (a finished
+    run rerun, or one killed after its final evaluation) the final evaluation runs again, so its
+    earlier records are dropped as well: a rerun does not log them twice."""
     from lit_softmoe.config import to_yaml
     from lit_softmoe.train.logging import RunLogger
     logger = RunLogger(run_dir, enabled=is_main)
@@ -163,7 +165,7 @@ def open_run_folder(run_dir, config, step: int, is_main: bool):
         run_dir.mkdir(parents=True, exist_ok=True)
         # Renamed into place: a kill mid-write must not leave a half config for check_same_run.
         write_text_atomic(run_dir / "config.yaml", to_yaml(config))
-        logger.truncate_after(step)
+        logger.truncate_after(step, final=step == total_steps)
     return logger
 
 
