@@ -77,3 +77,28 @@ def test_hf_tokenizer_from_a_local_folder_matches_auto_tokenizer(minilm_path):
     assert torch.equal(ids, reference["input_ids"])
     assert ids[1, 0] == 101 and ids[1, -1] == 102 and (ids[1] != 0).all()  # cut, [SEP] kept
     assert torch.equal(pickle.loads(pickle.dumps(tokenizer))(["hello world"]), ids[:1])
+
+
+def _word_level_folder(folder, **special):
+    """A local Hugging Face tokenizer with a 5-word vocabulary, no padding token, the given special tokens."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "a": 2, "cat": 3, "dog": 4}
+    raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", **special)
+    assert fast.pad_token_id is None
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_hf_tokenizer_without_a_padding_token_pads_with_its_end_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = create_tokenizer(f"hf:{_word_level_folder(tmp_path / 'eos', eos_token='</s>')}", context_length=6)
+    assert tokenizer.pad_id == 1  # "</s>", GPT-2 style; the text tower's mask is `ids != pad_id`
+    assert tokenizer(["a cat", "dog a cat a dog a cat"]).tolist() == [[2, 3, 1, 1, 1, 1], [4, 2, 3, 2, 4, 2]]
+    with pytest.raises(UserError, match="has neither a padding nor an end token"):
+        create_tokenizer(f"hf:{_word_level_folder(tmp_path / 'bare')}", context_length=6)
