@@ -43,8 +43,12 @@ def prepare_for_inference(tower: nn.Module, dtype: torch.dtype | None = torch.bf
 
 
 def encode_images(tower: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """Pooled features of `pixels` under `torch.inference_mode()`, in the tower's weight dtype."""
-    dtype = next(tower.parameters()).dtype
+    """Pooled features of `pixels` under `torch.inference_mode()`, in the tower's weight dtype.
+
+    `pixels` are moved to the tower's device and cast to its weight dtype first, so CPU float32
+    pixels (what a dataloader yields) work with a bf16 tower on a GPU.
+    """
+    weight = next(tower.parameters())
     with torch.inference_mode():
         features = tower.forward_features if hasattr(tower, "forward_features") else tower
-        return features(pixels.to(dtype))
+        return features(pixels.to(device=weight.device, dtype=weight.dtype))
