@@ -156,3 +156,51 @@ def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_pa
     again = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
     assert read_metrics(run / "metrics.jsonl") == records
     assert again["zeroshot_top1"] == first["zeroshot_top1"] == records[-1]["zeroshot_top1"]
+
+
+# ---- pretrain's periodic evaluation runs in the main process only -----------------------------------
+
+def test_pretrain_periodic_evaluation_runs_in_the_main_process_only(data, tmp_path, monkeypatch):
+    """Under torchrun every process scored the whole test set at each eval_every step; only the main
+    process's score was logged. Here one process plays a non-main rank of such a run."""
+    from lit_softmoe.train import pretrain as recipe
+    calls = []
+    real_test_top1 = recipe._test_top1
+    monkeypatch.setattr(recipe, "_test_top1", lambda *args: calls.append(1) or real_test_top1(*args))
+    pretrain(_pretrain_cfg(data, tmp_path / "main", "steps=6", "eval_every=2", "fewshot_shots=0"))
+    assert len(calls) == 2  # steps 2 and 4; the final evaluation is not _test_top1's
+
+    class NonMain:  # the accelerator of a rank other than 0: the same, but not the main process
+        def __init__(self, accelerator):
+            self._accelerator = accelerator
+        is_main_process = False
+
+        def __getattr__(self, name):
+            return getattr(self._accelerator, name)
+
+    real_create = recipe.create_accelerator
+    monkeypatch.setattr(recipe, "create_accelerator", lambda *args: NonMain(real_create(*args)))
+    calls.clear()
+    results = pretrain(_pretrain_cfg(data, tmp_path / "other", "steps=6", "eval_every=2", "fewshot_shots=0"))
+    assert calls == [] and results["steps"] == 6 and "test_top1" not in results
+
+
+@pytest.mark.slow
+def test_two_process_pretrain_with_periodic_evaluation_logs_it_once(data, tmp_path):
+    """The two gloo processes (torchrun) go on training while the main one evaluates."""
+    import os
+    import subprocess
+    import sys
+    yaml_file = tmp_path / "empty.yaml"
+    yaml_file.write_text("{}\n")
+    run = tmp_path / "double"
+    overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+                 "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32", "log_every=1",
+                 "steps=6", "eval_every=2", "checkpoint_every=3"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_port=29541", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+                             *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    evaluations = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "test_top1" in r]
+    assert evaluations == [2, 4, 6]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -286,7 +286,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
                 window_dropped.zero_()
             logger.log(record)
             progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+        if is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+            # The main process alone, on the plain module (no collective): the others' score went
+            # unlogged, so their pass over the whole test set was wasted; they wait for it at the
+            # next step's gradient all-reduce instead.
             logger.log({"step": step, "test_top1": _test_top1(tower_module, data, mean, std, cfg, accelerator)})
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             # Also between log records: a diverged model is never saved, or a rerun would resume it.
