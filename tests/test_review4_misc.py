@@ -14,3 +14,13 @@ def test_encode_images_moves_pixels_to_the_towers_device_and_dtype():
     features = encode_images(tower, torch.randn(3, 1, 28, 28))
     assert features.device.type == "meta" and features.dtype == torch.bfloat16
     assert features.shape == (3, 32)
+
+
+@pytest.mark.parametrize("height, width", [(6, 6), (6, 28), (28, 3)])
+def test_an_image_smaller_than_one_patch_is_one_clear_error(height, width):
+    tower = create_image_tower("vit-test")  # patch 7, trained at 28x28
+    with pytest.raises(ValueError) as info:
+        tower(torch.randn(1, 1, height, width))
+    assert str(info.value) == (f"image of {height}x{width} pixels is smaller than one 7x7 patch; "
+                               "resize it to at least 7x7 (the tower was trained at 28x28)")
+    assert tower(torch.randn(1, 1, 7, 14)).shape == (1, 32)  # one row of two patches still works
