@@ -158,6 +158,11 @@ def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
     for keys in (["x.y"], ["a", "a"]):
         with pytest.raises(ValueError):
             write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
+    # Each refused for its own reason (a bare ValueError is met by any crash on the way).
+    for keys, reason in ((["x.y"], "'x.y' is not a non-empty str without a dot"), (["a", "a"], "'a' repeats"),
+                         ([7], "7 is not a non-empty str"), ([""], "'' is not a non-empty str")):
+        with pytest.raises(ValueError, match=re.escape(f"sample key {reason}")):
+            write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
 
 
 # ---------------------------------------------------------------------------------------- folders
