@@ -24,3 +24,20 @@ def test_an_image_smaller_than_one_patch_is_one_clear_error(height, width):
     assert str(info.value) == (f"image of {height}x{width} pixels is smaller than one 7x7 patch; "
                                "resize it to at least 7x7 (the tower was trained at 28x28)")
     assert tower(torch.randn(1, 1, 7, 14)).shape == (1, 32)  # one row of two patches still works
+
+
+@pytest.mark.parametrize("noise", [-0.5, float("nan")])
+def test_a_negative_router_noise_is_refused(noise):
+    # `noise_std > 0` switches the noise on, so a negative std silently trained without noise.
+    from lit_softmoe.models.vit import image_tower_config
+    from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
+    from lit_softmoe.nn.soft_moe import SoftMoE
+    with pytest.raises(ValueError, match=r"router_noise is a noise std and must be >= 0 \(0: off\), got "):
+        image_tower_config("tc-test-4e-k1", router_noise=noise)
+    for layer in (TokensChoiceMoE, ExpertsChoiceMoE):
+        with pytest.raises(ValueError, match=r"noise_std must be >= 0 \(0: no noise\), got "):
+            layer(8, 4, 16, noise_std=noise)
+    with pytest.raises(ValueError, match=r"noise_std must be >= 0 \(0: no noise\), got "):
+        SoftMoE(8, 4, 16, slots_per_expert=1, noise_std=noise)
+    assert image_tower_config("tc-test-4e-k1", router_noise=0.0).router_noise == 0.0  # 0 = off, still allowed
+    assert TokensChoiceMoE(8, 4, 16, noise_std=0.0).noise_std == 0.0

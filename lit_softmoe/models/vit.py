@@ -88,6 +88,8 @@ class ViTConfig:
             raise ValueError("a tower with moe_layers needs num_experts >= 1")
         if self.moe_type not in MOE_TYPES:
             raise ValueError(f"moe_type {self.moe_type!r} is not one of {', '.join(MOE_TYPES)}")
+        if not self.router_noise >= 0:  # a negative std would silently mean no noise
+            raise ValueError(f"router_noise is a noise std and must be >= 0 (0: off), got {self.router_noise!r}")
         if self.moe_type == "tokens_choice" and self.moe_layers and \
                 not 1 <= self.num_selected_experts <= self.num_experts:
             raise ValueError(f"num_selected_experts {self.num_selected_experts} must be in [1, {self.num_experts}]")

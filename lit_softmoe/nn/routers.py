@@ -99,6 +99,8 @@ class _SparseMoE(nn.Module):
     def __init__(self, dim: int, num_experts: int, hidden_dim: int, noise_std: float,
                  shared_expert_init: bool, device=None, dtype=None):
         super().__init__()
+        if not noise_std >= 0:  # `noise_std > 0` switches noise on: a negative one would silently mean none
+            raise ValueError(f"noise_std must be >= 0 (0: no noise), got {noise_std!r}")
         factory = dict(device=device, dtype=dtype)
         self.dim, self.num_experts, self.noise_std = dim, num_experts, noise_std
         # A bare parameter, not nn.Linear: the router has no bias, and the tower's init of its Linear
