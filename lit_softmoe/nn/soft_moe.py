@@ -259,7 +259,7 @@ class SoftMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
-        forward = soft_moe_forward
+        forward = compiled_soft_moe_forward() if self.compiled else soft_moe_forward
         return forward(x, self.phi, self.scale, self.experts, mask, self.noise_std if self.training else 0.0)
 
     def forward_reference(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
