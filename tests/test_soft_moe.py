@@ -591,3 +591,27 @@ def test_compiled_flag_is_kept_and_shown():
     layer = SoftMoE(8, 2, 16, slots_per_expert=1, compiled=True)
     assert layer.compiled and "compiled=True" in repr(layer)
     assert not SoftMoE(8, 2, 16, slots_per_expert=1).compiled
+
+
+def test_compiled_flag_routes_the_forward_through_the_compiled_function(monkeypatch):
+    # The flag must change what runs, not only the repr: a spy stands in for torch.compile's output.
+    import lit_softmoe.nn.soft_moe as soft_moe_module
+    calls = []
+
+    def fake_compiled(mode=None, backend="inductor"):
+        def run(*args):
+            calls.append(args[-1])  # the noise std it was given
+            return soft_moe_module.soft_moe_forward(*args)
+        return run
+
+    monkeypatch.setattr(soft_moe_module, "compiled_soft_moe_forward", fake_compiled)
+    x = randn(2, 5, 8, dtype=torch.float32)
+    compiled = make_layer(dtype=torch.float32, compiled=True, noise_std=0.5).eval()
+    plain = make_layer(dtype=torch.float32, noise_std=0.5).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)
+        assert calls == [0.0]  # eval: no noise
+        plain(x)
+        assert len(calls) == 1  # the plain layer never calls it
+        compiled.train()(x)
+    assert calls == [0.0, 0.5]
