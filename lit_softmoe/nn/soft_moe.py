@@ -194,6 +194,8 @@ class SoftMoE(nn.Module):
             slots_per_expert = slots_for_capacity(num_tokens, num_experts, capacity_factor)
         if slots_per_expert < 1:
             raise ValueError(f"slots_per_expert must be >= 1, got {slots_per_expert}")
+        if not noise_std >= 0:  # `noise_std > 0` switches noise on: a negative one would silently mean none
+            raise ValueError(f"noise_std must be >= 0 (0: no noise), got {noise_std!r}")
         factory = dict(device=device, dtype=dtype)
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
         self.noise_std = noise_std
