@@ -11,7 +11,8 @@ What is copied and what is fresh, per tensor of the target tower:
 - `phi` and `scale` of each Soft MoE block are fresh, drawn by `SoftMoE.reset_parameters` itself
   right after `torch.manual_seed(seed + block index)` (truncated lecun-normal phi, scale = 1);
 - everything else (patch embedding, position embeddings, attention, qk-norm, norms, head) is the
-  dense tensor unchanged. A target block that is already a Soft MoE in the source is copied too.
+  dense tensor unchanged. A source that already has MoE blocks is refused (`_refuse_moe_source`):
+  it has no dense MLP there to copy into the experts.
 
 The dense checkpoint is one of our tower folders or a timm `vit_*` state dict (.safetensors, or
 .pth/.pt/.bin read with `torch.load(weights_only=True)`). A timm checkpoint is recognized by its
@@ -286,6 +287,10 @@ def target_config(dense_state: dict[str, torch.Tensor], target_name: str,
                         f"another function; upcycle a dense tower with {base.num_heads} heads into {target_name}")
     head = dense_state.get("head.weight")
     has_qk_norm = any(k.endswith(".attn.q_norm.weight") for k in dense_state)
+    if qk_norm is False and has_qk_norm:
+        raise UserError("the dense tower has qk-norm (LayerNorm on queries and keys) and qk_norm=False would drop "
+                        "its trained norms, changing every attention map; leave qk_norm unset to follow the dense "
+                        "tower (or pass qk_norm=True)")
     # A dense qk-norm with biases (timm's, or our towers saved before they lost them) keeps them.
     has_qk_bias = any(k.endswith(".attn.q_norm.bias") for k in dense_state)
     return image_tower_config(target_name, num_classes=0 if head is None else head.shape[0],

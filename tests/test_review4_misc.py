@@ -41,3 +41,18 @@ def test_a_negative_router_noise_is_refused(noise):
         SoftMoE(8, 4, 16, slots_per_expert=1, noise_std=noise)
     assert image_tower_config("tc-test-4e-k1", router_noise=0.0).router_noise == 0.0  # 0 = off, still allowed
     assert TokensChoiceMoE(8, 4, 16, noise_std=0.0).noise_std == 0.0
+
+
+def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
+    # It said "not a plain ViT of this family" about the dense tower's own q_norm/k_norm weights.
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.upcycle import upcycle_tower
+    dense = create_image_tower("vit-test")  # qk-norm on, as registered
+    with pytest.raises(UserError) as info:
+        upcycle_tower(dense, "soft-test-4e", qk_norm=False)
+    assert str(info.value).startswith("the dense tower has qk-norm (LayerNorm on queries and keys) and "
+                                      "qk_norm=False would drop its trained norms")
+    assert "leave qk_norm unset" in str(info.value)
+    assert upcycle_tower(dense, "soft-test-4e").cfg.qk_norm  # unset: follows the dense tower
+    plain = create_image_tower("vit-test", qk_norm=False)
+    assert not upcycle_tower(plain, "soft-test-4e", qk_norm=False).cfg.qk_norm  # no qk-norm on either side
