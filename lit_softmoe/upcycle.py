@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from pathlib import Path
 
@@ -125,7 +126,10 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
             # weights_only: a checkpoint handed to us is never unpickled into arbitrary objects.
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the user's to fix
-        raise UserError(f"cannot read {path} as a state dict ({type(err).__name__}: {err}); "
+        # torch's weights-only message runs over several lines and suggests weights_only=False: keep one line.
+        reason = ("not a pickle of tensors only" if isinstance(err, pickle.UnpicklingError) else
+                  next((line for line in str(err).splitlines() if line.strip()), "empty or truncated file"))
+        raise UserError(f"cannot read {path} as a state dict ({type(err).__name__}: {reason}); "
                         "give a .safetensors file or a .pth/.bin holding only tensors") from None
     for wrapper in ("state_dict", "model"):  # training checkpoints nest the weights
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
@@ -339,6 +343,8 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     A non-empty `out_dir` is refused unless `overwrite`, or it holds this same upcycle (a rerun).
     """
     from lit_softmoe.train.checkpoint import check_tower_out, save_tower
+    if not -2**63 <= seed < 2**63:  # block b's router is drawn with seed + b: torch takes [-2**63, 2**64)
+        raise UserError(f"--seed {seed} is out of range; give an integer such as 0 (|seed| < 2**63)")
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
                     overwrite, source=source)
     dense_state, extra, notes = read_dense_checkpoint(source)

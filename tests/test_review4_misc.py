@@ -3,6 +3,7 @@ noise, upcycling with qk-norm switched off, and CLI / demo mistakes that ended i
 import pytest
 import torch
 
+from lit_softmoe.cli import main
 from lit_softmoe.inference import encode_images
 from lit_softmoe.models.vit import create_image_tower
 
@@ -56,3 +57,40 @@ def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
     assert upcycle_tower(dense, "soft-test-4e").cfg.qk_norm  # unset: follows the dense tower
     plain = create_image_tower("vit-test", qk_norm=False)
     assert not upcycle_tower(plain, "soft-test-4e", qk_norm=False).cfg.qk_norm  # no qk-norm on either side
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture
+def dense_tower_dir(tmp_path):
+    from lit_softmoe.train.checkpoint import save_tower
+    return save_tower(tmp_path / "dense", create_image_tower("vit-test"))
+
+
+def test_upcycle_seed_out_of_range_is_one_line(tmp_path, capsys, dense_tower_dir):
+    # It was torch's "Overflow when unpacking long long" traceback, after reading the checkpoint.
+    line = _one_line_error(capsys, ["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e",
+                                    "--out", str(tmp_path / "up"), "--seed", str(2**64)])
+    assert line == (f"lit-softmoe upcycle: error: --seed {2**64} is out of range; give an integer such as 0 "
+                    "(|seed| < 2**63)")
+    assert not (tmp_path / "up").exists()
+    assert main(["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e", "--out", str(tmp_path / "up"),
+                 "--seed", "-1"]) == 0  # a negative seed in range still works
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"\x89PNG\r\n\x1a\n" + bytes(32), "UnpicklingError: not a pickle of tensors only"),
+    (b"", "EOFError: empty or truncated file")])
+def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, content, reason):
+    # torch's weights-only error ran over several lines (and suggested weights_only=False).
+    source = tmp_path / "dense.pth"
+    source.write_bytes(content)
+    line = _one_line_error(capsys, ["upcycle", "--from", str(source), "--to", "soft-test-4e",
+                                    "--out", str(tmp_path / "up")])
+    assert line == (f"lit-softmoe upcycle: error: cannot read {source} as a state dict ({reason}); "
+                    "give a .safetensors file or a .pth/.bin holding only tensors")
