@@ -117,7 +117,12 @@ def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
     from lit_softmoe.zeroshot.suite import failed_benchmarks, markdown_table, nothing_evaluated, run_suite, summary_line
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks else None
+    benchmarks = None  # the whole suite
+    if args.benchmarks is not None:
+        benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        if not benchmarks:  # an empty subset silently ran the whole suite
+            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark; give a comma-separated list "
+                            "such as fashion-mnist,cifar10, or leave it out for the whole suite")
     report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
                        use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
     nothing = nothing_evaluated(report)  # every benchmark skipped: no results were written

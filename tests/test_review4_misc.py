@@ -94,3 +94,15 @@ def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, con
                                     "--out", str(tmp_path / "up")])
     assert line == (f"lit-softmoe upcycle: error: cannot read {source} as a state dict ({reason}); "
                     "give a .safetensors file or a .pth/.bin holding only tensors")
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeypatch, value):
+    # An empty subset ran the whole suite without a word.
+    from lit_softmoe.zeroshot import suite as suite_module
+    monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: pytest.fail("the suite ran"))
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: s\n")
+    line = _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
+    assert line == (f"lit-softmoe eval: error: --benchmarks {value!r} names no benchmark; give a comma-separated "
+                    "list such as fashion-mnist,cifar10, or leave it out for the whole suite")
