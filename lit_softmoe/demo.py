@@ -7,6 +7,7 @@ prompts. Every stage skips work that is already done, so a second run only re-ev
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, check_writable
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
@@ -32,6 +33,17 @@ def _config_file(*parts: str) -> Path:
     if not path.is_file():
         raise UserError(f"{path} is missing; run the demo from a source checkout (pip install -e .)")
     return path
+
+
+@contextlib.contextmanager
+def _step(command: str):
+    """A step's mistake names the flags of the command it runs (`--out`, `--overwrite`), which the demo
+    does not have: say which command that is, so the user can run it by hand or give other --data/--runs."""
+    try:
+        yield
+    except UserError as err:
+        raise UserError(f"{err} (the demo ran this step as `{command}`; or give the demo another --data "
+                        "or --runs)") from None
 
 
 def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
@@ -63,6 +75,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     from lit_softmoe.train.lit import train_lit
     from lit_softmoe.train.pretrain import pretrain
 
+    check_writable(data_dir, "--data", folder=True)  # before the first stage, not at the export 10 minutes in
+    check_writable(runs_dir, "--runs", folder=True)
     timings = {}
     name = "fashion-mnist-10k" if fast else "fashion-mnist"
     shards = Path(data_dir) / name
@@ -71,35 +85,40 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
 
     _headline("1/7 Fashion-MNIST → webdataset shards")
     tic = time.perf_counter()
-    summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
+    with _step(f"lit-softmoe data fashion-mnist --out {shards}" + (f" --limit {FAST_LIMIT}" if fast else "")):
+        summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
     counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
     print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic
 
     _headline("2/7 pretrain the tiny Soft MoE tower on the class labels")
     tic = time.perf_counter()
-    pretrain_cfg = load_config(PretrainConfig, _config_file("pretrain", "fmnist-soft-tiny.yaml"),
-                               (FAST_PRETRAIN if fast else []) + [
-                                   f"data.train={shards / 'train'}", f"data.test={shards / 'test'}",
-                                   f"run_dir={run_root / 'pretrain'}"])
-    tower_results = pretrain(pretrain_cfg)
+    config = _config_file("pretrain", "fmnist-soft-tiny.yaml")
+    overrides = (FAST_PRETRAIN if fast else []) + [
+        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_root / 'pretrain'}"]
+    with _step(f"lit-softmoe pretrain --config {config} {' '.join(overrides)}"):
+        pretrain_cfg = load_config(PretrainConfig, config, overrides)
+        tower_results = pretrain(pretrain_cfg)
     tower_dir = run_root / "pretrain" / "tower"
     timings["pretrain"] = time.perf_counter() - tic
 
     _headline("3/7 run the locked tower once over every image (feature cache)")
     tic = time.perf_counter()
     for split in ("train", "test"):
-        cached = embed_shards(tower_dir, str(shards / split), features, split=split)
+        with _step(f"lit-softmoe embed --tower {tower_dir} --shards {shards / split} --out {features}"):
+            cached = embed_shards(tower_dir, str(shards / split), features, split=split)
         print(f"{split}: {cached['num_samples']} embeddings of width {cached['dim']} "
               f"{'already there' if cached['skipped'] else 'written'} in {features / split}")
     timings["embed"] = time.perf_counter() - tic
 
     _headline("4/7 LiT: train a text tower against the locked tower")
     tic = time.perf_counter()
-    lit_cfg = load_config(LiTConfig, _config_file("lit", "fmnist-tiny.yaml"), (FAST_LIT if fast else []) + [
+    config = _config_file("lit", "fmnist-tiny.yaml")
+    overrides = (FAST_LIT if fast else []) + [
         f"image_tower={tower_dir}", f"data.train={features / 'train'}", f"eval.shards={features / 'test'}",
-        f"eval.probe_train={features / 'train'}", f"run_dir={run_root / 'lit'}"])
-    lit_results = train_lit(lit_cfg)
+        f"eval.probe_train={features / 'train'}", f"run_dir={run_root / 'lit'}"]
+    with _step(f"lit-softmoe train --config {config} {' '.join(overrides)}"):
+        lit_results = train_lit(load_config(LiTConfig, config, overrides))
     timings["lit"] = time.perf_counter() - tic
 
     _headline("5/7 zero-shot eval suite" + (" (cross-checked with CLIP_benchmark)" if clip_benchmark_available() else ""))

@@ -106,3 +106,34 @@ def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeyp
     line = _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
     assert line == (f"lit-softmoe eval: error: --benchmarks {value!r} names no benchmark; give a comma-separated "
                     "list such as fashion-mnist,cifar10, or leave it out for the whole suite")
+
+
+@pytest.fixture
+def no_shards(monkeypatch):
+    from lit_softmoe.data import sources
+    monkeypatch.setattr(sources, "write_fashion_mnist_shards", lambda *a, **k: pytest.fail("the demo started"))
+
+
+@pytest.mark.parametrize("flag", ["--data", "--runs"])
+def test_demo_folders_that_cannot_be_written_are_refused_before_any_stage(tmp_path, capsys, no_shards, flag):
+    # --data was reported as "--out …/fashion-mnist" by the first stage, and --runs only at its first write.
+    (tmp_path / "file").write_text("x")
+    folders = {"--data": str(tmp_path / "data"), "--runs": str(tmp_path / "runs"), flag: str(tmp_path / "file")}
+    line = _one_line_error(capsys, ["demo", "--fast", *[x for item in folders.items() for x in item]])
+    assert line == f"lit-softmoe demo: error: {flag} {tmp_path / 'file'} is a file; give a folder path"
+
+
+def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys, monkeypatch):
+    # The stage's fix names `--overwrite` and `--out`, which `lit-softmoe demo` does not have.
+    from lit_softmoe.data import sources
+    from lit_softmoe.errors import UserError
+
+    def refuse(out_dir, limit=None):
+        raise UserError(f"{out_dir}/train already holds other shards; pass --overwrite to replace it with "
+                        "Fashion-MNIST, or choose another --out")
+    monkeypatch.setattr(sources, "write_fashion_mnist_shards", refuse)
+    shards = tmp_path / "data" / "fashion-mnist-10k"
+    line = _one_line_error(capsys, ["demo", "--fast", "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")])
+    assert line == (f"lit-softmoe demo: error: {shards}/train already holds other shards; pass --overwrite to replace "
+                    f"it with Fashion-MNIST, or choose another --out (the demo ran this step as `lit-softmoe data "
+                    f"fashion-mnist --out {shards} --limit 10000`; or give the demo another --data or --runs)")
