@@ -46,6 +46,14 @@ def _step(command: str):
                         "or --runs)") from None
 
 
+def _peer_line(peer: dict) -> str:
+    """What CLIP_benchmark's cross-check found; the headline promised one, so a failed or skipped one says why."""
+    if peer.get("status") == "ok":
+        return (f"CLIP_benchmark on the same model and files: top-1 {100 * peer['metrics']['top1']:.2f} "
+                f"(largest gap {peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
+    return f"CLIP_benchmark cross-check {peer.get('status')}: {peer.get('reason', '')}"
+
+
 def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
     """Load the export as a user would and pick, for each test image, the best of the class prompts."""
     import torch
@@ -128,10 +136,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     report = run_suite(run_root / "lit", suite, peer=clip_benchmark_available())
     print(markdown_table(report))
     entry = report["results"][0]
-    peer = entry.get("peer", {})
-    if peer.get("status") == "ok":
-        print(f"CLIP_benchmark on the same model and files: top-1 {100 * peer['metrics']['top1']:.2f} "
-              f"(largest gap {peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
+    if entry.get("peer"):
+        print(_peer_line(entry["peer"]))
     timings["eval"] = time.perf_counter() - tic
 
     with_onnx = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))

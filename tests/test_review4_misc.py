@@ -137,3 +137,13 @@ def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys
     assert line == (f"lit-softmoe demo: error: {shards}/train already holds other shards; pass --overwrite to replace "
                     f"it with Fashion-MNIST, or choose another --out (the demo ran this step as `lit-softmoe data "
                     f"fashion-mnist --out {shards} --limit 10000`; or give the demo another --data or --runs)")
+
+
+def test_demo_says_why_the_promised_clip_benchmark_cross_check_did_not_run():
+    # The eval headline says "(cross-checked with CLIP_benchmark)"; a failed peer run printed nothing.
+    from lit_softmoe import demo
+    assert demo._peer_line({"status": "failed", "reason": "RuntimeError: boom"}) == \
+        "CLIP_benchmark cross-check failed: RuntimeError: boom"
+    assert demo._peer_line({"status": "ok", "metrics": {"top1": 0.8849}, "max_abs_diff_points": 0.01,
+                            "seconds": 12.4}) == ("CLIP_benchmark on the same model and files: top-1 88.49 "
+                                                  "(largest gap 0.010 points; its run took 12 s)")
