@@ -92,7 +92,9 @@ class _TarSamples(IterableDataset):
             if index % workers != worker:
                 continue
             if self.task == "retrieval":
-                target = sample.get("txt", b"").decode("utf-8", "replace").strip()
+                # The raw text, blank lines and all: the suite splits it with str.splitlines as
+                # CLIP_benchmark does, and counts the empty captions it leaves out.
+                target = sample.get("txt", b"").decode("utf-8", "replace")
             else:
                 # No .cls is a bad sample (skipped and counted) like a .cls without a class index; as
                 # label -1 it failed the whole benchmark.
@@ -372,7 +374,9 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
                      root / "flickr30k-images" / im["filename"]):
             if path.is_file():
                 break
-        captions = "\n".join(s["raw"].strip() for s in im["sentences"])
+        # One line per sentence, each ended by a newline: an empty sentence stays an (empty) line that
+        # the suite counts, also when it is the image's only one ("\n".join([""]) would be no line).
+        captions = "".join(f"{s['raw'].strip()}\n" for s in im["sentences"])
         items.append(((lambda p=path: _load_image(p)), captions))
         paths.append(path)
     if not items or not paths[0].is_file():

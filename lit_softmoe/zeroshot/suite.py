@@ -126,6 +126,8 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
                 "data": data.signature, "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
+    if data.task == "retrieval":  # the cached captions are the raw text now (blank lines kept, to be counted);
+        identity["captions"] = "raw"  # caches of stripped text would undercount them. Classification keeps its key.
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -253,10 +255,19 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
                 "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
-    uncaptioned = 0
+    uncaptioned = empty_captions = 0
     if data.task == "retrieval":
         # An image without a caption could only ever miss in image→text: it is left out and counted.
-        captions = [[t.strip() for t in c.splitlines() if t.strip()] for c in targets]
+        # A blank line of a caption file is no caption here either, but CLIP_benchmark reads the file
+        # with str.splitlines and keeps it as an empty caption (a query in text→image, a candidate in
+        # image→text), so its recall@k can differ: they are counted (empty_captions) and said.
+        lines = [c.splitlines() for c in targets]
+        captions = [[t.strip() for t in group if t.strip()] for group in lines]
+        empty_captions = sum(map(len, lines)) - sum(map(len, captions))
+        if empty_captions:
+            logger.warning("%s: %d blank caption line(s) left out; CLIP_benchmark scores them as empty captions, "
+                           "so its recall@k can differ (remove the blank lines from the .txt files to agree)",
+                           spec.name, empty_captions)
         keep = [i for i, group in enumerate(captions) if group]
         uncaptioned = len(targets) - len(keep)
         if not keep:
@@ -283,7 +294,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
             owner = torch.tensor([i for i, group in enumerate(captions) for _ in group])
             texts_emb = _encode_texts(model, tokenizer, texts, cfg.text_batch_size, device, cfg.precision)
             result.update(metrics=retrieval_metrics(images, texts_emb, owner.to(device), ks=tuple(cfg.recall_k)),
-                          num_captions=len(texts), images_without_captions=uncaptioned, templates=None)
+                          num_captions=len(texts), images_without_captions=uncaptioned,
+                          empty_captions=empty_captions, templates=None)
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
     return result

@@ -1,0 +1,82 @@
+"""Review 5 of the zero-shot evaluation, the demo and export: blank caption lines counted as CLIP_benchmark
+reads them, FER2013's Kaggle folders lined up with the shipped class names, the demo's results table when
+a probe or an eval was skipped or failed, and two exports racing for one new --out."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.zeroshot.suite import run_suite
+
+
+# ---- 1. blank caption lines ------------------------------------------------------------------------
+
+# Per image: CLIP_benchmark's str.splitlines gives ['', 'a dog', '', 'another dog', ''] (3 empty), ['a cat'],
+# [' ', ' '] (2 blank, no caption left), ['a bird'] (a final newline is no line): 5 empty captions.
+CAPTIONS = ["\na dog\n\nanother dog\n\n", "a cat", " \n ", "a bird\n"]
+
+
+def _retrieval_suite(tmp_path: Path, *benchmarks: BenchmarkConfig) -> EvalSuiteConfig:
+    return EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=list(benchmarks))
+
+
+def test_blank_caption_lines_are_counted_as_clip_benchmark_reads_them(tmp_path, caplog):
+    images = foolbox_images("imagenet")[:4]
+    root = write_wds_benchmark(tmp_path / "r", [(p.read_bytes(), "jpg", c) for (p, _), c in zip(images, CAPTIONS)],
+                               retrieval=True)
+    cfg = _retrieval_suite(tmp_path, BenchmarkConfig(name="r", root=str(root)))
+    bundle = tiny_pair(3, 32)
+    with caplog.at_level("WARNING"):
+        cold = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle)["results"][0]
+    warm = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)["results"][0]
+    assert (cold["image_cache"], warm["image_cache"]) == ("miss", "hit")
+    for entry in (cold, warm):  # the cache holds the raw text: a hit counts the same lines
+        assert entry["empty_captions"] == 5
+        assert (entry["num_samples"], entry["num_captions"], entry["images_without_captions"]) == (3, 4, 1)
+    assert "5 blank caption line(s) left out" in caplog.text and "CLIP_benchmark" in caplog.text
+
+
+def test_empty_captions_is_what_clip_benchmarks_own_reader_leaves_empty(tmp_path):
+    builder = pytest.importorskip("clip_benchmark.datasets.builder")
+    images = foolbox_images("imagenet")[:4]
+    root = write_wds_benchmark(tmp_path / "r", [(p.read_bytes(), "jpg", c) for (p, _), c in zip(images, CAPTIONS)],
+                               retrieval=True)
+    theirs = [texts for _, texts in builder.build_wds_dataset("r", transform=lambda im: 0, split="test",
+                                                              data_dir=str(root))]
+    assert len(theirs) == 4
+    empty = sum(not text.strip() for texts in theirs for text in texts)
+    entry = run_suite("m", _retrieval_suite(tmp_path, BenchmarkConfig(name="r", root=str(root))),
+                      out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["empty_captions"] == empty == 5
+    assert entry["num_captions"] + entry["empty_captions"] == sum(map(len, theirs))
+
+
+def test_karpathy_empty_sentences_are_counted_even_as_an_images_only_one(tmp_path):
+    images = foolbox_images("imagenet")[:3]
+    sentences = [["a dog", ""], [""], ["a cat"]]
+    (tmp_path / "k" / "images").mkdir(parents=True)
+    entries = []
+    for (path, _), raws in zip(images, sentences):
+        (tmp_path / "k" / "images" / path.name).write_bytes(path.read_bytes())
+        entries.append({"filename": path.name, "split": "test", "sentences": [{"raw": r} for r in raws]})
+    (tmp_path / "k" / "dataset_flickr30k.json").write_text(json.dumps({"images": entries}))
+    entry = run_suite("m", _retrieval_suite(tmp_path, BenchmarkConfig(name="flickr30k", root=str(tmp_path / "k"))),
+                      out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["format"] == "karpathy"
+    assert (entry["empty_captions"], entry["num_captions"], entry["images_without_captions"]) == (2, 2, 1)
+
+
+def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
+    from lit_softmoe.zeroshot import peer
+    monkeypatch.setattr(peer, "clip_benchmark_available", lambda: True)
+    monkeypatch.setattr(peer, "run_clip_benchmark", lambda *a, **k: {"metrics": {"text_retrieval_recall@1": 0.5}})
+    spec = BenchmarkConfig(name="r", root="x")
+    entry = {"task": "retrieval", "metrics": {"image_to_text_R@1": 0.75}, "empty_captions": 3}
+    result = peer.compare_with_clip_benchmark("m", spec, entry)
+    assert result["max_abs_diff_points"] == pytest.approx(25.0) and "3 blank caption line(s)" in result["note"]
+    assert "note" not in peer.compare_with_clip_benchmark("m", spec, {**entry, "empty_captions": 0})
