@@ -80,3 +80,46 @@ def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
     result = peer.compare_with_clip_benchmark("m", spec, entry)
     assert result["max_abs_diff_points"] == pytest.approx(25.0) and "3 blank caption line(s)" in result["note"]
     assert "note" not in peer.compare_with_clip_benchmark("m", spec, {**entry, "empty_captions": 0})
+
+
+# ---- 2. FER2013's Kaggle folders (and EuroSAT's) ---------------------------------------------------
+
+def _image_folders(root: Path, folders: list[str], per_folder: int = 2) -> None:
+    import PIL.Image
+    for f, folder in enumerate(folders):
+        (root / folder).mkdir(parents=True)
+        for i in range(per_folder):
+            PIL.Image.new("L", (8, 8), color=10 * f + i).save(root / folder / f"{i}.png")
+
+
+@pytest.mark.parametrize("name, folders", [
+    ("fer2013", ["angry", "disgust", "fear", "happy", "neutral", "sad", "surprise"]),  # Kaggle msambare/fer2013
+    ("eurosat", ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "Industrial", "Pasture",
+                 "PermanentCrop", "Residential", "River", "SeaLake"]),  # the EuroSAT RGB zip's 2750/
+])
+def test_a_common_copys_class_folders_get_the_shipped_class_names(tmp_path, name, folders):
+    from lit_softmoe.zeroshot.metadata import benchmark_info
+    from lit_softmoe.zeroshot.suite import _read, resolve_prompts
+    _image_folders(tmp_path / name / "test", folders)
+    spec = BenchmarkConfig(name=name, root=str(tmp_path / name))
+    data = _read(spec, lambda image: torch.tensor(image.getpixel((0, 0))))
+    shipped = list(benchmark_info(name).classnames)
+    assert data.format == "imagefolder"
+    classnames, _, _ = resolve_prompts(spec, data)
+    assert classnames == shipped  # the prompts say "disgusted", "lake or sea" …, in the shipped order
+    # Each folder's images carry its class's index: the pixel value 10 * folder + i tells the folder.
+    targets = {int(image) // 10: target for _, image, target in (data.dataset[i] for i in range(len(data.dataset)))}
+    assert targets == dict(enumerate(range(len(folders))))
+    if name == "fer2013":
+        assert (shipped[targets[1]], shipped[targets[6]]) == ("disgusted", "surprised")
+
+
+def test_every_folder_alias_names_a_shipped_class():
+    from lit_softmoe.zeroshot.metadata import benchmark_info, list_benchmarks
+    with_aliases = {}
+    for name in list_benchmarks("classification"):
+        info = benchmark_info(name)
+        for folder, classname in info.folder_aliases:
+            assert classname in info.classnames, (name, folder, classname)
+            with_aliases.setdefault(name, []).append(folder)
+    assert sorted(with_aliases["fer2013"]) == ["disgust", "fear", "surprise"]

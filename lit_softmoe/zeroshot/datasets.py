@@ -8,7 +8,8 @@ naming the path looked for, and the suite reports it as skipped):
   image + `.cls` or `.txt` captions, and beside the splits `classnames.txt`,
   `zeroshot_classification_templates.txt`, `dataset_type.txt`) — also what `lit-softmoe data` writes;
 - `imagefolder`: `ROOT[/SPLIT]/CLASS/*.jpg` (ImageNet-style wnid folders are mapped to the benchmark's
-  classes, so ImageNet-R/-A with their 200 wnid folders line up with the 1000-class list);
+  classes, so ImageNet-R/-A with their 200 wnid folders line up with the 1000-class list; folders named
+  after the classes, or by the benchmark's `folder_aliases` such as Kaggle FER2013's `disgust/`, too);
 - `cifar`: CIFAR-10/100 python pickles, read with an unpickler that only builds numpy arrays (the house
   rule: nothing a user hands us is unpickled freely — torchvision's reader unpickles anything);
 - `torchvision`: torchvision's dataset classes with `download=False`, for the benchmarks it knows;
@@ -168,11 +169,11 @@ class _Indexed(Dataset):
 
 
 def read_image_folder(root: Path, split: str, transform, classnames: list[str] | None = None,
-                      wnids: list[str] | None = None) -> EvalData:
+                      wnids: list[str] | None = None, folder_aliases: dict[str, str] | None = None) -> EvalData:
     """ROOT/SPLIT/CLASS/img (or ROOT/CLASS/img). Folders named by wnids map onto `wnids`' order
     (the benchmark's classes), numeric folders are their labels, folders named after each of the
-    benchmark's `classnames` take their class's index; other folders are classes in sorted order,
-    named after the folder."""
+    benchmark's `classnames` (or by one of its `folder_aliases`, {folder name: class name}) take
+    their class's index; other folders are classes in sorted order, named after the folder."""
     base = root / split if (root / split).is_dir() else root
     folders = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
     if not folders:
@@ -180,7 +181,8 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
     if len(folders) < 2:
         raise MissingData(base, f"class folders (found only {folders[0].name if folders else 'none'}/; "
                           "is this another layout? set format:)")
-    by_name = _match_names(folders, classnames) if classnames and len(classnames) == len(folders) else None
+    by_name = _match_names(folders, classnames, folder_aliases) \
+        if classnames and len(classnames) == len(folders) else None
     if wnids and all(f.name in wnids for f in folders):
         labels = {f.name: wnids.index(f.name) for f in folders}
         names = classnames
@@ -212,12 +214,15 @@ def _normalized(name: str) -> str:
     return " ".join(name.casefold().replace("_", " ").replace("-", " ").split())
 
 
-def _match_names(folders: list[Path], classnames: list[str]) -> dict[str, int] | None:
-    """{folder: index of its class in `classnames`}, or None unless every folder names a distinct class."""
+def _match_names(folders: list[Path], classnames: list[str],
+                 folder_aliases: dict[str, str] | None = None) -> dict[str, int] | None:
+    """{folder: index of its class in `classnames`}, or None unless every folder names a distinct class,
+    by its own name or by the benchmark's alias for it (FER2013's Kaggle `disgust/` holds "disgusted")."""
     index = {_normalized(n): i for i, n in enumerate(classnames)}
     if len(index) < len(classnames):  # two classes that differ only in case or punctuation: ambiguous
         return None
-    labels = {f.name: index.get(_normalized(f.name)) for f in folders}
+    aliases = {_normalized(folder): _normalized(name) for folder, name in (folder_aliases or {}).items()}
+    labels = {f.name: index.get(_normalized(f.name), index.get(aliases.get(_normalized(f.name)))) for f in folders}
     if None in labels.values() or len(set(labels.values())) < len(labels):
         return None
     return labels
@@ -414,7 +419,7 @@ def detect_format(root: Path, split: str, name: str = "") -> str:
 
 def read_benchmark(name: str, root: str | Path, split: str, transform, format: str = "auto",
                    classnames: list[str] | None = None, wnids: list[str] | None = None,
-                   annotations: str = "", task: str = "") -> EvalData:
+                   annotations: str = "", task: str = "", folder_aliases: dict[str, str] | None = None) -> EvalData:
     """The reader for `format` (or the one the files on disk call for) over ROOT/SPLIT.
 
     `task` overrides what a webdataset's dataset_type.txt says (or stands in for it when absent)."""
@@ -431,7 +436,7 @@ def read_benchmark(name: str, root: str | Path, split: str, transform, format: s
     if format == "wds":
         return read_wds(root, split, transform, task)
     if format == "imagefolder":
-        return read_image_folder(root, split, transform, classnames, wnids)
+        return read_image_folder(root, split, transform, classnames, wnids, folder_aliases)
     if format == "cifar":
         # The folder says which CIFAR it is when the name does not (a benchmark of the user's own name).
         variant = "cifar100" if name == "cifar100" or (

@@ -307,7 +307,8 @@ def _read(spec: BenchmarkConfig, preprocess) -> EvalData:
     return read_benchmark(spec.name, spec.root, spec.split, preprocess, spec.format,
                           classnames=list(meta.classnames) if meta and meta.classnames else None,
                           wnids=_imagenet_wnids(meta), annotations=spec.annotations,
-                          task=spec.task or (meta.task if meta is not None else ""))
+                          task=spec.task or (meta.task if meta is not None else ""),
+                          folder_aliases=dict(meta.folder_aliases) if meta is not None else None)
 
 
 def _missing_data_fix(spec: BenchmarkConfig) -> str:

@@ -56,6 +56,9 @@ class BenchmarkInfo:
     these are: the benchmark itself, or e.g. "imagenet1k" when it has none of its own (empty for
     retrieval). For the ImageNet family, `wnids[i]` is the WordNet id (the ImageFolder folder name)
     of label i, and `imagenet_indices[i]` its index among ImageNet-1k's 1000 classes.
+    `folder_aliases` pairs the class-folder names a common copy of the set uses (Kaggle's FER2013
+    `disgust/`, EuroSAT's `SeaLake/`) with the shipped class name each folder holds, for the
+    image-folder reader; folders named after the class names themselves need no entry.
     """
 
     name: str
@@ -66,6 +69,7 @@ class BenchmarkInfo:
     source: str
     imagenet_indices: tuple[int, ...] | None = None
     wnids: tuple[str, ...] | None = None
+    folder_aliases: tuple[tuple[str, str], ...] = ()  # (folder name, shipped class name)
 
 
 @lru_cache(maxsize=None)
@@ -121,6 +125,7 @@ def benchmark_info(name: str) -> BenchmarkInfo:
         source=entry["source"],
         imagenet_indices=indices,
         wnids=None if indices is None else tuple(imagenet_wnids()[i] for i in indices),
+        folder_aliases=tuple(entry.get("folder_aliases", {}).items()),
     )
 
 
