@@ -54,6 +54,45 @@ def _peer_line(peer: dict) -> str:
     return f"CLIP_benchmark cross-check {peer.get('status')}: {peer.get('reason', '')}"
 
 
+def _reason(text: str) -> str:
+    """A recorded skip reason without its own "the … probe is skipped: " lead (the cell says skipped)."""
+    return text.split(" is skipped: ", 1)[-1]
+
+
+def _probe_cell(results: dict, key: str, skipped_key: str, absent: str) -> str:
+    """The number, or why it is not there: the stage's recorded skip reason, else `absent`."""
+    if key in results:
+        return f"{results[key]:.4f}"
+    if results.get(skipped_key):
+        return f"skipped: {_reason(results[skipped_key])}"
+    return absent
+
+
+def _eval_cell(entry: dict, metric: str) -> str:
+    if entry.get("status") != "ok":
+        return f"{entry.get('status', 'failed')}: {entry.get('reason', 'no reason recorded')}"
+    value = entry.get("metrics", {}).get(metric)
+    return f"{value:.4f}" if value is not None else f"not measured ({metric} is undefined here)"
+
+
+def results_rows(tower_name: str, shots: int, tower_results: dict, lit_results: dict, eval_entry: dict,
+                 timings: dict) -> list[tuple[str, str]]:
+    """The demo's closing table as (what, value) rows. A probe that was skipped or an eval that was skipped
+    or failed says so with its reason: indexing the missing numbers ended a long demo in a KeyError."""
+    params = tower_results.get("params")
+    return [("image tower", tower_name + (f" ({params / 1e6:.2f}M params)" if params is not None else "")),
+            ("tower test top-1 (classifier head)", _probe_cell(tower_results, "test_top1", "", "not measured")),
+            (f"tower {shots}-shot linear probe",
+             _probe_cell(tower_results, f"fewshot{shots}_top1", "fewshot_skipped",
+                         "off (fewshot_shots is 0)" if shots <= 0 else "not measured")),
+            ("tower linear probe, all train images",
+             _probe_cell(lit_results, "linear_probe_top1", "probe_skipped", "not run (eval.probe_train is not set)")),
+            ("LiT zero-shot top-1 (unseen prompts)", _eval_cell(eval_entry, "top1")),
+            ("LiT zero-shot top-5", _eval_cell(eval_entry, "top5")),
+            *[(f"time: {stage}", f"{seconds:.0f} s") for stage, seconds in timings.items()],
+            ("time: total", f"{sum(timings.values()):.0f} s")]
+
+
 def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
     """Load the export as a user would and pick, for each test image, the best of the class prompts."""
     import torch
@@ -159,21 +198,15 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     timings["classify"] = time.perf_counter() - tic
 
     _headline("results")
-    shots = pretrain_cfg.fewshot_shots
-    rows = [("image tower", f"{pretrain_cfg.tower.name} ({tower_results['params'] / 1e6:.2f}M params)"),
-            ("tower test top-1 (classifier head)", f"{tower_results['test_top1']:.4f}"),
-            (f"tower {shots}-shot linear probe", f"{tower_results[f'fewshot{shots}_top1']:.4f}"),
-            ("tower linear probe, all train images", f"{lit_results['linear_probe_top1']:.4f}"),
-            ("LiT zero-shot top-1 (unseen prompts)", f"{entry['metrics']['top1']:.4f}"),
-            ("LiT zero-shot top-5", f"{entry['metrics']['top5']:.4f}"),
-            *[(f"time: {stage}", f"{seconds:.0f} s") for stage, seconds in timings.items()],
-            ("time: total", f"{sum(timings.values()):.0f} s")]
+    rows = results_rows(pretrain_cfg.tower.name, pretrain_cfg.fewshot_shots, tower_results, lit_results, entry,
+                        timings)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    written = report.get("paths", {}).get("json")
     print(f"\nartifacts:\n  shards          {shards}\n  tower           {tower_dir}\n"
           f"  feature cache   {features}\n  LiT run         {run_root / 'lit'}\n"
-          f"  eval results    {report['paths']['json']} (+ .md, .png)\n"
+          f"  eval results    {f'{written} (+ .md, .png)' if written else 'none written (the benchmark did not run)'}\n"
           f"  export          {export_dir} (README.md model card, *.safetensors, *.onnx, tokenizer.json)\n"
           f"  metrics, curves {run_root / 'pretrain'}, {run_root / 'lit'} (metrics.jsonl, curves.png)")
     return {"pretrain": tower_results, "lit": lit_results, "eval": report, "export": str(export_dir),
