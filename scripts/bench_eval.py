@@ -18,7 +18,8 @@ Wall seconds per row include loading the model from disk (rows 1, 2, 3, 5: insid
 `load_pretrained` + perturbing the text tower, timed here), reading the data, encoding, scoring and
 writing the results (ours: JSON + Markdown + PNG report; CLIP_benchmark: its JSON). Python imports of
 both tools are done before any timing, and the shards are read once (page cache) before the first
-row. Images/s is images / wall seconds. "peer / ours" is the peer's wall time over ours, measured in
+row. Both run in fp32 (CLIP_benchmark with --no_amp, ours with precision fp32, as `lit-softmoe eval --peer`),
+on a GPU too. Images/s is images / wall seconds. "peer / ours" is the peer's wall time over ours, measured in
 the same run (> 1: ours is faster). Top-1 of ours and of CLIP_benchmark must agree within 0.1 point.
 
 Workers: ours decodes with --workers DataLoader workers whatever the shard count; CLIP_benchmark's
@@ -53,6 +54,7 @@ from lit_softmoe.zeroshot.suite import run_suite
 
 PEER = "clip_benchmark"
 AGREE_POINTS = 0.1  # top-1 of ours and the peer must agree within this many points
+PRECISION = "fp32"  # both tools: CLIP_benchmark runs with --no_amp (`run_clip_benchmark`)
 
 
 # ---------------------------------------------------------------------------------- data
@@ -160,7 +162,10 @@ def _run_benchmark(args, model_path: Path, root: Path, work: Path) -> dict:
     ours_workers, theirs_workers = args.workers, peer_workers(root, args.split, args.workers)
 
     def suite(cache: str, workers: int = ours_workers) -> EvalSuiteConfig:
+        # fp32, as `run_clip_benchmark` runs the peer (--no_amp) and as `lit-softmoe eval --peer` runs
+        # ours: "auto" would be bf16 autocast on a GPU, timing bf16 against fp32.
         return EvalSuiteConfig(name="bench", batch_size=args.batch_size, workers=workers, cache_dir=cache,
+                               precision=PRECISION,
                                benchmarks=[BenchmarkConfig(name=args.benchmark, root=str(root), split=args.split)])
 
     rows = [PEER, "ours cold", "ours warm", "ours warm, new text tower"]
@@ -210,7 +215,7 @@ def _run_benchmark(args, model_path: Path, root: Path, work: Path) -> dict:
     ours_top1 = {r["row"]: r["top1"] for r in results if r["row"] != PEER}
     gap = max(abs(ours_top1[row] - peer["top1"]) * 100 for row in ours_top1 if row != "ours warm, new text tower")
     return {"model": str(model_path), "data": str(Path(args.data)), "benchmark": args.benchmark, "split": args.split,
-            "images": images, "limit": args.limit, "batch_size": args.batch_size, "workers": ours_workers,
+            "images": images, "limit": args.limit, "batch_size": args.batch_size, "precision": PRECISION, "workers": ours_workers,
             "peer_workers": theirs_workers, "threads": torch.get_num_threads(), "cpu": cpu_name(),
             "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "clip_benchmark": _version("clip_benchmark"), "repeats": args.repeats, "rows": results,

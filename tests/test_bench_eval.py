@@ -58,3 +58,32 @@ def test_bench_eval_rows_cache_and_agreement(bench_eval, tmp_path, capsys):
 def test_bench_eval_missing_model_says_make_demo(bench_eval, tmp_path):
     with pytest.raises(SystemExit, match="make demo"):
         bench_eval.main(["--model", str(tmp_path / "absent")])
+
+
+def _fake_rows(bench_eval, monkeypatch, calls):
+    """run_peer / run_ours replaced by recorders: the rows' settings without running either tool."""
+    def run_peer(model_path, root, benchmark, split, batch_size, workers):
+        calls.append(("peer", None))
+        return {"seconds": 1.0, "top1": 0.5}
+
+    def run_ours(model_path, cfg, out_dir, name, use_cache=True, new_text=False):
+        calls.append(("ours", cfg))
+        return {"seconds": 1.0, "eval_seconds": 0.5, "top1": 0.5, "num_samples": 300,
+                "image_cache": ("hit" if "warm" in name or "text" in name else "miss") if use_cache else "off"}
+
+    monkeypatch.setattr(bench_eval, "run_peer", run_peer)
+    monkeypatch.setattr(bench_eval, "run_ours", run_ours)
+
+
+def test_bench_eval_ours_runs_fp32_like_the_peer(bench_eval, tmp_path, monkeypatch):
+    # CLIP_benchmark runs with --no_amp; ours on "auto" would be bf16 autocast on a GPU.
+    data = tmp_path / "fashion-mnist"
+    write_fashion_mnist_shards(data, samples_per_shard=150, limit=300)
+    calls = []
+    _fake_rows(bench_eval, monkeypatch, calls)
+    import lit_softmoe.export
+    monkeypatch.setattr(lit_softmoe.export, "load_pretrained", lambda *a, **k: calls.append(("load", None)))
+    report = bench_eval.run_benchmark(bench_eval.parse_args(["--model", str(tmp_path), "--data", str(data)]))
+    configs = [cfg for who, cfg in calls if who == "ours"]
+    assert configs and all(cfg.precision == "fp32" for cfg in configs)
+    assert report["precision"] == "fp32"
