@@ -21,8 +21,9 @@ datasheet's; the run also measures an 8192³ bf16 matmul and reports it). Timing
 call, calls queued back to back with no synchronization between them (`benchlib.time_step`), a few
 warm-up calls (compilation included), median of `--iters`. Each part has a time budget: a row that
 would start after its part's budget is spent is skipped and says so, so the run ends in bounded time.
-A peer that is not installed gives a row that says so; a failing row (OOM, compiler) never ends the
-run. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suite does).
+A peer that is not installed gives a row that says so; a failing row (OOM, compiler) or part never ends
+the run. The JSON and Markdown are replaced whole after every row, so a run killed from outside keeps
+every row it measured. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suite does).
 
     python scripts/bench_gpu.py --json bench_gpu.json --md bench_gpu.md
     python scripts/bench_gpu.py --only layer --iters 20
@@ -93,6 +94,7 @@ class Bench:
     ratios: list = field(default_factory=list)
     part_start: float = 0.0
     part: str = ""
+    on_row: object = None  # called after every row (main: rewrites the JSON and Markdown)
 
     def begin(self, part: str):
         self.part, self.part_start = part, time.perf_counter()
@@ -135,6 +137,8 @@ class Bench:
 
     def _done(self, row: Row) -> Row:
         self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row()
         shown = (f"{row.ms:9.3f} ms" + (f" {row.per_s:10,.0f}/s" if row.per_s else "")
                  + (f" {row.tflops:7.1f} TFLOP/s" if row.tflops else "")
                  + (f" peak {row.peak_mib:,.0f} MiB" if row.peak_mib else "")) if row.ms else row.note
@@ -518,6 +522,13 @@ def markdown(meta: dict, rows: list[Row], ratios: list[Ratio]) -> str:
     return "\n".join(lines)
 
 
+def _write_atomic(path: Path, text: str):
+    """Replace `path` whole: a reader (or a kill mid-write) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _matmul_tflops(device) -> float | None:
     """The bf16 matmul ceiling on random data (METHOD.md): median of 10 8192³ products."""
     if device.type != "cuda":
@@ -601,15 +612,18 @@ def main(argv=None) -> dict:
             meta[name] = None
 
     def write(final: bool):
-        # After every part too: a run killed by an outer timeout still leaves what it measured.
+        # After every row and part too: a run killed by an outer timeout (gpu_check.sh's) still leaves
+        # every row it measured, and never a half-written file (each is replaced whole).
         meta["seconds"], meta["complete"] = time.perf_counter() - t0, final
         result = {**meta, "rows": [asdict(r) for r in bench.rows], "ratios": [asdict(q) for q in bench.ratios]}
         table = markdown(meta, bench.rows, bench.ratios)
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            _write_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
         if args.md:
-            Path(args.md).write_text(table + "\n")
+            _write_atomic(Path(args.md), table + "\n")
         return result, table
+
+    bench.on_row = lambda: write(final=False)
 
     for part, run in (("layer", lambda: bench_layer(bench, args.layer_shapes)), ("tower", lambda: bench_tower(bench)),
                       ("lit", lambda: bench_lit(bench))):
@@ -619,6 +633,9 @@ def main(argv=None) -> dict:
                 run()
             except ImportError as e:  # a part whose own module is missing (e.g. timm): say so, go on
                 bench.rows.append(Row(part, "(part)", "", note=f"not installed: {e.name or e}"))
+            except Exception as e:  # a part failing outside its rows must not cost the later parts
+                first = str(e).splitlines()[0][:160] if str(e) else ""
+                bench.rows.append(Row(part, "(part)", "", note=f"failed: {type(e).__name__}: {first}"))
             print(f"[{part}] {time.perf_counter() - bench.part_start:.0f} s", flush=True)
             write(final=False)
     result, table = write(final=True)

@@ -89,3 +89,34 @@ def test_budget_skips_rows_and_says_so(bench_gpu, tmp_path):
 def test_rejects_unknown_parts(bench_gpu):
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--only", "layer,towers"])
+
+
+def test_a_kill_mid_part_keeps_the_rows_it_measured(bench_gpu, tmp_path, monkeypatch):
+    # gpu_check.sh ends the run with `timeout`: the rows of the part it was in must already be on disk.
+    import bench_softmoe
+
+    def interrupted(shape):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_softmoe, "build_dense", interrupted)
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench_gpu.main(["--cpu", "--only", "layer", "--iters", "1", "--json", str(out_json), "--md", str(out_md)])
+    result = json.loads(out_json.read_text())
+    assert result["complete"] is False
+    assert [r["name"] for r in result["rows"]] == ["ours", "ours compiled"] and all(r["ms"] for r in result["rows"])
+    assert "| ours compiled |" in out_md.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md"]  # no temporary files left
+
+
+def test_a_failing_part_does_not_cost_the_later_parts(bench_gpu, tmp_path, monkeypatch):
+    def broken(bench, shapes):
+        raise RuntimeError("CUDA out of memory outside any row")
+
+    monkeypatch.setattr(bench_gpu, "bench_layer", broken)
+    out_json = tmp_path / "bench.json"
+    bench_gpu.main(["--cpu", "--only", "layer,tower", "--iters", "1", "--json", str(out_json)])
+    result = json.loads(out_json.read_text())
+    notes = {(r["part"], r["name"]): r["note"] for r in result["rows"]}
+    assert notes[("layer", "(part)")] == "failed: RuntimeError: CUDA out of memory outside any row"
+    assert any(r["part"] == "tower" and r["ms"] for r in result["rows"]) and result["complete"] is True
