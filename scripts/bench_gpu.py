@@ -16,9 +16,9 @@ Three parts, each a list of rows timed on the same device in the same run, then 
   Targets: on-the-fly >= 1.2x, cached >= 2x open_clip's samples/s.
 
 FLOPs are counted with `torch.utils.flop_counter.FlopCounterMode` on one eager call of the same
-step; MFU = FLOPs / time / the device's peak dense bf16 rate (H100 SXM and H200: 989 TFLOP/s, the
-datasheet's; the run also measures an 8192³ bf16 matmul and reports it). Timing: CUDA events around each
-call, calls queued back to back with no synchronization between them (`benchlib.time_step`), a few
+step; MFU = FLOPs / time / the device's peak dense bf16 rate (H100 and H200 SXM: 989 TFLOP/s, the
+datasheet's; H100 PCIe 756, H100/H200 NVL 835; the run also measures an 8192³ bf16 matmul and reports
+it). Timing: CUDA events around each call, calls queued back to back with no synchronization between them (`benchlib.time_step`), a few
 warm-up calls (compilation included), median of `--iters`. Each part has a time budget: a row that
 would start after its part's budget is spent is skipped and says so, so the run ends in bounded time.
 A peer that is not installed gives a row that says so; a failing row (OOM, compiler) or part never ends
@@ -48,8 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_soft
 from benchlib import setup_device, time_step  # noqa: E402
 
 PARTS = ("layer", "tower", "lit")
-# Peak dense bf16 tensor-core rate by device name (datasheet, SXM parts), for MFU.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Peak dense bf16 tensor-core rate by device name (datasheet; half the "with sparsity" figure), for MFU.
+# The first key in the device name wins: the PCIe and NVL parts before the plain names (SXM).
+PEAK_BF16_TFLOPS = {"H200 NVL": 835.0, "H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+                    "A100": 312.0}
+
+
+def peak_bf16(device_name: str) -> tuple[float, str]:
+    """(peak dense bf16 TFLOP/s, where the figure comes from) for a CUDA device name."""
+    return next(((v, f"datasheet, {k}") for k, v in PEAK_BF16_TFLOPS.items() if k in device_name),
+                (989.0, "assumed H100/H200 SXM class"))
 
 
 @dataclass
@@ -589,8 +597,7 @@ def main(argv=None) -> dict:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     peak, source = args.peak_tflops, "given"
     if peak is None and not args.cpu:
-        peak, source = next(((v, f"datasheet, {k}") for k, v in PEAK_BF16_TFLOPS.items() if k in device_name),
-                            (989.0, "assumed H100/H200 class"))
+        peak, source = peak_bf16(device_name)
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)

@@ -120,3 +120,13 @@ def test_a_failing_part_does_not_cost_the_later_parts(bench_gpu, tmp_path, monke
     notes = {(r["part"], r["name"]): r["note"] for r in result["rows"]}
     assert notes[("layer", "(part)")] == "failed: RuntimeError: CUDA out of memory outside any row"
     assert any(r["part"] == "tower" and r["ms"] for r in result["rows"]) and result["complete"] is True
+
+
+def test_mfu_peak_by_device_name(bench_gpu):
+    # torch.cuda.get_device_name() of each part; the PCIe and NVL parts have lower peaks than the SXM ones.
+    assert bench_gpu.peak_bf16("NVIDIA H100 80GB HBM3")[0] == 989.0
+    assert bench_gpu.peak_bf16("NVIDIA H200")[0] == 989.0
+    assert bench_gpu.peak_bf16("NVIDIA H100 PCIe")[0] == 756.0
+    assert bench_gpu.peak_bf16("NVIDIA H100 NVL")[0] == 835.0
+    assert bench_gpu.peak_bf16("NVIDIA H200 NVL")[0] == 835.0
+    assert bench_gpu.peak_bf16("NVIDIA A100-SXM4-80GB")[0] == 312.0
