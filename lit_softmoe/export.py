@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +55,8 @@ from lit_softmoe.errors import UserError, check_writable
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.vit import ViTConfig, VisionTransformer
-from lit_softmoe.train.checkpoint import (STATE_META, STATE_TENSORS, TOWER_CONFIG, TOWER_WEIGHTS, _in_flight,
-                                          check_state_dict, load_tower, load_weights, recover_folder,
-                                          write_folder_atomically)
+from lit_softmoe.train.checkpoint import (STATE_META, STATE_TENSORS, TOWER_CONFIG, TOWER_WEIGHTS, FolderTakenError,
+                                          check_state_dict, load_tower, load_weights, write_folder_atomically)
 from lit_softmoe.train.embed import tower_fingerprint
 
 FORMAT_VERSION = 1
@@ -779,44 +777,14 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         (tmp / MODEL_CARD).write_text(_model_card(config, model, tower, facts, run_dir, results, out_dir))
         _readable_by_all(tmp)  # mkdtemp made it private (0700); an export is meant to be shared
 
-    return write_folder_atomically(out_dir, write) if overwrite else _write_new_folder(out_dir, write)
-
-
-def _write_new_folder(out_dir: Path, write) -> Path:
-    """`write_folder_atomically` for an --out given without --overwrite: its last step is one rename,
-    which takes an absent or empty folder's place but refuses one that holds files (rename(2)'s
-    ENOTEMPTY). The emptiness check at the start does not settle it: two exports to the same new --out
-    both passed it, and the later one's final exchange silently replaced the earlier one's export."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    recover_folder(out_dir)  # what a killed export left beside it, as write_folder_atomically does
-    # The same temporary name (pid inside) as write_folder_atomically, so recover_folder knows it too.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
-    _in_flight.add(tmp)
     try:
-        write(tmp)
-        try:
-            _rename_onto_empty(tmp, out_dir)
-        except OSError:
-            if not out_dir.exists():
-                raise
-            raise UserError(f"--out {out_dir} was written by another run while this export ran (it was absent "
-                            "or empty when the export started), and is kept; pass --overwrite to replace it, or pick "
-                            "another folder") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        _in_flight.discard(tmp)
-    return out_dir
-
-
-def _rename_onto_empty(src: Path, dst: Path) -> None:
-    try:
-        os.rename(src, dst)  # POSIX: replaces an empty folder, refuses a filled one
-    except OSError:
-        if not (dst.is_dir() and not any(dst.iterdir())):
-            raise
-        dst.rmdir()  # Windows refuses any existing folder: an empty one is removed first
-        os.rename(src, dst)
+        # Without --overwrite, --out may only be absent or empty, also at the very end: the emptiness
+        # check at the start does not settle it (two exports to one new --out both pass it).
+        return write_folder_atomically(out_dir, write, replace=overwrite)
+    except FolderTakenError:
+        raise UserError(f"--out {out_dir} was written by another run while this export ran (it was absent "
+                        "or empty when the export started), and is kept; pass --overwrite to replace it, or pick "
+                        "another folder") from None
 
 
 def _readable_by_all(folder: Path) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import (latest_checkpoint, load_tower, load_training_state,
+from lit_softmoe.train.checkpoint import (FolderTakenError, latest_checkpoint, load_tower, load_training_state,
                                           prune_checkpoints, save_tower, save_training_state,
                                           write_folder_atomically)
 from lit_softmoe.train.optim import create_optimizer
@@ -61,6 +61,27 @@ def test_failed_write_leaves_nothing_under_the_final_name(tmp_path):
         write_folder_atomically(tmp_path / "ckpt", write)
     assert (tmp_path / "ckpt" / "ok").read_text() == "1"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_without_replace_a_folder_filled_meanwhile_is_kept(tmp_path):
+    def write(text):
+        return lambda tmp: (tmp / "f").write_text(text)
+
+    (tmp_path / "empty").mkdir()
+    write_folder_atomically(tmp_path / "empty", write("new"), replace=False)  # an empty folder is taken
+    assert (tmp_path / "empty" / "f").read_text() == "new"
+
+    def filled_meanwhile(tmp):
+        (tmp / "f").write_text("mine")
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "f").write_text("theirs")  # another writer, after any check at the start
+
+    with pytest.raises(FolderTakenError):
+        write_folder_atomically(tmp_path / "out", filled_meanwhile, replace=False)
+    assert (tmp_path / "out" / "f").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]  # no temporary folder left
+    write_folder_atomically(tmp_path / "out", write("replaced"))  # replace=True swaps it
+    assert (tmp_path / "out" / "f").read_text() == "replaced"
 
 
 def test_training_state_restores_optimizer_and_rng(tmp_path):

@@ -94,12 +94,19 @@ def recover_folder(final_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_folder_atomically(final_dir: str | Path, write) -> Path:
+class FolderTakenError(FileExistsError):
+    """`write_folder_atomically(..., replace=False)` found its folder filled by another writer."""
+
+
+def write_folder_atomically(final_dir: str | Path, write, replace: bool = True) -> Path:
     """Call `write(tmp_dir)`, then move tmp_dir to `final_dir` (replacing an older one).
 
     On Linux an older folder is swapped out in one atomic step, so a reader finds the old or the
     new folder, never none. Elsewhere it is renamed away first: a run killed between the two
     renames leaves `final_dir` missing, and the next call (or `load_tower`) puts the old one back.
+    `replace=False`: `final_dir` may only be absent or empty; one that another writer filled while
+    `write` ran is kept and FolderTakenError raised. The last step is then one rename, which refuses
+    a folder holding files, so no check made earlier can be raced.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +116,9 @@ def write_folder_atomically(final_dir: str | Path, write) -> Path:
     _in_flight.add(tmp_dir)
     try:
         write(tmp_dir)
-        if not final_dir.exists():
+        if not replace:
+            _rename_onto_empty(tmp_dir, final_dir)
+        elif not final_dir.exists():
             os.replace(tmp_dir, final_dir)
         elif _exchange(tmp_dir, final_dir):
             pass  # tmp_dir now holds the old folder: removed below
@@ -132,6 +141,19 @@ def write_folder_atomically(final_dir: str | Path, write) -> Path:
             shutil.rmtree(tmp_dir)
         _in_flight.discard(tmp_dir)
     return final_dir
+
+
+def _rename_onto_empty(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)  # POSIX: takes an empty folder's place, refuses a filled one
+    except OSError:
+        if dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()  # Windows refuses any existing folder: an empty one is removed first
+            os.rename(src, dst)
+        elif dst.exists():
+            raise FolderTakenError(f"{dst} was filled by another writer") from None
+        else:
+            raise
 
 
 def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,
