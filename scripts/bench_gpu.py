@@ -6,7 +6,7 @@ Three parts, each a list of rows timed on the same device in the same run, then 
 - `layer`: forward+backward of one layer at S/16 and B/16 shapes (batch 256, 196 tokens, 128 experts,
   1 slot), with bf16 weights and with fp32 weights under bf16 autocast: ours (fused eager forward),
   ours step by step (`forward_reference`), ours compiled, soft-moe-pytorch, the dense MLP eager and
-  compiled, and (CUDA) ours and the dense MLP compiled with CUDA graphs (`mode="reduce-overhead"`).
+  compiled, and ours and the dense MLP compiled with CUDA graphs (`mode="reduce-overhead"`).
   Targets: ours <= 1.0x the dense MLP's time; soft-moe-pytorch >= 20x ours.
 - `tower`: inference of the Soft MoE-B/16 tower (`soft-b16-128e`, 3.7B params) against timm's dense
   `vit_base_patch16_224` (and our dense `vit-b16`), bf16 weights, `torch.inference_mode`, SDPA,
@@ -23,7 +23,9 @@ warm-up calls (compilation included), median of `--iters`. Each part has a time 
 would start after its part's budget is spent is skipped and says so, so the run ends in bounded time.
 A peer that is not installed gives a row that says so; a failing row (OOM, compiler) or part never ends
 the run. The JSON and Markdown are replaced whole after every row, so a run killed from outside keeps
-every row it measured. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suite does).
+every row it measured. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suite does)
+with the GPU run's rows and precisions, so every code path the GPU run takes has run; its CUDA-graphs
+rows run compiled without graphs there (the aot_eager backend ignores the mode) and say so.
 
     python scripts/bench_gpu.py --json bench_gpu.json --md bench_gpu.md
     python scripts/bench_gpu.py --only layer --iters 20
@@ -110,10 +112,15 @@ class Bench:
     def over_budget(self) -> bool:
         return time.perf_counter() - self.part_start > self.budgets[self.part]
 
+    @property
+    def no_graphs_note(self) -> str:
+        """The note of a CUDA-graphs row in --cpu mode, where the backend runs it without graphs."""
+        return "cpu: no CUDA graphs" if self.cpu else ""
+
     def run_row(self, name: str, setting: str, build, per_call_items: int | None = None, iters: int | None = None,
-                compiled: bool = False, count_flops=None) -> Row:
+                compiled: bool = False, count_flops=None, note: str = "") -> Row:
         """`build()` → (step, params_m); time step(); FLOPs from `count_flops()` (an eager call)."""
-        row = Row(self.part, name, setting, iters=iters or self.iters)
+        row = Row(self.part, name, setting, iters=iters or self.iters, note=note)
         if self.over_budget():
             row.note = f"skipped: the {self.part} part's {self.budgets[self.part]:.0f} s budget is spent"
             return self._done(row)
@@ -215,9 +222,8 @@ def bench_layer(bench: Bench, shapes: list[str]):
     from bench_softmoe import Shape, build_dense, build_ours, build_peer
 
     device = bench.device
+    # --cpu runs the same settings (bf16 on a CPU is emulated, but there the run checks code, not speed).
     precisions = [("bf16 weights", torch.bfloat16, None), ("bf16 autocast", torch.float32, torch.bfloat16)]
-    if bench.cpu:
-        precisions = [("fp32", torch.float32, None), ("bf16 weights", torch.bfloat16, None)]
     # The issue's target setting (bf16 weights) first, both shapes: the budget drops rows from the end.
     for precision, weight_dtype, autocast_dtype in precisions:
         for shape_name in shapes:
@@ -272,16 +278,16 @@ def bench_layer(bench: Bench, shapes: list[str]):
             bench.run_row("soft-moe-pytorch", setting, builder(build_peer), iters=bench.peer_iters,
                           count_flops=flops_of(build_peer))
             bench.run_row("ours step by step (forward_reference)", setting, builder(build_ours, _Reference))
-            if not bench.cpu:
-                # CUDA graphs for both (static shapes): what is left once the host's launch overhead,
-                # which a whole compiled tower also amortizes, is gone.
-                bench.run_row("ours compiled, CUDA graphs", setting,
-                              builder(build_ours, lambda l: _CompiledSoftMoE(l, bench.backend, "reduce-overhead"),
-                                      mode="reduce-overhead"),
-                              compiled=True, count_flops=flops_of(build_ours))
-                bench.run_row("dense MLP compiled, CUDA graphs", setting,
-                              builder(build_dense, compile_module=True, mode="reduce-overhead"), compiled=True,
-                              count_flops=flops_of(build_dense))
+            # CUDA graphs for both (static shapes): what is left once the host's launch overhead,
+            # which a whole compiled tower also amortizes, is gone. --cpu runs the same code (its
+            # aot_eager backend ignores the mode: no graphs there).
+            bench.run_row("ours compiled, CUDA graphs", setting,
+                          builder(build_ours, lambda l: _CompiledSoftMoE(l, bench.backend, "reduce-overhead"),
+                                  mode="reduce-overhead"),
+                          compiled=True, count_flops=flops_of(build_ours), note=bench.no_graphs_note)
+            bench.run_row("dense MLP compiled, CUDA graphs", setting,
+                          builder(build_dense, compile_module=True, mode="reduce-overhead"), compiled=True,
+                          count_flops=flops_of(build_dense), note=bench.no_graphs_note)
             x = grad = None
             if bench.profile_dir is not None and device.type == "cuda" and precision == "bf16 weights" \
                     and not bench.over_budget():
@@ -354,9 +360,9 @@ def bench_tower(bench: Bench):
         batch, image, tiny = 4, 32, dict(image_size=32, patch_size=8, width=64, depth=2, num_heads=2, mlp_dim=256)
         soft = dict(tiny, moe_layers=(1,), num_experts=8)
         timm_kwargs = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=4)
-        dtype = torch.float32  # bf16 on a CPU only measures its emulation
     else:
-        batch, image, tiny, soft, timm_kwargs, dtype = 256, 224, {}, {}, {}, torch.bfloat16
+        batch, image, tiny, soft, timm_kwargs = 256, 224, {}, {}, {}
+    dtype = torch.bfloat16  # --cpu too: the same code path (bf16 on a CPU is emulated; there it checks code)
     setting = f"batch {batch}, {image}px, {str(dtype).removeprefix('torch.')} weights, inference_mode"
     g = torch.Generator(device="cpu").manual_seed(0)
     pixels = torch.randn(batch, 3, image, image, generator=g).to(device, dtype)
@@ -405,14 +411,15 @@ def bench_tower(bench: Bench):
                       count_flops=flops_of(name, make))
     name, make = models[2]
     bench.run_row(name, setting, builder(make, False), per_call_items=batch, count_flops=flops_of(name, make))
-    if not bench.cpu:  # the eager rows again with PyTorch's LayerNorm for qk-norm: what the Triton kernel buys
-        with qk_norm_kernel_off():
-            for name, make in models[1:]:
-                bench.run_row(f"{name}, PyTorch qk-norm", setting, builder(make, False), per_call_items=batch)
-    if not bench.cpu:  # CUDA graphs (static shapes): one more compile, last so the budget can drop it
-        name, make = models[1]
-        bench.run_row(f"{name} compiled reduce-overhead", setting, builder(make, True, "reduce-overhead"),
-                      per_call_items=batch, compiled=True, count_flops=flops_of(name, make))
+    # The eager rows again with PyTorch's LayerNorm for qk-norm: what the Triton kernel buys (CUDA only;
+    # --cpu runs the rows to check them, both sides PyTorch's LayerNorm there).
+    with qk_norm_kernel_off():
+        for name, make in models[1:]:
+            bench.run_row(f"{name}, PyTorch qk-norm", setting, builder(make, False), per_call_items=batch)
+    # CUDA graphs (static shapes): one more compile, last so the budget can drop it.
+    name, make = models[1]
+    bench.run_row(f"{name} compiled reduce-overhead", setting, builder(make, True, "reduce-overhead"),
+                  per_call_items=batch, compiled=True, count_flops=flops_of(name, make), note=bench.no_graphs_note)
     pixels = None
 
     for suffix in ("", " compiled"):
@@ -437,8 +444,8 @@ def bench_lit(bench: Bench):
 
     device = bench.device
     preset = bl.PRESETS["cpu" if bench.cpu else "b16"]
-    precision = "fp32" if bench.cpu else "autocast-bf16"
-    autocast_dtype = None if bench.cpu else torch.bfloat16
+    precision = "autocast-bf16"  # --cpu too: autocast and our bf16 locked tower are the GPU run's code
+    autocast_dtype = torch.bfloat16
     args = SimpleNamespace(precision=precision, fp32_tower=False, compile_mode=None)
     inputs = bl.make_inputs(preset, device)
     setting = f"batch {preset.batch}, {precision}"
@@ -478,9 +485,8 @@ def bench_lit(bench: Bench):
     bench.run_row("open_clip image features given", setting, openclip(True), per_call_items=b)
     bench.run_row("ours cached, text compiled", setting, ours(True, compile_text=True), per_call_items=b,
                   compiled=True)
-    if not bench.cpu:
-        with qk_norm_kernel_off():
-            bench.run_row("ours on-the-fly, PyTorch qk-norm", setting, ours(False), per_call_items=b)
+    with qk_norm_kernel_off():  # CUDA: what the Triton kernel buys; --cpu: the row runs (no kernel there)
+        bench.run_row("ours on-the-fly, PyTorch qk-norm", setting, ours(False), per_call_items=b)
     inputs = None
 
     base = bench.find(bl.BASELINE, setting)

@@ -13,12 +13,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# --cpu runs every row the GPU run does (the CUDA-graphs rows compiled without graphs).
+GRAPH_ROWS = {"ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs",
+              "ours soft-b16-128e compiled reduce-overhead"}
 LAYER_ROWS = {"ours", "ours compiled", "dense MLP", "dense MLP compiled", "soft-moe-pytorch",
-              "ours step by step (forward_reference)"}
+              "ours step by step (forward_reference)", "ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs"}
 TOWER_ROWS = {"timm vit_base_patch16_224", "ours soft-b16-128e", "timm vit_base_patch16_224 compiled",
-              "ours soft-b16-128e compiled", "ours vit-b16"}
+              "ours soft-b16-128e compiled", "ours vit-b16", "ours soft-b16-128e, PyTorch qk-norm",
+              "ours vit-b16, PyTorch qk-norm", "ours soft-b16-128e compiled reduce-overhead"}
 LIT_ROWS = {"open_clip lock-image", "ours on-the-fly", "ours cached", "ours on-the-fly, tower compiled",
-            "open_clip image features given", "ours cached, text compiled"}
+            "open_clip image features given", "ours cached, text compiled", "ours on-the-fly, PyTorch qk-norm"}
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +48,21 @@ def test_cpu_mode_writes_every_row_and_ratio(bench_gpu, tmp_path):
     rows = result["rows"]
     by_part = {part: {r["name"] for r in rows if r["part"] == part} for part in ("layer", "tower", "lit")}
     assert by_part == {"layer": LAYER_ROWS, "tower": TOWER_ROWS, "lit": LIT_ROWS}
-    assert len([r for r in rows if r["part"] == "layer"]) == 2 * len(LAYER_ROWS)  # fp32 and bf16 weights
+    layer_settings = {r["setting"] for r in rows if r["part"] == "layer"}
+    assert layer_settings == {"tiny bf16 weights", "tiny bf16 autocast"}  # the GPU run's two precisions
+    assert len([r for r in rows if r["part"] == "layer"]) == 2 * len(LAYER_ROWS)
+    assert all("bfloat16 weights" in r["setting"] for r in rows if r["part"] == "tower")
+    assert all("autocast-bf16" in r["setting"] for r in rows if r["part"] == "lit")
     for r in rows:
         assert r["ms"] is not None and r["ms"] > 0, r
-        assert r["note"] == "", r
+        assert r["note"] == ("cpu: no CUDA graphs" if r["name"] in GRAPH_ROWS else ""), r
         if r["part"] != "layer":
             assert r["per_s"] > 0, r
     # FLOPs are counted for the rows the ratios and MFU use.
     assert all(r["gflop"] > 0 for r in rows if r["name"] in ("ours", "dense MLP", "ours soft-b16-128e",
                                                               "timm vit_base_patch16_224", "open_clip lock-image"))
     ratios = result["ratios"]
-    assert len(ratios) == 2 * 6 + 2 + 5
+    assert len(ratios) == 2 * 7 + 2 + 2 + 5  # layer 7 per setting; tower 2 + the qk-norm pair; lit 5
     for q in ratios:
         assert q["value"] is not None and math.isfinite(q["value"]) and q["value"] > 0, q
         assert q["met"] in (True, False) or q["target"] is None
