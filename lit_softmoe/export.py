@@ -775,7 +775,6 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
             config["onnx"] = _write_onnx(tmp, model, tower, tokenizer)
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / MODEL_CARD).write_text(_model_card(config, model, tower, facts, run_dir, results, out_dir))
-        _readable_by_all(tmp)  # mkdtemp made it private (0700); an export is meant to be shared
 
     try:
         # Without --overwrite, --out may only be absent or empty, also at the very end: the emptiness
@@ -785,14 +784,6 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         raise UserError(f"--out {out_dir} was written by another run while this export ran (it was absent "
                         "or empty when the export started), and is kept; pass --overwrite to replace it, or pick "
                         "another folder") from None
-
-
-def _readable_by_all(folder: Path) -> None:
-    import os
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 class _Prefixed(nn.Module):

@@ -84,6 +84,21 @@ def test_without_replace_a_folder_filled_meanwhile_is_kept(tmp_path):
     assert (tmp_path / "out" / "f").read_text() == "replaced"
 
 
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_saved_folders_follow_the_umask_not_mkdtemps_private_mode(tmp_path, umask, folder_mode, file_mode):
+    # mkdtemp makes 0700 folders and safetensors 0600 files: other users could not read a saved tower.
+    import os
+    import stat
+    old = os.umask(umask)
+    try:
+        save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "tower").stat().st_mode) == folder_mode
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tower").iterdir()} == \
+        {"model.safetensors": file_mode, "config.json": file_mode}
+
+
 def test_training_state_restores_optimizer_and_rng(tmp_path):
     torch.manual_seed(0)
     model = create_image_tower("soft-test-4e", num_classes=10)

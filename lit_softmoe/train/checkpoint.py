@@ -94,6 +94,30 @@ def recover_folder(final_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _umask() -> int:
+    """The process's umask, read from /proc where it is there (os.umask can only read it by setting it,
+    which for a moment changes the mode of files other threads create)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(folder: Path) -> None:
+    """mkdtemp makes the folder private (0700) and safetensors its files (0600); a tower, a model, a
+    checkpoint or an export is read by other users and programs too, so each gets the mode the umask
+    gives new files and folders (0755 / 0644 under the usual 022)."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 class FolderTakenError(FileExistsError):
     """`write_folder_atomically(..., replace=False)` found its folder filled by another writer."""
 
@@ -116,6 +140,7 @@ def write_folder_atomically(final_dir: str | Path, write, replace: bool = True) 
     _in_flight.add(tmp_dir)
     try:
         write(tmp_dir)
+        _follow_umask(tmp_dir)
         if not replace:
             _rename_onto_empty(tmp_dir, final_dir)
         elif not final_dir.exists():
