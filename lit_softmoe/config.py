@@ -137,32 +137,33 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     UserError with one line naming the key and the fix.
     """
     base = OmegaConf.structured(schema)
-    layers = []
+    layers = []  # (layer, where it came from), merged in this order
     if path is not None:
         path = Path(path)
         if not path.is_file():
             shipped = "suites are under eval/" if schema is EvalSuiteConfig else "configs are under configs/"
             raise UserError(f"config file {path} does not exist; shipped {shipped}")
         try:
-            layers.append(OmegaConf.load(path))
+            layers.append((OmegaConf.load(path), f" in {path}"))
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
             raise UserError(f"cannot parse {path}: {' '.join(str(err).split())}") from None
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
     # `key=` means the empty string (a shell eats the quotes of `key=''`); OmegaConf would read None.
-    layers.append(OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides]))
-    try:
-        merged = OmegaConf.merge(base, *layers)
-    except ConfigKeyError as err:
-        key = getattr(err, "full_key", None) or str(err)
-        given = {item.split("=", 1)[0].strip() for item in overrides}
-        source = " on the command line" if str(key) in given else (f" in {path}" if path else "")
-        raise UserError(f"unknown config key {key!r}{source}{_suggest(str(key), base, schema)}") from None
-    except (ValidationError, OmegaConfBaseException) as err:
-        key = getattr(err, "full_key", "?")
-        msg = str(err).splitlines()[0]
-        raise UserError(f"bad value for config key {key!r}: {msg}") from None
+    layers.append((OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides]),
+                   " on the command line"))
+    merged = base
+    for layer, where in layers:  # one at a time, so a mistake is told where it was made
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except ConfigKeyError as err:
+            key = getattr(err, "full_key", None) or str(err)
+            raise UserError(f"unknown config key {key!r}{where}{_suggest(str(key), base, schema)}") from None
+        except (ValidationError, OmegaConfBaseException) as err:
+            key = getattr(err, "full_key", "?")
+            msg = str(err).splitlines()[0]
+            raise UserError(f"bad value for config key {key!r}{where}: {msg}") from None
     for key, choices in _VALID_CHOICES.items():
         value = _select(merged, key)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:

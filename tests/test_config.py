@@ -133,3 +133,11 @@ def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
     config.write_text("steps: 3\n")
     with pytest.raises(UserError, match="unknown config key 'optim.lrr' on the command line"):
         load_config(PretrainConfig, config, ["optim.lrr=1"])
+    # An unknown section: OmegaConf names its first part, which no override spells whole.
+    with pytest.raises(UserError, match="unknown config key 'foo' on the command line"):
+        load_config(PretrainConfig, config, ["foo.bar=1"])
+    with pytest.raises(UserError, match="unknown config key 'fewshot' on the command line"):
+        load_config(LiTConfig, None, ["fewshot.x=1"])
+    with pytest.raises(UserError, match=f"bad value for config key 'steps' in {config}"):
+        config.write_text("steps: many\n")
+        load_config(PretrainConfig, config, ["optim.lr=1e-3"])
