@@ -199,6 +199,9 @@ class LiTDataConfig:
     workers: int = 1  # DataLoader workers per process
     shuffle_buffer: int = 5000
     max_bad_fraction: float = 0.01
+    # Draw shards with replacement (open_clip's --dataset-resampled): every process and worker reads
+    # an endless stream, so few shards can feed many processes; an epoch is sizes.json's sample count.
+    resampled: bool = False
 
 
 @dataclass

@@ -152,6 +152,17 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
 
 
+def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path):
+    # The feature cache is one shard: two workers each need one of their own, unless shards are drawn
+    # with replacement, which the error suggests (data.resampled, a LiT config key).
+    with pytest.raises(UserError, match=r"1 shards cannot feed 1 processes × 2 workers .* set data.resampled=true"):
+        train_lit(_cfg(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''"))
+    results = train_lit(_cfg(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
+                             "eval.shards=''"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert results["steps"] == 4 and len(losses) == 4 and all(np.isfinite(losses))
+
+
 # ---- bad-sample counts across a resume -------------------------------------------------------------
 
 def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):

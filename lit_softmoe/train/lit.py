@@ -114,6 +114,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
     node = {"rank": 0, "world_size": 1} if exact else {}
     data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
                                shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
+                               resampled=cfg.data.resampled and not exact,
                                max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
     return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
 
