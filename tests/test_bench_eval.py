@@ -75,8 +75,8 @@ def _fake_rows(bench_eval, monkeypatch, calls):
     monkeypatch.setattr(bench_eval, "run_ours", run_ours)
 
 
-def test_bench_eval_ours_runs_fp32_like_the_peer(bench_eval, tmp_path, monkeypatch):
-    # CLIP_benchmark runs with --no_amp; ours on "auto" would be bf16 autocast on a GPU.
+def _run_with_fake_rows(bench_eval, tmp_path, monkeypatch) -> tuple[list, dict]:
+    """run_benchmark on 300 images with both tools and the model load replaced by recorders."""
     data = tmp_path / "fashion-mnist"
     write_fashion_mnist_shards(data, samples_per_shard=150, limit=300)
     calls = []
@@ -84,6 +84,12 @@ def test_bench_eval_ours_runs_fp32_like_the_peer(bench_eval, tmp_path, monkeypat
     import lit_softmoe.export
     monkeypatch.setattr(lit_softmoe.export, "load_pretrained", lambda *a, **k: calls.append(("load", None)))
     report = bench_eval.run_benchmark(bench_eval.parse_args(["--model", str(tmp_path), "--data", str(data)]))
+    return calls, report
+
+
+def test_bench_eval_ours_runs_fp32_like_the_peer(bench_eval, tmp_path, monkeypatch):
+    # CLIP_benchmark runs with --no_amp; ours on "auto" would be bf16 autocast on a GPU.
+    calls, report = _run_with_fake_rows(bench_eval, tmp_path, monkeypatch)
     configs = [cfg for who, cfg in calls if who == "ours"]
     assert configs and all(cfg.precision == "fp32" for cfg in configs)
     assert report["precision"] == "fp32"
@@ -91,11 +97,5 @@ def test_bench_eval_ours_runs_fp32_like_the_peer(bench_eval, tmp_path, monkeypat
 
 def test_bench_eval_loads_the_model_once_before_the_first_row(bench_eval, tmp_path, monkeypatch):
     # The peer's row goes first: without an untimed load it alone reads the model from disk.
-    data = tmp_path / "fashion-mnist"
-    write_fashion_mnist_shards(data, samples_per_shard=150, limit=300)
-    calls = []
-    _fake_rows(bench_eval, monkeypatch, calls)
-    import lit_softmoe.export
-    monkeypatch.setattr(lit_softmoe.export, "load_pretrained", lambda *a, **k: calls.append(("load", None)))
-    bench_eval.run_benchmark(bench_eval.parse_args(["--model", str(tmp_path), "--data", str(data)]))
+    calls, _ = _run_with_fake_rows(bench_eval, tmp_path, monkeypatch)
     assert calls[0][0] == "load" and calls[1][0] == "peer"

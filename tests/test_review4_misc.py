@@ -6,6 +6,7 @@ import torch
 from lit_softmoe.cli import main
 from lit_softmoe.inference import encode_images
 from lit_softmoe.models.vit import create_image_tower
+from test_cli_errors import _one_line_error
 
 
 def test_encode_images_moves_pixels_to_the_towers_device_and_dtype():
@@ -57,13 +58,6 @@ def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
     assert upcycle_tower(dense, "soft-test-4e").cfg.qk_norm  # unset: follows the dense tower
     plain = create_image_tower("vit-test", qk_norm=False)
     assert not upcycle_tower(plain, "soft-test-4e", qk_norm=False).cfg.qk_norm  # no qk-norm on either side
-
-
-def _one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.fixture
