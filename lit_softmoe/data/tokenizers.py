@@ -11,7 +11,7 @@ Specs:
                        <end_of_text> 49407, zero padding; a text that is too long is cut and its last
                        kept token replaced by <end_of_text>, because CLIP towers pool at that token.
     "hf:PATH_OR_ID"    `transformers.AutoTokenizer.from_pretrained(PATH_OR_ID)`: a local folder (works
-                       offline) or a hub id; padded to `context_length`, truncated keeping the closing
+                       offline) or a hub id; padded on the right to `context_length`, truncated keeping the closing
                        special token ([SEP] for BERT).
 
 Tokenizers are plain picklable objects: DataLoader workers tokenize inside the collate function.
@@ -94,6 +94,10 @@ class HFTokenizer:
                 raise UserError(f"the tokenizer {name_or_path!r} has neither a padding nor an end token; "
                                 "pick a tokenizer that defines pad_token")
             self._tokenizer.pad_token = self._tokenizer.eos_token  # GPT-2 style: pad with the end token
+        # Padding after the text, whatever the saved tokenizer says (many decoder tokenizers pad on the
+        # left): the HF tower takes [CLS] at position 0 and the last real token at `mask.sum() - 1`,
+        # and with left padding they would be pads, and a text's embedding would change with context_length.
+        self._tokenizer.padding_side = "right"
         self.name_or_path = name_or_path
         self.context_length = context_length
         self.vocab_size = len(self._tokenizer)  # includes added tokens, unlike `.vocab_size`
