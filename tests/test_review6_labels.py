@@ -1,0 +1,168 @@
+"""Review 6: every torchvision reader's label i must be the shipped class name i. Each test lays out a
+tiny fake copy of the dataset in torchvision's own on-disk format and reads it end to end."""
+from __future__ import annotations
+
+import PIL.Image
+
+from lit_softmoe.zeroshot.datasets import read_benchmark
+from lit_softmoe.zeroshot.metadata import benchmark_info
+
+# SUN397's ClassName.txt (the order torchvision numbers its labels in: its line order, which is ASCII
+# order of the paths), without the leading "/x/". Copied from TFDS's sun397_labels.txt, the same list.
+_SUN397_CLASSES = """
+    abbey airplane_cabin airport_terminal alley amphitheater amusement_arcade amusement_park
+    anechoic_chamber apartment_building/outdoor apse/indoor aquarium aqueduct arch archive
+    arrival_gate/outdoor art_gallery art_school art_studio assembly_line athletic_field/outdoor
+    atrium/public attic auditorium auto_factory badlands badminton_court/indoor baggage_claim
+    bakery/shop balcony/exterior balcony/interior ball_pit ballroom bamboo_forest banquet_hall bar barn
+    barndoor baseball_field basement basilica basketball_court/outdoor bathroom batters_box bayou
+    bazaar/indoor bazaar/outdoor beach beauty_salon bedroom berth biology_laboratory bistro/indoor
+    boardwalk boat_deck boathouse bookstore booth/indoor botanical_garden bow_window/indoor
+    bow_window/outdoor bowling_alley boxing_ring brewery/indoor bridge building_facade bullring
+    burial_chamber bus_interior butchers_shop butte cabin/outdoor cafeteria campsite campus
+    canal/natural canal/urban candy_store canyon car_interior/backseat car_interior/frontseat carrousel
+    casino/indoor castle catacomb cathedral/indoor cathedral/outdoor cavern/indoor cemetery chalet
+    cheese_factory chemistry_lab chicken_coop/indoor chicken_coop/outdoor childs_room church/indoor
+    church/outdoor classroom clean_room cliff cloister/indoor closet clothing_store coast cockpit
+    coffee_shop computer_room conference_center conference_room construction_site control_room
+    control_tower/outdoor corn_field corral corridor cottage_garden courthouse courtroom courtyard
+    covered_bridge/exterior creek crevasse crosswalk cubicle/office dam delicatessen dentists_office
+    desert/sand desert/vegetation diner/indoor diner/outdoor dinette/home dinette/vehicle dining_car
+    dining_room discotheque dock doorway/outdoor dorm_room driveway driving_range/outdoor drugstore
+    electrical_substation elevator/door elevator/interior elevator_shaft engine_room escalator/indoor
+    excavation factory/indoor fairway fastfood_restaurant field/cultivated field/wild fire_escape
+    fire_station firing_range/indoor fishpond florist_shop/indoor food_court forest/broadleaf
+    forest/needleleaf forest_path forest_road formal_garden fountain galley game_room garage/indoor
+    garbage_dump gas_station gazebo/exterior general_store/indoor general_store/outdoor gift_shop
+    golf_course greenhouse/indoor greenhouse/outdoor gymnasium/indoor hangar/indoor hangar/outdoor
+    harbor hayfield heliport herb_garden highway hill home_office hospital hospital_room hot_spring
+    hot_tub/outdoor hotel/outdoor hotel_room house hunting_lodge/outdoor ice_cream_parlor ice_floe
+    ice_shelf ice_skating_rink/indoor ice_skating_rink/outdoor iceberg igloo industrial_area inn/outdoor
+    islet jacuzzi/indoor jail/indoor jail_cell jewelry_shop kasbah kennel/indoor kennel/outdoor
+    kindergarden_classroom kitchen kitchenette labyrinth/outdoor lake/natural landfill landing_deck
+    laundromat lecture_room library/indoor library/outdoor lido_deck/outdoor lift_bridge lighthouse
+    limousine_interior living_room lobby lock_chamber locker_room mansion manufactured_home
+    market/indoor market/outdoor marsh martial_arts_gym mausoleum medina moat/water monastery/outdoor
+    mosque/indoor mosque/outdoor motel mountain mountain_snowy movie_theater/indoor museum/indoor
+    music_store music_studio nuclear_power_plant/outdoor nursery oast_house observatory/outdoor ocean
+    office office_building oil_refinery/outdoor oilrig operating_room orchard outhouse/outdoor pagoda
+    palace pantry park parking_garage/indoor parking_garage/outdoor parking_lot parlor pasture patio
+    pavilion pharmacy phone_booth physics_laboratory picnic_area pilothouse/indoor planetarium/outdoor
+    playground playroom plaza podium/indoor podium/outdoor pond poolroom/establishment poolroom/home
+    power_plant/outdoor promenade_deck pub/indoor pulpit putting_green racecourse raceway raft
+    railroad_track rainforest reception recreation_room residential_neighborhood restaurant
+    restaurant_kitchen restaurant_patio rice_paddy riding_arena river rock_arch rope_bridge ruin runway
+    sandbar sandbox sauna schoolhouse sea_cliff server_room shed shoe_shop shopfront
+    shopping_mall/indoor shower skatepark ski_lodge ski_resort ski_slope sky skyscraper slum snowfield
+    squash_court stable stadium/baseball stadium/football stage/indoor staircase street subway_interior
+    subway_station/platform supermarket sushi_bar swamp swimming_pool/indoor swimming_pool/outdoor
+    synagogue/indoor synagogue/outdoor television_studio temple/east_asia temple/south_asia
+    tennis_court/indoor tennis_court/outdoor tent/outdoor theater/indoor_procenium theater/indoor_seats
+    thriftshop throne_room ticket_booth toll_plaza topiary_garden tower toyshop track/outdoor
+    train_railway train_station/platform tree_farm tree_house trench underwater/coral_reef utility_room
+    valley van_interior vegetable_garden veranda veterinarians_office viaduct videostore village
+    vineyard volcano volleyball_court/indoor volleyball_court/outdoor waiting_room warehouse/indoor
+    water_tower waterfall/block waterfall/fan waterfall/plunge watering_hole wave wet_bar wheat_field
+    wind_farm windmill wine_cellar/barrel_storage wine_cellar/bottle_storage wrestling_ring/indoor yard
+    youth_hostel
+""".split()
+
+# Country211's class folders (ISO 3166 codes); torchvision reads them as an ImageFolder, sorted.
+_COUNTRY211_CODES = """
+AD AE AF AG AI AL AM AO AQ AR AT AU AW AX AZ BA BB BD BE BF BG BH BJ BM BN BO BQ BR BS BT BW BY BZ CA CD CF CH
+CI CK CL CM CN CO CR CU CV CW CY CZ DE DK DM DO DZ EC EE EG ES ET FI FJ FK FO FR GA GB GD GE GF GG GH GI GL GM
+GP GR GS GT GU GY HK HN HR HT HU ID IE IL IM IN IQ IR IS IT JE JM JO JP KE KG KH KN KP KR KW KY KZ LA LB LC LI
+LK LR LT LU LV LY MA MC MD ME MF MG MK ML MM MN MO MQ MR MT MU MV MW MX MY MZ NA NC NG NI NL NO NP NZ OM PA PE
+PF PG PH PK PL PR PS PT PW PY QA RE RO RS RU RW SA SB SC SD SE SG SH SI SJ SK SL SM SN SO SS SV SX SY SZ TG TH
+TJ TL TM TN TO TR TT TW TZ UA UG US UY UZ VA VE VG VI VN VU WS XK YE ZA ZM ZW
+""".split()
+
+
+def _image(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    PIL.Image.new("RGB", (8, 8), "gray").save(path)
+
+
+def _names_of(data, benchmark: str) -> list[str]:
+    classnames = benchmark_info(benchmark).classnames
+    return [classnames[target] for _, _, target in (data.dataset[i] for i in range(len(data.dataset)))]
+
+
+def test_sun397_labels_follow_classname_txt_jail_indoor_before_jail_cell(tmp_path):
+    # torchvision numbers SUN397's classes by ClassName.txt, where /j/jail/indoor comes before
+    # /j/jail_cell ("/" < "_"); the shipped list (CLIP's prompts.md, sorted after "_" and "/" became
+    # spaces) had "jail cell" first, so both classes were scored against each other's prompt.
+    assert len(_SUN397_CLASSES) == 397 and _SUN397_CLASSES == sorted(_SUN397_CLASSES)
+    base = tmp_path / "SUN397"
+    base.mkdir()
+    (base / "ClassName.txt").write_text("".join(f"/{c[0]}/{c}\n" for c in _SUN397_CLASSES))
+    picked = ["abbey", "jacuzzi/indoor", "jail/indoor", "jail_cell", "jewelry_shop", "youth_hostel"]
+    for shade, cls in enumerate(picked):  # each folder's image has its own shade, to tell them apart
+        path = base / cls[0] / cls / f"sun_{shade:04d}.jpg"
+        path.parent.mkdir(parents=True)
+        PIL.Image.new("L", (4, 4), 40 * shade).save(path, quality=100)
+    data = read_benchmark("sun397", tmp_path, "test", lambda image: image, format="torchvision")
+    classnames = benchmark_info("sun397").classnames
+    got = {}
+    for i in range(len(data.dataset)):
+        _, image, target = data.dataset[i]
+        got[picked[round(image.convert("L").getpixel((0, 0)) / 40)]] = classnames[target]
+    assert got == {cls: cls.replace("_", " ").replace("/", " ") for cls in picked}
+
+
+def test_sun397_shipped_names_are_classname_txt_in_its_order():
+    # CLIP_benchmark names SUN397's classes as torchvision's ClassName.txt with "_" and "/" as spaces.
+    assert list(benchmark_info("sun397").classnames) == \
+        [c.replace("_", " ").replace("/", " ") for c in _SUN397_CLASSES]
+
+
+def test_pets_class_ids_line_up_with_the_shipped_breeds(tmp_path):
+    # annotations/test.txt: "IMAGE CLASS-ID SPECIES BREED-ID", CLASS-ID 1..37 (1-based).
+    base = tmp_path / "oxford-iiit-pet"
+    rows = [("Abyssinian_1", 1, 1), ("american_bulldog_10", 2, 2), ("Bengal_3", 6, 1), ("german_shorthaired_4", 15, 2),
+            ("Maine_Coon_5", 21, 1), ("Sphynx_6", 34, 1), ("yorkshire_terrier_7", 37, 2)]
+    (base / "annotations").mkdir(parents=True)
+    (base / "annotations" / "test.txt").write_text("".join(f"{i} {c} {s} 1\n" for i, c, s in rows))
+    for image_id, _, _ in rows:
+        _image(base / "images" / f"{image_id}.jpg")
+    data = read_benchmark("pets", tmp_path, "test", lambda image: image, format="torchvision")
+    assert _names_of(data, "pets") == ["Abyssinian", "American Bulldog", "Bengal", "German Shorthaired",
+                                       "Maine Coon", "Sphynx", "Yorkshire Terrier"]
+
+
+def test_eurosat_folders_line_up_with_the_shipped_names(tmp_path):
+    folders = ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "Industrial", "Pasture",
+               "PermanentCrop", "Residential", "River", "SeaLake"]
+    for folder in reversed(folders):
+        _image(tmp_path / "eurosat" / "2750" / folder / f"{folder}_1.jpg")
+    data = read_benchmark("eurosat", tmp_path, "test", lambda image: image, format="torchvision")
+    assert _names_of(data, "eurosat") == [
+        "annual crop land", "forest", "brushland or shrubland", "highway or road",
+        "industrial buildings or commercial buildings", "pasture land", "permanent crop land",
+        "residential buildings or homes or apartments", "river", "lake or sea"]
+
+
+def test_country211_iso_folders_line_up_with_the_shipped_countries(tmp_path):
+    assert len(_COUNTRY211_CODES) == 211
+    for code in _COUNTRY211_CODES:
+        _image(tmp_path / "country211" / "test" / code / "1.jpg")
+    data = read_benchmark("country211", tmp_path, "test", lambda image: image, format="torchvision")
+    names = dict(zip(_COUNTRY211_CODES, _names_of(data, "country211")))
+    assert {c: names[c] for c in ("AD", "AX", "CD", "CW", "DZ", "ES", "GB", "KP", "KR", "SZ", "US", "XK", "ZW")} == {
+        "AD": "Andorra", "AX": "Aland Islands", "CD": "DR Congo", "CW": "Curacao", "DZ": "Algeria", "ES": "Spain",
+        "GB": "United Kingdom", "KP": "North Korea", "KR": "South Korea", "SZ": "Eswatini", "US": "United States",
+        "XK": "Kosovo", "ZW": "Zimbabwe"}
+
+
+def test_stl10_one_based_label_file_lines_up_with_the_shipped_names(tmp_path, monkeypatch):
+    import numpy as np
+    import torchvision.datasets.stl10 as stl10
+    monkeypatch.setattr(stl10, "check_integrity", lambda *args, **kwargs: True)  # our files are not STL's md5
+    base = tmp_path / "stl10_binary"
+    base.mkdir()
+    labels = np.arange(1, 11, dtype=np.uint8)  # test_y.bin holds 1..10
+    np.zeros((10, 3, 96, 96), dtype=np.uint8).tofile(base / "test_X.bin")
+    labels.tofile(base / "test_y.bin")
+    (base / "class_names.txt").write_text("airplane\nbird\ncar\ncat\ndeer\ndog\nhorse\nmonkey\nship\ntruck\n")
+    data = read_benchmark("stl10", tmp_path, "test", lambda image: image, format="torchvision")
+    assert _names_of(data, "stl10") == (base / "class_names.txt").read_text().split()
