@@ -166,3 +166,20 @@ def test_stl10_one_based_label_file_lines_up_with_the_shipped_names(tmp_path, mo
     (base / "class_names.txt").write_text("airplane\nbird\ncar\ncat\ndeer\ndog\nhorse\nmonkey\nship\ntruck\n")
     data = read_benchmark("stl10", tmp_path, "test", lambda image: image, format="torchvision")
     assert _names_of(data, "stl10") == (base / "class_names.txt").read_text().split()
+
+
+def test_labels_kept_beside_the_images_are_read_without_decoding_them(tmp_path, monkeypatch):
+    # Rendered SST2 (like GTSRB, FER2013 and Cars) keeps (path, label) pairs in `_samples`; listing the
+    # labels through dataset[i] decoded every image first (about 8,000 JPEGs for Cars).
+    import torchvision.datasets
+    for name, count in (("negative", 2), ("positive", 3)):
+        for i in range(count):
+            _image(tmp_path / "rendered-sst2" / "test" / name / f"{name}_{i}.png")
+    decoded = []
+    original = torchvision.datasets.RenderedSST2.__getitem__
+    monkeypatch.setattr(torchvision.datasets.RenderedSST2, "__getitem__",
+                        lambda self, i: decoded.append(i) or original(self, i))
+    data = read_benchmark("renderedsst2", tmp_path, "test", lambda image: image, format="torchvision")
+    assert decoded == []  # nothing decoded until the images themselves are read
+    assert _names_of(data, "renderedsst2") == ["negative"] * 2 + ["positive"] * 3
+    assert sorted(decoded) == list(range(5))

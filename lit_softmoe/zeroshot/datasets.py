@@ -26,7 +26,7 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
@@ -335,9 +335,8 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
         image = dataset[i][0]
         return to_l_or_rgb(image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image)))
 
-    targets = next((getattr(dataset, attr) for attr in ("targets", "_labels", "y")
-                    if getattr(dataset, attr, None) is not None), None)  # a tensor or array has no truth value
-    if targets is None:
+    targets = _torchvision_targets(dataset)
+    if targets is None:  # PCam: its labels sit in an HDF5 file beside the images, read per index
         targets = [dataset[i][1] for i in range(len(dataset))]
     if any(t is None for t in targets):  # FER2013 read from Kaggle's test.csv, which has no labels
         raise UserError(f"{name}: torchvision's {class_name} found no labels for split {split!r} in {root}; it reads "
@@ -353,6 +352,20 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
                     # Caltech101 written with torchvision's label order hold other targets.
                     signature={"files": files_signature(files), "class": class_name, "kwargs": kwargs,
                                "labels": "shipped order"})
+
+
+def _torchvision_targets(dataset) -> Sequence | None:
+    """The labels a torchvision dataset keeps beside its images, read without decoding an image: each
+    dataset names them its own way (`targets`, `_labels`, `y`, STL10's `labels`, or the second half
+    of `_samples`' (image, label) pairs: GTSRB, Rendered SST2, FER2013, Cars). None where it keeps none."""
+    for attr in ("targets", "_labels", "y", "labels"):
+        value = getattr(dataset, attr, None)
+        if value is not None:  # a tensor or array has no truth value
+            return value
+    samples = getattr(dataset, "_samples", None)
+    if isinstance(samples, list) and all(isinstance(s, tuple) and len(s) == 2 for s in samples):
+        return [target for _, target in samples]
+    return None
 
 
 def _caltech101_items(root: Path) -> list[tuple[Callable[[], PIL.Image.Image], int]]:
