@@ -38,7 +38,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
 import shutil
 import time

@@ -49,6 +49,8 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_softmoe, bench_lit beside this
 from benchlib import setup_device, time_step  # noqa: E402
 
+from lit_softmoe.data.shards import write_text_atomic  # noqa: E402
+
 PARTS = ("layer", "tower", "lit")
 # Peak dense bf16 tensor-core rate by device name (datasheet; half the "with sparsity" figure), for MFU.
 # The first key in the device name wins: the PCIe and NVL parts before the plain names (SXM).
@@ -536,13 +538,6 @@ def markdown(meta: dict, rows: list[Row], ratios: list[Ratio]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: Path, text: str):
-    """Replace `path` whole: a reader (or a kill mid-write) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _matmul_tflops(device) -> float | None:
     """The bf16 matmul ceiling on random data (METHOD.md): median of 10 8192³ products."""
     if device.type != "cuda":
@@ -631,9 +626,9 @@ def main(argv=None) -> dict:
         result = {**meta, "rows": [asdict(r) for r in bench.rows], "ratios": [asdict(q) for q in bench.ratios]}
         table = markdown(meta, bench.rows, bench.ratios)
         if args.json:
-            _write_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
+            write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
         if args.md:
-            _write_atomic(Path(args.md), table + "\n")
+            write_text_atomic(args.md, table + "\n")
         return result, table
 
     bench.on_row = lambda: write(final=False)

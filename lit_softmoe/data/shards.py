@@ -236,6 +236,24 @@ def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
     return Path(first_url).resolve().parent.parent if is_local_url(first_url) else None
 
 
+def read_class_members(urls: list[str]) -> dict[str, bytes]:
+    """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
+    tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
+    image decoding. A bad shard is passed over quietly (the main pass over the shards counts it)."""
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.tarfile_to_samples(handler=lambda exn: True, select_files=lambda name: name.endswith(".cls")),
+    )
+    return {sample["__key__"]: sample["cls"].strip() for sample in pipeline if "cls" in sample}
+
+
+def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]:
+    """The split folders (holding nshards.txt) in `out_dir` but `exclude`, sorted: the splits that
+    classnames.txt & co. beside them describe, which a writer of another split must not rename."""
+    return sorted(path.parent.name for path in Path(out_dir).glob(f"*/{NSHARDS_FILE}")
+                  if path.parent.name not in exclude)
+
+
 def num_samples(split_dir: str | Path) -> int:
     """Number of samples in a split written by `write_split` (from its sizes.json)."""
     sizes_path = Path(split_dir) / SIZES_FILE

@@ -24,8 +24,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, cache_decoded_split, read_lines,
-                                     write_split, write_text_atomic)
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, SIZES_FILE, cache_decoded_split, read_lines,
+                                     splits_beside, write_split, write_text_atomic)
 from lit_softmoe.errors import UserError, check_writable
 
 logger = logging.getLogger(__name__)
@@ -294,8 +294,7 @@ def _check_other_classnames(out_dir: Path) -> None:
     """Refuse to rename the classes of a split here that is not train/ or test/ (`data from-folder`
     refuses the same for its splits): classnames.txt beside the splits describes them all."""
     existing = read_lines(out_dir / CLASSNAMES_FILE)
-    others = sorted(path.parent.name for path in out_dir.glob(f"*/{NSHARDS_FILE}")
-                    if path.parent.name not in FASHION_MNIST_FILES)
+    others = splits_beside(out_dir, exclude=FASHION_MNIST_FILES)
     if existing is not None and existing != list(FASHION_MNIST_CLASSNAMES) and others:
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {len(existing)} other classes than Fashion-MNIST's for "
                         f"the split(s) {', '.join(others)}; write Fashion-MNIST to another --out")

@@ -50,8 +50,8 @@ import PIL.Image
 from tqdm import tqdm
 
 from lit_softmoe.data.images import l_or_rgb, upright
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, write_split,
-                                     write_text_atomic)
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, splits_beside,
+                                     write_split, write_text_atomic)
 from lit_softmoe.errors import UserError, check_writable
 
 logger = logging.getLogger(__name__)
@@ -745,7 +745,7 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     if other and not overwrite:
         raise UserError(f"{split_dir} already holds {other}; pass --overwrite to replace that split, "
                         "or choose another --out or --split")
-    other_splits = sorted(p.parent.name for p in out_dir.glob(f"*/{NSHARDS_FILE}") if p.parent.name != options.split)
+    other_splits = splits_beside(out_dir, exclude={options.split})
     _check_classnames(out_dir, options.split, listing.classnames)
     counter, tally = listing.counter, _ImageTally()
 
@@ -841,7 +841,7 @@ def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None) -
     existing = _read_lines(out_dir / CLASSNAMES_FILE)
     if classnames is None or existing is None or existing == classnames:
         return
-    others = sorted(p.parent.name for p in out_dir.glob(f"*/{NSHARDS_FILE}") if p.parent.name != split)
+    others = splits_beside(out_dir, exclude={split})
     if others:
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {len(existing)} classes for the split(s) "
                         f"{', '.join(others)}, but this folder has {len(classnames)} other ones; give every "

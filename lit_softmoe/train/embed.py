@@ -44,8 +44,8 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, dataset_dir, is_local_url, shard_urls, write_split,
-                                    write_text_atomic)
+from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, dataset_dir, is_local_url, read_class_members, shard_urls,
+                                     splits_beside, write_split, write_text_atomic)
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
@@ -184,35 +184,20 @@ def _first_sample_members(first_url: str) -> set[str]:
     return {key for key in first if not key.startswith("__")} if first is not None else set()
 
 
-def _refuse_feature_shards(shards: str, urls: list[str]) -> None:
+def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
     """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
-    counted as missing_image and the bad-fraction message would send the user the wrong way."""
+    counted as missing_image and the bad-fraction message would send the user the wrong way.
+    `members`: those of the first sample (`_first_sample_members`)."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")
     info = _read_embed_json(Path(first).parent) if local else None
     if info is None:
-        samples = wds.tarfile_to_samples(handler=_ignore)(iter([{"url": first}]))
-        sample = next(iter(samples), None)
-        if sample is None or "npy" not in sample or any(ext in sample for ext in IMAGE_EXTENSIONS):
+        if "npy" not in members or members & set(IMAGE_EXTENSIONS):
             return
         info = {}
     source = f" (these came from --shards {info['source']})" if info.get("source") else ""
     raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
                     f"image shards to embed{source}")
-
-
-def _read_class_members(urls: list[str]) -> dict[str, bytes]:
-    """{key: raw .cls bytes} of every sample, read with only `.cls` members extracted.
-
-    The image-caption pipeline carries no class, so class shards are read a second time for it;
-    tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
-    decoding. A bad shard is counted by the main pass already; here it is passed over quietly.
-    """
-    pipeline = wds.DataPipeline(
-        wds.SimpleShardList(urls),
-        wds.tarfile_to_samples(handler=_ignore, select_files=lambda name: name.endswith(".cls")),
-    )
-    return {sample["__key__"]: sample["cls"].strip() for sample in pipeline if "cls" in sample}
 
 
 # ---------------------------------------------------------------------------------- embedding
@@ -271,7 +256,7 @@ def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
 def _refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
     """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
     embedding a second dataset into the same --out would rename the first one's classes."""
-    others = sorted(path.parent.name for path in out_dir.glob(f"*/{EMBED_FILE}") if path.parent.name != split)
+    others = splits_beside(out_dir, exclude={split})
     for name in METADATA_FILES if source_dir is not None and others else ():
         source, target = source_dir / name, out_dir / name
         if (source.is_file() and target.is_file()
@@ -333,7 +318,8 @@ def embed_shards(
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
-    _refuse_feature_shards(shards, urls)
+    members = _first_sample_members(urls[0])  # one sample read: what kind of shards these are
+    _refuse_feature_shards(shards, urls, members)
     split = split or _source_split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
@@ -369,12 +355,12 @@ def embed_shards(
     data = ShardDataConfig(urls=shards, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True,
                            rank=0, world_size=1, max_bad_fraction=max_bad_fraction,
                            pin_memory=device.type == "cuda")
-    members = _first_sample_members(urls[0])
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in members and "txt" not in members
     loader = create_shard_loader(data, "image-class" if class_only else "image-caption", transform)
-    labels = _read_class_members(urls) if "cls" in members else None
+    # The image-caption pipeline carries no class: class shards are read a second time, `.cls` only.
+    labels = read_class_members(urls) if "cls" in members else None
     stats: dict = {"num_samples": 0, "bad": {}}
 
     def write(tmp_dir: Path) -> None:

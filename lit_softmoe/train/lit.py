@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import dataset_dir, is_local_url, read_lines, shard_urls, write_text_atomic
+from lit_softmoe.data.shards import (dataset_dir, is_local_url, read_class_members, read_lines, shard_urls,
+                                     write_text_atomic)
 from lit_softmoe.data.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError, check_writable
@@ -174,10 +175,12 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     if not eval_set["classnames"]:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
     check_templates(eval_set["templates"], str(templates))  # now, not after training
-    # Computed once for a locked tower; with unlocked blocks these are the initial tower's, read now
-    # only for the labels below, and each evaluation computes them anew.
-    eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
-    largest = int(eval_set["labels"].max())
+    if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
+        largest = int(eval_set["labels"].max())
+    else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
+        labels = [int(cls) for cls in read_class_members(shard_urls(split)).values() if cls.isdigit()]
+        largest = max(labels, default=-1)
     if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
         raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
                         f"{len(eval_set['classnames'])} classes; set eval.classnames to a file naming every class "
@@ -351,8 +354,10 @@ def train_lit(cfg: LiTConfig) -> dict:
                 logger.log({"step": step, **_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform,
                                                            accelerator)})
             if step % cfg.checkpoint_every == 0 or step == total_steps:
-                # Also between log records: a diverged model is never saved, or a rerun would resume it.
-                global_loss(accelerator, loss, step)
+                # Also between log records (a log step checked it already): a diverged model is never
+                # saved, or a rerun would resume it.
+                if step % cfg.log_every and step != total_steps:
+                    global_loss(accelerator, loss, step)
                 accelerator.wait_for_everyone()
                 if is_main:
                     # A resume replays this epoch from its start (counting its samples again), or at

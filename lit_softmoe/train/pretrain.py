@@ -292,8 +292,10 @@ def pretrain(cfg: PretrainConfig) -> dict:
             # next step's gradient all-reduce instead.
             logger.log({"step": step, "test_top1": _test_top1(tower_module, data, mean, std, cfg, accelerator)})
         if step % cfg.checkpoint_every == 0 or step == total_steps:
-            # Also between log records: a diverged model is never saved, or a rerun would resume it.
-            global_loss(accelerator, loss, step)
+            # Also between log records (a log step checked it already): a diverged model is never
+            # saved, or a rerun would resume it.
+            if step % cfg.log_every and step != total_steps:
+                global_loss(accelerator, loss, step)
             accelerator.wait_for_everyone()
             if is_main:
                 save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,

@@ -335,16 +335,18 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
         image = dataset[i][0]
         return to_l_or_rgb(image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image)))
 
-    targets = _torchvision_targets(dataset)
-    if targets is None:  # PCam: its labels sit in an HDF5 file beside the images, read per index
-        targets = [dataset[i][1] for i in range(len(dataset))]
-    if any(t is None for t in targets):  # FER2013 read from Kaggle's test.csv, which has no labels
-        raise UserError(f"{name}: torchvision's {class_name} found no labels for split {split!r} in {root}; it reads "
-                        f"test labels only from fer2013.csv or icml_face_data.csv: put one of them in {root / 'fer2013'}")
-    relabel = _TORCHVISION_RELABEL.get(name)
-    items = [((lambda i=i: load(i)), relabel[int(t)] if relabel else int(t)) for i, t in enumerate(targets)]
-    if name == "caltech101":
+    if name == "caltech101":  # read apart: torchvision drops BACKGROUND_Google, the shipped class 0
         items = _caltech101_items(Path(dataset.root))
+    else:
+        targets = _torchvision_targets(dataset)
+        if targets is None:  # PCam: its labels sit in an HDF5 file beside the images, read per index
+            targets = [dataset[i][1] for i in range(len(dataset))]
+        if any(t is None for t in targets):  # FER2013 read from Kaggle's test.csv, which has no labels
+            raise UserError(f"{name}: torchvision's {class_name} found no labels for split {split!r} in {root}; it "
+                            "reads test labels only from fer2013.csv or icml_face_data.csv: put one of them in "
+                            f"{root / 'fer2013'}")
+        relabel = _TORCHVISION_RELABEL.get(name)
+        items = [((lambda i=i: load(i)), relabel[int(t)] if relabel else int(t)) for i, t in enumerate(targets)]
     files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
     return EvalData("classification", _Indexed(items, transform), "torchvision",
                     # The split's kwargs too: caches written when the split was ignored (the test set
