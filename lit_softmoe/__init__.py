@@ -1,12 +1,45 @@
-"""lit-softmoe: LiT-style image-text training on frozen Soft MoE image towers."""
-from lit_softmoe.models import (LiTModel, TextTowerConfig, ViTConfig, VisionTransformer, create_image_tower,
-                                create_text_tower, list_image_towers)
-from lit_softmoe.export import load_image_tower, load_pretrained
-from lit_softmoe.inference import prepare_for_inference
-from lit_softmoe.nn import ExpertsChoiceMoE, SoftMoE, TokensChoiceMoE
-from lit_softmoe.upcycle import upcycle_tower
+"""lit-softmoe: LiT-style image-text training on frozen Soft MoE image towers.
+
+The names below are the library's public surface. Each is imported on first use (PEP 562), so
+`import lit_softmoe` costs nothing and `from lit_softmoe import SoftMoE` loads the layers only; no
+public name loads the training code, accelerate or webdataset.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE", "ViTConfig",
-           "VisionTransformer", "create_image_tower", "create_text_tower", "list_image_towers", "load_image_tower",
-           "load_pretrained", "prepare_for_inference", "upcycle_tower"]
+
+# Public name → the module that defines it.
+_PUBLIC = {
+    "SoftMoE": "lit_softmoe.nn", "TokensChoiceMoE": "lit_softmoe.nn", "ExpertsChoiceMoE": "lit_softmoe.nn",
+    "ViTConfig": "lit_softmoe.models", "VisionTransformer": "lit_softmoe.models",
+    "create_image_tower": "lit_softmoe.models", "list_image_towers": "lit_softmoe.models",
+    "TextTowerConfig": "lit_softmoe.models", "create_text_tower": "lit_softmoe.models",
+    "LiTModel": "lit_softmoe.models",
+    "load_pretrained": "lit_softmoe.hub", "load_image_tower": "lit_softmoe.hub",
+    "prepare_for_inference": "lit_softmoe.models.inference",
+    "upcycle_tower": "lit_softmoe.models.upcycle",
+}
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:  # what editors and type checkers see
+    from lit_softmoe.hub import load_image_tower, load_pretrained
+    from lit_softmoe.models import (LiTModel, TextTowerConfig, ViTConfig, VisionTransformer, create_image_tower,
+                                    create_text_tower, list_image_towers)
+    from lit_softmoe.models.inference import prepare_for_inference
+    from lit_softmoe.models.upcycle import upcycle_tower
+    from lit_softmoe.nn import ExpertsChoiceMoE, SoftMoE, TokensChoiceMoE
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lit_softmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

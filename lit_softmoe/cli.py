@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 
-from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.paths import check_writable
 
 
 def _is_main_process() -> bool:
@@ -19,7 +20,7 @@ def _is_main_process() -> bool:
 
 def _cmd_data(args) -> None:
     if args.dataset == "fashion-mnist":
-        from lit_softmoe.data.sources import write_fashion_mnist_shards
+        from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
         summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit,
                                              overwrite=args.overwrite)
         counts = " + ".join(f"{n} {split}" for split, n in summary["samples"].items())
@@ -78,21 +79,21 @@ def _cmd_embed(args) -> None:
 
 
 def _cmd_upcycle(args) -> None:
-    from lit_softmoe.upcycle import upcycle_checkpoint
+    from lit_softmoe.models.upcycle import upcycle_checkpoint
     info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite)
     print(f"{args.source} upcycled into {args.to} (Soft MoE blocks {info['moe_blocks']}) at {args.out}; "
           f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
 
 
 def _cmd_convert(args) -> None:
-    from lit_softmoe.convert import convert_vmoe_checkpoint
+    from lit_softmoe.models.convert import convert_vmoe_checkpoint
     tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite)
     params = sum(p.numel() for p in tower.parameters())
     print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
 
 
 def _cmd_inspect_routing(args) -> None:
-    from lit_softmoe.routing import inspect_routing, stats_table
+    from lit_softmoe.evals.routing import inspect_routing, stats_table
     report = inspect_routing(args.tower, args.image, args.out, layer=args.layer, num_slots=args.slots)
     print(stats_table(report["layers"]))
     plotted = report["plotted"]
@@ -102,7 +103,7 @@ def _cmd_inspect_routing(args) -> None:
 
 
 def _cmd_models(args) -> None:
-    from lit_softmoe.models.vit import image_tower_config, list_image_towers
+    from lit_softmoe.models.registry import image_tower_config, list_image_towers
     for name in list_image_towers():
         cfg = image_tower_config(name)
         moe = {"soft": "soft moe", "tokens_choice": f"tokens choice k={cfg.num_selected_experts}",
@@ -114,7 +115,8 @@ def _cmd_models(args) -> None:
 
 def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
-    from lit_softmoe.zeroshot.suite import failed_benchmarks, markdown_table, nothing_evaluated, run_suite, summary_line
+    from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
+    from lit_softmoe.evals.reports import markdown_table, summary_line
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
     benchmarks = None  # the whole suite
     if args.benchmarks is not None:

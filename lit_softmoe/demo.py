@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
-from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.paths import check_writable
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
@@ -97,8 +98,8 @@ def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> lis
     """Load the export as a user would and pick, for each test image, the best of the class prompts."""
     import torch
 
-    from lit_softmoe.export import load_pretrained
-    from lit_softmoe.zeroshot.datasets import read_benchmark
+    from lit_softmoe.hub import load_pretrained
+    from lit_softmoe.evals.readers import read_benchmark
     model, preprocess, tokenizer = load_pretrained(export_dir)
     test = read_benchmark("fashion-mnist", shards, "test", preprocess)  # the eval suite's own reader
     images = list(itertools.islice(test.dataset, count))  # (index, pixels, label) of the first `count`
@@ -114,10 +115,11 @@ def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> lis
 
 def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False) -> dict:
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-    from lit_softmoe.data.sources import write_fashion_mnist_shards
+    from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
     from lit_softmoe.export import export_pair
-    from lit_softmoe.zeroshot.peer import clip_benchmark_available
-    from lit_softmoe.zeroshot.suite import markdown_table, run_suite
+    from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
+    from lit_softmoe.evals.reports import markdown_table
+    from lit_softmoe.evals.suite import run_suite
     from lit_softmoe.train.embed import embed_shards
     from lit_softmoe.train.lit import train_lit
     from lit_softmoe.train.pretrain import pretrain

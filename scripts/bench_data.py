@@ -34,8 +34,10 @@ from types import SimpleNamespace
 
 import torch
 
-from lit_softmoe.data import (ShardDataConfig, create_shard_loader, create_tokenizer, eval_transform,
-                              write_fashion_mnist_shards)
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.shards import shard_urls
 
 

@@ -3,7 +3,7 @@
 Both tools run in this process, one after the other, on the same model folder and the same
 CLIP_benchmark-layout webdataset shards (default: Fashion-MNIST's 10k test images):
 
-1. `clip_benchmark`: its own `clip_benchmark eval` (`lit_softmoe.zeroshot.peer.run_clip_benchmark`),
+1. `clip_benchmark`: its own `clip_benchmark eval` (`lit_softmoe.integrations.clip_benchmark.run_clip_benchmark`),
    our model registered in its TYPE2FUNC loader dict; it loads the model from the path itself and
    encodes every image (it has no feature cache);
 2. `ours cold`: `run_suite` with a fresh, empty image-feature cache folder: loads the model from the
@@ -49,8 +49,8 @@ import torch
 from benchlib import cpu_name  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.zeroshot.peer import clip_benchmark_available, in_our_names, run_clip_benchmark
-from lit_softmoe.zeroshot.suite import run_suite
+from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available, in_our_names, run_clip_benchmark
+from lit_softmoe.evals.suite import run_suite
 
 PEER = "clip_benchmark"
 AGREE_POINTS = 0.1  # top-1 of ours and the peer must agree within this many points
@@ -116,7 +116,7 @@ def peer_workers(root: Path, split: str, workers: int) -> int:
 def perturbed_bundle(model_path: Path, seed: int = 0):
     """load_pretrained(model_path), its text tower's weights moved by noise (10% of each tensor's std):
     a different text tower against the same locked image tower."""
-    from lit_softmoe.export import load_pretrained
+    from lit_softmoe.hub import load_pretrained
     model, preprocess, tokenizer = load_pretrained(model_path)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -161,7 +161,7 @@ def _run_benchmark(args, model_path: Path, root: Path, work: Path) -> dict:
         shard.read_bytes()
     # The same for the model: both tools load it with `load_pretrained`, and the first row (the peer's)
     # would otherwise read its files from disk and pay the first load's one-time costs alone.
-    from lit_softmoe.export import load_pretrained
+    from lit_softmoe.hub import load_pretrained
     load_pretrained(model_path)
     ours_workers, theirs_workers = args.workers, peer_workers(root, args.split, args.workers)
 
@@ -306,7 +306,7 @@ def main(argv=None) -> dict:
         sys.exit("error: clip-benchmark is not installed (pip install clip-benchmark)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    for module in ("clip_benchmark.cli", "matplotlib.pyplot", "lit_softmoe.export"):  # imports before timing
+    for module in ("clip_benchmark.cli", "matplotlib.pyplot", "lit_softmoe.hub"):  # imports before timing
         importlib.import_module(module)
     report = run_benchmark(args)
     print_report(report)

@@ -5,7 +5,7 @@ Three parts, each a list of rows timed on the same device in the same run, then 
 
 - `layer`: forward+backward of one layer at S/16 and B/16 shapes (batch 256, 196 tokens, 128 experts,
   1 slot), with bf16 weights and with fp32 weights under bf16 autocast: ours (fused eager forward),
-  ours step by step (`forward_reference`), ours compiled, soft-moe-pytorch, the dense MLP eager and
+  ours step by step (the tests' `reference_forward` oracle), ours compiled, soft-moe-pytorch, the dense MLP eager and
   compiled, and ours and the dense MLP compiled with CUDA graphs (`mode="reduce-overhead"`).
   Targets: ours <= 1.0x the dense MLP's time; soft-moe-pytorch >= 20x ours.
 - `tower`: inference of the Soft MoE-B/16 tower (`soft-b16-128e`, 3.7B params) against timm's dense
@@ -47,9 +47,11 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_softmoe, bench_lit beside this
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the step-by-step Soft MoE oracle
 from benchlib import setup_device, time_step  # noqa: E402
+from soft_moe_reference import reference_forward  # noqa: E402
 
-from lit_softmoe.data.shards import write_text_atomic  # noqa: E402
+from lit_softmoe.utils.atomic import write_text_atomic  # noqa: E402
 
 PARTS = ("layer", "tower", "lit")
 # Peak dense bf16 tensor-core rate by device name (datasheet; half the "with sparsity" figure), for MFU.
@@ -217,7 +219,7 @@ class _Reference(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x):
-        return self.layer.forward_reference(x)
+        return reference_forward(self.layer, x)
 
 
 def bench_layer(bench: Bench, shapes: list[str]):
@@ -279,7 +281,7 @@ def bench_layer(bench: Bench, shapes: list[str]):
                           count_flops=flops_of(build_dense))
             bench.run_row("soft-moe-pytorch", setting, builder(build_peer), iters=bench.peer_iters,
                           count_flops=flops_of(build_peer))
-            bench.run_row("ours step by step (forward_reference)", setting, builder(build_ours, _Reference))
+            bench.run_row("ours step by step (reference_forward)", setting, builder(build_ours, _Reference))
             # CUDA graphs for both (static shapes): what is left once the host's launch overhead,
             # which a whole compiled tower also amortizes, is gone. --cpu runs the same code (its
             # aot_eager backend ignores the mode: no graphs there).
@@ -354,8 +356,8 @@ def qk_norm_kernel_off():
 
 
 def bench_tower(bench: Bench):
-    from lit_softmoe.inference import prepare_for_inference
-    from lit_softmoe.models.vit import create_image_tower
+    from lit_softmoe.models.inference import prepare_for_inference
+    from lit_softmoe.models.registry import create_image_tower
 
     device = bench.device
     if bench.cpu:

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import setup_device, time_step  # noqa: E402
 
-from lit_softmoe.models.vit import create_image_tower  # noqa: E402
+from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 
 
 def main(argv=None):

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_softmoe.config import PretrainConfig, load_config, to_yaml
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer, image_tower_config
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.registry import image_tower_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOWERS = ["vit-tiny-p7", "soft-tiny-p7-16e", "ec-tiny-p7-16e", "tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2"]

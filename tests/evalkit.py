@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import webdataset as wds
 
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.registry import create_image_tower
 
 FOOLBOX_DATA = Path(sysconfig.get_paths()["purelib"]) / "foolbox" / "data"
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16, vocab_size=49408)
@@ -66,7 +66,7 @@ def save_pair(root: Path, in_channels: int = 1, image_size: int = 28, seed: int 
     """A LiT run folder (tower + model/) around `tiny_pair`, written by the recipes' own writers,
     so `load_pretrained(run)` — and CLIP_benchmark through our loader — load it from disk."""
     from lit_softmoe.config import LiTConfig, load_config
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.models.tower_folder import save_tower
     from lit_softmoe.train.lit import _save_model
     model, _, _ = tiny_pair(in_channels, image_size, seed)
     preprocess = {"image_size": image_size, "mean": [0.5] * in_channels, "std": [0.25] * in_channels}

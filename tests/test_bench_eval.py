@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from evalkit import save_pair
-from lit_softmoe.data.sources import write_fashion_mnist_shards
-from lit_softmoe.zeroshot.peer import clip_benchmark_available
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed")
@@ -81,8 +81,8 @@ def _run_with_fake_rows(bench_eval, tmp_path, monkeypatch) -> tuple[list, dict]:
     write_fashion_mnist_shards(data, samples_per_shard=150, limit=300)
     calls = []
     _fake_rows(bench_eval, monkeypatch, calls)
-    import lit_softmoe.export
-    monkeypatch.setattr(lit_softmoe.export, "load_pretrained", lambda *a, **k: calls.append(("load", None)))
+    import lit_softmoe.hub
+    monkeypatch.setattr(lit_softmoe.hub, "load_pretrained", lambda *a, **k: calls.append(("load", None)))
     report = bench_eval.run_benchmark(bench_eval.parse_args(["--model", str(tmp_path), "--data", str(data)]))
     return calls, report
 

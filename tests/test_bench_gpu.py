@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GRAPH_ROWS = {"ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs",
               "ours soft-b16-128e compiled reduce-overhead"}
 LAYER_ROWS = {"ours", "ours compiled", "dense MLP", "dense MLP compiled", "soft-moe-pytorch",
-              "ours step by step (forward_reference)", "ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs"}
+              "ours step by step (reference_forward)", "ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs"}
 TOWER_ROWS = {"timm vit_base_patch16_224", "ours soft-b16-128e", "timm vit_base_patch16_224 compiled",
               "ours soft-b16-128e compiled", "ours vit-b16", "ours soft-b16-128e, PyTorch qk-norm",
               "ours vit-b16, PyTorch qk-norm", "ours soft-b16-128e compiled reduce-overhead"}

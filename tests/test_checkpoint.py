@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import (FolderTakenError, latest_checkpoint, load_tower, load_training_state,
-                                          prune_checkpoints, save_tower, save_training_state,
-                                          write_folder_atomically)
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
+from lit_softmoe.model_folders import latest_checkpoint
+from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.optim import create_optimizer
 from lit_softmoe.config import OptimConfig
 
@@ -264,9 +265,9 @@ def test_leftovers_of_killed_writes_are_removed_even_with_this_pid(tmp_path):
 
 @pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
 def test_replace_with_and_without_an_atomic_exchange(tmp_path, monkeypatch, atomic_exchange):
-    from lit_softmoe.train import checkpoint
+    from lit_softmoe.utils import atomic
     if not atomic_exchange:
-        monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     for version in "123":
         write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text(version))
         assert (tmp_path / "ckpt" / "v").read_text() == version
@@ -287,7 +288,7 @@ def test_a_replace_killed_between_its_renames_is_recovered(tmp_path):
 
 
 def test_atomic_exchange_swaps_two_folders(tmp_path):
-    from lit_softmoe.train.checkpoint import _exchange
+    from lit_softmoe.utils.atomic import _exchange
     for name in "ab":
         (tmp_path / name).mkdir()
         (tmp_path / name / "v").write_text(name)

@@ -117,7 +117,7 @@ def test_an_interrupt_is_reported_on_its_own_line(tmp_path, capsys, monkeypatch)
 
 
 def test_eval_where_every_benchmark_was_skipped_exits_2(tmp_path, capsys, monkeypatch, suite):
-    from lit_softmoe.zeroshot import suite as suite_module
+    from lit_softmoe.evals import suite as suite_module
     skipped = {"benchmark": "fashion-mnist", "task": "classification", "status": "skipped",
                "reason": "fashion-mnist data folder not found at data/fashion-mnist"}
     monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: {"suite": "s", "evaluated": 0, "paths": {},

@@ -5,7 +5,7 @@ import pytest
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import image_tower_config
+from lit_softmoe.models.registry import image_tower_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

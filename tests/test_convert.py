@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.convert import load_vmoe_tower, vmoe_to_state
+from lit_softmoe.models.convert import load_vmoe_tower, vmoe_to_state
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import image_tower_config
-from lit_softmoe.train.checkpoint import load_tower
+from lit_softmoe.models.registry import image_tower_config
+from lit_softmoe.models.tower_folder import load_tower
 
 D, HEADS, HD, MLP, N, P, CLASSES, PATCH = 32, 2, 16, 64, 4, 1, 10, 7
 
@@ -147,7 +147,7 @@ def test_missing_unused_and_misshaped_keys_are_named(tmp_path):
 
 
 def test_a_sparse_router_tower_is_refused_in_one_line(tmp_path):
-    from lit_softmoe.convert import load_vmoe_tower
+    from lit_softmoe.models.convert import load_vmoe_tower
     path = _save(tmp_path, vmoe_tree())
     for name in ("tc-test-4e-k1", "ec-test-4e"):
         with pytest.raises(UserError, match=r"is a (tokens|experts)_choice tower; vmoe's Soft MoE checkpoints"):

@@ -12,13 +12,12 @@ import PIL.Image
 import pytest
 import torch
 
-from lit_softmoe.data import sources
+from lit_softmoe.data import fashion_mnist as sources
 from lit_softmoe.data.shards import (BadSampleCounter, iter_class_samples, load_class_split, num_samples,
                                      read_classnames, shard_urls, write_split)
-from lit_softmoe.data.sources import (FASHION_MNIST_CLASSNAMES, find_fashion_mnist, read_fashion_mnist,
-                                      read_idx, write_fashion_mnist_shards)
-from lit_softmoe.data.transforms import (batch_augment, eval_transform, match_channels, normalize_batch,
-                                         train_transform)
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_fashion_mnist, read_idx, write_fashion_mnist_shards
+from lit_softmoe.data.transforms import batch_augment, eval_transform, match_channels, normalize_batch, train_transform
 from lit_softmoe.errors import UserError
 
 LIMIT = 200
@@ -87,7 +86,7 @@ def test_samples_hold_caption_and_metadata(fmnist):
     assert read_classnames(out / "test") == list(FASHION_MNIST_CLASSNAMES)  # a split folder works too
     templates = (out / "zeroshot_classification_templates.txt").read_text().splitlines()
     assert templates and all("{c}" in t for t in templates)
-    from lit_softmoe.data.sources import CAPTION_TEMPLATES
+    from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES
     assert not set(templates) & set(CAPTION_TEMPLATES)  # zero-shot prompts are never training captions
     assert (out / "dataset_type.txt").read_text().strip() == "classification"
 

@@ -16,12 +16,13 @@ import webdataset as wds
 from lit_softmoe.cli import main
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls, write_split
-from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import save_tower
-from lit_softmoe.train.embed import check_feature_cache, embed_shards, tower_fingerprint
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import save_tower
+from lit_softmoe.train.embed import check_feature_cache, embed_shards
+from lit_softmoe.models.tower_folder import tower_fingerprint
 
 LIMIT = 300
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}

@@ -18,13 +18,15 @@ import torch
 
 from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
-from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
-from lit_softmoe.zeroshot import build_zeroshot_classifier, retrieval_metrics, zeroshot_metrics
-from lit_softmoe.zeroshot.datasets import EvalData, read_benchmark
-from lit_softmoe.zeroshot.metadata import benchmark_info, imagenet_wnids
-from lit_softmoe.zeroshot.suite import encode_images, resolve_prompts, run_suite
+from lit_softmoe.evals import build_zeroshot_classifier, retrieval_metrics, zeroshot_metrics
+from lit_softmoe.evals.readers import EvalData, read_benchmark
+from lit_softmoe.metadata import benchmark_info, imagenet_wnids
+from lit_softmoe.evals.features import encode_images
+from lit_softmoe.evals.prompts import resolve_prompts
+from lit_softmoe.evals.suite import run_suite
 
 pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
 
@@ -155,16 +157,16 @@ def test_templates_say_where_they_came_from():
 
 
 def test_a_bad_template_is_refused_before_any_image_is_encoded(tmp_path, monkeypatch):
-    from lit_softmoe.zeroshot import suite
+    from lit_softmoe.evals import benchmark
     bad = tmp_path / "templates.txt"
     bad.write_text("a photo of a {c}.\na photo of a {}.\n")
     data = EvalData("classification", [], "wds", classnames=["a", "b"])
     with pytest.raises(UserError, match=r"a photo of a \{\}"):
         resolve_prompts(BenchmarkConfig(name="my-own", templates=str(bad)), data)
-    monkeypatch.setattr(suite, "read_benchmark", lambda *a, **k: data)
-    monkeypatch.setattr(suite, "cached_image_features", lambda *a, **k: pytest.fail("images encoded"))
+    monkeypatch.setattr(benchmark, "read_benchmark", lambda *a, **k: data)
+    monkeypatch.setattr(benchmark, "cached_image_features", lambda *a, **k: pytest.fail("images encoded"))
     with pytest.raises(UserError, match="templates.txt"):
-        suite.evaluate_benchmark(None, None, None, BenchmarkConfig(name="my-own", templates=str(bad)), None,
+        benchmark.evaluate_benchmark(None, None, None, BenchmarkConfig(name="my-own", templates=str(bad)), None,
                                  torch.device("cpu"))
 
 
@@ -324,7 +326,7 @@ def test_numeric_class_folders_are_their_labels(tmp_path):
 
 
 def test_torchvision_roots_are_not_taken_for_class_folders(tmp_path):
-    from lit_softmoe.zeroshot.datasets import MissingData, detect_format
+    from lit_softmoe.evals.readers import MissingData, detect_format
     (tmp_path / "oxford-iiit-pet" / "images").mkdir(parents=True)  # torchvision's layout, files absent
     assert detect_format(tmp_path, "test", "pets") == "torchvision"
     with pytest.raises(MissingData):
@@ -372,7 +374,7 @@ def test_class_folders_named_after_the_classes_get_their_own_names(tmp_path):
 
 def test_torchvision_reader_on_real_fashion_mnist_files(tmp_path, fmnist):
     import gzip
-    from lit_softmoe.data.sources import find_fashion_mnist
+    from lit_softmoe.data.fashion_mnist import find_fashion_mnist
     source = find_fashion_mnist(None, allow_download=False)
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
@@ -505,7 +507,8 @@ def test_a_skipped_benchmark_names_the_fix(tmp_path, monkeypatch):
 
 
 def test_a_suite_in_which_nothing_ran_says_so_and_writes_nothing(tmp_path):
-    from lit_softmoe.zeroshot.suite import markdown_table, nothing_evaluated
+    from lit_softmoe.evals.reports import markdown_table
+    from lit_softmoe.evals.suite import nothing_evaluated
     cfg = EvalSuiteConfig(name="s", workers=0, benchmarks=[
         BenchmarkConfig(name="imagenet1k", root=str(tmp_path / "imagenet1k"), split="val"),
         BenchmarkConfig(name="cifar100", root=str(tmp_path / "cifar100"))])
@@ -527,7 +530,8 @@ def test_a_suite_in_which_nothing_ran_says_so_and_writes_nothing(tmp_path):
 
 
 def test_markdown_rows_line_up_with_metrics_and_skips(fmnist, tmp_path):
-    from lit_softmoe.zeroshot.suite import markdown_table, nothing_evaluated
+    from lit_softmoe.evals.reports import markdown_table
+    from lit_softmoe.evals.suite import nothing_evaluated
     cfg = _suite(fmnist, tmp_path / "cache")
     cfg.benchmarks.append(BenchmarkConfig(name="cifar100", root=str(tmp_path / "nowhere")))
     report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())

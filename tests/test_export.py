@@ -16,16 +16,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_softmoe import cli, export
+from lit_softmoe import cli
+from lit_softmoe.export.tokenizer_json import OPENCLIP_BPE_DIFFERENCES
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config, to_yaml
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.errors import UserError
-from lit_softmoe.export import export_pair, load_image_tower, load_pretrained
+from lit_softmoe.export import export_pair
+from lit_softmoe.hub import load_image_tower, load_pretrained
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import save_tower, save_training_state
-from lit_softmoe.train.embed import tower_fingerprint
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import save_tower
+from lit_softmoe.train.checkpoint import save_training_state
+from lit_softmoe.models.tower_folder import tower_fingerprint
 from lit_softmoe.train.lit import _save_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +133,7 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     assert config["format"] == 1 and config["kind"] == "pair" and config["lit_softmoe_version"]
     assert config["tokenizer"] == {"spec": "openclip-bpe", "context_length": 16, "pad_id": 0, "vocab_size": 49408,
                                    "tokenizer_json": "tokenizer.json", "files": "tokenizer",
-                                   "tokenizer_json_differences": export.OPENCLIP_BPE_DIFFERENCES}
+                                   "tokenizer_json_differences": OPENCLIP_BPE_DIFFERENCES}
     assert config["preprocess"]["mean"] == [0.2860] and config["preprocess"]["channels"] == 1
     assert config["temperature"] == pytest.approx(np.exp(2.7), rel=1e-6) and config["logit_bias"] is None
     assert (out / "tokenizer" / "bpe_simple_vocab_16e6.txt.gz").is_file()
@@ -459,8 +462,8 @@ def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeyp
 
 
 def test_model_card_names_the_moe_kind():
-    from lit_softmoe.export import _tower_line
-    from lit_softmoe.models.vit import image_tower_config
+    from lit_softmoe.export.model_card import _tower_line
+    from lit_softmoe.models.registry import image_tower_config
     line = lambda name: _tower_line(image_tower_config(name).to_dict(), 1e6, name)  # noqa: E731
     assert "Soft MoE, 4 experts × 1 slot(s) in blocks 1" in line("soft-test-4e")
     assert "Tokens Choice (top-2), 4 experts in blocks 1" in line("tc-test-4e-k2")

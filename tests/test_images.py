@@ -14,7 +14,7 @@ import torch
 
 from lit_softmoe.data.shards import load_class_split, write_split
 from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
-from lit_softmoe.data.writers import prepare_image
+from lit_softmoe.data.images import prepare_image
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level

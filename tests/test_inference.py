@@ -1,8 +1,8 @@
-"""lit_softmoe.inference: a locked tower converted for inference computes the same features."""
+"""lit_softmoe.models.inference: a locked tower converted for inference computes the same features."""
 import torch
 
-from lit_softmoe.inference import encode_images, prepare_for_inference
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.inference import encode_images, prepare_for_inference
+from lit_softmoe.models.registry import create_image_tower
 
 
 def test_prepare_for_inference_converts_in_place_and_keeps_the_function():

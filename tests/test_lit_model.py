@@ -7,7 +7,7 @@ import torch
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=2, heads=2, context_length=16, vocab_size=49408)
@@ -80,7 +80,7 @@ def minilm_path():
 
 
 def test_hf_text_tower_mean_pooling_ignores_padding(minilm_path):
-    from lit_softmoe.data.tokenizers import create_tokenizer
+    from lit_softmoe.models.tokenizers import create_tokenizer
 
     cfg = TextTowerConfig(kind="hf", path=minilm_path, pooling="mean", context_length=16)
     tower = create_text_tower(cfg, embed_dim=24).eval()
@@ -96,7 +96,7 @@ def test_hf_text_tower_mean_pooling_ignores_padding(minilm_path):
 
 @pytest.mark.parametrize("pooling", ["cls", "eos"])
 def test_hf_text_tower_other_poolings_ignore_padding(minilm_path, pooling):
-    from lit_softmoe.data.tokenizers import create_tokenizer
+    from lit_softmoe.models.tokenizers import create_tokenizer
 
     tower = create_text_tower(TextTowerConfig(kind="hf", path=minilm_path, pooling=pooling), embed_dim=8).eval()
     texts = ["a photo of a dog", "two cats"]
@@ -122,7 +122,7 @@ def _tiny_bert(folder, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monkeypatch, dtype):
-    from lit_softmoe.data.tokenizers import create_tokenizer
+    from lit_softmoe.models.tokenizers import create_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", dtype),
@@ -136,7 +136,7 @@ def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monke
 def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch, pooling):
     """The padding-invariance tests above hold for any pooling that ignores pads (cls for eos, say):
     here each pooling is checked against the encoder's own token outputs, picked out by hand."""
-    from lit_softmoe.data.tokenizers import create_tokenizer
+    from lit_softmoe.models.tokenizers import create_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", torch.float32),

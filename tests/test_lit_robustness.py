@@ -15,18 +15,18 @@ from safetensors.torch import load_file
 from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import read_lines, write_split
-from lit_softmoe.data.sources import write_fashion_mnist_shards
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import load_tower, save_tower
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import RunLogger, read_metrics
-from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
 

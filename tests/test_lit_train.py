@@ -15,18 +15,19 @@ from safetensors.torch import load_file
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.sources import CAPTION_TEMPLATES, FASHION_MNIST_CLASSNAMES, write_fashion_mnist_shards
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train import lit as lit_recipe
-from lit_softmoe.train.checkpoint import load_tower
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import is_feature_cache, train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
-from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)

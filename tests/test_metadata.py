@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.zeroshot.metadata import benchmark_info, imagenet_wnids, list_benchmarks
+from lit_softmoe.metadata import benchmark_info, imagenet_wnids, list_benchmarks
 
-METADATA_DIR = Path(__file__).resolve().parents[1] / "lit_softmoe" / "zeroshot" / "metadata"
+METADATA_DIR = Path(__file__).resolve().parents[1] / "lit_softmoe" / "metadata"
 EXPECTED_CLASS_COUNTS = {
     "imagenet1k": 1000, "imagenetv2": 1000, "imagenet_sketch": 1000, "imagenet-a": 200, "imagenet-r": 200,
     "imagenet-o": 200, "objectnet": 113, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers": 102,
@@ -130,7 +130,7 @@ def test_classnames_match_clip_benchmark():
 
 
 def test_fashion_mnist_uses_our_lists():
-    from lit_softmoe.data.sources import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
+    from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
 
     info = benchmark_info("fashion-mnist")
     assert info.classnames == tuple(FASHION_MNIST_CLASSNAMES)
@@ -173,8 +173,8 @@ def test_every_entry_names_its_source():
 
 
 def test_package_data_is_declared():
-    pyproject = tomllib.loads((METADATA_DIR.parents[2] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["lit_softmoe.zeroshot.metadata"]
+    pyproject = tomllib.loads((METADATA_DIR.parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["lit_softmoe.metadata"]
     shipped = {path.name for path in METADATA_DIR.iterdir() if path.suffix in (".json", ".md")}
     assert {"classnames.json", "templates.json", "benchmarks.json", "SOURCES.md"} <= shipped
     assert all(any(Path(name).match(glob) for glob in globs) for name in shipped)

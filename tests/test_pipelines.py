@@ -16,8 +16,9 @@ from torchvision.transforms import v2
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
-from lit_softmoe.data.sources import FASHION_MNIST_CLASSNAMES, read_fashion_mnist, write_fashion_mnist_shards
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform, train_transform
 from lit_softmoe.errors import UserError
 

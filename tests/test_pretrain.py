@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lit_softmoe.config import PretrainConfig, load_config
-from lit_softmoe.data.sources import write_fashion_mnist_shards
-from lit_softmoe.train.checkpoint import load_tower
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
 
@@ -175,7 +175,7 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
 
 def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
     from lit_softmoe.data.shards import write_split
-    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
     from lit_softmoe.errors import UserError
     images, labels = read_fashion_mnist("train", allow_download=False)
 
@@ -201,7 +201,7 @@ def test_class_index_past_the_class_names_is_skipped_and_counted(shards, tmp_pat
     """A .cls of 10 with 10 class names, or of -1, is a bad sample: skipped and counted, and too
     many of them stop the run like any other bad samples (not an IndexError inside the loss)."""
     from lit_softmoe.data.shards import write_split
-    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
     from lit_softmoe.errors import UserError
     images, labels = read_fashion_mnist("train", allow_download=False)
 

@@ -1,7 +1,7 @@
 """The closed-form few-shot linear probe, on data whose right answer is known by construction."""
 import torch
 
-from lit_softmoe.train.probe import fewshot_probe, fit_ridge, sample_shots
+from lit_softmoe.evals.probes import fewshot_probe, fit_ridge, sample_shots
 
 
 def _blobs(num_classes=5, per_class=40, dim=16, spread=0.3, seed=0):

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from lit_softmoe.nn import qk_norm
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.registry import create_image_tower
 
 pytestmark = pytest.mark.skipif(qk_norm.triton is None, reason="needs Triton")
 
 INTERPRETED_CHECKS = textwrap.dedent("""
     import json, torch, torch.nn.functional as F
+    import lit_softmoe.models.registry as registry
     import lit_softmoe.models.vit as vit
     from lit_softmoe.nn.qk_norm import head_layer_norm
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ INTERPRETED_CHECKS = textwrap.dedent("""
     pixels = torch.randn(3, 1, 28, 28)
     fuse = vit.can_fuse_qk_norm
     for bias in (False, True):  # ours (no bias, as flax), and towers saved with the biases
-        tower = vit.create_image_tower("vit-test", qk_norm=True, qk_norm_bias=bias).eval()
+        tower = registry.create_image_tower("vit-test", qk_norm=True, qk_norm_bias=bias).eval()
         with torch.no_grad():
             for block in tower.blocks:
                 for norm in (block.attn.q_norm, block.attn.k_norm):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_softmoe.data.sources import write_fashion_mnist_shards
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 TOWERS = ["vit-test", "soft-test-4e", "ec-test-4e", "tc-test-4e-k1", "tc-test-4e-k2"]

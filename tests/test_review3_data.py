@@ -11,10 +11,10 @@ import pytest
 import torchvision
 
 from lit_softmoe.cli import main
-from lit_softmoe.data import shards
+from lit_softmoe.utils import atomic
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import iter_class_samples, load_class_split, read_classnames, write_split
-from lit_softmoe.data.sources import find_fashion_mnist, read_idx
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_idx
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 
@@ -68,7 +68,7 @@ def test_a_stale_decoded_cache_in_a_read_only_split_does_not_stop_the_load(tmp_p
         raise PermissionError(13, "Read-only file system")
 
     monkeypatch.setattr(pathlib.Path, "unlink", read_only)
-    monkeypatch.setattr(shards, "open", read_only, raising=False)  # np.savez's file
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", read_only)  # the new cache's temporary file
     images, labels, counts = load_class_split(tmp_path / "a")
     assert labels.tolist() == [0, 1, 2] and images[:, 0, 0, 0].tolist() == [0, 1, 2] and not counts
     assert stale.is_file() and len(list((tmp_path / "a").glob(".decoded-*"))) == 1

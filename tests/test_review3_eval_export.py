@@ -8,8 +8,8 @@ import PIL.Image
 import pytest
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.zeroshot.datasets import read_benchmark
-from lit_softmoe.zeroshot.metadata import benchmark_info
+from lit_softmoe.evals.readers import read_benchmark
+from lit_softmoe.metadata import benchmark_info
 
 
 def _names_of(data, benchmark: str) -> list[str]:
@@ -86,7 +86,7 @@ def test_a_truncated_shard_keeps_its_readable_samples_and_the_suite_runs(tmp_pat
     from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-    from lit_softmoe.zeroshot.suite import run_suite
+    from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")]
     root = write_wds_benchmark(tmp_path / "c10", samples, list(benchmark_info("cifar10").classnames), per_shard=10)
     second = root / "test" / "1.tar"
@@ -105,7 +105,7 @@ def test_a_sample_without_cls_in_a_class_set_is_skipped_and_counted(tmp_path):
     from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-    from lit_softmoe.zeroshot.suite import run_suite
+    from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")[:5]]
     root = write_wds_benchmark(tmp_path / "c10", samples, list(benchmark_info("cifar10").classnames))
     with wds.TarWriter(str(root / "test" / "0.tar")) as sink:  # the same samples, the third without .cls
@@ -121,7 +121,7 @@ def test_caption_shards_with_class_names_read_as_classes_fail_naming_task_retrie
     from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-    from lit_softmoe.zeroshot.suite import run_suite
+    from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", f"a photo {i}") for i, (path, _) in enumerate(foolbox_images("cifar10")[:3])]
     root = write_wds_benchmark(tmp_path / "caps", samples, classnames=["cat", "dog"], templates=["a {c}."],
                                retrieval=True)

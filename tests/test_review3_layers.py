@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_softmoe.models.vit import create_image_tower, image_tower_config
+from lit_softmoe.models.registry import create_image_tower, image_tower_config
 
 
 # ---- a non-square image: the position grid is resampled to its rows and columns ---------------------
@@ -73,7 +73,7 @@ def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     naming width, depth, patch, image size and experts, none of which was wrong."""
     import numpy as np
 
-    from lit_softmoe.convert import load_vmoe_tower
+    from lit_softmoe.models.convert import load_vmoe_tower
     from test_convert import _save, vmoe_tree
 
     tree = vmoe_tree(5)
@@ -99,8 +99,8 @@ def test_upcycle_refuses_a_dense_tower_with_other_attention_heads(tmp_path, caps
     heads upcycled into soft-test-4e (2 heads) silently, and its attention became another function."""
     from lit_softmoe.cli import main
     from lit_softmoe.errors import UserError
-    from lit_softmoe.train.checkpoint import save_tower
-    from lit_softmoe.upcycle import upcycle_tower
+    from lit_softmoe.models.tower_folder import save_tower
+    from lit_softmoe.models.upcycle import upcycle_tower
 
     torch.manual_seed(0)
     dense = create_image_tower("vit-test", num_heads=4, qk_norm=False).eval()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.inference import encode_images
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.inference import encode_images
+from lit_softmoe.models.registry import create_image_tower
 from test_cli_errors import _one_line_error
 
 
@@ -31,7 +31,7 @@ def test_an_image_smaller_than_one_patch_is_one_clear_error(height, width):
 @pytest.mark.parametrize("noise", [-0.5, float("nan")])
 def test_a_negative_router_noise_is_refused(noise):
     # `noise_std > 0` switches the noise on, so a negative std silently trained without noise.
-    from lit_softmoe.models.vit import image_tower_config
+    from lit_softmoe.models.registry import image_tower_config
     from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
     from lit_softmoe.nn.soft_moe import SoftMoE
     with pytest.raises(ValueError, match=r"router_noise is a noise std and must be >= 0 \(0: off\), got "):
@@ -48,7 +48,7 @@ def test_a_negative_router_noise_is_refused(noise):
 def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
     # It said "not a plain ViT of this family" about the dense tower's own q_norm/k_norm weights.
     from lit_softmoe.errors import UserError
-    from lit_softmoe.upcycle import upcycle_tower
+    from lit_softmoe.models.upcycle import upcycle_tower
     dense = create_image_tower("vit-test")  # qk-norm on, as registered
     with pytest.raises(UserError) as info:
         upcycle_tower(dense, "soft-test-4e", qk_norm=False)
@@ -62,7 +62,7 @@ def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
 
 @pytest.fixture
 def dense_tower_dir(tmp_path):
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.models.tower_folder import save_tower
     return save_tower(tmp_path / "dense", create_image_tower("vit-test"))
 
 
@@ -93,7 +93,7 @@ def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, con
 @pytest.mark.parametrize("value", ["", ",", " , "])
 def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeypatch, value):
     # An empty subset ran the whole suite without a word.
-    from lit_softmoe.zeroshot import suite as suite_module
+    from lit_softmoe.evals import suite as suite_module
     monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: pytest.fail("the suite ran"))
     suite = tmp_path / "suite.yaml"
     suite.write_text("name: s\n")
@@ -104,7 +104,7 @@ def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeyp
 
 @pytest.fixture
 def no_shards(monkeypatch):
-    from lit_softmoe.data import sources
+    from lit_softmoe.data import fashion_mnist as sources
     monkeypatch.setattr(sources, "write_fashion_mnist_shards", lambda *a, **k: pytest.fail("the demo started"))
 
 
@@ -119,7 +119,7 @@ def test_demo_folders_that_cannot_be_written_are_refused_before_any_stage(tmp_pa
 
 def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys, monkeypatch):
     # The stage's fix names `--overwrite` and `--out`, which `lit-softmoe demo` does not have.
-    from lit_softmoe.data import sources
+    from lit_softmoe.data import fashion_mnist as sources
     from lit_softmoe.errors import UserError
 
     def refuse(out_dir, limit=None):

@@ -14,7 +14,7 @@ from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
-from lit_softmoe.train.probe import L2_GRID, fit_ridge, linear_probe
+from lit_softmoe.evals.probes import L2_GRID, fit_ridge, linear_probe
 from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
 
@@ -79,7 +79,7 @@ def test_linear_probe_without_a_hold_out_picks_its_penalty_by_leave_one_out(capl
     taken, silently. The penalty is now chosen by leave-one-out on the training samples, and the
     probe says so."""
     train, train_labels, test, test_labels = _few_examples()
-    with caplog.at_level("WARNING", logger="lit_softmoe.train.probe"):
+    with caplog.at_level("WARNING", logger="lit_softmoe.evals.probes"):
         results = linear_probe(train, train_labels, test, test_labels)
     assert results["linear_probe_l2"] == 16.0  # the empty hold-out gave the smallest, 2**-10
     predict, _, _ = fit_ridge(train, train_labels, 3, l2_grid=(16.0,))  # refit on all 9 at that penalty
@@ -90,7 +90,7 @@ def test_linear_probe_without_a_hold_out_picks_its_penalty_by_leave_one_out(capl
     # 10 samples hold one out, as before: no warning.
     caplog.clear()
     train, train_labels, test, test_labels = _few_examples(num_train=12)
-    with caplog.at_level("WARNING", logger="lit_softmoe.train.probe"):
+    with caplog.at_level("WARNING", logger="lit_softmoe.evals.probes"):
         results = linear_probe(train[:10], train_labels[:10], test, test_labels)
     assert results["linear_probe_l2"] in L2_GRID and not caplog.records
     with pytest.raises(ValueError, match="the linear probe needs at least 2 training examples, got 1"):
@@ -115,7 +115,7 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
 
 
 def _png() -> bytes:
-    from lit_softmoe.data.sources import _png_bytes, read_fashion_mnist
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
     images, _ = read_fashion_mnist("test", allow_download=False)
     return _png_bytes(images[0])
 

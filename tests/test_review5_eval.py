@@ -11,7 +11,7 @@ import torch
 
 from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.zeroshot.suite import run_suite
+from lit_softmoe.evals.suite import run_suite
 
 
 # ---- 1. blank caption lines ------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_karpathy_empty_sentences_are_counted_even_as_an_images_only_one(tmp_pat
 
 
 def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
-    from lit_softmoe.zeroshot import peer
+    from lit_softmoe.integrations import clip_benchmark as peer
     monkeypatch.setattr(peer, "clip_benchmark_available", lambda: True)
     monkeypatch.setattr(peer, "run_clip_benchmark", lambda *a, **k: {"metrics": {"text_retrieval_recall@1": 0.5}})
     spec = BenchmarkConfig(name="r", root="x")
@@ -98,8 +98,9 @@ def _image_folders(root: Path, folders: list[str], per_folder: int = 2) -> None:
                  "PermanentCrop", "Residential", "River", "SeaLake"]),  # the EuroSAT RGB zip's 2750/
 ])
 def test_a_common_copys_class_folders_get_the_shipped_class_names(tmp_path, name, folders):
-    from lit_softmoe.zeroshot.metadata import benchmark_info
-    from lit_softmoe.zeroshot.suite import _read, resolve_prompts
+    from lit_softmoe.metadata import benchmark_info
+    from lit_softmoe.evals.benchmark import read_split as _read
+    from lit_softmoe.evals.prompts import resolve_prompts
     _image_folders(tmp_path / name / "test", folders)
     spec = BenchmarkConfig(name=name, root=str(tmp_path / name))
     data = _read(spec, lambda image: torch.tensor(image.getpixel((0, 0))))
@@ -115,7 +116,7 @@ def test_a_common_copys_class_folders_get_the_shipped_class_names(tmp_path, name
 
 
 def test_every_folder_alias_names_a_shipped_class():
-    from lit_softmoe.zeroshot.metadata import benchmark_info, list_benchmarks
+    from lit_softmoe.metadata import benchmark_info, list_benchmarks
     with_aliases = {}
     for name in list_benchmarks("classification"):
         info = benchmark_info(name)
@@ -188,15 +189,15 @@ def lit_run(tmp_path_factory) -> Path:
 
 def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
     """While this export writes its files (the model card is its last), another one fills `out`."""
-    from lit_softmoe import export
-    card = export._model_card
+    from lit_softmoe.export import pair as export
+    card = export.model_card
 
     def racing_card(*args, **kwargs):
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text('{"written by": "the other export"}')
         return card(*args, **kwargs)
 
-    monkeypatch.setattr(export, "_model_card", racing_card)
+    monkeypatch.setattr(export, "model_card", racing_card)
 
 
 def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, monkeypatch, capsys):
@@ -214,7 +215,8 @@ def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, mo
 
 
 def test_overwrite_still_replaces_and_an_empty_out_is_still_taken(lit_run, tmp_path, monkeypatch):
-    from lit_softmoe.export import export_pair, load_pretrained
+    from lit_softmoe.export import export_pair
+    from lit_softmoe.hub import load_pretrained
     empty = tmp_path / "empty"
     empty.mkdir()
     assert export_pair(lit_run, empty) == empty and json.loads((empty / "config.json").read_text())["kind"] == "pair"

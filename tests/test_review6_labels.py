@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import PIL.Image
 
-from lit_softmoe.zeroshot.datasets import read_benchmark
-from lit_softmoe.zeroshot.metadata import benchmark_info
+from lit_softmoe.evals.readers import read_benchmark
+from lit_softmoe.metadata import benchmark_info
 
 # SUN397's ClassName.txt (the order torchvision numbers its labels in: its line order, which is ASCII
 # order of the paths), without the leading "/x/". Copied from TFDS's sun397_labels.txt, the same list.

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 

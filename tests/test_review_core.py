@@ -6,20 +6,24 @@ What the existing `test_soft_moe.py` / `test_vit.py` did not pin down:
   DenseGeneral flattens each to (d, heads·head_dim) before the initializer) with zero biases, and the
   patch embedding is a flax `nn.Conv` with its defaults (lecun-normal kernel, zero bias);
 - a padding mask that masks a whole example (no NaN in the output or in any gradient);
-- `forward_reference` under gradcheck, bf16 weights through both implementations, and the
+- the step-by-step oracle under gradcheck, bf16 weights through both implementations, and the
   remaining architectural constants (LayerNorm eps, GELU form, no dropout, GAP after the final norm).
 """
 from __future__ import annotations
 
 import math
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_softmoe.models.vit import Mlp, create_image_tower
+from lit_softmoe.models.vit import Mlp
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
+from soft_moe_reference import reference_forward
 from test_soft_moe import make_layer, randn
 
 TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated at ±2
@@ -105,7 +109,7 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
 @pytest.mark.parametrize("impl", ["forward", "forward_reference"])
 def test_fully_padded_example_gives_zeros_and_finite_gradients(impl):
     layer = make_layer()
-    run = getattr(layer, impl)
+    run = layer if impl == "forward" else functools.partial(reference_forward, layer)
     x = randn(3, 5, 8, std=2.0).requires_grad_()
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[1] = False  # example 1: padding only
@@ -143,9 +147,9 @@ def test_bf16_weights_forward_equals_reference_and_routing_stays_fp32():
     layer = make_layer(dim=32, num_experts=4, slots=2, hidden=64, dtype=torch.float32, scale=2.0)
     x = F.layer_norm(randn(2, 16, 32, dtype=torch.float32), (32,))
     with torch.no_grad():
-        ref32 = layer.forward_reference(x)
+        ref32 = reference_forward(layer, x)
         low = layer.bfloat16()
-        new, ref = low(x.bfloat16()), low.forward_reference(x.bfloat16())
+        new, ref = low(x.bfloat16()), reference_forward(low, x.bfloat16())
         dispatch, combine = low.routing_weights(x.bfloat16())
     assert new.dtype == ref.dtype == torch.bfloat16
     assert dispatch.dtype == combine.dtype == torch.float32
@@ -167,7 +171,7 @@ def test_fused_forward_slots_are_dispatch_weighted_raw_tokens_per_example():
     with torch.no_grad():
         layer(x)
     handle.remove()
-    logits = layer._logits(x).detach().view(2, 7, 3, 2)
+    logits = layer.routing_logits(x).detach().view(2, 7, 3, 2)
     want = torch.einsum("bmnp,bmd->nbpd", logits.softmax(dim=1), x).reshape(3, 4, 8)
     torch.testing.assert_close(seen[0], want)
 
@@ -177,8 +181,9 @@ def test_qk_norm_has_no_bias_as_flax_and_old_towers_keep_theirs(tmp_path):
     # adds one score to every key of a query (dead weight); one on q adds a per-key logit.
     import json
 
-    from lit_softmoe.models.vit import ViTConfig, create_image_tower
-    from lit_softmoe.train.checkpoint import load_tower, save_tower
+    from lit_softmoe.models.vit import ViTConfig
+    from lit_softmoe.models.registry import create_image_tower
+    from lit_softmoe.models.tower_folder import load_tower, save_tower
     tower = create_image_tower("soft-test-4e")
     assert tower.blocks[0].attn.q_norm.bias is None and tower.blocks[0].attn.k_norm.bias is None
     assert not [k for k in tower.state_dict() if k.endswith(("q_norm.bias", "k_norm.bias"))]

@@ -9,7 +9,7 @@ import PIL.Image
 import pytest
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.sources import find_fashion_mnist, read_idx, write_fashion_mnist_shards
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_idx, write_fashion_mnist_shards
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 

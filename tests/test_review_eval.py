@@ -13,10 +13,10 @@ import torch
 from evalkit import FOOLBOX_DATA, foolbox_images, save_pair, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
-from lit_softmoe.zeroshot import suite
-from lit_softmoe.zeroshot.datasets import detect_format, read_benchmark
-from lit_softmoe.zeroshot.metadata import benchmark_info
-from lit_softmoe.zeroshot.suite import run_suite
+from lit_softmoe.evals import suite
+from lit_softmoe.evals.readers import detect_format, read_benchmark
+from lit_softmoe.metadata import benchmark_info
+from lit_softmoe.evals.suite import run_suite
 
 pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
 
@@ -62,7 +62,7 @@ def test_class_folders_without_a_split_folder_are_read_for_torchvision_names(tmp
 
 @pytest.fixture(scope="module")
 def torchvision_fmnist(tmp_path_factory):
-    from lit_softmoe.data.sources import find_fashion_mnist
+    from lit_softmoe.data.fashion_mnist import find_fashion_mnist
     try:
         source = find_fashion_mnist(None, allow_download=False)
     except Exception:
@@ -182,7 +182,7 @@ def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):
     # The shipped suites read imagenet1k's split val (ImageFolder's name); CLIP_benchmark's export
     # (clip-benchmark/wds_imagenet1k) calls the same images test. The skip said "class folders (found
     # only test/ …)"; it now names the split to set.
-    from lit_softmoe.zeroshot.datasets import MissingData
+    from lit_softmoe.evals.readers import MissingData
     root = _wds_set(tmp_path / "imagenet1k")
     for format in ("auto", "wds"):
         with pytest.raises(MissingData, match="webdataset split here: test; set split: test"):

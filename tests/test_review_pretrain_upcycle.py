@@ -4,8 +4,8 @@ import torch
 from safetensors.torch import save_file
 
 from lit_softmoe.cli import main
-from lit_softmoe.models.vit import create_image_tower
-from lit_softmoe.train.checkpoint import load_tower
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import load_tower
 
 
 def _timm_named_state(tower):

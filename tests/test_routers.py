@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from lit_softmoe.config import PretrainConfig, load_config
-from lit_softmoe.data.sources import write_fashion_mnist_shards
-from lit_softmoe.models.vit import ViTConfig, create_image_tower, image_tower_config
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.models.vit import ViTConfig
+from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.nn.routers import (ExpertsChoiceMoE, TokensChoiceMoE, experts_choice_capacity, importance_loss,
                                     load_loss, tokens_choice_capacity)
-from lit_softmoe.train.checkpoint import load_tower, save_tower
+from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
 

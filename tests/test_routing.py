@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.models.vit import create_image_tower
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.soft_moe import SoftMoE
-from lit_softmoe.routing import capture_routing, figure_size, plot_routing, routing_stats
-from lit_softmoe.train.checkpoint import save_tower
+from lit_softmoe.evals.routing import capture_routing, figure_size, plot_routing, routing_stats
+from lit_softmoe.models.tower_folder import save_tower
 
 EPS = 1e-6  # inside both of the layer's L2 normalizations: a unit vector's norm becomes sqrt(1 + 1e-6)
 

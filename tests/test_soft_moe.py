@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE, slots_for_capacity
+from soft_moe_reference import reference_forward
 
 
 def make_layer(dim=8, num_experts=3, slots=2, hidden=12, dtype=torch.float64, seed=0, scale=3.0,
@@ -268,7 +269,7 @@ def test_bug_rmsnorm_gain_makes_initial_logits_about_d_times_cosine():
     d = 256
     layer = SoftMoE(d, 8, 16, slots_per_expert=2, dtype=torch.float64)
     x = F.layer_norm(randn(2, 20, d), (d,))  # LayerNorm output: norm ≈ sqrt(d) = 16
-    logits = layer._logits(x)
+    logits = layer.routing_logits(x)
     assert logits.abs().max() <= 1.0 + 1e-9
     torch.testing.assert_close(logits.view(2, 20, 8, 2), expected_logits(layer, x))
     dispatch, combine = layer.routing_weights(x)
@@ -359,7 +360,7 @@ def test_initial_logits_are_cosines():
     torch.manual_seed(0)
     layer = SoftMoE(32, 6, 16, slots_per_expert=2, dtype=torch.float64)
     x = randn(3, 9, 32, std=50.0)
-    logits = layer._logits(x)
+    logits = layer.routing_logits(x)
     assert logits.shape == (3, 9, 12)
     assert logits.abs().max() <= 1.0 + 1e-12
     torch.testing.assert_close(logits.view(3, 9, 6, 2), expected_logits(layer, x))
@@ -373,7 +374,7 @@ def test_scale_multiplies_the_logits_on_either_side():
         layer.scale.fill_(2.5)
     small, large = randn(1, 2, 8), randn(5, 20, 8)  # 16 < 64 = phi.numel() < 800
     for x in (small, large):
-        torch.testing.assert_close(layer._logits(x).view(*x.shape[:2], 4, 2), expected_logits(layer, x))
+        torch.testing.assert_close(layer.routing_logits(x).view(*x.shape[:2], 4, 2), expected_logits(layer, x))
 
 
 def test_shared_and_independent_expert_init():
@@ -522,7 +523,7 @@ def test_fused_forward_equals_the_reference_fp32(slots, masked):
     x = randn(3, 11, 24, dtype=torch.float32, seed=10 + slots, std=2.0)
     mask = (torch.arange(11)[None] < torch.tensor([[11], [7], [3]])) if masked else None
     x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ref, new = layer.forward_reference(x_ref, mask), layer(x_new, mask)
+    ref, new = reference_forward(layer, x_ref, mask), layer(x_new, mask)
     torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
     grad = randn(*ref.shape, dtype=torch.float32, seed=99)
     ref_grads = torch.autograd.grad(ref, [x_ref, *layer.parameters()], grad)
@@ -532,14 +533,14 @@ def test_fused_forward_equals_the_reference_fp32(slots, masked):
 
 
 class _ReferenceForward(nn.Module):
-    """`layer.forward_reference` as a module's forward, for `torch.func.functional_call`."""
+    """`reference_forward(layer, ...)` as a module's forward, for `torch.func.functional_call`."""
 
     def __init__(self, layer: SoftMoE):
         super().__init__()
         self.layer = layer
 
     def forward(self, x, mask=None):
-        return self.layer.forward_reference(x, mask)
+        return reference_forward(self.layer, x, mask)
 
 
 @pytest.mark.parametrize("path", ["forward", "forward_reference"])
@@ -562,9 +563,9 @@ def test_fused_forward_under_bf16_matches_the_reference_under_bf16():
     layer = make_layer(dim=32, num_experts=4, slots=1, hidden=64, dtype=torch.float32, scale=2.0)
     x = F.layer_norm(randn(2, 16, 32, dtype=torch.float32), (32,))
     with torch.no_grad():
-        ref32 = layer.forward_reference(x)
+        ref32 = reference_forward(layer, x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref, new = layer.forward_reference(x), layer(x)
+            ref, new = reference_forward(layer, x), layer(x)
         low = make_layer(dim=32, num_experts=4, slots=1, hidden=64, dtype=torch.float32, scale=2.0).bfloat16()
         weights16 = low(x.bfloat16())
     assert new.dtype == ref.dtype == weights16.dtype == torch.bfloat16
@@ -582,7 +583,7 @@ def test_fused_forward_traces_as_one_graph():
     compiled = torch.compile(soft_moe_forward, backend="aot_eager", fullgraph=True, dynamic=False)
     x = randn(2, 9, 16, dtype=torch.float32).requires_grad_()
     got = compiled(x, layer.phi, layer.scale, layer.experts)
-    torch.testing.assert_close(got, layer.forward_reference(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, reference_forward(layer, x), rtol=1e-5, atol=1e-6)
     got.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
 

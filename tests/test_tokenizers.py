@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from lit_softmoe.data.tokenizers import HFTokenizer, OpenClipBPETokenizer, Tokenizer, create_tokenizer
+from lit_softmoe.models.tokenizers import HFTokenizer, OpenClipBPETokenizer, Tokenizer, create_tokenizer
 from lit_softmoe.errors import UserError
 
 SOT, EOT = 49406, 49407

@@ -9,10 +9,10 @@ from safetensors.torch import save_file
 
 from lit_softmoe.cli import main
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import create_image_tower, image_tower_config
+from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.nn.soft_moe import SoftMoE
-from lit_softmoe.train.checkpoint import load_tower, save_tower
-from lit_softmoe.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
+from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.models.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
 
 timm = pytest.importorskip("timm")  # a dependency of open_clip_torch
 

@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 
-from lit_softmoe.models.vit import (Mlp, ViTConfig, VisionTransformer, create_image_tower,
-                                    image_tower_config, list_image_towers)
+from lit_softmoe.models.vit import Mlp, ViTConfig, VisionTransformer
+from lit_softmoe.models.registry import create_image_tower, image_tower_config, list_image_towers
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
+from soft_moe_reference import reference_forward
 
 JFT_CLASSES = 29_593
 
@@ -330,7 +331,7 @@ def test_tower_forward_equals_a_block_by_block_reference():
         for block in tower.blocks:
             tokens = tokens + _attention_by_hand(block.attn, ln(block.norm1, tokens))
             mixed = ln(block.norm2, tokens)
-            tokens = tokens + (block.mlp.forward_reference(mixed) if isinstance(block.mlp, SoftMoE) else block.mlp(mixed))
+            tokens = tokens + (reference_forward(block.mlp, mixed) if isinstance(block.mlp, SoftMoE) else block.mlp(mixed))
         want_tokens = ln(tower.norm, tokens)
         torch.testing.assert_close(tower.forward_tokens(x), want_tokens, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(tower.forward_features(x), want_tokens.mean(dim=1), rtol=1e-10, atol=1e-10)

@@ -18,9 +18,11 @@ import pytest
 
 from lit_softmoe.cli import build_parser, main
 from lit_softmoe.data.shards import load_class_split, read_classnames, shard_urls, write_split
-from lit_softmoe.data.sources import FASHION_MNIST_CLASSNAMES
-from lit_softmoe.data.writers import (WriteOptions, list_folder, parse_byte_size, prepare_image, sample_key,
-                                      write_folder_shards, write_table_shards)
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards, write_table_shards
+from lit_softmoe.data.folders import list_folder
+from lit_softmoe.data.images import prepare_image
+from lit_softmoe.data.listing import sample_key
 from lit_softmoe.errors import UserError
 
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -503,7 +505,7 @@ def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys
 
 
 def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
-    from lit_softmoe.data.sources import write_fashion_mnist_shards
+    from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
     out = tmp_path / "data"
     write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
     _captioned_folder(tmp_path / "photos", count=3)

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.zeroshot import (build_zeroshot_classifier, mean_per_class_recall, topk_accuracy,
-                                  zeroshot_metrics)
-from lit_softmoe.zeroshot.classifier import check_templates
+from lit_softmoe.evals import build_zeroshot_classifier, mean_per_class_recall, topk_accuracy, zeroshot_metrics
+from lit_softmoe.evals.classifier import check_templates
 
 CLASSNAMES = ["cat", "dog", "bird"]
 TEMPLATES = ["a photo of a {c}.", "a drawing of a {c}.", "my {c}!", "{c}"]
@@ -157,7 +156,7 @@ def test_mean_per_class_recall_is_balanced_accuracy():
 
 # ---- metrics on hand-computed cases ---------------------------------------------------------------
 
-from lit_softmoe.zeroshot import retrieval_metrics  # noqa: E402
+from lit_softmoe.evals import retrieval_metrics  # noqa: E402
 
 
 def test_ties_go_to_the_lower_class_index():

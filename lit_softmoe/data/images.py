@@ -1,6 +1,7 @@
-"""One conversion of a decoded PIL image into what a tower reads: upright, in mode "L" or "RGB".
+"""Image files and pixels: one conversion of a decoded PIL image into what a tower reads (upright, in
+mode "L" or "RGB"), and the re-encoding of an image file for a shard (`prepare_image`).
 
-Every path goes through `upright_l_or_rgb` — writing shards (`writers.normalize_image`), the
+Every path goes through `upright_l_or_rgb` — writing shards (`normalize_image`), the
 streaming pipeline, in-memory splits (`shards.load_class_split`), the eval readers and the
 `preprocess` of an exported or loaded model (`transforms.to_l_or_rgb`) — so a model sees at
 inference the pixels it was trained on. `scripts/onnx_example.py` repeats it in a few PIL lines
@@ -9,6 +10,9 @@ inference the pixels it was trained on. `scripts/onnx_example.py` repeats it in 
 Only numpy and PIL here: `writers` imports this without torch.
 """
 from __future__ import annotations
+
+import io
+from dataclasses import dataclass
 
 import numpy as np
 import PIL.Image
@@ -62,3 +66,94 @@ def l_or_rgb(image: PIL.Image.Image) -> tuple[PIL.Image.Image, str | None]:
 def upright_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     """`image` upright (EXIF applied) and in mode "L" or "RGB", transparent pixels on white."""
     return l_or_rgb(upright(image))[0]
+
+
+# ---- re-encoding an image file for a shard ---------------------------------------------------
+
+IMAGE_FORMATS = ("keep", "jpg", "png", "webp")
+# PIL format → the extension readers know; a format not listed (BMP, GIF, TIFF) is re-encoded.
+_KEPT_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
+# Fixed encoder settings: equal pixels give equal bytes (PIL writes no timestamps).
+_ENCODERS = {
+    "png": ("PNG", {"compress_level": 6, "optimize": False}),
+    "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False, "progressive": False}),
+    "webp": ("WEBP", {"quality": 90, "method": 4, "lossless": False}),
+}
+
+
+class BadImageError(Exception):
+    """An image file that does not decode (truncated, not an image, unsupported)."""
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    extension: str              # "png", "jpg" or "webp": the sample's image field
+    data: bytes
+    source_size: tuple[int, int]  # (width, height) of the file, before any change
+    changes: tuple[str, ...]    # normalizations applied, e.g. ("alpha", "resized")
+    reencoded: bool             # False: `data` is the file's own bytes
+
+
+def prepare_image(data: bytes, image_format: str = "keep", max_size: int | None = None) -> PreparedImage:
+    """Decode an image file's bytes fully, normalize it, and give the bytes to store.
+
+    The file's own bytes are kept when its format is the one asked for (or `keep` and it is png,
+    jpg or webp) and `normalize_image` changes nothing; otherwise the normalized image is encoded.
+    Raises BadImageError for a file that does not decode, truncated ones included.
+    """
+    try:
+        image = PIL.Image.open(io.BytesIO(data))
+        image.load()  # decodes every pixel: a truncated file fails here, not in a training run
+        source_extension = _KEPT_FORMATS.get(image.format or "")
+        source_size = image.size
+        image, changes = normalize_image(image, max_size)
+        target = (source_extension or "png") if image_format == "keep" else image_format
+        if not changes and target == source_extension:
+            return PreparedImage(target, data, source_size, (), reencoded=False)
+        return PreparedImage(target, encode_image(image, target), source_size, changes, reencoded=True)
+    except PIL.UnidentifiedImageError as exn:
+        raise BadImageError("not an image file PIL can read") from exn
+    except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError, struct.error… for broken files
+        raise BadImageError(f"{type(exn).__name__}: {exn}") from exn
+
+
+def normalize_image(image: PIL.Image.Image,
+                    max_size: int | None = None) -> tuple[PIL.Image.Image, tuple[str, ...]]:
+    """Turn `image` upright, into mode L or RGB, and no larger than `max_size`; name each change.
+
+    Changes: "exif_rotated" (an EXIF orientation other than upright is applied: re-encoding drops
+    the tag that told viewers to rotate), the mode changes of `images.l_or_rgb` ("alpha",
+    "palette", "16bit", "cmyk", "other_mode"), "resized". The conversion is the one training,
+    eval and inference apply to raw images (`transforms.to_l_or_rgb`), so shards hold what a
+    model later sees.
+    """
+    changes = []
+    rotated = upright(image)
+    if rotated is not image:
+        image = rotated
+        changes.append("exif_rotated")
+    image, mode_change = l_or_rgb(image)
+    if mode_change:
+        changes.append(mode_change)
+    if max_size is not None and max(image.size) > max_size:
+        image = _shrink(image, max_size)
+        changes.append("resized")
+    return image, tuple(changes)
+
+
+def _shrink(image: PIL.Image.Image, max_size: int) -> PIL.Image.Image:
+    width, height = image.size
+    scale = max_size / max(width, height)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    return image.resize(size, PIL.Image.Resampling.LANCZOS)
+
+
+def encode_image(image: PIL.Image.Image, extension: str) -> bytes:
+    """`image` (mode L or RGB) as png / jpg / webp bytes, with fixed settings and no metadata."""
+    pil_format, settings = _ENCODERS[extension]
+    # Some encoders copy an ICC profile or EXIF from `info`; a converted image would then carry a
+    # profile for colors it no longer has.
+    image.info = {}
+    buffer = io.BytesIO()
+    image.save(buffer, format=pil_format, **settings)
+    return buffer.getvalue()

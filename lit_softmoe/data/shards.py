@@ -20,7 +20,6 @@ skips and counts a bad shard instead of ending the run; a bad *sample* is skippe
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import io
 import json
@@ -38,6 +37,7 @@ from webdataset.shardlists import expand_urls
 
 from lit_softmoe.data.images import upright_l_or_rgb
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import replacing, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +58,6 @@ _LAYOUT_HINT = (
 
 
 # ---------------------------------------------------------------------------------------- writing
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary name, so a reader never sees half a file."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
-
 
 def write_split(
     samples: Iterable[dict[str, Any]],
@@ -414,21 +406,17 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
     path = _decoded_cache_path(split_dir)
     if path is None:
         return None
-    temporary = path.with_name(path.name + ".partial")
     try:
-        with open(temporary, "wb") as file:
+        with replacing(path) as temporary:
             # A str array, not a dict: np.load then needs no pickle.
-            np.savez(file, images=images.numpy(), labels=labels.numpy(),
+            np.savez(temporary, images=images.numpy(), labels=labels.numpy(),
                      bad=np.array(json.dumps([list(event) for event in bad or []])))
-        os.replace(temporary, path)
         # Inside the guard: a read-only folder may still hold the cache of older shards or versions.
         for stale in path.parent.glob(f"{_DECODED_CACHE_PREFIX}*.npz"):
             if stale != path:
                 stale.unlink(missing_ok=True)
     except OSError as exn:  # a read-only dataset folder: decode each time instead
         logger.info("not caching decoded %s: %s", split_dir, exn)
-        with contextlib.suppress(OSError):  # where even that fails, nothing was written
-            temporary.unlink(missing_ok=True)
         return None
     return path
 

@@ -1,6 +1,6 @@
 """Folders and tables of images → webdataset shards (`lit-softmoe data from-folder|from-table`).
 
-Sources:
+Sources (listed by `data.folders` and `data.tables`):
 - a folder of images with a same-stem `.txt` caption beside each (img2dataset's output,
   `00000/000000001.jpg` + `00000/000000001.txt`; Tux Paint's saved drawings);
 - a folder of class subfolders (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`): writes `.cls`
@@ -27,7 +27,7 @@ that holds anything else (another source's shards, Fashion-MNIST) is refused unl
 Reasons a sample is skipped: missing_image, unreadable_image, bad_image (does not decode),
 remote_image (a URL in a table), missing_caption, empty_caption, non_utf8_text, bad_caption (not a
 string), bad_row (a malformed table line), duplicate_key, missing_key, outside_class_folder.
-Changes counted among the re-encoded images: see `normalize_image`.
+Changes counted among the re-encoded images: see `images.normalize_image`.
 """
 from __future__ import annotations
 
@@ -49,33 +49,22 @@ import numpy as np
 import PIL.Image
 from tqdm import tqdm
 
-from lit_softmoe.data.images import l_or_rgb, upright
+from lit_softmoe.data.folders import list_folder
+from lit_softmoe.data.images import IMAGE_FORMATS, BadImageError, prepare_image
+from lit_softmoe.data.listing import Candidate, Listing, is_utf8_text
 from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, splits_beside,
-                                     write_split, write_text_atomic)
-from lit_softmoe.errors import UserError, check_writable
+                                     write_split)
+from lit_softmoe.data.tables import list_table
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.paths import check_writable
 
 logger = logging.getLogger(__name__)
 
-IMAGE_FORMATS = ("keep", "jpg", "png", "webp")
-LAYOUTS = ("auto", "captions", "classes")
-# Files read as images; anything else in a folder (img2dataset's .json, a README) is not a sample.
-SOURCE_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                  ".parquet": "parquet"}
 MANIFEST_FILE = "manifest.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
 DATASET_FILES = (CLASSNAMES_FILE, "zeroshot_classification_templates.txt", "dataset_type.txt", MANIFEST_FILE)
 _FORMAT_VERSION = 2  # bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys)
-# PIL format → the extension readers know; a format not listed (BMP, GIF, TIFF) is re-encoded.
-_KEPT_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
-# Fixed encoder settings: equal pixels give equal bytes (PIL writes no timestamps).
-_ENCODERS = {
-    "png": ("PNG", {"compress_level": 6, "optimize": False}),
-    "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False, "progressive": False}),
-    "webp": ("WEBP", {"quality": 90, "method": 4, "lossless": False}),
-}
-# \w is Unicode-aware: 日本語.jpg keeps its own key (ASCII-only keys turned every such name into "_").
-_UNSAFE_KEY_CHARACTERS = re.compile(r"[^\w-]+")
 
 
 # ---------------------------------------------------------------------------------------- options
@@ -160,134 +149,7 @@ def _reasons(counts: dict[str, int]) -> str:
     return f" ({listed})" if listed else ""
 
 
-# ---------------------------------------------------------------------------------------- images
-
-class BadImageError(Exception):
-    """An image file that does not decode (truncated, not an image, unsupported)."""
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    extension: str              # "png", "jpg" or "webp": the sample's image field
-    data: bytes
-    source_size: tuple[int, int]  # (width, height) of the file, before any change
-    changes: tuple[str, ...]    # normalizations applied, e.g. ("alpha", "resized")
-    reencoded: bool             # False: `data` is the file's own bytes
-
-
-def prepare_image(data: bytes, image_format: str = "keep", max_size: int | None = None) -> PreparedImage:
-    """Decode an image file's bytes fully, normalize it, and give the bytes to store.
-
-    The file's own bytes are kept when its format is the one asked for (or `keep` and it is png,
-    jpg or webp) and `normalize_image` changes nothing; otherwise the normalized image is encoded.
-    Raises BadImageError for a file that does not decode, truncated ones included.
-    """
-    try:
-        image = PIL.Image.open(io.BytesIO(data))
-        image.load()  # decodes every pixel: a truncated file fails here, not in a training run
-        source_extension = _KEPT_FORMATS.get(image.format or "")
-        source_size = image.size
-        image, changes = normalize_image(image, max_size)
-        target = (source_extension or "png") if image_format == "keep" else image_format
-        if not changes and target == source_extension:
-            return PreparedImage(target, data, source_size, (), reencoded=False)
-        return PreparedImage(target, encode_image(image, target), source_size, changes, reencoded=True)
-    except PIL.UnidentifiedImageError as exn:
-        raise BadImageError("not an image file PIL can read") from exn
-    except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError, struct.error… for broken files
-        raise BadImageError(f"{type(exn).__name__}: {exn}") from exn
-
-
-def normalize_image(image: PIL.Image.Image,
-                    max_size: int | None = None) -> tuple[PIL.Image.Image, tuple[str, ...]]:
-    """Turn `image` upright, into mode L or RGB, and no larger than `max_size`; name each change.
-
-    Changes: "exif_rotated" (an EXIF orientation other than upright is applied: re-encoding drops
-    the tag that told viewers to rotate), the mode changes of `images.l_or_rgb` ("alpha",
-    "palette", "16bit", "cmyk", "other_mode"), "resized". The conversion is the one training,
-    eval and inference apply to raw images (`transforms.to_l_or_rgb`), so shards hold what a
-    model later sees.
-    """
-    changes = []
-    rotated = upright(image)
-    if rotated is not image:
-        image = rotated
-        changes.append("exif_rotated")
-    image, mode_change = l_or_rgb(image)
-    if mode_change:
-        changes.append(mode_change)
-    if max_size is not None and max(image.size) > max_size:
-        image = _shrink(image, max_size)
-        changes.append("resized")
-    return image, tuple(changes)
-
-
-def _shrink(image: PIL.Image.Image, max_size: int) -> PIL.Image.Image:
-    width, height = image.size
-    scale = max_size / max(width, height)
-    size = (max(1, round(width * scale)), max(1, round(height * scale)))
-    return image.resize(size, PIL.Image.Resampling.LANCZOS)
-
-
-def encode_image(image: PIL.Image.Image, extension: str) -> bytes:
-    """`image` (mode L or RGB) as png / jpg / webp bytes, with fixed settings and no metadata."""
-    pil_format, settings = _ENCODERS[extension]
-    # Some encoders copy an ICC profile or EXIF from `info`; a converted image would then carry a
-    # profile for colors it no longer has.
-    image.info = {}
-    buffer = io.BytesIO()
-    image.save(buffer, format=pil_format, **settings)
-    return buffer.getvalue()
-
-
 # ---------------------------------------------------------------------------------------- samples
-
-@dataclass
-class Candidate:
-    """One sample as the source names it, before its files are read."""
-
-    key: str
-    source: str                    # the image as the source names it (a relative path): for .json and messages
-    image: Path | bytes            # a file to read, or bytes embedded in a table
-    caption: Path | str | None     # a caption file, the caption, or None where no caption is wanted
-    label: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)  # more .json fields: "class", "extra"
-
-
-@dataclass
-class Listing:
-    """A source's candidates in write order, the problems found listing them, and its identity."""
-
-    candidates: list[Candidate]
-    counter: BadSampleCounter
-    fingerprint: str               # sha256 over the name, size and mtime of every input file
-    classnames: list[str] | None = None
-
-
-def sample_key(path: str | PurePosixPath) -> str:
-    """A webdataset key from a relative path without its extension: `a b/x.y` → `a_b/x_y`.
-
-    Parts keep their `/` (a key may name folders), `.` and `..` are dropped, and any run of
-    characters other than letters, digits (in any script), `_` and `-` becomes `_` (a dot would
-    end the key). Names are NFC-normalized first: macOS stores `é` as `e` + a combining accent.
-    """
-    parts = [part for part in PurePosixPath(path).parts if part not in (".", "..", "/")]
-    return "/".join(_UNSAFE_KEY_CHARACTERS.sub("_", unicodedata.normalize("NFC", part)) for part in parts)
-
-
-def _drop_duplicate_keys(candidates: Iterable[Candidate], counter: BadSampleCounter) -> list[Candidate]:
-    """The first candidate of each key, in order; later ones are counted as duplicate_key."""
-    kept: dict[str, Candidate] = {}
-    for candidate in candidates:
-        if not candidate.key:
-            counter.skip("missing_key", candidate.source)
-        elif candidate.key in kept:
-            counter.skip("duplicate_key", f"{candidate.source} has the key {candidate.key!r} of "
-                                          f"{kept[candidate.key].source}")
-        else:
-            kept[candidate.key] = candidate
-    return list(kept.values())
-
 
 def _read_caption(caption: Path | str) -> tuple[str | None, str | None]:
     """(caption text, None) or (None, the reason to skip the sample)."""
@@ -300,19 +162,11 @@ def _read_caption(caption: Path | str) -> tuple[str | None, str | None]:
             caption = raw.decode("utf-8-sig")
         except UnicodeDecodeError:
             return None, "non_utf8_text"
-    elif not _is_utf8_text(caption):  # a lone surrogate from a JSON escape or a CSV byte
+    elif not is_utf8_text(caption):  # a lone surrogate from a JSON escape or a CSV byte
         return None, "non_utf8_text"
     # NFC: the same words typed on two systems tokenize the same; \r\n from Windows editors goes.
     text = unicodedata.normalize("NFC", caption.replace("\r\n", "\n")).strip()
     return (text, None) if text else (None, "empty_caption")
-
-
-def _is_utf8_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _read_image_file(image: Path | bytes) -> tuple[bytes | None, str | None]:
@@ -387,302 +241,6 @@ def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSamp
     if candidate.label is not None:
         sample["cls"] = str(candidate.label).encode("ascii")
     return sample
-
-
-# ---------------------------------------------------------------------------------------- folders
-
-def _walk_files(src: Path, exclude: Path | None) -> list[PurePosixPath]:
-    """Every non-hidden file under `src` as a relative path, sorted by path parts (not by string:
-    `a/x` comes before `a-b/y`, as a tree listing shows them).
-
-    Linked folders are followed, as ImageFolder follows them (a class folder is often a link into a
-    bigger dataset; skipping it dropped its images uncounted and renumbered the other classes); a
-    link to a folder already on its own path would loop, so it is not entered.
-    """
-    found = []
-    on_path = {src: {src.resolve()}}  # folder → the real folders from `src` down to it
-    for root, dirs, files in os.walk(src, followlinks=True):
-        root_path = Path(root)
-        above = on_path.pop(root_path)
-        kept = []
-        for name in dirs:
-            real = (root_path / name).resolve()
-            if not name.startswith(".") and real != exclude and real not in above:
-                on_path[root_path / name] = above | {real}
-                kept.append(name)
-        dirs[:] = kept
-        relative_root = PurePosixPath(root_path.relative_to(src).as_posix())
-        found.extend(relative_root / name for name in files if not name.startswith("."))
-    return sorted(found, key=lambda path: path.parts)
-
-
-def _fingerprint(files: Iterable[tuple[str, Path]]) -> str:
-    """A hash of each (name, file)'s name, size and mtime: a changed input means a rewrite."""
-    digest = hashlib.sha256()
-    for name, path in files:
-        try:
-            stat = path.stat()
-            identity = [name, stat.st_size, stat.st_mtime_ns]
-        except OSError:  # a missing image is part of the input's identity too
-            identity = [name, None, None]
-        digest.update(json.dumps(identity).encode("utf-8", "surrogateescape") + b"\n")
-    return digest.hexdigest()
-
-
-def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[PurePosixPath]) -> str:
-    if any(image.with_suffix("") in caption_stems for image in images):
-        return "captions"
-    if any(len(image.parts) > 1 for image in images):
-        return "classes"
-    raise UserError(f"{src} holds {len(images)} images but no .txt caption beside any (x.jpg + x.txt) and no "
-                    "class subfolders; add captions, sort the images into one folder per class, or use "
-                    "`lit-softmoe data from-table` with a caption column")
-
-
-def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None) -> Listing:
-    """The samples of a folder in path order; `layout` is "captions", "classes" or "auto".
-
-    Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
-    unique keys), so the same stem in two subfolders is a duplicate_key; an image with no caption
-    is missing_caption, a caption with no image is missing_image. Classes layout: the key is the
-    path from the class folder down, so `cat/1.jpg` and `dog/1.jpg` are both kept; images lying
-    beside the class folders are outside_class_folder.
-    """
-    src = Path(src)
-    if not src.exists():
-        raise UserError(f"source folder {src} not found; pass a folder of images")
-    if not src.is_dir():
-        raise UserError(f"{src} is not a folder; for a table use `lit-softmoe data from-table {src} …`")
-    if layout not in LAYOUTS:
-        raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    # The output folder may lie inside the source: its files are not inputs.
-    exclude = Path(exclude).resolve() if exclude is not None else None
-    files = _walk_files(src, exclude)  # compared to real paths: the output may lie behind a link
-    images = [path for path in files if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES]
-    captions = {path.with_suffix(""): path for path in files if path.suffix.lower() == ".txt"}
-    if not images:
-        raise UserError(f"no image files ({', '.join(SOURCE_IMAGE_SUFFIXES)}) in {src}; "
-                        "pass the folder holding them")
-    if layout == "auto":
-        layout = _detect_layout(src, images, set(captions))
-    counter = BadSampleCounter()
-    if layout == "captions":
-        candidates, classnames = _caption_candidates(src, images, captions, counter), None
-    else:
-        # From the images, not the listing of `src`: an excluded output folder is not a class.
-        classnames = sorted({image.parts[0] for image in images if len(image.parts) > 1})
-        candidates = _class_candidates(src, images, classnames, counter)
-    read = images + (list(captions.values()) if layout == "captions" else [])
-    fingerprint = _fingerprint((str(path), src / path) for path in read)
-    return Listing(_drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames)
-
-
-def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[PurePosixPath, PurePosixPath],
-                        counter: BadSampleCounter) -> list[Candidate]:
-    candidates, captioned = [], set()
-    for image in images:
-        caption = captions.get(image.with_suffix(""))
-        if caption is None:
-            counter.skip("missing_caption", f"{image} has no {image.with_suffix('.txt').name} beside it")
-            continue
-        captioned.add(caption)
-        candidates.append(Candidate(sample_key(image.stem), str(image), src / image, src / caption))
-    for caption in captions.values():
-        if caption not in captioned:
-            counter.skip("missing_image", f"{caption} has no image beside it")
-    return candidates
-
-
-def _class_candidates(src: Path, images: list[PurePosixPath], classnames: list[str],
-                      counter: BadSampleCounter) -> list[Candidate]:
-    label_of = {name: label for label, name in enumerate(classnames)}
-    candidates = []
-    for image in images:
-        if len(image.parts) == 1:
-            counter.skip("outside_class_folder", f"{image} lies beside the class folders, not in one")
-            continue
-        classname = image.parts[0]
-        candidates.append(Candidate(sample_key(image.with_suffix("")), str(image), src / image, None,
-                                    label=label_of[classname], meta={"class": classname}))
-    return candidates
-
-
-# ---------------------------------------------------------------------------------------- tables
-
-def _table_kind(table: Path) -> str:
-    kind = TABLE_SUFFIXES.get(table.suffix.lower())
-    if kind is None:
-        raise UserError(f"cannot tell the format of {table} from its extension; name it .csv, .tsv, "
-                        ".jsonl or .parquet")
-    return kind
-
-
-def _csv_rows(table: Path, delimiter: str, counter: BadSampleCounter) -> tuple[list[str], Iterator[dict]]:
-    def open_table():
-        # surrogateescape: a non-UTF-8 byte spoils its row only, which is then counted and skipped.
-        return open(table, encoding="utf-8-sig", errors="surrogateescape", newline="")
-
-    with open_table() as file:
-        header = next(csv.reader(file, delimiter=delimiter), None)
-    if not header:
-        raise UserError(f"{table} has no header row; its first line must name the columns")
-
-    def rows() -> Iterator[dict]:
-        with open_table() as file:
-            reader = csv.reader(file, delimiter=delimiter)
-            next(reader)  # the header
-            while True:
-                try:
-                    cells = next(reader)
-                except StopIteration:
-                    return
-                except csv.Error as exn:
-                    counter.skip("bad_row", f"{table} line {reader.line_num}: {exn}")
-                    continue
-                if not cells:
-                    continue  # a blank line
-                if len(cells) != len(header):
-                    counter.skip("bad_row", f"{table} line {reader.line_num}: {len(cells)} fields, the header "
-                                            f"has {len(header)}")
-                elif not all(_is_utf8_text(cell) for cell in cells):
-                    counter.skip("non_utf8_text", f"{table} line {reader.line_num}")
-                else:
-                    yield dict(zip(header, cells))
-
-    return header, rows()
-
-
-def _jsonl_rows(table: Path, counter: BadSampleCounter) -> tuple[None, Iterator[dict]]:
-    def rows() -> Iterator[dict]:
-        with open(table, "rb") as file:
-            for line_number, raw in enumerate(file, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw.decode("utf-8-sig"))
-                except UnicodeDecodeError:
-                    counter.skip("non_utf8_text", f"{table} line {line_number}")
-                    continue
-                except ValueError as exn:
-                    counter.skip("bad_row", f"{table} line {line_number}: {exn}")
-                    continue
-                if isinstance(row, dict):
-                    yield row
-                else:
-                    counter.skip("bad_row", f"{table} line {line_number}: a {type(row).__name__}, not an object")
-
-    return None, rows()  # JSONL has no header: the columns are checked after reading
-
-
-def _parquet_rows(table: Path) -> tuple[list[str], Iterator[dict]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"reading {table} needs pyarrow: pip install pyarrow") from None
-    try:
-        file = pq.ParquetFile(table)
-    except Exception as exn:  # pyarrow's ArrowInvalid / OSError for a file that is not Parquet
-        raise UserError(f"{table} is not a readable Parquet file ({exn}); check the file") from None
-
-    def rows() -> Iterator[dict]:
-        for batch in file.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
-
-    return file.schema_arrow.names, rows()
-
-
-def _require_columns(table: Path, columns: Iterable[str], needed: dict[str, str]) -> None:
-    columns = list(columns)
-    for option, column in needed.items():
-        if column not in columns:
-            listed = ", ".join(map(str, columns)) or "none"
-            raise UserError(f"{table} has no column {column!r} (its columns: {listed}); "
-                            f"pass {option} with one of them")
-
-
-def _table_image(cell: Any, table_dir: Path) -> tuple[Path | bytes | None, str, str | None]:
-    """(image file or bytes, the name the table gives it, a reason to skip or None)."""
-    data, name = None, None
-    if isinstance(cell, dict):  # Hugging Face datasets' Image feature: {"bytes", "path"}
-        data, name = cell.get("bytes"), cell.get("path")
-    elif isinstance(cell, (bytes, bytearray)):
-        data = cell
-    elif isinstance(cell, str):
-        name = cell
-    if data:
-        return bytes(data), name or "", None
-    if not isinstance(name, str) or not name.strip():
-        return None, "", "missing_image"
-    name = name.strip()
-    if "://" in name:  # downloading is img2dataset's job; its output is a folder this reads
-        return None, name, "remote_image"
-    path = Path(name)
-    return (path if path.is_absolute() else table_dir / path), name, None
-
-
-def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str | None = None) -> Listing:
-    """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
-
-    The key is `key_col`'s value, else the image path without its extension (so two rows naming
-    one image are a duplicate_key: give `key_col` to keep several captions per image), else the
-    row number for embedded bytes. Columns other than these go to `.json` as "extra".
-    """
-    table = Path(table)
-    if table.is_dir():
-        raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
-                        "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
-    if not table.is_file():
-        raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
-    kind = _table_kind(table)
-    counter = BadSampleCounter()
-    needed = {"--image-col": image_col, "--caption-col": caption_col}
-    if key_col:
-        needed["--key-col"] = key_col
-    if kind == "parquet":
-        columns, rows = _parquet_rows(table)
-    elif kind == "jsonl":
-        columns, rows = _jsonl_rows(table, counter)
-    else:
-        columns, rows = _csv_rows(table, "," if kind == "csv" else "\t", counter)
-    if columns is not None:
-        _require_columns(table, columns, needed)
-
-    candidates, seen_columns = [], {}
-    for index, row in enumerate(rows):
-        seen_columns.update(dict.fromkeys(row))
-        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, counter)
-        if candidate is not None:
-            candidates.append(candidate)
-    if columns is None and seen_columns:
-        _require_columns(table, seen_columns, needed)
-    if not seen_columns and not counter.total:
-        raise UserError(f"{table} holds no rows; pass a table with one row per image")
-    image_files = [(c.source, c.image) for c in candidates if isinstance(c.image, Path)]
-    fingerprint = _fingerprint([(table.name, table), *image_files])
-    return Listing(_drop_duplicate_keys(candidates, counter), counter, fingerprint)
-
-
-def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption_col: str, key_col: str | None,
-                     counter: BadSampleCounter) -> Candidate | None:
-    """The candidate of one row, or None after counting why the row is skipped."""
-    image, name, problem = _table_image(row.get(image_col), table.parent)
-    caption = row.get(caption_col)
-    if caption is None:
-        caption = ""  # counted as empty_caption when written, like a blank cell
-    elif not isinstance(caption, str) and not problem:
-        problem = "bad_caption"  # a number or a list where a caption belongs
-    if problem:
-        counter.skip(problem, f"{table} row {index}: {name}")
-        return None
-    if key_col:
-        value = row.get(key_col)
-        key = sample_key(str(value).replace("/", "_")) if value is not None else ""
-    elif name:
-        key = sample_key(re.sub(r"\.[^./]*$", "", name))  # the path without its extension
-    else:
-        key = f"row{index:07d}"
-    extra = {column: value for column, value in row.items() if column not in (image_col, caption_col, key_col)}
-    return Candidate(key, name or f"row {index}", image, caption, meta={"extra": extra} if extra else {})
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -769,7 +327,6 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         return summary
 
     if other:
-        from lit_softmoe.train.checkpoint import write_folder_atomically
         results = []
         write_folder_atomically(split_dir, lambda tmp: results.append(write(tmp)))
         summary = results[0]

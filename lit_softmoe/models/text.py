@@ -14,7 +14,7 @@ Two kinds, one interface (`TextTower.forward(ids (B, L)) → (B, embed_dim)`, un
                    shape of Hugging Face's `VisionTextDualEncoderModel` text side.
 
 A tower carries `tokenizer_spec` and `context_length`, so the recipe builds the matching tokenizer
-with `lit_softmoe.data.tokenizers.create_tokenizer(tower.tokenizer_spec, tower.context_length)`.
+with `lit_softmoe.models.tokenizers.create_tokenizer(tower.tokenizer_spec, tower.context_length)`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from lit_softmoe.data.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
+from lit_softmoe.models.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
 from lit_softmoe.errors import UserError
 
 TEXT_TOWER_KINDS = ("transformer", "hf")
@@ -143,11 +143,15 @@ def _fp32_kwargs() -> dict:
 
 
 class HFTextTower(TextTower):
-    """A pretrained Hugging Face encoder + masked pooling + a bias-free projection to `embed_dim`."""
+    """A pretrained Hugging Face encoder + masked pooling + a bias-free projection to `embed_dim`.
 
-    def __init__(self, cfg: TextTowerConfig, embed_dim: int):
+    `pretrained_weights=False` builds the encoder from its config.json alone, for a caller that loads
+    every weight itself (an export's text_encoder.safetensors).
+    """
+
+    def __init__(self, cfg: TextTowerConfig, embed_dim: int, pretrained_weights: bool = True):
         super().__init__()
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel
 
         self.cfg = cfg
         self.embed_dim = embed_dim
@@ -158,7 +162,8 @@ class HFTextTower(TextTower):
             # Loaded in fp32 whatever dtype the checkpoint was saved in (transformers >= 5 keeps the saved
             # fp16/bf16): the master weights the optimizer updates stay fp32, the fp32 projection matches
             # them, and autocast alone decides where to compute in low precision.
-            self.encoder = AutoModel.from_pretrained(cfg.path, **_fp32_kwargs())
+            self.encoder = (AutoModel.from_pretrained(cfg.path, **_fp32_kwargs()) if pretrained_weights else
+                            AutoModel.from_config(AutoConfig.from_pretrained(cfg.path)))
         except (OSError, ValueError) as exn:
             first_line = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
             raise UserError(
@@ -202,8 +207,12 @@ class HFTextTower(TextTower):
                 if p.ndim <= 1 or "position_embeddings" in n or "token_type_embeddings" in n}
 
 
-def create_text_tower(cfg: TextTowerConfig, embed_dim: int | None = None) -> TextTower:
-    """The text tower described by `cfg`, projecting to `embed_dim` (default: `cfg.embed_dim`)."""
+def create_text_tower(cfg: TextTowerConfig, embed_dim: int | None = None, pretrained_weights: bool = True) -> TextTower:
+    """The text tower described by `cfg`, projecting to `embed_dim` (default: `cfg.embed_dim`).
+
+    `pretrained_weights=False`: an "hf" tower's encoder is built from its config without reading its
+    weights (the caller loads them all); a "transformer" tower is randomly initialized either way.
+    """
     cfg.validate()
     embed_dim = embed_dim if embed_dim is not None else cfg.embed_dim
     if not embed_dim or embed_dim < 1:
@@ -211,4 +220,4 @@ def create_text_tower(cfg: TextTowerConfig, embed_dim: int | None = None) -> Tex
                         "pass create_text_tower(cfg, embed_dim=image_tower.embed_dim)")
     if cfg.kind == "transformer":
         return OpenClipTextTower(cfg, embed_dim)
-    return HFTextTower(cfg, embed_dim)
+    return HFTextTower(cfg, embed_dim, pretrained_weights)

@@ -1,8 +1,7 @@
 """Soft Mixture of Experts (Puigcerver et al., "From Sparse to Soft Mixtures of Experts", ICLR 2024).
 
 Follows the official JAX router (google-research/vmoe, `vmoe/projects/soft_moe/router.py`) step by
-step; see `shared/reference/soft-moe.md` §1. One image is one routing group: every softmax runs
-inside an example, never across the batch.
+step. One image is one routing group: every softmax runs inside an example, never across the batch.
 
     x (b, m, d) ──L2-normalize──► logits (b, m, n·p) = scale · <x̂, φ̂>
         dispatch D = softmax over the m tokens      (each slot: a convex mix of tokens)
@@ -12,13 +11,14 @@ inside an example, never across the batch.
 The experts are batched: weights stacked on a leading expert axis, one batched matmul per
 projection, no Python loop over experts.
 
-Two implementations of the same function: `SoftMoE.forward_reference` (the steps above, one by one)
-and `soft_moe_forward` (what `forward` runs): the cosine is taken as <x, φ̂> / |x| so the normalized
-tokens x̂ are never materialized, the routing (norms, logits, both softmaxes and their sums) runs in
-fp32 while the matmuls run in the activations' dtype (bf16 weights or autocast: one explicit cast
-per operand), and the slots go to the experts expert-major as strided views (no copy when p = 1;
-cuBLAS reads the strides). `SoftMoE(..., compiled=True)` runs it through `torch.compile`, which fuses
-the norm, the fp32 routing and the casts into a few kernels around the five matmuls.
+`soft_moe_forward` (what `forward` runs) takes the cosine as <x, φ̂> / |x|, so the normalized tokens
+x̂ are never materialized; the routing (norms, logits, both softmaxes and their sums) runs in fp32
+while the matmuls run in the activations' dtype (bf16 weights or autocast: one explicit cast per
+operand), and the slots go to the experts expert-major as strided views (no copy when p = 1; cuBLAS
+reads the strides). `routing_weights` returns the weights of that same computation (`soft_moe_logits`
+→ `soft_moe_weights`). `SoftMoE(..., compiled=True)` runs it through `torch.compile`, which fuses the
+norm, the fp32 routing and the casts into a few kernels around the five matmuls. The tests hold a
+step-by-step oracle of the algorithm above that the layer must equal.
 """
 from __future__ import annotations
 
@@ -110,40 +110,55 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _autocast_off(x: torch.Tensor):
+    return (torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu")
+            else contextlib.nullcontext())
+
+
+def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, noise_std: float = 0.0) -> torch.Tensor:
+    """Routing logits scale · cos(x, φ) (+ noise), (b, m, n·p) in fp32 (fp64 for fp64 inputs).
+
+    x: (b, m, d) in the matmuls' dtype, padding already zeroed; phi: (d, n, p); scale: ().
+    """
+    routing_dtype = torch.promote_types(x.dtype, torch.float32)
+    # scale · <x/|x|, φ/|φ|> = (x @ (scale · φ̂)) / |x|: the small (d, n·p) side is normalized and
+    # scaled, the tokens only contribute one fp32 norm each.
+    phi_hat = _l2_normalize(phi.to(routing_dtype), dim=0).flatten(1) * scale.to(routing_dtype)  # (d, n·p)
+    token_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=routing_dtype)  # (b, m, 1)
+    logits = (x @ phi_hat.to(x.dtype)).to(routing_dtype) * torch.rsqrt(token_norm.square() + _NORM_EPS)
+    if noise_std > 0:
+        logits = logits + noise_std * torch.randn_like(logits)
+    return logits
+
+
+def soft_moe_weights(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dispatch, combine), each (b, m, n·p) in `logits`' dtype: dispatch is a softmax over the m
+    tokens (each slot mixes tokens), combine a softmax over all n·p slots (each token mixes slots)."""
+    # The most negative finite value, not -inf: an example that is all padding then dispatches
+    # (zeroed) padding instead of NaN (a softmax over -inf only), which its zero output discards.
+    dispatch_logits = logits if mask is None else logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min)
+    return dispatch_logits.softmax(dim=1), logits.softmax(dim=2)
+
+
 def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, experts: "BatchedExperts",
                      mask: torch.Tensor | None = None, noise_std: float = 0.0) -> torch.Tensor:
     """Soft MoE as one function (so `torch.compile` sees all of it).
 
     x: (b, m, d); phi: (d, n, p); scale: (); experts: maps (n, tokens, d) → (n, tokens, d) in its
     input's dtype; mask: optional (b, m) bool, True for real tokens; noise_std > 0 adds logit noise.
-    Returns (b, m, d) in the matmuls' dtype (autocast's, else x's). Same function as
-    `SoftMoE.forward_reference`.
+    Returns (b, m, d) in the matmuls' dtype (autocast's, else x's).
     """
     b, m, d = x.shape
     _, n, p = phi.shape
     dtype = _compute_dtype(x)
-    routing_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    autocast_off = (torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu")
-                    else contextlib.nullcontext())
-    with autocast_off:  # every cast below is explicit
+    with _autocast_off(x):  # every cast below is explicit
         x = x.to(dtype)
         if mask is not None:
             # Zero the padding itself: a zero dispatch weight times an inf or NaN pad is still NaN.
             x = x.masked_fill(~mask[:, :, None], 0.0)
-        # scale · <x/|x|, φ/|φ|> = (x @ (scale · φ̂)) / |x|: the small (d, n·p) side is normalized and
-        # scaled, the tokens only contribute one fp32 norm each.
-        phi_hat = _l2_normalize(phi.to(routing_dtype), dim=0).flatten(1) * scale.to(routing_dtype)  # (d, n·p)
-        token_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=routing_dtype)  # (b, m, 1)
-        logits = (x @ phi_hat.to(dtype)).to(routing_dtype) * torch.rsqrt(token_norm.square() + _NORM_EPS)
-        if noise_std > 0:
-            logits = logits + noise_std * torch.randn_like(logits)
-        # The most negative finite value, not -inf: an example that is all padding then dispatches
-        # (zeroed) padding instead of NaN (a softmax over -inf only), which its zero output discards.
-        dispatch_logits = logits if mask is None else logits.masked_fill(
-            ~mask[:, :, None], torch.finfo(logits.dtype).min)
-        dispatch = dispatch_logits.softmax(dim=1).to(dtype)  # (b, m, n·p): each slot mixes tokens
-        combine = logits.softmax(dim=2).to(dtype)  # (b, m, n·p): each token mixes slots
-        slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d)
+        dispatch, combine = soft_moe_weights(soft_moe_logits(x, phi, scale, noise_std), mask)  # (b, m, n·p) each
+        dispatch, combine = dispatch.to(dtype), combine.to(dtype)
+        slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d): weighted sums of the raw tokens
         # Expert-major views: for p = 1 these are strided views, not copies.
         slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)  # (n, b·p, d)
         slot_outputs = experts(slots)  # (n, b·p, d)
@@ -221,41 +236,21 @@ class SoftMoE(nn.Module):
     def num_slots(self) -> int:
         return self.num_experts * self.slots_per_expert
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Routing logits of shape (b, m, n·p); a cosine times `scale` before any noise."""
-        x_hat = _l2_normalize(x, dim=-1)  # (b, m, d)
-        phi_hat = _l2_normalize(self.phi, dim=0).flatten(1)  # (d, n·p)
-        # Multiply the scalar into whichever operand is smaller (as the official code does).
-        if phi_hat.numel() <= x_hat.numel():
-            phi_hat = self.scale * phi_hat
-        else:
-            x_hat = self.scale * x_hat
-        logits = x_hat @ phi_hat.to(x_hat.dtype)  # (b, m, n·p)
-        if self.training and self.noise_std > 0:
-            logits = logits + self.noise_std * torch.randn_like(logits)
-        return logits
+    def _routing_input(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x as `forward` routes it: in the matmuls' dtype, padding zeroed."""
+        x = x.to(_compute_dtype(x))
+        return x if mask is None else x.masked_fill(~mask[:, :, None], 0.0)
 
-    def _softmaxes(self, x: torch.Tensor, mask: torch.Tensor | None):
-        """Dispatch (softmax over tokens) and combine (softmax over slots), both (b, m, n·p), in fp32
-        or wider (fp64 stays fp64)."""
-        logits = self._logits(x)
-        # Softmaxes and their sums in fp32 at least, even when x is bf16/fp16 (or under autocast).
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if mask is not None:
-            # A padding token is never dispatched to a slot (exp(min - max) is exactly 0); its own
-            # output is zeroed later. Not -inf: an all-padding example would give NaN weights.
-            logits_for_dispatch = logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min)
-        else:
-            logits_for_dispatch = logits
-        dispatch = logits_for_dispatch.softmax(dim=1)
-        combine = logits.softmax(dim=2)
-        return dispatch, combine
+    def routing_logits(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits `forward` routes `x` (b, m, d) with: (b, m, n·p), fp32 or wider; training noise
+        included when the layer is training."""
+        x = self._routing_input(x, mask)  # outside _autocast_off: autocast's dtype is read from it
+        with _autocast_off(x):
+            return soft_moe_logits(x, self.phi, self.scale, self.noise_std if self.training else 0.0)
 
     def routing_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None):
-        """Return `(dispatch, combine)`, each of shape (b, m, n, p)."""
-        if mask is not None:
-            x = x.masked_fill(~mask[:, :, None], 0.0)
-        dispatch, combine = self._softmaxes(x, mask)
+        """`(dispatch, combine)` that `forward` routes `x` with, each of shape (b, m, n, p), fp32 or wider."""
+        dispatch, combine = soft_moe_weights(self.routing_logits(x, mask), mask)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         return dispatch.view(shape), combine.view(shape)
 
@@ -263,24 +258,6 @@ class SoftMoE(nn.Module):
         """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
         forward = compiled_soft_moe_forward() if self.compiled else soft_moe_forward
         return forward(x, self.phi, self.scale, self.experts, mask, self.noise_std if self.training else 0.0)
-
-    def forward_reference(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The algorithm step by step (x̂ materialized, autocast's own casts): what `forward` must equal."""
-        b, m, d = x.shape
-        n, p = self.num_experts, self.slots_per_expert
-        if mask is not None:
-            # Zero the padding itself: a zero dispatch weight times an inf or NaN pad is still NaN.
-            x = x.masked_fill(~mask[:, :, None], 0.0)
-        dispatch, combine = self._softmaxes(x, mask)
-        dispatch, combine = dispatch.to(x.dtype), combine.to(x.dtype)
-        slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d): weighted sums of the raw tokens
-        slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)  # expert-major
-        slot_outputs = self.experts(slots)  # (n, b·p, d)
-        slot_outputs = slot_outputs.view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)
-        y = combine @ slot_outputs  # (b, m, d)
-        if mask is not None:
-            y = y * mask[:, :, None].to(y.dtype)
-        return y
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_experts={self.num_experts}, "

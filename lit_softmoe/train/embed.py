@@ -28,8 +28,6 @@ are what is left of it).
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import io
 import json
 import os
@@ -45,11 +43,12 @@ from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, dataset_dir, is_local_url, read_class_members, shard_urls,
-                                     splits_beside, write_split, write_text_atomic)
+                                     splits_beside, write_split)
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
-from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS, load_tower, write_folder_atomically
-from lit_softmoe.train.runtime import autocast_dtype
+from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.device import autocast_dtype
 
 EMBED_FILE = "embed.json"
 FORMAT_VERSION = 1
@@ -58,43 +57,10 @@ METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "da
 _FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
 
 
-# ---------------------------------------------------------------------------------- fingerprint
-
-@functools.lru_cache(maxsize=8)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    # Keyed by size and mtime too: a rewritten file is hashed again, an unchanged one once per
-    # process (a 27B-parameter tower is 55 GB, tens of seconds to hash).
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def tower_fingerprint(tower_dir: str | Path) -> dict:
-    """What the cached embeddings depend on: the tower's weights, its config and its preprocessing.
-
-    Returns {"format", "tower_sha256", "tower", "preprocess"}; raises UserError if `tower_dir` is
-    not a tower folder or its config.json has no preprocessing (the cache would not know how the
-    images were resized and normalized).
-    """
-    tower_dir = Path(tower_dir)
-    config_file, weights_file = tower_dir / TOWER_CONFIG, tower_dir / TOWER_WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
-        raise UserError(f"{tower_dir} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
-                        "point --tower to the `tower` folder of a finished pretraining run")
-    try:
-        meta = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise UserError(f"{config_file} is not valid JSON ({err}); save the tower again") from None
-    preprocess = meta.get("preprocess")
-    if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
-        raise UserError(f"{config_file} has no \"preprocess\" with image_size, mean and std; save the tower with "
-                        "save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
-    stat = weights_file.stat()
-    return {"format": FORMAT_VERSION,
-            "tower_sha256": _file_sha256(str(weights_file.resolve()), stat.st_size, stat.st_mtime_ns),
-            "tower": meta.get("tower"), "preprocess": preprocess}
+def cache_fingerprint(tower_dir: str | Path) -> dict:
+    """What a feature cache made with the tower in `tower_dir` is keyed by: the cache format and the
+    tower's fingerprint (weights' sha256, config, preprocessing)."""
+    return {"format": FORMAT_VERSION, **tower_fingerprint(tower_dir)}
 
 
 def _read_embed_json(split_dir: Path) -> dict | None:
@@ -122,7 +88,7 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
     if info is None:
         raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
                         f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
-    expected = tower_fingerprint(tower_dir)
+    expected = cache_fingerprint(tower_dir)
     if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
         raise UserError(f"feature cache {split_dir} was made with another tower (sha "
                         f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
@@ -329,7 +295,7 @@ def embed_shards(
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = autocast_dtype(precision, device)
-    fingerprint = tower_fingerprint(tower_dir)
+    fingerprint = cache_fingerprint(tower_dir)
     wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
               "precision": "bf16" if autocast else "fp32"}
 

@@ -28,23 +28,27 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (dataset_dir, is_local_url, read_class_members, read_lines, shard_urls,
-                                     write_text_atomic)
-from lit_softmoe.data.tokenizers import create_tokenizer
+from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
+from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.paths import check_writable
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.train.checkpoint import load_tower, prune_checkpoints, save_training_state, write_folder_atomically
-from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache, tower_fingerprint
+from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
+from lit_softmoe.utils.atomic import write_folder_atomically
+from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
+from lit_softmoe.models.tower_folder import tower_fingerprint
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import check_optim_settings, lr_at, set_lr
-from lit_softmoe.train.probe import linear_probe
+from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
-                                      open_run_folder, resume_state)
-from lit_softmoe.zeroshot import build_zeroshot_classifier, zeroshot_metrics
-from lit_softmoe.zeroshot.classifier import check_templates
+                                       open_run_folder, resume_state)
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.evals.classifier import check_templates
 
 _log = logging.getLogger(__name__)
 

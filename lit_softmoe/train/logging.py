@@ -13,8 +13,8 @@ import json
 import logging
 from pathlib import Path
 
-from lit_softmoe.data.shards import write_text_atomic
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -6,44 +6,15 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from omegaconf import OmegaConf
 
-from lit_softmoe.data.shards import write_text_atomic
-
-PRECISIONS = ("auto", "fp32", "bf16")
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 or None (fp32) for `precision`: auto means bf16 on GPUs that support it, fp32 elsewhere
-    (bf16 matmuls on CPUs are slow and change the numbers)."""
-    from lit_softmoe.errors import UserError
-    if precision not in PRECISIONS:
-        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else None
-    return torch.bfloat16 if precision == "bf16" else None
-
-
-def parse_device(name: str | None) -> torch.device:
-    """A `--device` value as a torch.device (None: cuda when present, else cpu). A name torch does
-    not know (`gpu`) or a GPU this machine lacks is a UserError, not a traceback at the first `.to`."""
-    from lit_softmoe.errors import UserError
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r} is not a device; give cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UserError(f"--device {name}: torch finds no CUDA GPU here; leave --device out or give cpu")
-        if device.index is not None and device.index >= count:
-            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: torch finds no Apple GPU here; leave --device out or give cpu")
-    return device
-
+from lit_softmoe.config import to_yaml
+from lit_softmoe.errors import UserError
+from lit_softmoe.model_folders import RUN_CONFIG, latest_checkpoint
+from lit_softmoe.train.checkpoint import load_training_state
+from lit_softmoe.train.logging import RunLogger
+from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.device import autocast_dtype
 
 def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:
     """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16."""
@@ -64,8 +35,6 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
     A checkpoint past `total_steps` is refused: steps/epochs may change on a rerun to extend a run,
     but a shorter rerun would save the longer run's model as the shorter one (and its learning
     rates were those of the longer schedule)."""
-    from lit_softmoe.errors import UserError
-    from lit_softmoe.train.checkpoint import latest_checkpoint, load_training_state
     latest = latest_checkpoint(checkpoints_dir)
     if latest is None:
         return 0, {}, None
@@ -112,7 +81,6 @@ def _show(value) -> str:
 
 def check_training_length(config) -> None:
     """`steps` wins when above 0, else `epochs` sets the length: both 0 would save an untrained model."""
-    from lit_softmoe.errors import UserError
     if config.steps <= 0 and config.epochs <= 0:
         raise UserError("steps=0 and epochs=0 train nothing; set steps=N or epochs=E (steps wins when both are set)")
 
@@ -122,11 +90,8 @@ def check_same_run(run_dir, config) -> None:
     config.yaml differs from `config` in a key outside RESUMABLE_KEYS, when the folder holds what
     this run would resume from or replace (a checkpoint, tower/ or model/). Without this check a
     different config silently resumed the old run's checkpoint and rewrote its config.yaml."""
-    from omegaconf import OmegaConf
-    from lit_softmoe.errors import UserError
-    from lit_softmoe.train.checkpoint import latest_checkpoint
     run_dir = Path(run_dir)
-    saved_file = run_dir / "config.yaml"
+    saved_file = run_dir / RUN_CONFIG
     holds_run = latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / "tower").is_dir() \
         or (run_dir / "model").is_dir()
     if not saved_file.is_file() or not holds_run:
@@ -158,20 +123,17 @@ def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int 
     (what a killed run logged after its last checkpoint). At `step` == `total_steps` (a finished
     run rerun, or one killed after its final evaluation) the final evaluation runs again, so its
     earlier records are dropped as well: a rerun does not log them twice."""
-    from lit_softmoe.config import to_yaml
-    from lit_softmoe.train.logging import RunLogger
     logger = RunLogger(run_dir, enabled=is_main)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Renamed into place: a kill mid-write must not leave a half config for check_same_run.
-        write_text_atomic(run_dir / "config.yaml", to_yaml(config))
+        write_text_atomic(run_dir / RUN_CONFIG, to_yaml(config))
         logger.truncate_after(step, final=step == total_steps)
     return logger
 
 
 def global_loss(accelerator: Accelerator, loss: torch.Tensor, step: int) -> float:
     """The loss averaged over all processes (the global batch's); a non-finite one stops the run."""
-    from lit_softmoe.errors import UserError
     value = accelerator.reduce(loss.detach(), reduction="mean").item()
     if not math.isfinite(value):
         raise UserError(f"training diverged: loss is {value} at step {step}; "

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer, image_tower_config
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.registry import image_tower_config
 
 
 def _dense_t(kernel: np.ndarray) -> np.ndarray:
@@ -209,7 +210,7 @@ def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Pa
 
     A non-empty `out_dir` is refused unless `overwrite`, or it holds this same conversion (a rerun).
     """
-    from lit_softmoe.train.checkpoint import check_tower_out, save_tower
+    from lit_softmoe.models.tower_folder import check_tower_out, save_tower
     check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite, source=path)
     tower = load_vmoe_tower(path, tower_name)
     # vmoe's input pipelines map pixels to [-1, 1] (value_range(-1, 1)): mean = std = 0.5.

@@ -10,6 +10,7 @@ image_retrieval_recall@k (an image for each caption) → text_to_image_R@k.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -17,6 +18,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ def _load_for_clip_benchmark(model_name: str, pretrained: str, cache_dir=None, d
     """CLIP_benchmark's loader signature → (model, transform, tokenizer); `pretrained` is our path."""
     if pretrained in _BUNDLES:
         return _BUNDLES[pretrained]
-    from lit_softmoe.export import load_pretrained
+    from lit_softmoe.hub import load_pretrained
     return load_pretrained(pretrained, device=device)
 
 
@@ -48,10 +50,18 @@ def _accuracy_numpy2(output, target, topk=(1,)):
     return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
 
 
-def register_with_clip_benchmark() -> None:
+@contextlib.contextmanager
+def _numpy2_accuracy():
+    """CLIP_benchmark's `accuracy` replaced by `_accuracy_numpy2` for one run, then restored: the rest
+    of the process (a user's own CLIP_benchmark runs) keeps the library as installed."""
     import clip_benchmark.metrics.zeroshot_classification as zeroshot
+    with mock.patch.object(zeroshot, "accuracy", _accuracy_numpy2):
+        yield
+
+
+def register_with_clip_benchmark() -> None:
+    """Add our loader to CLIP_benchmark's model types (`TYPE2FUNC`, the extension point it documents)."""
     import clip_benchmark.models as models
-    zeroshot.accuracy = _accuracy_numpy2
     if MODEL_TYPE not in models.TYPE2FUNC:
         models.TYPE2FUNC[MODEL_TYPE] = _load_for_clip_benchmark
         models.MODEL_TYPES.append(MODEL_TYPE)  # the CLI's --model_type choices are this same list
@@ -90,7 +100,8 @@ def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset
                 argv += [flag, str(path)]
         saved_argv, sys.argv = sys.argv, argv
         try:
-            with warnings.catch_warnings():  # its webdataset calls predate webdataset 1.0's shardshuffle warning
+            # Its webdataset calls predate webdataset 1.0's shardshuffle warning.
+            with warnings.catch_warnings(), _numpy2_accuracy():
                 warnings.simplefilter("ignore", UserWarning)
                 cli.main()
         finally:

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import (ViTConfig, VisionTransformer, image_tower_config, list_image_towers)
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.registry import image_tower_config, list_image_towers
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 _EXPERT_KEY = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w1|b1|w2|b2)")
@@ -103,7 +104,7 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     For a tower folder, extra also holds its `num_heads` (no tensor shape shows it without qk-norm)."""
     path = Path(path)
     if path.is_dir():
-        from lit_softmoe.train.checkpoint import TOWER_CONFIG, TOWER_WEIGHTS
+        from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
         from safetensors.torch import load_file
         if not (path / TOWER_WEIGHTS).is_file() or not (path / TOWER_CONFIG).is_file():
             raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
@@ -342,7 +343,7 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     records the source, the seed, the fresh tensors and what did not map. Returns that entry.
     A non-empty `out_dir` is refused unless `overwrite`, or it holds this same upcycle (a rerun).
     """
-    from lit_softmoe.train.checkpoint import check_tower_out, save_tower
+    from lit_softmoe.models.tower_folder import check_tower_out, save_tower
     if not -2**63 <= seed < 2**63:  # block b's router is drawn with seed + b: torch takes [-2**63, 2**64)
         raise UserError(f"--seed {seed} is out of range; give an integer such as 0 (|seed| < 2**63)")
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},

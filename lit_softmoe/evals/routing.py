@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.paths import check_writable
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 PANEL_PIXELS = 200  # each panel of the routing figure is 200×200 px (2 in at 100 dpi)
@@ -203,7 +204,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     Returns the report written to `out_png` with suffix .json.
     """
     from lit_softmoe.data.transforms import eval_transform
-    from lit_softmoe.train.checkpoint import load_tower
+    from lit_softmoe.models.tower_folder import load_tower
 
     _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
     tower, meta = load_tower(tower_dir)

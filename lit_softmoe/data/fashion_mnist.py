@@ -1,8 +1,8 @@
-"""Real datasets → shards. Fashion-MNIST (Xiao et al., 2017) is the small real set every demo uses.
+"""Fashion-MNIST (Xiao et al., 2017) → shards: the small real set every demo uses.
 
 Fashion-MNIST ships as four gzipped idx files (the MNIST format); they are read with numpy, so
 no torchvision dataset class (and no download) is needed when the files are on disk. The shards
-follow CLIP_benchmark's layout (see shards.py), so the same folder serves classification
+follow CLIP_benchmark's layout (see `data.shards`), so the same folder serves classification
 pretraining (`.png` + `.cls`), LiT training (`.png` + `.txt` caption) and zero-shot evaluation
 (`classnames.txt` + `zeroshot_classification_templates.txt`).
 """
@@ -24,18 +24,16 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, SIZES_FILE, cache_decoded_split, read_lines,
-                                     splits_beside, write_split, write_text_atomic)
-from lit_softmoe.errors import UserError, check_writable
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, SIZES_FILE, cache_decoded_split, read_lines, splits_beside,
+                                     write_split)
+from lit_softmoe.data.writers import other_split_data
+from lit_softmoe.errors import UserError
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
+from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.paths import check_writable
 
 logger = logging.getLogger(__name__)
 
-# Label order of the idx files; readable, caption-friendly forms of the official names
-# ("T-shirt/top", "Trouser", …, "Ankle boot").
-FASHION_MNIST_CLASSNAMES = (
-    "t-shirt", "trousers", "pullover", "dress", "coat",
-    "sandal", "shirt", "sneaker", "bag", "ankle boot",
-)
 # Pixel statistics of the 60k training images, in [0, 1] (for `normalize_batch` / transforms).
 FASHION_MNIST_MEAN = (0.2860,)
 FASHION_MNIST_STD = (0.3530,)
@@ -47,16 +45,6 @@ CAPTION_TEMPLATES = (
     "a small grayscale picture of my {c}.",
     "the {c}, photographed for a catalogue.",
     "a low resolution image of the {c}.",
-)
-# Zero-shot prompts share no template with the training captions, so a zero-shot score measures
-# transfer to new wordings rather than recall of the captions.
-ZEROSHOT_TEMPLATES = (
-    "a low resolution photo of the {c}.",
-    "a grayscale photo of my {c}.",
-    "a cropped photo of the {c}.",
-    "a product photo of the {c}.",
-    "a close-up photo of the {c}.",
-    "a picture of one {c}.",
 )
 FASHION_MNIST_FILES = {  # split → (images, labels), without the .gz
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -279,7 +267,6 @@ def write_fashion_mnist_shards(
             splits[split] = {"sizes": sizes, "bytes": nbytes}
 
         if others[split]:  # another dataset's split: replaced whole, nothing of it left behind
-            from lit_softmoe.train.checkpoint import write_folder_atomically
             write_folder_atomically(out_dir / split, write)
         else:
             write(out_dir / split)
@@ -306,7 +293,6 @@ def _other_data(out_dir: Path, split: str) -> str | None:
     Ours: the set's manifest.json (written before the first shard) names Fashion-MNIST, and the
     split has no manifest of its own (`data from-folder|from-table` write one) or embed.json.
     """
-    from lit_softmoe.data.writers import other_split_data
     try:
         ours = json.loads((out_dir / MANIFEST_FILE).read_text()).get("dataset") == "fashion-mnist"
     except (OSError, ValueError, AttributeError):

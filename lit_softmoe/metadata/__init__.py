@@ -44,8 +44,24 @@ ALIASES = {
 }
 # Only these keep a distinct entry under "vtab/": the rest are the same classes as the plain name.
 _VTAB_NAMES = {"caltech101": "caltech101_vtab"}
-# Our own Fashion-MNIST prompts (lit_softmoe.data.sources); CLIP_benchmark 1.6.2 ships none.
+# Our own Fashion-MNIST names and prompts; CLIP_benchmark 1.6.2 ships none.
 _FASHION_MNIST = "fashion-mnist"
+# Label order of the idx files; readable, caption-friendly forms of the official names
+# ("T-shirt/top", "Trouser", …, "Ankle boot").
+FASHION_MNIST_CLASSNAMES = (
+    "t-shirt", "trousers", "pullover", "dress", "coat",
+    "sandal", "shirt", "sneaker", "bag", "ankle boot",
+)
+# Zero-shot prompts share no template with the training captions, so a zero-shot score measures
+# transfer to new wordings rather than recall of the captions.
+ZEROSHOT_TEMPLATES = (
+    "a low resolution photo of the {c}.",
+    "a grayscale photo of my {c}.",
+    "a cropped photo of the {c}.",
+    "a product photo of the {c}.",
+    "a close-up photo of the {c}.",
+    "a picture of one {c}.",
+)
 
 
 @dataclass(frozen=True)
@@ -138,14 +154,11 @@ def _imagenet_indices(key: str) -> tuple[int, ...] | None:
 
 
 def _fashion_mnist_info() -> BenchmarkInfo:
-    # Imported here: lit_softmoe.data pulls in torch, which listing benchmarks does not need.
-    from lit_softmoe.data.sources import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
-
     return BenchmarkInfo(
         name=_FASHION_MNIST,
         task="classification",
-        classnames=tuple(FASHION_MNIST_CLASSNAMES),
-        templates=tuple(ZEROSHOT_TEMPLATES),
+        classnames=FASHION_MNIST_CLASSNAMES,
+        templates=ZEROSHOT_TEMPLATES,
         templates_from=_FASHION_MNIST,
-        source="lit_softmoe.data.sources FASHION_MNIST_CLASSNAMES and ZEROSHOT_TEMPLATES (our own)",
+        source="lit_softmoe.metadata FASHION_MNIST_CLASSNAMES and ZEROSHOT_TEMPLATES (our own)",
     )

@@ -34,8 +34,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, BadSampleCounter,
-                                     files_signature, read_lines, shard_urls)
+from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, BadSampleCounter, files_signature,
+                                     read_lines, shard_urls)
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 

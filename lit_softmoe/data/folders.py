@@ -1,0 +1,122 @@
+"""A folder of images as samples (`lit-softmoe data from-folder`): captioned images or class folders.
+
+- captions: each image with a same-stem `.txt` caption beside it (img2dataset's output,
+  `00000/000000001.jpg` + `00000/000000001.txt`);
+- classes: one subfolder per class (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`), numbered in
+  sorted folder-name order as ImageFolder numbers them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from lit_softmoe.data.listing import Candidate, Listing, drop_duplicate_keys, files_fingerprint, sample_key
+from lit_softmoe.data.shards import BadSampleCounter
+from lit_softmoe.errors import UserError
+
+LAYOUTS = ("auto", "captions", "classes")
+# Files read as images; anything else in a folder (img2dataset's .json, a README) is not a sample.
+SOURCE_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _walk_files(src: Path, exclude: Path | None) -> list[PurePosixPath]:
+    """Every non-hidden file under `src` as a relative path, sorted by path parts (not by string:
+    `a/x` comes before `a-b/y`, as a tree listing shows them).
+
+    Linked folders are followed, as ImageFolder follows them (a class folder is often a link into a
+    bigger dataset; skipping it dropped its images uncounted and renumbered the other classes); a
+    link to a folder already on its own path would loop, so it is not entered.
+    """
+    found = []
+    on_path = {src: {src.resolve()}}  # folder → the real folders from `src` down to it
+    for root, dirs, files in os.walk(src, followlinks=True):
+        root_path = Path(root)
+        above = on_path.pop(root_path)
+        kept = []
+        for name in dirs:
+            real = (root_path / name).resolve()
+            if not name.startswith(".") and real != exclude and real not in above:
+                on_path[root_path / name] = above | {real}
+                kept.append(name)
+        dirs[:] = kept
+        relative_root = PurePosixPath(root_path.relative_to(src).as_posix())
+        found.extend(relative_root / name for name in files if not name.startswith("."))
+    return sorted(found, key=lambda path: path.parts)
+
+
+def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[PurePosixPath]) -> str:
+    if any(image.with_suffix("") in caption_stems for image in images):
+        return "captions"
+    if any(len(image.parts) > 1 for image in images):
+        return "classes"
+    raise UserError(f"{src} holds {len(images)} images but no .txt caption beside any (x.jpg + x.txt) and no "
+                    "class subfolders; add captions, sort the images into one folder per class, or use "
+                    "`lit-softmoe data from-table` with a caption column")
+
+
+def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None) -> Listing:
+    """The samples of a folder in path order; `layout` is "captions", "classes" or "auto".
+
+    Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
+    unique keys), so the same stem in two subfolders is a duplicate_key; an image with no caption
+    is missing_caption, a caption with no image is missing_image. Classes layout: the key is the
+    path from the class folder down, so `cat/1.jpg` and `dog/1.jpg` are both kept; images lying
+    beside the class folders are outside_class_folder.
+    """
+    src = Path(src)
+    if not src.exists():
+        raise UserError(f"source folder {src} not found; pass a folder of images")
+    if not src.is_dir():
+        raise UserError(f"{src} is not a folder; for a table use `lit-softmoe data from-table {src} …`")
+    if layout not in LAYOUTS:
+        raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    # The output folder may lie inside the source: its files are not inputs.
+    exclude = Path(exclude).resolve() if exclude is not None else None
+    files = _walk_files(src, exclude)  # compared to real paths: the output may lie behind a link
+    images = [path for path in files if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES]
+    captions = {path.with_suffix(""): path for path in files if path.suffix.lower() == ".txt"}
+    if not images:
+        raise UserError(f"no image files ({', '.join(SOURCE_IMAGE_SUFFIXES)}) in {src}; "
+                        "pass the folder holding them")
+    if layout == "auto":
+        layout = _detect_layout(src, images, set(captions))
+    counter = BadSampleCounter()
+    if layout == "captions":
+        candidates, classnames = _caption_candidates(src, images, captions, counter), None
+    else:
+        # From the images, not the listing of `src`: an excluded output folder is not a class.
+        classnames = sorted({image.parts[0] for image in images if len(image.parts) > 1})
+        candidates = _class_candidates(src, images, classnames, counter)
+    read = images + (list(captions.values()) if layout == "captions" else [])
+    fingerprint = files_fingerprint((str(path), src / path) for path in read)
+    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames)
+
+
+def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[PurePosixPath, PurePosixPath],
+                        counter: BadSampleCounter) -> list[Candidate]:
+    candidates, captioned = [], set()
+    for image in images:
+        caption = captions.get(image.with_suffix(""))
+        if caption is None:
+            counter.skip("missing_caption", f"{image} has no {image.with_suffix('.txt').name} beside it")
+            continue
+        captioned.add(caption)
+        candidates.append(Candidate(sample_key(image.stem), str(image), src / image, src / caption))
+    for caption in captions.values():
+        if caption not in captioned:
+            counter.skip("missing_image", f"{caption} has no image beside it")
+    return candidates
+
+
+def _class_candidates(src: Path, images: list[PurePosixPath], classnames: list[str],
+                      counter: BadSampleCounter) -> list[Candidate]:
+    label_of = {name: label for label, name in enumerate(classnames)}
+    candidates = []
+    for image in images:
+        if len(image.parts) == 1:
+            counter.skip("outside_class_folder", f"{image} lies beside the class folders, not in one")
+            continue
+        classname = image.parts[0]
+        candidates.append(Candidate(sample_key(image.with_suffix("")), str(image), src / image, None,
+                                    label=label_of[classname], meta={"class": classname}))
+    return candidates

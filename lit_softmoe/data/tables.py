@@ -1,0 +1,195 @@
+"""A table of images and captions as samples (`lit-softmoe data from-table`): CSV, TSV, JSONL or
+Parquet, with an image column (paths relative to the table, or bytes embedded as img2dataset's and
+Hugging Face datasets' Parquet files hold them) and a caption column; its other columns go to each
+sample's `.json`. A malformed line is skipped and counted (bad_row), not the end of the run."""
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from lit_softmoe.data.listing import (Candidate, Listing, drop_duplicate_keys, files_fingerprint, is_utf8_text,
+                                      sample_key)
+from lit_softmoe.data.shards import BadSampleCounter
+from lit_softmoe.errors import UserError
+
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
+                  ".parquet": "parquet"}
+
+
+def _table_kind(table: Path) -> str:
+    kind = TABLE_SUFFIXES.get(table.suffix.lower())
+    if kind is None:
+        raise UserError(f"cannot tell the format of {table} from its extension; name it .csv, .tsv, "
+                        ".jsonl or .parquet")
+    return kind
+
+
+def _csv_rows(table: Path, delimiter: str, counter: BadSampleCounter) -> tuple[list[str], Iterator[dict]]:
+    def open_table():
+        # surrogateescape: a non-UTF-8 byte spoils its row only, which is then counted and skipped.
+        return open(table, encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+    with open_table() as file:
+        header = next(csv.reader(file, delimiter=delimiter), None)
+    if not header:
+        raise UserError(f"{table} has no header row; its first line must name the columns")
+
+    def rows() -> Iterator[dict]:
+        with open_table() as file:
+            reader = csv.reader(file, delimiter=delimiter)
+            next(reader)  # the header
+            while True:
+                try:
+                    cells = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as exn:
+                    counter.skip("bad_row", f"{table} line {reader.line_num}: {exn}")
+                    continue
+                if not cells:
+                    continue  # a blank line
+                if len(cells) != len(header):
+                    counter.skip("bad_row", f"{table} line {reader.line_num}: {len(cells)} fields, the header "
+                                            f"has {len(header)}")
+                elif not all(is_utf8_text(cell) for cell in cells):
+                    counter.skip("non_utf8_text", f"{table} line {reader.line_num}")
+                else:
+                    yield dict(zip(header, cells))
+
+    return header, rows()
+
+
+def _jsonl_rows(table: Path, counter: BadSampleCounter) -> tuple[None, Iterator[dict]]:
+    def rows() -> Iterator[dict]:
+        with open(table, "rb") as file:
+            for line_number, raw in enumerate(file, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8-sig"))
+                except UnicodeDecodeError:
+                    counter.skip("non_utf8_text", f"{table} line {line_number}")
+                    continue
+                except ValueError as exn:
+                    counter.skip("bad_row", f"{table} line {line_number}: {exn}")
+                    continue
+                if isinstance(row, dict):
+                    yield row
+                else:
+                    counter.skip("bad_row", f"{table} line {line_number}: a {type(row).__name__}, not an object")
+
+    return None, rows()  # JSONL has no header: the columns are checked after reading
+
+
+def _parquet_rows(table: Path) -> tuple[list[str], Iterator[dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {table} needs pyarrow: pip install pyarrow") from None
+    try:
+        file = pq.ParquetFile(table)
+    except Exception as exn:  # pyarrow's ArrowInvalid / OSError for a file that is not Parquet
+        raise UserError(f"{table} is not a readable Parquet file ({exn}); check the file") from None
+
+    def rows() -> Iterator[dict]:
+        for batch in file.iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+
+    return file.schema_arrow.names, rows()
+
+
+def _require_columns(table: Path, columns: Iterable[str], needed: dict[str, str]) -> None:
+    columns = list(columns)
+    for option, column in needed.items():
+        if column not in columns:
+            listed = ", ".join(map(str, columns)) or "none"
+            raise UserError(f"{table} has no column {column!r} (its columns: {listed}); "
+                            f"pass {option} with one of them")
+
+
+def _table_image(cell: Any, table_dir: Path) -> tuple[Path | bytes | None, str, str | None]:
+    """(image file or bytes, the name the table gives it, a reason to skip or None)."""
+    data, name = None, None
+    if isinstance(cell, dict):  # Hugging Face datasets' Image feature: {"bytes", "path"}
+        data, name = cell.get("bytes"), cell.get("path")
+    elif isinstance(cell, (bytes, bytearray)):
+        data = cell
+    elif isinstance(cell, str):
+        name = cell
+    if data:
+        return bytes(data), name or "", None
+    if not isinstance(name, str) or not name.strip():
+        return None, "", "missing_image"
+    name = name.strip()
+    if "://" in name:  # downloading is img2dataset's job; its output is a folder this reads
+        return None, name, "remote_image"
+    path = Path(name)
+    return (path if path.is_absolute() else table_dir / path), name, None
+
+
+def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str | None = None) -> Listing:
+    """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
+
+    The key is `key_col`'s value, else the image path without its extension (so two rows naming
+    one image are a duplicate_key: give `key_col` to keep several captions per image), else the
+    row number for embedded bytes. Columns other than these go to `.json` as "extra".
+    """
+    table = Path(table)
+    if table.is_dir():
+        raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
+                        "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
+    if not table.is_file():
+        raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
+    kind = _table_kind(table)
+    counter = BadSampleCounter()
+    needed = {"--image-col": image_col, "--caption-col": caption_col}
+    if key_col:
+        needed["--key-col"] = key_col
+    if kind == "parquet":
+        columns, rows = _parquet_rows(table)
+    elif kind == "jsonl":
+        columns, rows = _jsonl_rows(table, counter)
+    else:
+        columns, rows = _csv_rows(table, "," if kind == "csv" else "\t", counter)
+    if columns is not None:
+        _require_columns(table, columns, needed)
+
+    candidates, seen_columns = [], {}
+    for index, row in enumerate(rows):
+        seen_columns.update(dict.fromkeys(row))
+        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, counter)
+        if candidate is not None:
+            candidates.append(candidate)
+    if columns is None and seen_columns:
+        _require_columns(table, seen_columns, needed)
+    if not seen_columns and not counter.total:
+        raise UserError(f"{table} holds no rows; pass a table with one row per image")
+    image_files = [(c.source, c.image) for c in candidates if isinstance(c.image, Path)]
+    fingerprint = files_fingerprint([(table.name, table), *image_files])
+    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint)
+
+
+def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption_col: str, key_col: str | None,
+                     counter: BadSampleCounter) -> Candidate | None:
+    """The candidate of one row, or None after counting why the row is skipped."""
+    image, name, problem = _table_image(row.get(image_col), table.parent)
+    caption = row.get(caption_col)
+    if caption is None:
+        caption = ""  # counted as empty_caption when written, like a blank cell
+    elif not isinstance(caption, str) and not problem:
+        problem = "bad_caption"  # a number or a list where a caption belongs
+    if problem:
+        counter.skip(problem, f"{table} row {index}: {name}")
+        return None
+    if key_col:
+        value = row.get(key_col)
+        key = sample_key(str(value).replace("/", "_")) if value is not None else ""
+    elif name:
+        key = sample_key(re.sub(r"\.[^./]*$", "", name))  # the path without its extension
+    else:
+        key = f"row{index:07d}"
+    extra = {column: value for column, value in row.items() if column not in (image_col, caption_col, key_col)}
+    return Candidate(key, name or f"row {index}", image, caption, meta={"extra": extra} if extra else {})

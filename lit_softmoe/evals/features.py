@@ -1,0 +1,126 @@
+"""The image-feature cache of the eval suite: each benchmark's images are encoded by the locked tower
+once, and kept on disk keyed by everything the features depend on.
+
+The key is the image tower's weights (sha256 of the state), its config, the preprocessing and the
+data files, so a new text tower against a locked image tower re-encodes only text (CLIP_benchmark
+re-encodes every image every time). The cache holds the tower's pooled `forward_features` (before
+any trainable image head), so it stays valid for every text tower and head trained against the
+same locked tower.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.evals.readers import EvalData
+from lit_softmoe.utils.atomic import write_folder_atomically
+from lit_softmoe.utils.device import autocast_context, autocast_dtype
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 3  # 2: the key names the task and the image transform too; 3: a webdataset sample without
+# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LIT_SOFTMOE_CACHE", Path.home() / ".cache" / "lit_softmoe")) / "eval"
+
+
+def _collate(items: list[tuple]) -> tuple:
+    good = [(i, image, target) for i, image, target in items if image is not None]
+    indices = torch.tensor([i for i, _, _ in good], dtype=torch.long)
+    images = torch.stack([image for _, image, _ in good]) if good else None
+    return indices, images, [t for _, _, t in good], len(items) - len(good)
+
+
+@torch.inference_mode()
+def encode_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
+                  progress: bool = False, desc: str = "images", precision: str = "auto") -> tuple[torch.Tensor, list, int]:
+    """→ (features (N, width) float32 in dataset order, targets (N,), skipped bad images)."""
+    loader = DataLoader(data.dataset, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
+                        pin_memory=device.type == "cuda", persistent_workers=False)
+    autocast = autocast_context(device, precision)
+    indices, features, targets, bad = [], [], [], 0
+    for index, images, target, skipped in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        bad += skipped
+        if images is None:
+            continue
+        with autocast:
+            features.append(model.image_tower.forward_features(images.to(device, non_blocking=True)).float().cpu())
+        indices.append(index)
+        targets.extend(target)
+    if not features:
+        return torch.empty(0), [], bad
+    order = torch.cat(indices).argsort()  # workers interleave samples; restore the dataset's order
+    features = torch.cat(features)[order]  # (N, width)
+    return features, [targets[i] for i in order.tolist()], bad
+
+
+def _tower_hash(model) -> str:
+    """The tower's state hash, computed once per state: every benchmark of a suite needs it, and a
+    3.7B-parameter tower takes seconds to hash. A tensor written in place bumps its version counter
+    and a replaced one has a new address, so either change recomputes it."""
+    stamp = tuple((t.data_ptr(), t._version) for t in model.image_tower.state_dict().values())
+    cached = getattr(model, "_eval_tower_hash", None)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, model.image_tower_state_hash())
+        model._eval_tower_hash = cached
+    return cached[1]
+
+
+def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device, precision: str) -> str:
+    """What the cached features and targets depend on. The tower is identified by its weights
+    themselves (sha256 of the state), not by a recorded file hash: the same weights give the same key
+    whether they came from a run, an export or memory, and a tower changed in memory never meets its
+    old features.
+
+    The task is part of the key because the cache holds the targets as well as the features: class
+    indices for classification, captions for retrieval, read from the same files (a webdataset's task
+    comes from the suite or from dataset_type.txt, neither of which the file signature covers). The
+    transform's repr is too: a model handed in without `pretrained_info` has no recorded preprocessing,
+    and its own transform is what the images went through (torchvision's repr spells out the sizes,
+    mean and std; a transform whose repr is unstable only costs cache misses)."""
+    info = getattr(model, "pretrained_info", None) or {}
+    identity = {"format": CACHE_FORMAT, "tower_sha256": _tower_hash(model),
+                "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
+                "transform": repr(getattr(data.dataset, "transform", None)),
+                "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
+                "data": data.signature, "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
+    if data.task == "retrieval":  # the cached captions are the raw text now (blank lines kept, to be counted);
+        identity["captions"] = "raw"  # caches of stripped text would undercount them. Classification keeps its key.
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: EvalSuiteConfig,
+                          device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
+    """(features, targets, bad, "hit" | "miss" | "off"): from the cache when it holds this key."""
+    if cache_dir is None:
+        return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+                               cfg.precision), "off")
+    folder = cache_dir / _cache_key(model, spec, data, device, cfg.precision)
+    if (folder / "meta.json").is_file():
+        meta = json.loads((folder / "meta.json").read_text())
+        return load_file(folder / "features.safetensors")["features"], meta["targets"], meta["bad"], "hit"
+    features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+                                           cfg.precision)
+
+    def write(tmp: Path) -> None:
+        save_file({"features": features.contiguous()}, tmp / "features.safetensors")
+        (tmp / "meta.json").write_text(json.dumps({"benchmark": spec.name, "targets": targets, "bad": bad}))
+
+    try:
+        write_folder_atomically(folder, write)
+    except OSError as err:  # a read-only ~/.cache, a full disk: the features are in hand, the suite goes on
+        logger.warning("image features of %s not cached in %s (%s); set cache_dir= or pass --no-cache",
+                       spec.name, cache_dir, err)
+        return features, targets, bad, "off"
+    return features, targets, bad, "miss"

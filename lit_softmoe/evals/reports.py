@@ -1,0 +1,81 @@
+"""What the eval suite writes: one results JSON, a Markdown table and a PNG bar chart side by side,
+and the one-line summaries the CLI prints."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lit_softmoe.utils.atomic import replacing, write_text_atomic
+
+
+_COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image_to_text_R@5",
+            "text_to_image_R@1", "text_to_image_R@5")
+
+
+def summary_line(entry: dict) -> str:
+    if entry["status"] != "ok":
+        return f"{entry['benchmark']}: {entry['status']} ({entry['reason']})"
+    metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in entry["metrics"].items())
+    return f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
+           f"image cache {entry['image_cache']})"
+
+
+def markdown_row(cells: list[str]) -> str:
+    """One table row from its cells. Rows are built as lists and joined last: joining an empty list
+    of metric columns in the middle of a row (nothing ran) would add a phantom cell."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_separator(aligns: list[str]) -> str:
+    return "|" + "".join(f"{align}|" for align in aligns)
+
+
+def markdown_table(report: dict) -> str:
+    present = {k for e in report["results"] if e["status"] == "ok" for k in e["metrics"]}
+    columns = [c for c in _COLUMNS if c in present] + sorted(present - set(_COLUMNS))
+    lines = [f"Zero-shot results of `{report['model']}` on suite `{report['suite']}` ({report['device']})", "",
+             markdown_row(["benchmark", "task", *columns, "samples", "templates", "seconds"]),
+             markdown_separator(["---", "---", *["---:"] * len(columns), "---:", "---", "---:"])]
+    for entry in report["results"]:
+        if entry["status"] != "ok":
+            lines.append(markdown_row([entry["benchmark"], entry["task"], *[""] * len(columns), "",
+                                       f"{entry['status']}: {entry['reason']}".replace("|", "\\|"), ""]))
+            continue
+        cells = [f"{100 * entry['metrics'][c]:.2f}" if c in entry["metrics"] else "–" for c in columns]
+        templates = entry.get("templates") or {}
+        used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
+            if templates else "captions"
+        lines.append(markdown_row([entry["benchmark"], entry["task"], *cells, str(entry["num_samples"]), used,
+                                   f"{entry['seconds']:.1f}"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = []
+    for entry in report["results"]:
+        if entry["status"] == "ok":
+            for key in ("top1", "image_to_text_R@1", "text_to_image_R@1"):
+                if key in entry["metrics"]:
+                    bars.append((f"{entry['benchmark']}\n{key}", 100 * entry["metrics"][key]))
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(bars) + 1), 3.5))
+    ax.bar(range(len(bars)), [v for _, v in bars], color="#4c72b0")
+    for i, (_, value) in enumerate(bars):
+        ax.text(i, value + 1, f"{value:.1f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("%")
+    ax.set_title(f"zero-shot: suite {report['suite']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    """JSON, Markdown and PNG side by side, each written to a temporary file and renamed into place."""
+    write_text_atomic(out, json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out.with_suffix(".md"), markdown_table(report))
+    with replacing(out.with_suffix(".png")) as temporary:
+        plot_report(report, temporary)

@@ -1,0 +1,128 @@
+"""An export's README.md: what the towers are, what they were trained on, their zero-shot results
+and how to load them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lit_softmoe.model_folders import read_run_config
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.vit import VisionTransformer
+
+
+def _latest_eval(run_dir: Path | None, checkpoint: Path | None = None) -> tuple[Path, dict] | None:
+    """The newest RUN/eval/*.json the eval suite wrote for the exported model, if any: the run's final
+    model, or the exported `checkpoint` (a report on another model describes other weights)."""
+    if run_dir is None or not (run_dir / "eval").is_dir():
+        return None
+    files = sorted((run_dir / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    for file in reversed(files):
+        try:
+            report = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+            continue
+        evaluated = Path(str(report.get("model", "")))
+        if (evaluated.parent.name == "checkpoints") != (checkpoint is not None):
+            continue
+        if checkpoint is not None and evaluated.name != checkpoint.name:  # another step of the run
+            continue
+        return file, report
+    return None
+
+
+def _percent(value) -> str:
+    """A metric (a fraction) as the eval table shows it: a percentage with 2 decimals."""
+    return f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _row(cells: list[str]) -> str:
+    # Cells joined last: an empty list of metric columns (no benchmark ran) adds no phantom cell.
+    return "| " + " | ".join(cells) + " |"
+
+
+def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | None = None) -> list[str]:
+    latest = _latest_eval(run_dir, checkpoint)
+    if latest is not None:
+        file, report = latest
+        rows = report["results"]
+        metrics = list(dict.fromkeys(k for row in rows for k in (row.get("metrics") or {})))
+        lines = [f"From `{file.name}` (suite `{report.get('suite', '?')}`, model `{report.get('model', '?')}`), "
+                 "metrics in %:", "",
+                 _row(["benchmark", "task", *metrics, "samples", "status"]),
+                 "|" + "---|" * (len(metrics) + 4)]
+        for row in rows:
+            values = [_percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
+            status = row.get("status", "")
+            if status in ("skipped", "failed") and row.get("reason"):
+                status = f"{status}: {row['reason']}"
+            lines.append(_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
+                               str(row.get("num_samples", "")), status]))
+        return lines
+    scores = {k: v for k, v in results.items() if k.startswith(("zeroshot_", "linear_probe_top1"))}
+    if not scores:
+        return ["No evaluation recorded."]
+    return ["From the run's results.json (the LiT recipe's own eval set):", "", "| metric | % |", "|---|---|",
+            *[f"| {k} | {_percent(v)} |" for k, v in scores.items()]]
+
+
+def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
+    kind = {"soft": "Soft MoE", "tokens_choice": f"Tokens Choice (top-{tower_cfg.get('num_selected_experts', 1)})",
+            "experts_choice": "Experts Choice"}.get(tower_cfg.get("moe_type", "soft"), tower_cfg.get("moe_type"))
+    per_expert = f" × {tower_cfg.get('slots_per_expert', 1)} slot(s)" if tower_cfg.get("moe_type", "soft") == "soft" else ""
+    moe = (f"{kind}, {tower_cfg['num_experts']} experts{per_expert} in blocks "
+           f"{', '.join(map(str, tower_cfg['moe_layers']))}" if tower_cfg.get("moe_layers") else "dense")
+    return (f"{name + ': ' if name else ''}ViT {tower_cfg['image_size']}px / patch {tower_cfg['patch_size']}, "
+            f"{tower_cfg['in_channels']} channel(s), width {tower_cfg['width']}, depth {tower_cfg['depth']}, {moe}; "
+            f"{params / 1e6:.2f}M parameters")
+
+
+def model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
+                run_dir: Path | None, results: dict, out_dir: Path) -> str:
+    pretrain = facts["tower_meta"].get("pretrain") or {}
+    tower_params = sum(p.numel() for p in tower.parameters())
+    title = "LiT image–text pair" if model is not None else "Soft MoE image tower"
+    lines = [f"# {title} exported by lit-softmoe {config['lit_softmoe_version']}", "",
+             f"Weights in {config['dtype']} safetensors; `image_tower_sha256` {config['image_tower_sha256']}.", "",
+             "## Towers", "",
+             f"- Image (locked): {_tower_line(config['image_tower'], tower_params, pretrain.get('tower'))}"]
+    if model is not None:
+        text = config["text"]
+        text_params = sum(p.numel() for p in model.text_tower.parameters())
+        shape = (f"open_clip text transformer, width {text['width']}, {text['layers']} layers, {text['heads']} heads"
+                 if text["kind"] == "transformer" else f"Hugging Face encoder {text['path']} ({text['pooling']} pooling)")
+        lines += [f"- Text (trained): {shape}, context {text['context_length']} tokens, tokenizer "
+                  f"`{config['tokenizer']['spec']}`; {text_params / 1e6:.2f}M parameters",
+                  f"- Embedding width {config['embed_dim']}, {config['loss']} loss, temperature "
+                  f"{config['temperature']:.3f}" + (f", bias {config['logit_bias']:.3f}" if config.get("logit_bias") is not None
+                                                   else "") + (", image head" if config["image_head"] else "")]
+    lines += ["", "## Training", ""]
+    if pretrain:
+        lines.append(f"- Image tower: pretrained by `lit-softmoe pretrain` ({pretrain.get('config', '?')}), "
+                     f"{pretrain.get('steps', '?')} steps in {pretrain.get('train_seconds', '?')} s"
+                     + (f", test top-1 {_percent(pretrain['test_top1'])}%" if "test_top1" in pretrain else ""))
+    pre_run = read_run_config(run_dir) if run_dir is not None and model is None else {}
+    if pre_run.get("data"):
+        lines.append(f"- Pretraining data: train `{pre_run['data'].get('train')}`, test `{pre_run['data'].get('test')}`")
+    if model is not None and run_dir is not None:
+        run = read_run_config(run_dir)
+        data, evaluation = run.get("data") or {}, run.get("eval") or {}
+        lines.append(f"- LiT data: `{data.get('train', '?')}`" + (" (cached image features)" if results.get("cached_features")
+                                                                 else "") + f", eval `{evaluation.get('shards', '?')}`")
+    if model is not None:
+        lines.append(f"- LiT: {results.get('steps', facts.get('step', '?'))} steps in {results.get('train_seconds', '?')} s")
+    if model is not None:
+        checkpoint = Path(facts["checkpoint"]) if facts.get("checkpoint") else None
+        lines += ["", "## Zero-shot", "", *_zeroshot_section(run_dir, results, checkpoint)]
+    lines += ["", "## Use", "", "```python", "from lit_softmoe import " + ("load_pretrained" if model else "load_image_tower"),
+              "", (f"model, preprocess, tokenizer = load_pretrained(\"{out_dir}\")" if model is not None else
+                   f"tower, preprocess = load_image_tower(\"{out_dir}\")"),
+              ("image = model.encode_image(preprocess(pil_image)[None])  # (1, D), normalized" if model is not None else
+               "features = tower.forward_features(preprocess(pil_image)[None])  # (1, width)")]
+    if model is not None:
+        lines.append("text = model.encode_text(tokenizer([\"a photo of a cat\"]))  # (1, D), normalized")
+    lines += ["```", "", "Without torch: onnxruntime + numpy + PIL (+ `tokenizers` for the text) — see "
+              "`scripts/onnx_example.py` in lit-softmoe." if model is not None else
+              "Without torch: `image_encoder.onnx` (pixels → image_features) with onnxruntime.", ""]
+    return "\n".join(lines)

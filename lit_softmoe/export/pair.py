@@ -1,0 +1,192 @@
+"""Export a trained LiT pair (or a pretrained tower alone) as one self-contained folder.
+
+The folder follows Hugging Face's `save_pretrained` convention (safetensors weights + a config.json
+that rebuilds the architecture + the tokenizer files, nothing pickled); `lit_softmoe.hub.load_pretrained`
+loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_softmoe.model_folders`.
+
+    DIR/
+        config.json                 format version, both towers' configs, embed width, loss, temperature
+                                    (and SigLIP bias), image preprocessing, tokenizer spec + context
+                                    length, image_tower_sha256, lit_softmoe version
+        image_encoder.safetensors   `image_tower.*` (+ `image_head.*`): LiTModel's own key names
+        text_encoder.safetensors    `text_tower.*`, `log_scale` (+ `logit_bias`)
+        tokenizer.json              a `tokenizers` tokenizer with truncation and padding to the context
+                                    length built in: ids without torch (the ONNX example uses it)
+        tokenizer/                  the original tokenizer files: open_clip's BPE vocabulary, or the
+                                    Hugging Face tokenizer (save_pretrained) + the encoder's config.json
+        image_encoder.onnx          with --onnx: pixels (B, C, H, W) float32 → image_embedding (B, D)
+        text_encoder.onnx           with --onnx: ids (B, L) int64 → text_embedding (B, D)
+        README.md                   model card: towers, data, training, zero-shot table
+
+An image-only export (from a pretraining tower) has config.json (kind "image"), image_encoder.safetensors,
+image_encoder.onnx (pixels → image_features (B, width), the pooled features, unnormalized: what linear
+probes and `lit-softmoe embed` use) and the model card; load it with `load_image_tower`.
+
+Decisions:
+- `image_tower_sha256` keys the image tower's weights (caches of its embeddings use it): a run's tower
+  file's sha256 (`tower_fingerprint`), copied into an fp32 export so the same weights keep the same key;
+  for bf16/fp16 exports, the sha256 of the written image_encoder.safetensors (other weights, other key).
+- bf16/fp16 halve the safetensors; `load_pretrained` always returns an fp32 model (the half-precision
+  weights upcast exactly; `.to(torch.bfloat16)` it if you like). ONNX graphs are always fp32, built from
+  those same upcast weights: onnxruntime's CPU provider has no bf16 kernels for most ops, and the
+  ONNX-vs-PyTorch check then holds to 1e-4 whatever the stored dtype.
+"""
+from __future__ import annotations
+
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.export.model_card import model_card
+from lit_softmoe.export.onnx import write_onnx
+from lit_softmoe.export.tokenizer_json import write_tokenizer
+from lit_softmoe.hub import load_run_pair, preprocess_spec
+from lit_softmoe.model_folders import (EXPORT_CONFIG, EXPORT_FORMAT, IMAGE_WEIGHTS, MODEL_CARD, RUN_CONFIG, STATE_META,
+                                       TEXT_WEIGHTS, TOKENIZER_DIR, ModelFolder, classify_folder, is_export, read_json)
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
+from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
+from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.paths import check_writable
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _version() -> str:
+    try:
+        return version("lit-softmoe")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _check_out_dir(out_dir: Path, read_from: list[Path], overwrite: bool) -> None:
+    """Refuse an --out that cannot be written, or whose replacement would delete what is exported."""
+    check_writable(out_dir, "--out", folder=True)  # a file in the way, a read-only parent: before any work
+    filled = out_dir.is_dir() and any(out_dir.iterdir())
+    if filled and not overwrite:
+        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, or pick another folder")
+    # --overwrite replaces the whole folder: never a folder we read from (the run, its image tower and
+    # the pretraining run around it) nor one holding it, and inside them only an earlier export
+    # (RUN/checkpoints or the tower's run would be lost).
+    target = out_dir.resolve()
+    for protected in dict.fromkeys(path.resolve() for path in read_from):
+        if target == protected or target in protected.parents:
+            raise UserError(f"--out {out_dir} holds the model being exported ({protected}); pick another folder")
+        if filled and protected in target.parents and not is_export(out_dir):
+            raise UserError(f"--out {out_dir} is inside {protected}, which this export reads, and is not an "
+                            "earlier export: --overwrite would delete it; pick another folder")
+
+
+def _read_from(source: ModelFolder, tower_dir: Path | None = None) -> list[Path]:
+    """The folders an export of `source` reads: the run (or model/checkpoint/tower folder), and for a
+    pair the image tower with the pretraining run that holds it."""
+    paths = [source.path, *([source.run_dir] if source.run_dir else [])]
+    if tower_dir is not None:
+        paths.append(tower_dir)
+        if (tower_dir.parent / RUN_CONFIG).is_file():
+            paths.append(tower_dir.parent)
+    return paths
+
+
+def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx: bool = False,
+                overwrite: bool = False) -> Path:
+    """Export a finished LiT run (or a pretraining tower, image-only) to `out_dir`; returns `out_dir`.
+
+    Written into a temporary sibling folder and renamed at the end: a failure leaves nothing behind
+    and an existing `out_dir` untouched.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use one of {list(DTYPES)}")
+    source = classify_folder(run)
+    if source.kind == "export":
+        raise UserError(f"{run} is already an export; copy the folder instead of exporting it again")
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, _read_from(source), overwrite)
+    if source.kind == "tower":
+        tower, tower_meta = load_tower(source.path)
+        model = None
+        facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
+                 "image_tower_sha256": tower_fingerprint(source.path)["tower_sha256"],
+                 "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
+        tower.eval().requires_grad_(False)
+    else:
+        model, facts = load_run_pair(source)
+        tower = model.image_tower
+        _check_out_dir(out_dir, _read_from(source, Path(facts["tower_dir"])), overwrite)  # now the tower is known
+    run_dir = source.run_dir
+    results = read_json(run_dir / "results.json") if run_dir and (run_dir / "results.json").is_file() else {}
+    if source.kind == "checkpoint":
+        # The run's results.json describes its final model, not this checkpoint: keep only what the
+        # whole run shares, and take the step and training time from the checkpoint itself.
+        state_meta = read_json(source.path / STATE_META)
+        seconds = state_meta.get("train_seconds")
+        results = {"steps": state_meta.get("step"), "train_seconds": round(seconds, 1) if seconds is not None else "?",
+                   **({"cached_features": results["cached_features"]} if "cached_features" in results else {})}
+
+    # The state to write, in the export's dtype; the model then takes these exact (rounded) values
+    # so that the ONNX graphs and their check see what a user loading the export gets.
+    target = DTYPES[dtype]
+    full = {f"image_tower.{k}": v for k, v in tower.state_dict().items()} if model is None else model.state_dict()
+    state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous().clone() for k, v in full.items()}
+    image_state = {k: v for k, v in state.items() if k.startswith(("image_tower.", "image_head."))}
+    text_state = {k: v for k, v in state.items() if k not in image_state}
+    if dtype != "fp32":
+        upcast = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        (model if model is not None else _Prefixed(tower)).load_state_dict(upcast)
+
+    config = {"format": EXPORT_FORMAT, "kind": "pair" if model is not None else "image",
+              "lit_softmoe_version": _version(), "dtype": dtype, "image_tower": facts["image_tower"],
+              "embed_dim": model.text_tower.embed_dim if model is not None else tower.embed_dim,
+              "preprocess": facts["preprocess"], "image_tower_sha256": facts["image_tower_sha256"],
+              "source": {"path": str(Path(run).resolve()), "tower": facts.get("tower_dir", str(source.path)),
+                         "step": results.get("steps", facts.get("step"))}}
+    if model is None:
+        config["classnames"] = facts["tower_meta"].get("classnames")
+    else:
+        config.update({"text": facts["text"], "loss": facts["loss"], "image_head": facts["image_head"],
+                       "temperature": float(model.log_scale.detach().exp().clamp(max=model.max_temperature)),
+                       "logit_bias": float(model.logit_bias.detach()) if model.logit_bias is not None else None})
+
+    tokenizer = (create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
+                 if model is not None else None)
+
+    def write(tmp: Path) -> None:
+        save_file(image_state, tmp / IMAGE_WEIGHTS)
+        if dtype != "fp32":  # other weights, other key (see the module docstring)
+            config["image_tower_sha256"] = file_sha256(tmp / IMAGE_WEIGHTS)
+        if model is not None:
+            save_file(text_state, tmp / TEXT_WEIGHTS)
+            config["tokenizer"] = write_tokenizer(tmp, model.text_tower.tokenizer_spec,
+                                                  model.text_tower.context_length, tokenizer)
+            if model.text_tower.tokenizer_spec.startswith(HF_PREFIX):
+                model.text_tower.encoder.config.save_pretrained(tmp / TOKENIZER_DIR)  # the architecture
+        if onnx:
+            config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
+        (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / MODEL_CARD).write_text(model_card(config, model, tower, facts, run_dir, results, out_dir))
+
+    try:
+        # Without --overwrite, --out may only be absent or empty, also at the very end: the emptiness
+        # check at the start does not settle it (two exports to one new --out both pass it).
+        return write_folder_atomically(out_dir, write, replace=overwrite)
+    except FolderTakenError:
+        raise UserError(f"--out {out_dir} was written by another run while this export ran (it was absent "
+                        "or empty when the export started), and is kept; pass --overwrite to replace it, or pick "
+                        "another folder") from None
+
+
+class _Prefixed(nn.Module):
+    """A tower under the name `image_tower`, so its state dict has the export's key names."""
+
+    def __init__(self, tower: VisionTransformer):
+        super().__init__()
+        self.image_tower = tower
+
+

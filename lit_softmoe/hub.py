@@ -1,0 +1,219 @@
+"""Load what lit-softmoe wrote: `load_pretrained` (an image–text pair) and `load_image_tower`.
+
+Both take any folder `lit_softmoe.model_folders.classify_folder` recognizes (an export, a LiT run, its
+model/ folder, a training checkpoint, a pretraining run or its tower/) and follow open_clip's
+`create_model_and_transforms` in spirit: the model comes with the preprocessing its image tower was
+trained with, and the pair with its tokenizer. Nothing here needs the training code.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+from torch import nn
+
+from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.errors import UserError
+from lit_softmoe.model_folders import (EXPORT_CONFIG, EXPORT_FORMAT, IMAGE_WEIGHTS, RUN_CONFIG, STATE_META,
+                                       STATE_TENSORS, TEXT_WEIGHTS, TOKENIZER_DIR, ModelFolder, classify_folder,
+                                       read_json, read_run_config)
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
+from lit_softmoe.models.tower_folder import (TOWER_CONFIG, TOWER_WEIGHTS, check_state_dict, load_tower, load_weights,
+                                             tower_fingerprint)
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+
+
+def _find_tower(recorded: str, run_dir: Path | None) -> Path:
+    """The tower folder a run names. Relative paths in config.yaml are relative to where training was
+    launched, i.e. the folder that holds the run folder as config.yaml's run_dir spells it."""
+    candidates = [Path(recorded)]
+    if run_dir is not None and not Path(recorded).is_absolute():
+        written = Path(str(read_run_config(run_dir).get("run_dir", "")))
+        if written.parts and not written.is_absolute():
+            launch_dir = run_dir.resolve()
+            for _ in written.parts:
+                launch_dir = launch_dir.parent
+            candidates.append(launch_dir / recorded)
+    for candidate in candidates:
+        if (candidate / TOWER_CONFIG).is_file() and (candidate / TOWER_WEIGHTS).is_file():
+            return candidate
+    raise UserError(f"the image tower {recorded} the run was trained against is not there (looked in "
+                    f"{', '.join(str(c) for c in candidates)}); put the pretraining run's tower/ folder back there")
+
+
+def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
+    """Everything `eval_transform` does, spelled out so a reader without torch can redo it."""
+    if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
+        raise UserError("the tower's config.json has no preprocess entry (image_size, mean, std); "
+                        "re-save it with `lit-softmoe pretrain`")
+    channels, size = int(tower_cfg["in_channels"]), int(preprocess["image_size"])
+
+    def per_channel(values) -> list[float]:
+        values = [float(values)] if isinstance(values, (int, float)) else [float(v) for v in values]
+        return values * channels if len(values) == 1 else values
+
+    return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
+            "resize": "shorter side to image_size, bilinear, antialiased", "crop": "center",
+            "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"]),
+            # RGB → gray for 1-channel towers: PIL's convert("L") (exact on gray content).
+            "gray": "PIL convert('L')"}
+
+
+def make_preprocess(spec: dict):
+    """PIL image → normalized float32 (C, H, W): the tower's eval transform (RGB ↔ gray converted)."""
+    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"])
+
+
+def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` into `model` loudly; without `image_tower.*` keys the model's own tower stays."""
+    skip = () if any(k.startswith("image_tower.") for k in state) else ("image_tower.",)
+    check_state_dict(model, state, source, skip_prefixes=skip)
+    model.load_state_dict(state, strict=not skip)
+
+
+def _state_sha256(state: dict[str, torch.Tensor]) -> str:
+    return hashlib.sha256(save({k: v.contiguous() for k, v in state.items()})).hexdigest()
+
+
+def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: Path) -> None:
+    """model/config.json records the tower's config, preprocessing and weights' sha256 the text tower
+    was trained against; a tower folder rewritten since (another tower, other preprocessing, retrained
+    weights) would be paired with that text tower without a word, and every embedding would be wrong."""
+    recorded_cfg, recorded_pre = info.get("image_tower_config"), info.get("preprocess")
+    # Keys both know only: a run saved by an older version may lack a key added since.
+    changed = [key for key in (recorded_cfg or {}) if key in tower_cfg and recorded_cfg[key] != tower_cfg[key]]
+    if recorded_pre and recorded_pre != tower_meta.get("preprocess"):
+        changed.append("preprocess")
+    recorded_sha = info.get("image_tower_sha256")  # runs saved before it was recorded have none
+    if recorded_sha and recorded_sha != tower_fingerprint(tower_dir)["tower_sha256"]:
+        changed.append("its weights")
+    if changed:
+        raise UserError(f"the image tower at {tower_dir} is not the one the run was trained against (it differs in "
+                        f"{', '.join(changed)}); put that tower back there, or train the text tower against this one")
+
+
+def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
+    """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
+    if source.kind == "checkpoint":
+        cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG)
+        text_cfg, loss, image_head = cfg.text, cfg.loss, cfg.image_head
+        tower_dir = _find_tower(cfg.image_tower, source.run_dir)
+        tensors = load_weights(source.path / STATE_TENSORS)
+        state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        info = read_json(source.path / STATE_META)  # its image_tower_sha256: checkpoints before it have none
+        step = info.get("step")
+    else:
+        info = read_json(source.path / EXPORT_CONFIG)
+        text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
+        tower_dir = _find_tower(info["image_tower"], source.run_dir)
+        state = load_weights(source.path / TOWER_WEIGHTS)
+        image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
+        step = (info.get("results") or {}).get("steps")
+    tower, tower_meta = load_tower(tower_dir)
+    _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
+    model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
+    _load_weights(model, state, str(source.path))
+    tower_state = {k: v for k, v in state.items() if k.startswith("image_tower.")}
+    # A partly unlocked run changed the tower: its weights are the run's, not the tower file's.
+    sha = _state_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
+    facts = {"text": text_cfg.to_dict(), "image_tower": tower.cfg.to_dict(), "embed_dim": model.text_tower.embed_dim,
+             "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
+             "tower_meta": tower_meta, "step": step,
+             "checkpoint": str(source.path) if source.kind == "checkpoint" else None,
+             "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
+    return model.eval(), facts
+
+
+def _load_export_pair(path: Path, config: dict) -> LiTModel:
+    """An export folder → fp32 LiTModel (half-precision weights upcast exactly)."""
+    if config.get("kind") != "pair":
+        raise UserError(f"{path} is an image-only export (no text tower); load it with "
+                        "lit_softmoe.load_image_tower(path)")
+    if config.get("format", 0) > EXPORT_FORMAT:
+        raise UserError(f"{path} has export format {config['format']}, newer than this lit-softmoe reads "
+                        f"({EXPORT_FORMAT}); upgrade lit-softmoe")
+    tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
+    text_cfg = TextTowerConfig.from_dict(config["text"])
+    hf = text_cfg.kind == "hf"
+    if hf:  # the architecture and tokenizer travel in the export; the original path may be gone
+        text_cfg.path = str(path / TOKENIZER_DIR)
+    # The architecture travels in the export (tokenizer/config.json); text_encoder.safetensors holds every
+    # weight, so the encoder is built from its config without reading pretrained weights.
+    text_tower = create_text_tower(text_cfg, embed_dim=config["embed_dim"], pretrained_weights=False)
+    model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
+    state = {k: v.float() if v.is_floating_point() else v
+             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_weights(path / name).items()}
+    check_state_dict(model, state, str(path))
+    model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
+    model.lock_image_tower()
+    return model.eval()
+
+
+def _tokenizer_for(spec: str, context_length: int, export_dir: Path | None = None):
+    if export_dir is not None and spec.startswith(HF_PREFIX):
+        return create_tokenizer(f"{HF_PREFIX}{export_dir / TOKENIZER_DIR}", context_length)
+    return create_tokenizer(spec, context_length)
+
+
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
+    """(model, preprocess, tokenizer) from an export folder, a LiT run, its model/ folder or a checkpoint.
+
+    `model.encode_image(preprocess(img)[None])` and `model.encode_text(tokenizer(["a cat"]))` give
+    normalized embeddings (B, D); `model.pretrained_info` says what was loaded (source, kind,
+    image_tower_sha256, the tower's config, the preprocessing). The model is fp32 in eval mode.
+    """
+    source = classify_folder(path)
+    if source.kind == "tower":
+        raise UserError(f"{path} is a pretrained image tower without a text tower; load it with "
+                        "lit_softmoe.load_image_tower(path), or point to a LiT run trained against it")
+    if source.kind == "export":
+        config = read_json(source.path / EXPORT_CONFIG)
+        model = _load_export_pair(source.path, config)
+        preprocess_spec, sha, tower_cfg = config["preprocess"], config["image_tower_sha256"], config["image_tower"]
+        tokenizer = _tokenizer_for(config["tokenizer"]["spec"], config["tokenizer"]["context_length"], source.path)
+        kind = "export"
+    else:
+        model, facts = load_run_pair(source)
+        preprocess_spec, sha, tower_cfg = facts["preprocess"], facts["image_tower_sha256"], facts["image_tower"]
+        tokenizer = _tokenizer_for(model.text_tower.tokenizer_spec, model.text_tower.context_length)
+        kind = "run"
+    model.to(device)
+    model.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
+                             "image_tower": tower_cfg, "preprocess": preprocess_spec,
+                             "tokenizer": getattr(model.text_tower, "tokenizer_spec", None)}
+    return model, make_preprocess(preprocess_spec), tokenizer
+
+
+def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
+    """(tower, preprocess) from any export (pair or image-only), a tower folder, or a pretraining/LiT run.
+
+    `tower.forward_features(preprocess(img)[None])` gives the pooled Soft MoE features (B, width);
+    `tower.pretrained_info` is as in `load_pretrained`.
+    """
+    source = classify_folder(path)
+    if source.kind == "export":
+        config = read_json(source.path / EXPORT_CONFIG)
+        tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
+        state = {k[len("image_tower."):]: v.float() if v.is_floating_point() else v
+                 for k, v in load_weights(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
+        check_state_dict(tower, state, str(source.path / IMAGE_WEIGHTS))
+        tower.load_state_dict(state, assign=True)
+        spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"
+    elif source.kind == "tower":
+        tower, meta = load_tower(source.path)
+        spec = preprocess_spec(tower.cfg.to_dict(), meta.get("preprocess"))
+        sha, kind = tower_fingerprint(source.path)["tower_sha256"], "run"
+    else:
+        model, facts = load_run_pair(source)
+        tower, spec, sha, kind = model.image_tower, facts["preprocess"], facts["image_tower_sha256"], "run"
+    tower = tower.to(device).eval().requires_grad_(False)
+    tower.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
+                             "image_tower": tower.cfg.to_dict(), "preprocess": spec}
+    return tower, make_preprocess(spec)
+
+

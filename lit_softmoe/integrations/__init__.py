@@ -1,0 +1,1 @@
+"""Doors to peer projects: CLIP_benchmark's loader for our models and the `--peer` cross-check."""

@@ -1,0 +1,110 @@
+"""The folders that hold a model, recognized by the files in them.
+
+    EXPORT/                         `lit-softmoe export` (see lit_softmoe.export)
+        config.json (with "format")  image_encoder.safetensors  [text_encoder.safetensors  tokenizer/ ...]
+    RUN/                            a LiT run (`lit-softmoe train`) or a pretraining run (`lit-softmoe pretrain`)
+        config.yaml  results.json  metrics.jsonl  eval/
+        model/    config.json + model.safetensors: the LiT pair (config.json has "text" and "image_tower_config")
+        tower/    config.json + model.safetensors: the pretrained image tower (config.json has "tower")
+        checkpoints/step_00000500/   state.safetensors + state.json (lit_softmoe.train.checkpoint)
+
+`classify_folder` tells which one a path is; the loaders (lit_softmoe.hub), the export and the eval
+suite's default output path all start from it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
+
+# An export folder's files.
+EXPORT_FORMAT = 1
+EXPORT_CONFIG, MODEL_CARD = "config.json", "README.md"
+IMAGE_WEIGHTS, TEXT_WEIGHTS = "image_encoder.safetensors", "text_encoder.safetensors"
+IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
+TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
+# A run folder's files.
+RUN_CONFIG = "config.yaml"
+STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
+
+_EXPECTED = ("an export folder (from `lit-softmoe export`), a LiT run folder, its model/ folder, a LiT checkpoint "
+             "folder RUN/checkpoints/step_N, or (for the image tower alone) a pretraining run or its tower/ folder")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file of a model folder, or one UserError line naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} ({err}); is it a complete folder?") from None
+
+
+def read_run_config(run_dir: Path) -> dict:
+    """A run folder's config.yaml as a plain dict ({} when it holds no mapping)."""
+    from omegaconf import OmegaConf
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(run_dir / RUN_CONFIG))
+    except Exception as err:  # noqa: BLE001 — any YAML problem is the user's file, named in one line
+        raise UserError(f"cannot read {run_dir / RUN_CONFIG} ({err})") from None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The newest complete `step_*` folder (temporary folders start with '.' and are ignored)."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return None
+    done = sorted(p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file())
+    return done[-1] if done else None
+
+
+def is_export(path: Path) -> bool:
+    try:
+        return "format" in json.loads((path / EXPORT_CONFIG).read_text()) and (path / IMAGE_WEIGHTS).is_file()
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+@dataclass
+class ModelFolder:
+    kind: str  # "export" | "lit-model" | "checkpoint" | "tower"
+    path: Path  # the export / model / checkpoint / tower folder itself
+    run_dir: Path | None = None  # the run folder holding it (config.yaml, results.json, eval/), if any
+
+
+def classify_folder(path: str | Path) -> ModelFolder:
+    """Recognize a folder by the files in it; a run folder that has not finished says how to finish it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path} is not a folder; expected {_EXPECTED}")
+    config = path / EXPORT_CONFIG
+    if config.is_file() and (path / IMAGE_WEIGHTS).is_file() and "format" in read_json(config):
+        return ModelFolder("export", path)
+    if config.is_file() and (path / TOWER_WEIGHTS).is_file():
+        meta = read_json(config)
+        holder = path.parent if (path.parent / RUN_CONFIG).is_file() else None
+        if "text" in meta and "image_tower_config" in meta:  # RUN/model, written by the LiT recipe
+            return ModelFolder("lit-model", path, holder)
+        if "tower" in meta:  # RUN/tower, written by pretraining
+            return ModelFolder("tower", path, holder)
+    if (path / "model" / EXPORT_CONFIG).is_file() and (path / "model" / TOWER_WEIGHTS).is_file():
+        return ModelFolder("lit-model", path / "model", path)
+    if (path / "tower" / TOWER_CONFIG).is_file() and (path / "tower" / TOWER_WEIGHTS).is_file():
+        return ModelFolder("tower", path / "tower", path if (path / RUN_CONFIG).is_file() else None)
+    if (path / STATE_META).is_file() and (path / STATE_TENSORS).is_file() and path.parent.name == "checkpoints":
+        run_dir = path.parent.parent
+        if (run_dir / RUN_CONFIG).is_file() and "text" in read_run_config(run_dir):
+            return ModelFolder("checkpoint", path, run_dir)
+    if (path / RUN_CONFIG).is_file():
+        run_config = read_run_config(path)
+        if "text" in run_config:
+            raise UserError(f"{path} is a LiT run whose training has not finished (no model/ folder); run "
+                            f"`lit-softmoe train --config {path / RUN_CONFIG}` to resume it, or point to one of "
+                            f"its checkpoints ({path / 'checkpoints'}/step_N)")
+        if "tower" in run_config:
+            raise UserError(f"{path} is a pretraining run that has not finished (no tower/ folder); run "
+                            f"`lit-softmoe pretrain --config {path / RUN_CONFIG}` to resume it")
+    raise UserError(f"{path} is not a model folder lit-softmoe knows; expected {_EXPECTED}")

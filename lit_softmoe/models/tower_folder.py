@@ -1,0 +1,161 @@
+"""The tower folder: an image tower on disk as `model.safetensors` + `config.json`, nothing pickled.
+
+    TOWER/
+        model.safetensors   the VisionTransformer's state dict
+        config.json         {"tower": ViTConfig as a dict, "preprocess": {"image_size", "mean", "std"},
+                             ...what its writer adds: "classnames", "pretrain", "upcycled_from", ...}
+
+Pretraining, `upcycle` and `convert` write it; LiT, `embed`, `eval`, `export` and `inspect-routing`
+read it. It is written into a temporary sibling folder and renamed into place, so a run killed
+mid-write never leaves a half-written tower under the final name.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.paths import check_writable
+
+TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
+
+
+def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """`module`'s state dict as safetensors takes it: it refuses shared or non-contiguous storage, so
+    detach + clone makes each tensor its own."""
+    return {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()
+            if not k.startswith(skip_prefixes)}
+
+
+def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None = None) -> Path:
+    """Save a tower as safetensors + config.json (tower config under "tower", plus `extra`)."""
+    meta = {"tower": tower.cfg.to_dict(), **(extra or {})}
+
+    def write(tmp: Path):
+        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)
+        (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+    return write_folder_atomically(out_dir, write)
+
+
+def update_tower_meta(tower_dir: str | Path, updates: dict) -> None:
+    """Merge `updates` into a saved tower's config.json (rewritten atomically; weights untouched)."""
+    path = Path(tower_dir) / TOWER_CONFIG
+    write_text_atomic(path, json.dumps({**json.loads(path.read_text()), **updates}, indent=2) + "\n")
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                     skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Raise UserError naming every missing, unexpected or mis-shaped key (a loud, pure loader)."""
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith(skip_prefixes)}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shapes differ, checkpoint vs tower (e.g. {'; '.join(mismatched[:2])})")
+    if problems:
+        raise UserError(f"{source} does not fit the tower: {'; '.join(problems)}; "
+                        "use the tower name and options the checkpoint was trained with")
+
+
+def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
+    copied only in part, a truncated download)."""
+    try:
+        return load_file(path, device=str(device))
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
+                        "copy it again or write it anew") from None
+
+
+def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
+    """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
+    path = Path(path)
+    if not path.exists():
+        try:
+            recover(path)  # a save killed mid-replace, on a system without an atomic exchange
+        except OSError:  # e.g. a read-only folder: say below that there is no tower
+            pass
+    config_file, weights_file = path / TOWER_CONFIG, path / TOWER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
+                        "point to the `tower` folder of a finished pretraining run")
+    try:
+        meta = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise UserError(f"{config_file} is not valid JSON ({err}); the tower folder is damaged: save or copy it again") \
+            from None
+    try:
+        cfg = ViTConfig.from_dict(meta["tower"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise UserError(f"{config_file} has no valid tower config: {err}") from None
+    tower = VisionTransformer(cfg, device="meta")
+    state = load_weights(weights_file, device)
+    check_state_dict(tower, state, str(weights_file))
+    tower.load_state_dict(state, assign=True)
+    return tower, meta
+
+
+def tower_fingerprint(tower_dir: str | Path) -> dict:
+    """What a tower's outputs depend on: its weights, its config and its preprocessing.
+
+    Returns {"tower_sha256", "tower", "preprocess"} (caches of its embeddings are keyed by it);
+    raises UserError if `tower_dir` is not a tower folder or its config.json has no preprocessing
+    (a cache would not know how the images were resized and normalized).
+    """
+    tower_dir = Path(tower_dir)
+    config_file, weights_file = tower_dir / TOWER_CONFIG, tower_dir / TOWER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise UserError(f"{tower_dir} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
+                        "point --tower to the `tower` folder of a finished pretraining run")
+    try:
+        meta = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise UserError(f"{config_file} is not valid JSON ({err}); save the tower again") from None
+    preprocess = meta.get("preprocess")
+    if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
+        raise UserError(f"{config_file} has no \"preprocess\" with image_size, mean and std; save the tower with "
+                        "save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
+    return {"tower_sha256": file_sha256(weights_file), "tower": meta.get("tower"), "preprocess": preprocess}
+
+
+def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,
+                    source: str | Path) -> None:
+    """Refuse, before any work, an `out_dir` that saving a tower there would destroy.
+
+    Saving replaces the whole folder, so a non-empty one (a run, a dataset, another tower) needs
+    `overwrite`, as export's --out does. A tower this same command wrote (config.json's
+    `record_key` entry holds `record`) is replaced without it: a rerun gives the same tower.
+    Never, even with `overwrite`: the folder the tower is read from, or one holding it.
+    """
+    out_dir = Path(out_dir)
+    check_writable(out_dir, "--out", folder=True)
+    target, source = out_dir.resolve(), Path(source).resolve()
+    if target == source or target in source.parents:
+        raise UserError(f"--out {out_dir} holds the input {source}; pick another folder")
+    if (source / TOWER_CONFIG).is_file() and source in target.parents:
+        # Saving the source tower again (a pretraining rerun) replaces its folder whole, with this one.
+        raise UserError(f"--out {out_dir} is inside the input tower folder {source}; pick a folder outside it")
+    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    try:
+        written = json.loads((out_dir / TOWER_CONFIG).read_text()).get(record_key) or {}
+    except (OSError, ValueError, AttributeError):
+        written = {}
+    own_files = {p.name for p in out_dir.iterdir()} <= {TOWER_CONFIG, TOWER_WEIGHTS}
+    if not (own_files and isinstance(written, dict) and all(written.get(k) == v for k, v in record.items())):
+        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, "
+                        "or pick another folder")

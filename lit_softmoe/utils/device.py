@@ -1,0 +1,45 @@
+"""Devices and precision as users name them (`--device cuda:1`, `precision=auto`)."""
+from __future__ import annotations
+
+import torch
+
+from lit_softmoe.errors import UserError
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 or None (fp32) for `precision`: auto means bf16 on GPUs that support it, fp32 elsewhere
+    (bf16 matmuls on CPUs are slow and change the numbers)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def parse_device(name: str | None) -> torch.device:
+    """A `--device` value as a torch.device (None: cuda when present, else cpu). A name torch does
+    not know (`gpu`) or a GPU this machine lacks is a UserError, not a traceback at the first `.to`."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {name}: torch finds no CUDA GPU here; leave --device out or give cpu")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: torch finds no Apple GPU here; leave --device out or give cpu")
+    return device
+
+
+def autocast_context(device: torch.device, precision: str) -> torch.autocast:
+    """`torch.autocast` for `precision` on `device`: bf16 where `autocast_dtype` says so, else off."""
+    dtype = autocast_dtype(precision, device)
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
