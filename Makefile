@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install fashion-mnist demo demo-fast test clean
+.PHONY: install fashion-mnist demo demo-fast test lint wheel-check clean
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,26 @@ demo: $(INSTALLED) fashion-mnist
 demo-fast: $(INSTALLED) fashion-mnist
 	$(VENV)/bin/lit-softmoe demo --fast
 
-test: $(INSTALLED) fashion-mnist
+test: $(INSTALLED) fashion-mnist lint
 	$(PY) -m pytest -q
+
+# The layering contract (pyproject's [tool.importlinter]: imports point down the layers only) and ruff.
+lint: $(INSTALLED)
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check lit_softmoe tests scripts
+
+# The wheel as users get it: built, installed into a fresh virtual environment outside the checkout
+# (torch from $(TORCH_SPEC)), and `lit-softmoe demo --fast` run there to the end.
+WHEEL_CHECK_DIR ?= $(or $(TMPDIR),/tmp)/lit-softmoe-wheel-check
+wheel-check: $(INSTALLED) fashion-mnist
+	rm -rf "$(WHEEL_CHECK_DIR)" && mkdir -p "$(WHEEL_CHECK_DIR)"
+	$(PY) -m build --wheel --outdir "$(WHEEL_CHECK_DIR)/dist" .
+	$(PYTHON) -m venv "$(WHEEL_CHECK_DIR)/venv"
+	"$(WHEEL_CHECK_DIR)/venv/bin/python" -m pip install -q $(TORCH_SPEC)
+	"$(WHEEL_CHECK_DIR)/venv/bin/python" -m pip install -q "$(WHEEL_CHECK_DIR)"/dist/*.whl
+	cd "$(WHEEL_CHECK_DIR)" && venv/bin/lit-softmoe demo --fast --data data --runs runs
+	cd "$(WHEEL_CHECK_DIR)" && venv/bin/python -c "import lit_softmoe.config as c, sys; \
+		sys.exit(0 if not c.__file__.startswith('$(CURDIR)') else 'lit_softmoe was imported from the checkout')"
 
 clean:
 	rm -rf runs data .pytest_cache

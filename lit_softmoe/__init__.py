@@ -22,12 +22,21 @@ _PUBLIC = {
     "prepare_for_inference": "lit_softmoe.models.inference",
     "upcycle_tower": "lit_softmoe.models.upcycle",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE", "ViTConfig",
+           "VisionTransformer", "create_image_tower", "create_text_tower", "list_image_towers", "load_image_tower",
+           "load_pretrained", "prepare_for_inference", "upcycle_tower"]  # the keys of _PUBLIC
 
 if TYPE_CHECKING:  # what editors and type checkers see
     from lit_softmoe.hub import load_image_tower, load_pretrained
-    from lit_softmoe.models import (LiTModel, TextTowerConfig, ViTConfig, VisionTransformer, create_image_tower,
-                                    create_text_tower, list_image_towers)
+    from lit_softmoe.models import (
+        LiTModel,
+        TextTowerConfig,
+        VisionTransformer,
+        ViTConfig,
+        create_image_tower,
+        create_text_tower,
+        list_image_towers,
+    )
     from lit_softmoe.models.inference import prepare_for_inference
     from lit_softmoe.models.upcycle import upcycle_tower
     from lit_softmoe.nn import ExpertsChoiceMoE, SoftMoE, TokensChoiceMoE

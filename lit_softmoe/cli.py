@@ -99,7 +99,8 @@ def _cmd_inspect_routing(args) -> None:
     plotted = report["plotted"]
     print(f"entropies in nats (max in brackets); dispatch weights of block {plotted['block']}, slots "
           f"{plotted['slots'][0]}-{plotted['slots'][-1]} drawn in {args.out}; statistics in "
-          f"{plotted['png'].rsplit('.', 1)[0]}.json" + (f"; predicted: {report['prediction']}" if report["prediction"] else ""))
+          f"{plotted['png'].rsplit('.', 1)[0]}.json"
+          + (f"; predicted: {report['prediction']}" if report["prediction"] else ""))
 
 
 def _cmd_models(args) -> None:
@@ -115,8 +116,8 @@ def _cmd_models(args) -> None:
 
 def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
-    from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
     from lit_softmoe.evals.reports import markdown_table, summary_line
+    from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
     benchmarks = None  # the whole suite
     if args.benchmarks is not None:
@@ -147,6 +148,7 @@ def _cmd_eval(args) -> None:
 
 def _cmd_export(args) -> None:
     import json
+
     from lit_softmoe.export import export_pair
     out = export_pair(args.run, args.out, dtype=args.dtype, onnx=args.onnx, overwrite=args.overwrite)
     config = json.loads((out / "config.json").read_text())
@@ -213,12 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(func=_cmd_data)
 
     pre = sub.add_parser("pretrain", help="pretrain an image tower on class shards")
-    pre.add_argument("--config", required=True, help="YAML file, e.g. configs/pretrain/fmnist-soft-tiny.yaml")
+    pre.add_argument("--config", required=True,
+                     help="a YAML file, or a shipped config by name, e.g. pretrain/fmnist-soft-tiny")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     pre.set_defaults(func=_cmd_pretrain)
 
     train = sub.add_parser("train", help="LiT: train a text tower against a locked image tower")
-    train.add_argument("--config", required=True, help="YAML file, e.g. configs/lit/fmnist-tiny.yaml")
+    train.add_argument("--config", required=True, help="a YAML file, or a shipped config by name, e.g. lit/fmnist-tiny")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
     train.set_defaults(func=_cmd_train)
 
@@ -265,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="zero-shot classification and retrieval over the benchmarks of a suite")
     ev.add_argument("--model", required=True, help="a LiT run folder, its model/ or a checkpoint folder, or an export")
-    ev.add_argument("--suite", required=True, help="suite file, e.g. eval/fashion-mnist.yaml")
+    ev.add_argument("--suite", required=True,
+                    help="a suite YAML file, or a shipped suite by name: fashion-mnist, lit-paper, clip-27")
     ev.add_argument("--benchmarks", default=None, help="comma-separated subset of the suite's benchmarks")
     ev.add_argument("--out", default=None, help="results JSON (default: RUN/eval/SUITE[-step_N]-TIME.json for a run, "
                     "its model/ or a checkpoint; EXPORT/eval/SUITE-TIME.json for an export); .md and .png go beside it")

@@ -130,19 +130,55 @@ def _select(node, key: str):
         return None
 
 
+# Shipped configs and suites: package data, so `pip install` users have them too. The top-level
+# configs/ and eval/ folders of a source checkout point here.
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def _shipped_folder(schema: type) -> str:
+    return {"PretrainConfig": "pretrain", "LiTConfig": "lit", "EvalSuiteConfig": "suites"}.get(schema.__name__, "")
+
+
+def shipped_configs(schema: type) -> list[str]:
+    """The short names of the shipped configs for `schema` (suites by their bare name, e.g. "fashion-mnist")."""
+    folder = _shipped_folder(schema)
+    if folder == "suites":
+        return sorted(path.stem for path in (SHIPPED_CONFIGS / folder).glob("*.yaml"))
+    return sorted(f"{folder}/{path.stem}" for path in (SHIPPED_CONFIGS / folder).glob("*.yaml"))
+
+
+def config_path(schema: type, name: str | Path) -> Path:
+    """The YAML file `name` names: a file that exists, else a shipped one by its short name
+    (`pretrain/fmnist-soft-tiny`, `fmnist-soft-tiny` for a pretraining config, `fashion-mnist` for a
+    suite) or by its path in a source checkout (`configs/pretrain/fmnist-soft-tiny.yaml`, `eval/fashion-mnist.yaml`)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    parts = list(path.with_suffix("").parts if path.suffix in (".yaml", ".yml") else path.parts)
+    if parts[:1] == ["configs"]:  # a source checkout's path, read where the package keeps it
+        parts = parts[1:]
+    elif parts[:1] == ["eval"]:
+        parts = ["suites", *parts[1:]]
+    folder = _shipped_folder(schema)
+    for candidate in (SHIPPED_CONFIGS.joinpath(*parts), SHIPPED_CONFIGS.joinpath(folder, *parts)):
+        if parts and candidate.with_suffix(".yaml").is_file():
+            return candidate.with_suffix(".yaml")
+    what = "suite" if folder == "suites" else "config file"
+    raise UserError(f"{what} {name} does not exist; give a YAML file or a shipped one: "
+                    f"{', '.join(shipped_configs(schema))}")
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
     """Merge `schema`'s defaults, the YAML file at `path` and dotted `key=value` overrides.
 
-    Every mistake (missing file, unknown key, wrong type, a value outside its choices) raises
-    UserError with one line naming the key and the fix.
+    `path` is a file, or the short name of a shipped one (`config_path`). Every mistake (missing
+    file, unknown key, wrong type, a value outside its choices) raises UserError with one line naming
+    the key and the fix.
     """
     base = OmegaConf.structured(schema)
     layers = []  # (layer, where it came from), merged in this order
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            shipped = "suites are under eval/" if schema is EvalSuiteConfig else "configs are under configs/"
-            raise UserError(f"config file {path} does not exist; shipped {shipped}")
+        path = config_path(schema, path)
         try:
             layers.append((OmegaConf.load(path), f" in {path}"))
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
@@ -260,4 +296,5 @@ class EvalSuiteConfig:
     workers: int = 2  # image-decoding worker processes
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16
-    cache_dir: str = ""  # image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval
+    # The image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval.
+    cache_dir: str = ""

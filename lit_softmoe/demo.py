@@ -14,11 +14,10 @@ import json
 import time
 from pathlib import Path
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig, config_path, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.paths import check_writable
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
 FAST_LIMIT = 10_000
 FAST_PRETRAIN = ["epochs=2", "optim.warmup_steps=50", "log_every=10", "checkpoint_every=1000"]
@@ -27,13 +26,6 @@ FAST_LIT = ["epochs=4", "optim.warmup_steps=20", "eval.every=0", "log_every=10"]
 
 def _headline(text: str) -> None:
     print(f"\n== {text}", flush=True)
-
-
-def _config_file(*parts: str) -> Path:
-    path = CONFIGS.joinpath(*parts)
-    if not path.is_file():
-        raise UserError(f"{path} is missing; run the demo from a source checkout (pip install -e .)")
-    return path
 
 
 @contextlib.contextmanager
@@ -98,8 +90,8 @@ def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> lis
     """Load the export as a user would and pick, for each test image, the best of the class prompts."""
     import torch
 
-    from lit_softmoe.hub import load_pretrained
     from lit_softmoe.evals.readers import read_benchmark
+    from lit_softmoe.hub import load_pretrained
     model, preprocess, tokenizer = load_pretrained(export_dir)
     test = read_benchmark("fashion-mnist", shards, "test", preprocess)  # the eval suite's own reader
     images = list(itertools.islice(test.dataset, count))  # (index, pixels, label) of the first `count`
@@ -116,10 +108,10 @@ def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> lis
 def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False) -> dict:
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
     from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
-    from lit_softmoe.export import export_pair
-    from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
     from lit_softmoe.evals.reports import markdown_table
     from lit_softmoe.evals.suite import run_suite
+    from lit_softmoe.export import export_pair
+    from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
     from lit_softmoe.train.embed import embed_shards
     from lit_softmoe.train.lit import train_lit
     from lit_softmoe.train.pretrain import pretrain
@@ -142,7 +134,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
 
     _headline("2/7 pretrain the tiny Soft MoE tower on the class labels")
     tic = time.perf_counter()
-    config = _config_file("pretrain", "fmnist-soft-tiny.yaml")
+    config = config_path(PretrainConfig, "pretrain/fmnist-soft-tiny")
     overrides = (FAST_PRETRAIN if fast else []) + [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_root / 'pretrain'}"]
     with _step(f"lit-softmoe pretrain --config {config} {' '.join(overrides)}"):
@@ -162,7 +154,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
 
     _headline("4/7 LiT: train a text tower against the locked tower")
     tic = time.perf_counter()
-    config = _config_file("lit", "fmnist-tiny.yaml")
+    config = config_path(LiTConfig, "lit/fmnist-tiny")
     overrides = (FAST_LIT if fast else []) + [
         f"image_tower={tower_dir}", f"data.train={features / 'train'}", f"eval.shards={features / 'test'}",
         f"eval.probe_train={features / 'train'}", f"run_dir={run_root / 'lit'}"]
@@ -170,11 +162,12 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
         lit_results = train_lit(load_config(LiTConfig, config, overrides))
     timings["lit"] = time.perf_counter() - tic
 
-    _headline("5/7 zero-shot eval suite" + (" (cross-checked with CLIP_benchmark)" if clip_benchmark_available() else ""))
+    peer = clip_benchmark_available()
+    _headline("5/7 zero-shot eval suite" + (" (cross-checked with CLIP_benchmark)" if peer else ""))
     tic = time.perf_counter()
     suite = EvalSuiteConfig(name="fashion-mnist", cache_dir=str(Path(data_dir) / "eval-cache"),
                             benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(shards))])
-    report = run_suite(run_root / "lit", suite, peer=clip_benchmark_available())
+    report = run_suite(run_root / "lit", suite, peer=peer)
     print(markdown_table(report))
     entry = report["results"][0]
     if entry.get("peer"):

@@ -17,15 +17,32 @@ from torch import nn
 from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import (EXPORT_CONFIG, EXPORT_FORMAT, IMAGE_WEIGHTS, RUN_CONFIG, STATE_META,
-                                       STATE_TENSORS, TEXT_WEIGHTS, TOKENIZER_DIR, ModelFolder, classify_folder,
-                                       read_json, read_run_config)
+from lit_softmoe.model_folders import (
+    EXPORT_CONFIG,
+    EXPORT_FORMAT,
+    IMAGE_WEIGHTS,
+    RUN_CONFIG,
+    STATE_META,
+    STATE_TENSORS,
+    TEXT_WEIGHTS,
+    TOKENIZER_DIR,
+    ModelFolder,
+    classify_folder,
+    read_json,
+    read_run_config,
+)
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
-from lit_softmoe.models.tower_folder import (TOWER_CONFIG, TOWER_WEIGHTS, check_state_dict, load_tower, load_weights,
-                                             tower_fingerprint)
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.tower_folder import (
+    TOWER_CONFIG,
+    TOWER_WEIGHTS,
+    check_state_dict,
+    load_tower,
+    load_weights,
+    tower_fingerprint,
+)
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 
 def _find_tower(recorded: str, run_dir: Path | None) -> Path:

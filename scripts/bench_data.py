@@ -36,9 +36,9 @@ import torch
 
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.shards import shard_urls
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.models.tokenizers import create_tokenizer
-from lit_softmoe.data.shards import shard_urls
 
 
 def _time_epoch(batches) -> tuple[int, float]:
@@ -106,7 +106,8 @@ def _split_pattern(split: Path) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shards", type=Path, help="a split folder of image + .txt shards (default: Fashion-MNIST train)")
+    parser.add_argument("--shards", type=Path,
+                        help="a split folder of image + .txt shards (default: Fashion-MNIST train)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/lit-softmoe-bench/fashion-mnist"),
                         help="where Fashion-MNIST shards are written when --shards is not given")
     parser.add_argument("--sizes", default="28,224", help="image sizes, comma separated (eval transform, RGB output)")

@@ -18,9 +18,10 @@ Wall seconds per row include loading the model from disk (rows 1, 2, 3, 5: insid
 `load_pretrained` + perturbing the text tower, timed here), reading the data, encoding, scoring and
 writing the results (ours: JSON + Markdown + PNG report; CLIP_benchmark: its JSON). Python imports of
 both tools are done before any timing, and the shards are read and the model loaded once (page cache)
-before the first row. Both run in fp32 (CLIP_benchmark with --no_amp, ours with precision fp32, as `lit-softmoe eval --peer`),
-on a GPU too. Images/s is images / wall seconds. "peer / ours" is the peer's wall time over ours, measured in
-the same run (> 1: ours is faster). Top-1 of ours and of CLIP_benchmark must agree within 0.1 point.
+before the first row. Both run in fp32 (CLIP_benchmark with --no_amp, ours with precision fp32, as
+`lit-softmoe eval --peer`), on a GPU too. Images/s is images / wall seconds. "peer / ours" is the peer's
+wall time over ours, measured in the same run (> 1: ours is faster). Top-1 of ours and of CLIP_benchmark
+must agree within 0.1 point.
 
 Workers: ours decodes with --workers DataLoader workers whatever the shard count; CLIP_benchmark's
 webdataset reader fails with more workers than shards, so it gets min(workers, shards) (0 when that
@@ -45,12 +46,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchlib import cpu_name  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available, in_our_names, run_clip_benchmark
 from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available, in_our_names, run_clip_benchmark
 
 PEER = "clip_benchmark"
 AGREE_POINTS = 0.1  # top-1 of ours and the peer must agree within this many points
@@ -219,8 +219,9 @@ def _run_benchmark(args, model_path: Path, root: Path, work: Path) -> dict:
     ours_top1 = {r["row"]: r["top1"] for r in results if r["row"] != PEER}
     gap = max(abs(ours_top1[row] - peer["top1"]) * 100 for row in ours_top1 if row != "ours warm, new text tower")
     return {"model": str(model_path), "data": str(Path(args.data)), "benchmark": args.benchmark, "split": args.split,
-            "images": images, "limit": args.limit, "batch_size": args.batch_size, "precision": PRECISION, "workers": ours_workers,
-            "peer_workers": theirs_workers, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+            "images": images, "limit": args.limit, "batch_size": args.batch_size, "precision": PRECISION,
+            "workers": ours_workers, "peer_workers": theirs_workers, "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
             "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "clip_benchmark": _version("clip_benchmark"), "repeats": args.repeats, "rows": results,
             "top1_gap_points": gap, "agree": gap <= AGREE_POINTS + 1e-6,
@@ -259,8 +260,8 @@ def print_report(report: dict) -> None:
     print()
     print(markdown_table(report))
     runs = "one run" if report["repeats"] == 1 else f"median of {report['repeats']} runs"
-    print(f"- wall s: {runs} per row, model loading from disk, data reading, encoding, scoring and result writing included "
-          "(imports excluded, shards in the page cache); eval s: our suite's own per-benchmark time (no "
+    print(f"- wall s: {runs} per row, model loading from disk, data reading, encoding, scoring and result writing "
+          "included (imports excluded, shards in the page cache); eval s: our suite's own per-benchmark time (no "
           "model loading, no report writing)")
     print("- peer / ours: clip_benchmark's wall s over the row's (> 1: ours faster), same process, same run")
     print(f"- workers: ours {report['workers']} DataLoader workers; clip_benchmark "

@@ -18,9 +18,10 @@ Three parts, each a list of rows timed on the same device in the same run, then 
 FLOPs are counted with `torch.utils.flop_counter.FlopCounterMode` on one eager call of the same
 step; MFU = FLOPs / time / the device's peak dense bf16 rate (H100 and H200 SXM: 989 TFLOP/s, the
 datasheet's; H100 PCIe 756, H100/H200 NVL 835; the run also measures an 8192³ bf16 matmul and reports
-it). Timing: CUDA events around each call, calls queued back to back with no synchronization between them (`benchlib.time_step`), a few
-warm-up calls (compilation included), median of `--iters`. Each part has a time budget: a row that
-would start after its part's budget is spent is skipped and says so, so the run ends in bounded time.
+it). Timing: CUDA events around each call, calls queued back to back with no synchronization between
+them (`benchlib.time_step`), a few warm-up calls (compilation included), median of `--iters`. Each part
+has a time budget: a row that would start after its part's budget is spent is skipped and says so, so
+the run ends in bounded time.
 A peer that is not installed gives a row that says so; a failing row (OOM, compiler) or part never ends
 the run. The JSON and Markdown are replaced whole after every row, so a run killed from outside keeps
 every row it measured. `--cpu` (automatic without CUDA) runs tiny shapes in seconds (the test suite does)
@@ -274,8 +275,9 @@ def bench_layer(bench: Bench, shapes: list[str]):
 
             # Most important first: the budget skips from the end.
             bench.run_row("ours", setting, builder(build_ours), count_flops=flops_of(build_ours))
-            bench.run_row("ours compiled", setting, builder(build_ours, lambda l: _CompiledSoftMoE(l, bench.backend)),
-                          compiled=True, count_flops=flops_of(build_ours))
+            bench.run_row("ours compiled", setting,
+                          builder(build_ours, lambda layer: _CompiledSoftMoE(layer, bench.backend)), compiled=True,
+                          count_flops=flops_of(build_ours))
             bench.run_row("dense MLP", setting, builder(build_dense), count_flops=flops_of(build_dense))
             bench.run_row("dense MLP compiled", setting, builder(build_dense, compile_module=True), compiled=True,
                           count_flops=flops_of(build_dense))
@@ -286,7 +288,7 @@ def bench_layer(bench: Bench, shapes: list[str]):
             # which a whole compiled tower also amortizes, is gone. --cpu runs the same code (its
             # aot_eager backend ignores the mode: no graphs there).
             bench.run_row("ours compiled, CUDA graphs", setting,
-                          builder(build_ours, lambda l: _CompiledSoftMoE(l, bench.backend, "reduce-overhead"),
+                          builder(build_ours, lambda layer: _CompiledSoftMoE(layer, bench.backend, "reduce-overhead"),
                                   mode="reduce-overhead"),
                           compiled=True, count_flops=flops_of(build_ours), note=bench.no_graphs_note)
             bench.run_row("dense MLP compiled, CUDA graphs", setting,
@@ -320,7 +322,7 @@ def _profile_layer(bench: Bench, shape, weight_dtype):
     from torch.profiler import ProfilerActivity, profile
     device = bench.device
     x = torch.randn(shape.batch, shape.tokens, shape.dim, device=device, dtype=weight_dtype, requires_grad=True)
-    for label, wrap in (("eager", None), ("compiled", lambda l: _CompiledSoftMoE(l, bench.backend))):
+    for label, wrap in (("eager", None), ("compiled", lambda layer: _CompiledSoftMoE(layer, bench.backend))):
         try:
             module = build_ours(shape).to(device, weight_dtype)
             module = wrap(module) if wrap else module
@@ -436,7 +438,8 @@ def bench_tower(bench: Bench):
         if fused and plain:
             bench.ratio(f"{name} eager: Triton qk-norm / PyTorch qk-norm (images/s)",
                         fused.per_s / plain.per_s if fused.per_s and plain.per_s else None, None, "higher")
-    soft_row = next((r for r in bench.rows if r.part == "tower" and r.name.startswith("ours soft") and r.peak_mib), None)
+    soft_row = next((r for r in bench.rows if r.part == "tower" and r.name.startswith("ours soft") and r.peak_mib),
+                    None)
     if soft_row is not None:
         bench.ratio(f"soft-b16-128e peak memory at batch {batch} (GiB)", soft_row.peak_mib / 1024, 80.0, "lower")
 
@@ -481,7 +484,8 @@ def bench_lit(bench: Bench):
         return count
 
     b = preset.batch
-    bench.run_row(bl.BASELINE, setting, openclip(False), per_call_items=b, count_flops=flops_of(lambda: openclip(False)))
+    bench.run_row(bl.BASELINE, setting, openclip(False), per_call_items=b,
+                  count_flops=flops_of(lambda: openclip(False)))
     bench.run_row("ours on-the-fly", setting, ours(False), per_call_items=b, count_flops=flops_of(lambda: ours(False)))
     bench.run_row("ours cached", setting, ours(True), per_call_items=b, count_flops=flops_of(lambda: ours(True)))
     bench.run_row("ours on-the-fly, tower compiled", setting, ours(False, compile_tower=True), per_call_items=b,
@@ -514,7 +518,8 @@ def markdown(meta: dict, rows: list[Row], ratios: list[Ratio]) -> str:
              f"{meta['warmup']} warm-ups (soft-moe-pytorch: {meta['peer_iters']}); MFU against "
              + (f"{meta['peak_tflops']:.0f} TFLOP/s peak dense bf16 ({meta['peak_source']})"
                 if meta["peak_tflops"] else "no peak (CPU)")
-             + (f"; measured 8192³ bf16 matmul: {meta['matmul_tflops']:.0f} TFLOP/s" if meta.get("matmul_tflops") else "")
+             + (f"; measured 8192³ bf16 matmul: {meta['matmul_tflops']:.0f} TFLOP/s"
+                if meta.get("matmul_tflops") else "")
              + f"; total {meta['seconds']:.0f} s.", ""]
     heads = {"layer": "ms fwd+bwd", "tower": "ms/batch", "lit": "ms/step"}
     per = {"layer": "", "tower": "images/s", "lit": "samples/s"}
@@ -525,9 +530,9 @@ def markdown(meta: dict, rows: list[Row], ratios: list[Ratio]) -> str:
         lines += [f"## {part}", "", f"| row | setting | {heads[part]} | {per[part] or '–'} | GFLOP | TFLOP/s | MFU | "
                   "peak MiB | params (M) | note |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in part_rows:
-            lines.append(f"| {r.name} | {r.setting} | {_f(r.ms, '.3f')} | {_f(r.per_s, ',.0f')} | {_f(r.gflop, ',.4g')} | "
-                         f"{_f(r.tflops, '.4g')} | {_f(r.mfu, '.1%')} | {_f(r.peak_mib, ',.0f')} | "
-                         f"{_f(r.params_m, ',.1f')} | {r.note or f'median of {r.iters}'} |")
+            lines.append(f"| {r.name} | {r.setting} | {_f(r.ms, '.3f')} | {_f(r.per_s, ',.0f')} | "
+                         f"{_f(r.gflop, ',.4g')} | {_f(r.tflops, '.4g')} | {_f(r.mfu, '.1%')} | "
+                         f"{_f(r.peak_mib, ',.0f')} | {_f(r.params_m, ',.1f')} | {r.note or f'median of {r.iters}'} |")
         lines.append("")
         part_ratios = [q for q in ratios if q.part == part]
         if part_ratios:
@@ -563,7 +568,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default layer=150,tower=110,lit=60; CPU 60 each)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense bf16 TFLOP/s for MFU (default: by device name, H100/H200 989)")
-    p.add_argument("--profile-dir", default=None, help="write profiler kernel tables of the layer (bf16 weights, S/16 and B/16) here")
+    p.add_argument("--profile-dir", default=None,
+                   help="write profiler kernel tables of the layer (bf16 weights, S/16 and B/16) here")
     p.add_argument("--threads", type=int, default=1, help="CPU threads in --cpu mode")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--md", default=None, metavar="PATH")

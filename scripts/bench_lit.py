@@ -39,12 +39,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-
 from benchlib import setup_device, time_step  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss
 from lit_softmoe.train.optim import param_groups
 

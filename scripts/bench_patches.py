@@ -29,7 +29,8 @@ def main(argv=None):
     device = torch.device(args.device)
     print(f"device: {setup_device(device)}, torch {torch.__version__}\n")
     dtypes = [torch.float32, torch.bfloat16]
-    print("| tower | batch | dtype | convolution (timm's PatchEmbed) ms | ours (matmul) ms | conv / ours | max abs diff |")
+    print("| tower | batch | dtype | convolution (timm's PatchEmbed) ms | ours (matmul) ms | conv / ours "
+          "| max abs diff |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for name, default_batch in (("vit-b16", 16), ("vit-tiny-p7", 256), ("vit-tiny-p4", 256)):
         batch = args.batch or default_batch

@@ -22,7 +22,6 @@ import json
 from dataclasses import asdict, dataclass
 
 import torch
-
 from benchlib import setup_device, time_step  # scripts/benchlib.py, beside this script
 
 from lit_softmoe.models.vit import Mlp

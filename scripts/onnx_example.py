@@ -3,16 +3,17 @@
     lit-softmoe export RUN --out DIR --onnx
     python scripts/onnx_example.py DIR image.png "a photo of a sneaker" [embeddings.npz]
 
-The block between the markers is the README's "Export" example, verbatim (a test keeps them equal
+The block between the markers is the example of docs/export.md, verbatim (a test keeps them equal
 and runs this file with torch and lit_softmoe made unimportable).
 """
 import os.path
 import sys
 
-# Outside the README's example: a missing argument or an export without --onnx in one line, not a traceback.
+# Outside the example: a missing argument or an export without --onnx in one line, not a traceback.
 if len(sys.argv) < 4:
     sys.exit(f"usage: python {sys.argv[0]} EXPORT_DIR IMAGE CAPTION [embeddings.npz]")
-if not all(os.path.isfile(os.path.join(sys.argv[1], name)) for name in ("image_encoder.onnx", "text_encoder.onnx", "tokenizer.json")):
+if not all(os.path.isfile(os.path.join(sys.argv[1], name))
+           for name in ("image_encoder.onnx", "text_encoder.onnx", "tokenizer.json")):
     sys.exit(f"{sys.argv[1]} has no image_encoder.onnx, text_encoder.onnx and tokenizer.json: export a LiT run with "
               f"`lit-softmoe export RUN --out {sys.argv[1]} --onnx` (add --overwrite to replace this folder)")
 # --- example start

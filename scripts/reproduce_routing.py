@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_softmoe.config import PretrainConfig, load_config, to_yaml
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
 from lit_softmoe.models.registry import image_tower_config
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOWERS = ["vit-tiny-p7", "soft-tiny-p7-16e", "ec-tiny-p7-16e", "tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2"]
@@ -184,7 +184,8 @@ def plot(results: list[dict], rows: list[dict], out_png: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, key, label in ((axes[0], "test_top1", "test top-1 (%)"), (axes[1], "fewshot10_top1", "10-shot linear probe (%)")):
+    panels = ((axes[0], "test_top1", "test top-1 (%)"), (axes[1], "fewshot10_top1", "10-shot linear probe (%)"))
+    for ax, key, label in panels:
         for i, row in enumerate(rows):
             runs = [r for r in results if r["tower"] == row["tower"] and r.get(key) is not None]
             color = colors[i % len(colors)]

@@ -24,8 +24,8 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, SIZES_FILE, cache_decoded_split, read_lines, splits_beside,
-                                     write_split)
+from lit_softmoe.data.class_split import cache_decoded_split
+from lit_softmoe.data.shards import CLASSNAMES_FILE, SIZES_FILE, read_lines, splits_beside, write_split
 from lit_softmoe.data.writers import other_split_data
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES

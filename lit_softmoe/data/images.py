@@ -2,7 +2,7 @@
 mode "L" or "RGB"), and the re-encoding of an image file for a shard (`prepare_image`).
 
 Every path goes through `upright_l_or_rgb` — writing shards (`normalize_image`), the
-streaming pipeline, in-memory splits (`shards.load_class_split`), the eval readers and the
+streaming pipeline, in-memory splits (`class_split.load_class_split`), the eval readers and the
 `preprocess` of an exported or loaded model (`transforms.to_l_or_rgb`) — so a model sees at
 inference the pixels it was trained on. `scripts/onnx_example.py` repeats it in a few PIL lines
 (it must run without torch or this package); keep the two equal.

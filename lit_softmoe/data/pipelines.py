@@ -62,7 +62,8 @@ _REPORT = "_shard_report"  # key of the counts a worker sends along with each ba
 class ShardDataConfig:
     """How to read one stream of shards; every pipeline takes this, never a CLI namespace."""
 
-    urls: str = ""  # a split folder (its nshards.txt), a brace pattern DIR/{0..9}.tar, `pipe:CMD`, several joined with `::`
+    # A split folder (its nshards.txt), a brace pattern DIR/{0..9}.tar, `pipe:CMD`, several joined with `::`.
+    urls: str = ""
     batch_size: int = 256  # per process: the global batch is batch_size × world_size
     workers: int = 2  # DataLoader worker processes (per process); 0 reads in the main process
     shuffle: bool = True  # shuffle the shard order every epoch and the samples in a buffer; False: read in order

@@ -10,8 +10,14 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from lit_softmoe.data.listing import (Candidate, Listing, drop_duplicate_keys, files_fingerprint, is_utf8_text,
-                                      sample_key)
+from lit_softmoe.data.listing import (
+    Candidate,
+    Listing,
+    drop_duplicate_keys,
+    files_fingerprint,
+    is_utf8_text,
+    sample_key,
+)
 from lit_softmoe.data.shards import BadSampleCounter
 from lit_softmoe.errors import UserError
 

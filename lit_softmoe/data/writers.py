@@ -32,17 +32,13 @@ Changes counted among the re-encoded images: see `images.normalize_image`.
 from __future__ import annotations
 
 import collections
-import csv
-import hashlib
-import io
 import json
 import logging
-import os
 import re
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -52,8 +48,14 @@ from tqdm import tqdm
 from lit_softmoe.data.folders import list_folder
 from lit_softmoe.data.images import IMAGE_FORMATS, BadImageError, prepare_image
 from lit_softmoe.data.listing import Candidate, Listing, is_utf8_text
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE, BadSampleCounter, splits_beside,
-                                     write_split)
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    NSHARDS_FILE,
+    SIZES_FILE,
+    BadSampleCounter,
+    splits_beside,
+    write_split,
+)
 from lit_softmoe.data.tables import list_table
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic

@@ -44,7 +44,8 @@ def _collate(items: list[tuple]) -> tuple:
 
 @torch.inference_mode()
 def encode_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
-                  progress: bool = False, desc: str = "images", precision: str = "auto") -> tuple[torch.Tensor, list, int]:
+                  progress: bool = False, desc: str = "images",
+                  precision: str = "auto") -> tuple[torch.Tensor, list, int]:
     """→ (features (N, width) float32 in dataset order, targets (N,), skipped bad images)."""
     loader = DataLoader(data.dataset, batch_size=batch_size, num_workers=workers, collate_fn=_collate,
                         pin_memory=device.type == "cuda", persistent_workers=False)

@@ -34,8 +34,15 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from lit_softmoe.data.shards import (CLASSNAMES_FILE, IMAGE_EXTENSIONS, NSHARDS_FILE, BadSampleCounter, files_signature,
-                                     read_lines, shard_urls)
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    IMAGE_EXTENSIONS,
+    NSHARDS_FILE,
+    BadSampleCounter,
+    files_signature,
+    read_lines,
+    shard_urls,
+)
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
@@ -256,7 +263,8 @@ def read_cifar(root: Path, split: str, transform, variant: str) -> EvalData:
         raise UserError(f"{variant}'s python pickles hold the splits train and test, not {split!r}; "
                         "set split: train or split: test")
     folder, files, meta, label_key, names_key = {
-        "cifar10": ("cifar-10-batches-py", ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)],
+        "cifar10": ("cifar-10-batches-py",
+                    ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)],
                     "batches.meta", "labels", "label_names"),
         "cifar100": ("cifar-100-python", [split], "meta", "fine_labels", "fine_label_names"),
     }[variant]
@@ -424,7 +432,8 @@ def detect_format(root: Path, split: str, name: str = "") -> str:
         return "torchvision"  # torchvision's own folders (oxford-iiit-pet/, dtd/ …) are not class folders
     if (root / "cifar-10-batches-py").is_dir() or (root / "cifar-100-python").is_dir():
         return "cifar"
-    if any((root / name).is_file() for name in ("dataset_coco.json", "dataset_flickr30k.json", "dataset_flickr8k.json")):
+    karpathy_files = ("dataset_coco.json", "dataset_flickr30k.json", "dataset_flickr8k.json")
+    if any((root / name).is_file() for name in karpathy_files):
         return "karpathy"
     base = root / split if (root / split).is_dir() else root
     if base.is_dir() and any(p.is_dir() for p in base.iterdir()):
@@ -454,9 +463,8 @@ def read_benchmark(name: str, root: str | Path, split: str, transform, format: s
         return read_image_folder(root, split, transform, classnames, wnids, folder_aliases)
     if format == "cifar":
         # The folder says which CIFAR it is when the name does not (a benchmark of the user's own name).
-        variant = "cifar100" if name == "cifar100" or (
-            name != "cifar10" and (root / "cifar-100-python").is_dir() and not (root / "cifar-10-batches-py").is_dir()) \
-            else "cifar10"
+        only_cifar100 = (root / "cifar-100-python").is_dir() and not (root / "cifar-10-batches-py").is_dir()
+        variant = "cifar100" if name == "cifar100" or (name != "cifar10" and only_cifar100) else "cifar10"
         return read_cifar(root, split, transform, variant)
     if format == "karpathy":
         return read_karpathy(root, split, transform, annotations)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from lit_softmoe.utils.atomic import replacing, write_text_atomic
 
-
 _COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image_to_text_R@5",
             "text_to_image_R@1", "text_to_image_R@5")
 
@@ -15,9 +14,14 @@ _COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image
 def summary_line(entry: dict) -> str:
     if entry["status"] != "ok":
         return f"{entry['benchmark']}: {entry['status']} ({entry['reason']})"
-    metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in entry["metrics"].items())
+    metrics = ", ".join(f"{k} {percent(v)}" for k, v in entry["metrics"].items())
     return f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
            f"image cache {entry['image_cache']})"
+
+
+def percent(value) -> str:
+    """A metric (a fraction) as the tables show it: a percentage with 2 decimals; anything else as it is."""
+    return f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def markdown_row(cells: list[str]) -> str:
@@ -41,7 +45,7 @@ def markdown_table(report: dict) -> str:
             lines.append(markdown_row([entry["benchmark"], entry["task"], *[""] * len(columns), "",
                                        f"{entry['status']}: {entry['reason']}".replace("|", "\\|"), ""]))
             continue
-        cells = [f"{100 * entry['metrics'][c]:.2f}" if c in entry["metrics"] else "–" for c in columns]
+        cells = [percent(entry["metrics"][c]) if c in entry["metrics"] else "–" for c in columns]
         templates = entry.get("templates") or {}
         used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
             if templates else "captions"

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.paths import check_writable
 from lit_softmoe.nn.soft_moe import SoftMoE
+from lit_softmoe.utils.paths import check_writable
 
 PANEL_PIXELS = 200  # each panel of the routing figure is 200×200 px (2 in at 100 dpi)
 HEADER_PIXELS = 60  # room for the two-line title above the panels
@@ -178,7 +178,8 @@ def _read_image(path: Path):
             image.load()
             return image.copy()
     except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
-        raise UserError(f"cannot read {path} as an image ({type(err).__name__}: {err}); give a PNG or JPEG file") from None
+        raise UserError(f"cannot read {path} as an image ({type(err).__name__}: {err}); "
+                        "give a PNG or JPEG file") from None
 
 
 def _check_out(out_png: Path) -> None:

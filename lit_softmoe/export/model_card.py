@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lit_softmoe.evals.reports import markdown_row, percent
 from lit_softmoe.model_folders import read_run_config
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
@@ -32,16 +33,6 @@ def _latest_eval(run_dir: Path | None, checkpoint: Path | None = None) -> tuple[
     return None
 
 
-def _percent(value) -> str:
-    """A metric (a fraction) as the eval table shows it: a percentage with 2 decimals."""
-    return f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
-
-def _row(cells: list[str]) -> str:
-    # Cells joined last: an empty list of metric columns (no benchmark ran) adds no phantom cell.
-    return "| " + " | ".join(cells) + " |"
-
-
 def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | None = None) -> list[str]:
     latest = _latest_eval(run_dir, checkpoint)
     if latest is not None:
@@ -50,27 +41,28 @@ def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | No
         metrics = list(dict.fromkeys(k for row in rows for k in (row.get("metrics") or {})))
         lines = [f"From `{file.name}` (suite `{report.get('suite', '?')}`, model `{report.get('model', '?')}`), "
                  "metrics in %:", "",
-                 _row(["benchmark", "task", *metrics, "samples", "status"]),
+                 markdown_row(["benchmark", "task", *metrics, "samples", "status"]),
                  "|" + "---|" * (len(metrics) + 4)]
         for row in rows:
-            values = [_percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
+            values = [percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
             status = row.get("status", "")
             if status in ("skipped", "failed") and row.get("reason"):
                 status = f"{status}: {row['reason']}"
-            lines.append(_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
+            lines.append(markdown_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
                                str(row.get("num_samples", "")), status]))
         return lines
     scores = {k: v for k, v in results.items() if k.startswith(("zeroshot_", "linear_probe_top1"))}
     if not scores:
         return ["No evaluation recorded."]
     return ["From the run's results.json (the LiT recipe's own eval set):", "", "| metric | % |", "|---|---|",
-            *[f"| {k} | {_percent(v)} |" for k, v in scores.items()]]
+            *[f"| {k} | {percent(v)} |" for k, v in scores.items()]]
 
 
 def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
     kind = {"soft": "Soft MoE", "tokens_choice": f"Tokens Choice (top-{tower_cfg.get('num_selected_experts', 1)})",
             "experts_choice": "Experts Choice"}.get(tower_cfg.get("moe_type", "soft"), tower_cfg.get("moe_type"))
-    per_expert = f" × {tower_cfg.get('slots_per_expert', 1)} slot(s)" if tower_cfg.get("moe_type", "soft") == "soft" else ""
+    soft = tower_cfg.get("moe_type", "soft") == "soft"
+    per_expert = f" × {tower_cfg.get('slots_per_expert', 1)} slot(s)" if soft else ""
     moe = (f"{kind}, {tower_cfg['num_experts']} experts{per_expert} in blocks "
            f"{', '.join(map(str, tower_cfg['moe_layers']))}" if tower_cfg.get("moe_layers") else "dense")
     return (f"{name + ': ' if name else ''}ViT {tower_cfg['image_size']}px / patch {tower_cfg['patch_size']}, "
@@ -91,31 +83,36 @@ def model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, f
         text = config["text"]
         text_params = sum(p.numel() for p in model.text_tower.parameters())
         shape = (f"open_clip text transformer, width {text['width']}, {text['layers']} layers, {text['heads']} heads"
-                 if text["kind"] == "transformer" else f"Hugging Face encoder {text['path']} ({text['pooling']} pooling)")
+                 if text["kind"] == "transformer" else
+                 f"Hugging Face encoder {text['path']} ({text['pooling']} pooling)")
         lines += [f"- Text (trained): {shape}, context {text['context_length']} tokens, tokenizer "
                   f"`{config['tokenizer']['spec']}`; {text_params / 1e6:.2f}M parameters",
                   f"- Embedding width {config['embed_dim']}, {config['loss']} loss, temperature "
-                  f"{config['temperature']:.3f}" + (f", bias {config['logit_bias']:.3f}" if config.get("logit_bias") is not None
-                                                   else "") + (", image head" if config["image_head"] else "")]
+                  f"{config['temperature']:.3f}"
+                  + (f", bias {config['logit_bias']:.3f}" if config.get("logit_bias") is not None else "")
+                  + (", image head" if config["image_head"] else "")]
     lines += ["", "## Training", ""]
     if pretrain:
         lines.append(f"- Image tower: pretrained by `lit-softmoe pretrain` ({pretrain.get('config', '?')}), "
                      f"{pretrain.get('steps', '?')} steps in {pretrain.get('train_seconds', '?')} s"
-                     + (f", test top-1 {_percent(pretrain['test_top1'])}%" if "test_top1" in pretrain else ""))
+                     + (f", test top-1 {percent(pretrain['test_top1'])}%" if "test_top1" in pretrain else ""))
     pre_run = read_run_config(run_dir) if run_dir is not None and model is None else {}
     if pre_run.get("data"):
-        lines.append(f"- Pretraining data: train `{pre_run['data'].get('train')}`, test `{pre_run['data'].get('test')}`")
+        data = pre_run["data"]
+        lines.append(f"- Pretraining data: train `{data.get('train')}`, test `{data.get('test')}`")
     if model is not None and run_dir is not None:
         run = read_run_config(run_dir)
         data, evaluation = run.get("data") or {}, run.get("eval") or {}
-        lines.append(f"- LiT data: `{data.get('train', '?')}`" + (" (cached image features)" if results.get("cached_features")
-                                                                 else "") + f", eval `{evaluation.get('shards', '?')}`")
+        cached = " (cached image features)" if results.get("cached_features") else ""
+        lines.append(f"- LiT data: `{data.get('train', '?')}`{cached}, eval `{evaluation.get('shards', '?')}`")
     if model is not None:
-        lines.append(f"- LiT: {results.get('steps', facts.get('step', '?'))} steps in {results.get('train_seconds', '?')} s")
+        steps = results.get("steps", facts.get("step", "?"))
+        lines.append(f"- LiT: {steps} steps in {results.get('train_seconds', '?')} s")
     if model is not None:
         checkpoint = Path(facts["checkpoint"]) if facts.get("checkpoint") else None
         lines += ["", "## Zero-shot", "", *_zeroshot_section(run_dir, results, checkpoint)]
-    lines += ["", "## Use", "", "```python", "from lit_softmoe import " + ("load_pretrained" if model else "load_image_tower"),
+    loader = "load_pretrained" if model is not None else "load_image_tower"
+    lines += ["", "## Use", "", "```python", f"from lit_softmoe import {loader}",
               "", (f"model, preprocess, tokenizer = load_pretrained(\"{out_dir}\")" if model is not None else
                    f"tower, preprocess = load_image_tower(\"{out_dir}\")"),
               ("image = model.encode_image(preprocess(pil_image)[None])  # (1, D), normalized" if model is not None else

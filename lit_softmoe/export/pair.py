@@ -46,9 +46,20 @@ from lit_softmoe.export.model_card import model_card
 from lit_softmoe.export.onnx import write_onnx
 from lit_softmoe.export.tokenizer_json import write_tokenizer
 from lit_softmoe.hub import load_run_pair, preprocess_spec
-from lit_softmoe.model_folders import (EXPORT_CONFIG, EXPORT_FORMAT, IMAGE_WEIGHTS, MODEL_CARD, RUN_CONFIG, STATE_META,
-                                       TEXT_WEIGHTS, TOKENIZER_DIR, ModelFolder, classify_folder, is_export, read_json)
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.model_folders import (
+    EXPORT_CONFIG,
+    EXPORT_FORMAT,
+    IMAGE_WEIGHTS,
+    MODEL_CARD,
+    RUN_CONFIG,
+    STATE_META,
+    TEXT_WEIGHTS,
+    TOKENIZER_DIR,
+    ModelFolder,
+    classify_folder,
+    is_export,
+    read_json,
+)
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.models.vit import VisionTransformer
@@ -71,7 +82,8 @@ def _check_out_dir(out_dir: Path, read_from: list[Path], overwrite: bool) -> Non
     check_writable(out_dir, "--out", folder=True)  # a file in the way, a read-only parent: before any work
     filled = out_dir.is_dir() and any(out_dir.iterdir())
     if filled and not overwrite:
-        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, or pick another folder")
+        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, "
+                        "or pick another folder")
     # --overwrite replaces the whole folder: never a folder we read from (the run, its image tower and
     # the pretraining run around it) nor one holding it, and inside them only an earlier export
     # (RUN/checkpoints or the tower's run would be lost).

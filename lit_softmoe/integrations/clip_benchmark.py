@@ -144,7 +144,8 @@ def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kw
     theirs = in_our_names(run["metrics"])
     shared = [k for k in entry["metrics"] if k in theirs]
     gap = max((abs(entry["metrics"][k] - theirs[k]) * 100 for k in shared), default=None)
-    result = {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap, "seconds": round(time.perf_counter() - tic, 2)}
+    result = {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap,
+              "seconds": round(time.perf_counter() - tic, 2)}
     if entry.get("empty_captions"):  # a gap these explain is no disagreement of the metrics
         result["note"] = (f"CLIP_benchmark scores the {entry['empty_captions']} blank caption line(s) we leave out "
                           "as empty captions, so recall@k can differ")

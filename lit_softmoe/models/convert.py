@@ -4,7 +4,7 @@ The source is the official code of Puigcerver et al., "From Sparse to Soft Mixtu
 (ICLR 2024): google-research/vmoe, `vmoe/nn/vit_moe.py` (VisionTransformerMoe, EncoderMoe,
 EncoderBlock, MlpMoeBlock) and `vmoe/projects/soft_moe/router.py` (SoftRouter). Its parameter
 tree, flattened with '/' separators and saved as `.npz` (`np.savez(f, **flat)`), is read here;
-`shared/reference/soft-moe.md` §2 lists the names. As big_vision's loaders do, any key left unused or
+the map below lists the names. As big_vision's loaders do, any key left unused or
 missing is an error naming it (a silently half-loaded tower is the worst outcome).
 
 Name and layout map (flax Dense kernels are (in, out), nn.Linear weights (out, in)):
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
 from lit_softmoe.models.registry import image_tower_config
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 
 def _dense_t(kernel: np.ndarray) -> np.ndarray:
@@ -180,7 +180,8 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         with loaded as npz:
             return {k: npz[k] for k in npz.files}
     except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise UserError(f"cannot read {path} as .npz ({err}); save the tree with np.savez(path, **flat_params)") from None
+        raise UserError(f"cannot read {path} as .npz ({err}); "
+                        "save the tree with np.savez(path, **flat_params)") from None
 
 
 def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTransformer:

@@ -48,7 +48,8 @@ class LiTModel(nn.Module):
         if image_tower is None and unlocked_blocks:
             raise UserError("unlocked_blocks needs the image tower; cached image features cannot be fine-tuned")
         if not 0 < temperature_init <= max_temperature:  # its log is the parameter; past the cap it would not learn
-            raise UserError(f"temperature_init must be above 0 and at most {max_temperature:g}, got {temperature_init:g}")
+            raise UserError(f"temperature_init must be above 0 and at most {max_temperature:g}, "
+                            f"got {temperature_init:g}")
         if image_tower is not None and not 0 <= unlocked_blocks <= len(image_tower.blocks):
             raise UserError(f"unlocked_blocks={unlocked_blocks} but the image tower has "
                             f"{len(image_tower.blocks)} blocks")

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import fields, replace
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 
 class UnknownTowerError(UserError, KeyError):

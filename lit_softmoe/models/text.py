@@ -3,7 +3,7 @@
 LiT (Zhai et al., "LiT: Zero-Shot Transfer with Locked-image text Tuning", CVPR 2022) trains the
 text tower against a locked image tower, either from scratch or starting from a pretrained language
 model (both work; pretrained helps a little), on 16-token texts, with a projection from the text
-width to the image embedding width (`shared/reference/lit-and-zero-shot.md` §1).
+width to the image embedding width.
 
 Two kinds, one interface (`TextTower.forward(ids (B, L)) → (B, embed_dim)`, unnormalized):
     "transformer"  open_clip's `TextTransformer` (the CLIP text tower, Radford et al. 2021) with
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from lit_softmoe.models.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
 
 TEXT_TOWER_KINDS = ("transformer", "hf")
 # CLIP's BPE gives ids 0 … 49407 (<end_of_text>, where the tower pools, is the largest): the size

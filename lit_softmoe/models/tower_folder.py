@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.hashing import file_sha256
 from lit_softmoe.utils.paths import check_writable
@@ -81,6 +81,20 @@ def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
                         "copy it again or write it anew") from None
 
 
+def read_tower_meta(path: str | Path) -> dict:
+    """A tower folder's config.json, or one UserError line saying why `path` is no tower folder."""
+    path = Path(path)
+    config_file = path / TOWER_CONFIG
+    if not config_file.is_file() or not (path / TOWER_WEIGHTS).is_file():
+        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
+                        "point to the `tower` folder of a finished pretraining run")
+    try:
+        return json.loads(config_file.read_text())
+    except ValueError as err:
+        raise UserError(f"{config_file} is not valid JSON ({err}); "
+                        "the tower folder is damaged: save or copy it again") from None
+
+
 def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
     """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
     path = Path(path)
@@ -89,22 +103,14 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
             recover(path)  # a save killed mid-replace, on a system without an atomic exchange
         except OSError:  # e.g. a read-only folder: say below that there is no tower
             pass
-    config_file, weights_file = path / TOWER_CONFIG, path / TOWER_WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
-        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
-                        "point to the `tower` folder of a finished pretraining run")
-    try:
-        meta = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise UserError(f"{config_file} is not valid JSON ({err}); the tower folder is damaged: save or copy it again") \
-            from None
+    meta = read_tower_meta(path)
     try:
         cfg = ViTConfig.from_dict(meta["tower"])
     except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{config_file} has no valid tower config: {err}") from None
+        raise UserError(f"{path / TOWER_CONFIG} has no valid tower config: {err}") from None
     tower = VisionTransformer(cfg, device="meta")
-    state = load_weights(weights_file, device)
-    check_state_dict(tower, state, str(weights_file))
+    state = load_weights(path / TOWER_WEIGHTS, device)
+    check_state_dict(tower, state, str(path / TOWER_WEIGHTS))
     tower.load_state_dict(state, assign=True)
     return tower, meta
 
@@ -117,19 +123,13 @@ def tower_fingerprint(tower_dir: str | Path) -> dict:
     (a cache would not know how the images were resized and normalized).
     """
     tower_dir = Path(tower_dir)
-    config_file, weights_file = tower_dir / TOWER_CONFIG, tower_dir / TOWER_WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
-        raise UserError(f"{tower_dir} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
-                        "point --tower to the `tower` folder of a finished pretraining run")
-    try:
-        meta = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise UserError(f"{config_file} is not valid JSON ({err}); save the tower again") from None
+    meta = read_tower_meta(tower_dir)
     preprocess = meta.get("preprocess")
     if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
-        raise UserError(f"{config_file} has no \"preprocess\" with image_size, mean and std; save the tower with "
-                        "save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
-    return {"tower_sha256": file_sha256(weights_file), "tower": meta.get("tower"), "preprocess": preprocess}
+        raise UserError(f"{tower_dir / TOWER_CONFIG} has no \"preprocess\" with image_size, mean and std; save the "
+                        "tower with save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
+    return {"tower_sha256": file_sha256(tower_dir / TOWER_WEIGHTS), "tower": meta.get("tower"),
+            "preprocess": preprocess}
 
 
 def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,

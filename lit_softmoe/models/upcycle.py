@@ -2,8 +2,8 @@
 
 Komatsuzaki et al., "Sparse Upcycling: Training Mixture-of-Experts from Dense Checkpoints"
 (ICLR 2023), applied to Soft MoE (Puigcerver et al., "From Sparse to Soft Mixtures of Experts",
-ICLR 2024; `shared/reference/soft-moe.md` §2: no Soft MoE checkpoint was ever released, so
-upcycling a dense one is the other way to get a tower besides pretraining it).
+ICLR 2024: no Soft MoE checkpoint was released with it, so upcycling a dense one is the other way
+to get a tower besides pretraining it).
 
 What is copied and what is fresh, per tensor of the target tower:
 - every expert of a Soft MoE block starts as a copy of that block's dense MLP
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
 from lit_softmoe.models.registry import image_tower_config, list_image_towers
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 _EXPERT_KEY = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w1|b1|w2|b2)")
@@ -104,8 +104,9 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     For a tower folder, extra also holds its `num_heads` (no tensor shape shows it without qk-norm)."""
     path = Path(path)
     if path.is_dir():
-        from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
         from safetensors.torch import load_file
+
+        from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
         if not (path / TOWER_WEIGHTS).is_file() or not (path / TOWER_CONFIG).is_file():
             raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
                             "give a tower folder or a timm vit_* .safetensors/.pth file")
@@ -196,8 +197,8 @@ def _matching_targets(state: dict[str, torch.Tensor]) -> list[str]:
     names = []
     for name in list_image_towers():
         cfg = image_tower_config(name)
-        if cfg.moe_layers and getattr(cfg, "moe_type", "soft") == "soft" and all(getattr(cfg, k) == v for k, v in sig.items() if k != "num_patches") \
-                and cfg.num_patches == sig["num_patches"]:
+        same_shape = all(getattr(cfg, k) == v for k, v in sig.items() if k != "num_patches")
+        if cfg.moe_layers and cfg.moe_type == "soft" and same_shape and cfg.num_patches == sig["num_patches"]:
             names.append(name)
     return names
 

@@ -13,13 +13,12 @@ Read bottom-up: Attention → Mlp → Block → VisionTransformer.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_softmoe.errors import UserError
 from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, fused_qk_norm
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
@@ -52,7 +51,7 @@ class ViTConfig:
     # Towers saved before this key existed had both biases: `from_dict` reads them as True.
     qk_norm_bias: bool = False
     # Which MoE layer: "soft" (Soft MoE), or the paper's sparse baselines "tokens_choice" / "experts_choice".
-    # The fields below are read by the sparse layers only (defaults: the reference's, soft-moe.md §3).
+    # The fields below are read by the sparse layers only (defaults: the paper's sparse baselines).
     moe_type: str = "soft"
     num_selected_experts: int = 1  # Tokens Choice K
     capacity_factor: float = 1.0  # TC: C = ceil(m·K·cf / n) → multiple of 4; EC: C = round(m·cf / n)

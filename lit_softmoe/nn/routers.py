@@ -2,8 +2,8 @@
 
 Puigcerver et al., "From Sparse to Soft Mixtures of Experts" (ICLR 2024) compare Soft MoE against
 two sparse routers (§3 and Table 9 / App. "Comparison with sparse MoEs"); the reference code is
-google-research/vmoe, `vmoe/nn/routing.py` (routers) and `vmoe/moe.py` (dispatchers). The facts are
-restated in `shared/reference/soft-moe.md` §3; nothing here is copied from that code.
+google-research/vmoe, `vmoe/nn/routing.py` (routers) and `vmoe/moe.py` (dispatchers); nothing here
+is copied from that code.
 
 - **Tokens Choice** (Riquelme et al. 2021, "Scaling Vision with Sparse Mixture of Experts", V-MoE):
   each token picks its top-K experts; each expert has a buffer of C places; all top-1 choices take

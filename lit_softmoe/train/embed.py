@@ -42,8 +42,15 @@ import webdataset as wds
 from tqdm import tqdm
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (IMAGE_EXTENSIONS, dataset_dir, is_local_url, read_class_members, shard_urls,
-                                     splits_beside, write_split)
+from lit_softmoe.data.shards import (
+    IMAGE_EXTENSIONS,
+    dataset_dir,
+    is_local_url,
+    read_class_members,
+    shard_urls,
+    splits_beside,
+    write_split,
+)
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
@@ -350,7 +357,8 @@ def embed_shards(
         stats["bad"].update({reason: count for reason, count in sorted(loader.bad.counts.items()) if count})
         stats["seconds"] = round(time.perf_counter() - start, 3)
         info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
-                "dtype": "float16", "with_cls": labels is not None, "with_txt": not class_only, "bad": stats["bad"], "seconds": stats["seconds"]}
+                "dtype": "float16", "with_cls": labels is not None, "with_txt": not class_only, "bad": stats["bad"],
+                "seconds": stats["seconds"]}
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
 

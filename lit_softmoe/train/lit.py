@@ -29,26 +29,30 @@ from tqdm.auto import tqdm
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
-from lit_softmoe.utils.atomic import write_text_atomic
-from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.paths import check_writable
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.evals.classifier import check_templates
+from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
+from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
-from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
-from lit_softmoe.models.tower_folder import tower_fingerprint
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import check_optim_settings, lr_at, set_lr
-from lit_softmoe.evals.probes import linear_probe
-from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
-                                       open_run_folder, resume_state)
-from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
-from lit_softmoe.evals.classifier import check_templates
+from lit_softmoe.train.runtime import (
+    check_same_run,
+    check_training_length,
+    create_accelerator,
+    global_loss,
+    open_run_folder,
+    resume_state,
+)
+from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
 
@@ -140,7 +144,7 @@ def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, acce
             with accelerator.autocast():
                 batches.append((model.image_tower.forward_features(b["image"].to(accelerator.device)).float().cpu(),
                                 b["label"]))
-    return torch.cat([f for f, _ in batches]).float(), torch.cat([l for _, l in batches])
+    return torch.cat([features for features, _ in batches]).float(), torch.cat([labels for _, labels in batches])
 
 
 def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, transform, accelerator) -> dict:
@@ -306,7 +310,8 @@ def train_lit(cfg: LiTConfig) -> dict:
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps)
-    accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({'cached features' if cached else 'images'}), "
+    inputs = "cached features" if cached else "images"
+    accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
                       f"{total_steps} steps of {cfg.batch_size}")
 
     # ---- train
@@ -351,8 +356,9 @@ def train_lit(cfg: LiTConfig) -> dict:
                 rate = cfg.batch_size * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
                 last_log_step, last_log_seconds = step, train_seconds
                 logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
-                            "temperature": float(extras["logit_scale"].detach()), "train_seconds": round(train_seconds, 2),
-                            "samples_per_s": round(rate, 1), **loader.metrics()})
+                            "temperature": float(extras["logit_scale"].detach()),
+                            "train_seconds": round(train_seconds, 2), "samples_per_s": round(rate, 1),
+                            **loader.metrics()})
                 progress.set_postfix(loss=f"{loss_value:.3f}")
             if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
                 logger.log({"step": step, **_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform,
@@ -393,7 +399,8 @@ def train_lit(cfg: LiTConfig) -> dict:
                 else:
                     results.update(linear_probe(train_features, train_labels, eval_set["features"],
                                                 eval_set["labels"]))
-            logger.log({"step": total_steps, **{k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}})
+            scores = {k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}
+            logger.log({"step": total_steps, **scores})
         if probe_skipped:
             _log.warning(probe_skipped)
             results["probe_skipped"] = probe_skipped

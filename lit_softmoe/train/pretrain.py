@@ -31,20 +31,27 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig
-from lit_softmoe.data.shards import dataset_dir, load_class_split, read_classnames
-from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.data.class_split import load_class_split
+from lit_softmoe.data.shards import dataset_dir, read_classnames
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.paths import check_writable
-from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.evals.probes import fewshot_probe, sample_shots
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
-from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer, lr_at, set_lr
-from lit_softmoe.evals.probes import fewshot_probe, sample_shots
-from lit_softmoe.train.runtime import (check_same_run, check_training_length, create_accelerator, global_loss,
-                                       open_run_folder, resume_state)
+from lit_softmoe.train.runtime import (
+    check_same_run,
+    check_training_length,
+    create_accelerator,
+    global_loss,
+    open_run_folder,
+    resume_state,
+)
+from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
 

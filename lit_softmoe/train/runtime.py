@@ -16,6 +16,7 @@ from lit_softmoe.train.logging import RunLogger
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
 
+
 def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:
     """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16."""
     if threads > 0:

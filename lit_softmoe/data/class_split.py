@@ -1,0 +1,200 @@
+"""A classification split read whole: (image, class) samples from image + `.cls` shards, and the
+split decoded into memory (`load_class_split`), cached beside its shards so the next load skips
+decoding. For small sets that pretraining keeps in memory (Fashion-MNIST's 60k × 28×28 is 47 MB).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import PIL.Image
+import torch
+import webdataset as wds
+
+from lit_softmoe.data.images import upright_l_or_rgb
+from lit_softmoe.data.shards import (
+    DECODED_CACHE_PREFIX,
+    IMAGE_EXTENSIONS,
+    NSHARDS_FILE,
+    BadSampleCounter,
+    is_local_url,
+    shard_urls,
+    split_dir_urls,
+)
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import replacing
+
+logger = logging.getLogger(__name__)
+
+# 2: bad samples with their positions; negative labels skipped.
+# 3: images decoded by images.upright_l_or_rgb (16-bit scaled, alpha on white, EXIF applied).
+_DECODED_CACHE_VERSION = 3
+
+
+def _is_class_file(fname: str) -> bool:
+    extension = fname.rsplit(".", 1)[-1].lower()
+    return extension == "cls" or extension in IMAGE_EXTENSIONS
+
+
+def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
+    where = f"{sample['__key__']} in {sample.get('__url__')}"
+    image_key = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    if image_key is None:
+        counter.skip("missing_image", where)
+        return None
+    if "cls" not in sample:
+        counter.skip("missing_cls", where)
+        return None
+    try:
+        label = int(sample["cls"].decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        counter.skip("bad_cls", f"{where}: {sample['cls'][:20]!r}")
+        return None
+    if label < 0:  # as the streaming pipelines do: no class index is negative
+        counter.skip("bad_cls", f"{where}: negative class {label}")
+        return None
+    try:
+        image = PIL.Image.open(io.BytesIO(sample[image_key]))
+        image.load()
+    except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
+        counter.skip("bad_image", f"{where}: {type(exn).__name__}: {exn}")
+        return None
+    return image, label
+
+
+def iter_class_samples(
+    urls: str | Path | list[str], counter: BadSampleCounter | None = None
+) -> Iterator[tuple[PIL.Image.Image, int]]:
+    """Yield (PIL image, class index) from image + `.cls` shards, in shard order.
+
+    Args:
+        urls: anything `shard_urls` accepts (a split folder, a brace pattern, a list).
+        counter: receives the counts of skipped samples and shards; pass one to read them after.
+
+    A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
+    a truncated or unreadable tar is counted and reading goes on with the next shard.
+    """
+    counter = counter if counter is not None else BadSampleCounter()
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(shard_urls(urls)),
+        counter.track_shards,
+        # Only image and .cls members are extracted: captions and metadata are not needed here.
+        wds.tarfile_to_samples(handler=counter.handler, select_files=_is_class_file),
+    )
+    for sample in pipeline:
+        decoded = _decode_class_sample(sample, counter)
+        if decoded is not None:
+            yield decoded
+
+
+def _decoded_cache_path(split_dir: str | Path) -> Path | None:
+    """Where a split folder's decoded arrays are cached; None for a pattern or url list.
+
+    The name carries a hash of every shard's name, size and mtime, so rewritten shards miss it.
+    """
+    if not (is_local_url(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
+        return None
+    stats = [(Path(url).name, Path(url).stat().st_size, Path(url).stat().st_mtime_ns)
+             for url in split_dir_urls(Path(split_dir))]
+    key = hashlib.sha256(json.dumps([_DECODED_CACHE_VERSION, stats]).encode()).hexdigest()[:16]
+    return Path(split_dir) / f"{DECODED_CACHE_PREFIX}{key}.npz"
+
+
+def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: torch.Tensor,
+                        bad: list[tuple[int, str, int]] | None = None) -> Path | None:
+    """Save what `load_class_split` returns for `split_dir`, so the next load skips decoding.
+
+    Called by `load_class_split` itself, and by writers that still hold the arrays they just
+    encoded losslessly. `bad` lists the skipped samples as (good samples read before them,
+    reason, count), so a load of the first N samples counts only the bad ones among those.
+    Returns the cache path, or None where the folder is not writable.
+    """
+    path = _decoded_cache_path(split_dir)
+    if path is None:
+        return None
+    try:
+        with replacing(path) as temporary:
+            # A str array, not a dict: np.load then needs no pickle.
+            np.savez(temporary, images=images.numpy(), labels=labels.numpy(),
+                     bad=np.array(json.dumps([list(event) for event in bad or []])))
+        # Inside the guard: a read-only folder may still hold the cache of older shards or versions.
+        for stale in path.parent.glob(f"{DECODED_CACHE_PREFIX}*.npz"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
+    except OSError as exn:  # a read-only dataset folder: decode each time instead
+        logger.info("not caching decoded %s: %s", split_dir, exn)
+        return None
+    return path
+
+
+def load_class_split(
+    split_dir: str | Path,
+    max_samples: int | None = None,
+    counter: BadSampleCounter | None = None,
+    cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, collections.Counter[str]]:
+    """Decode a whole classification split into memory.
+
+    For small sets (Fashion-MNIST: 60k × 28×28 is 47 MB) that pretraining keeps in memory and
+    augments per batch. Grayscale images give C=1; if any image is in color, all become RGB (C=3).
+    Decoding goes through Python's tarfile and PIL (about 0.3 ms a sample on a slow core), so a
+    split folder's full decode is cached beside its shards (`.decoded-<hash>.npz`, ~0.1 s to
+    load) unless `cache` is False.
+
+    Returns:
+        images: (N, C, H, W) uint8; labels: (N,) int64; counts: skipped samples by reason.
+    """
+    counter = counter if counter is not None else BadSampleCounter()
+    cache_path = _decoded_cache_path(split_dir) if cache else None
+    if cache_path is not None and cache_path.is_file():
+        with np.load(cache_path) as cached:
+            images, labels = torch.from_numpy(cached["images"]), torch.from_numpy(cached["labels"])
+            bad = json.loads(str(cached["bad"]))
+        # Count what decoding the first `max_samples` would have met: the bad samples read before
+        # the last good one kept, not the whole split's (all of them when the split is read to its end).
+        reads_all = max_samples is None or max_samples > len(labels)
+        for position, reason, count in bad:
+            if reads_all or position < max_samples:
+                counter.counts[reason] += count
+        return images[:max_samples], labels[:max_samples], counter.counts
+
+    arrays: list[np.ndarray] = []  # each (H, W) for grayscale or (H, W, 3) for color
+    labels_list: list[int] = []
+    bad: list[tuple[int, str, int]] = []  # (good samples before them, reason, count), for the cache
+    seen = collections.Counter(counter.counts)  # a caller's counter may hold counts of other splits
+
+    def note_bad() -> None:
+        if counter.total != sum(seen.values()):
+            bad.extend((len(labels_list), reason, count) for reason, count in (counter.counts - seen).items())
+            seen.update(counter.counts - seen)
+
+    for image, label in iter_class_samples(split_dir, counter):
+        note_bad()
+        image = upright_l_or_rgb(image)  # as every other path decodes (16-bit scaled, alpha on white)
+        arrays.append(np.asarray(image))
+        labels_list.append(label)
+        if max_samples is not None and len(labels_list) >= max_samples:
+            break
+    note_bad()  # the bad samples after the last good one
+    if not arrays:
+        raise UserError(f"no readable image+cls samples in {split_dir} (skipped: {dict(counter.counts)}); "
+                        "check that its shards hold an image and a .cls per sample")
+    shapes = {array.shape[:2] for array in arrays}
+    if len(shapes) > 1:
+        raise UserError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
+                        "loading a split into memory needs one size: resize the images when writing the shards")
+    if any(array.ndim == 3 for array in arrays):
+        arrays = [array if array.ndim == 3 else np.repeat(array[:, :, None], 3, axis=2) for array in arrays]
+        images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W)
+    else:
+        images = torch.from_numpy(np.stack(arrays)).unsqueeze(1)  # (N, 1, H, W)
+    labels = torch.tensor(labels_list, dtype=torch.int64)
+    if cache_path is not None and max_samples is None:
+        cache_decoded_split(split_dir, images, labels, bad)
+    return images, labels, counter.counts
