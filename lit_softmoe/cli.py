@@ -5,8 +5,11 @@ A user's mistake raises UserError anywhere below; it is printed here as one line
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
+import warnings
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.paths import check_writable
@@ -175,11 +178,18 @@ def _byte_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-softmoe", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)  # options every command takes
+    common.add_argument("--verbose", action="store_true",
+                        help="also show other libraries' warnings (hidden by default: they are not yours to act on)")
+
+    def command(subparsers, name: str, help: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, parents=[common], help=help)
+
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="write webdataset shards: Fashion-MNIST, a folder of images, or a table")
     sources = data.add_subparsers(dest="dataset", required=True)
-    fmnist = sources.add_parser("fashion-mnist", help="Fashion-MNIST train and test → class + caption shards")
+    fmnist = command(sources, "fashion-mnist", "Fashion-MNIST train and test → class + caption shards")
     fmnist.add_argument("--out", required=True, help="output folder (gets train/, test/, classnames.txt)")
     fmnist.add_argument("--source", default=None,
                         help="folder with the raw files (default: search the usual places)")
@@ -187,14 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     fmnist.add_argument("--overwrite", action="store_true",
                         help="replace OUT/train and OUT/test if they hold other data (another source's shards)")
 
-    folder = sources.add_parser("from-folder", help="a folder of images with same-stem .txt captions, "
-                                "or of class subfolders → shards")
+    folder = command(sources, "from-folder", "a folder of images with same-stem .txt captions, "
+                                             "or of class subfolders → shards")
     folder.add_argument("src", metavar="SRC", help="the folder (searched recursively; hidden files left out)")
     folder.add_argument("--layout", choices=["auto", "captions", "classes"], default="auto",
                         help="captions: x.jpg + x.txt; classes: SRC/CLASS/x.jpg (writes .cls and "
                              "classnames.txt); auto: captions if any image has a .txt beside it (default)")
-    table = sources.add_parser("from-table", help="a CSV / TSV / JSONL / Parquet table of image paths and "
-                               "captions → shards")
+    table = command(sources, "from-table", "a CSV / TSV / JSONL / Parquet table of image paths and "
+                                           "captions → shards")
     table.add_argument("table", metavar="FILE", help="the table; image paths in it are relative to its folder")
     table.add_argument("--image-col", required=True, help="column of image paths (or embedded image bytes)")
     table.add_argument("--caption-col", required=True, help="column of captions")
@@ -214,18 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
                             help="replace OUT/SPLIT if it holds other data (another source's shards)")
     data.set_defaults(func=_cmd_data)
 
-    pre = sub.add_parser("pretrain", help="pretrain an image tower on class shards")
+    pre = command(sub, "pretrain", "pretrain an image tower on class shards")
     pre.add_argument("--config", required=True,
                      help="a YAML file, or a shipped config by name, e.g. pretrain/fmnist-soft-tiny")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
     pre.set_defaults(func=_cmd_pretrain)
 
-    train = sub.add_parser("train", help="LiT: train a text tower against a locked image tower")
+    train = command(sub, "train", "LiT: train a text tower against a locked image tower")
     train.add_argument("--config", required=True, help="a YAML file, or a shipped config by name, e.g. lit/fmnist-tiny")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
     train.set_defaults(func=_cmd_train)
 
-    embed = sub.add_parser("embed", help="run a locked image tower once over image shards → feature shards")
+    embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards")
     embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower)")
     embed.add_argument("--shards", required=True, help="image + caption shards: a split folder, DIR/{0..9}.tar, "
                        "or several joined with '::'")
@@ -235,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default: 0)")
     embed.set_defaults(func=_cmd_embed)
 
-    upcycle = sub.add_parser("upcycle", help="dense ViT (tower folder or timm vit_* weights) → Soft MoE tower, "
-                             "every expert a copy of the dense MLP")
+    upcycle = command(sub, "upcycle", "dense ViT (tower folder or timm vit_* weights) → Soft MoE tower, "
+                                      "every expert a copy of the dense MLP")
     upcycle.add_argument("--from", dest="source", required=True, metavar="CKPT",
                          help="a dense tower folder, or a timm ViT state dict (.safetensors, .pth, .bin)")
     upcycle.add_argument("--to", required=True, metavar="NAME", help="registered Soft MoE tower, e.g. soft-s16-128e")
@@ -245,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     upcycle.add_argument("--seed", type=int, default=0, help="seed of the fresh routers (default: 0)")
     upcycle.set_defaults(func=_cmd_upcycle)
 
-    convert = sub.add_parser("convert", help="a vmoe (JAX) Soft MoE ViT parameter tree (.npz) → tower folder")
+    convert = command(sub, "convert", "a vmoe (JAX) Soft MoE ViT parameter tree (.npz) → tower folder")
     convert.add_argument("--from-vmoe", required=True, metavar="FILE.npz",
                          help="the flattened parameter tree, names joined with '/' (np.savez(f, **flat))")
     convert.add_argument("--to", required=True, metavar="NAME", help="the registered tower it was trained as")
@@ -253,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     convert.set_defaults(func=_cmd_convert)
 
-    routing = sub.add_parser("inspect-routing", help="one image through a Soft MoE tower: slot heatmaps (PNG) and "
-                             "dispatch/combine statistics (table + JSON)")
+    routing = command(sub, "inspect-routing", "one image through a Soft MoE tower: slot heatmaps (PNG) and "
+                                              "dispatch/combine statistics (table + JSON)")
     routing.add_argument("--tower", required=True, help="a tower folder (RUN/tower)")
     routing.add_argument("--image", required=True, help="an image file (PNG, JPEG, ...)")
     routing.add_argument("--layer", type=int, default=None, metavar="L",
@@ -263,10 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument("--out", default="routing.png", help="PNG to write; the statistics go beside it as .json")
     routing.set_defaults(func=_cmd_inspect_routing)
 
-    models = sub.add_parser("models", help="list the registered image towers")
+    models = command(sub, "models", "list the registered image towers")
     models.set_defaults(func=_cmd_models)
 
-    ev = sub.add_parser("eval", help="zero-shot classification and retrieval over the benchmarks of a suite")
+    ev = command(sub, "eval", "zero-shot classification and retrieval over the benchmarks of a suite")
     ev.add_argument("--model", required=True, help="a LiT run folder, its model/ or a checkpoint folder, or an export")
     ev.add_argument("--suite", required=True,
                     help="a suite YAML file, or a shipped suite by name: fashion-mnist, lit-paper, clip-27")
@@ -282,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")
     ev.set_defaults(func=_cmd_eval)
 
-    export = sub.add_parser("export", help="a LiT run's paired encoders (or a pretrained tower alone) → one folder")
+    export = command(sub, "export", "a LiT run's paired encoders (or a pretrained tower alone) → one folder")
     export.add_argument("run", metavar="RUN", help="a finished LiT run folder (or its model/), or a pretraining "
                         "run / tower folder for an image-only export")
     export.add_argument("--out", required=True, help="export folder (written atomically)")
@@ -293,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     export.set_defaults(func=_cmd_export)
 
-    demo = sub.add_parser("demo", help="run the main job on Fashion-MNIST end to end")
+    demo = command(sub, "demo", "run the main job on Fashion-MNIST end to end")
     demo.add_argument("--data", default="data", help="where datasets and shards go")
     demo.add_argument("--runs", default="runs", help="where run folders go")
     demo.add_argument("--fast", action="store_true", help="10k training images and fewer epochs, for a quick check "
@@ -302,10 +312,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _library_warnings_hidden(hidden: bool):
+    """Keep other libraries' warnings (Pillow's, torchvision's, transformers' and accelerate's notices)
+    out of the progress bars and one-line errors while a command runs; lit-softmoe's own warnings and
+    log lines still show. DataLoader workers forked meanwhile inherit the filters."""
+    loggers = [logging.getLogger(name) for name in ("transformers", "huggingface_hub", "accelerate")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        if hidden:
+            warnings.filterwarnings("ignore")
+            warnings.filterwarnings("default", module=r"lit_softmoe(\.|$)")  # later filters take precedence
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        with _library_warnings_hidden(not args.verbose):
+            args.func(args)
     except UserError as err:
         print(f"lit-softmoe {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -313,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         # On a line of its own: a progress bar may have left the cursor at the end of its line.
         print(f"\nlit-softmoe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `lit-softmoe models | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 0
     return 0
 
 

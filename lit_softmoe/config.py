@@ -44,7 +44,8 @@ class OptimConfig:
     beta2: float = 0.999
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
     schedule: str = "cosine"  # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
-    warmup_steps: int = 200
+    # Linear warmup: below 1, a fraction of the run (0.05: its first 5%); 1 or more, a number of steps.
+    warmup: float = 200
     cooldown_steps: int = 0  # rsqrt only: linear decay to 0 over the last N steps
 
 
@@ -81,13 +82,36 @@ _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides
     "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
     "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
     "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
-    "data.max_test_samples": 0, "data.max_bad_fraction": 0, "optim.warmup_steps": 0, "optim.cooldown_steps": 0,
+    "data.max_test_samples": 0, "data.max_bad_fraction": 0, "optim.warmup": 0, "optim.cooldown_steps": 0,
     "optim.lr": 0, "optim.weight_decay": 0,
 }
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
     "benchmarks.task": ("", "classification", "retrieval"),
 }
+
+
+# Keys renamed since: the config.yaml of a run saved before (and a command written for it) still loads.
+_RENAMED_KEYS = {"optim.warmup_steps": "optim.warmup"}
+
+
+def _rename_old_keys(layer) -> None:
+    """Move each old key of `layer` (a YAML file's or the command line's) to its new name, in place."""
+    for old, new in _RENAMED_KEYS.items():
+        section, old_name = old.rsplit(".", 1)
+        node = OmegaConf.select(layer, section, default=None) if OmegaConf.is_dict(layer) else None
+        if OmegaConf.is_dict(node) and old_name in node:
+            new_name = new.rsplit(".", 1)[1]
+            if new_name not in node:
+                node[new_name] = node[old_name]
+            del node[old_name]
+
+
+def read_yaml(path: str | Path):
+    """A config YAML file as OmegaConf reads it, old key names renamed (see `_RENAMED_KEYS`)."""
+    layer = OmegaConf.load(path)
+    _rename_old_keys(layer)
+    return layer
 
 
 def _all_keys(node, prefix="") -> list[str]:
@@ -180,15 +204,16 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     if path is not None:
         path = config_path(schema, path)
         try:
-            layers.append((OmegaConf.load(path), f" in {path}"))
+            layers.append((read_yaml(path), f" in {path}"))
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
             raise UserError(f"cannot parse {path}: {' '.join(str(err).split())}") from None
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
     # `key=` means the empty string (a shell eats the quotes of `key=''`); OmegaConf would read None.
-    layers.append((OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides]),
-                   " on the command line"))
+    command_line = OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides])
+    _rename_old_keys(command_line)
+    layers.append((command_line, " on the command line"))
     merged = base
     for layer, where in layers:  # one at a time, so a mistake is told where it was made
         try:
@@ -261,7 +286,7 @@ class LiTConfig:
     compile: bool = False  # torch.compile the tower's forward and the text tower (H200, ViT-B/16 LiT step: 2.3x)
     data: LiTDataConfig = field(default_factory=LiTDataConfig)
     eval: ZeroShotEvalConfig = field(default_factory=ZeroShotEvalConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup_steps=100))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup=100))
     batch_size: int = 256  # global
     epochs: float = 1.0
     steps: int = 0  # wins over epochs when > 0

@@ -20,8 +20,8 @@ from lit_softmoe.utils.paths import check_writable
 
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
 FAST_LIMIT = 10_000
-FAST_PRETRAIN = ["epochs=2", "optim.warmup_steps=50", "log_every=10", "checkpoint_every=1000"]
-FAST_LIT = ["epochs=4", "optim.warmup_steps=20", "eval.every=0", "log_every=10"]
+FAST_PRETRAIN = ["epochs=2", "optim.warmup=0.32", "log_every=10", "checkpoint_every=1000"]  # 50 of 156 steps
+FAST_LIT = ["epochs=4", "optim.warmup=20", "eval.every=0", "log_every=10"]
 
 
 def _headline(text: str) -> None:

@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--test", default=None)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the pretraining config every run starts from")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="more config overrides for every run, e.g. optim.warmup_steps=100")
+                   help="more config overrides for every run, e.g. optim.warmup=100")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each with --threads threads)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--out", default="runs/routing")

@@ -42,7 +42,7 @@ from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-from lit_softmoe.train.optim import check_optim_settings, lr_at, set_lr
+from lit_softmoe.train.optim import check_optim_settings, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
     check_same_run,
     check_training_length,
@@ -289,6 +289,9 @@ def train_lit(cfg: LiTConfig) -> dict:
                         "lower batch_size or data.workers, or add data")
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
+    warning = long_warmup_warning(cfg.optim, total_steps)
+    if warning and is_main:
+        _log.warning(warning)
     model.to(accelerator.device)
     if cfg.compile:  # in place, so parameter names, checkpoints and the optimizer are unchanged
         model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)

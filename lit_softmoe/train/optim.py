@@ -42,11 +42,30 @@ def check_optim_settings(cfg: OptimConfig) -> None:
                           weight_decay=cfg.weight_decay)
     except ValueError as err:
         raise UserError(f"optim: {err}; fix optim.lr, optim.beta1, optim.beta2 or optim.weight_decay") from None
+    if cfg.warmup >= 1 and cfg.warmup != int(cfg.warmup):
+        raise UserError(f"optim.warmup={cfg.warmup:g} is neither a fraction of the run (below 1, e.g. 0.05) nor a "
+                        "whole number of steps; give one of those")
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """`optim.warmup` in steps: below 1 it is a fraction of the run's `total_steps`."""
+    return round(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+
+
+def long_warmup_warning(cfg: OptimConfig, total_steps: int) -> str | None:
+    """One line when the warmup takes more than half the run (the learning rate would rise for most
+    of it and its decay barely happen, as a step count meant for a larger dataset does), else None."""
+    steps = warmup_steps(cfg, total_steps)
+    if total_steps < 1 or steps <= total_steps / 2:
+        return None
+    share = "covers the whole" if steps >= total_steps else f"is {100 * steps / total_steps:.0f}% of this"
+    return (f"warning: the warmup of {steps} steps {share} {total_steps}-step run, so the learning rate rises for "
+            "most of it; give optim.warmup as a fraction of the run (e.g. optim.warmup=0.05) or fewer steps")
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Learning rate for `step` (0-based): linear warmup, then cosine / rsqrt / constant."""
-    warmup = max(cfg.warmup_steps, 0)
+    warmup = warmup_steps(cfg, total_steps)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     if cfg.schedule == "cosine":

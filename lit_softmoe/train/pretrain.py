@@ -41,7 +41,7 @@ from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.train.logging import plot_curves, read_metrics
-from lit_softmoe.train.optim import check_optim_settings, create_optimizer, lr_at, set_lr
+from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
     check_same_run,
     check_training_length,
@@ -216,6 +216,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     if steps_per_epoch == 0:
         raise UserError(f"batch_size {global_batch} exceeds the {len(data.train_labels)} training images")
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
+    warning = long_warmup_warning(cfg.optim, total_steps)
+    if warning and is_main:
+        _log.warning(warning)
 
     # ---- resume from the newest complete checkpoint in the run folder
     checkpoints_dir = run_dir / "checkpoints"

@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from lit_softmoe.config import to_yaml
+from lit_softmoe.config import read_yaml, to_yaml
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import RUN_CONFIG, latest_checkpoint
 from lit_softmoe.train.checkpoint import load_training_state
@@ -98,7 +98,7 @@ def check_same_run(run_dir, config) -> None:
     if not saved_file.is_file() or not holds_run:
         return  # nothing to resume or replace: a run killed before its first checkpoint starts afresh
     try:
-        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)) or {})
+        saved = _flatten(OmegaConf.to_container(read_yaml(saved_file)) or {})
     except Exception as err:
         raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); pass a new run_dir=...") from None
     new = _flatten(OmegaConf.to_container(OmegaConf.structured(config)))
@@ -138,5 +138,5 @@ def global_loss(accelerator: Accelerator, loss: torch.Tensor, step: int) -> floa
     value = accelerator.reduce(loss.detach(), reduction="mean").item()
     if not math.isfinite(value):
         raise UserError(f"training diverged: loss is {value} at step {step}; "
-                        "lower optim.lr or raise optim.warmup_steps")
+                        "lower optim.lr or lengthen optim.warmup")
     return value
