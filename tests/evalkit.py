@@ -1,24 +1,36 @@
-"""Shared pieces of the eval tests: tiny model pairs and real-image benchmarks written to disk.
+"""Shared pieces of the eval tests: tiny model pairs, real-image benchmarks written to disk, suites over
+them, and the marks of tests that need foolbox's images or CLIP_benchmark.
 
 Real images: the foolbox package ships 20 ImageNet (label = ImageNet-1k index), 20 CIFAR-10 and
 20 CIFAR-100 test images named `{dataset}_{idx}_{label}.{png,jpg}`; only its data files are read.
 """
 from __future__ import annotations
 
+import io
 import sysconfig
+import tarfile
 from pathlib import Path
 
+import PIL.Image
+import pytest
 import torch
 import webdataset as wds
 
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
+from lit_softmoe.metadata import benchmark_info
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
 
 FOOLBOX_DATA = Path(sysconfig.get_paths()["purelib"]) / "foolbox" / "data"
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16, vocab_size=49408)
+
+# The marks of the tests that need foolbox's images or the peer package.
+needs_foolbox = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
+needs_clip_benchmark = pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed")
 
 
 def foolbox_images(dataset: str) -> list[tuple[Path, int]]:
@@ -75,3 +87,34 @@ def save_pair(root: Path, in_channels: int = 1, image_size: int = 28, seed: int 
                                         "text.layers=1", "text.heads=2", "text.context_length=16"])
     _save_model(root / "lit", model, cfg, {"tower": model.image_tower.cfg.to_dict(), "preprocess": preprocess}, {})
     return root / "lit"
+
+
+def _tar_samples(split_dir):
+    """Every (PIL image, label) of a split, read with tarfile alone: the independent reference."""
+    samples = {}
+    for shard in sorted(split_dir.glob("*.tar"), key=lambda p: int(p.stem)):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, ext = member.name.split(".", 1)
+                samples.setdefault((int(shard.stem), key), {})[ext] = tar.extractfile(member).read()
+    return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for _, s in sorted(samples.items())]
+
+
+def _suite(root, cache_dir, name="fashion-mnist", **kwargs) -> EvalSuiteConfig:
+    return EvalSuiteConfig(name="t", benchmarks=[BenchmarkConfig(name=name, root=str(root), **kwargs)],
+                           batch_size=64, workers=0, cache_dir=str(cache_dir))
+
+
+def _class_folders(root, names, per_class=1):
+    image = foolbox_images("cifar10")[0][0].read_bytes()
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (root / name / f"{i}.png").write_bytes(image)
+    return root
+
+
+def _wds_set(root):
+    images = foolbox_images("cifar10")[:6]
+    return write_wds_benchmark(root, [(p.read_bytes(), "png", label) for p, label in images],
+                               classnames=list(benchmark_info("cifar10").classnames), templates=["a photo of a {c}."])

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
 # --cpu runs every row the GPU run does (the CUDA-graphs rows compiled without graphs).
 GRAPH_ROWS = {"ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs",
               "ours soft-b16-128e compiled reduce-overhead"}
@@ -25,6 +24,10 @@ LIT_ROWS = {"open_clip lock-image", "ours on-the-fly", "ours cached", "ours on-t
             "open_clip image features given", "ours cached, text compiled", "ours on-the-fly, PyTorch qk-norm"}
 
 
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 @pytest.fixture(scope="module")
 def bench_gpu():
     spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
@@ -32,10 +35,6 @@ def bench_gpu():
     sys.modules["bench_gpu"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)  # puts scripts/ on sys.path for benchlib, bench_softmoe, bench_lit
     return module
-
-
-def _installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
 
 
 @pytest.mark.skipif(not all(map(_installed, ("timm", "open_clip", "soft_moe_pytorch"))),

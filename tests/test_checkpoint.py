@@ -4,14 +4,14 @@ import json
 import pytest
 import torch
 
+from lit_softmoe.config import OptimConfig
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
 from lit_softmoe.model_folders import latest_checkpoint
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.optim import create_optimizer
-from lit_softmoe.config import OptimConfig
+from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
 
 
 def test_tower_round_trip_is_exact(tmp_path):

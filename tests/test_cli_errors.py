@@ -7,19 +7,7 @@ import torch
 
 from lit_softmoe.cli import main
 
-
-def _one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
-@pytest.fixture
-def suite(tmp_path):
-    path = tmp_path / "suite.yaml"
-    path.write_text("name: s\n")
-    return str(path)
+from cli_errors import _one_line_error
 
 
 def test_embed_out_that_is_a_file(tmp_path, capsys):

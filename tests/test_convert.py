@@ -4,12 +4,18 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.models.convert import load_vmoe_tower, vmoe_to_state
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.convert import load_vmoe_tower, vmoe_to_state
 from lit_softmoe.models.registry import image_tower_config
 from lit_softmoe.models.tower_folder import load_tower
 
 D, HEADS, HD, MLP, N, P, CLASSES, PATCH = 32, 2, 16, 64, 4, 1, 10, 7
+
+
+def _save(tmp_path, tree, name="vmoe.npz"):
+    path = tmp_path / name
+    np.savez(path, **tree)
+    return path
 
 
 def vmoe_tree(seed=0, moe_blocks=(1,), depth=2):
@@ -38,16 +44,6 @@ def vmoe_tree(seed=0, moe_blocks=(1,), depth=2):
     return tree
 
 
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def _save(tmp_path, tree, name="vmoe.npz"):
-    path = tmp_path / name
-    np.savez(path, **tree)
-    return path
-
-
 def test_every_tensor_reads_back_with_the_right_layout(tmp_path):
     tree = vmoe_tree()
     tower = load_vmoe_tower(_save(tmp_path, tree), "soft-test-4e")
@@ -73,6 +69,10 @@ def test_every_tensor_reads_back_with_the_right_layout(tmp_path):
     np.testing.assert_array_equal(s["norm.bias"], tree["Encoder/encoder_norm/bias"])
     out = tower.eval()(torch.randn(2, 1, 28, 28))
     assert out.shape == (2, CLASSES) and torch.isfinite(out).all()
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
 def test_each_layer_computes_what_flax_computes_with_those_arrays():

@@ -13,36 +13,18 @@ import pytest
 import torch
 
 from lit_softmoe.data import fashion_mnist as sources
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_fashion_mnist, read_idx, write_fashion_mnist_shards
 from lit_softmoe.data.shards import (BadSampleCounter, iter_class_samples, load_class_split, num_samples,
                                      read_classnames, shard_urls, write_split)
-from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_fashion_mnist, read_idx, write_fashion_mnist_shards
 from lit_softmoe.data.transforms import batch_augment, eval_transform, match_channels, normalize_batch, train_transform
 from lit_softmoe.errors import UserError
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 
-LIMIT = 200
-
-
-def _sha256(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _png(array):
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(array).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-@pytest.fixture(scope="module")
-def fmnist(tmp_path_factory):
-    """Fashion-MNIST shards, LIMIT samples per split, 64 per shard; and the source arrays."""
-    out = tmp_path_factory.mktemp("fmnist")
-    summary = write_fashion_mnist_shards(out, samples_per_shard=64, limit=LIMIT, allow_download=False)
-    source = {split: read_fashion_mnist(split, allow_download=False) for split in ("train", "test")}
-    return out, summary, source
+from data_files import LIMIT, _png_bytes
 
 
 # ---------------------------------------------------------------------------------------- sources
+
 
 def test_read_fashion_mnist_shapes_and_labels():
     images, labels = read_fashion_mnist("test", allow_download=False)
@@ -61,8 +43,8 @@ def test_read_idx_rejects_a_truncated_file(tmp_path):
         read_idx(broken)
 
 
-def test_shards_round_trip_exactly(fmnist):
-    out, summary, source = fmnist
+def test_shards_round_trip_exactly(fmnist_shards):
+    out, summary, source = fmnist_shards
     assert summary["samples"] == {"train": LIMIT, "test": LIMIT} and not summary["skipped"]
     for split in ("train", "test"):
         images, labels, counts = load_class_split(out / split, cache=False)
@@ -72,8 +54,8 @@ def test_shards_round_trip_exactly(fmnist):
         assert torch.equal(labels, torch.from_numpy(source[split][1][:LIMIT].astype(np.int64)))
 
 
-def test_samples_hold_caption_and_metadata(fmnist):
-    out, _, source = fmnist
+def test_samples_hold_caption_and_metadata(fmnist_shards):
+    out, _, source = fmnist_shards
     with tarfile.open(out / "test" / "0.tar") as tar:
         names = tar.getnames()
         assert names[:4] == ["s0000000.cls", "s0000000.json", "s0000000.png", "s0000000.txt"]
@@ -91,8 +73,8 @@ def test_samples_hold_caption_and_metadata(fmnist):
     assert (out / "dataset_type.txt").read_text().strip() == "classification"
 
 
-def test_nshards_sizes_and_urls(fmnist):
-    out, summary, _ = fmnist
+def test_nshards_sizes_and_urls(fmnist_shards):
+    out, summary, _ = fmnist_shards
     split = out / "train"
     # 200 samples at 64 per shard: 64 + 64 + 64 + 8, named as CLIP_benchmark expands {0..N-1}.tar.
     assert (split / "nshards.txt").read_text() == "4\n"
@@ -106,8 +88,12 @@ def test_nshards_sizes_and_urls(fmnist):
     assert shard_urls([urls[0], f"{split}/{{1..3}}.tar"]) == urls
 
 
-def test_rerun_is_byte_identical_and_skips_when_complete(fmnist, tmp_path):
-    out, _, _ = fmnist
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_rerun_is_byte_identical_and_skips_when_complete(fmnist_shards, tmp_path):
+    out, _, _ = fmnist_shards
     again = write_fashion_mnist_shards(tmp_path, samples_per_shard=64, limit=LIMIT, allow_download=False)
     assert not again["skipped"]
     for split in ("train", "test"):
@@ -123,8 +109,8 @@ def test_rerun_is_byte_identical_and_skips_when_complete(fmnist, tmp_path):
     assert sorted(p.name for p in (tmp_path / "train").glob("*.tar")) == ["0.tar", "1.tar"]
 
 
-def test_decoded_cache_matches_decoding(fmnist):
-    out, _, _ = fmnist
+def test_decoded_cache_matches_decoding(fmnist_shards):
+    out, _, _ = fmnist_shards
     cached_images, cached_labels, _ = load_class_split(out / "train")  # warmed by the writer
     assert list((out / "train").glob(".decoded-*.npz"))
     images, labels, _ = load_class_split(out / "train", cache=False)
@@ -135,8 +121,9 @@ def test_decoded_cache_matches_decoding(fmnist):
 
 # ---------------------------------------------------------------------------------------- writing
 
+
 def test_write_split_rolls_over_by_count_and_bytes(tmp_path):
-    samples = [{"png": _png(np.full((8, 8), i, np.uint8)), "cls": i} for i in range(7)]
+    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": i} for i in range(7)]
     assert write_split(samples, tmp_path, "train", samples_per_shard=3) == {"0.tar": 3, "1.tar": 3, "2.tar": 1}
     # Byte cap checked before each sample: every shard takes one 2 kB sample, then rolls over.
     big = [{"bin": bytes(2000), "cls": i} for i in range(3)]
@@ -170,8 +157,9 @@ def test_write_split_killed_midway_leaves_no_final_shard(tmp_path):
 
 # ---------------------------------------------------------------------------------------- bad data
 
+
 def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):
-    good = _png(np.arange(64, dtype=np.uint8).reshape(8, 8))
+    good = _png_bytes(np.arange(64, dtype=np.uint8).reshape(8, 8))
     samples = [
         {"png": good, "cls": "3"},
         {"png": b"\x89PNG\r\n\x1a\n not really a png", "cls": "1"},  # undecodable image
@@ -204,7 +192,7 @@ def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplo
 
 
 def test_negative_class_index_is_a_bad_sample(tmp_path):
-    good = _png(np.zeros((8, 8), np.uint8))
+    good = _png_bytes(np.zeros((8, 8), np.uint8))
     write_split([{"png": good, "cls": "1"}, {"png": good, "cls": "-1"}, {"png": good, "cls": "0"}], tmp_path, "a")
     images, labels, counts = load_class_split(tmp_path / "a", cache=False)
     assert labels.tolist() == [1, 0] and dict(counts) == {"bad_cls": 1}
@@ -213,7 +201,7 @@ def test_negative_class_index_is_a_bad_sample(tmp_path):
 def test_first_n_samples_count_only_their_own_bad_samples_cached_or_not(tmp_path):
     """`max_samples` from the decoded cache counts the bad samples among the first N, as decoding
     the first N does, not the whole split's."""
-    good = _png(np.zeros((8, 8), np.uint8))
+    good = _png_bytes(np.zeros((8, 8), np.uint8))
     # 100 samples: bad at reading positions 3 (image), 50 (image), 70 (no .cls) and 99 (image, last).
     samples = [{"png": b"not a png" if i in (3, 50, 99) else good, **({} if i == 70 else {"cls": str(i % 5)})}
                for i in range(100)]
@@ -269,6 +257,7 @@ def test_fashion_mnist_found_through_env(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- transforms
+
 
 def test_eval_transform_shapes_values_and_channels():
     array = np.arange(28 * 28, dtype=np.int64).reshape(28, 28).astype(np.uint8)

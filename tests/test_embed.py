@@ -14,25 +14,17 @@ import torch
 import webdataset as wds
 
 from lit_softmoe.cli import main
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls, write_split
-from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.tower_folder import save_tower
+from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.embed import check_feature_cache, embed_shards
-from lit_softmoe.models.tower_folder import tower_fingerprint
 
 LIMIT = 300
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
-
-
-def _save_test_tower(path, seed: int):
-    torch.manual_seed(seed)
-    tower = create_image_tower("soft-test-4e", num_classes=10).eval()
-    save_tower(path, tower, extra={"preprocess": PREPROCESS})
-    return tower
 
 
 def _read_raw(spec) -> dict[str, dict]:
@@ -42,6 +34,13 @@ def _read_raw(spec) -> dict[str, dict]:
         assert sample["__key__"] not in samples
         samples[sample["__key__"]] = sample
     return samples
+
+
+def _save_test_tower(path, seed: int):
+    torch.manual_seed(seed)
+    tower = create_image_tower("soft-test-4e", num_classes=10).eval()
+    save_tower(path, tower, extra={"preprocess": PREPROCESS})
+    return tower
 
 
 @pytest.fixture(scope="module")

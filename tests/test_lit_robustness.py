@@ -12,55 +12,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import read_lines, write_split
-from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
-from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, save_tower
-from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import RunLogger, read_metrics
-from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 
-PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
+from lit_data import PREPROCESS, _lit
 
-
-def write_lit_data(root: Path, **embed_options) -> Path:
-    """300 + 300 Fashion-MNIST images in shards of 50, a random tower with its preprocess entry, and
-    the tower's feature cache of both splits (`embed_options` go to `embed_shards`)."""
-    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=50, limit=300, allow_download=False)
-    torch.manual_seed(0)
-    save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
-               extra={"preprocess": PREPROCESS})
-    for split in ("train", "test"):
-        embed_shards(root / "tower", str(root / "fmnist" / split), root / "features", batch_size=100, **embed_options)
-    return root
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_lit_data(tmp_path_factory.mktemp("lit_robust"))
-
-
-def _cfg(data, run_dir, *extra) -> LiTConfig:
-    return load_config(LiTConfig, None, [
-        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
-        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
-        "precision=fp32", "text.width=64", "text.layers=1", "text.heads=2", *extra])
-
-
-# ---- unlocked blocks ------------------------------------------------------------------------------
 
 def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, tmp_path):
     images = data / "fmnist"
     run = tmp_path / "run"
-    results = train_lit(_cfg(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup_steps=1",
+    results = train_lit(_lit(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup_steps=1",
                              f"data.train={images / 'train'}", f"eval.shards={images / 'test'}", "eval.every=2"))
     assert (run / "model" / "model.safetensors").is_file() and json.loads((run / "results.json").read_text())
 
@@ -98,7 +69,7 @@ def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, t
 def test_unlocked_blocks_refuse_cached_eval_features_before_training(data, tmp_path):
     # The cached eval features come from the initial tower: they cannot score a tower that trains.
     with pytest.raises(UserError, match="eval.shards holds cached features"):
-        train_lit(_cfg(data, tmp_path / "run", "unlocked_blocks=1", "steps=2",
+        train_lit(_lit(data, tmp_path / "run", "unlocked_blocks=1", "steps=2",
                        f"data.train={data / 'fmnist' / 'train'}"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -109,11 +80,11 @@ def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(
     test = data / "fmnist" / "test"  # six shards of 50 images
     scores = []
     for spec in (str(test), str(test / "{0..5}.tar"), f"{test / '0.tar'}::{test / '{1..5}.tar'}"):
-        scores.append(train_lit(_cfg(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
+        scores.append(train_lit(_lit(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
                       ["zeroshot_top1"])
     assert scores[0] == scores[1] == scores[2]
     with pytest.raises(UserError, match="set eval.classnames"):
-        train_lit(_cfg(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
+        train_lit(_lit(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
 
 
 def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_path):
@@ -121,10 +92,10 @@ def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_
     images = data / "fmnist" / "train"  # 300 samples in 6 shards of 50
     with pytest.raises(UserError, match=r"read as 1 process\(es\) × 1 data worker\(s\), and one of them holds only "
                                         r"300 samples, fewer than its batch of 400"):
-        train_lit(_cfg(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
     with pytest.raises(UserError, match=r"× 2 data worker\(s\), and one of them holds only 150 samples, fewer "
                                         r"than its batch of 200"):
-        train_lit(_cfg(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
                        f"data.train={images}"))
     assert not (tmp_path / "run").exists()
     # Each of two workers holds three shards (150 samples): a batch of 150 never repeats one.
@@ -141,14 +112,14 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
     run = tmp_path / "run"
     # Image shards: a feature cache would be refused as another tower's before the checkpoint is read.
     common = [f"image_tower={tower}", f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
-    train_lit(_cfg(data, run, "steps=2", *common))
+    train_lit(_lit(data, run, "steps=2", *common))
     assert json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())["image_tower_sha256"]
     meta = json.loads((tower / "config.json").read_text())
     torch.manual_seed(1)  # same name, config and preprocessing; other weights
     save_tower(tower, create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={k: v for k, v in meta.items() if k != "tower"})
     with pytest.raises(UserError, match=r"the image tower at .*tower was rewritten after .*step_00000002 was saved"):
-        train_lit(_cfg(data, run, "steps=4", *common))
+        train_lit(_lit(data, run, "steps=4", *common))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
 
 
@@ -156,14 +127,12 @@ def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path
     # The feature cache is one shard: two workers each need one of their own, unless shards are drawn
     # with replacement, which the error suggests (data.resampled, a LiT config key).
     with pytest.raises(UserError, match=r"1 shards cannot feed 1 processes × 2 workers .* set data.resampled=true"):
-        train_lit(_cfg(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''"))
-    results = train_lit(_cfg(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
+        train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''"))
+    results = train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
                              "eval.shards=''"))
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert results["steps"] == 4 and len(losses) == 4 and all(np.isfinite(losses))
 
-
-# ---- bad-sample counts across a resume -------------------------------------------------------------
 
 def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
     """200 samples, one in 20 with an empty caption: 4 steps an epoch, 12 steps. A run killed after its
@@ -174,7 +143,7 @@ def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
                 tmp_path / "data", "train", samples_per_shard=50)
     common = [f"data.train={tmp_path / 'data' / 'train'}", "eval.shards=''", "data.max_bad_fraction=0.2",
               "steps=12", "checkpoint_every=2", "keep_checkpoints=10"]
-    straight = train_lit(_cfg(data, tmp_path / "straight", *common))
+    straight = train_lit(_lit(data, tmp_path / "straight", *common))
     assert straight["bad_samples"]["bad_txt"] >= 30  # 10 in each pass over the shards, 3 epochs
 
     def data_records(run):
@@ -188,19 +157,17 @@ def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
         for checkpoint in (run / "checkpoints").glob("step_*"):
             if int(checkpoint.name.split("_")[1]) > killed_after:
                 shutil.rmtree(checkpoint)
-        resumed = train_lit(_cfg(data, run, *common))
+        resumed = train_lit(_lit(data, run, *common))
         assert resumed["bad_samples"] == straight["bad_samples"], killed_after
         assert data_records(run) == data_records(tmp_path / "straight"), killed_after
 
-
-# ---- templates -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template", ["a photo of a {}.", "a photo of a {classname}.", "a photo.", "a {c"])
 def test_a_bad_template_is_refused_before_training(data, tmp_path, template):
     templates = tmp_path / "templates.txt"
     templates.write_text(f"a photo of a {{c}}.\n{template}\n")
     with pytest.raises(UserError) as err:
-        train_lit(_cfg(data, tmp_path / "run", "steps=2", f"eval.templates={templates}"))
+        train_lit(_lit(data, tmp_path / "run", "steps=2", f"eval.templates={templates}"))
     message = str(err.value)
     assert str(templates) in message and repr(template) in message and "{c}" in message
     assert "\n" not in message
@@ -252,11 +219,11 @@ def test_truncating_the_metrics_is_atomic(tmp_path, monkeypatch):
 
 def test_a_run_killed_while_logging_resumes(data, tmp_path):
     run = tmp_path / "run"
-    train_lit(_cfg(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
     shutil.rmtree(run / "model")
     shutil.rmtree(run / "checkpoints" / "step_00000004")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 4.2')
-    results = train_lit(_cfg(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    results = train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
     assert results["steps"] == 4 and (run / "model").is_dir()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]

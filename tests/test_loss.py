@@ -10,10 +10,7 @@ import torch.nn.functional as F
 
 from lit_softmoe.train.loss import contrastive_loss, gather_with_grad, sigmoid_loss
 
-
-def _unit(b: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=-1)
+LOCAL_BATCH, FEATURES, EMBED = 3, 5, 4
 
 
 def _reference_clip(zimg: np.ndarray, ztxt: np.ndarray, scale: float) -> float:
@@ -28,6 +25,18 @@ def _reference_clip(zimg: np.ndarray, ztxt: np.ndarray, scale: float) -> float:
     return total / (2 * b)
 
 
+def _unit(b: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=-1)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_contrastive_loss_matches_loop_reference(batch):
+    zimg, ztxt = _unit(batch, 8, 0), _unit(batch, 8, 1)
+    loss = contrastive_loss(zimg, ztxt, torch.tensor(7.0, dtype=torch.float64))
+    assert loss.item() == pytest.approx(_reference_clip(zimg.numpy(), ztxt.numpy(), 7.0), rel=1e-12)
+
+
 def _reference_siglip(zimg: np.ndarray, ztxt: np.ndarray, scale: float, bias: float) -> float:
     """-Σ_ij log σ(z_ij (s·<x_i, y_j> + b)) / B, z = +1 iff i == j."""
     b = len(zimg)
@@ -38,13 +47,6 @@ def _reference_siglip(zimg: np.ndarray, ztxt: np.ndarray, scale: float, bias: fl
             logit = scale * float(np.dot(zimg[i], ztxt[j])) + bias
             total += math.log(1.0 + math.exp(-z * logit))  # -log σ(z·logit)
     return total / b
-
-
-@pytest.mark.parametrize("batch", [1, 3, 5])
-def test_contrastive_loss_matches_loop_reference(batch):
-    zimg, ztxt = _unit(batch, 8, 0), _unit(batch, 8, 1)
-    loss = contrastive_loss(zimg, ztxt, torch.tensor(7.0, dtype=torch.float64))
-    assert loss.item() == pytest.approx(_reference_clip(zimg.numpy(), ztxt.numpy(), 7.0), rel=1e-12)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])
@@ -93,21 +95,16 @@ def test_mismatched_shapes_are_rejected():
         contrastive_loss(torch.randn(3, 4), torch.randn(2, 4), torch.tensor(1.0))
 
 
-# ---- two gloo processes == one process with the combined batch ----------------------------------
-
-LOCAL_BATCH, FEATURES, EMBED = 3, 5, 4
-
-
-def _text_model() -> torch.nn.Module:
-    torch.manual_seed(0)  # the same weights in every process, as DDP guarantees
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, EMBED)).double()
-
-
 def _data():
     g = torch.Generator().manual_seed(1)
     zimg = F.normalize(torch.randn(2 * LOCAL_BATCH, EMBED, generator=g, dtype=torch.float64), dim=-1)
     text_inputs = torch.randn(2 * LOCAL_BATCH, FEATURES, generator=g, dtype=torch.float64)
     return zimg, text_inputs
+
+
+def _text_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same weights in every process, as DDP guarantees
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, EMBED)).double()
 
 
 def _losses_and_grads(zimg, text_inputs):

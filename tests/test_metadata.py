@@ -13,6 +13,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import benchmark_info, imagenet_wnids, list_benchmarks
 
 METADATA_DIR = Path(__file__).resolve().parents[1] / "lit_softmoe" / "metadata"
+
 EXPECTED_CLASS_COUNTS = {
     "imagenet1k": 1000, "imagenetv2": 1000, "imagenet_sketch": 1000, "imagenet-a": 200, "imagenet-r": 200,
     "imagenet-o": 200, "objectnet": 113, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers": 102,
@@ -21,12 +22,14 @@ EXPECTED_CLASS_COUNTS = {
     "resisc45": 45, "pcam": 2, "kitti_closest_vehicle_distance": 4, "clevr_count_all": 8,
     "clevr_closest_object_distance": 6, "fer2013": 7, "renderedsst2": 2, "voc2007": 20, "svhn": 10,
 }
+
 # Benchmarks without templates of their own, and whose templates they use instead.
 BORROWED_TEMPLATES = {
     "imagenetv2": "imagenet1k", "imagenet_sketch": "imagenet1k", "imagenet-a": "imagenet1k",
     "imagenet-r": "imagenet1k", "imagenet-o": "imagenet1k", "objectnet": "imagenet1k",
     "caltech101_vtab": "caltech101",
 }
+
 CLASSIFICATION = list_benchmarks("classification")
 
 

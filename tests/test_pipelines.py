@@ -14,13 +14,13 @@ import torch
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
+from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
-from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
-from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform, train_transform
 from lit_softmoe.errors import UserError
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.models.tokenizers import create_tokenizer
 
 
 def _png(value: int, size: int = 8, mode: str = "L") -> bytes:
@@ -40,16 +40,12 @@ def _index(key: str) -> int:
     return int(key[1:])
 
 
-def _read(cfg, kind="image-caption", **kwargs):
-    """All batches of one epoch of a fresh loader."""
-    return list(create_shard_loader(cfg, kind, **kwargs))
-
-
 def _keys(batches):
     return [key for batch in batches for key in batch["key"]]
 
 
 # ---------------------------------------------------------------------------------------- epochs
+
 
 def test_exact_epoch_reads_each_sample_once_across_two_nodes_and_two_workers(tmp_path):
     split = _caption_split(tmp_path, "train", count=63, per_shard=10)  # 7 shards: 6 × 10 + 3
@@ -83,6 +79,11 @@ def test_training_epoch_gives_every_worker_the_same_full_batches(tmp_path):
         assert all(len(batch["key"]) == 5 for batch in batches)
         seen += _keys(batches)
     assert sorted(seen) == [f"s{i:07d}" for i in range(80)]
+
+
+def _read(cfg, kind="image-caption", **kwargs):
+    """All batches of one epoch of a fresh loader."""
+    return list(create_shard_loader(cfg, kind, **kwargs))
 
 
 def test_training_epoch_rolls_over_to_fill_its_batches(tmp_path):
@@ -158,6 +159,7 @@ def test_urls_as_pattern_list_and_pipe(tmp_path):
 
 # ---------------------------------------------------------------------------------------- bad samples
 
+
 def _planted_split(tmp_path):
     """30 samples in 3 shards with 5 bad ones, plus a truncated 10-sample shard in another folder."""
     samples = [{"png": _png(i), "txt": f"caption {i}".encode()} for i in range(30)]
@@ -219,6 +221,7 @@ def test_an_endless_stream_of_unusable_samples_stops(tmp_path):
 
 # ---------------------------------------------------------------------------------------- config
 
+
 def test_config_mistakes_are_one_clear_error(tmp_path):
     split = _caption_split(tmp_path, "train", count=20, per_shard=10)
     with pytest.raises(UserError, match="data.urls is empty"):
@@ -243,6 +246,7 @@ def test_config_nests_in_a_typed_omegaconf_config():
 
 
 # ---------------------------------------------------------------------------------------- real data
+
 
 @pytest.fixture(scope="module")
 def fmnist(tmp_path_factory):
@@ -320,6 +324,7 @@ def test_embedding_caption_shards_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- transforms
+
 
 def test_palette_and_alpha_images_become_rgb_not_indices():
     palette = PIL.Image.new("P", (4, 4), 1)

@@ -20,22 +20,17 @@ SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.o
                "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=3000, allow_download=False)
-    return out
-
-
 def _cfg(shards, run_dir, *extra):
     return load_config(PretrainConfig, None, [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
         "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *extra])
 
 
-def _cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
-                          **kwargs)
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(out, limit=3000, allow_download=False)
+    return out
 
 
 def test_pretraining_learns_real_fashion_mnist(shards, tmp_path):
@@ -95,6 +90,11 @@ def test_killed_run_resumes_exactly(shards, tmp_path):
     b, _ = load_tower(killed_dir / "tower")
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def _cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
+                          **kwargs)
 
 
 def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):

@@ -4,19 +4,19 @@ import torch
 from lit_softmoe.evals.probes import fewshot_probe, fit_ridge, sample_shots
 
 
-def _blobs(num_classes=5, per_class=40, dim=16, spread=0.3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(num_classes, dim, generator=g) * 3
-    labels = torch.arange(num_classes).repeat_interleave(per_class)
-    return centers[labels] + spread * torch.randn(len(labels), dim, generator=g), labels
-
-
 def test_sample_shots_takes_k_per_class_deterministically():
     labels = torch.arange(4).repeat(30)
     idx = sample_shots(labels, 10, seed=3)
     assert torch.equal(torch.bincount(labels[idx]), torch.full((4,), 10))
     assert torch.equal(idx, sample_shots(labels, 10, seed=3))
     assert not torch.equal(idx, sample_shots(labels, 10, seed=4))
+
+
+def _blobs(num_classes=5, per_class=40, dim=16, spread=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(num_classes, dim, generator=g) * 3
+    labels = torch.arange(num_classes).repeat_interleave(per_class)
+    return centers[labels] + spread * torch.randn(len(labels), dim, generator=g), labels
 
 
 def test_probe_separates_separable_classes_and_fails_on_shuffled_labels():

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from lit_softmoe.nn import qk_norm
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.nn import qk_norm
 
 pytestmark = pytest.mark.skipif(qk_norm.triton is None, reason="needs Triton")
 

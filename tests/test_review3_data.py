@@ -1,33 +1,22 @@
 """Third review of the data package: each test failed before the fix it names."""
 from __future__ import annotations
 
-import io
 import os
 import pathlib
 
 import numpy as np
-import PIL.Image
 import pytest
 import torchvision
 
 from lit_softmoe.cli import main
-from lit_softmoe.utils import atomic
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_idx
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import iter_class_samples, load_class_split, read_classnames, write_split
-from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_idx
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils import atomic
 
-
-def _png_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(array).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _gray_png(path, value: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    PIL.Image.new("L", (8, 8), value).save(path)
+from data_files import _gray_png, _png_bytes
 
 
 def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):

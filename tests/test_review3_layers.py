@@ -1,13 +1,14 @@
 """Review 3 of the layers and towers (nn/, models/vit.py, upcycle, convert): each test failed before its fix."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 
+D, HEADS, HD, MLP, N, P, CLASSES, PATCH = 32, 2, 16, 64, 4, 1, 10, 7
 
-# ---- a non-square image: the position grid is resampled to its rows and columns ---------------------
 
 def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():
     torch.manual_seed(0)
@@ -36,8 +37,6 @@ def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():
             assert logits.shape == (2, 3) and torch.isfinite(logits).all()
 
 
-# ---- tower options that used to end in a traceback -------------------------------------------------
-
 @pytest.mark.parametrize("options,message", [
     (dict(num_heads=0), "num_heads must be a positive integer"),  # was ZeroDivisionError
     (dict(patch_size=0), "patch_size must be a positive integer"),  # was ZeroDivisionError
@@ -65,7 +64,37 @@ def test_pretrain_names_an_impossible_tower_option_in_one_line():
         _validate_tower(cfg)
 
 
-# ---- convert: a vmoe Soft MoE tree with p > 1 slots per expert ---------------------------------------
+def _save(tmp_path, tree, name="vmoe.npz"):
+    path = tmp_path / name
+    np.savez(path, **tree)
+    return path
+
+
+def vmoe_tree(seed=0, moe_blocks=(1,), depth=2):
+    """A flattened vmoe VisionTransformerMoe tree for soft-test-4e (GAP, qk-norm, 10 classes)."""
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    tree = {"embedding/kernel": r(PATCH, PATCH, 1, D), "embedding/bias": r(D),
+            "Encoder/posembed_input/pos_embedding": r(1, 16, D),
+            "Encoder/encoder_norm/scale": r(D), "Encoder/encoder_norm/bias": r(D),
+            "head/kernel": r(D, CLASSES), "head/bias": r(CLASSES)}
+    for i in range(depth):
+        b = f"Encoder/encoderblock_{i}"
+        for ln in ("LayerNorm_0", "LayerNorm_1"):
+            tree[f"{b}/{ln}/scale"], tree[f"{b}/{ln}/bias"] = r(D), r(D)
+        for name in ("query", "key", "value"):
+            tree[f"{b}/SelfAttention/{name}/kernel"], tree[f"{b}/SelfAttention/{name}/bias"] = r(D, HEADS, HD), r(HEADS, HD)
+        tree[f"{b}/SelfAttention/query_ln/scale"], tree[f"{b}/SelfAttention/key_ln/scale"] = r(HD), r(HD)
+        tree[f"{b}/SelfAttention/out/kernel"], tree[f"{b}/SelfAttention/out/bias"] = r(HEADS, HD, D), r(D)
+        if i in moe_blocks:
+            tree[f"{b}/Moe/Router/mu"], tree[f"{b}/Moe/Router/scale"] = r(D, N, P), np.float32(3.0).reshape(())
+            tree[f"{b}/Moe/Mlp/Dense_0/kernel"], tree[f"{b}/Moe/Mlp/Dense_0/bias"] = r(N, D, MLP), r(N, MLP)
+            tree[f"{b}/Moe/Mlp/Dense_1/kernel"], tree[f"{b}/Moe/Mlp/Dense_1/bias"] = r(N, MLP, D), r(N, D)
+        else:
+            tree[f"{b}/Mlp/Dense_0/kernel"], tree[f"{b}/Mlp/Dense_0/bias"] = r(D, MLP), r(MLP)
+            tree[f"{b}/Mlp/Dense_1/kernel"], tree[f"{b}/Mlp/Dense_1/bias"] = r(MLP, D), r(D)
+    return tree
+
 
 def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     """vmoe's SoftRouter has p = num_slots, or round(m·cf / n) from a capacity factor; every registered
@@ -74,7 +103,6 @@ def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     import numpy as np
 
     from lit_softmoe.models.convert import load_vmoe_tower
-    from test_convert import _save, vmoe_tree
 
     tree = vmoe_tree(5)
     rng = np.random.default_rng(5)
@@ -91,8 +119,6 @@ def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     # The released p = 1 trees still load as before.
     assert load_vmoe_tower(_save(tmp_path, vmoe_tree(6), "p1.npz"), "soft-test-4e").cfg.slots_per_expert == 1
 
-
-# ---- upcycle: a dense tower with other attention heads than the target -----------------------------
 
 def test_upcycle_refuses_a_dense_tower_with_other_attention_heads(tmp_path, capsys):
     """Without qk-norm no tensor shape depends on the number of heads: a dense vit-test built with 4

@@ -7,19 +7,14 @@ import json
 
 import pytest
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.pretrain import pretrain
-from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
-
-def _lit(data, run_dir, *extra) -> LiTConfig:
-    return load_config(LiTConfig, None, [
-        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
-        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
-        "precision=fp32", "text.width=64", "text.layers=1", "text.heads=2", *extra])
+from checkpoint_checks import _finite_checkpoints
+from lit_data import _lit
 
 
 # ---- setting mistakes are one line before any work -------------------------------------------------
@@ -67,8 +62,6 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data
     assert results["steps"] == 2
 
 
-# ---- a rerun shorter than the run it resumes -------------------------------------------------------
-
 def test_lit_rerun_with_fewer_steps_than_its_checkpoint_is_refused(data, tmp_path):
     """steps may change on a rerun, to extend a run. Fewer steps than the newest checkpoint's
     resumed the 4-step model and saved it as a 2-step run (results.json: "steps": 2)."""
@@ -94,8 +87,6 @@ def test_pretrain_rerun_with_fewer_epochs_than_its_checkpoint_is_refused(data, t
     assert json.loads((run / "results.json").read_text())["steps"] == 6
 
 
-# ---- zero-shot evaluation on the right classes ------------------------------------------------------
-
 @pytest.mark.parametrize("unlocked", [False, True])
 def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training(data, tmp_path, unlocked):
     """Three class names for a 10-class eval split scored every image of classes 3-9 as wrong and
@@ -111,8 +102,6 @@ def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training
                               "eval.classnames to a file naming every class of the split, one per line in class order")
     assert not (tmp_path / "run").exists()
 
-
-# ---- weight decay -----------------------------------------------------------------------------------
 
 def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tmp_path):
     """Soft MoE's `scale` is decayed like a kernel (vmoe's configs; ViT.no_weight_decay leaves it out
@@ -133,8 +122,6 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
 
 
-# ---- settings that were silently ignored -----------------------------------------------------------
-
 def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
     """The sigmoid loss has no label smoothing: label_smoothing=0.1 trained exactly as 0 would."""
     with pytest.raises(UserError, match="label_smoothing=0.1 applies to loss=softmax only"):
@@ -145,15 +132,7 @@ def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-
 # ---- a diverged run never writes a checkpoint ------------------------------------------------------
-
-def _finite_checkpoints(run) -> dict[int, bool]:
-    from safetensors.torch import load_file
-    return {int(path.name.split("_")[1]): all(value.float().isfinite().all() for key, value in
-                                              load_file(path / "state.safetensors").items() if key.startswith("model."))
-            for path in sorted((run / "checkpoints").glob("step_*"))}
-
 
 def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path):
     """The loss was checked only at log records (every 100 steps here): the step-4 checkpoint held NaN

@@ -6,7 +6,8 @@ import torch
 from lit_softmoe.cli import main
 from lit_softmoe.models.inference import encode_images
 from lit_softmoe.models.registry import create_image_tower
-from test_cli_errors import _one_line_error
+
+from cli_errors import _one_line_error
 
 
 def test_encode_images_moves_pixels_to_the_towers_device_and_dtype():

@@ -8,24 +8,19 @@ import json
 import pytest
 import torch
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals.probes import L2_GRID, fit_ridge, linear_probe
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
-from lit_softmoe.evals.probes import L2_GRID, fit_ridge, linear_probe
-from test_lit_robustness import data  # noqa: F401  (300 + 300 Fashion-MNIST images, a soft-test-4e tower)
 
+from lit_data import _lit
 
-def _lit(data, run_dir, *extra) -> LiTConfig:
-    return load_config(LiTConfig, None, [
-        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
-        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
-        "precision=fp32", "text.width=64", "text.layers=1", "text.heads=2", *extra])
+SKIPPED = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on (eval.shards is "
+           "empty); set eval.shards to a labelled split to run it")
 
-
-# ---- text tower settings --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ratio", [0, -2])
 def test_a_text_mlp_ratio_that_is_not_positive_is_one_line(ratio):
@@ -37,12 +32,6 @@ def test_a_text_mlp_ratio_that_is_not_positive_is_one_line(ratio):
     # A small positive ratio still builds: 64 × 0.5 = 32 hidden units.
     tower = create_text_tower(TextTowerConfig(width=64, layers=1, heads=2, mlp_ratio=0.5), embed_dim=32)
     assert max(p.shape[0] for name, p in tower.named_parameters() if "c_fc.weight" in name) == 32
-
-
-# ---- LiT: a probe set without an eval set -----------------------------------------------------------
-
-SKIPPED = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on (eval.shards is "
-           "empty); set eval.shards to a labelled split to run it")
 
 
 def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(data, tmp_path, caplog):
@@ -97,6 +86,12 @@ def test_linear_probe_without_a_hold_out_picks_its_penalty_by_leave_one_out(capl
         linear_probe(train[:1], train_labels[:1], test, test_labels)
 
 
+def _png() -> bytes:
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    images, _ = read_fashion_mnist("test", allow_download=False)
+    return _png_bytes(images[0])
+
+
 def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
     """One sample has no spread to standardize by: the probe scored NaN features (every test image
     the first class). The run still saves its model and records why the probe is missing."""
@@ -112,12 +107,6 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
     assert results["probe_skipped"] == (f"the linear probe is skipped: eval.probe_train "
                                         f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), and it needs at least 2")
     assert (run / "model" / "model.safetensors").is_file()
-
-
-def _png() -> bytes:
-    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
-    images, _ = read_fashion_mnist("test", allow_download=False)
-    return _png_bytes(images[0])
 
 
 # ---- a finished run rerun logs its final evaluation once --------------------------------------------

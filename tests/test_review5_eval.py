@@ -9,17 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.suite import run_suite
 
-
-# ---- 1. blank caption lines ------------------------------------------------------------------------
+from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
+from lit_runs import _make_run
 
 # Per image: CLIP_benchmark's str.splitlines gives ['', 'a dog', '', 'another dog', ''] (3 empty), ['a cat'],
 # [' ', ' '] (2 blank, no caption left), ['a bird'] (a final newline is no line): 5 empty captions.
 CAPTIONS = ["\na dog\n\nanother dog\n\n", "a cat", " \n ", "a bird\n"]
+TIMINGS = {"shards": 1.2, "pretrain": 30.4}
 
+
+# ---- blank caption lines ------------------------------------------------------------------------
 
 def _retrieval_suite(tmp_path: Path, *benchmarks: BenchmarkConfig) -> EvalSuiteConfig:
     return EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=list(benchmarks))
@@ -82,7 +84,7 @@ def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
     assert "note" not in peer.compare_with_clip_benchmark("m", spec, {**entry, "empty_captions": 0})
 
 
-# ---- 2. FER2013's Kaggle folders (and EuroSAT's) ---------------------------------------------------
+# ---- FER2013's Kaggle folders (and EuroSAT's) ---------------------------------------------------
 
 def _image_folders(root: Path, folders: list[str], per_folder: int = 2) -> None:
     import PIL.Image
@@ -126,10 +128,7 @@ def test_every_folder_alias_names_a_shipped_class():
     assert sorted(with_aliases["fer2013"]) == ["disgust", "fear", "surprise"]
 
 
-# ---- 3. the demo's results table ------------------------------------------------------------------
-
-TIMINGS = {"shards": 1.2, "pretrain": 30.4}
-
+# ---- the demo's results table ------------------------------------------------------------------
 
 def _table(shots=10, tower=None, lit=None, entry=None) -> dict:
     from lit_softmoe.demo import results_rows
@@ -179,13 +178,7 @@ def test_demo_table_says_an_eval_that_did_not_run(status, reason):
     assert two["LiT zero-shot top-5"].startswith("not measured") and two["LiT zero-shot top-1 (unseen prompts)"] == "0.5000"
 
 
-# ---- 4. two exports to one new --out --------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def lit_run(tmp_path_factory) -> Path:
-    from test_export import _make_run
-    return _make_run(tmp_path_factory.mktemp("review5-export"))
-
+# ---- two exports to one new --out --------------------------------------------------------------
 
 def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
     """While this export writes its files (the model card is its last), another one fills `out`."""
@@ -198,6 +191,11 @@ def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
         return card(*args, **kwargs)
 
     monkeypatch.setattr(export, "model_card", racing_card)
+
+
+@pytest.fixture(scope="module")
+def lit_run(tmp_path_factory) -> Path:
+    return _make_run(tmp_path_factory.mktemp("review5-export"))
 
 
 def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, monkeypatch, capsys):

@@ -14,18 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 
-
-# ---- losses against open_clip --------------------------------------------------------------------
-
-def _loss_inputs(batch: int, dim: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    zimg = F.normalize(torch.randn(batch, dim, generator=g, dtype=torch.float64), dim=-1)
-    ztxt = F.normalize(torch.randn(batch, dim, generator=g, dtype=torch.float64) + zimg, dim=-1)
-    return zimg, ztxt
+WORLD, LOCAL = 3, 4
 
 
 def _loss_and_grads(fn, zimg, ztxt, bias: float = -10.0):
@@ -38,6 +31,13 @@ def _loss_and_grads(fn, zimg, ztxt, bias: float = -10.0):
             logit_bias.grad if logit_bias.grad is not None else torch.zeros((), dtype=torch.float64)]
 
 
+def _loss_inputs(batch: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    zimg = F.normalize(torch.randn(batch, dim, generator=g, dtype=torch.float64), dim=-1)
+    ztxt = F.normalize(torch.randn(batch, dim, generator=g, dtype=torch.float64) + zimg, dim=-1)
+    return zimg, ztxt
+
+
 @pytest.mark.parametrize("batch", [1, 7, 32])
 def test_losses_match_open_clip_on_one_process(batch):
     from open_clip.loss import ClipLoss, SigLipLoss
@@ -48,9 +48,6 @@ def test_losses_match_open_clip_on_one_process(batch):
     for ours, theirs in pairs:
         for got, want in zip(_loss_and_grads(ours, zimg, ztxt), _loss_and_grads(theirs, zimg, ztxt)):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-WORLD, LOCAL = 3, 4
 
 
 def _dist_worker(rank: int, init_file: str, out_file: str):
@@ -94,8 +91,6 @@ def test_losses_match_open_clip_across_three_processes(tmp_path):
             assert ours[2].abs().sum() > 0, name  # the text gradient came back through the gather
 
 
-# ---- the from-scratch tower and CLIP's BPE against open_clip ---------------------------------------
-
 def test_transformer_tower_and_bpe_match_open_clip_encode_text():
     import open_clip
 
@@ -114,8 +109,6 @@ def test_transformer_tower_and_bpe_match_open_clip_encode_text():
     with torch.no_grad():
         torch.testing.assert_close(tower(ids), clip.encode_text(ids), rtol=0, atol=1e-6)
 
-
-# ---- a Hugging Face tokenizer that pads on the left ------------------------------------------------
 
 def _left_padding_bert(folder) -> str:
     """A tiny random BERT whose saved tokenizer pads on the left (many decoder tokenizers do)."""

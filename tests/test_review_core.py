@@ -11,25 +11,23 @@ What the existing `test_soft_moe.py` / `test_vit.py` did not pin down:
 """
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_softmoe.models.vit import Mlp
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.vit import Mlp
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
+
+from soft_moe_layers import make_layer, randn
 from soft_moe_reference import reference_forward
-from test_soft_moe import make_layer, randn
 
 TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated at ±2
 
-
-# ---- ViT initializations as vmoe's flax modules make them ----------------------------------------
 
 def test_q_k_v_kernels_are_each_xavier_uniform_over_d_by_d():
     torch.manual_seed(0)
@@ -77,8 +75,6 @@ def test_other_initializations_are_unchanged():
     assert torch.equal(tower.head.weight, torch.zeros_like(tower.head.weight))
     torch.testing.assert_close(tower.head.bias, torch.full((10,), -math.log(10)))
 
-
-# ---- architectural constants ---------------------------------------------------------------------
 
 def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
     torch.manual_seed(0)

@@ -8,16 +8,12 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_idx, write_fashion_mnist_shards
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 
-
-def _png(seed):
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
+from data_files import _png
 
 
 def test_non_ascii_file_names_keep_their_own_samples(tmp_path):

@@ -8,32 +8,17 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from evalkit import FOOLBOX_DATA, foolbox_images, save_pair, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import suite
 from lit_softmoe.evals.readers import detect_format, read_benchmark
-from lit_softmoe.metadata import benchmark_info
 from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.metadata import benchmark_info
+
+from evalkit import FOOLBOX_DATA, _class_folders, _wds_set, foolbox_images, save_pair, tiny_pair, write_wds_benchmark
 
 pytestmark = pytest.mark.skipif(not FOOLBOX_DATA.is_dir(), reason="foolbox's test images are not installed")
-
-
-def _class_folders(root, names, per_class=1):
-    image = foolbox_images("cifar10")[0][0].read_bytes()
-    for name in names:
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            (root / name / f"{i}.png").write_bytes(image)
-    return root
-
-
-def _wds_set(root):
-    images = foolbox_images("cifar10")[:6]
-    return write_wds_benchmark(root, [(p.read_bytes(), "png", label) for p, label in images],
-                               classnames=list(benchmark_info("cifar10").classnames), templates=["a photo of a {c}."])
 
 
 def test_a_benchmark_without_root_or_name_is_refused(tmp_path, monkeypatch):

@@ -3,28 +3,12 @@ aimed at a folder the export reads from, --out paths that cannot be written, rou
 suffix matplotlib cannot write."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lit_softmoe import cli
-from test_export import _make_run, _snapshot
 
+from lit_runs import EXAMPLE, _make_run, _one_error_line, _run_cli, _snapshot
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return _make_run(tmp_path_factory.mktemp("review-export"))
-
-
-def _one_error_line(capsys, code: int) -> str:
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]
-
-
-# ---- --overwrite never deletes what the export reads ---------------------------------------------
 
 def test_overwrite_refuses_the_image_tower_and_its_pretraining_run(run, capsys):
     pre = run.parent / "pre"
@@ -52,8 +36,6 @@ def test_overwrite_refuses_a_folder_of_the_run_that_is_not_an_export(run, tmp_pa
     capsys.readouterr()
 
 
-# ---- --out that cannot be written -----------------------------------------------------------------
-
 def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -61,8 +43,6 @@ def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
     assert "--out" in line and "is a file" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
-
-# ---- an export of a checkpoint describes that checkpoint ------------------------------------------
 
 def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     import json
@@ -89,8 +69,6 @@ def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     card = (export_pair(run, tmp_path / "final") / "README.md").read_text()
     assert "LiT: 10 steps in 2.5 s" in card and "99.99" in card and "11.11" not in card
 
-
-# ---- the run's tower must be the one it was trained against ----------------------------------------
 
 def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
     import json
@@ -147,8 +125,6 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
-# ---- a damaged export is one line ----------------------------------------------------------------
-
 def test_an_export_copied_in_part_is_one_line(run, tmp_path):
     import shutil
 
@@ -176,7 +152,6 @@ def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
 
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import save_tower
-    from test_export import _run_cli
     torch.manual_seed(0)
     # Tokens Choice's sort has no ONNX export in torch 2.14: both exporters fail, and the TorchScript
     # one prints its whole graph from C++ on the way (past sys.stdout).
@@ -195,7 +170,6 @@ def test_onnx_example_on_an_export_without_onnx_says_how_to_make_one(run, tmp_pa
     import sys
 
     from lit_softmoe.export import export_pair
-    from test_export import EXAMPLE
     out = export_pair(run, tmp_path / "export")  # no --onnx
     PIL = pytest.importorskip("PIL.Image")
     PIL.new("L", (28, 28)).save(tmp_path / "x.png")

@@ -17,46 +17,37 @@ from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.shards import shard_urls
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.train import lit as lit_recipe
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tower_folder import save_tower
+from lit_softmoe.train import lit as lit_recipe
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.loss import contrastive_loss
-from test_lit_robustness import PREPROCESS, write_lit_data
 
-TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
+from lit_data import PREPROCESS
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """test_lit_robustness's images and tower, with a feature cache of 6 shards a split."""
-    return write_lit_data(tmp_path_factory.mktemp("review_lit"), samples_per_shard=50)
+ONE_LAYER_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
 
 
-def _cfg(data, run_dir, *extra) -> LiTConfig:
+def _lit_text32(data, run_dir, *extra) -> LiTConfig:
     return load_config(LiTConfig, None, [
         f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
         f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
         "precision=fp32", "text.width=32", "text.layers=1", "text.heads=2", *extra])
 
 
-# ---- multi-process runs evaluate on the main process: it must read the whole eval set -------------
-
-def test_eval_set_of_a_two_process_run_is_read_whole(data, tmp_path, monkeypatch):
+def test_eval_set_of_a_two_process_run_is_read_whole(six_shard_data, tmp_path, monkeypatch):
     """Under torchrun (RANK/WORLD_SIZE set) only the main process evaluates; its eval loader took only
     its rank's share of the shards, so zero-shot top-1 (and the linear probe) scored half the eval set."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = _cfg(data, tmp_path / "run")
-    assert len(shard_urls(str(data / "features" / "test"))) == 6
-    features, labels = lit_recipe._class_features(cfg, str(data / "features" / "test"), None, None, None)
+    cfg = _lit_text32(six_shard_data, tmp_path / "run")
+    assert len(shard_urls(str(six_shard_data / "features" / "test"))) == 6
+    features, labels = lit_recipe._class_features(cfg, str(six_shard_data / "features" / "test"), None, None, None)
     assert features.shape[0] == labels.shape[0] == 300
 
-
-# ---- a Hugging Face text tower under DDP ---------------------------------------------------------
 
 def test_hf_text_tower_has_no_trainable_parameter_outside_the_loss(monkeypatch):
     """DDP (torchrun / accelerate, several processes) fails at the second step ("Expected to have
@@ -76,31 +67,27 @@ def test_hf_text_tower_has_no_trainable_parameter_outside_the_loss(monkeypatch):
     assert any(name.startswith("encoder.pooler.") for name in tower.state_dict())
 
 
-# ---- embed never replaces the image shards it reads ----------------------------------------------
-
-def test_embed_refuses_to_replace_an_image_split(data, tmp_path):
+def test_embed_refuses_to_replace_an_image_split(six_shard_data, tmp_path):
     """`embed --shards DATA/train --out DATA` (the dataset folder, not a new one) replaced the user's
     image shards by their features: the images were gone. A split that is not a feature cache is
     refused; an earlier feature split is still replaced as before."""
-    shutil.copytree(data / "fmnist", tmp_path / "fmnist")
+    shutil.copytree(six_shard_data / "fmnist", tmp_path / "fmnist")
     before = {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()}
     with pytest.raises(UserError, match="not a feature cache"):
-        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
+        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
     with pytest.raises(UserError, match="not a feature cache"):  # another split of image shards
-        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
+        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
     assert {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()} == before
     assert not (tmp_path / "fmnist" / "train" / "embed.json").exists()
     # A feature split of its own is rewritten (here: with the features of another source).
-    shutil.copytree(data / "features" / "train", tmp_path / "features" / "train")
-    summary = embed_shards(data / "tower", str(data / "fmnist" / "test"), tmp_path / "features", split="train")
+    shutil.copytree(six_shard_data / "features" / "train", tmp_path / "features" / "train")
+    summary = embed_shards(six_shard_data / "tower", str(six_shard_data / "fmnist" / "test"), tmp_path / "features", split="train")
     assert summary["skipped"] is False and summary["num_samples"] == 300
 
 
-# ---- the logit scale -------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("init", [0.0, -1.0, 150.0])
 def test_temperature_init_outside_its_range_is_a_user_error(init):
-    text = create_text_tower(TINY_TEXT, embed_dim=16)
+    text = create_text_tower(ONE_LAYER_TEXT, embed_dim=16)
     with pytest.raises(UserError, match="temperature_init"):
         LiTModel(None, text, temperature_init=init)
 
@@ -119,7 +106,7 @@ def test_logit_scale_at_its_cap_still_learns():
     is just above 100, so temperature_init=100 never moved, and a scale that reached 100 (Adam
     overshoots it) stayed there for good."""
     torch.manual_seed(0)
-    model = LiTModel(None, create_text_tower(TINY_TEXT, embed_dim=16), temperature_init=100.0)
+    model = LiTModel(None, create_text_tower(ONE_LAYER_TEXT, embed_dim=16), temperature_init=100.0)
     assert float(model(torch.randint(1, 49000, (2, 16)), image_features=torch.randn(2, 16))[2]["logit_scale"]) == \
         pytest.approx(100.0)
     assert _scale_gradient(model) != 0
@@ -131,10 +118,10 @@ def test_logit_scale_at_its_cap_still_learns():
     assert _scale_gradient(model) != 0
 
 
-def test_recipe_keeps_the_logit_scale_learning_at_its_cap(data, tmp_path):
+def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_path):
     run = tmp_path / "run"
-    train_lit(_cfg(data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
-                   "optim.warmup_steps=0"))
+    train_lit(_lit_text32(six_shard_data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
+                          "optim.warmup_steps=0"))
     temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
     assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
     assert temperatures[-1] != temperatures[0]  # it learned (it sat at exactly 100 before)
@@ -142,13 +129,11 @@ def test_recipe_keeps_the_logit_scale_learning_at_its_cap(data, tmp_path):
     assert float(log_scale) <= math.log(100.0) + 1e-6
 
 
-# ---- results.json ------------------------------------------------------------------------------------
-
-def test_results_json_is_written_atomically(data, tmp_path, monkeypatch):
+def test_results_json_is_written_atomically(six_shard_data, tmp_path, monkeypatch):
     """A kill while results.json is written (a rerun of a finished run rewrites it) left half a JSON
     file, which export's model card then fails to read."""
     run = tmp_path / "run"
-    cfg = _cfg(data, run, "steps=2", "eval.shards=''")
+    cfg = _lit_text32(six_shard_data, run, "steps=2", "eval.shards=''")
     train_lit(cfg)
     saved = (run / "results.json").read_text()
     write_text = Path.write_text
@@ -166,25 +151,23 @@ def test_results_json_is_written_atomically(data, tmp_path, monkeypatch):
     assert json.loads((run / "results.json").read_text()) == json.loads(saved)
 
 
-# ---- feature caches named as the shard reader takes them: '::' lists and brace patterns -----------
-
-def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(data, tmp_path):
+def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(six_shard_data, tmp_path):
     """`data.train=A::B` over two embed outputs (or DIR/{0..5}.tar) was taken for image shards and
     ended in 'none of the first 1000 samples could be used (missing_image: 1000); fix the shards'."""
-    train, test = data / "features" / "train", data / "features" / "test"
-    results = train_lit(_cfg(data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
-                             f"eval.shards={test}"))
+    train, test = six_shard_data / "features" / "train", six_shard_data / "features" / "test"
+    results = train_lit(_lit_text32(six_shard_data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
+                                    f"eval.shards={test}"))
     assert results["cached_features"] and "zeroshot_top1" in results
-    results = train_lit(_cfg(data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
-                             "eval.shards=''"))
+    results = train_lit(_lit_text32(six_shard_data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
+                                    "eval.shards=''"))
     assert results["cached_features"]
     with pytest.raises(UserError, match="mixes feature shards"):
-        train_lit(_cfg(data, tmp_path / "mixed", "steps=2", f"data.train={train}::{data / 'fmnist' / 'train'}"))
+        train_lit(_lit_text32(six_shard_data, tmp_path / "mixed", "steps=2", f"data.train={train}::{six_shard_data / 'fmnist' / 'train'}"))
     # Every cache of the list is checked against the tower: a stale one is refused.
     torch.manual_seed(1)
     save_tower(tmp_path / "other", create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={"preprocess": PREPROCESS})
-    embed_shards(tmp_path / "other", str(data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
+    embed_shards(tmp_path / "other", str(six_shard_data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
     with pytest.raises(UserError, match="made with another tower"):
-        train_lit(_cfg(data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
-                       f"data.train={train}::{tmp_path / 'stale' / 'test'}"))
+        train_lit(_lit_text32(six_shard_data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
+                              f"data.train={train}::{tmp_path / 'stale' / 'test'}"))

@@ -14,13 +14,15 @@ import torch
 
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
-from lit_softmoe.models.vit import ViTConfig
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
+from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.models.vit import ViTConfig
 from lit_softmoe.nn.routers import (ExpertsChoiceMoE, TokensChoiceMoE, experts_choice_capacity, importance_loss,
                                     load_loss, tokens_choice_capacity)
-from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
+
+from towers import count_params
 
 # The reference page's gates: 3 tokens (rows) × 3 experts (columns).
 PAGE_GATES = torch.tensor([[.4, 0., .2], [.5, .1, .4], [.3, .2, .6]], dtype=torch.float64)
@@ -315,10 +317,6 @@ def test_aux_loss_alone_trains_the_router():
 
 # ---- towers --------------------------------------------------------------------------------------
 
-def count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("name,experts", [
     ("tc-s16-32e-k1", 32), ("tc-s16-32e-k2", 32), ("tc-s16-64e-k1", 64), ("tc-s16-64e-k2", 64),
     ("tc-b16-32e-k1", 32), ("tc-b16-32e-k2", 32), ("tc-b16-64e-k1", 64), ("tc-b16-64e-k2", 64),
@@ -382,24 +380,24 @@ def test_old_tower_configs_load_as_soft_moe_and_sparse_towers_round_trip(tmp_pat
 
 # ---- the tiny towers train in the pretraining recipe ---------------------------------------------
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
-    return out
-
-
-def _cfg(shards, run_dir, *extra):
+def _sparse_cfg(shards, run_dir, *extra):
     return load_config(PretrainConfig, None, [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
         "batch_size=64", "optim.warmup_steps=5", "optim.lr=3e-3", "log_every=1", "fewshot_shots=0",
         "data.max_test_samples=300", "checkpoint_every=1000", *extra])
 
 
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
+    return out
+
+
 @pytest.mark.parametrize("name", ["tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2", "ec-tiny-p7-16e"])
-def test_tiny_sparse_towers_train_and_report_dropped_tokens(shards, tmp_path, name):
-    results = pretrain(_cfg(shards, tmp_path / "run", f"tower.name={name}", "steps=15",
-                            "tower.options.width=64", "tower.options.mlp_dim=128", "tower.options.num_heads=2"))
+def test_tiny_sparse_towers_train_and_report_dropped_tokens(small_shards, tmp_path, name):
+    results = pretrain(_sparse_cfg(small_shards, tmp_path / "run", f"tower.name={name}", "steps=15",
+                                   "tower.options.width=64", "tower.options.mlp_dim=128", "tower.options.num_heads=2"))
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert records[-1]["loss"] < 0.85 * records[0]["loss"]
     assert results["test_top1"] > 0.3  # 10 classes: chance is 0.1
@@ -413,10 +411,10 @@ def test_tiny_sparse_towers_train_and_report_dropped_tokens(shards, tmp_path, na
         assert results["dropped_fraction_train"] > 0
 
 
-def test_aux_loss_weight_enters_the_training_loss(shards, tmp_path):
+def test_aux_loss_weight_enters_the_training_loss(small_shards, tmp_path):
     common = ["tower.name=tc-test-4e-k2", "steps=1", "data.max_train_samples=200"]
-    without = pretrain(_cfg(shards, tmp_path / "a", *common, "aux_loss_weight=0"))
-    with_aux = pretrain(_cfg(shards, tmp_path / "b", *common, "aux_loss_weight=1.0"))
+    without = pretrain(_sparse_cfg(small_shards, tmp_path / "a", *common, "aux_loss_weight=0"))
+    with_aux = pretrain(_sparse_cfg(small_shards, tmp_path / "b", *common, "aux_loss_weight=1.0"))
     assert without["steps"] == with_aux["steps"] == 1
     a = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r][0]
     b = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r][0]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lit_softmoe.cli import main
-from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.nn.soft_moe import SoftMoE
 from lit_softmoe.evals.routing import capture_routing, figure_size, plot_routing, routing_stats
+from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
+from lit_softmoe.nn.soft_moe import SoftMoE
 
 EPS = 1e-6  # inside both of the layer's L2 normalizations: a unit vector's norm becomes sqrt(1 + 1e-6)
 
@@ -26,10 +26,6 @@ def _router(phi_columns, scale, dim):
     return layer
 
 
-def _entropy(probs):
-    return -sum(p * math.log(p) for p in probs if p > 0)
-
-
 def test_uniform_routing_has_maximal_entropies():
     m, dim = 6, 4
     layer = _router([torch.randn(dim, dtype=torch.float64) for _ in range(5)], scale=0.0, dim=dim)
@@ -40,6 +36,10 @@ def test_uniform_routing_has_maximal_entropies():
     assert s["dispatch_max_weight_mean"] == pytest.approx(1 / 6)
     # All weights tie, and argmax takes the first token: every slot "points at" token 0.
     assert (s["distinct_argmax_tokens"], s["largest_argmax_group"]) == (1, 5)
+
+
+def _entropy(probs):
+    return -sum(p * math.log(p) for p in probs if p > 0)
 
 
 def test_one_token_per_slot_is_near_zero_entropy_and_matches_the_closed_form():

@@ -16,34 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE, slots_for_capacity
+
+from soft_moe_layers import make_layer, randn
 from soft_moe_reference import reference_forward
-
-
-def make_layer(dim=8, num_experts=3, slots=2, hidden=12, dtype=torch.float64, seed=0, scale=3.0,
-               **kwargs) -> SoftMoE:
-    """A SoftMoE whose routing is sharp and whose experts all differ."""
-    torch.manual_seed(seed)
-    layer = SoftMoE(dim, num_experts, hidden, slots_per_expert=slots, shared_expert_init=False,
-                    dtype=dtype, **kwargs)
-    with torch.no_grad():
-        layer.phi.normal_()
-        layer.scale.fill_(scale)
-        layer.experts.b1.normal_(std=0.3)
-        layer.experts.b2.normal_(std=0.3)
-    return layer
-
-
-def randn(*shape, dtype=torch.float64, seed=1, std=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype) * std
-
-
-def expected_logits(layer: SoftMoE, x: torch.Tensor) -> torch.Tensor:
-    """scale · cos(x_i, phi_{j,s}), shape (b, m, n, p), written independently of the layer."""
-    x_hat = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-    phi = layer.phi.detach()
-    phi_hat = phi / torch.sqrt((phi * phi).sum(0, keepdim=True) + 1e-6)
-    return layer.scale.detach() * torch.einsum("bmd,dnp->bmnp", x_hat, phi_hat)
 
 
 # ---- a slot-by-slot reference with explicit loops ------------------------------------------------
@@ -99,6 +74,14 @@ def test_matches_naive_loop_reference_fp32():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # The reference is discriminative: it is far from a zero output.
     assert want.abs().max() > 0.1
+
+
+def expected_logits(layer: SoftMoE, x: torch.Tensor) -> torch.Tensor:
+    """scale · cos(x_i, phi_{j,s}), shape (b, m, n, p), written independently of the layer."""
+    x_hat = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    phi = layer.phi.detach()
+    phi_hat = phi / torch.sqrt((phi * phi).sum(0, keepdim=True) + 1e-6)
+    return layer.scale.detach() * torch.einsum("bmd,dnp->bmnp", x_hat, phi_hat)
 
 
 def test_routing_weights_equal_the_two_softmaxes_of_the_cosine_logits():

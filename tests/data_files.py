@@ -1,0 +1,88 @@
+"""Image, shard and table files the data tests write and read back."""
+import csv
+import io
+import json
+import tarfile
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from lit_softmoe.data.shards import shard_urls
+
+
+LIMIT = 200
+
+
+def _rng_image(seed, size=(12, 8), mode="RGB"):
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": None, "LA": 2}[mode]
+    shape = (size[1], size[0]) if channels is None else (size[1], size[0], channels)
+    return PIL.Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
+
+
+def _encode(image, pil_format="PNG", **settings):
+    buffer = io.BytesIO()
+    image.save(buffer, format=pil_format, **settings)
+    return buffer.getvalue()
+
+
+def _pixels(data):
+    return np.asarray(PIL.Image.open(io.BytesIO(data)))
+
+
+def _png_bytes(array):
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _png(seed):
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _gray_png(path, value: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    PIL.Image.new("L", (8, 8), value).save(path)
+
+
+def _read_split(split_dir):
+    """{key: {extension: bytes}} over every shard of a split, in shard order."""
+    samples = {}
+    for url in shard_urls(split_dir):
+        with tarfile.open(url) as tar:
+            for member in tar.getmembers():
+                key, extension = member.name.rsplit(".", 1)
+                samples.setdefault(key, {})[extension] = tar.extractfile(member).read()
+    return samples
+
+
+ROWS = [  # image, caption, an extra column; the third names no file, the fourth has an empty caption
+    ("images/a.png", "a red square", "1"),
+    ("images/b.jpg", "two cats", "2"),
+    ("images/gone.png", "missing image", "3"),
+    ("images/c.png", "", "4"),
+    ("images/d.png", "a dog, again", "5"),
+]
+
+
+def _write_table(folder, kind):
+    (folder / "images").mkdir(parents=True)
+    (folder / "images/a.png").write_bytes(_encode(_rng_image(20)))
+    (folder / "images/b.jpg").write_bytes(_encode(_rng_image(21), "JPEG"))
+    (folder / "images/c.png").write_bytes(_encode(_rng_image(22)))
+    (folder / "images/d.png").write_bytes(_encode(_rng_image(23)))
+    header = ("filepath", "title", "score")
+    table = folder / f"table.{kind}"
+    if kind in ("csv", "tsv"):
+        with open(table, "w", newline="", encoding="utf-8") as file:
+            csv.writer(file, delimiter="," if kind == "csv" else "\t").writerows([header, *ROWS])
+    elif kind == "jsonl":
+        table.write_text("".join(json.dumps(dict(zip(header, row))) + "\n" for row in ROWS))
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({name: [row[i] for row in ROWS] for i, name in enumerate(header)}), table)
+    return table

@@ -1,0 +1,32 @@
+"""Towers for the tower tests: paper-sized ones on the meta device (no memory allocated), tiny seeded ones
+with random images for real numbers, and parameter counts."""
+from __future__ import annotations
+
+import torch
+
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.vit import ViTConfig, VisionTransformer
+
+
+JFT_CLASSES = 29_593
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def meta_tower(name: str, **overrides) -> VisionTransformer:
+    tower = create_image_tower(name, device="meta", **overrides)
+    assert all(p.is_meta for p in tower.parameters()), f"{name}: a parameter was allocated"
+    return tower
+
+
+def tiny(name="soft-test-4e", seed=0, **overrides) -> VisionTransformer:
+    torch.manual_seed(seed)
+    return create_image_tower(name, **overrides).eval()
+
+
+def images(cfg: ViTConfig, b=3, size=None, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    size = size or cfg.image_size
+    return torch.randn(b, cfg.in_channels, size, size, generator=g, dtype=dtype)
