@@ -1,4 +1,4 @@
-"""The Triton qk-norm kernel (`lit_softmoe.nn.qk_norm`), checked on the CPU through Triton's interpreter
+"""lit_softmoe.nn.qk_norm: the Triton qk-norm kernel, checked on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, in a subprocess: the variable must be set before the kernel is defined) against
 `F.layer_norm`, alone and inside a tower; the GPU run of the same checks is in tests/test_cuda.py."""
 from __future__ import annotations
