@@ -9,15 +9,12 @@ import pytest
 
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.pretrain import pretrain
 
 from checkpoint_checks import _finite_checkpoints
 from lit_data import _lit
 
-
-# ---- setting mistakes are one line before any work -------------------------------------------------
 
 @pytest.mark.parametrize("overrides, expected", [
     (["optim.beta1=1.5"], "optim: Invalid beta parameter at index 0: 1.5"),
@@ -37,18 +34,6 @@ def test_lit_run_dir_that_is_a_file_is_one_line(data, tmp_path):
     with pytest.raises(UserError, match=f"run_dir {tmp_path / 'a-file'} is a file; give a folder path"):
         train_lit(_lit(data, tmp_path / "a-file", "steps=2"))
     assert (tmp_path / "a-file").read_text() == "not a folder\n"
-
-
-@pytest.mark.parametrize("option, expected", [
-    ({"heads": 0}, "text.heads must be at least 1, got 0"),  # was ZeroDivisionError
-    ({"width": 0}, "text.width must be at least 1, got 0"),  # was torch's ValueError
-    ({"layers": 0}, "text.layers must be at least 1, got 0"),  # was ZeroDivisionError in open_clip's init
-    ({"vocab_size": 1000}, "text.vocab_size 1000 is smaller than the 49408 ids of tokenizer 'openclip-bpe'"),
-])
-def test_text_tower_settings_that_cannot_work_are_user_errors(option, expected):
-    with pytest.raises(UserError) as err:
-        create_text_tower(TextTowerConfig(**{"width": 64, "layers": 1, "heads": 2, **option}), embed_dim=32)
-    assert expected in str(err.value)
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data, tmp_path):
@@ -101,25 +86,6 @@ def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training
     assert str(err.value) == (f"eval.shards {source / 'test'} holds class 9, but {names} names 3 classes; set "
                               "eval.classnames to a file naming every class of the split, one per line in class order")
     assert not (tmp_path / "run").exists()
-
-
-def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tmp_path):
-    """Soft MoE's `scale` is decayed like a kernel (vmoe's configs; ViT.no_weight_decay leaves it out
-    on purpose), but LiTModel.no_weight_decay added every 0-d/1-d parameter back, so with
-    unlocked_blocks the LiT optimizer trained it without weight decay."""
-    from lit_softmoe.train import lit as lit_recipe
-
-    cfg = _lit(data, tmp_path / "run", "unlocked_blocks=1", "optim.weight_decay=0.1")
-    model, _ = lit_recipe._setup_model(cfg)
-    optimizer = lit_recipe._setup_optimizer(cfg, model)
-    names = {id(param): name for name, param in model.named_parameters()}
-    decay_of = {names[id(param)]: group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
-    assert decay_of["image_tower.blocks.1.mlp.scale"] == 0.1
-    assert decay_of["image_tower.blocks.1.mlp.experts.w1"] == 0.1
-    assert decay_of["image_tower.blocks.1.mlp.phi"] == 0.0 and decay_of["image_tower.norm.weight"] == 0.0
-    assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["log_scale"] == 0.0
-    assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
-    assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
 
 
 def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):

@@ -1,4 +1,7 @@
-"""vmoe (JAX) parameter trees → our towers: names, transposes checked against flax's maths in numpy, loud errors."""
+"""lit_softmoe.models.convert: vmoe (JAX) parameter trees → our towers: names and transposes checked against
+flax's maths in numpy, and loud errors."""
+from __future__ import annotations
+
 import numpy as np
 import pytest
 import torch
@@ -172,7 +175,7 @@ def test_cli_convert_writes_a_loadable_tower(tmp_path, capsys):
 
 
 def test_cli_convert_refuses_a_non_empty_out_unless_overwrite(tmp_path, capsys):
-    # Review item 1: an unrelated file in --out was deleted without a word.
+    # An unrelated file in --out was deleted without a word.
     path = _save(tmp_path, vmoe_tree(3))
     out = tmp_path / "cvdir"
     out.mkdir()
@@ -210,3 +213,27 @@ def test_a_bfloat16_tree_converts_exactly_and_other_files_are_one_line(tmp_path,
         assert main(["convert", "--from-vmoe", str(path), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
+    """vmoe's SoftRouter has p = num_slots, or round(m·cf / n) from a capacity factor; every registered
+    tower has p = 1 and `convert` takes no tower options, so a p = 2 tree was refused with a message
+    naming width, depth, patch, image size and experts, none of which was wrong."""
+    import numpy as np
+
+    from lit_softmoe.models.convert import load_vmoe_tower
+
+    tree = vmoe_tree(5)
+    rng = np.random.default_rng(5)
+    mu = rng.standard_normal((32, 4, 2)).astype(np.float32)  # (d, n, p = 2)
+    tree["Encoder/encoderblock_1/Moe/Router/mu"] = mu
+    tower = load_vmoe_tower(_save(tmp_path, tree), "soft-test-4e")
+    assert tower.cfg.slots_per_expert == 2 and tower.blocks[1].mlp.num_slots == 8
+    np.testing.assert_array_equal(tower.blocks[1].mlp.phi.detach().numpy(), mu)
+    # The layer routes over all 8 slots: combine sums to 1 over (n, p) for every token.
+    x = torch.randn(2, 16, 32)
+    dispatch, combine = tower.blocks[1].mlp.routing_weights(x)
+    assert dispatch.shape == combine.shape == (2, 16, 4, 2)
+    torch.testing.assert_close(combine.sum(dim=(2, 3)), torch.ones(2, 16))
+    # The released p = 1 trees still load as before.
+    assert load_vmoe_tower(_save(tmp_path, vmoe_tree(6), "p1.npz"), "soft-test-4e").cfg.slots_per_expert == 1

@@ -1,4 +1,7 @@
-"""Sparse upcycling (dense ViT → Soft MoE tower): weight by weight, on the meta device, from timm, via the CLI."""
+"""lit_softmoe.models.upcycle: sparse upcycling (dense ViT → Soft MoE tower), weight by weight, on the meta
+device, from timm checkpoints and through `lit-softmoe upcycle`."""
+from __future__ import annotations
+
 import json
 import resource
 import time
@@ -14,7 +17,13 @@ from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.models.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
 from lit_softmoe.nn.soft_moe import SoftMoE
 
-timm = pytest.importorskip("timm")  # a dependency of open_clip_torch
+from cli_errors import _one_line_error
+
+try:
+    import timm  # a dependency of open_clip_torch
+except ImportError:
+    timm = None
+needs_timm = pytest.mark.skipif(timm is None, reason="timm is not installed (a dependency of open_clip_torch)")
 
 
 def _randomized(tower):
@@ -30,6 +39,7 @@ def _dense_test_tower(seed=0):
     return _randomized(create_image_tower("vit-test", num_classes=10))
 
 
+@needs_timm
 def test_every_expert_is_the_dense_mlp_phi_is_fresh_and_the_rest_is_unchanged():
     dense = _dense_test_tower()
     moe = upcycle_tower(dense, "soft-test-4e", seed=7)
@@ -58,6 +68,7 @@ def test_every_expert_is_the_dense_mlp_phi_is_fresh_and_the_rest_is_unchanged():
     assert torch.equal(moe.blocks[1].mlp.experts.w1[1], fc1_w.t())
 
 
+@needs_timm
 def test_fresh_phi_has_the_init_statistics_and_depends_on_seed_and_block():
     small = create_image_tower("vit-test").state_dict()
     s0, fresh0 = upcycle_state(small, image_tower_config("soft-test-4e", moe_layers=(0, 1)), seed=0)
@@ -73,6 +84,7 @@ def test_fresh_phi_has_the_init_statistics_and_depends_on_seed_and_block():
     assert phi.abs().max().item() <= 2 * std / 0.8796 + 1e-9  # truncated at ±2σ of the untruncated normal
 
 
+@needs_timm
 def test_upcycled_tower_agrees_with_the_dense_one_where_it_must():
     dense = _dense_test_tower(1)
     moe = upcycle_tower(dense, "soft-test-4e", seed=0).eval()
@@ -103,6 +115,7 @@ def test_upcycled_tower_agrees_with_the_dense_one_where_it_must():
         torch.testing.assert_close(moe(constant), dense(constant), rtol=1e-5, atol=1e-5)
 
 
+@needs_timm
 def test_meta_upcycle_of_huge_towers_allocates_nothing():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     start = time.perf_counter()
@@ -115,6 +128,7 @@ def test_meta_upcycle_of_huge_towers_allocates_nothing():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000
 
 
+@needs_timm
 def test_timm_vit_small_names_map_on_meta():
     with torch.device("meta"):
         timm_vit = timm.create_model("vit_small_patch16_224", pretrained=False)
@@ -144,6 +158,7 @@ def main_ok(argv):
     return out.getvalue()
 
 
+@needs_timm
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_timm_checkpoint_file_upcycles_tensor_by_tensor(tmp_path, suffix):
     model = _tiny_timm()  # class token, no qk-norm, like vit_small_patch16_224
@@ -169,6 +184,7 @@ def test_timm_checkpoint_file_upcycles_tensor_by_tensor(tmp_path, suffix):
     assert "cls_token" in info
 
 
+@needs_timm
 def test_timm_gap_qk_norm_tower_upcycles_to_the_same_function_on_uniform_tokens():
     # A timm ViT built like ours (qk-norm, GAP with the norm before pooling, tanh GELU): every part maps,
     # so on equal tokens (see above) the upcycled tower equals timm's model.
@@ -192,6 +208,7 @@ def test_timm_gap_qk_norm_tower_upcycles_to_the_same_function_on_uniform_tokens(
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@needs_timm
 def test_mismatched_shapes_name_the_first_tensor_and_a_fix():
     dense = create_image_tower("vit-s16", device="meta")
     with pytest.raises(UserError, match=r"^pos_embed has shape \(1, 196, 384\) but the target's "
@@ -205,6 +222,7 @@ def test_mismatched_shapes_name_the_first_tensor_and_a_fix():
         upcycle_state(state, image_tower_config("soft-test-4e"))
 
 
+@needs_timm
 def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):
     dense = _dense_test_tower(2)
     preprocess = {"image_size": 28, "mean": [0.28], "std": [0.35]}
@@ -237,6 +255,7 @@ def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):
     json.loads((tmp_path / "moe" / "config.json").read_text())
 
 
+@needs_timm
 def test_qk_norm_follows_the_dense_tower_unless_asked():
     torch.manual_seed(3)
     dense = _randomized(create_image_tower("vit-test", qk_norm=False))
@@ -249,8 +268,9 @@ def test_qk_norm_follows_the_dense_tower_unless_asked():
         assert torch.equal(moe.blocks[i].attn.qkv.weight, dense.blocks[i].attn.qkv.weight)
 
 
+@needs_timm
 def test_a_non_empty_out_is_refused_unless_overwrite_and_a_rerun_rewrites(tmp_path, capsys):
-    # Review item 1: --out pointed at a pretraining run deleted its checkpoints and metrics.
+    # --out pointed at a pretraining run deleted its checkpoints and metrics.
     save_tower(tmp_path / "dense", _dense_test_tower(4), extra={"preprocess": {"image_size": 28}})
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000008").mkdir(parents=True)
@@ -284,8 +304,9 @@ def test_a_non_empty_out_is_refused_unless_overwrite_and_a_rerun_rewrites(tmp_pa
     assert not (tmp_path / "dense" / "up").exists()
 
 
+@needs_timm
 def test_a_tower_that_is_already_soft_moe_is_refused(tmp_path, capsys):
-    # Review item 9: it was "upcycled" with an empty list of fresh tensors.
+    # It was "upcycled" with an empty list of fresh tensors.
     torch.manual_seed(0)
     save_tower(tmp_path / "soft", create_image_tower("soft-test-4e"))
     assert main(["upcycle", "--from", str(tmp_path / "soft"), "--to", "soft-test-4e",
@@ -295,3 +316,111 @@ def test_a_tower_that_is_already_soft_moe_is_refused(tmp_path, capsys):
     assert "give the dense vit-* tower folder" in err and not (tmp_path / "up").exists()
     with pytest.raises(UserError, match="already a Soft MoE tower"):
         upcycle_tower(create_image_tower("soft-test-4e"), "soft-test-4e")
+
+
+def _timm_named_state(tower):
+    """Our dense tower's tensors under timm's names, with a class token and its position, as timm saves them."""
+    state = {}
+    for key, value in tower.state_dict().items():
+        if key.startswith("patch_embed."):
+            key = "patch_embed.proj." + key[len("patch_embed."):]
+        if key == "pos_embed":
+            value = torch.cat([torch.zeros(1, 1, value.shape[2]), value], dim=1)
+        state[key] = value.contiguous()
+    state["cls_token"] = torch.zeros(1, 1, tower.cfg.width)
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_checkpoint_upcycles_into_a_float32_tower_that_runs(tmp_path, capsys, dtype):
+    """The tower kept the checkpoint's dtype, so embed, inspect-routing and LiT (float32 pixels) all
+    ended in 'mat1 and mat2 must have the same dtype' tracebacks."""
+    torch.manual_seed(0)
+    dense = create_image_tower("vit-test", num_classes=10).eval()
+    half = {k: v.to(dtype) for k, v in _timm_named_state(dense).items()}
+    save_file(half, tmp_path / "vit.safetensors")
+    assert main(["upcycle", "--from", str(tmp_path / "vit.safetensors"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "up")]) == 0
+    tower, _ = load_tower(tmp_path / "up")
+    assert {p.dtype for p in tower.state_dict().values()} == {torch.float32}
+    # Copied tensors are the half values widened exactly; the fresh router is drawn in float32.
+    assert torch.equal(tower.state_dict()["blocks.0.attn.qkv.weight"], half["blocks.0.attn.qkv.weight"].float())
+    assert torch.equal(tower.state_dict()["blocks.1.mlp.experts.w1"][2], half["blocks.1.mlp.fc1.weight"].float().t())
+    with torch.no_grad():
+        assert tower.eval()(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_upcycle_refuses_a_dense_tower_with_other_attention_heads(tmp_path, capsys):
+    """Without qk-norm no tensor shape depends on the number of heads: a dense vit-test built with 4
+    heads upcycled into soft-test-4e (2 heads) silently, and its attention became another function."""
+    from lit_softmoe.cli import main
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.models.tower_folder import save_tower
+    from lit_softmoe.models.upcycle import upcycle_tower
+
+    torch.manual_seed(0)
+    dense = create_image_tower("vit-test", num_heads=4, qk_norm=False).eval()
+    with pytest.raises(UserError, match="the dense tower has 4 attention heads and soft-test-4e has 2"):
+        upcycle_tower(dense, "soft-test-4e")
+    save_tower(tmp_path / "dense", dense, extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "soft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4 attention heads and soft-test-4e has 2" in err
+    assert not (tmp_path / "soft").exists()
+    # The same heads upcycle as before, and the output's config is the target's (no stray key).
+    same = create_image_tower("vit-test", qk_norm=False).eval()
+    save_tower(tmp_path / "dense2", same, extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    assert main(["upcycle", "--from", str(tmp_path / "dense2"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "soft2")]) == 0
+    import json
+    meta = json.loads((tmp_path / "soft2" / "config.json").read_text())
+    assert meta["tower"]["num_heads"] == 2 and "num_heads" not in meta
+    pixels = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(upcycle_tower(same, "soft-test-4e").blocks[0](same.embed_patches(pixels)),
+                               same.blocks[0](same.embed_patches(pixels)))
+
+
+def test_upcycling_a_qk_norm_tower_with_qk_norm_off_names_the_mismatch():
+    # It said "not a plain ViT of this family" about the dense tower's own q_norm/k_norm weights.
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.models.upcycle import upcycle_tower
+    dense = create_image_tower("vit-test")  # qk-norm on, as registered
+    with pytest.raises(UserError) as info:
+        upcycle_tower(dense, "soft-test-4e", qk_norm=False)
+    assert str(info.value).startswith("the dense tower has qk-norm (LayerNorm on queries and keys) and "
+                                      "qk_norm=False would drop its trained norms")
+    assert "leave qk_norm unset" in str(info.value)
+    assert upcycle_tower(dense, "soft-test-4e").cfg.qk_norm  # unset: follows the dense tower
+    plain = create_image_tower("vit-test", qk_norm=False)
+    assert not upcycle_tower(plain, "soft-test-4e", qk_norm=False).cfg.qk_norm  # no qk-norm on either side
+
+
+@pytest.fixture
+def dense_tower_dir(tmp_path):
+    from lit_softmoe.models.tower_folder import save_tower
+    return save_tower(tmp_path / "dense", create_image_tower("vit-test"))
+
+
+def test_upcycle_seed_out_of_range_is_one_line(tmp_path, capsys, dense_tower_dir):
+    # It was torch's "Overflow when unpacking long long" traceback, after reading the checkpoint.
+    line = _one_line_error(capsys, ["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e",
+                                    "--out", str(tmp_path / "up"), "--seed", str(2**64)])
+    assert line == (f"lit-softmoe upcycle: error: --seed {2**64} is out of range; give an integer such as 0 "
+                    "(|seed| < 2**63)")
+    assert not (tmp_path / "up").exists()
+    assert main(["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e", "--out", str(tmp_path / "up"),
+                 "--seed", "-1"]) == 0  # a negative seed in range still works
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"\x89PNG\r\n\x1a\n" + bytes(32), "UnpicklingError: not a pickle of tensors only"),
+    (b"", "EOFError: empty or truncated file")])
+def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, content, reason):
+    # torch's weights-only error ran over several lines (and suggested weights_only=False).
+    source = tmp_path / "dense.pth"
+    source.write_bytes(content)
+    line = _one_line_error(capsys, ["upcycle", "--from", str(source), "--to", "soft-test-4e",
+                                    "--out", str(tmp_path / "up")])
+    assert line == (f"lit-softmoe upcycle: error: cannot read {source} as a state dict ({reason}); "
+                    "give a .safetensors file or a .pth/.bin holding only tensors")

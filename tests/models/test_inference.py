@@ -34,3 +34,12 @@ def test_prepare_for_inference_compiles_forward_features():
     assert "forward_features" in vars(tower)  # the compiled wrapper sits on the instance
     torch.testing.assert_close(encode_images(tower, pixels), want)
     torch.testing.assert_close(tower(pixels), want)
+
+
+def test_encode_images_moves_pixels_to_the_towers_device_and_dtype():
+    # A tower elsewhere than the pixels (meta here, CUDA for a user): CPU float32 pixels from a
+    # dataloader ended in torch's device-mismatch error.
+    tower = create_image_tower("vit-test", device="meta", dtype=torch.bfloat16)
+    features = encode_images(tower, torch.randn(3, 1, 28, 28))
+    assert features.device.type == "meta" and features.dtype == torch.bfloat16
+    assert features.shape == (3, 32)

