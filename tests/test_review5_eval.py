@@ -21,8 +21,6 @@ CAPTIONS = ["\na dog\n\nanother dog\n\n", "a cat", " \n ", "a bird\n"]
 TIMINGS = {"shards": 1.2, "pretrain": 30.4}
 
 
-# ---- blank caption lines ------------------------------------------------------------------------
-
 def _retrieval_suite(tmp_path: Path, *benchmarks: BenchmarkConfig) -> EvalSuiteConfig:
     return EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=list(benchmarks))
 
@@ -84,8 +82,6 @@ def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
     assert "note" not in peer.compare_with_clip_benchmark("m", spec, {**entry, "empty_captions": 0})
 
 
-# ---- FER2013's Kaggle folders (and EuroSAT's) ---------------------------------------------------
-
 def _image_folders(root: Path, folders: list[str], per_folder: int = 2) -> None:
     import PIL.Image
     for f, folder in enumerate(folders):
@@ -115,17 +111,6 @@ def test_a_common_copys_class_folders_get_the_shipped_class_names(tmp_path, name
     assert targets == dict(enumerate(range(len(folders))))
     if name == "fer2013":
         assert (shipped[targets[1]], shipped[targets[6]]) == ("disgusted", "surprised")
-
-
-def test_every_folder_alias_names_a_shipped_class():
-    from lit_softmoe.metadata import benchmark_info, list_benchmarks
-    with_aliases = {}
-    for name in list_benchmarks("classification"):
-        info = benchmark_info(name)
-        for folder, classname in info.folder_aliases:
-            assert classname in info.classnames, (name, folder, classname)
-            with_aliases.setdefault(name, []).append(folder)
-    assert sorted(with_aliases["fer2013"]) == ["disgust", "fear", "surprise"]
 
 
 # ---- the demo's results table ------------------------------------------------------------------

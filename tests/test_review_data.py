@@ -69,20 +69,6 @@ def test_damaged_gzip_idx_file_is_a_user_error(tmp_path, damage):
         read_idx(broken)
 
 
-def test_out_that_is_a_file_is_a_user_error(tmp_path):
-    src = tmp_path / "photos"
-    src.mkdir()
-    (src / "a.png").write_bytes(_png(0))
-    (src / "a.txt").write_text("a caption")
-    out = tmp_path / "out"
-    out.write_text("I am a file")
-    with pytest.raises(UserError, match="--out"):
-        write_folder_shards(src, out)
-    with pytest.raises(UserError, match="--out"):
-        write_fashion_mnist_shards(out, limit=5, allow_download=False)
-    assert out.read_text() == "I am a file"
-
-
 def test_gzip_check_uses_a_real_gzip(tmp_path):
     # Sanity for the test above: an intact copy reads fine.
     original = find_fashion_mnist(allow_download=False) / "t10k-labels-idx1-ubyte.gz"

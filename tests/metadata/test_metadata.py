@@ -1,8 +1,10 @@
-"""Shipped zero-shot metadata: counts, ImageNet subsets, templates, provenance, aliases, errors.
+"""lit_softmoe.metadata: the shipped benchmark metadata: class counts, ImageNet subsets, templates,
+provenance, aliases, errors.
 
 Where the peer packages are installed the shipped data is compared with them (open_clip's ImageNet
-lists, clip_benchmark's JSON, timm's ImageNet-A/-R indices), so a wrong file fails a test.
-"""
+lists, clip_benchmark's JSON, timm's ImageNet-A/-R indices), so a wrong file fails a test."""
+from __future__ import annotations
+
 import json
 import tomllib
 from pathlib import Path
@@ -12,7 +14,9 @@ import pytest
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import benchmark_info, imagenet_wnids, list_benchmarks
 
-METADATA_DIR = Path(__file__).resolve().parents[1] / "lit_softmoe" / "metadata"
+from sun397 import _SUN397_CLASSES
+
+METADATA_DIR = Path(__file__).resolve().parents[2] / "lit_softmoe" / "metadata"
 
 EXPECTED_CLASS_COUNTS = {
     "imagenet1k": 1000, "imagenetv2": 1000, "imagenet_sketch": 1000, "imagenet-a": 200, "imagenet-r": 200,
@@ -181,3 +185,20 @@ def test_package_data_is_declared():
     shipped = {path.name for path in METADATA_DIR.iterdir() if path.suffix in (".json", ".md")}
     assert {"classnames.json", "templates.json", "benchmarks.json", "SOURCES.md"} <= shipped
     assert all(any(Path(name).match(glob) for glob in globs) for name in shipped)
+
+
+def test_every_folder_alias_names_a_shipped_class():
+    from lit_softmoe.metadata import benchmark_info, list_benchmarks
+    with_aliases = {}
+    for name in list_benchmarks("classification"):
+        info = benchmark_info(name)
+        for folder, classname in info.folder_aliases:
+            assert classname in info.classnames, (name, folder, classname)
+            with_aliases.setdefault(name, []).append(folder)
+    assert sorted(with_aliases["fer2013"]) == ["disgust", "fear", "surprise"]
+
+
+def test_sun397_shipped_names_are_classname_txt_in_its_order():
+    # CLIP_benchmark names SUN397's classes as torchvision's ClassName.txt with "_" and "/" as spaces.
+    assert list(benchmark_info("sun397").classnames) == \
+        [c.replace("_", " ").replace("/", " ") for c in _SUN397_CLASSES]

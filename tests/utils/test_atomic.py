@@ -1,0 +1,118 @@
+"""lit_softmoe.utils.atomic: folders written atomically: nothing under the final name after a failure, stale
+leftovers removed, a killed replace recovered, the umask followed."""
+import pytest
+import torch
+
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
+
+
+def test_failed_write_leaves_nothing_under_the_final_name(tmp_path):
+    def write(tmp):
+        (tmp / "half.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_folder_atomically(tmp_path / "ckpt", write)
+    assert list(tmp_path.iterdir()) == []
+    # An older complete checkpoint survives a failed overwrite.
+    write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "ok").write_text("1"))
+    with pytest.raises(OSError):
+        write_folder_atomically(tmp_path / "ckpt", write)
+    assert (tmp_path / "ckpt" / "ok").read_text() == "1"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_without_replace_a_folder_filled_meanwhile_is_kept(tmp_path):
+    def write(text):
+        return lambda tmp: (tmp / "f").write_text(text)
+
+    (tmp_path / "empty").mkdir()
+    write_folder_atomically(tmp_path / "empty", write("new"), replace=False)  # an empty folder is taken
+    assert (tmp_path / "empty" / "f").read_text() == "new"
+
+    def filled_meanwhile(tmp):
+        (tmp / "f").write_text("mine")
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "f").write_text("theirs")  # another writer, after any check at the start
+
+    with pytest.raises(FolderTakenError):
+        write_folder_atomically(tmp_path / "out", filled_meanwhile, replace=False)
+    assert (tmp_path / "out" / "f").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]  # no temporary folder left
+    write_folder_atomically(tmp_path / "out", write("replaced"))  # replace=True swaps it
+    assert (tmp_path / "out" / "f").read_text() == "replaced"
+
+
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_saved_folders_follow_the_umask_not_mkdtemps_private_mode(tmp_path, umask, folder_mode, file_mode):
+    # mkdtemp makes 0700 folders and safetensors 0600 files: other users could not read a saved tower.
+    import os
+    import stat
+    old = os.umask(umask)
+    try:
+        save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "tower").stat().st_mode) == folder_mode
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tower").iterdir()} == \
+        {"model.safetensors": file_mode, "config.json": file_mode}
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and, right after, is not reused)."""
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_killed_writes_are_removed_even_with_this_pid(tmp_path):
+    """A run killed mid-replace leaves `.NAME.old-PID` / `.NAME.tmp-PID-…`; a rerun in a fresh
+    container often has the same pid. The next write removes them instead of failing on them."""
+    import os
+    write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text("1"))
+    for leftover in (f".ckpt.old-{os.getpid()}", f".ckpt.tmp-{os.getpid()}-abc", f".ckpt.old-{_dead_pid()}-xyz"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "v").write_text("stale")
+    alive = tmp_path / f".ckpt.tmp-{os.getppid()}-def"  # another live process may be writing this one
+    alive.mkdir()
+    write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text("2"))
+    assert (tmp_path / "ckpt" / "v").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", alive.name])
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_replace_with_and_without_an_atomic_exchange(tmp_path, monkeypatch, atomic_exchange):
+    from lit_softmoe.utils import atomic
+    if not atomic_exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    for version in "123":
+        write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text(version))
+        assert (tmp_path / "ckpt" / "v").read_text() == version
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_replace_killed_between_its_renames_is_recovered(tmp_path):
+    """Without an atomic exchange the old folder is renamed away first; killed right then, only
+    the old folder's holder is left, and loading (or the next save) puts it back."""
+    tower = create_image_tower("vit-test", num_classes=3)
+    save_tower(tmp_path / "prev", tower)
+    holder = tmp_path / f".tower.old-{_dead_pid()}-k1ll3d"
+    holder.mkdir()
+    (tmp_path / "prev").rename(holder / "tower")
+    loaded, _ = load_tower(tmp_path / "tower")
+    assert torch.equal(loaded.state_dict()["pos_embed"], tower.state_dict()["pos_embed"])
+    assert [p.name for p in tmp_path.iterdir()] == ["tower"]
+
+
+def test_atomic_exchange_swaps_two_folders(tmp_path):
+    from lit_softmoe.utils.atomic import _exchange
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "v").write_text(name)
+    if not _exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this system or filesystem: two renames are used")
+    assert (tmp_path / "a" / "v").read_text() == "b" and (tmp_path / "b" / "v").read_text() == "a"
