@@ -1,7 +1,9 @@
-"""Streaming shard pipelines: each sample of an epoch read exactly once across simulated nodes and
-DataLoader workers, orders that are a function of (seed, epoch), bad samples and shards counted by
-reason and stopped by max_bad_fraction, all three sample kinds on real Fashion-MNIST shards, and
-the image preprocessing they use."""
+"""lit_softmoe.data.pipelines: streaming shard loaders: each sample of an epoch read exactly once across
+simulated nodes and DataLoader workers, orders that are a function of (seed, epoch), bad samples and
+shards counted by reason and stopped by max_bad_fraction, and all three sample kinds on real
+Fashion-MNIST shards."""
+from __future__ import annotations
+
 import io
 import logging
 import re
@@ -17,10 +19,12 @@ from torchvision.transforms import v2
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
-from lit_softmoe.data.transforms import eval_transform, train_transform
+from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.models.tokenizers import create_tokenizer
+
+from data_files import _png_bytes
 
 
 def _png(value: int, size: int = 8, mode: str = "L") -> bytes:
@@ -245,9 +249,6 @@ def test_config_nests_in_a_typed_omegaconf_config():
     assert isinstance(cfg, ShardDataConfig) and (cfg.batch_size, cfg.max_bad_fraction) == (8, 0.1)
 
 
-# ---------------------------------------------------------------------------------------- real data
-
-
 @pytest.fixture(scope="module")
 def fmnist(tmp_path_factory):
     out = tmp_path_factory.mktemp("fmnist")
@@ -323,27 +324,18 @@ def test_embedding_caption_shards_round_trip(tmp_path):
         create_shard_loader(cfg, "embedding-caption", transform=eval_transform(28))
 
 
-# ---------------------------------------------------------------------------------------- transforms
-
-
-def test_palette_and_alpha_images_become_rgb_not_indices():
-    palette = PIL.Image.new("P", (4, 4), 1)
-    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)  # index 1 → (200, 100, 50)
-    rgba = PIL.Image.new("RGBA", (4, 4), (10, 20, 30, 0))
-    to_bytes = eval_transform(4, in_channels=3, mean=0.0, std=1 / 255)  # output = pixel value
-    assert to_bytes(palette)[:, 0, 0].round().tolist() == [200, 100, 50]
-    # Transparent pixels on white, as `lit-softmoe data` wrote the training shards (not the color under them).
-    assert to_bytes(rgba)[:, 0, 0].round().tolist() == [255, 255, 255]
-    gray = eval_transform(4, in_channels=1, mean=0.0, std=1 / 255)(palette)
-    assert gray.shape == (1, 4, 4) and round(gray[0, 0, 0].item()) == round(0.299 * 200 + 0.587 * 100 + 0.114 * 50)
-
-
-def test_grayscale_copied_to_rgb_after_resizing_equals_before():
-    image = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 256, (28, 28), dtype=np.uint8))
-    ours = eval_transform(40, in_channels=3)(image)
-    reference = v2.Compose([v2.ToImage(), v2.RGB(), v2.Resize(40, antialias=True), v2.CenterCrop(40),
-                            v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.5] * 3)])(image)
-    assert torch.equal(ours, reference)
-    torch.manual_seed(0)
-    augmented = train_transform(24, in_channels=3, scale=(0.5, 1.0))(image)
-    assert augmented.shape == (3, 24, 24) and torch.equal(augmented[0], augmented[1])
+def test_world_size_set_alone_takes_the_rank_from_the_launcher(tmp_path, monkeypatch):
+    # Setting data.world_size without data.rank gave rank 0 to every process: all read the same shards.
+    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "txt": f"caption {i}".encode()} for i in range(8)]
+    write_split(samples, tmp_path, "a", samples_per_shard=2)
+    keys = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        cfg = ShardDataConfig(urls=str(tmp_path / "a"), batch_size=8, workers=0, shuffle=False, exact_epoch=True,
+                              world_size=2)
+        loader = create_shard_loader(cfg, "image-caption")
+        keys[rank] = [key for batch in loader for key in batch["key"]]
+        assert loader.rank == rank and loader.world_size == 2
+    assert keys[0] == ["s0000000", "s0000001", "s0000004", "s0000005"]  # shards 0 and 2
+    assert keys[1] == ["s0000002", "s0000003", "s0000006", "s0000007"]  # shards 1 and 3

@@ -1,7 +1,7 @@
-"""One image decoding everywhere: what `lit-softmoe data` writes into shards, what the streaming
-pipeline, in-memory splits, eval and a loaded model's `preprocess` read from a raw file, and what
-the no-torch `scripts/onnx_example.py` computes are the same pixels — 16-bit gray scaled (not
-clipped white), transparency on white, EXIF orientation applied."""
+"""lit_softmoe.data.images: one image decoding everywhere: what `lit-softmoe data` writes into shards, what the
+streaming pipeline, in-memory splits, eval and a loaded model's `preprocess` read from a raw file, and what
+the no-torch `scripts/onnx_example.py` computes are the same pixels (16-bit gray scaled, not clipped
+white; transparency on white; EXIF orientation applied); and how images are re-encoded."""
 import io
 import json
 import sys
@@ -16,9 +16,9 @@ from lit_softmoe.data.images import prepare_image
 from lit_softmoe.data.shards import load_class_split, write_split
 from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
 
-from data_files import _encode
+from data_files import _encode, _pixels, _rng_image
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "onnx_example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
 
 
@@ -107,3 +107,63 @@ def test_in_memory_split_decodes_like_the_pipeline(tmp_path):
     for image, name in zip(images, ("16bit", "gray_alpha")):
         assert np.array_equal(image[0].numpy(), np.asarray(to_l_or_rgb(_open(RAW[name]))))
     assert np.array_equal(images[0, 0].numpy(), RAMP8)
+
+
+def test_prepare_image_keeps_the_file_bytes_when_nothing_changes():
+    png = _encode(_rng_image(0))
+    prepared = prepare_image(png)
+    assert (prepared.extension, prepared.data, prepared.reencoded, prepared.changes) == ("png", png, False, ())
+    jpeg = _encode(_rng_image(1), "JPEG", quality=80)
+    assert prepare_image(jpeg, "jpg").data == jpeg and prepare_image(jpeg).extension == "jpg"
+
+
+def test_prepare_image_normalizes_modes_exactly():
+    rgba = PIL.Image.fromarray(np.array([[[0, 0, 255, 255], [255, 0, 0, 0], [0, 0, 0, 128]]], np.uint8), "RGBA")
+    prepared = prepare_image(_encode(rgba))
+    # Opaque stays, transparent becomes white, half-transparent black becomes the mid gray on white.
+    assert prepared.changes == ("alpha",) and prepared.extension == "png"
+    assert _pixels(prepared.data).tolist() == [[[0, 0, 255], [255, 255, 255], [127, 127, 127]]]
+
+    sixteen = PIL.Image.fromarray(np.array([[0, 257, 65535, 32896]], np.uint16))
+    assert sixteen.mode == "I;16"
+    prepared = prepare_image(_encode(sixteen))
+    assert prepared.changes == ("16bit",) and _pixels(prepared.data).tolist() == [[0, 1, 255, 128]]
+
+    palette = _rng_image(2).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
+    prepared = prepare_image(_encode(palette))
+    assert prepared.changes == ("palette",)
+    assert np.array_equal(_pixels(prepared.data), np.asarray(palette.convert("RGB")))
+
+    gray_alpha = PIL.Image.fromarray(np.array([[[10, 255], [10, 0]]], np.uint8), "LA")
+    prepared = prepare_image(_encode(gray_alpha))
+    assert prepared.changes == ("alpha",) and _pixels(prepared.data).tolist() == [[10, 255]]  # stays gray (L)
+
+    cmyk = PIL.Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # pure red in CMYK
+    prepared = prepare_image(_encode(cmyk, "JPEG", quality=100))
+    assert prepared.changes == ("cmyk",) and prepared.extension == "jpg"
+    assert np.abs(_pixels(prepared.data).astype(int) - [255, 0, 0]).max() <= 3
+
+
+def test_prepare_image_converts_formats_and_shrinks_large_images():
+    image = _rng_image(3, size=(100, 40))
+    png = _encode(image)
+    as_webp = prepare_image(png, "webp")
+    assert as_webp.extension == "webp" and as_webp.reencoded
+    assert PIL.Image.open(io.BytesIO(as_webp.data)).format == "WEBP"
+    as_jpg = prepare_image(png, "jpg", max_size=50)
+    assert as_jpg.changes == ("resized",) and as_jpg.source_size == (100, 40)
+    assert PIL.Image.open(io.BytesIO(as_jpg.data)).size == (50, 20)
+    # Lossless and not too large: re-encoding a BMP to PNG keeps every pixel.
+    from_bmp = prepare_image(_encode(image, "BMP"))
+    assert from_bmp.extension == "png" and np.array_equal(_pixels(from_bmp.data), np.asarray(image))
+    assert prepare_image(png, "png", max_size=100).data == png  # not larger than max_size: untouched
+    # Encoding is deterministic: the same input gives the same bytes.
+    assert prepare_image(png, "jpg", max_size=50).data == as_jpg.data
+
+
+def test_prepare_image_applies_exif_orientation():
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    prepared = prepare_image(_encode(_rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
+    assert prepared.changes == ("exif_rotated",) and prepared.source_size == (12, 8)
+    assert PIL.Image.open(io.BytesIO(prepared.data)).size == (8, 12)

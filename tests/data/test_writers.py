@@ -1,7 +1,9 @@
-"""Folder and table writers: every writer round-trips (kept bytes equal the files, decoded pixels
-equal the source for lossless formats), every kind of bad input is skipped or normalized and counted
-by reason, reruns are byte-identical or skipped, and user mistakes are one line with exit code 2.
+"""lit_softmoe.data.writers: `lit-softmoe data from-folder|from-table` round-trips (kept bytes equal the
+files), bad input is skipped or normalized and counted by reason, reruns are byte-identical or skipped,
+and a split holding other data is never replaced silently.
 Real images: foolbox's bundled ImageNet / CIFAR / MNIST files (read from its folder, not imported)."""
+from __future__ import annotations
+
 import hashlib
 import importlib.util
 import io
@@ -15,85 +17,15 @@ import PIL.Image
 import pytest
 
 from lit_softmoe.cli import build_parser, main
-from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.images import prepare_image
-from lit_softmoe.data.listing import sample_key
-from lit_softmoe.data.shards import load_class_split, read_classnames, write_split
-from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards, write_table_shards
+from lit_softmoe.data.fashion_mnist import find_fashion_mnist
+from lit_softmoe.data.shards import load_class_split, read_classnames
+from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 
-from data_files import ROWS, _encode, _pixels, _read_split, _rng_image, _write_table
+from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _write_table
 
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-
-
-# ---------------------------------------------------------------------------------------- images
-
-
-def test_prepare_image_keeps_the_file_bytes_when_nothing_changes():
-    png = _encode(_rng_image(0))
-    prepared = prepare_image(png)
-    assert (prepared.extension, prepared.data, prepared.reencoded, prepared.changes) == ("png", png, False, ())
-    jpeg = _encode(_rng_image(1), "JPEG", quality=80)
-    assert prepare_image(jpeg, "jpg").data == jpeg and prepare_image(jpeg).extension == "jpg"
-
-
-def test_prepare_image_normalizes_modes_exactly():
-    rgba = PIL.Image.fromarray(np.array([[[0, 0, 255, 255], [255, 0, 0, 0], [0, 0, 0, 128]]], np.uint8), "RGBA")
-    prepared = prepare_image(_encode(rgba))
-    # Opaque stays, transparent becomes white, half-transparent black becomes the mid gray on white.
-    assert prepared.changes == ("alpha",) and prepared.extension == "png"
-    assert _pixels(prepared.data).tolist() == [[[0, 0, 255], [255, 255, 255], [127, 127, 127]]]
-
-    sixteen = PIL.Image.fromarray(np.array([[0, 257, 65535, 32896]], np.uint16))
-    assert sixteen.mode == "I;16"
-    prepared = prepare_image(_encode(sixteen))
-    assert prepared.changes == ("16bit",) and _pixels(prepared.data).tolist() == [[0, 1, 255, 128]]
-
-    palette = _rng_image(2).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
-    prepared = prepare_image(_encode(palette))
-    assert prepared.changes == ("palette",)
-    assert np.array_equal(_pixels(prepared.data), np.asarray(palette.convert("RGB")))
-
-    gray_alpha = PIL.Image.fromarray(np.array([[[10, 255], [10, 0]]], np.uint8), "LA")
-    prepared = prepare_image(_encode(gray_alpha))
-    assert prepared.changes == ("alpha",) and _pixels(prepared.data).tolist() == [[10, 255]]  # stays gray (L)
-
-    cmyk = PIL.Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # pure red in CMYK
-    prepared = prepare_image(_encode(cmyk, "JPEG", quality=100))
-    assert prepared.changes == ("cmyk",) and prepared.extension == "jpg"
-    assert np.abs(_pixels(prepared.data).astype(int) - [255, 0, 0]).max() <= 3
-
-
-def test_prepare_image_converts_formats_and_shrinks_large_images():
-    image = _rng_image(3, size=(100, 40))
-    png = _encode(image)
-    as_webp = prepare_image(png, "webp")
-    assert as_webp.extension == "webp" and as_webp.reencoded
-    assert PIL.Image.open(io.BytesIO(as_webp.data)).format == "WEBP"
-    as_jpg = prepare_image(png, "jpg", max_size=50)
-    assert as_jpg.changes == ("resized",) and as_jpg.source_size == (100, 40)
-    assert PIL.Image.open(io.BytesIO(as_jpg.data)).size == (50, 20)
-    # Lossless and not too large: re-encoding a BMP to PNG keeps every pixel.
-    from_bmp = prepare_image(_encode(image, "BMP"))
-    assert from_bmp.extension == "png" and np.array_equal(_pixels(from_bmp.data), np.asarray(image))
-    assert prepare_image(png, "png", max_size=100).data == png  # not larger than max_size: untouched
-    # Encoding is deterministic: the same input gives the same bytes.
-    assert prepare_image(png, "jpg", max_size=50).data == as_jpg.data
-
-
-def test_prepare_image_applies_exif_orientation():
-    exif = PIL.Image.Exif()
-    exif[0x0112] = 6  # "rotate 90° clockwise to display"
-    prepared = prepare_image(_encode(_rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
-    assert prepared.changes == ("exif_rotated",) and prepared.source_size == (12, 8)
-    assert PIL.Image.open(io.BytesIO(prepared.data)).size == (8, 12)
-
-
-def test_sample_keys_are_safe_webdataset_keys():
-    assert sample_key("a b/x.y") == "a_b/x_y"
-    assert sample_key("../images/./IMG 01") == "images/IMG_01"
 
 
 def test_parse_byte_size():
@@ -105,19 +37,6 @@ def test_parse_byte_size():
         WriteOptions(image_format="gif")
     with pytest.raises(UserError, match="not a plain folder name"):
         WriteOptions(split="../train")
-
-
-def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
-    assert write_split([{"__key__": "a/b", "cls": b"1"}], tmp_path, "ok", keep_keys=True) == {"0.tar": 1}
-    assert list(_read_split(tmp_path / "ok")) == ["a/b"]
-    for keys in (["x.y"], ["a", "a"]):
-        with pytest.raises(ValueError):
-            write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
-    # Each refused for its own reason (a bare ValueError is met by any crash on the way).
-    for keys, reason in ((["x.y"], "'x.y' is not a non-empty str without a dot"), (["a", "a"], "'a' repeats"),
-                         ([7], "7 is not a non-empty str"), ([""], "'' is not a non-empty str")):
-        with pytest.raises(ValueError, match=re.escape(f"sample key {reason}")):
-            write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
 
 
 def _captioned_folder(root, count=5):
@@ -132,9 +51,6 @@ def _captioned_folder(root, count=5):
         (folder / f"{stem}.txt").write_text(f"  {caption}\n", encoding="utf-8")
         made[stem] = (folder / f"{stem}.png", caption)
     return made
-
-
-# ---------------------------------------------------------------------------------------- folders
 
 
 def test_captions_folder_round_trips_with_rollover(tmp_path):
@@ -292,86 +208,6 @@ def test_class_folders_round_trip_like_imagefolder(tmp_path):
         write_folder_shards(src, tmp_path / "out", WriteOptions(split="train"))
 
 
-def test_folder_mistakes_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match="not found"):
-        list_folder(tmp_path / "nowhere")
-    (tmp_path / "flat").mkdir()
-    (tmp_path / "flat/a.png").write_bytes(_encode(_rng_image(0)))
-    with pytest.raises(UserError, match="no .txt caption beside any"):
-        list_folder(tmp_path / "flat")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="no image files"):
-        list_folder(tmp_path / "empty")
-    (tmp_path / "flat/b.png").write_bytes(b"broken")
-    (tmp_path / "flat/b.txt").write_text("a caption")
-    with pytest.raises(UserError, match=r"could be written: skipped 2 \(bad_image 1, missing_caption 1\)"):
-        write_folder_shards(tmp_path / "flat", tmp_path / "out")
-
-
-# ---------------------------------------------------------------------------------------- tables
-
-
-@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
-def test_tables_round_trip(tmp_path, kind):
-    table = _write_table(tmp_path, kind)
-    summary = write_table_shards(table, tmp_path / "out", "filepath", "title")
-    assert summary.samples == 3 and summary.skipped == {"empty_caption": 1, "missing_image": 1}
-    samples = _read_split(tmp_path / "out/train")
-    assert list(samples) == ["images/a", "images/b", "images/d"]
-    for key, (name, caption, score) in zip(samples, [ROWS[0], ROWS[1], ROWS[4]]):
-        extension = "jpg" if name.endswith(".jpg") else "png"
-        assert samples[key][extension] == (tmp_path / name).read_bytes()
-        assert samples[key]["txt"].decode() == caption
-        meta = json.loads(samples[key]["json"])
-        assert meta["path"] == name and meta["extra"] == {"score": score} and meta["width"] == 12
-
-
-def test_table_bad_rows_are_counted(tmp_path):
-    table = _write_table(tmp_path, "csv")
-    with open(table, "ab") as file:
-        file.write(b"images/a.png,caf\xe9 in latin-1,6\n")  # not UTF-8
-        file.write(b"images/a.png,too,many,fields\n")
-        file.write(b"https://example.com/x.jpg,a remote image,7\n")
-        file.write(b"images/d.png,the same image twice,8\n")
-    summary = write_table_shards(table, tmp_path / "out", "filepath", "title")
-    assert summary.skipped == {"bad_row": 1, "duplicate_key": 1, "empty_caption": 1, "missing_image": 1,
-                               "non_utf8_text": 1, "remote_image": 1}
-    # With a key column both captions of d.png are kept.
-    keyed = write_table_shards(table, tmp_path / "out", "filepath", "title", WriteOptions(split="keyed"),
-                               key_col="score")
-    assert keyed.samples == 4 and "duplicate_key" not in keyed.skipped
-
-    lines = tmp_path / "lines.jsonl"
-    lines.write_bytes(b'{"filepath": "images/a.png", "title": "ok"}\n'
-                      b'\n'  # blank lines are not rows
-                      b'{broken json\n'
-                      b'[1, 2]\n'
-                      b'{"filepath": "images/b.jpg", "title": "caf\xe9"}\n'  # Latin-1, not UTF-8
-                      b'{"filepath": "images/c.png", "title": 5}\n')
-    summary = write_table_shards(lines, tmp_path / "out", "filepath", "title", WriteOptions(split="jsonl"))
-    assert summary.samples == 1 and summary.skipped == {"bad_caption": 1, "bad_row": 2, "non_utf8_text": 1}
-
-
-def test_parquet_with_embedded_image_bytes(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-    images = [_encode(_rng_image(30 + index)) for index in range(3)]
-    column = [{"bytes": images[0], "path": "x/0.png"}, {"bytes": images[1], "path": None},
-              {"bytes": None, "path": None}]
-    pq.write_table(pa.table({"image": column, "caption": ["zero", "one", "two"]}), tmp_path / "hf.parquet")
-    summary = write_table_shards(tmp_path / "hf.parquet", tmp_path / "out", "image", "caption")
-    assert summary.samples == 2 and summary.skipped == {"missing_image": 1}
-    samples = _read_split(tmp_path / "out/train")
-    assert samples["x/0"]["png"] == images[0] and samples["row0000001"]["png"] == images[1]
-
-
-def test_parquet_without_pyarrow_names_the_install(tmp_path, monkeypatch):
-    (tmp_path / "t.parquet").write_bytes(b"PAR1")
-    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
-    with pytest.raises(UserError, match="pip install pyarrow"):
-        write_table_shards(tmp_path / "t.parquet", tmp_path / "out", "image", "caption")
-
-
 def test_cli_writes_and_prints_the_summary(tmp_path, capsys):
     _captioned_folder(tmp_path / "src", count=2)
     assert main(["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--split", "val",
@@ -415,7 +251,7 @@ def _tree(folder):
 
 
 def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys):
-    # Review item 4: a 60k Fashion-MNIST split was replaced by 600 images without a word, and a
+    # A 60k Fashion-MNIST split was replaced by 600 images without a word, and a
     # class dataset by caption shards with the old classnames.txt left beside them.
     out = tmp_path / "mine-cls"
     assert main(["data", "from-folder", str(_class_folder(tmp_path / "labelled")), "--layout", "classes",
@@ -510,3 +346,31 @@ def test_foolbox_images_through_from_folder(tmp_path):
     classnames = read_classnames(tmp_path / "out")
     stems = sorted((path.parent.name, path.stem) for path in by_class.glob("*/*.png"))
     assert [classnames[label] for label in labels.tolist()] == [name for name, _ in stems]
+
+
+def test_out_equal_to_the_source_is_not_read_back(tmp_path):
+    # `from-folder photos --out photos`: the rerun read photos/train/nshards.txt as a caption without
+    # an image (skipped 1) and, that file being rewritten each time, never found the output complete.
+    src = tmp_path / "photos"
+    src.mkdir()
+    for seed in range(3):
+        (src / f"{seed}.png").write_bytes(_png(seed))
+        (src / f"{seed}.txt").write_text(f"caption {seed}")
+    first = write_folder_shards(src, src)
+    again = write_folder_shards(src, src)
+    assert first.samples == again.samples == 3 and not first.skipped and not again.skipped
+    assert again.already_complete
+
+
+def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
+    # mkdir raised FileExistsError: a traceback instead of exit code 2.
+    _gray_png(tmp_path / "src" / "x.png", 0)
+    (tmp_path / "src" / "x.txt").write_text("a photo")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train").write_text("not a folder")
+    fmnist = str(find_fashion_mnist(allow_download=False))
+    for command in (["from-folder", str(tmp_path / "src")], ["fashion-mnist", "--source", fmnist, "--limit", "2"]):
+        assert main(["data", *command, "--out", str(tmp_path / "out")]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"{tmp_path / 'out' / 'train'} is a file, not a split folder" in error
+    assert (tmp_path / "out" / "train").read_text() == "not a folder"

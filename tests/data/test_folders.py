@@ -1,0 +1,48 @@
+"""lit_softmoe.data.folders: what a source folder holds: class folders (links included) and folder mistakes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torchvision
+
+from lit_softmoe.data.folders import list_folder
+from lit_softmoe.data.shards import iter_class_samples, read_classnames
+from lit_softmoe.data.writers import write_folder_shards
+from lit_softmoe.errors import UserError
+
+from data_files import _encode, _gray_png, _rng_image
+
+
+def test_folder_mistakes_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        list_folder(tmp_path / "nowhere")
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat/a.png").write_bytes(_encode(_rng_image(0)))
+    with pytest.raises(UserError, match="no .txt caption beside any"):
+        list_folder(tmp_path / "flat")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no image files"):
+        list_folder(tmp_path / "empty")
+    (tmp_path / "flat/b.png").write_bytes(b"broken")
+    (tmp_path / "flat/b.txt").write_text("a caption")
+    with pytest.raises(UserError, match=r"could be written: skipped 2 \(bad_image 1, missing_caption 1\)"):
+        write_folder_shards(tmp_path / "flat", tmp_path / "out")
+
+
+def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):
+    # A class folder is often a link into a bigger dataset; os.walk did not enter it, so its images
+    # were dropped without a count and the remaining classes were numbered differently from ImageFolder.
+    for index in range(3):
+        _gray_png(tmp_path / "elsewhere" / "cat" / f"{index}.png", 10 * index)
+    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    os.symlink(tmp_path / "elsewhere" / "cat", tmp_path / "src" / "cat")
+    imagefolder = torchvision.datasets.ImageFolder(str(tmp_path / "src"))
+    os.symlink(tmp_path / "src", tmp_path / "src" / "dog" / "loop")  # a link back up must not loop
+
+    summary = write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+
+    assert read_classnames(tmp_path / "out") == imagefolder.classes == ["cat", "dog"]
+    assert summary.samples == 4 and sum(summary.skipped.values()) == 0
+    labels = sorted(label for _, label in iter_class_samples(tmp_path / "out" / "train"))
+    assert labels == sorted(imagefolder.targets) == [0, 0, 0, 1]

@@ -1,0 +1,103 @@
+"""lit_softmoe.data.transforms: eval and train transforms, batch augmentation and normalization give the
+values they promise."""
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from lit_softmoe.data.transforms import batch_augment, eval_transform, match_channels, normalize_batch, train_transform
+
+
+
+def test_eval_transform_shapes_values_and_channels():
+    array = np.arange(28 * 28, dtype=np.int64).reshape(28, 28).astype(np.uint8)
+    image = PIL.Image.fromarray(array)
+    gray = eval_transform(28, in_channels=1, mean=0.5, std=0.25)(image)
+    assert gray.shape == (1, 28, 28) and gray.dtype == torch.float32
+    assert torch.allclose(gray[0], (torch.from_numpy(array).float() / 255 - 0.5) / 0.25, atol=1e-6)
+    rgb = eval_transform(28, in_channels=3, mean=(0.5, 0.5, 0.5), std=0.5)(image)
+    assert rgb.shape == (3, 28, 28)
+    assert torch.equal(rgb[0], rgb[1]) and torch.equal(rgb[1], rgb[2])
+    assert torch.allclose(rgb[0], torch.from_numpy(array).float() / 127.5 - 1, atol=1e-6)
+    # RGB → 1 channel, and a resize + center crop of a non-square image.
+    color = PIL.Image.fromarray(np.zeros((40, 60, 3), np.uint8))
+    assert eval_transform(32, in_channels=1)(color).shape == (1, 32, 32)
+    with pytest.raises(ValueError, match="2 values for 3 channels"):
+        eval_transform(28, in_channels=3, mean=(0.1, 0.2))
+
+
+def test_train_transform_crops_within_padding():
+    image = PIL.Image.fromarray(np.full((28, 28), 255, np.uint8))
+    torch.manual_seed(0)
+    transform = train_transform(28, in_channels=1, mean=0.0, std=1.0, crop_padding=4)
+    outputs = torch.stack([transform(image) for _ in range(20)])
+    assert outputs.shape == (20, 1, 28, 28)
+    # The white square moved by up to 4 px: at least one border row or column is zero padding,
+    # and the center is always white.
+    assert (outputs == 0).any() and torch.all(outputs[:, :, 4:24, 4:24] == 1)
+    assert train_transform(24, in_channels=3)(image).shape == (3, 24, 24)
+
+
+def test_batch_augment_is_deterministic_and_shifts_and_flips():
+    images = torch.randint(1, 256, (64, 1, 28, 28), dtype=torch.uint8)  # no zeros: padding is visible
+    first = batch_augment(images, torch.Generator().manual_seed(7), padding=2)
+    again = batch_augment(images, torch.Generator().manual_seed(7), padding=2)
+    other = batch_augment(images, torch.Generator().manual_seed(8), padding=2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert first.shape == images.shape and first.dtype == torch.uint8
+
+    # Replay the draws to check each sample against its definition.
+    generator = torch.Generator().manual_seed(7)
+    offsets = torch.randint(0, 5, (2, 64), generator=generator)
+    flips = torch.rand(64, generator=generator) < 0.5
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
+    for n in range(64):
+        dy, dx = offsets[:, n].tolist()
+        expected = padded[n, :, dy:dy + 28, dx:dx + 28]
+        assert torch.equal(first[n], torch.flip(expected, dims=[-1]) if flips[n] else expected)
+    assert flips.any() and (~flips).any() and (offsets != 2).any()
+    unshifted = (offsets == 2).all(0)
+    assert torch.equal(first[unshifted & ~flips], images[unshifted & ~flips])
+    assert torch.equal(first[unshifted & flips], torch.flip(images[unshifted & flips], dims=[-1]))
+
+    # RGB batches and no-flip mode: with hflip off, nothing is mirrored.
+    rgb = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    out = batch_augment(rgb, torch.Generator().manual_seed(0), padding=0, hflip=False)
+    assert torch.equal(out, rgb)
+
+
+def test_normalize_batch_values_and_channels():
+    images = torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 1, 1, 3)
+    out = normalize_batch(images, mean=0.2, std=0.5)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.flatten(), torch.tensor([-0.4, 0.0, 1.6]), atol=1e-6)
+    rgb = normalize_batch(images, mean=(0.2, 0.0, 0.2), std=(0.5, 1.0, 0.5), in_channels=3)
+    assert rgb.shape == (1, 3, 1, 3) and torch.allclose(rgb[0, 0], rgb[0, 2])
+    assert torch.allclose(rgb[0, 1].flatten(), torch.tensor([0.0, 0.2, 1.0]), atol=1e-6)
+    color = torch.tensor([255, 0, 0], dtype=torch.uint8).view(1, 3, 1, 1)
+    assert match_channels(color, 1).item() == round(0.299 * 255)
+
+
+
+def test_palette_and_alpha_images_become_rgb_not_indices():
+    palette = PIL.Image.new("P", (4, 4), 1)
+    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)  # index 1 → (200, 100, 50)
+    rgba = PIL.Image.new("RGBA", (4, 4), (10, 20, 30, 0))
+    to_bytes = eval_transform(4, in_channels=3, mean=0.0, std=1 / 255)  # output = pixel value
+    assert to_bytes(palette)[:, 0, 0].round().tolist() == [200, 100, 50]
+    # Transparent pixels on white, as `lit-softmoe data` wrote the training shards (not the color under them).
+    assert to_bytes(rgba)[:, 0, 0].round().tolist() == [255, 255, 255]
+    gray = eval_transform(4, in_channels=1, mean=0.0, std=1 / 255)(palette)
+    assert gray.shape == (1, 4, 4) and round(gray[0, 0, 0].item()) == round(0.299 * 200 + 0.587 * 100 + 0.114 * 50)
+
+
+def test_grayscale_copied_to_rgb_after_resizing_equals_before():
+    image = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 256, (28, 28), dtype=np.uint8))
+    ours = eval_transform(40, in_channels=3)(image)
+    reference = v2.Compose([v2.ToImage(), v2.RGB(), v2.Resize(40, antialias=True), v2.CenterCrop(40),
+                            v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.5] * 3)])(image)
+    assert torch.equal(ours, reference)
+    torch.manual_seed(0)
+    augmented = train_transform(24, in_channels=3, scale=(0.5, 1.0))(image)
+    assert augmented.shape == (3, 24, 24) and torch.equal(augmented[0], augmented[1])
