@@ -1,7 +1,9 @@
-"""The closed-form few-shot linear probe, on data whose right answer is known by construction."""
+"""lit_softmoe.evals.probes: the closed-form few-shot and linear probes, on data whose right answer is
+known by construction."""
+import pytest
 import torch
 
-from lit_softmoe.evals.probes import fewshot_probe, fit_ridge, sample_shots
+from lit_softmoe.evals.probes import L2_GRID, fewshot_probe, fit_ridge, linear_probe, sample_shots
 
 
 def test_sample_shots_takes_k_per_class_deterministically():
@@ -82,3 +84,37 @@ def test_fit_ridge_picks_the_best_leave_one_out_penalty_and_predicts_with_its_we
     other = _hand_ridge(x, y, 3, grid[-1] if best != grid[-1] else grid[0])[0]
     assert not torch.equal(want, (torch.cat([(test.double() - mean) / std, torch.ones(len(test), 1,
                                   dtype=torch.float64)], 1) @ other).argmax(1))  # another penalty predicts otherwise
+
+
+def _few_examples(num_train=9):
+    """3 classes in 8 noisy dimensions: 9 training examples, where leave-one-out picks l2 = 16 (its
+    error 1/9 against 3/9 at the smallest penalty), and 300 test examples."""
+    generator = torch.Generator().manual_seed(3)
+    centers = torch.randn(3, 8, generator=generator) * 2
+    train_labels, test_labels = torch.arange(3).repeat(num_train // 3), torch.arange(3).repeat(100)
+    train = centers[train_labels] + 2.0 * torch.randn(len(train_labels), 8, generator=generator)
+    test = centers[test_labels] + 2.0 * torch.randn(len(test_labels), 8, generator=generator)
+    return train, train_labels, test, test_labels
+
+
+def test_linear_probe_without_a_hold_out_picks_its_penalty_by_leave_one_out(caplog):
+    """Under 10 samples the 10% hold-out was empty: every penalty scored NaN and the smallest was
+    taken, silently. The penalty is now chosen by leave-one-out on the training samples, and the
+    probe says so."""
+    train, train_labels, test, test_labels = _few_examples()
+    with caplog.at_level("WARNING", logger="lit_softmoe.evals.probes"):
+        results = linear_probe(train, train_labels, test, test_labels)
+    assert results["linear_probe_l2"] == 16.0  # the empty hold-out gave the smallest, 2**-10
+    predict, _, _ = fit_ridge(train, train_labels, 3, l2_grid=(16.0,))  # refit on all 9 at that penalty
+    assert results["linear_probe_top1"] == (predict(test) == test_labels).double().mean().item()
+    assert [r.getMessage() for r in caplog.records] == [
+        "linear probe: 9 training examples are too few for a hold-out of 0.1 of them; its L2 penalty is chosen by "
+        "leave-one-out on all of them instead"]
+    # 10 samples hold one out, as before: no warning.
+    caplog.clear()
+    train, train_labels, test, test_labels = _few_examples(num_train=12)
+    with caplog.at_level("WARNING", logger="lit_softmoe.evals.probes"):
+        results = linear_probe(train[:10], train_labels[:10], test, test_labels)
+    assert results["linear_probe_l2"] in L2_GRID and not caplog.records
+    with pytest.raises(ValueError, match="the linear probe needs at least 2 training examples, got 1"):
+        linear_probe(train[:1], train_labels[:1], test, test_labels)

@@ -1,0 +1,127 @@
+"""lit_softmoe.evals.features: image features encoded in order by any number of workers, unreadable images
+skipped and counted, and the feature cache: hit only when the tower, preprocessing, task and precision are
+the same, and no reason to stop when it cannot be written."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.evals.features import encode_images
+from lit_softmoe.evals.readers import read_benchmark
+from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.metadata import benchmark_info
+
+from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
+
+pytestmark = needs_foolbox
+
+
+def test_two_workers_give_the_same_features_in_the_same_order(fmnist):
+    model, preprocess, _ = tiny_pair()
+    data = read_benchmark("fashion-mnist", fmnist, "test", preprocess)
+    one, labels_one, _ = encode_images(model, data, 50, 0, torch.device("cpu"))
+    two, labels_two, _ = encode_images(model, data, 50, 2, torch.device("cpu"))
+    assert labels_one == labels_two == [label for _, label in _tar_samples(fmnist / "test")]
+    torch.testing.assert_close(one, two)
+
+
+def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    first = tiny_pair(seed=0)
+    cold = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=first)["results"][0]
+    # A new text tower against the same locked image tower: images come from the cache.
+    second = tiny_pair(seed=1)
+    second[0].image_tower.load_state_dict(first[0].image_tower.state_dict())
+    calls = []
+    forward = second[0].image_tower.forward_features
+    monkeypatch.setattr(second[0].image_tower, "forward_features", lambda x: calls.append(len(x)) or forward(x))
+    warm = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=second)["results"][0]
+    assert (cold["image_cache"], warm["image_cache"]) == ("miss", "hit") and calls == []
+    fresh = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=second, use_cache=False)["results"][0]
+    assert calls and fresh["image_cache"] == "off"
+    assert warm["metrics"] == pytest.approx(fresh["metrics"], abs=1e-6)
+    assert warm["metrics"] != cold["metrics"]  # the text tower did change the answers
+
+
+def test_cache_misses_when_the_tower_or_preprocessing_changes(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    with torch.no_grad():
+        model.image_tower.patch_embed.weight[0, 0, 0, 0] += 1.0
+    changed = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, preprocess, tokenizer))
+    assert changed["results"][0]["image_cache"] == "miss"
+    model.pretrained_info = {"image_tower_sha256": "abc", "preprocess": {"mean": [0.5]}}
+    run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, preprocess, tokenizer))
+    model.pretrained_info = {"image_tower_sha256": "abc", "preprocess": {"mean": [0.4]}}
+    other = run_suite("m", cfg, out=tmp_path / "d.json", model_bundle=(model, preprocess, tokenizer))
+    assert other["results"][0]["image_cache"] == "miss"
+
+
+def test_unreadable_images_are_skipped_and_counted(tmp_path):
+    images = foolbox_images("cifar10")[:5]
+    samples = [(p.read_bytes(), "png", l) for p, l in images]
+    samples[2] = (samples[2][0][:60], "png", samples[2][2])  # truncated PNG
+    root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
+    report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
+                       model_bundle=tiny_pair(in_channels=3, image_size=32))
+    entry = report["results"][0]
+    assert entry["num_samples"] == 4 and entry["bad_samples"] == 1
+    assert entry["templates"]["from"] == "cifar10" and entry["templates"]["borrowed"] is False
+
+
+def test_bf16_is_cached_apart_and_stays_close(fmnist, tmp_path):
+    bundle = tiny_pair()
+    fp32 = run_suite("m", _suite(fmnist, tmp_path / "cache"), out=tmp_path / "a.json", model_bundle=bundle)
+    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg.precision = "bf16"
+    bf16 = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)
+    assert bf16["results"][0]["image_cache"] == "miss"  # other numbers, other cache entry
+    assert abs(bf16["results"][0]["metrics"]["top1"] - fp32["results"][0]["metrics"]["top1"]) < 0.05
+
+
+def test_a_handed_in_model_is_keyed_by_its_weights_not_its_recorded_hash(fmnist, tmp_path):
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    model.pretrained_info = {"image_tower_sha256": "recorded", "preprocess": {}}
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    with torch.no_grad():
+        model.image_tower.patch_embed.weight.mul_(2)  # changed in memory; the recorded hash is now stale
+    again = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, preprocess, tokenizer))
+    assert again["results"][0]["image_cache"] == "miss"
+
+
+def test_the_cache_is_keyed_by_task(fmnist, tmp_path):
+    # The cache holds the targets too: the same shards read as classification (class indices) and as
+    # retrieval (captions) must not share an entry, in either order.
+    bundle = tiny_pair()
+    for first, second in (("classification", "retrieval"), ("retrieval", "classification")):
+        cache = tmp_path / f"cache-{first}"
+        a = run_suite("m", _suite(fmnist, cache, task=first), out=tmp_path / f"{first}-a.json", model_bundle=bundle)
+        b = run_suite("m", _suite(fmnist, cache, task=second), out=tmp_path / f"{first}-b.json", model_bundle=bundle)
+        assert [e["task"] for e in (a["results"][0], b["results"][0])] == [first, second]
+        assert b["results"][0]["status"] == "ok" and b["results"][0]["image_cache"] == "miss"
+
+
+def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_path):
+    # No pretrained_info, so no recorded preprocessing: the transform the images went through decides.
+    cfg = _suite(fmnist, tmp_path / "cache")
+    model, preprocess, tokenizer = tiny_pair()
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
+    same = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, eval_transform(28, 1, 0.5, 0.25), tokenizer))
+    other = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, eval_transform(28, 1, 0.4, 0.25), tokenizer))
+    assert same["results"][0]["image_cache"] == "hit" and other["results"][0]["image_cache"] == "miss"
+
+
+def test_a_cache_that_cannot_be_written_does_not_end_the_suite(tmp_path, caplog):
+    # A read-only ~/.cache (containers) or a cache_dir that is a file raised after every image was encoded.
+    root = _wds_set(tmp_path / "cifar10")
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(blocker),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and entry["image_cache"] == "off"
+    assert "not cached" in caplog.text and str(blocker) in caplog.text
