@@ -17,15 +17,6 @@ def test_zero_periods_and_batches_in_the_config(tmp_path, capsys, command, overr
     assert f"config key '{key}' is 0; it must be at least 1: set {key}=1 or more" in line
 
 
-@pytest.mark.parametrize("command", ["pretrain", "train"])
-def test_a_run_of_zero_steps_and_zero_epochs_is_refused(tmp_path, capsys, command):
-    # It trained nothing and saved an untrained model without a word.
-    (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
-    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), "steps=0", "epochs=0"])
-    assert "steps=0 and epochs=0 train nothing; set steps=N or epochs=E" in line
-    assert not (tmp_path / "run").exists()
-
-
 def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsys, monkeypatch):
     import lit_softmoe.train.lit as lit
     config = tmp_path / "lit.yaml"

@@ -1,5 +1,5 @@
-"""The frozen-embedding cache: feature shards equal the tower's output on the source images, keep
-every key, caption and class, are skipped on a rerun, and are refused for another tower."""
+"""lit_softmoe.train.embed: the frozen-embedding cache: feature shards equal the tower's output on the source
+images, keep every key, caption and class, are skipped on a rerun, and are refused for another tower."""
 from __future__ import annotations
 
 import io
@@ -197,7 +197,7 @@ def test_rewritten_source_shards_are_embedded_again(cache, tmp_path):
 
 
 def test_feature_shards_as_source_are_refused_in_one_line(cache, tmp_path, capsys):
-    # Review item 8: this said "raise data.max_bad_fraction", an option embed does not have.
+    # This said "raise data.max_bad_fraction", an option embed does not have.
     root = cache["root"]
     args = ["embed", "--tower", str(root / "tower"), "--out", str(tmp_path / "out")]
     assert main([*args, "--shards", str(root / "features" / "test")]) == 2
@@ -285,3 +285,22 @@ def test_class_shards_without_captions_are_cached_for_zero_shot_eval(cache, tmp_
         expected = tower.forward_features(reference["image"][rows])
     assert torch.allclose(batch["embedding"], expected, atol=2e-3, rtol=1e-2)  # float16 storage
     check_feature_cache(tmp_path / "features" / "test", root / "tower")
+
+
+def test_embed_refuses_to_replace_an_image_split(six_shard_data, tmp_path):
+    """`embed --shards DATA/train --out DATA` (the dataset folder, not a new one) replaced the user's
+    image shards by their features: the images were gone. A split that is not a feature cache is
+    refused; an earlier feature split is still replaced as before."""
+    shutil.copytree(six_shard_data / "fmnist", tmp_path / "fmnist")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()}
+    with pytest.raises(UserError, match="not a feature cache"):
+        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
+    with pytest.raises(UserError, match="not a feature cache"):  # another split of image shards
+        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()} == before
+    assert not (tmp_path / "fmnist" / "train" / "embed.json").exists()
+    # A feature split of its own is rewritten (here: with the features of another source).
+    shutil.copytree(six_shard_data / "features" / "train", tmp_path / "features" / "train")
+    summary = embed_shards(six_shard_data / "tower", str(six_shard_data / "fmnist" / "test"), tmp_path / "features",
+                           split="train")
+    assert summary["skipped"] is False and summary["num_samples"] == 300

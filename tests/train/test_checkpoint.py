@@ -1,4 +1,4 @@
-"""Checkpoints: exact round trips, loud shape checks, atomic writes, nothing pickled."""
+"""lit_softmoe.train.checkpoint: training state (optimizer moments, RNG) restored exactly, checkpoints pruned."""
 import json
 
 import pytest

