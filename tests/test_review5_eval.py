@@ -3,12 +3,7 @@ reads them, FER2013's Kaggle folders lined up with the shipped class names, the 
 a probe or an eval was skipped or failed, and two exports racing for one new --out."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-
-from lit_runs import _make_run
 
 TIMINGS = {"shards": 1.2, "pretrain": 30.4}
 
@@ -61,51 +56,3 @@ def test_demo_table_says_an_eval_that_did_not_run(status, reason):
     assert table["tower 10-shot linear probe"] == "0.6543"  # the numbers that exist are still shown
     two = _table(entry={"status": "ok", "metrics": {"top1": 0.5}})  # under 5 classes there is no top-5
     assert two["LiT zero-shot top-5"].startswith("not measured") and two["LiT zero-shot top-1 (unseen prompts)"] == "0.5000"
-
-
-# ---- two exports to one new --out --------------------------------------------------------------
-
-def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
-    """While this export writes its files (the model card is its last), another one fills `out`."""
-    from lit_softmoe.export import pair as export
-    card = export.model_card
-
-    def racing_card(*args, **kwargs):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text('{"written by": "the other export"}')
-        return card(*args, **kwargs)
-
-    monkeypatch.setattr(export, "model_card", racing_card)
-
-
-@pytest.fixture(scope="module")
-def lit_run(tmp_path_factory) -> Path:
-    return _make_run(tmp_path_factory.mktemp("review5-export"))
-
-
-def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, monkeypatch, capsys):
-    from lit_softmoe import cli
-    out = tmp_path / "new-export"
-    _another_export_finishes_meanwhile(monkeypatch, out)
-    code = cli.main(["export", str(lit_run), "--out", str(out)])
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, captured.err
-    assert str(out) in lines[0] and "another run" in lines[0] and "--overwrite" in lines[0]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]  # the other export's, untouched
-    assert json.loads((out / "config.json").read_text()) == {"written by": "the other export"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["new-export"]  # no temporary folder left
-
-
-def test_overwrite_still_replaces_and_an_empty_out_is_still_taken(lit_run, tmp_path, monkeypatch):
-    from lit_softmoe.export import export_pair
-    from lit_softmoe.hub import load_pretrained
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert export_pair(lit_run, empty) == empty and json.loads((empty / "config.json").read_text())["kind"] == "pair"
-    out = tmp_path / "raced"
-    _another_export_finishes_meanwhile(monkeypatch, out)
-    export_pair(lit_run, out, overwrite=True)  # asked for: the other export is replaced
-    assert json.loads((out / "config.json").read_text())["kind"] == "pair"
-    load_pretrained(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "raced"]

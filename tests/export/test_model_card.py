@@ -1,0 +1,90 @@
+"""lit_softmoe.export.model_card: the model card shows the newest zero-shot table of the model exported."""
+from __future__ import annotations
+
+import json
+import time
+
+from lit_softmoe.export import export_pair
+
+from lit_runs import _make_run
+
+
+def test_model_card_shows_the_newest_eval_json(tmp_path):
+    run = _make_run(tmp_path)
+    card = (export_pair(run, tmp_path / "no-eval") / "README.md").read_text()
+    assert "| zeroshot_top1 | 43.21 |" in card and "| linear_probe_top1 | 65.43 |" in card  # results.json, no eval/
+    assert "soft-test-4e" in card and "data/feats/train" in card and "10 steps in 2.5 s" in card
+    (run / "eval").mkdir()
+    old = {"model": "m", "suite": "s", "results": [{"benchmark": "old", "task": "zeroshot_classification",
+                                                    "metrics": {"acc1": 0.1111}, "num_samples": 1, "templates": 1,
+                                                    "seconds": 1.0, "status": "ok"}]}
+    new = {"model": str(run), "suite": "fmnist", "results": [
+        {"benchmark": "fashion-mnist", "task": "zeroshot_classification",
+         "metrics": {"acc1": 0.8765, "acc5": 0.9912, "mean_per_class_recall": 0.8701},
+         "num_samples": 10000, "templates": 18, "seconds": 3.2, "status": "ok"},
+        {"benchmark": "cifar10", "task": "zeroshot_classification", "metrics": {}, "num_samples": 0,
+         "templates": 0, "seconds": 0.0, "status": "skipped", "reason": "data not found at /nowhere"}]}
+    (run / "eval" / "b-old.json").write_text(json.dumps(old))
+    time.sleep(0.05)
+    (run / "eval" / "a-new.json").write_text(json.dumps(new))  # newer by time, though earlier by name
+    card = (export_pair(run, tmp_path / "eval") / "README.md").read_text()
+    assert "| fashion-mnist | zeroshot_classification | 87.65 | 99.12 | 87.01 | 10000 | ok |" in card
+    assert "metrics in %" in card  # percentages with 2 decimals, as the eval table shows them
+    assert "skipped: data not found at /nowhere" in card
+    assert "11.11" not in card and "43.21" not in card
+    time.sleep(0.05)  # an eval of a checkpoint, newer still, is not the exported model's
+    step = {**new, "model": str(run / "checkpoints" / "step_00000005"), "results": [
+        {**new["results"][0], "metrics": {"acc1": 0.2222}}]}
+    (run / "eval" / "fmnist-step_00000005-20261126.json").write_text(json.dumps(step))
+    card = (export_pair(run, tmp_path / "eval-after-step") / "README.md").read_text()
+    assert "87.65" in card and "22.22" not in card
+
+
+def test_model_card_table_of_an_eval_where_nothing_ran(tmp_path):
+    """An eval report whose benchmarks were all skipped (written by older versions): no metric
+    columns, and every row has as many cells as the header."""
+    run = _make_run(tmp_path)
+    (run / "eval").mkdir()
+    (run / "eval" / "s.json").write_text(json.dumps({"model": str(run), "suite": "lit-paper", "results": [
+        {"benchmark": "imagenet1k", "task": "classification", "status": "skipped",
+         "reason": "imagenet1k data folder not found at data/imagenet1k", "path": "data/imagenet1k"}]}))
+    card = (export_pair(run, tmp_path / "out") / "README.md").read_text()
+    rows = [line for line in card.splitlines() if line.startswith("|")]
+    assert rows[:2] == ["| benchmark | task | samples | status |", "|---|---|---|---|"]
+    assert rows[2] == "| imagenet1k | classification |  | skipped: imagenet1k data folder not found at data/imagenet1k |"
+
+
+def test_model_card_names_the_moe_kind():
+    from lit_softmoe.export.model_card import _tower_line
+    from lit_softmoe.models.registry import image_tower_config
+    line = lambda name: _tower_line(image_tower_config(name).to_dict(), 1e6, name)  # noqa: E731
+    assert "Soft MoE, 4 experts × 1 slot(s) in blocks 1" in line("soft-test-4e")
+    assert "Tokens Choice (top-2), 4 experts in blocks 1" in line("tc-test-4e-k2")
+    assert "Experts Choice, 4 experts in blocks 1" in line("ec-test-4e")
+    assert ", dense;" in line("vit-test")
+
+
+def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
+    import json
+    import shutil
+
+    from lit_softmoe.export import export_pair
+    run = _make_run(tmp_path)  # finished at step 10; results.json and model/ are the final model's
+    early = run / "checkpoints" / "step_00000005"
+    shutil.copytree(run / "checkpoints" / "step_00000010", early)
+    meta = json.loads((early / "state.json").read_text())
+    (early / "state.json").write_text(json.dumps({**meta, "step": 5, "train_seconds": 1.04}))
+    (run / "eval").mkdir()
+    for name, model, top1 in [("fm-step_00000005-1.json", early, 0.1111), ("fm-2.json", run, 0.9999)]:
+        (run / "eval" / name).write_text(json.dumps({"model": str(model), "suite": "fm", "results": [
+            {"benchmark": "fashion-mnist", "task": "classification", "metrics": {"top1": top1}, "status": "ok"}]}))
+
+    out = export_pair(early, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["source"]["step"] == 5
+    card = (out / "README.md").read_text()
+    assert "LiT: 5 steps in 1.0 s" in card and "11.11" in card, card
+    assert "99.99" not in card and "43.21" not in card  # the final model's eval and results.json
+    # The final model's export still shows the final model's numbers.
+    card = (export_pair(run, tmp_path / "final") / "README.md").read_text()
+    assert "LiT: 10 steps in 2.5 s" in card and "99.99" in card and "11.11" not in card

