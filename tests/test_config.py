@@ -1,13 +1,24 @@
-"""Configs: every shipped YAML loads and validates; mistakes become one clear UserError."""
+"""lit_softmoe.config: every shipped YAML (configs and eval suites) loads and validates; mistakes become one
+clear UserError that says where they were made."""
+from __future__ import annotations
+
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import EvalSuiteConfig, LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.metadata import benchmark_info
 from lit_softmoe.models.registry import image_tower_config
 
+from cli_errors import _one_line_error
+from evalkit import needs_foolbox, tiny_pair
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SUITES = Path(__file__).parent.parent / "eval"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("pretrain/*.yaml")), ids=lambda p: p.name)
@@ -108,3 +119,62 @@ def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
     with pytest.raises(UserError, match=f"bad value for config key 'steps' in {config}"):
         config.write_text("steps: many\n")
         load_config(PretrainConfig, config, ["optim.lr=1e-3"])
+
+
+@pytest.mark.parametrize("command, override", [
+    ("pretrain", "log_every=0"), ("pretrain", "checkpoint_every=0"), ("pretrain", "batch_size=0"),
+    ("train", "log_every=0"), ("train", "checkpoint_every=0")])
+def test_zero_periods_and_batches_in_the_config(tmp_path, capsys, command, override):
+    (tmp_path / "c.yaml").write_text("{}\n")
+    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), override])
+    key = override.split("=")[0]
+    assert f"config key '{key}' is 0; it must be at least 1: set {key}=1 or more" in line
+
+
+@needs_foolbox
+def test_every_shipped_suite_loads():
+    from pathlib import Path
+    suites = sorted(Path(__file__).parent.parent.glob("eval/*.yaml"))
+    assert {s.stem for s in suites} >= {"fashion-mnist", "lit-paper", "clip-27"}
+    for path in suites:
+        cfg = load_config(EvalSuiteConfig, path)
+        assert cfg.benchmarks and all(b.root for b in cfg.benchmarks), path
+        for b in cfg.benchmarks:
+            benchmark_info(b.name)  # every benchmark has shipped metadata
+    assert len(load_config(EvalSuiteConfig, "eval/clip-27.yaml").benchmarks) >= 27
+
+
+@needs_foolbox
+def test_cli_mistakes_end_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbenchmarks:\n  - name: cifar10\n    root: /x\n    fromat: wds\n")
+    run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert "unknown config key" in run.stderr and "fromat" in run.stderr and "format" in run.stderr
+    bad.write_text("name: x\nbenchmarks:\n  - name: cifar10\n    root: /x\n    format: zip\n")
+    run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "'benchmarks[0].format' is 'zip'" in run.stderr
+
+
+@needs_foolbox
+def test_shipped_suites_read_the_shards_lit_softmoe_data_writes(fmnist, tmp_path, monkeypatch):
+    """LIT_SOFTMOE_DATA names the raw *-ubyte.gz downloads (README Quickstart); the suites read the
+    converted shards: data/NAME, or $LIT_SOFTMOE_BENCHMARKS/NAME."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "t10k-images-idx3-ubyte.gz").write_bytes(b"")
+    monkeypatch.setenv("LIT_SOFTMOE_DATA", str(raw))
+    monkeypatch.delenv("LIT_SOFTMOE_BENCHMARKS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "fashion-mnist").symlink_to(fmnist)  # where `lit-softmoe data fashion-mnist` writes
+    cfg = load_config(EvalSuiteConfig, SUITES / "fashion-mnist.yaml", ["workers=0", f"cache_dir={tmp_path / 'c'}"])
+    assert cfg.benchmarks[0].root == "data/fashion-mnist"
+    report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
+    assert report["evaluated"] == 1 and report["results"][0]["num_samples"] == 300
+    monkeypatch.setenv("LIT_SOFTMOE_BENCHMARKS", "/bench")
+    for suite in SUITES.glob("*.yaml"):
+        for b in load_config(EvalSuiteConfig, suite).benchmarks:
+            assert b.root == f"/bench/{b.name}", (suite, b.root)

@@ -1,6 +1,5 @@
-"""Export: a LiT run's pair (or a tower alone) → one folder that loads back bit for bit, ONNX graphs that
-agree with PyTorch, an example that embeds with onnxruntime + numpy + PIL + tokenizers and never imports
-torch, a model card with the newest zero-shot table, and a user's mistake as one line with exit code 2."""
+"""scripts/onnx_example.py: the README's example embeds an export with onnxruntime + numpy + PIL +
+tokenizers and never imports torch."""
 from __future__ import annotations
 
 import os
@@ -17,7 +16,7 @@ from lit_softmoe.hub import load_pretrained
 
 from lit_runs import EXAMPLE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example_block(text: str) -> str:
@@ -63,3 +62,17 @@ def test_example_embeds_without_torch(run, onnx_export, tmp_path, shape):
     assert np.abs(embeddings["text"] - text.numpy()).max() < 1e-4
     cosine = float(result.stdout.split(":")[1])
     assert cosine == pytest.approx(float(image[0] @ text[0]), abs=1e-4)
+
+
+def test_onnx_example_on_an_export_without_onnx_says_how_to_make_one(run, tmp_path):
+    import subprocess
+    import sys
+
+    from lit_softmoe.export import export_pair
+    out = export_pair(run, tmp_path / "export")  # no --onnx
+    PIL = pytest.importorskip("PIL.Image")
+    PIL.new("L", (28, 28)).save(tmp_path / "x.png")
+    for args in ([out, tmp_path / "x.png", "a cat"], [out]):
+        result = subprocess.run([sys.executable, EXAMPLE, *map(str, args)], capture_output=True, text=True)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert ("--onnx" in result.stderr) if len(args) == 3 else ("usage:" in result.stderr)

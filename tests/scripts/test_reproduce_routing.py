@@ -11,7 +11,7 @@ import pytest
 
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOWERS = ["vit-test", "soft-test-4e", "ec-test-4e", "tc-test-4e-k1", "tc-test-4e-k2"]
 
 

@@ -1,20 +1,10 @@
-"""Common command-line mistakes end in one line naming the problem, with exit code 2, and before
-any work is done (not in a traceback at the first write or the first `.to(device)`)."""
+"""lit_softmoe.cli: what the command line itself does: closing lines from the main process only, an
+interrupt on its own line, a --benchmarks that names nothing refused, exit code 2 when nothing was evaluated."""
 import pytest
 
 from lit_softmoe.cli import main
 
 from cli_errors import _one_line_error
-
-
-@pytest.mark.parametrize("command, override", [
-    ("pretrain", "log_every=0"), ("pretrain", "checkpoint_every=0"), ("pretrain", "batch_size=0"),
-    ("train", "log_every=0"), ("train", "checkpoint_every=0")])
-def test_zero_periods_and_batches_in_the_config(tmp_path, capsys, command, override):
-    (tmp_path / "c.yaml").write_text("{}\n")
-    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), override])
-    key = override.split("=")[0]
-    assert f"config key '{key}' is 0; it must be at least 1: set {key}=1 or more" in line
 
 
 def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsys, monkeypatch):
@@ -72,3 +62,15 @@ def test_eval_where_every_benchmark_was_skipped_exits_2(tmp_path, capsys, monkey
     assert captured.err.strip() == ("lit-softmoe eval: error: nothing evaluated, so no results were written: "
                                     "fashion-mnist: fashion-mnist data folder not found at data/fashion-mnist")
     assert "not found at data/fashion-mnist" in captured.out and "| benchmark" not in captured.out
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeypatch, value):
+    # An empty subset ran the whole suite without a word.
+    from lit_softmoe.evals import suite as suite_module
+    monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: pytest.fail("the suite ran"))
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: s\n")
+    line = _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
+    assert line == (f"lit-softmoe eval: error: --benchmarks {value!r} names no benchmark; give a comma-separated "
+                    "list such as fashion-mnist,cifar10, or leave it out for the whole suite")

@@ -1,6 +1,5 @@
-"""scripts/bench_gpu.py (issue 8's GPU benchmarks) in its CPU mode: tiny shapes, every part, every row
-timed, every ratio finite and positive, JSON and Markdown written; a missing peer gives a row that
-says so instead of a crash. Guards the script the GPU run depends on against rot."""
+"""scripts/bench_gpu.py in its CPU mode: tiny shapes, every part, every row timed, every ratio finite and
+positive, JSON and Markdown written; a missing peer gives a row that says so instead of a crash."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # --cpu runs every row the GPU run does (the CUDA-graphs rows compiled without graphs).
 GRAPH_ROWS = {"ours compiled, CUDA graphs", "dense MLP compiled, CUDA graphs",
               "ours soft-b16-128e compiled reduce-overhead"}

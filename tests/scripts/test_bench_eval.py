@@ -17,7 +17,7 @@ from evalkit import save_pair
 
 pytestmark = pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
