@@ -50,9 +50,9 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_softmoe, bench_lit beside this
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the step-by-step Soft MoE oracle
 from benchlib import setup_device, time_step  # noqa: E402
-from soft_moe_reference import reference_forward  # noqa: E402
 
 from lit_softmoe.utils.atomic import write_text_atomic  # noqa: E402
+from soft_moe_reference import reference_forward  # noqa: E402
 
 PARTS = ("layer", "tower", "lit")
 # Peak dense bf16 tensor-core rate by device name (datasheet; half the "with sparsity" figure), for MFU.

@@ -10,7 +10,6 @@ import pytest
 
 from lit_softmoe.data.shards import shard_urls
 
-
 LIMIT = 200
 
 

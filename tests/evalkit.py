@@ -17,13 +17,13 @@ import torch
 import webdataset as wds
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
 from lit_softmoe.metadata import benchmark_info
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tokenizers import create_tokenizer
 
 FOOLBOX_DATA = Path(sysconfig.get_paths()["purelib"]) / "foolbox" / "data"
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16, vocab_size=49408)

@@ -10,7 +10,6 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
 from lit_softmoe.train.embed import embed_shards
 
-
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
 
 

@@ -1,10 +1,14 @@
 """lit_softmoe.cli: what the command line itself does: closing lines from the main process only, an
 interrupt on its own line, a --benchmarks that names nothing refused, exit code 2 when nothing was evaluated."""
+import json
+import subprocess
+import sys
+
+import PIL.Image
 import pytest
 
-from lit_softmoe.cli import main
-
 from cli_errors import _one_line_error
+from lit_softmoe.cli import main
 
 
 def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsys, monkeypatch):
@@ -74,3 +78,58 @@ def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeyp
     line = _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
     assert line == (f"lit-softmoe eval: error: --benchmarks {value!r} names no benchmark; give a comma-separated "
                     "list such as fashion-mnist,cifar10, or leave it out for the whole suite")
+
+
+def _modules_after_cli(argv: list[str]) -> list[str]:
+    """Module names loaded by running `lit-softmoe ARGV` in a fresh interpreter (help exits: caught)."""
+    script = (f"import sys\nsys.argv = ['lit-softmoe', *{argv!r}]\nfrom lit_softmoe.cli import main\n"
+              "try:\n    main()\nexcept SystemExit:\n    pass\n"
+              "import json\nprint(json.dumps(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["eval", "--help"], ["pretrain", "--help"],
+                                  ["data", "from-folder", "--help"], ["export", "--help"]])
+def test_help_imports_no_torch(argv):
+    loaded = _modules_after_cli(argv)
+    assert "lit_softmoe.cli" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "torchvision", "accelerate", "webdataset")]
+
+
+def test_models_lists_the_towers_without_the_training_code():
+    loaded = _modules_after_cli(["models"])
+    assert "lit_softmoe.models.registry" in loaded
+    assert not [m for m in loaded if m.startswith(("lit_softmoe.train", "accelerate", "webdataset"))]
+
+
+def test_other_libraries_warnings_show_with_verbose_only(tmp_path, monkeypatch):
+    """A library's warning (here one attributed to PIL) stays out of a command's output unless --verbose;
+    lit-softmoe's own warnings always show."""
+    import warnings
+
+    from lit_softmoe.data import writers
+    real = writers.prepare_image
+
+    def noisy(*args, **kwargs):
+        warnings.warn_explicit("a library's notice", UserWarning, "PIL/Image.py", 1, module="PIL.Image")
+        warnings.warn_explicit("our own warning", UserWarning, "lit_softmoe/data/writers.py", 1,
+                               module="lit_softmoe.data.writers")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writers, "prepare_image", noisy)
+    src = tmp_path / "src"
+    src.mkdir()
+    PIL.Image.new("L", (8, 8), 7).save(src / "a.png")
+    (src / "a.txt").write_text("a gray square")
+    for flags, shown in (([], ["our own warning"]), (["--verbose"], ["a library's notice", "our own warning"])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["data", "from-folder", str(src), "--out", str(tmp_path / "out" / str(flags)), *flags]) == 0
+        assert sorted(str(w.message) for w in caught) == shown
+
+
+def test_lit_softmoe_models_piped_into_head_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -m lit_softmoe.cli models | head -1", shell=True, capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.count("\n") == 1 and "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr

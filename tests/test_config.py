@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from cli_errors import _one_line_error
+from evalkit import needs_foolbox, tiny_pair
 from lit_softmoe.config import EvalSuiteConfig, LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
 from lit_softmoe.models.registry import image_tower_config
-
-from cli_errors import _one_line_error
-from evalkit import needs_foolbox, tiny_pair
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SUITES = Path(__file__).parent.parent / "eval"
@@ -42,7 +41,7 @@ def test_yaml_and_overrides_merge_over_defaults(tmp_path):
     cfg = load_config(PretrainConfig, path, ["optim.lr=3e-4", "tower.options.num_experts=8"])
     assert cfg.batch_size == 64
     assert cfg.optim.lr == pytest.approx(3e-4)  # the override wins over the file
-    assert cfg.optim.warmup_steps == PretrainConfig().optim.warmup_steps  # untouched default
+    assert cfg.optim.warmup == PretrainConfig().optim.warmup  # untouched default
     assert cfg.tower.options == {"num_experts": 8}
 
 
@@ -100,9 +99,9 @@ def test_an_unset_environment_variable_is_one_line(tmp_path):
 
 def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
     from lit_softmoe.config import EvalSuiteConfig
-    with pytest.raises(UserError, match="shipped suites are under eval/$"):
+    with pytest.raises(UserError, match="a shipped one: clip-27, fashion-mnist, lit-paper$"):
         load_config(EvalSuiteConfig, tmp_path / "nope.yaml")
-    with pytest.raises(UserError, match="shipped configs are under configs/$"):
+    with pytest.raises(UserError, match="a shipped one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny$"):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
     config = tmp_path / "run.yaml"
     config.write_text("optim:\n  lrr: 1\n")
@@ -178,3 +177,32 @@ def test_shipped_suites_read_the_shards_lit_softmoe_data_writes(fmnist, tmp_path
     for suite in SUITES.glob("*.yaml"):
         for b in load_config(EvalSuiteConfig, suite).benchmarks:
             assert b.root == f"/bench/{b.name}", (suite, b.root)
+
+
+def test_shipped_configs_and_suites_load_by_short_name_from_anywhere(tmp_path, monkeypatch):
+    """The configs and suites are package data: a pip-installed package finds them by short name, or by
+    their path in a source checkout, from a working directory without configs/ or eval/ folders."""
+    by_path = load_config(PretrainConfig, CONFIGS / "pretrain" / "fmnist-soft-tiny.yaml")
+    suite_by_path = load_config(EvalSuiteConfig, SUITES / "lit-paper.yaml")
+    monkeypatch.chdir(tmp_path)
+    for name in ("pretrain/fmnist-soft-tiny", "fmnist-soft-tiny", "configs/pretrain/fmnist-soft-tiny.yaml"):
+        assert load_config(PretrainConfig, name) == by_path
+    for name in ("lit-paper", "eval/lit-paper.yaml", "suites/lit-paper"):
+        assert load_config(EvalSuiteConfig, name) == suite_by_path
+    assert load_config(LiTConfig, "lit/fmnist-tiny").text.width == 128
+    (tmp_path / "fashion-mnist").write_text("name: mine\n")  # a file of the user's own comes first
+    assert load_config(EvalSuiteConfig, "fashion-mnist").name == "mine"
+    with pytest.raises(UserError, match=r"config file fmnist-nope does not exist; give a YAML file or a shipped "
+                                        r"one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny$"):
+        load_config(PretrainConfig, "fmnist-nope")
+
+
+def test_the_earlier_warmup_steps_key_is_read_as_warmup(tmp_path):
+    """Configs, commands and the config.yaml of runs written with optim.warmup_steps still load (a saved
+    run resumes and its checkpoints load)."""
+    assert load_config(PretrainConfig, None, ["optim.warmup_steps=25"]).optim.warmup == 25
+    old = tmp_path / "old.yaml"
+    old.write_text("optim:\n  lr: 0.002\n  warmup_steps: 300\n")
+    cfg = load_config(PretrainConfig, old)
+    assert cfg.optim.warmup == 300 and cfg.optim.lr == 0.002
+    assert load_config(PretrainConfig, old, ["optim.warmup=0.05"]).optim.warmup == 0.05  # the command line wins

@@ -94,6 +94,7 @@ def test_inference_mode_tower_matches_fp32():
 
 def test_triton_qk_norm_equals_layer_norm_at_paper_shapes():
     import torch.nn.functional as F
+
     from lit_softmoe.nn.qk_norm import head_layer_norm
     torch.manual_seed(0)
     b, m, heads, head_dim = 8, 196, 12, 64

@@ -49,7 +49,8 @@ def test_demo_fast_runs_the_whole_pipeline(tmp_path):
     # The export holds both encoders as safetensors and checked ONNX graphs, and a model card.
     export = runs / "export"
     config = json.loads((export / "config.json").read_text())
-    assert {"image_encoder.onnx", "text_encoder.onnx", "README.md", "tokenizer.json"} <= {p.name for p in export.iterdir()}
+    written = {p.name for p in export.iterdir()}
+    assert {"image_encoder.onnx", "text_encoder.onnx", "README.md", "tokenizer.json"} <= written
     assert config["onnx"]["image"]["max_abs_diff"] < 1e-4 and config["onnx"]["text"]["max_abs_diff"] < 1e-4
     # Five test images classified by text prompts through the loaded export: mostly right at ~75% top-1.
     picks = [line for line in out.splitlines() if line.startswith("  test image ")]
@@ -90,7 +91,8 @@ def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys
                         "Fashion-MNIST, or choose another --out")
     monkeypatch.setattr(sources, "write_fashion_mnist_shards", refuse)
     shards = tmp_path / "data" / "fashion-mnist-10k"
-    line = _one_line_error(capsys, ["demo", "--fast", "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")])
+    argv = ["demo", "--fast", "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")]
+    line = _one_line_error(capsys, argv)
     assert line == (f"lit-softmoe demo: error: {shards}/train already holds other shards; pass --overwrite to replace "
                     f"it with Fashion-MNIST, or choose another --out (the demo ran this step as `lit-softmoe data "
                     f"fashion-mnist --out {shards} --limit 10000`; or give the demo another --data or --runs)")
@@ -131,7 +133,8 @@ def test_demo_table_says_which_probe_was_skipped_and_why():
     tower = {"params": 1_000_000, "test_top1": 0.5,
              "fewshot_skipped": "the 10-shot linear probe is skipped: class 3 (dress) has 4 training images; "
                                 "lower fewshot_shots (0 turns the probe off)"}
-    lit = {"probe_skipped": "the linear probe is skipped: eval.probe_train p holds 1 sample(s), and it needs at least 2"}
+    lit = {"probe_skipped": "the linear probe is skipped: eval.probe_train p holds 1 sample(s), "
+                            "and it needs at least 2"}
     table = _table(tower=tower, lit=lit)
     assert table["tower 10-shot linear probe"] == \
         "skipped: class 3 (dress) has 4 training images; lower fewshot_shots (0 turns the probe off)"
@@ -153,4 +156,5 @@ def test_demo_table_says_an_eval_that_did_not_run(status, reason):
     assert table["LiT zero-shot top-1 (unseen prompts)"] == table["LiT zero-shot top-5"] == f"{status}: {reason}"
     assert table["tower 10-shot linear probe"] == "0.6543"  # the numbers that exist are still shown
     two = _table(entry={"status": "ok", "metrics": {"top1": 0.5}})  # under 5 classes there is no top-5
-    assert two["LiT zero-shot top-5"].startswith("not measured") and two["LiT zero-shot top-1 (unseen prompts)"] == "0.5000"
+    assert two["LiT zero-shot top-5"].startswith("not measured")
+    assert two["LiT zero-shot top-1 (unseen prompts)"] == "0.5000"

@@ -7,10 +7,9 @@ import PIL.Image
 import pytest
 import torch
 
+from lit_runs import _make_run, _one_error_line
 from lit_softmoe import cli
 from lit_softmoe.hub import load_pretrained
-
-from lit_runs import _make_run, _one_error_line
 
 
 def test_preprocess_converts_rgb_to_the_towers_gray(run):

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from lit_runs import _one_error_line
 from lit_softmoe import cli
 from lit_softmoe.errors import UserError
 from lit_softmoe.hub import load_pretrained
-
-from lit_runs import _one_error_line
 
 
 def test_unfinished_run_is_refused_with_the_resume_command(run, tmp_path, capsys):

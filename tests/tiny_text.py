@@ -5,7 +5,6 @@ import torch
 
 from lit_softmoe.models.text import TextTowerConfig
 
-
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=2, heads=2, context_length=16, vocab_size=49408)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.vit import ViTConfig, VisionTransformer
-
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 JFT_CLASSES = 29_593
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from data_files import LIMIT, _gray_png
 from lit_softmoe.cli import main
 from lit_softmoe.data import fashion_mnist as sources
+from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_fashion_mnist, read_idx, write_fashion_mnist_shards
-from lit_softmoe.data.shards import load_class_split, read_classnames
+from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-
-from data_files import LIMIT, _gray_png
 
 
 def test_read_fashion_mnist_shapes_and_labels():

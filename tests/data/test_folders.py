@@ -6,12 +6,12 @@ import os
 import pytest
 import torchvision
 
+from data_files import _encode, _gray_png, _rng_image
+from lit_softmoe.data.class_split import iter_class_samples
 from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.shards import iter_class_samples, read_classnames
+from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
-
-from data_files import _encode, _gray_png, _rng_image
 
 
 def test_folder_mistakes_are_user_errors(tmp_path):

@@ -12,11 +12,11 @@ import PIL.Image
 import pytest
 import torch
 
-from lit_softmoe.data.images import prepare_image
-from lit_softmoe.data.shards import load_class_split, write_split
-from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
-
 from data_files import _encode, _pixels, _rng_image
+from lit_softmoe.data.class_split import load_class_split
+from lit_softmoe.data.images import prepare_image
+from lit_softmoe.data.shards import write_split
+from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
@@ -167,3 +167,27 @@ def test_prepare_image_applies_exif_orientation():
     prepared = prepare_image(_encode(_rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
     assert prepared.changes == ("exif_rotated",) and prepared.source_size == (12, 8)
     assert PIL.Image.open(io.BytesIO(prepared.data)).size == (8, 12)
+
+
+def test_a_palette_png_with_transparency_converts_without_a_warning(tmp_path):
+    """Clip art is often a palette PNG whose transparency is a bytes table, which PIL warns about when
+    such an image is converted straight to RGB. Every path here composites it through RGBA, on white,
+    without a warning (warnings are errors in this test)."""
+    import warnings
+    image = PIL.Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8) % 3, "P")
+    image.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 759)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", transparency=bytes([0, 128, 255]))
+    data = buffer.getvalue()
+    assert isinstance(PIL.Image.open(io.BytesIO(data)).info["transparency"], bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepared = prepare_image(data)
+        converted = to_l_or_rgb(PIL.Image.open(io.BytesIO(data)))
+        tensor = eval_transform(8, 3, 0.0, 1.0)(PIL.Image.open(io.BytesIO(data)))
+    assert prepared.changes == ("alpha",) and converted.mode == "RGB"
+    pixels = np.asarray(converted)
+    assert pixels[0, 0].tolist() == [255, 255, 255]  # index 0: fully transparent red → white
+    assert pixels[0, 1].tolist() == [127, 255, 127]  # index 1: green at alpha 128 on white
+    assert pixels[0, 2].tolist() == [0, 0, 255]  # index 2: opaque blue
+    assert torch.equal((tensor * 255).round().to(torch.uint8), torch.from_numpy(pixels).permute(2, 0, 1))

@@ -5,11 +5,10 @@ import unicodedata
 import numpy as np
 import PIL.Image
 
+from data_files import _png
 from lit_softmoe.data.listing import sample_key
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.writers import write_folder_shards
-
-from data_files import _png
 
 
 def test_sample_keys_are_safe_webdataset_keys():

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
+from data_files import _png_bytes
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
@@ -23,8 +24,6 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.models.tokenizers import create_tokenizer
-
-from data_files import _png_bytes
 
 
 def _png(value: int, size: int = 8, mode: str = "L") -> bytes:

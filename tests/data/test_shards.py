@@ -14,13 +14,12 @@ import PIL.Image
 import pytest
 import torch
 
+from data_files import LIMIT, _png, _png_bytes, _read_split
+from lit_softmoe.data.class_split import iter_class_samples, load_class_split
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (BadSampleCounter, iter_class_samples, load_class_split, num_samples,
-                                     read_classnames, shard_urls, write_split)
+from lit_softmoe.data.shards import BadSampleCounter, num_samples, read_classnames, shard_urls, write_split
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils import atomic
-
-from data_files import LIMIT, _png, _png_bytes, _read_split
 
 
 def test_nshards_sizes_and_urls(fmnist_shards):

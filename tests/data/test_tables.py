@@ -3,10 +3,9 @@ import json
 
 import pytest
 
+from data_files import ROWS, _encode, _read_split, _rng_image, _write_table
 from lit_softmoe.data.writers import WriteOptions, write_table_shards
 from lit_softmoe.errors import UserError
-
-from data_files import ROWS, _encode, _read_split, _rng_image, _write_table
 
 
 @pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])

@@ -9,7 +9,6 @@ from torchvision.transforms import v2
 from lit_softmoe.data.transforms import batch_augment, eval_transform, match_channels, normalize_batch, train_transform
 
 
-
 def test_eval_transform_shapes_values_and_channels():
     array = np.arange(28 * 28, dtype=np.int64).reshape(28, 28).astype(np.uint8)
     image = PIL.Image.fromarray(array)

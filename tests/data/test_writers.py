@@ -16,14 +16,14 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _write_table
 from lit_softmoe.cli import build_parser, main
+from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist
-from lit_softmoe.data.shards import load_class_split, read_classnames
+from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-
-from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _write_table
 
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 

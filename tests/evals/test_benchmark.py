@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.prompts import resolve_prompts
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.evals.suite import run_suite
-
-from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 
 # Per image: CLIP_benchmark's str.splitlines gives ['', 'a dog', '', 'another dog', ''] (3 empty), ['a cat'],
 # [' ', ' '] (2 blank, no caption left), ['a bird'] (a final newline is no line): 5 empty captions.
@@ -81,7 +80,6 @@ def test_a_skipped_benchmark_names_the_fix(tmp_path, monkeypatch):
 
 def test_caption_shards_with_class_names_read_as_classes_fail_naming_task_retrieval(tmp_path):
     from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
-
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
     from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", f"a photo {i}") for i, (path, _) in enumerate(foolbox_images("cifar10")[:3])]

@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.evals.features import encode_images
 from lit_softmoe.evals.readers import read_benchmark
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
-
-from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 
 pytestmark = needs_foolbox
 
@@ -62,7 +61,7 @@ def test_cache_misses_when_the_tower_or_preprocessing_changes(fmnist, tmp_path):
 
 def test_unreadable_images_are_skipped_and_counted(tmp_path):
     images = foolbox_images("cifar10")[:5]
-    samples = [(p.read_bytes(), "png", l) for p, l in images]
+    samples = [(p.read_bytes(), "png", label) for p, label in images]
     samples[2] = (samples[2][0][:60], "png", samples[2][2])  # truncated PNG
     root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
     report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
@@ -110,8 +109,11 @@ def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_pa
     cfg = _suite(fmnist, tmp_path / "cache")
     model, preprocess, tokenizer = tiny_pair()
     run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
-    same = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=(model, eval_transform(28, 1, 0.5, 0.25), tokenizer))
-    other = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=(model, eval_transform(28, 1, 0.4, 0.25), tokenizer))
+    same = run_suite(
+        "m", cfg, out=tmp_path / "b.json", model_bundle=(model, eval_transform(28, 1, 0.5, 0.25), tokenizer)
+    )
+    other = run_suite("m", cfg, out=tmp_path / "c.json",
+                      model_bundle=(model, eval_transform(28, 1, 0.4, 0.25), tokenizer))
     assert same["results"][0]["image_cache"] == "hit" and other["results"][0]["image_cache"] == "miss"
 
 

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import pytest
 
+from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.prompts import resolve_prompts
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
-
-from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 
 pytestmark = needs_foolbox
 
@@ -20,7 +19,8 @@ def test_templates_say_where_they_came_from():
     names, templates, source = resolve_prompts(BenchmarkConfig(name="cifar10"), data)
     assert names == list(benchmark_info("cifar10").classnames) and source == {"from": "cifar10", "borrowed": False,
                                                                                "count": len(templates)}
-    _, templates, source = resolve_prompts(BenchmarkConfig(name="imagenet-r"), EvalData("classification", [], "imagefolder"))
+    data = EvalData("classification", [], "imagefolder")
+    _, templates, source = resolve_prompts(BenchmarkConfig(name="imagenet-r"), data)
     assert source == {"from": "imagenet1k", "borrowed": True, "count": 80} and len(templates) == 80
     _, _, source = resolve_prompts(BenchmarkConfig(name="cifar10", templates="imagenet1k"), data)
     assert source["borrowed"] is True and source["count"] == 80

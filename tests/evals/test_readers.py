@@ -14,6 +14,16 @@ import PIL.Image
 import pytest
 import torch
 
+from evalkit import (
+    _class_folders,
+    _suite,
+    _tar_samples,
+    _wds_set,
+    foolbox_images,
+    needs_foolbox,
+    tiny_pair,
+    write_wds_benchmark,
+)
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import retrieval_metrics
@@ -21,9 +31,6 @@ from lit_softmoe.evals.prompts import resolve_prompts
 from lit_softmoe.evals.readers import detect_format, read_benchmark
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info, imagenet_wnids
-
-from evalkit import (_class_folders, _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair,
-                     write_wds_benchmark)
 from sun397 import _SUN397_CLASSES
 
 # Country211's class folders (ISO 3166 codes); torchvision reads them as an ImageFolder, sorted.
@@ -56,7 +63,7 @@ def test_cifar_pickles_are_read_and_only_numpy_is_unpickled(tmp_path):
     pixels = np.stack([np.asarray(PIL.Image.open(p).convert("RGB")) for p, _ in images])  # (N, 32, 32, 3)
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
-    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1), b"labels": [l for _, l in images]}
+    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1), b"labels": [label for _, label in images]}
     (folder / "test_batch").write_bytes(pickle.dumps(batch))
     data = read_benchmark("cifar10", tmp_path, "test", lambda im: torch.from_numpy(np.asarray(im).copy()))
     assert data.format == "cifar" and len(data.dataset) == 20
@@ -76,7 +83,7 @@ def test_cifar_pickles_are_read_and_only_numpy_is_unpickled(tmp_path):
 def test_retrieval_from_a_karpathy_json_and_from_wds_agree(tmp_path):
     images = foolbox_images("imagenet")[:8]
     names = benchmark_info("imagenet1k").classnames
-    captions = [[f"a photo of a {names[l]}.", f"{names[l]}, seen up close."] for _, l in images]
+    captions = [[f"a photo of a {names[label]}.", f"{names[label]}, seen up close."] for _, label in images]
     (tmp_path / "k" / "images").mkdir(parents=True)
     entries = []
     for (path, _), caps in zip(images, captions):
@@ -88,7 +95,8 @@ def test_retrieval_from_a_karpathy_json_and_from_wds_agree(tmp_path):
                         retrieval=True)
     bundle = tiny_pair(in_channels=3, image_size=32)
     cfg = EvalSuiteConfig(name="r", workers=0, cache_dir=str(tmp_path / "cache"), benchmarks=[
-        BenchmarkConfig(name="flickr30k", root=str(tmp_path / "k")), BenchmarkConfig(name="coco", root=str(tmp_path / "w"))])
+        BenchmarkConfig(name="flickr30k", root=str(tmp_path / "k")),
+        BenchmarkConfig(name="coco", root=str(tmp_path / "w"))])
     karpathy, webdataset = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=bundle)["results"]
     assert (karpathy["format"], webdataset["format"]) == ("karpathy", "wds")
     assert karpathy["num_samples"] == webdataset["num_samples"] == 8 and karpathy["num_captions"] == 16
@@ -105,7 +113,7 @@ def test_retrieval_from_a_karpathy_json_and_from_wds_agree(tmp_path):
 def test_a_cls_that_is_no_class_index_is_skipped_and_counted(tmp_path):
     # As the training pipeline's bad_cls: a .cls of "dog" or "-1" loses that sample, not the suite.
     images = foolbox_images("cifar10")[:5]
-    samples = [(p.read_bytes(), "png", l) for p, l in images]
+    samples = [(p.read_bytes(), "png", label) for p, label in images]
     samples[1] = (samples[1][0], "png", "dog")
     samples[3] = (samples[3][0], "png", -1)
     root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
@@ -180,6 +188,7 @@ def test_class_folders_named_after_the_classes_get_their_own_names(tmp_path):
 @needs_foolbox
 def test_torchvision_reader_on_real_fashion_mnist_files(tmp_path, fmnist):
     import gzip
+
     from lit_softmoe.data.fashion_mnist import find_fashion_mnist
     source = find_fashion_mnist(None, allow_download=False)
     raw = tmp_path / "FashionMNIST" / "raw"
@@ -271,7 +280,8 @@ def _cifar100_pickles(root):
     pixels = np.stack([np.asarray(__import__("PIL.Image").Image.open(p).convert("RGB")) for p, _ in images])
     folder = root / "cifar-100-python"
     folder.mkdir(parents=True)
-    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1), b"fine_labels": [l for _, l in images]}
+    batch = {b"data": pixels.transpose(0, 3, 1, 2).reshape(len(images), -1),
+             b"fine_labels": [label for _, label in images]}
     (folder / "test").write_bytes(__import__("pickle").dumps(batch))
     return folder
 
@@ -365,7 +375,6 @@ def test_a_truncated_shard_keeps_its_readable_samples_and_the_suite_runs(tmp_pat
     # A tar cut short ended the whole suite in tarfile's ReadError traceback (the results of the
     # benchmarks before it lost); the training pipeline keeps the samples before the damage.
     from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
-
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
     from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")]
@@ -383,8 +392,8 @@ def test_a_sample_without_cls_in_a_class_set_is_skipped_and_counted(tmp_path):
     # -1 …": one bad sample lost the whole benchmark, where the docstring (and training's
     # missing_cls) skip and count it.
     import webdataset as wds
-    from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
 
+    from evalkit import foolbox_images, tiny_pair, write_wds_benchmark
     from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
     from lit_softmoe.evals.suite import run_suite
     samples = [(path.read_bytes(), "png", label) for path, label in foolbox_images("cifar10")[:5]]
@@ -425,9 +434,9 @@ def _image_folders(root: Path, folders: list[str], per_folder: int = 2) -> None:
                  "PermanentCrop", "Residential", "River", "SeaLake"]),  # the EuroSAT RGB zip's 2750/
 ])
 def test_a_common_copys_class_folders_get_the_shipped_class_names(tmp_path, name, folders):
-    from lit_softmoe.metadata import benchmark_info
     from lit_softmoe.evals.benchmark import read_split as _read
     from lit_softmoe.evals.prompts import resolve_prompts
+    from lit_softmoe.metadata import benchmark_info
     _image_folders(tmp_path / name / "test", folders)
     spec = BenchmarkConfig(name=name, root=str(tmp_path / name))
     data = _read(spec, lambda image: torch.tensor(image.getpixel((0, 0))))

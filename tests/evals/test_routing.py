@@ -143,11 +143,13 @@ def test_cli_writes_png_and_json_and_refuses_bad_input(tmp_path, capsys):
     with PIL.Image.open(out) as png:
         assert png.size == (1000, 260)
 
-    save_tower(tmp_path / "dense", create_image_tower("vit-test"), extra={"preprocess": {"image_size": 28, "mean": 0.5, "std": 0.5}})
+    preprocess = {"image_size": 28, "mean": 0.5, "std": 0.5}
+    save_tower(tmp_path / "dense", create_image_tower("vit-test"), extra={"preprocess": preprocess})
     (tmp_path / "broken.png").write_text("not an image")
     cases = [(["--tower", str(tmp_path / "nothing")], "not a tower checkpoint"),
              (["--tower", str(tmp_path / "dense")], "has no Soft MoE block"),
-             (["--tower", str(tmp_path / "tower"), "--layer", "7"], "--layer 7 is out of range: the tower has 2 blocks"),
+             (["--tower", str(tmp_path / "tower"), "--layer", "7"],
+              "--layer 7 is out of range: the tower has 2 blocks"),
              (["--tower", str(tmp_path / "tower"), "--layer", "0"], "block 0 has a dense MLP"),
              (["--tower", str(tmp_path / "tower"), "--slots", "0"], "--slots must be at least 1"),
              (["--tower", str(tmp_path / "tower"), "--image", str(tmp_path / "broken.png")], "cannot read"),
@@ -197,6 +199,7 @@ def test_out_that_cannot_be_written_is_one_line(tower_and_image, tmp_path, capsy
 def test_pdf_and_svg_figures_still_work(tower_and_image, tmp_path, capsys):
     tower, image = tower_and_image
     for name in ("routing.pdf", "routing.svg"):
-        assert main(["inspect-routing", "--tower", str(tower), "--image", str(image), "--out", str(tmp_path / name)]) == 0
+        argv = ["inspect-routing", "--tower", str(tower), "--image", str(image), "--out", str(tmp_path / name)]
+        assert main(argv) == 0
         assert (tmp_path / name).stat().st_size > 0 and (tmp_path / "routing.json").is_file()
     capsys.readouterr()

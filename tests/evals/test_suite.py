@@ -10,13 +10,21 @@ import PIL.Image
 import pytest
 import torch
 
+from evalkit import (
+    _class_folders,
+    _suite,
+    _tar_samples,
+    _wds_set,
+    foolbox_images,
+    needs_foolbox,
+    save_pair,
+    tiny_pair,
+    write_wds_benchmark,
+)
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, suite, zeroshot_metrics
 from lit_softmoe.evals.suite import run_suite
-
-from evalkit import (_class_folders, _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, save_pair,
-                     tiny_pair, write_wds_benchmark)
 
 pytestmark = needs_foolbox
 
@@ -31,7 +39,8 @@ def test_suite_equals_a_direct_computation(fmnist, tmp_path):
         images = model.encode_image(torch.stack([preprocess(im) for im, _ in samples]))
         classifier = build_zeroshot_classifier(model.encode_text, tokenizer,
                                                (fmnist / "classnames.txt").read_text().split("\n")[:10],
-                                               (fmnist / "zeroshot_classification_templates.txt").read_text().split("\n")[:-1])
+                                               (fmnist / "zeroshot_classification_templates.txt")
+                                               .read_text().split("\n")[:-1])
     expected = zeroshot_metrics(images, torch.tensor([label for _, label in samples]), classifier)
     assert entry["num_samples"] == len(samples) == 300
     for key, value in expected.items():
@@ -111,7 +120,7 @@ def test_a_suite_in_which_nothing_ran_says_so_and_writes_nothing(tmp_path):
                                       f"{report['results'][1]['reason']}")
     assert "set LIT_SOFTMOE_BENCHMARKS=DIR to read DIR/cifar100" in nothing_evaluated(one)
     # The table of such a report: every row has as many cells as the header (no phantom column).
-    rows = [l for l in markdown_table(report).splitlines() if l.startswith("|")]
+    rows = [line for line in markdown_table(report).splitlines() if line.startswith("|")]
     assert len(rows) == 4
     assert {row.count("|") for row in rows} == {6}, rows  # benchmark, task, samples, templates, seconds
 
@@ -197,7 +206,8 @@ def test_a_failing_benchmark_loses_none_of_the_others_results(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2 and (tmp_path / "cli.json").is_file()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lit-softmoe eval: error: my-captions: ") and str(tmp_path / "cli.json") in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("lit-softmoe eval: error: my-captions: ")
+    assert str(tmp_path / "cli.json") in lines[0]
 
 
 @pytest.mark.parametrize("ks", [[0], [-1, 5], []])

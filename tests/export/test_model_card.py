@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 import time
 
-from lit_softmoe.export import export_pair
-
 from lit_runs import _make_run
+from lit_softmoe.export import export_pair
 
 
 def test_model_card_shows_the_newest_eval_json(tmp_path):
@@ -51,7 +50,8 @@ def test_model_card_table_of_an_eval_where_nothing_ran(tmp_path):
     card = (export_pair(run, tmp_path / "out") / "README.md").read_text()
     rows = [line for line in card.splitlines() if line.startswith("|")]
     assert rows[:2] == ["| benchmark | task | samples | status |", "|---|---|---|---|"]
-    assert rows[2] == "| imagenet1k | classification |  | skipped: imagenet1k data folder not found at data/imagenet1k |"
+    assert rows[2] == ("| imagenet1k | classification |  | "
+                       "skipped: imagenet1k data folder not found at data/imagenet1k |")
 
 
 def test_model_card_names_the_moe_kind():

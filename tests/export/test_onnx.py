@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from lit_runs import CAPTIONS, _embed, _inputs, _one_error_line, _run_cli, _snapshot
 from lit_softmoe import cli
 from lit_softmoe.hub import load_pretrained
-
-from lit_runs import CAPTIONS, _embed, _inputs, _one_error_line, _run_cli, _snapshot
 
 
 def test_onnx_matches_torch_with_a_dynamic_batch(run, onnx_export):

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_models import _tiny_bert
+from lit_runs import CAPTIONS, PREPROCESS, _embed, _inputs, _make_run, _one_error_line, _run_cli, _snapshot
 from lit_softmoe import cli
 from lit_softmoe.config import LiTConfig, load_config, to_yaml
 from lit_softmoe.errors import UserError
@@ -21,9 +23,6 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.lit import _save_model
-
-from hf_models import _tiny_bert
-from lit_runs import CAPTIONS, PREPROCESS, _embed, _inputs, _make_run, _one_error_line, _run_cli, _snapshot
 
 
 def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
@@ -38,7 +37,8 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     assert "log_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"log_scale"})
     assert all(k.startswith("image_tower.") for k in load_file(out / "image_encoder.safetensors"))
 
-    for path, kind in [(out, "export"), (run, "run"), (run / "model", "run"), (run / "checkpoints" / "step_00000010", "run")]:
+    checkpoint = run / "checkpoints" / "step_00000010"
+    for path, kind in [(out, "export"), (run, "run"), (run / "model", "run"), (checkpoint, "run")]:
         model, preprocess, tok = load_pretrained(path)
         assert not model.training and isinstance(model, LiTModel)
         got_image, got_text = _embed(model, tok)

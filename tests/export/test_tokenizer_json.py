@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from lit_softmoe.models.tokenizers import create_tokenizer
-
 from lit_runs import CAPTIONS
+from lit_softmoe.models.tokenizers import create_tokenizer
 
 
 def test_tokenizer_json_gives_open_clips_ids(onnx_export):

@@ -8,18 +8,24 @@ shards as `lit-softmoe data fashion-mnist` writes them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from evalkit import (
+    foolbox_benchmark,
+    foolbox_images,
+    needs_clip_benchmark,
+    needs_foolbox,
+    save_pair,
+    write_wds_benchmark,
+)
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.integrations import clip_benchmark as peer
 from lit_softmoe.integrations.clip_benchmark import in_our_names, run_clip_benchmark
 from lit_softmoe.metadata import benchmark_info
-
-from evalkit import (foolbox_benchmark, foolbox_images, needs_clip_benchmark, needs_foolbox, save_pair,
-                     write_wds_benchmark)
 
 
 def _agree(model_dir, root, name, tmp_path) -> tuple[dict, dict]:
@@ -135,7 +141,8 @@ def test_peer_on_a_layout_it_cannot_read_says_so(rgb_model, tmp_path):
         (tmp_path / "mine" / "test" / name).mkdir(parents=True)
         (tmp_path / "mine" / "test" / name / "x.png").write_bytes(image)
     (tmp_path / "t.txt").write_text("a photo of a {c}.\n")
-    entry = _peer_entry(rgb_model, tmp_path, name="mine", root=str(tmp_path / "mine"), templates=str(tmp_path / "t.txt"))
+    entry = _peer_entry(rgb_model, tmp_path, name="mine", root=str(tmp_path / "mine"),
+                        templates=str(tmp_path / "t.txt"))
     assert entry["format"] == "imagefolder"
     assert entry["peer"]["status"] == "skipped" and "webdataset" in entry["peer"]["reason"]
 
@@ -170,3 +177,22 @@ def test_peer_result_explains_a_gap_from_blank_caption_lines(monkeypatch):
     result = peer.compare_with_clip_benchmark("m", spec, entry)
     assert result["max_abs_diff_points"] == pytest.approx(25.0) and "3 blank caption line(s)" in result["note"]
     assert "note" not in peer.compare_with_clip_benchmark("m", spec, {**entry, "empty_captions": 0})
+
+
+def test_the_numpy2_accuracy_fix_is_patched_for_one_run_only(tmp_path, monkeypatch):
+    """CLIP_benchmark's `accuracy` is replaced while our cross-check runs it, and restored after: the
+    rest of the process (a user's own CLIP_benchmark runs) keeps the library as installed."""
+    pytest.importorskip("clip_benchmark.cli")
+    import sys
+
+    import clip_benchmark.cli as cli
+    import clip_benchmark.metrics.zeroshot_classification as zeroshot
+    original, seen = zeroshot.accuracy, []
+
+    def fake_main():  # records what `accuracy` is during the run, writes an empty result
+        seen.append(zeroshot.accuracy)
+        Path(sys.argv[sys.argv.index("--output") + 1]).write_text('{"metrics": {}}')
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    assert run_clip_benchmark(tmp_path / "model", tmp_path, "mine") == {"metrics": {}}
+    assert seen == [peer._accuracy_numpy2] and zeroshot.accuracy is original

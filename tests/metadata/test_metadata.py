@@ -6,14 +6,13 @@ lists, clip_benchmark's JSON, timm's ImageNet-A/-R indices), so a wrong file fai
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import benchmark_info, imagenet_wnids, list_benchmarks
-
 from sun397 import _SUN397_CLASSES
 
 METADATA_DIR = Path(__file__).resolve().parents[2] / "lit_softmoe" / "metadata"

@@ -34,7 +34,8 @@ def vmoe_tree(seed=0, moe_blocks=(1,), depth=2):
         for ln in ("LayerNorm_0", "LayerNorm_1"):
             tree[f"{b}/{ln}/scale"], tree[f"{b}/{ln}/bias"] = r(D), r(D)
         for name in ("query", "key", "value"):
-            tree[f"{b}/SelfAttention/{name}/kernel"], tree[f"{b}/SelfAttention/{name}/bias"] = r(D, HEADS, HD), r(HEADS, HD)
+            tree[f"{b}/SelfAttention/{name}/kernel"] = r(D, HEADS, HD)
+            tree[f"{b}/SelfAttention/{name}/bias"] = r(HEADS, HD)
         tree[f"{b}/SelfAttention/query_ln/scale"], tree[f"{b}/SelfAttention/key_ln/scale"] = r(HD), r(HD)
         tree[f"{b}/SelfAttention/out/kernel"], tree[f"{b}/SelfAttention/out/bias"] = r(HEADS, HD, D), r(D)
         if i in moe_blocks:
@@ -58,11 +59,13 @@ def test_every_tensor_reads_back_with_the_right_layout(tmp_path):
     np.testing.assert_array_equal(s["blocks.0.norm1.weight"], tree[f"{b0}/LayerNorm_0/scale"])
     np.testing.assert_array_equal(s["blocks.1.norm2.bias"], tree[f"{b1}/LayerNorm_1/bias"])
     # qkv rows: [q; k; v], each the (d, heads, head_dim) kernel flattened and transposed.
-    np.testing.assert_array_equal(s["blocks.0.attn.qkv.weight"][D:2 * D], tree[f"{b0}/SelfAttention/key/kernel"].reshape(D, D).T)
-    np.testing.assert_array_equal(s["blocks.0.attn.qkv.bias"][2 * D:], tree[f"{b0}/SelfAttention/value/bias"].reshape(D))
+    attention = f"{b0}/SelfAttention"
+    key_kernel = tree[f"{attention}/key/kernel"].reshape(D, D).T
+    np.testing.assert_array_equal(s["blocks.0.attn.qkv.weight"][D:2 * D], key_kernel)
+    np.testing.assert_array_equal(s["blocks.0.attn.qkv.bias"][2 * D:], tree[f"{attention}/value/bias"].reshape(D))
     np.testing.assert_array_equal(s["blocks.1.attn.q_norm.weight"], tree[f"{b1}/SelfAttention/query_ln/scale"])
     assert not [k for k in s if k.endswith(("q_norm.bias", "k_norm.bias"))]  # flax's qk LayerNorm has no bias, nor ours
-    np.testing.assert_array_equal(s["blocks.0.attn.proj.weight"], tree[f"{b0}/SelfAttention/out/kernel"].reshape(D, D).T)
+    np.testing.assert_array_equal(s["blocks.0.attn.proj.weight"], tree[f"{attention}/out/kernel"].reshape(D, D).T)
     np.testing.assert_array_equal(s["blocks.0.mlp.fc2.weight"], tree[f"{b0}/Mlp/Dense_1/kernel"].T)
     np.testing.assert_array_equal(s["blocks.1.mlp.phi"], tree[f"{b1}/Moe/Router/mu"])
     assert s["blocks.1.mlp.scale"] == 3.0
@@ -91,24 +94,28 @@ def test_each_layer_computes_what_flax_computes_with_those_arrays():
         # nn.Conv on NHWC with an HWIO kernel, VALID, stride = patch; tokens in row-major order.
         img = rng.standard_normal((2, 28, 28, 1)).astype(np.float32)
         patches = img.reshape(2, 4, PATCH, 4, PATCH, 1).transpose(0, 1, 3, 2, 4, 5)  # (b, gh, gw, ph, pw, c)
-        flax_tokens = np.einsum("bhwijc,ijcd->bhwd", patches, tree["embedding/kernel"]).reshape(2, 16, D) + tree["embedding/bias"]
+        flax_tokens = (np.einsum("bhwijc,ijcd->bhwd", patches, tree["embedding/kernel"]).reshape(2, 16, D)
+                       + tree["embedding/bias"])
         ours = tower.patch_embed(torch.from_numpy(img).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
         np.testing.assert_allclose(ours.numpy(), flax_tokens, rtol=1e-4, atol=1e-4)
         # DenseGeneral q/k/v: einsum('bmd,dhk->bmhk'); out: einsum('bmhk,hkd->bmd').
         x = rng.standard_normal((2, 16, D)).astype(np.float32)
         qkv = tower.blocks[0].attn.qkv(torch.from_numpy(x)).numpy().reshape(2, 16, 3, HEADS, HD)
         for j, name in enumerate(("query", "key", "value")):
-            flax = np.einsum("bmd,dhk->bmhk", x, tree[f"{b0}/SelfAttention/{name}/kernel"]) + tree[f"{b0}/SelfAttention/{name}/bias"]
+            flax = (np.einsum("bmd,dhk->bmhk", x, tree[f"{b0}/SelfAttention/{name}/kernel"])
+                    + tree[f"{b0}/SelfAttention/{name}/bias"])
             np.testing.assert_allclose(qkv[:, :, j], flax, rtol=1e-4, atol=1e-4)
         heads = rng.standard_normal((2, 16, HEADS, HD)).astype(np.float32)
-        flax = np.einsum("bmhk,hkd->bmd", heads, tree[f"{b0}/SelfAttention/out/kernel"]) + tree[f"{b0}/SelfAttention/out/bias"]
+        flax = (np.einsum("bmhk,hkd->bmd", heads, tree[f"{b0}/SelfAttention/out/kernel"])
+                + tree[f"{b0}/SelfAttention/out/bias"])
         np.testing.assert_allclose(tower.blocks[0].attn.proj(torch.from_numpy(heads.reshape(2, 16, D))).numpy(), flax,
                                    rtol=1e-4, atol=1e-4)
         # Dense MLP block: x @ kernel + bias, tanh GELU.
         hidden = _gelu_tanh(x @ tree[f"{b0}/Mlp/Dense_0/kernel"] + tree[f"{b0}/Mlp/Dense_0/bias"])
         flax = hidden @ tree[f"{b0}/Mlp/Dense_1/kernel"] + tree[f"{b0}/Mlp/Dense_1/bias"]
         np.testing.assert_allclose(tower.blocks[0].mlp(torch.from_numpy(x)).numpy(), flax, rtol=1e-4, atol=1e-4)
-        # Soft MoE block: vmoe's SoftRouter + per-expert MlpBlock, with mu (d, n, p) and the experts' (n, in, out) kernels.
+        # Soft MoE block: vmoe's SoftRouter + per-expert MlpBlock, with mu (d, n, p) and the experts'
+        # (n, in, out) kernels.
         norm = lambda a, axis: a / np.sqrt((a ** 2).sum(axis, keepdims=True) + 1e-6)  # noqa: E731
         mu = tree[f"{b1}/Moe/Router/mu"]
         logits = np.einsum("gmd,dnp->gmnp", norm(x, -1), norm(mu, 0) * 3.0)
@@ -136,7 +143,8 @@ def test_missing_unused_and_misshaped_keys_are_named(tmp_path):
                                         r"1 keys left unused \(e\.g\. cls\)"):
         vmoe_to_state(tree, cfg)
     # A dense-block tree loaded as a Soft MoE block: its Mlp keys are unused, the Moe keys missing.
-    with pytest.raises(UserError, match=r"missing 6 keys .*Moe/Router/mu.*left unused .*encoderblock_1/Mlp/Dense_0/bias"):
+    message = r"missing 6 keys .*Moe/Router/mu.*left unused .*encoderblock_1/Mlp/Dense_0/bias"
+    with pytest.raises(UserError, match=message):
         vmoe_to_state(vmoe_tree(moe_blocks=()), cfg)
     with pytest.raises(UserError, match=r"^Encoder/encoderblock_1/Moe/Router/mu \(32, 4, 1\) does not fit "
                                         r"blocks\.1\.mlp\.phi \(32, 8, 1\); the checkpoint was trained as another"):
@@ -146,7 +154,8 @@ def test_missing_unused_and_misshaped_keys_are_named(tmp_path):
         vmoe_to_state(vmoe_tree(), image_tower_config("soft-test-4e", num_classes=CLASSES, in_channels=3))
     # The tree nested under "params/" (a saved variables dict) loads the same.
     nested = {f"params/{k}": v for k, v in vmoe_tree().items()}
-    assert torch.equal(vmoe_to_state(nested, cfg)["blocks.1.mlp.phi"], vmoe_to_state(vmoe_tree(), cfg)["blocks.1.mlp.phi"])
+    phi = "blocks.1.mlp.phi"
+    assert torch.equal(vmoe_to_state(nested, cfg)[phi], vmoe_to_state(vmoe_tree(), cfg)[phi])
 
 
 def test_a_sparse_router_tower_is_refused_in_one_line(tmp_path):
@@ -163,7 +172,8 @@ def test_cli_convert_writes_a_loadable_tower(tmp_path, capsys):
     assert main(["convert", "--from-vmoe", str(path), "--to", "soft-test-4e", "--out", str(tmp_path / "tower")]) == 0
     assert "soft-test-4e" in capsys.readouterr().out
     tower, meta = load_tower(tmp_path / "tower")
-    np.testing.assert_array_equal(tower.state_dict()["blocks.1.mlp.experts.w1"].numpy(), tree["Encoder/encoderblock_1/Moe/Mlp/Dense_0/kernel"])
+    np.testing.assert_array_equal(tower.state_dict()["blocks.1.mlp.experts.w1"].numpy(),
+                                  tree["Encoder/encoderblock_1/Moe/Mlp/Dense_0/kernel"])
     assert meta["preprocess"] == {"image_size": 28, "mean": [0.5], "std": [0.5]}
     for argv, message in [(["--from-vmoe", str(tmp_path / "none.npz")], "does not exist"),
                           (["--from-vmoe", str(_save(tmp_path, {"x": np.zeros(1)}, "bad.npz"))], "missing"),

@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
+from lit_data import _lit
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-
-from lit_data import _lit
 from tiny_text import TINY_TEXT, _ids
 
 ONE_LAYER_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
@@ -174,7 +173,8 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     model, _ = lit_recipe._setup_model(cfg)
     optimizer = lit_recipe._setup_optimizer(cfg, model)
     names = {id(param): name for name, param in model.named_parameters()}
-    decay_of = {names[id(param)]: group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
+    decay_of = {names[id(param)]: group["weight_decay"]
+                for group in optimizer.param_groups for param in group["params"]}
     assert decay_of["image_tower.blocks.1.mlp.scale"] == 0.1
     assert decay_of["image_tower.blocks.1.mlp.experts.w1"] == 0.1
     assert decay_of["image_tower.blocks.1.mlp.phi"] == 0.0 and decay_of["image_tower.norm.weight"] == 0.0

@@ -9,7 +9,6 @@ from lit_softmoe.models.registry import create_image_tower, image_tower_config, 
 from lit_softmoe.models.vit import Mlp
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
-
 from towers import JFT_CLASSES, count_params, images, meta_tower, tiny
 
 PAPER_COUNTS = {  # name -> parameters with the 29,593-class JFT head

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_models import _tiny_bert
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
-
-from hf_models import _tiny_bert
 from tiny_text import EOT, TINY_TEXT, _ids
 
 
@@ -170,3 +169,22 @@ def test_transformer_tower_and_bpe_match_open_clip_encode_text():
     assert ids[3, -1] == 49407  # cut, keeping <end_of_text> where the tower pools
     with torch.no_grad():
         torch.testing.assert_close(tower(ids), clip.encode_text(ids), rtol=0, atol=1e-6)
+
+
+def test_an_hf_tower_without_pretrained_weights_reads_only_its_config(tmp_path, monkeypatch):
+    """What an export's loader builds: the encoder from config.json alone (its weights come from the
+    export), without swapping transformers' AutoModel.from_pretrained for the whole process."""
+    import transformers
+    bert = _tiny_bert(tmp_path / "bert", torch.float32)
+    cfg = TextTowerConfig(kind="hf", path=str(bert), context_length=16)
+    pretrained = create_text_tower(cfg, embed_dim=8)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pretrained weights were read")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", refuse)
+    bare = create_text_tower(cfg, embed_dim=8, pretrained_weights=False)
+    bare_state, pretrained_state = bare.encoder.state_dict(), pretrained.encoder.state_dict()
+    assert {k: v.shape for k, v in bare_state.items()} == {k: v.shape for k, v in pretrained_state.items()}
+    assert not torch.equal(bare_state["embeddings.word_embeddings.weight"],
+                           pretrained_state["embeddings.word_embeddings.weight"])

@@ -10,14 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from cli_errors import _one_line_error
 from lit_softmoe.cli import main
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.models.upcycle import fresh_router, target_config, timm_to_ours, upcycle_state, upcycle_tower
 from lit_softmoe.nn.soft_moe import SoftMoE
-
-from cli_errors import _one_line_error
 
 try:
     import timm  # a dependency of open_clip_torch
@@ -174,8 +173,8 @@ def test_timm_checkpoint_file_upcycles_tensor_by_tensor(tmp_path, suffix):
     assert tower.cfg.qk_norm is False and tower.cfg.num_classes == 10
     assert torch.equal(s["patch_embed.weight"], timm_state["patch_embed.proj.weight"])
     assert torch.equal(s["pos_embed"], timm_state["pos_embed"][:, 1:])
-    for k in ("blocks.0.attn.qkv.weight", "blocks.1.attn.proj.bias", "blocks.1.norm2.weight", "norm.bias", "head.weight",
-              "blocks.0.mlp.fc2.weight"):
+    for k in ("blocks.0.attn.qkv.weight", "blocks.1.attn.proj.bias", "blocks.1.norm2.weight", "norm.bias",
+              "head.weight", "blocks.0.mlp.fc2.weight"):
         assert torch.equal(s[k], timm_state[k]), k
     assert torch.equal(s["blocks.1.mlp.experts.w1"][3], timm_state["blocks.1.mlp.fc1.weight"].t())
     # Fresh: the router only (cls_token and its position are dropped, documented in the notes).
@@ -239,15 +238,19 @@ def test_cli_round_trip_keeps_preprocess_and_names_errors(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # atomic: no leftovers
 
     capsys.readouterr()
-    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-s16-128e", "--out", str(tmp_path / "x")]) == 2
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-s16-128e",
+                 "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pos_embed has shape (1, 16, 32)" in err and "soft-test-4e" in err
-    assert main(["upcycle", "--from", str(tmp_path / "nope"), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+    assert main(["upcycle", "--from", str(tmp_path / "nope"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-tset-4e", "--out", str(tmp_path / "x")]) == 2
+    assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "soft-tset-4e",
+                 "--out", str(tmp_path / "x")]) == 2
     assert "did you mean soft-test-4e" in capsys.readouterr().err
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
-    assert main(["upcycle", "--from", str(tmp_path / "junk.pth"), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+    assert main(["upcycle", "--from", str(tmp_path / "junk.pth"), "--to", "soft-test-4e",
+                 "--out", str(tmp_path / "x")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert main(["upcycle", "--from", str(tmp_path / "dense"), "--to", "vit-test", "--out", str(tmp_path / "x")]) == 2
     assert "vit-test is a dense tower; upcycling makes Soft MoE towers" in capsys.readouterr().err

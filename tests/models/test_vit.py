@@ -14,7 +14,6 @@ from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.models.vit import Mlp, ViTConfig
 from lit_softmoe.nn.routers import TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
-
 from soft_moe_layers import randn
 from soft_moe_reference import reference_forward
 from towers import JFT_CLASSES, count_params, images, meta_tower, tiny
@@ -207,7 +206,8 @@ def test_tower_forward_equals_a_block_by_block_reference():
         for block in tower.blocks:
             tokens = tokens + _attention_by_hand(block.attn, ln(block.norm1, tokens))
             mixed = ln(block.norm2, tokens)
-            tokens = tokens + (reference_forward(block.mlp, mixed) if isinstance(block.mlp, SoftMoE) else block.mlp(mixed))
+            moe = isinstance(block.mlp, SoftMoE)
+            tokens = tokens + (reference_forward(block.mlp, mixed) if moe else block.mlp(mixed))
         want_tokens = ln(tower.norm, tokens)
         torch.testing.assert_close(tower.forward_tokens(x), want_tokens, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(tower.forward_features(x), want_tokens.mean(dim=1), rtol=1e-10, atol=1e-10)
@@ -300,7 +300,8 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
     assert not any(isinstance(m, nn.Dropout) for m in tower.modules())
     # GELU: flax's nn.gelu default, the tanh approximation, in dense and expert MLPs alike.
     v = torch.linspace(-4, 4, 101, dtype=torch.float64)[None, :, None].expand(1, 101, 32)
-    tanh_gelu = lambda t: 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))
+    def tanh_gelu(t):
+        return 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))
     mlp = Mlp(32, 32, dtype=torch.float64)
     with torch.no_grad():
         mlp.fc1.weight.copy_(torch.eye(32)), mlp.fc1.bias.zero_()
@@ -320,9 +321,9 @@ def test_qk_norm_has_no_bias_as_flax_and_old_towers_keep_theirs(tmp_path):
     # adds one score to every key of a query (dead weight); one on q adds a per-key logit.
     import json
 
-    from lit_softmoe.models.vit import ViTConfig
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import load_tower, save_tower
+    from lit_softmoe.models.vit import ViTConfig
     tower = create_image_tower("soft-test-4e")
     assert tower.blocks[0].attn.q_norm.bias is None and tower.blocks[0].attn.k_norm.bias is None
     assert not [k for k in tower.state_dict() if k.endswith(("q_norm.bias", "k_norm.bias"))]

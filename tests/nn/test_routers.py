@@ -12,8 +12,14 @@ import math
 import pytest
 import torch
 
-from lit_softmoe.nn.routers import (ExpertsChoiceMoE, TokensChoiceMoE, experts_choice_capacity, importance_loss,
-                                    load_loss, tokens_choice_capacity)
+from lit_softmoe.nn.routers import (
+    ExpertsChoiceMoE,
+    TokensChoiceMoE,
+    experts_choice_capacity,
+    importance_loss,
+    load_loss,
+    tokens_choice_capacity,
+)
 
 # The reference page's gates: 3 tokens (rows) × 3 experts (columns).
 PAGE_GATES = torch.tensor([[.4, 0., .2], [.5, .1, .4], [.3, .2, .6]], dtype=torch.float64)

@@ -12,10 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE, slots_for_capacity
-
 from soft_moe_layers import make_layer, randn
 from soft_moe_reference import reference_forward
-
 
 # ---- a slot-by-slot reference with explicit loops ------------------------------------------------
 
@@ -663,3 +661,26 @@ def test_fused_forward_slots_are_dispatch_weighted_raw_tokens_per_example():
     logits = layer.routing_logits(x).detach().view(2, 7, 3, 2)
     want = torch.einsum("bmnp,bmd->nbpd", logits.softmax(dim=1), x).reshape(3, 4, 8)
     torch.testing.assert_close(seen[0], want)
+
+
+def test_routing_weights_are_the_weights_forward_routes_with():
+    """`routing_weights` (what `inspect-routing` draws) comes from the forward pass's own functions:
+    rebuilding the output from them with the forward's steps gives the forward's output bit for bit."""
+    torch.manual_seed(0)
+    layer = SoftMoE(16, 4, 24, slots_per_expert=2).eval()
+    x = torch.randn(3, 10, 16) * 3.0
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[2, 6:] = False
+    with torch.no_grad():
+        for m in (None, mask):
+            dispatch, combine = layer.routing_weights(x, m)  # (b, m, n, p) each
+            b, tokens, d = x.shape
+            n, p = layer.num_experts, layer.slots_per_expert
+            x_in = x if m is None else x.masked_fill(~m[:, :, None], 0.0)
+            slots = dispatch.flatten(2).transpose(1, 2) @ x_in  # (b, n·p, d)
+            slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)
+            outputs = layer.experts(slots).view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)
+            rebuilt = combine.flatten(2) @ outputs  # (b, m, d)
+            if m is not None:
+                rebuilt = rebuilt * m[:, :, None].to(rebuilt.dtype)
+            assert torch.equal(rebuilt, layer(x, m))

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from evalkit import save_pair
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
-
-from evalkit import save_pair
 
 pytestmark = pytest.mark.skipif(not clip_benchmark_available(), reason="clip-benchmark is not installed")
 

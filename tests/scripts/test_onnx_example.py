@@ -1,4 +1,4 @@
-"""scripts/onnx_example.py: the README's example embeds an export with onnxruntime + numpy + PIL +
+"""scripts/onnx_example.py: the example of docs/export.md embeds an export with onnxruntime + numpy + PIL +
 tokenizers and never imports torch."""
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import PIL.Image
 import pytest
 import torch
 
-from lit_softmoe.hub import load_pretrained
-
 from lit_runs import EXAMPLE
+from lit_softmoe.hub import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,8 +24,8 @@ def _example_block(text: str) -> str:
 
 
 def test_readme_example_is_the_script(run):
-    readme = (ROOT / "README.md").read_text()
-    assert _example_block(EXAMPLE.read_text()).strip() in readme
+    page = (ROOT / "docs" / "export.md").read_text()
+    assert _example_block(EXAMPLE.read_text()).strip() in page
 
 
 @pytest.mark.parametrize("shape", [(28, 28), (70, 56), (45, 90, 3)])

@@ -30,7 +30,7 @@ def test_reproduction_writes_table_plot_and_orders_flops(tmp_path):
     report = script.main(["--towers", *TOWERS, "--seeds", "0", "--steps", "3", "--jobs", "2",
                           "--train", str(shards / "train"), "--test", str(shards / "test"),
                           "--test-subset", "100", "--out", str(out), "--set", "batch_size=32",
-                          "optim.warmup_steps=2", "log_every=1"])
+                          "optim.warmup=2", "log_every=1"])
 
     table = (out / "routing.md").read_text()
     for tower in TOWERS:
@@ -64,7 +64,7 @@ def test_reproduction_writes_table_plot_and_orders_flops(tmp_path):
     # A second call with the same settings reuses the finished runs instead of training again...
     same = ["--towers", "vit-test", "--seeds", "0", "--steps", "3", "--out", str(out), "--train",
             str(shards / "train"), "--test", str(shards / "test"), "--test-subset", "100", "--set",
-            "batch_size=32", "optim.warmup_steps=2", "log_every=1"]
+            "batch_size=32", "optim.warmup=2", "log_every=1"]
     again = script.main(same)
     assert again["runs"][0]["test_top1"] == runs["vit-test"]["test_top1"]
     # ... and one with other settings refuses to pass those runs off as its own.

@@ -20,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoint_checks import _finite_checkpoints
+from lit_data import PREPROCESS, _lit
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
@@ -39,9 +41,6 @@ from lit_softmoe.train.lit import is_feature_cache, train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
 
-from checkpoint_checks import _finite_checkpoints
-from lit_data import PREPROCESS, _lit
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)
 # reads exactly the two shards a one-process step of 80 reads (see the two-process test).
@@ -57,7 +56,7 @@ def _overrides(data, run_dir, *extra, images: bool = False) -> list[str]:
     source = data / ("fmnist" if images else "features")
     return [f"run_dir={run_dir}", f"image_tower={data / 'pre' / 'tower'}", f"data.train={source / 'train'}",
             f"eval.shards={source / 'test'}", "data.workers=0", "batch_size=64", "optim.lr=3e-3",
-            "optim.warmup_steps=20", "log_every=1", *SMALL_TEXT, *extra]
+            "optim.warmup=20", "log_every=1", *SMALL_TEXT, *extra]
 
 
 def _cfg(data, run_dir, *extra, images: bool = False) -> LiTConfig:
@@ -84,7 +83,7 @@ def pretrained(tmp_path_factory):
     write_fashion_mnist_shards(root / "fmnist", samples_per_shard=SAMPLES_PER_SHARD, limit=2000, allow_download=False)
     pretrain(load_config(PretrainConfig, None, [
         f"data.train={root / 'fmnist' / 'train'}", f"data.test={root / 'fmnist' / 'test'}", f"run_dir={root / 'pre'}",
-        "batch_size=64", "epochs=3", "optim.lr=3e-3", "optim.warmup_steps=20", "log_every=50", "fewshot_shots=0",
+        "batch_size=64", "epochs=3", "optim.lr=3e-3", "optim.warmup=20", "log_every=50", "fewshot_shots=0",
         *SMALL_TOWER]))
     for split in ("train", "test"):
         embed_shards(root / "pre" / "tower", str(root / "fmnist" / split), root / "features",
@@ -253,7 +252,7 @@ def test_two_processes_follow_the_single_process_curve(pretrained, tmp_path):
     batch of 80. With one 40-sample shard a process step and no sample shuffle, rank r's shards are
     the one-process order's shards r, r+2, …, so each global batch holds the very samples of the
     one-process batch, in the same order: the losses and the trained text tower must agree."""
-    common = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "eval.shards=''", "optim.warmup_steps=5"]
+    common = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "eval.shards=''", "optim.warmup=5"]
     single = tmp_path / "single"
     train_lit(_cfg(pretrained, single, *common))
     double = tmp_path / "double"
@@ -325,7 +324,7 @@ def test_hf_text_tower_trains_a_few_steps(pretrained, tmp_path, monkeypatch):
 def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, tmp_path):
     images = data / "fmnist"
     run = tmp_path / "run"
-    results = train_lit(_lit(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup_steps=1",
+    results = train_lit(_lit(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup=1",
                              f"data.train={images / 'train'}", f"eval.shards={images / 'test'}", "eval.every=2"))
     assert (run / "model" / "model.safetensors").is_file() and json.loads((run / "results.json").read_text())
 
@@ -501,7 +500,7 @@ def test_eval_set_of_a_two_process_run_is_read_whole(six_shard_data, tmp_path, m
 def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_path):
     run = tmp_path / "run"
     train_lit(_lit_text32(six_shard_data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
-                          "optim.warmup_steps=0"))
+                          "optim.warmup=0"))
     temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
     assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
     assert temperatures[-1] != temperatures[0]  # it learned (it sat at exactly 100 before)
@@ -640,13 +639,14 @@ def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(
     training, at the end and in results.json, as pretrain does for its few-shot probe."""
     run = tmp_path / "run"
     with caplog.at_level("WARNING", logger="lit_softmoe.train.lit"):
-        results = train_lit(_lit(data, run, "steps=2", "eval.shards=", f"eval.probe_train={data / 'features' / 'train'}"))
+        probe = f"eval.probe_train={data / 'features' / 'train'}"
+        results = train_lit(_lit(data, run, "steps=2", "eval.shards=", probe))
     assert results["steps"] == 2 and "linear_probe_top1" not in results
     assert results["probe_skipped"] == SKIPPED
     assert json.loads((run / "results.json").read_text())["probe_skipped"] == SKIPPED
     assert [r.getMessage() for r in caplog.records if r.name == "lit_softmoe.train.lit"] == [SKIPPED, SKIPPED]
     # With an eval set the probe runs, and nothing is said to be skipped.
-    results = train_lit(_lit(data, tmp_path / "with-eval", "steps=2", f"eval.probe_train={data / 'features' / 'train'}"))
+    results = train_lit(_lit(data, tmp_path / "with-eval", "steps=2", probe))
     assert 0.0 <= results["linear_probe_top1"] <= 1.0 and "probe_skipped" not in results
 
 
@@ -669,7 +669,8 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
     results = train_lit(_lit(data, run, "steps=2", f"eval.probe_train={tmp_path / 'one-features' / 'train'}"))
     assert "linear_probe_top1" not in results and 0.0 <= results["zeroshot_top1"] <= 1.0
     assert results["probe_skipped"] == (f"the linear probe is skipped: eval.probe_train "
-                                        f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), and it needs at least 2")
+                                        f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), "
+                                        "and it needs at least 2")
     assert (run / "model" / "model.safetensors").is_file()
 
 

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_checks import _finite_checkpoints
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
-
-from checkpoint_checks import _finite_checkpoints
 
 # A narrow tiny tower so these tests take seconds; the full-size bar is in the README.
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
@@ -34,7 +33,7 @@ SMALL_TC = ["tower.name=tc-tiny-p7-16e-k1", "tower.options.width=64", "tower.opt
 def _sparse_cfg(shards, run_dir, *extra):
     return load_config(PretrainConfig, None, [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
-        "batch_size=64", "optim.warmup_steps=5", "optim.lr=3e-3", "log_every=1", "fewshot_shots=0",
+        "batch_size=64", "optim.warmup=5", "optim.lr=3e-3", "log_every=1", "fewshot_shots=0",
         "data.max_test_samples=300", "checkpoint_every=1000", *extra])
 
 
@@ -77,7 +76,7 @@ def test_aux_loss_weight_enters_the_training_loss(small_shards, tmp_path):
 def _cfg(shards, run_dir, *extra):
     return load_config(PretrainConfig, None, [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
-        "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *extra])
+        "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,7 @@ def test_killed_run_resumes_exactly(shards, tmp_path):
     # The same run in a subprocess, killed with SIGKILL once it has written a checkpoint.
     killed_dir = tmp_path / "killed"
     overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={killed_dir}",
-                 "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *common]
+                 "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *common]
     yaml_file = tmp_path / "empty.yaml"
     yaml_file.write_text("{}\n")
     proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
@@ -179,7 +178,7 @@ def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shar
     yaml_file.write_text("{}\n")
     # Same run folder, a wider tower and another learning rate: another run, not a resume of this one.
     wider = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20",
-             "optim.warmup_steps=20", *SMALL_TOWER, "tower.options.width=96", "tower.options.mlp_dim=192", "optim.lr=3e-3"]
+             "optim.warmup=20", *SMALL_TOWER, "tower.options.width=96", "tower.options.mlp_dim=192", "optim.lr=3e-3"]
     result = _cli("pretrain", "--config", str(yaml_file), *wider)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"{run_dir} holds another run (" in result.stderr and "another run_dir=" in result.stderr
@@ -214,7 +213,7 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
     yaml_file.write_text("{}\n")
     double = tmp_path / "double"
     overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={double}",
-                 "batch_size=64", "optim.warmup_steps=20", "log_every=5", *SMALL_TOWER, *common]
+                 "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *common]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              "--master_port=29517", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -228,8 +227,8 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
 
 
 def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
-    from lit_softmoe.data.shards import write_split
     from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    from lit_softmoe.data.shards import write_split
     from lit_softmoe.errors import UserError
     images, labels = read_fashion_mnist("train", allow_download=False)
 
@@ -254,8 +253,8 @@ def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
 def test_class_index_past_the_class_names_is_skipped_and_counted(shards, tmp_path):
     """A .cls of 10 with 10 class names, or of -1, is a bad sample: skipped and counted, and too
     many of them stop the run like any other bad samples (not an IndexError inside the loss)."""
-    from lit_softmoe.data.shards import write_split
     from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist
+    from lit_softmoe.data.shards import write_split
     from lit_softmoe.errors import UserError
     images, labels = read_fashion_mnist("train", allow_download=False)
 
@@ -315,7 +314,7 @@ def test_class_names_are_found_beside_a_pattern_or_a_list_of_splits(shards, tmp_
 def _tc_cfg(shards, run_dir, *extra):
     return load_config(PretrainConfig, None, [
         f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}",
-        "batch_size=32", "optim.warmup_steps=5", "fewshot_shots=0", "data.max_train_samples=400",
+        "batch_size=32", "optim.warmup=5", "fewshot_shots=0", "data.max_train_samples=400",
         "data.max_test_samples=100", *SMALL_TC, *extra])
 
 
@@ -434,7 +433,7 @@ def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint
         pretrain(load_config(PretrainConfig, None, [
             f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
             "tower.name=soft-test-4e", "batch_size=50", "steps=6", "fewshot_shots=0", "precision=fp32",
-            "log_every=100", "checkpoint_every=2", "keep_checkpoints=10", "optim.lr=1e9", "optim.warmup_steps=0",
+            "log_every=100", "checkpoint_every=2", "keep_checkpoints=10", "optim.lr=1e9", "optim.warmup=0",
             "optim.grad_clip=0"]))
     assert _finite_checkpoints(run) == {2: True}
 
@@ -510,3 +509,18 @@ def test_two_process_pretrain_with_periodic_evaluation_logs_it_once(data, tmp_pa
     evaluations = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "test_top1" in r]
     assert evaluations == [2, 4, 6]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_warmup_longer_than_half_the_run_is_said_once(small_shards, tmp_path, caplog):
+    """The shipped configs' steps used on a small dataset: a warmup of 20 steps in a 10-step run.
+    Pretraining says so in one warning line before training; 0.5 (half the run) says nothing."""
+    with caplog.at_level("WARNING", logger="lit_softmoe.train.pretrain"):
+        pretrain(_cfg(small_shards, tmp_path / "long", "steps=10", "optim.warmup=20", "fewshot_shots=0"))
+    warnings = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert warnings == ["warning: the warmup of 20 steps covers the whole 10-step run, so the learning rate rises "
+                        "for most of it; give optim.warmup as a fraction of the run (e.g. optim.warmup=0.05) or "
+                        "fewer steps"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_softmoe.train.pretrain"):
+        pretrain(_cfg(small_shards, tmp_path / "half", "steps=10", "optim.warmup=0.5", "fewshot_shots=0"))
+    assert not [r for r in caplog.records if "warmup" in r.getMessage()]

@@ -1,10 +1,9 @@
 """lit_softmoe.train.runtime: a run folder holds one run, and a run must train something."""
 import pytest
 
+from cli_errors import _one_line_error
 from lit_softmoe.config import load_config
 from lit_softmoe.errors import UserError
-
-from cli_errors import _one_line_error
 
 
 def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):

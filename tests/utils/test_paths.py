@@ -3,12 +3,11 @@ import os
 
 import pytest
 
+from cli_errors import _one_line_error
+from data_files import _png
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
-
-from cli_errors import _one_line_error
-from data_files import _png
 
 
 def test_embed_out_that_is_a_file(tmp_path, capsys):

@@ -1,0 +1,48 @@
+"""The package's public surface: every public name imports, and importing them loads no training code.
+
+`import lit_softmoe` is lazy (PEP 562): each public name is imported on first use, so a user who
+wants the layer or a loader does not pay for accelerate, webdataset or the recipes.
+"""
+import json
+import subprocess
+import sys
+
+import lit_softmoe
+
+HEAVY = ("accelerate", "webdataset", "lit_softmoe.train")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """Module names in sys.modules after running `code` in a fresh interpreter."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_import_lit_softmoe_loads_nothing_heavy():
+    loaded = _loaded_after("import lit_softmoe")
+    assert "torch" not in loaded
+    assert not [name for name in loaded if name.startswith(HEAVY)]
+
+
+def test_the_layer_and_the_loaders_load_no_training_code():
+    loaded = _loaded_after("from lit_softmoe import SoftMoE, load_pretrained, load_image_tower, create_image_tower")
+    assert "lit_softmoe.hub" in loaded and "lit_softmoe.nn.soft_moe" in loaded
+    assert not [name for name in loaded if name.startswith(HEAVY)]
+
+
+def test_every_public_name_resolves_to_its_module():
+    assert sorted(lit_softmoe.__all__) == sorted(lit_softmoe._PUBLIC)
+    for name in lit_softmoe.__all__:
+        value = getattr(lit_softmoe, name)
+        assert value.__module__.startswith(lit_softmoe._PUBLIC[name]), name
+        assert name in dir(lit_softmoe)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        lit_softmoe.load_trainer  # noqa: B018 (the attribute access is the test)
+    except AttributeError as err:
+        assert "load_trainer" in str(err)
+    else:
+        raise AssertionError("lit_softmoe.load_trainer resolved")
