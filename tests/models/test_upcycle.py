@@ -122,7 +122,7 @@ def test_meta_upcycle_of_huge_towers_allocates_nothing():
     moe = upcycle_tower(dense, "soft-h14-256e", device="meta")
     assert time.perf_counter() - start < 10
     assert all(t.is_meta for t in moe.state_dict().values())
-    # 54.1B parameters (soft-moe.md §2, without the JFT head) would be 216 GB in fp32.
+    # 54.1B parameters (the paper's Soft MoE-H/14 with 256 experts, without the JFT head) would be 216 GB in fp32.
     assert sum(p.numel() for p in moe.parameters()) == 54_139_498_256  # qk-norm without biases, as flax
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000
 

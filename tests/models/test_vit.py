@@ -1,4 +1,4 @@
-"""lit_softmoe.models.vit: the ViT tower's architecture (`shared/reference/soft-moe.md` §2): shapes,
+"""lit_softmoe.models.vit: the ViT tower's architecture (Puigcerver et al., ICLR 2024, §2): shapes,
 initializations as vmoe's flax modules make them, config checks, and the forward against a
 block-by-block reference."""
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""lit_softmoe.nn.routers: the sparse Tokens Choice and Experts Choice layers against
-`shared/reference/soft-moe.md` §3: routing, capacities, auxiliary losses, noise and gradients.
+"""lit_softmoe.nn.routers: the sparse Tokens Choice and Experts Choice layers against the Soft MoE
+paper's sparse baselines (Puigcerver et al., ICLR 2024, §3; google-research/vmoe `vmoe/nn/routing.py`):
+routing, capacities, auxiliary losses, noise and gradients.
 
 The routing tests feed the layers chosen gates (the router's logits are replaced by log-gates) and
 experts that output a one-hot vector per expert (w1 = b1 = 0, so expert j returns b2[j] = e_j): the

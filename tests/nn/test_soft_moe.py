@@ -1,6 +1,7 @@
-"""lit_softmoe.nn.soft_moe: the Soft MoE layer against the algorithm of `shared/reference/soft-moe.md` §1,
-a loop-by-loop reference and the step-by-step oracle (tests/soft_moe_reference.py); padding masks, noise,
-mixed precision and the fused forward. Shapes are tiny (CPU, < 1 s each)."""
+"""lit_softmoe.nn.soft_moe: the Soft MoE layer against Algorithm 1 of Puigcerver et al. (ICLR 2024) as
+google-research/vmoe `vmoe/projects/soft_moe/router.py` runs it, a loop-by-loop reference and the
+step-by-step oracle (tests/soft_moe_reference.py); padding masks, noise, mixed precision and the fused
+forward. Shapes are tiny (CPU, < 1 s each)."""
 from __future__ import annotations
 
 import functools
