@@ -289,9 +289,6 @@ def train_lit(cfg: LiTConfig) -> dict:
                         "lower batch_size or data.workers, or add data")
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
-    warning = long_warmup_warning(cfg.optim, total_steps)
-    if warning and is_main:
-        _log.warning(warning)
     model.to(accelerator.device)
     if cfg.compile:  # in place, so parameter names, checkpoints and the optimizer are unchanged
         model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
@@ -306,6 +303,9 @@ def train_lit(cfg: LiTConfig) -> dict:
     if checkpoint_meta.get("image_tower_sha256", tower_sha) != tower_sha:  # checkpoints before it: none
         raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
                         "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
+    warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
+    if warning and is_main:
+        _log.warning(warning)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report

@@ -216,13 +216,13 @@ def pretrain(cfg: PretrainConfig) -> dict:
     if steps_per_epoch == 0:
         raise UserError(f"batch_size {global_batch} exceeds the {len(data.train_labels)} training images")
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
-    warning = long_warmup_warning(cfg.optim, total_steps)
-    if warning and is_main:
-        _log.warning(warning)
 
     # ---- resume from the newest complete checkpoint in the run folder
     checkpoints_dir = run_dir / "checkpoints"
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps)
+    warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
+    if warning and is_main:
+        _log.warning(warning)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
