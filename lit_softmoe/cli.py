@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -39,7 +40,7 @@ def _cmd_data(args) -> None:
                                       overwrite=args.overwrite)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
-                                     key_col=args.key_col, progress=progress, overwrite=args.overwrite)
+                                     key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root)
     print(summary.line())
 
 
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--caption-col", required=True, help="column of captions")
     table.add_argument("--key-col", default=None, help="column of sample keys (default: the image path without "
                        "extension; give one to keep several captions of one image)")
+    table.add_argument("--root", default=None, metavar="DIR",
+                       help="read images inside DIR only: a path leading elsewhere (../, absolute, a link) is "
+                            "skipped and counted (default: any file you can read)")
     for writer in (folder, table):
         writer.add_argument("--out", required=True, help="dataset folder; shards go to OUT/SPLIT/")
         writer.add_argument("--split", default="train", help="split folder name (default: train)")
@@ -347,7 +351,29 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `lit-softmoe models | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
+    except Exception as err:
+        full = _disk_full(err)
+        if full is None:
+            raise
+        print(f"lit-softmoe {args.command}: error: {full}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _disk_full(err: BaseException) -> str | None:
+    """One line for an error caused by a full disk (or quota), else None. Every writer here writes
+    under a temporary name and renames at the end, so what was cut short leaves nothing a rerun
+    would trust, and the rerun resumes."""
+    for cause in (err, err.__cause__, err.__context__):
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" while writing {cause.filename}" if cause.filename else ""
+        elif cause is not None and ("No space left on device" in str(cause) or "os error 28" in str(cause)):
+            where = ""  # safetensors' and torch's writers say it in their own words, without the path
+        else:
+            continue
+        return (f"no space left on the device{where}; free some space (or write to another disk) and rerun the "
+                "same command")
+    return None
 
 
 if __name__ == "__main__":

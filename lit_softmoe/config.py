@@ -6,6 +6,8 @@ of the wrong type); this module only turns its errors into one line that names t
 from __future__ import annotations
 
 import difflib
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,7 +84,8 @@ _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides
     "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
     "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
     "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
-    "data.max_test_samples": 0, "data.max_bad_fraction": 0, "optim.warmup": 0, "optim.cooldown_steps": 0,
+    "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
+    "optim.cooldown_steps": 0,
     "optim.lr": 0, "optim.weight_decay": 0,
 }
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
@@ -192,12 +195,36 @@ def config_path(schema: type, name: str | Path) -> Path:
                     f"{', '.join(shipped_configs(schema))}")
 
 
-def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
+ALLOW_PIPE_ENV = "LIT_SOFTMOE_ALLOW_PIPE"
+
+
+def _is_command(value) -> bool:
+    """A shard spec that runs a shell command: `pipe:CMD`, alone or in a `::` list."""
+    return isinstance(value, str) and any(part.strip().startswith("pipe:") for part in value.split("::"))
+
+
+def _refuse_commands_from_file(file_layer, command_line, path: Path) -> None:
+    """A config file is data, loaded without running anything of it, except that a `pipe:` shard spec
+    in it would be run as a shell command: a config from someone else would be code. Such a value is
+    refused unless the user says so (LIT_SOFTMOE_ALLOW_PIPE=1), or gives it on the command line."""
+    if os.environ.get(ALLOW_PIPE_ENV) == "1":
+        return
+    for key in _all_keys(file_layer):
+        value = _select(file_layer, key)
+        if _is_command(value) and _select(command_line, key) is None:
+            raise UserError(f"{path} sets {key} to a shell command ({value[:60]!r}); a config file must not run "
+                            f"commands unasked: set {ALLOW_PIPE_ENV}=1 if you trust it, or pass {key}=... on the "
+                            "command line")
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] = (),
+                commands_from_file: bool = False) -> T:
     """Merge `schema`'s defaults, the YAML file at `path` and dotted `key=value` overrides.
 
     `path` is a file, or the short name of a shipped one (`config_path`). Every mistake (missing
     file, unknown key, wrong type, a value outside its choices) raises UserError with one line naming
-    the key and the fix.
+    the key and the fix. A `pipe:` shard spec runs a shell command: one that comes from the file is
+    refused unless `commands_from_file` or LIT_SOFTMOE_ALLOW_PIPE=1 (see `_refuse_commands_from_file`).
     """
     base = OmegaConf.structured(schema)
     layers = []  # (layer, where it came from), merged in this order
@@ -214,6 +241,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     command_line = OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides])
     _rename_old_keys(command_line)
     layers.append((command_line, " on the command line"))
+    if path is not None and not commands_from_file:
+        _refuse_commands_from_file(layers[0][0], command_line, path)
     merged = base
     for layer, where in layers:  # one at a time, so a mistake is told where it was made
         try:
@@ -229,6 +258,12 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         value = _select(merged, key)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
             raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
+    for key in _all_keys(merged):
+        value = _select(merged, key)
+        # nan compares false with everything: `epochs=nan` passed every check below, and a
+        # `max_bad_fraction=nan` switched the limit off.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"config key {key!r} is {value}; give a finite number")
     for key, minimum in _MINIMUMS.items():
         value = _select(merged, key)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
@@ -263,6 +298,9 @@ class LiTDataConfig:
     # Draw shards with replacement (open_clip's --dataset-resampled): every process and worker reads
     # an endless stream, so few shards can feed many processes; an epoch is sizes.json's sample count.
     resampled: bool = False
+    # Samples per epoch (all processes together); 0: the sum of sizes.json beside the shards. Shards
+    # without one (`pipe:`, `https://`, img2dataset's output) need it.
+    samples_per_epoch: int = 0
 
 
 @dataclass

@@ -117,7 +117,8 @@ def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: 
 def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
     if source.kind == "checkpoint":
-        cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG)
+        # Read for the towers it names; its data specs are never run here.
+        cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG, commands_from_file=True)
         text_cfg, loss, image_head = cfg.text, cfg.loss, cfg.image_head
         tower_dir = _find_tower(cfg.image_tower, source.run_dir)
         tensors = load_weights(source.path / STATE_TENSORS)

@@ -52,13 +52,17 @@ def read_run_config(run_dir: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    """The newest complete `step_*` folder (temporary folders start with '.' and are ignored)."""
+def checkpoints_newest_first(checkpoints_dir: str | Path) -> list[Path]:
+    """The complete `step_*` folders, newest first (temporary folders start with '.' and are ignored)."""
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
-        return None
-    done = sorted(p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file())
-    return done[-1] if done else None
+        return []
+    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), reverse=True)
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The newest complete `step_*` folder, or None."""
+    return next(iter(checkpoints_newest_first(checkpoints_dir)), None)
 
 
 def is_export(path: Path) -> bool:

@@ -15,7 +15,6 @@ from typing import Iterator
 import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
 
 from lit_softmoe.data.images import upright_l_or_rgb
 from lit_softmoe.data.shards import (
@@ -23,9 +22,12 @@ from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     BadSampleCounter,
+    file_identity,
     is_local_url,
+    listed_sizes,
     shard_urls,
     split_dir_urls,
+    tar_samples,
 )
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import replacing
@@ -34,12 +36,8 @@ logger = logging.getLogger(__name__)
 
 # 2: bad samples with their positions; negative labels skipped.
 # 3: images decoded by images.upright_l_or_rgb (16-bit scaled, alpha on white, EXIF applied).
-_DECODED_CACHE_VERSION = 3
-
-
-def _is_class_file(fname: str) -> bool:
-    extension = fname.rsplit(".", 1)[-1].lower()
-    return extension == "cls" or extension in IMAGE_EXTENSIONS
+# 4: samples missing from truncated shards counted; a digest of the arrays; ctime in the key.
+_DECODED_CACHE_VERSION = 4
 
 
 def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
@@ -78,30 +76,28 @@ def iter_class_samples(
         counter: receives the counts of skipped samples and shards; pass one to read them after.
 
     A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
-    a truncated or unreadable tar is counted and reading goes on with the next shard.
+    a damaged or unreadable tar is counted and reading goes on with the next shard, and a shard that
+    holds fewer samples than its sizes.json lists is counted as truncated (`shards.tar_samples`).
     """
     counter = counter if counter is not None else BadSampleCounter()
-    pipeline = wds.DataPipeline(
-        wds.SimpleShardList(shard_urls(urls)),
-        counter.track_shards,
-        # Only image and .cls members are extracted: captions and metadata are not needed here.
-        wds.tarfile_to_samples(handler=counter.handler, select_files=_is_class_file),
-    )
-    for sample in pipeline:
-        decoded = _decode_class_sample(sample, counter)
-        if decoded is not None:
-            yield decoded
+    shards = shard_urls(urls)
+    listed = listed_sizes(shards) or {}
+    for url in shards:
+        for sample in tar_samples(url, counter, listed.get(url)):
+            decoded = _decode_class_sample(sample, counter)
+            if decoded is not None:
+                yield decoded
 
 
 def _decoded_cache_path(split_dir: str | Path) -> Path | None:
     """Where a split folder's decoded arrays are cached; None for a pattern or url list.
 
-    The name carries a hash of every shard's name, size and mtime, so rewritten shards miss it.
+    The name carries a hash of every shard's name, size, mtime and ctime (`shards.file_identity`):
+    rewritten shards miss it, and so do copied ones, whose ctime is new whatever `cp -a` keeps.
     """
     if not (is_local_url(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
         return None
-    stats = [(Path(url).name, Path(url).stat().st_size, Path(url).stat().st_mtime_ns)
-             for url in split_dir_urls(Path(split_dir))]
+    stats = [(Path(url).name, *file_identity(url)[1:]) for url in split_dir_urls(Path(split_dir))]
     key = hashlib.sha256(json.dumps([_DECODED_CACHE_VERSION, stats]).encode()).hexdigest()[:16]
     return Path(split_dir) / f"{DECODED_CACHE_PREFIX}{key}.npz"
 
@@ -119,10 +115,12 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
     if path is None:
         return None
     try:
+        images, labels = images.numpy(), labels.numpy()
+        bad_json = json.dumps([list(event) for event in bad or []])
         with replacing(path) as temporary:
-            # A str array, not a dict: np.load then needs no pickle.
-            np.savez(temporary, images=images.numpy(), labels=labels.numpy(),
-                     bad=np.array(json.dumps([list(event) for event in bad or []])))
+            # Str arrays, not a dict: np.load then needs no pickle. The digest is checked on load.
+            np.savez(temporary, images=images, labels=labels, bad=np.array(bad_json),
+                     digest=np.array(_digest(images, labels, bad_json)))
         # Inside the guard: a read-only folder may still hold the cache of older shards or versions.
         for stale in path.parent.glob(f"{DECODED_CACHE_PREFIX}*.npz"):
             if stale != path:
@@ -131,6 +129,28 @@ def cache_decoded_split(split_dir: str | Path, images: torch.Tensor, labels: tor
         logger.info("not caching decoded %s: %s", split_dir, exn)
         return None
     return path
+
+
+def _digest(images: np.ndarray, labels: np.ndarray, bad_json: str) -> str:
+    digest = hashlib.sha256()
+    for part in (images.tobytes(), labels.tobytes(), str(images.shape).encode(), bad_json.encode()):
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _read_decoded_cache(path: Path) -> tuple[torch.Tensor, torch.Tensor, list] | None:
+    """(images, labels, bad events) from a decoded cache whose digest matches its arrays, else None
+    (said in a warning; the split is decoded again and the cache rewritten)."""
+    try:
+        with np.load(path, allow_pickle=False) as cached:
+            images, labels, bad_json = cached["images"], cached["labels"], str(cached["bad"])
+            if str(cached["digest"]) != _digest(images, labels, bad_json):
+                raise ValueError("its digest does not match its arrays")
+        return torch.from_numpy(images), torch.from_numpy(labels), json.loads(bad_json)
+    except Exception as err:  # noqa: BLE001 — a damaged zip, a missing array, other bytes: never trusted
+        logger.warning("ignoring the decoded cache %s (%s: %s); decoding the shards again", path,
+                       type(err).__name__, err)
+        return None
 
 
 def load_class_split(
@@ -152,10 +172,9 @@ def load_class_split(
     """
     counter = counter if counter is not None else BadSampleCounter()
     cache_path = _decoded_cache_path(split_dir) if cache else None
-    if cache_path is not None and cache_path.is_file():
-        with np.load(cache_path) as cached:
-            images, labels = torch.from_numpy(cached["images"]), torch.from_numpy(cached["labels"])
-            bad = json.loads(str(cached["bad"]))
+    cached = _read_decoded_cache(cache_path) if cache_path is not None and cache_path.is_file() else None
+    if cached is not None:
+        images, labels, bad = cached
         # Count what decoding the first `max_samples` would have met: the bad samples read before
         # the last good one kept, not the whole split's (all of them when the split is read to its end).
         reads_all = max_samples is None or max_samples > len(labels)
@@ -189,7 +208,11 @@ def load_class_split(
     if len(shapes) > 1:
         raise UserError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
                         "loading a split into memory needs one size: resize the images when writing the shards")
-    if any(array.ndim == 3 for array in arrays):
+    color = sum(array.ndim == 3 for array in arrays)
+    if color:
+        if color < len(arrays):
+            logger.warning("%d of the %d images of %s are in color and the rest gray: the split is read as RGB",
+                           color, len(arrays), split_dir)
         arrays = [array if array.ndim == 3 else np.repeat(array[:, :, None], 3, axis=2) for array in arrays]
         images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W)
     else:

@@ -30,6 +30,7 @@ from lit_softmoe.data.writers import other_split_data
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.locks import folder_lock
 from lit_softmoe.utils.paths import check_writable
 
 logger = logging.getLogger(__name__)
@@ -241,40 +242,51 @@ def write_fashion_mnist_shards(
     for split in FASHION_MNIST_FILES:
         if (out_dir / split).exists() and not (out_dir / split).is_dir():  # mkdir would raise FileExistsError
             raise UserError(f"{out_dir / split} is a file, not a split folder; move it away or choose another --out")
+    _check_free(out_dir, overwrite)
+    with folder_lock(out_dir):  # one writer of a dataset folder at a time; the checks again under the lock
+        if _is_complete(out_dir, manifest):  # the same command, finished meanwhile
+            return _summary(out_dir, json.loads((out_dir / MANIFEST_FILE).read_text())["splits"], skipped=True,
+                            start=start)
+        others = _check_free(out_dir, overwrite)
+        # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
+        # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
+        write_text_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+        splits = {}
+        for split in FASHION_MNIST_FILES:
+            images, labels = read_fashion_mnist(split, folder)
+            images, labels = images[:limit], labels[:limit]
+
+            def write(split_dir: Path) -> None:
+                sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
+                                    split_dir.parent, split_dir.name, samples_per_shard=samples_per_shard)
+                # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
+                # and the first `load_class_split` of this split costs no decoding.
+                cache_decoded_split(split_dir, torch.from_numpy(images[:, None].copy()),
+                                    torch.from_numpy(labels.astype(np.int64)))
+                nbytes = {name: (split_dir / name).stat().st_size for name in sizes}
+                splits[split] = {"sizes": sizes, "bytes": nbytes}
+
+            if others[split]:  # another dataset's split: replaced whole, nothing of it left behind
+                write_folder_atomically(out_dir / split, write)
+            else:
+                write(out_dir / split)
+        write_text_atomic(out_dir / "classnames.txt", "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
+        write_text_atomic(out_dir / "zeroshot_classification_templates.txt", "\n".join(ZEROSHOT_TEMPLATES) + "\n")
+        write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
+        write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
+        return _summary(out_dir, splits, skipped=False, start=start)
+
+
+def _check_free(out_dir: Path, overwrite: bool) -> dict[str, str | None]:
+    """{split: what train/ or test/ holds besides Fashion-MNIST}, refused without `overwrite`; and no
+    other split here may have other class names."""
     others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
     for split, other in others.items():
         if other and not overwrite:
             raise UserError(f"{out_dir / split} already holds {other}; pass --overwrite to replace it with "
                             "Fashion-MNIST, or choose another --out")
     _check_other_classnames(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
-    # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
-    write_text_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-    splits = {}
-    for split in FASHION_MNIST_FILES:
-        images, labels = read_fashion_mnist(split, folder)
-        images, labels = images[:limit], labels[:limit]
-
-        def write(split_dir: Path) -> None:
-            sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
-                                split_dir.parent, split_dir.name, samples_per_shard=samples_per_shard)
-            # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
-            # and the first `load_class_split` of this split costs no decoding.
-            cache_decoded_split(split_dir, torch.from_numpy(images[:, None].copy()),
-                                torch.from_numpy(labels.astype(np.int64)))
-            nbytes = {name: (split_dir / name).stat().st_size for name in sizes}
-            splits[split] = {"sizes": sizes, "bytes": nbytes}
-
-        if others[split]:  # another dataset's split: replaced whole, nothing of it left behind
-            write_folder_atomically(out_dir / split, write)
-        else:
-            write(out_dir / split)
-    write_text_atomic(out_dir / "classnames.txt", "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
-    write_text_atomic(out_dir / "zeroshot_classification_templates.txt", "\n".join(ZEROSHOT_TEMPLATES) + "\n")
-    write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
-    write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
-    return _summary(out_dir, splits, skipped=False, start=start)
+    return others
 
 
 def _check_other_classnames(out_dir: Path) -> None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path, PurePosixPath
 
 from lit_softmoe.data.listing import Candidate, Listing, drop_duplicate_keys, files_fingerprint, sample_key
@@ -86,10 +87,20 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     else:
         # From the images, not the listing of `src`: an excluded output folder is not a class.
         classnames = sorted({image.parts[0] for image in images if len(image.parts) > 1})
+        _check_classnames(src, classnames)
         candidates = _class_candidates(src, images, classnames, counter)
     read = images + (list(captions.values()) if layout == "captions" else [])
     fingerprint = files_fingerprint((str(path), src / path) for path in read)
     return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames)
+
+
+def _check_classnames(src: Path, classnames: list[str]) -> None:
+    """classnames.txt holds one name per line: a folder name with a newline (or another control
+    character) would shift every later class onto another's name."""
+    for name in classnames:
+        if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
+            raise UserError(f"class folder {name!r} in {src} has a control character or line break in its name, which "
+                            "classnames.txt (one class name per line) cannot hold; rename the folder")
 
 
 def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[PurePosixPath, PurePosixPath],

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import math
 import multiprocessing
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -46,12 +44,19 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms.v2 import functional as TF
 
-from lit_softmoe.data.shards import IMAGE_EXTENSIONS, SIZES_FILE, BadSampleCounter, shard_urls
+from lit_softmoe.data.shards import (
+    IMAGE_EXTENSIONS,
+    SIZES_FILE,
+    BadSampleCounter,
+    listed_sizes,
+    shard_urls,
+    tar_samples,
+)
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
 
 SAMPLE_KINDS = ("image-caption", "image-class", "embedding-caption", "embedding-class")
-SHARD_REASONS = ("bad_shard", "unreadable_shard")  # counted per shard, not per sample
+SHARD_REASONS = BadSampleCounter.SHARD_REASONS  # counted per shard, not per sample
 # The bad-sample fraction is checked at the end of every epoch, and during one once this many
 # samples were read (a fraction over a handful of samples says little).
 MIN_SAMPLES_BEFORE_CHECK = 1000
@@ -108,9 +113,9 @@ class _StreamCounter(BadSampleCounter):
         self._reported_counts: dict[str, int] = {}
         self._reported_read = 0
 
-    def skip(self, reason: str, detail: str) -> None:
+    def skip(self, reason: str, detail: str, count: int = 1) -> None:
         self._first.setdefault(reason, detail)
-        self.counts[reason] += 1
+        self.counts[reason] += count
 
     def report(self) -> dict[str, Any]:
         """What changed since the last report: samples read, skips by reason, first detail of each."""
@@ -181,15 +186,20 @@ def _decode_embedding(sample: dict, expected_shape: list) -> torch.Tensor:
     try:
         array = np.load(io.BytesIO(sample["npy"]), allow_pickle=False)
     except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
-        raise _Skip("bad_npy", f"{type(exn).__name__}: {exn}") from None
+        # numpy's message for an object array names allow_pickle: a pickle is never loaded from a shard.
+        detail = "holds Python objects, which are never unpickled" if "allow_pickle" in str(exn) else exn
+        raise _Skip("bad_npy", f"{type(exn).__name__}: {detail}") from None
     if array.dtype.kind != "f" or array.ndim == 0:
         raise _Skip("bad_npy", f"expected a float array, got {array.dtype} with shape {array.shape}")
+    with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: checked below
+        array = array.astype(np.float32, copy=False)
+    # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a NaN.
     if not np.isfinite(array).all():
-        raise _Skip("bad_npy", "holds NaN or infinity")
+        raise _Skip("bad_npy", "holds NaN or infinity (as float32)")
     if expected_shape and tuple(array.shape) != expected_shape[0]:
         raise _Skip("bad_npy", f"shape {array.shape} differs from the stream's {expected_shape[0]}")
     expected_shape[:1] = [tuple(array.shape)]  # the first good embedding fixes the shape
-    return torch.from_numpy(array.astype(np.float32, copy=False))
+    return torch.from_numpy(array)
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -212,21 +222,20 @@ def _nothing_read(opened: int, example: str, counter: _StreamCounter) -> str:
             f"{_reasons(counter.counts) or 'nothing'}); check that the shards are tar files of samples")
 
 
-def _open_tars(urls: Iterator[str], counter: _StreamCounter, patience: int | None = None) -> Iterator[dict]:
+def _open_tars(urls: Iterator[str], counter: _StreamCounter, listed: dict[str, int] | None,
+               patience: int | None = None) -> Iterator[dict]:
     """Tar stage: raw samples ({"__key__", "__url__", extension: bytes}) from each shard in turn.
 
-    A shard that fails to open or read is counted and skipped (`BadSampleCounter.handler`). For an
-    endless shard stream, `patience` shards opened without a single sample read stops the stream
-    (`counter.fatal`) instead of spinning forever on unreadable or empty shards.
+    A shard that fails to open or read is counted and skipped, one that holds fewer samples than
+    `listed` (its sizes.json) is counted as truncated (`shards.tar_samples`). For an endless shard
+    stream, `patience` shards opened without a single sample read stops the stream (`counter.fatal`)
+    instead of spinning forever on unreadable or empty shards.
     """
     for opened, url in enumerate(urls):
         if patience is not None and opened >= patience and counter.raw == 0:
             counter.fatal = _nothing_read(opened, url, counter)
             return
-        counter.shard = url  # for the handler's message
-        # One tar stage per shard: webdataset ends a shard's last sample at an end-of-shard marker
-        # that a damaged shard never sends, and the next shard's first files would join that sample.
-        for sample in wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}])):
+        for sample in tar_samples(url, counter, (listed or {}).get(url)):
             counter.raw += 1
             yield sample
 
@@ -260,9 +269,11 @@ class _ShardStream(IterableDataset):
     """One process's shard stream; iterated inside each DataLoader worker (or in-process)."""
 
     def __init__(self, urls: list[str], kind: str, cfg: ShardDataConfig, rank: int, world_size: int,
-                 batches_per_worker: int | None, epoch, transform: Callable | None, tokenizer: Callable | None):
+                 batches_per_worker: int | None, epoch, transform: Callable | None, tokenizer: Callable | None,
+                 listed: dict[str, int] | None):
         super().__init__()
         self.urls, self.kind, self.cfg = urls, kind, cfg
+        self.listed = listed  # {url: samples} from sizes.json: a shard that holds fewer is truncated
         self.rank, self.world_size = rank, world_size
         self.batches_per_worker = batches_per_worker  # None: exact epoch, every sample once
         self.epoch = epoch  # a multiprocessing.Value shared with the workers (open_clip's SharedEpoch)
@@ -296,14 +307,16 @@ class _ShardStream(IterableDataset):
             rng = random.Random(f"resampled/{cfg.seed}/{epoch}/{self.rank}/{worker}")
             draws = (rng.choice(self.urls) for _ in itertools.count())
             patience = max(3 * len(self.urls), 64)  # draws without a single sample before giving up
-            yield from self._one_pass(_open_tars(draws, counter, patience), f"{epoch}/{self.rank}/{worker}",
+            yield from self._one_pass(_open_tars(draws, counter, self.listed, patience),
+                                      f"{epoch}/{self.rank}/{worker}",
                                       decode, counter, give_up_without_good=True)
             return
         order = _epoch_shard_order(self.urls, cfg.shuffle, cfg.seed, epoch)
         mine = _split(_split(order, self.rank, self.world_size), worker, num_workers)
         for pass_index in itertools.count():
             read_before = counter.raw
-            yield from self._one_pass(_open_tars(iter(mine), counter), f"{epoch}/{self.rank}/{worker}/{pass_index}",
+            yield from self._one_pass(_open_tars(iter(mine), counter, self.listed),
+                                      f"{epoch}/{self.rank}/{worker}/{pass_index}",
                                       decode, counter, give_up_without_good=endless)
             if not endless or not mine or counter.fatal:
                 return
@@ -378,29 +391,6 @@ def _node(cfg: ShardDataConfig) -> tuple[int, int]:
     return rank, world_size
 
 
-def _shard_sizes(urls: Sequence[str]) -> dict[str, int] | None:
-    """{url: samples} from the sizes.json beside each shard; None if any shard has no entry."""
-    tables: dict[str, dict | None] = {}
-    sizes = {}
-    for url in urls:
-        if "://" in url or url.startswith("pipe:"):
-            return None
-        folder = os.path.dirname(url)
-        if folder not in tables:
-            path = Path(folder) / SIZES_FILE
-            try:
-                tables[folder] = json.loads(path.read_text()) if path.is_file() else None
-            except ValueError:
-                raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
-                                "and set data.samples_per_epoch") from None
-        table = tables[folder]
-        name = os.path.basename(url)
-        if table is None or name not in table:
-            return None
-        sizes[url] = int(table[name])
-    return sizes
-
-
 def _check_config(cfg: ShardDataConfig, kind: str) -> None:
     if kind not in SAMPLE_KINDS:
         raise UserError(f"unknown sample kind {kind!r}; choose one of {', '.join(SAMPLE_KINDS)}")
@@ -450,7 +440,7 @@ class ShardLoader:
         self.cfg, self.kind = cfg, kind
         self.urls = shard_urls(cfg.urls)
         self.rank, self.world_size = _node(cfg)
-        self._sizes = _shard_sizes(self.urls)
+        self._sizes = listed_sizes(self.urls)
         workers = max(1, cfg.workers)
 
         if cfg.exact_epoch:
@@ -478,7 +468,7 @@ class ShardLoader:
 
         self._epoch = multiprocessing.Value("i", 0)
         self.dataset = _ShardStream(self.urls, kind, cfg, self.rank, self.world_size, batches_per_worker,
-                                    self._epoch, transform, tokenizer)
+                                    self._epoch, transform, tokenizer, self._sizes)
         self.dataloader = DataLoader(self.dataset, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                      persistent_workers=cfg.workers > 0, pin_memory=cfg.pin_memory)
         self.bad = BadSampleCounter()
@@ -535,7 +525,8 @@ class ShardLoader:
     def check_bad_fraction(self) -> None:
         """Raise a UserError if more than `max_bad_fraction` of what was read so far was skipped."""
         bad = self.bad.total
-        seen = self.samples_read + sum(self.bad.counts[reason] for reason in SHARD_REASONS)
+        # What was read, and what should have been: samples, damaged shards and samples they lost.
+        seen = self.samples_read + sum(self.bad.counts[reason] for reason in (*SHARD_REASONS, "missing_samples"))
         if seen and bad / seen > self.cfg.max_bad_fraction:
             raise UserError(f"{bad} of {seen} samples were bad ({_reasons(self.bad.counts)}), over "
                             f"max_bad_fraction={self.cfg.max_bad_fraction}; fix the shards or raise "

@@ -27,13 +27,13 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import webdataset as wds
 from webdataset.shardlists import expand_urls
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.atomic import process_alive, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ NSHARDS_FILE = "nshards.txt"
 SIZES_FILE = "sizes.json"
 CLASSNAMES_FILE = "classnames.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
-_PARTIAL_SUFFIX = ".tar.partial"
+_PARTIAL_SUFFIX = ".partial"
 DECODED_CACHE_PREFIX = ".decoded-"
 _LAYOUT_HINT = (
     "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout); "
@@ -89,8 +89,9 @@ def write_split(
     split_dir.mkdir(parents=True, exist_ok=True)
     for marker in (SIZES_FILE, NSHARDS_FILE):
         (split_dir / marker).unlink(missing_ok=True)
-    for leftover in [*split_dir.glob(f".*{_PARTIAL_SUFFIX}"), *split_dir.glob(f"{DECODED_CACHE_PREFIX}*")]:
+    for leftover in split_dir.glob(f"{DECODED_CACHE_PREFIX}*"):
         leftover.unlink()
+    _remove_partial_shards(split_dir, stale_only=True)
 
     sizes: dict[str, int] = {}
     failed = False
@@ -100,11 +101,12 @@ def write_split(
         if failed:
             os.unlink(temporary_name)
             return
-        final = split_dir / Path(temporary_name).name[1 : -len(".partial")]
+        final = split_dir / Path(temporary_name).name[1:].rsplit(".", 2)[0]  # .3.tar.PID.partial → 3.tar
         os.replace(temporary_name, final)
         sizes[final.name] = writer.count
 
-    pattern = str(split_dir).replace("%", "%%") + f"/.%d{_PARTIAL_SUFFIX}"
+    # Temporary names carry the writer's pid: two writers of one split never delete each other's shard.
+    pattern = str(split_dir).replace("%", "%%") + f"/.%d.tar.{os.getpid()}{_PARTIAL_SUFFIX}"
     writer = wds.ShardWriter(
         pattern, maxcount=samples_per_shard, maxsize=max_bytes, post=publish, verbose=0,
         # An int mtime: a float one makes tarfile add a 1 KB pax header to every member.
@@ -117,9 +119,12 @@ def write_split(
             writer.write({**sample, "__key__": key})
     except BaseException:
         failed = True  # the shard being written is deleted, not published
+        try:
+            writer.close()
+        finally:  # a full disk fails the close too: this writer's partial shard goes all the same
+            _remove_partial_shards(split_dir, stale_only=False)
         raise
-    finally:
-        writer.close()
+    writer.close()
 
     # Shards of an earlier, longer run of this split would otherwise linger past N-1.
     for path in split_dir.glob("*.tar"):
@@ -130,10 +135,33 @@ def write_split(
     return sizes
 
 
+def _remove_partial_shards(split_dir: Path, stale_only: bool) -> None:
+    """Delete this process's temporary shards in `split_dir`, and (`stale_only`) only those of
+    processes that are gone or of this one (a pid-less name is an older version's leftover)."""
+    for path in split_dir.glob(f".*{_PARTIAL_SUFFIX}"):
+        parts = path.name[1:].rsplit(".", 2)  # ["3.tar", "PID", "partial"]
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        if pid == os.getpid() or (stale_only and (pid is None or not process_alive(pid))):
+            path.unlink(missing_ok=True)
+
+
+def is_safe_key(key: Any) -> bool:
+    """Whether `key` can name a sample's tar members: a relative path of non-empty parts, none of them
+    `..`, no control characters or backslashes, and no dot in its last part (webdataset splits a
+    member name into key and extension at that dot). Keys read from someone else's shards can be
+    `../x` or `/abs/x`, which an extracting tool would write outside its folder."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key:
+        return False
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts) or "." in parts[-1]:
+        return False
+    return not any(ord(char) < 32 or ord(char) == 127 for char in key)
+
+
 def _checked_key(key: Any, seen_keys: set[str]) -> str:
     """`key` if webdataset can read it back as one sample's key; ValueError otherwise."""
-    if not isinstance(key, str) or not key or "." in key.rsplit("/", 1)[-1]:
-        raise ValueError(f"sample key {key!r} is not a non-empty str without a dot in its last part")
+    if not is_safe_key(key):
+        raise ValueError(f"sample key {key!r} is not a relative path of plain parts without a dot in its last part")
     if key in seen_keys:
         raise ValueError(f"sample key {key!r} repeats an earlier sample's key")
     seen_keys.add(key)
@@ -146,17 +174,24 @@ def is_local_url(url: str) -> bool:
     return "://" not in url and not url.startswith("pipe:")
 
 
+def file_identity(path: str | Path) -> tuple[str, int, int, int]:
+    """(resolved path, size, mtime, ctime) of a file: what caches of its contents are keyed by.
+
+    Not its bytes (reading every file of a benchmark would cost what the cache saves), but the
+    ctime too: a file rewritten in place gets a new one, and so does a copy, whose mtime `cp -a`
+    and `rsync -a` keep but whose ctime no tool can set.
+    """
+    stat = os.stat(path)
+    return str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
 def files_signature(paths) -> str:
-    """A cheap identity of a set of files: each one's resolved path, size and modification time (not
-    its bytes), so a file rewritten in place gets a new signature. Remote shards (URLs, pipes) cannot
-    be stat'ed and count by their name alone."""
+    """A cheap identity of a set of files (`file_identity` of each). Remote shards (URLs, pipes)
+    cannot be stat'ed and count by their name alone."""
     digest = hashlib.sha256()
     for path in sorted(str(p) for p in paths):
-        if is_local_url(path):
-            stat = os.stat(path)
-            digest.update(f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-        else:
-            digest.update(f"{path}\n".encode())
+        identity = file_identity(path) if is_local_url(path) else (path,)
+        digest.update(("|".join(map(str, identity)) + "\n").encode())
     return digest.hexdigest()
 
 
@@ -208,6 +243,48 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"shards not found: {missing[0]}{more}; {_LAYOUT_HINT}")
     return urls
+
+
+def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
+    """{url: samples} from the sizes.json beside each local shard; None if any shard is remote or has
+    no entry (img2dataset's output, hand-made tars)."""
+    tables: dict[str, dict | None] = {}
+    sizes = {}
+    for url in urls:
+        if not is_local_url(url):
+            return None
+        folder = os.path.dirname(url)
+        if folder not in tables:
+            path = Path(folder) / SIZES_FILE
+            try:
+                tables[folder] = json.loads(path.read_text()) if path.is_file() else None
+            except ValueError:
+                raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
+                                "and set data.samples_per_epoch") from None
+        table = tables[folder]
+        name = os.path.basename(url)
+        if not isinstance(table, dict) or name not in table:
+            return None
+        sizes[url] = int(table[name])
+    return sizes
+
+
+def tar_samples(url: str, counter: BadSampleCounter, listed: int | None = None,
+                select_files: Callable[[str], bool] | None = None) -> Iterator[dict]:
+    """The raw samples ({"__key__", "__url__", extension: bytes}) of one tar shard.
+
+    A shard that fails to open or read is counted by `counter.handler` and its samples before the
+    damage are kept; one that ends before the `listed` samples of its sizes.json is counted as
+    truncated (`BadSampleCounter.shard_ended`). One webdataset tar stage per shard: webdataset ends a
+    shard's last sample at an end-of-shard marker that a damaged shard never sends, and the next
+    shard's first files would join that sample.
+    """
+    counter.shard = url  # for the handler's message
+    read = 0
+    for sample in wds.tarfile_to_samples(handler=counter.handler, select_files=select_files)(iter([{"url": url}])):
+        read += 1
+        yield sample
+    counter.shard_ended(url, read, listed)
 
 
 def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
@@ -276,26 +353,24 @@ class BadSampleCounter:
     """Counts skipped samples and shards by reason; logs the first of each reason only.
 
     `counts` is a Counter (a reason never seen reads 0). Sample reasons: "missing_image",
-    "missing_cls", "bad_image", "bad_cls". Shard reasons, counted once per shard: "bad_shard" (a
-    truncated or corrupt tar; the samples before the damage are kept) and "unreadable_shard" (the
-    file cannot be opened).
+    "missing_cls", "bad_image", "bad_cls"…, and "missing_samples": the samples a shard's sizes.json
+    lists that the shard no longer holds. Shard reasons (`SHARD_REASONS`), counted once per shard:
+    "bad_shard" (a corrupt tar, or one cut inside a member; the samples before the damage are kept),
+    "unreadable_shard" (the file cannot be opened) and "truncated_shard" (a tar that ends cleanly
+    before the samples its sizes.json lists: cut at a sample boundary).
     """
+
+    SHARD_REASONS = ("bad_shard", "unreadable_shard", "truncated_shard")
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
-        self.shard: str | None = None  # the shard being read, set by `track_shards`
+        self.shard: str | None = None  # the shard being read, set by `tar_samples`
         self._bad_shards: set[tuple[str, str | None]] = set()
 
-    def skip(self, reason: str, detail: str) -> None:
+    def skip(self, reason: str, detail: str, count: int = 1) -> None:
         if self.counts[reason] == 0:
             logger.warning("skipping %s: %s (further ones are counted, not logged)", reason, detail)
-        self.counts[reason] += 1
-
-    def track_shards(self, shards: Iterable[dict]) -> Iterator[dict]:
-        """Pipeline stage that notes which shard is being read, for `handler`."""
-        for shard in shards:
-            self.shard = shard["url"]
-            yield shard
+        self.counts[reason] += count
 
     def handler(self, exn: Exception) -> bool:
         """Webdataset handler for a shard that fails to open or read: count it, go on.
@@ -309,6 +384,18 @@ class BadSampleCounter:
             first_arg = exn.args[0] if exn.args else ""
             self.skip(reason, f"{self.shard}: {type(exn).__name__}: {first_arg}")
         return True
+
+    def shard_ended(self, url: str, read: int, listed: int | None) -> None:
+        """A shard read to its end gave `read` samples where its sizes.json lists `listed`: count what
+        is missing. A tar cut at a sample boundary reads as a complete, shorter archive; without this,
+        a third of a split read as the whole of it."""
+        if listed is None or read >= listed:
+            return
+        where = f"{url}: {read} of the {listed} samples its {SIZES_FILE} lists"
+        if not any(shard == url for _, shard in self._bad_shards):  # a damaged tar is counted once
+            self._bad_shards.add(("truncated_shard", url))
+            self.skip("truncated_shard", where)
+        self.skip("missing_samples", where, count=listed - read)
 
     @property
     def total(self) -> int:

@@ -116,8 +116,9 @@ def _require_columns(table: Path, columns: Iterable[str], needed: dict[str, str]
                             f"pass {option} with one of them")
 
 
-def _table_image(cell: Any, table_dir: Path) -> tuple[Path | bytes | None, str, str | None]:
-    """(image file or bytes, the name the table gives it, a reason to skip or None)."""
+def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | bytes | None, str, str | None]:
+    """(image file or bytes, the name the table gives it, a reason to skip or None). With `root`, a
+    path that resolves outside it (`../`, absolute, through a link) is skipped as outside_root."""
     data, name = None, None
     if isinstance(cell, dict):  # Hugging Face datasets' Image feature: {"bytes", "path"}
         data, name = cell.get("bytes"), cell.get("path")
@@ -132,18 +133,28 @@ def _table_image(cell: Any, table_dir: Path) -> tuple[Path | bytes | None, str, 
     name = name.strip()
     if "://" in name:  # downloading is img2dataset's job; its output is a folder this reads
         return None, name, "remote_image"
-    path = Path(name)
-    return (path if path.is_absolute() else table_dir / path), name, None
+    path = Path(name) if Path(name).is_absolute() else table_dir / name
+    if root is not None and not path.resolve().is_relative_to(root):
+        return None, name, "outside_root"
+    return path, name, None
 
 
-def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str | None = None) -> Listing:
+def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str | None = None,
+               root: str | Path | None = None) -> Listing:
     """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
+
+    Image paths are relative to the table's folder, or absolute: a table reads any file its user can
+    read. `root` confines them: a path resolving outside that folder is skipped (outside_root).
 
     The key is `key_col`'s value, else the image path without its extension (so two rows naming
     one image are a duplicate_key: give `key_col` to keep several captions per image), else the
     row number for embedded bytes. Columns other than these go to `.json` as "extra".
     """
     table = Path(table)
+    if root is not None:
+        root = Path(root).resolve()
+        if not root.is_dir():
+            raise UserError(f"--root {root} is not a folder; give the folder the table's images must lie in")
     if table.is_dir():
         raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
                         "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
@@ -166,7 +177,7 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
     candidates, seen_columns = [], {}
     for index, row in enumerate(rows):
         seen_columns.update(dict.fromkeys(row))
-        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, counter)
+        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, counter, root)
         if candidate is not None:
             candidates.append(candidate)
     if columns is None and seen_columns:
@@ -179,9 +190,9 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
 
 
 def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption_col: str, key_col: str | None,
-                     counter: BadSampleCounter) -> Candidate | None:
+                     counter: BadSampleCounter, root: Path | None) -> Candidate | None:
     """The candidate of one row, or None after counting why the row is skipped."""
-    image, name, problem = _table_image(row.get(image_col), table.parent)
+    image, name, problem = _table_image(row.get(image_col), table.parent, root)
     caption = row.get(caption_col)
     if caption is None:
         caption = ""  # counted as empty_caption when written, like a blank cell

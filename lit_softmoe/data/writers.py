@@ -24,9 +24,11 @@ of the inputs (name, size and mtime of every file read) and, written last, the s
 finished command writes nothing, and rerunning an interrupted one rewrites the same bytes. A split
 that holds anything else (another source's shards, Fashion-MNIST) is refused unless `overwrite`.
 
-Reasons a sample is skipped: missing_image, unreadable_image, bad_image (does not decode),
-remote_image (a URL in a table), missing_caption, empty_caption, non_utf8_text, bad_caption (not a
-string), bad_row (a malformed table line), duplicate_key, missing_key, outside_class_folder.
+Reasons a sample is skipped: missing_image, unreadable_file, not_a_regular_file (a FIFO, a device:
+never read), too_large (over MAX_INPUT_BYTES), bad_image (does not decode), remote_image (a URL in a
+table), outside_root (a table path outside --root), missing_caption, empty_caption, non_utf8_text,
+bad_caption (not a string), bad_row (a malformed table line), duplicate_key, missing_key,
+outside_class_folder.
 Changes counted among the re-encoded images: see `images.normalize_image`.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -59,6 +62,7 @@ from lit_softmoe.data.shards import (
 from lit_softmoe.data.tables import list_table
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.locks import folder_lock
 from lit_softmoe.utils.paths import check_writable
 
 logger = logging.getLogger(__name__)
@@ -153,13 +157,37 @@ def _reasons(counts: dict[str, int]) -> str:
 
 # ---------------------------------------------------------------------------------------- samples
 
+# An input file larger than this is not read (a table row naming /dev/zero, a disk image among
+# photos): counted as too_large. 256 MiB is far above any photo or caption.
+MAX_INPUT_BYTES = 256 << 20
+
+
+def _read_file(path: Path, missing: str) -> tuple[bytes | None, str | None]:
+    """(the file's bytes, None) or (None, the reason to skip it). Only regular files are read: a FIFO
+    would block forever and a device (/dev/zero) never end."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None, missing
+    except OSError:  # no permission, a loop of links, an I/O error
+        return None, "unreadable_file"
+    if not S_ISREG(stat.st_mode):
+        return None, "not_a_regular_file"
+    if stat.st_size > MAX_INPUT_BYTES:
+        return None, "too_large"
+    try:
+        with open(path, "rb") as file:
+            return file.read(MAX_INPUT_BYTES + 1), None
+    except OSError:
+        return None, "unreadable_file"
+
+
 def _read_caption(caption: Path | str) -> tuple[str | None, str | None]:
     """(caption text, None) or (None, the reason to skip the sample)."""
     if isinstance(caption, Path):
-        try:
-            raw = caption.read_bytes()
-        except OSError:
-            return None, "missing_caption"
+        raw, problem = _read_file(caption, "missing_caption")
+        if problem:
+            return None, problem
         try:
             caption = raw.decode("utf-8-sig")
         except UnicodeDecodeError:
@@ -174,12 +202,7 @@ def _read_caption(caption: Path | str) -> tuple[str | None, str | None]:
 def _read_image_file(image: Path | bytes) -> tuple[bytes | None, str | None]:
     if isinstance(image, bytes):
         return image, None
-    try:
-        return image.read_bytes(), None
-    except FileNotFoundError:
-        return None, "missing_image"
-    except OSError:  # a folder, no permission, an I/O error
-        return None, "unreadable_image"
+    return _read_file(image, "missing_image")
 
 
 def _jsonable(value: Any) -> Any:
@@ -264,15 +287,17 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
 
 def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str,
                        options: WriteOptions = WriteOptions(), key_col: str | None = None,
-                       progress: bool = False, overwrite: bool = False) -> WriteSummary:
+                       progress: bool = False, overwrite: bool = False, root: str | Path | None = None) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
-    Image paths are relative to the table's folder (or absolute); see `list_table` for keys and
-    extra columns. A split holding other data is refused unless `overwrite`.
+    Image paths are relative to the table's folder (or absolute), confined to `root` if given; see
+    `list_table` for keys and extra columns. A split holding other data is refused unless `overwrite`.
     """
-    listing = list_table(table, image_col, caption_col, key_col)
+    listing = list_table(table, image_col, caption_col, key_col, root)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
                  "caption_col": caption_col, "key_col": key_col}
+    if root is not None:
+        arguments["root"] = str(Path(root).resolve())
     return _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite)
 
 
@@ -301,32 +326,37 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     if not listing.candidates:
         raise UserError(f"nothing to write from {source_name}: every sample was skipped"
                         f"{_reasons(dict(listing.counter.counts))}; fix the source and rerun")
-    other = other_split_data(split_dir, lambda written: written.get("arguments") == arguments)
-    if other and not overwrite:
-        raise UserError(f"{split_dir} already holds {other}; pass --overwrite to replace that split, "
-                        "or choose another --out or --split")
-    other_splits = splits_beside(out_dir, exclude={options.split})
-    _check_classnames(out_dir, options.split, listing.classnames)
-    counter, tally = listing.counter, _ImageTally()
+    _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames, overwrite)
+    # Writers of one dataset folder run one after the other, each seeing what the one before wrote:
+    # two splits written at once renamed each other's classes, and one command run twice at once
+    # deleted the other's shards. So the checks are made again under the lock.
+    with folder_lock(out_dir):
+        finished = _finished_summary(split_dir, manifest)  # the same command, finished meanwhile
+        if finished is not None:
+            finished.seconds = round(time.perf_counter() - start, 3)
+            return finished
+        other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames,
+                                                overwrite)
+        counter, tally = listing.counter, _ImageTally()
 
-    def write(target: Path) -> WriteSummary:
-        target.mkdir(parents=True, exist_ok=True)
-        # Before any shard: tells a rerun that these shards are this source's (an interrupted run
-        # is rewritten, not refused). Without its "summary" it does not mark the split complete.
-        write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-        candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
-        sizes = write_split(_encoded_samples(candidates, options, counter, tally), target.parent, target.name,
-                            samples_per_shard=options.samples_per_shard, max_bytes=options.max_shard_bytes,
-                            keep_keys=True)
-        skipped = dict(sorted(counter.counts.items()))
-        if sum(sizes.values()) == 0:
-            raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
-                            f"{_reasons(skipped)}; fix the source and rerun")
-        summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
-                               {name: (target / name).stat().st_size for name in sizes})
-        recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
-        write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
-        return summary
+        def write(target: Path) -> WriteSummary:
+            target.mkdir(parents=True, exist_ok=True)
+            # Before any shard: tells a rerun that these shards are this source's (an interrupted run
+            # is rewritten, not refused). Without its "summary" it does not mark the split complete.
+            write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+            candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
+            sizes = write_split(_encoded_samples(candidates, options, counter, tally), target.parent, target.name,
+                                samples_per_shard=options.samples_per_shard, max_bytes=options.max_shard_bytes,
+                                keep_keys=True)
+            skipped = dict(sorted(counter.counts.items()))
+            if sum(sizes.values()) == 0:
+                raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
+                                f"{_reasons(skipped)}; fix the source and rerun")
+            summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
+                                   {name: (target / name).stat().st_size for name in sizes})
+            recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
+            write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
+            return summary
 
     if other:
         results = []
@@ -341,6 +371,18 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
     summary.seconds = round(time.perf_counter() - start, 3)
     return summary
+
+
+def _check_split_free(out_dir: Path, split_dir: Path, split: str, arguments: dict, classnames: list[str] | None,
+                      overwrite: bool) -> tuple[str | None, list[str]]:
+    """Refuse a split holding other data (without `overwrite`) or other class names than the dataset's
+    other splits; returns (what the split holds, the other splits)."""
+    other = other_split_data(split_dir, lambda written: written.get("arguments") == arguments)
+    if other and not overwrite:
+        raise UserError(f"{split_dir} already holds {other}; pass --overwrite to replace that split, "
+                        "or choose another --out or --split")
+    _check_classnames(out_dir, split, classnames)
+    return other, splits_beside(out_dir, exclude={split})
 
 
 def other_split_data(split_dir: Path, is_own: Callable[[dict], bool]) -> str | None:

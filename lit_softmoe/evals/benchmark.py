@@ -63,6 +63,7 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
                 "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
+    partial = _partial_read(spec, data, len(targets) + bad)
     uncaptioned = empty_captions = 0
     if data.task == "retrieval":
         # An image without a caption could only ever miss in image→text: it is left out and counted.
@@ -106,7 +107,20 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
                           empty_captions=empty_captions, templates=None)
     result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
+    if partial:
+        result["partial"] = partial
     return result
+
+
+def _partial_read(spec: BenchmarkConfig, data: EvalData, read: int) -> str | None:
+    """Why the metrics cover only part of the split (its shards hold fewer samples than their
+    sizes.json lists: truncated), or None. A cut at a sample boundary reads as a shorter, clean tar."""
+    if data.listed_samples is None or read >= data.listed_samples:
+        return None
+    partial = (f"{read} of the {data.listed_samples} samples that the sizes.json of {spec.root}/{spec.split} lists "
+               "were read: its shards are truncated, and the metrics cover the samples read only")
+    logger.warning("%s: %s", spec.name, partial)
+    return partial
 
 
 def read_split(spec: BenchmarkConfig, preprocess) -> EvalData:

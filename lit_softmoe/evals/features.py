@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -24,11 +25,14 @@ from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import autocast_context, autocast_dtype
+from lit_softmoe.utils.hashing import file_sha256
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3  # 2: the key names the task and the image transform too; 3: a webdataset sample without
-# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit)
+CACHE_FORMAT = 4  # 2: the key names the task and the image transform too; 3: a webdataset sample without
+# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit);
+# 4: each entry records its features file's sha256, and file identities include the ctime
+FEATURES_FILE = "features.safetensors"
 
 
 def default_cache_dir() -> Path:
@@ -108,20 +112,41 @@ def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: Eva
         return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
                                cfg.precision), "off")
     folder = cache_dir / _cache_key(model, spec, data, device, cfg.precision)
-    if (folder / "meta.json").is_file():
-        meta = json.loads((folder / "meta.json").read_text())
-        return load_file(folder / "features.safetensors")["features"], meta["targets"], meta["bad"], "hit"
+    cached = _read_entry(folder) if (folder / "meta.json").is_file() else None
+    if cached is not None:
+        return (*cached, "hit")
     features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
                                            cfg.precision)
 
     def write(tmp: Path) -> None:
-        save_file({"features": features.contiguous()}, tmp / "features.safetensors")
-        (tmp / "meta.json").write_text(json.dumps({"benchmark": spec.name, "targets": targets, "bad": bad}))
+        save_file({"features": features.contiguous()}, tmp / FEATURES_FILE)
+        meta = {"benchmark": spec.name, "targets": targets, "bad": bad, "sha256": file_sha256(tmp / FEATURES_FILE)}
+        (tmp / "meta.json").write_text(json.dumps(meta))
 
     try:
         write_folder_atomically(folder, write)
-    except OSError as err:  # a read-only ~/.cache, a full disk: the features are in hand, the suite goes on
+    # A read-only ~/.cache, a full disk (safetensors raises its own error for it): the features are
+    # in hand, so the suite goes on without caching them.
+    except (OSError, SafetensorError) as err:
         logger.warning("image features of %s not cached in %s (%s); set cache_dir= or pass --no-cache",
                        spec.name, cache_dir, err)
         return features, targets, bad, "off"
     return features, targets, bad, "miss"
+
+
+def _read_entry(folder: Path) -> tuple[torch.Tensor, list, int] | None:
+    """(features, targets, bad) of a cache entry whose features file still has the sha256 recorded
+    beside it, else None: a damaged entry (a disk that filled, a copy cut short) is warned about and
+    encoded again, where it crashed every later eval of its benchmark."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if file_sha256(folder / FEATURES_FILE) != meta["sha256"]:
+            raise ValueError(f"{FEATURES_FILE} is not the file that was cached")
+        features = load_file(folder / FEATURES_FILE)["features"]
+        if features.shape[0] != len(meta["targets"]):
+            raise ValueError("features and targets differ in number")
+        return features, meta["targets"], meta["bad"]
+    except Exception as err:  # noqa: BLE001 — anything wrong with an entry: never trusted, encoded again
+        logger.warning("ignoring the damaged image-feature cache entry %s (%s: %s); encoding again", folder,
+                       type(err).__name__, err)
+        return None

@@ -40,6 +40,7 @@ from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     BadSampleCounter,
     files_signature,
+    listed_sizes,
     read_lines,
     shard_urls,
 )
@@ -66,9 +67,14 @@ class EvalData:
     classnames: list[str] | None = None  # from the dataset's own files, when it ships them
     templates: list[str] | None = None
     signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
+    # The samples the split's sizes.json lists (webdataset splits written by lit-softmoe): reading
+    # fewer means truncated shards, and metrics over a part of the split.
+    listed_samples: int | None = None
 
 
 def _load_image(data: bytes | str | Path) -> PIL.Image.Image:
+    if not isinstance(data, bytes) and not Path(data).is_file():  # a FIFO would block, a device never end
+        raise ValueError(f"{data} is not a regular file")
     image = PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
     image.load()  # decode now: PIL is lazy, and a truncated file fails only here
     return to_l_or_rgb(image)
@@ -150,10 +156,12 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
         raise UserError(f"{root} is a multi-label set (dataset_type.txt says multilabel); lit-softmoe scores "
                         "single-label classification and retrieval only, so leave it out of the suite")
     task = task or ("retrieval" if kind == "retrieval" else "classification")
+    listed = listed_sizes(urls)
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
                     classnames=read_lines(root / CLASSNAMES_FILE),
                     templates=read_lines(root / "zeroshot_classification_templates.txt"),
-                    signature={"files": files_signature([Path(u) for u in urls])})
+                    signature={"files": files_signature([Path(u) for u in urls])},
+                    listed_samples=sum(listed.values()) if listed else None)
 
 
 # ---------------------------------------------------------------------------------- map-style readers
@@ -209,8 +217,9 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
                            "names as class names (set classnames: in the suite to use others)", base, len(classnames))
         labels = {f.name: i for i, f in enumerate(folders)}
         names = [f.name.replace("_", " ") for f in folders]
+    # Regular files only: a FIFO among the images would block the reader forever.
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
-             if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".")]
+             if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
     items = [((lambda p=path: _load_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})

@@ -15,8 +15,9 @@ def summary_line(entry: dict) -> str:
     if entry["status"] != "ok":
         return f"{entry['benchmark']}: {entry['status']} ({entry['reason']})"
     metrics = ", ".join(f"{k} {percent(v)}" for k, v in entry["metrics"].items())
-    return f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
+    line = f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
            f"image cache {entry['image_cache']})"
+    return f"{line}; PARTIAL: {entry['partial']}" if entry.get("partial") else line
 
 
 def percent(value) -> str:
@@ -49,7 +50,8 @@ def markdown_table(report: dict) -> str:
         templates = entry.get("templates") or {}
         used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
             if templates else "captions"
-        lines.append(markdown_row([entry["benchmark"], entry["task"], *cells, str(entry["num_samples"]), used,
+        samples = f"{entry['num_samples']} (partial)" if entry.get("partial") else str(entry["num_samples"])
+        lines.append(markdown_row([entry["benchmark"], entry["task"], *cells, samples, used,
                                    f"{entry['seconds']:.1f}"]))
     return "\n".join(lines) + "\n"
 

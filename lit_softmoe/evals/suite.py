@@ -110,7 +110,9 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
             entry = {"benchmark": spec.name, "task": spec.task or "classification", "status": "failed",
                      "reason": str(err), "path": str(spec.root)}
             logger.warning("%s failed: %s", spec.name, err)
-        if peer and entry["status"] == "ok" and entry["format"] == "wds":
+        if peer and entry["status"] == "ok" and entry.get("partial"):  # no agreement claimed on a part
+            entry["peer"] = {"status": "skipped", "reason": f"not compared on a partial split: {entry['partial']}"}
+        elif peer and entry["status"] == "ok" and entry["format"] == "wds":
             prompts = {}
             if entry["task"] == "classification":  # the prompts we scored, wherever they came from
                 classnames, templates, _ = resolve_prompts(spec, read_split(spec, preprocess))

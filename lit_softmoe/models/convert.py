@@ -180,8 +180,10 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
         with loaded as npz:
             return {k: npz[k] for k in npz.files}
     except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise UserError(f"cannot read {path} as .npz ({err}); "
-                        "save the tree with np.savez(path, **flat_params)") from None
+        # numpy's message for object arrays names allow_pickle: never advise loading a user's pickle.
+        reason = "it holds Python objects, which are never unpickled" if "allow_pickle" in str(err) else err
+        raise UserError(f"cannot read {path} as .npz ({reason}); "
+                        "save the tree with np.savez(path, **flat_params) of numeric arrays") from None
 
 
 def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTransformer:

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
@@ -53,12 +54,36 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
     return write_folder_atomically(ckpt_dir, write)
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type)."""
+
+
+def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(state.json, the tensors) of a checkpoint folder, read whole; DamagedCheckpoint says what is wrong."""
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        info = json.loads((ckpt_dir / STATE_META).read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"{STATE_META}: {err}") from None
+    step = info.get("step") if isinstance(info, dict) else None
+    step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    if not step_ok or not isinstance(info.get("param_groups"), list):
+        raise DamagedCheckpoint(f"{STATE_META} holds no step number and optimizer groups")
+    try:
+        tensors = load_file(ckpt_dir / STATE_TENSORS)
+    except (OSError, SafetensorError) as err:
+        raise DamagedCheckpoint(f"{STATE_TENSORS}: {err}") from None
+    if "rng.cpu" not in tensors:
+        raise DamagedCheckpoint(f"{STATE_TENSORS} holds no random number generator state")
+    return info, tensors
+
+
 def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer, skip_prefixes: tuple[str, ...] = ()) -> dict:
-    """Restore what `save_training_state` wrote; returns its JSON metadata (with "step")."""
+    """Restore what `save_training_state` wrote; returns its JSON metadata (with "step").
+    A damaged checkpoint raises DamagedCheckpoint before anything is restored."""
     ckpt_dir = Path(ckpt_dir)
-    info = json.loads((ckpt_dir / STATE_META).read_text())
-    tensors = load_file(ckpt_dir / STATE_TENSORS)
+    info, tensors = read_training_state(ckpt_dir)
     model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     check_state_dict(model, model_state, str(ckpt_dir), skip_prefixes)
     model.load_state_dict(model_state, strict=not skip_prefixes)

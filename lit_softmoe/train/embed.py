@@ -46,6 +46,7 @@ from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
     dataset_dir,
     is_local_url,
+    is_safe_key,
     read_class_members,
     shard_urls,
     splits_beside,
@@ -56,6 +57,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
+from lit_softmoe.utils.hashing import file_sha256
 
 EMBED_FILE = "embed.json"
 FORMAT_VERSION = 1
@@ -88,7 +90,8 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
     Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
     refused when embed.json is missing (not a cache, or a run that did not finish), when the
     tower's weights, config or preprocessing differ from those it was made with, or when one of
-    its local source shards still exists with another size or modification time.
+    its local source shards still exists with another size or modification time, or when one of its
+    own shards is not the file embed wrote (damaged, truncated or replaced since).
     """
     split_dir = Path(feature_split_dir)
     info = _read_embed_json(split_dir)
@@ -104,7 +107,23 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
     if changed is not None:
         raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
                         f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+    damaged = _damaged_shard(split_dir, info.get("shard_sha256"))
+    if damaged is not None:
+        raise UserError(f"feature cache {split_dir}: {damaged}; "
+                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
     return info
+
+
+def _damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
+    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (caches
+    written before the hashes were recorded cannot be checked)."""
+    for name, sha256 in (recorded or {}).items():
+        path = split_dir / name
+        if not path.is_file():
+            return f"its shard {name} is missing"
+        if file_sha256(path) != sha256:
+            return f"its shard {name} is not the one embed wrote (damaged or replaced since)"
+    return None
 
 
 def _source_stats(urls: list[str]) -> dict:
@@ -202,6 +221,9 @@ def _feature_samples(loader, tower, device, autocast, labels: dict[str, bytes] |
         for key, caption, embedding, ok in zip(batch["key"], captions, embeddings, finite):
             if not ok:  # fp16 overflow or a NaN from the tower: the reader would skip it anyway
                 stats["bad"]["nonfinite_embedding"] = stats["bad"].get("nonfinite_embedding", 0) + 1
+                continue
+            if not is_safe_key(key):  # `../x`, `/abs/x` from a hostile source: not written into our shards
+                stats["bad"]["unsafe_key"] = stats["bad"].get("unsafe_key", 0) + 1
                 continue
             sample = {"__key__": key, "npy": _npy_bytes(embedding)}
             if caption is not None:
@@ -314,7 +336,8 @@ def embed_shards(
     done = _read_embed_json(split_dir)
     # Anything else (another tower, other source files, a cache from before source_stats was
     # recorded) is embedded again; the new split replaces the old one atomically.
-    if done is not None and all(done.get(key) == value for key, value in wanted.items()):
+    if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
+            and _damaged_shard(split_dir, done.get("shard_sha256")) is None:
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True}
@@ -339,7 +362,8 @@ def embed_shards(
     def write(tmp_dir: Path) -> None:
         samples = _feature_samples(loader, tower, device, autocast, labels, stats, progress)
         try:
-            write_split(samples, tmp_dir.parent, tmp_dir.name, samples_per_shard=samples_per_shard, keep_keys=True)
+            sizes = write_split(samples, tmp_dir.parent, tmp_dir.name, samples_per_shard=samples_per_shard,
+                                keep_keys=True)
         except UserError as err:
             # The loader's hint names data.max_bad_fraction, a training option `embed` does not take.
             message = str(err).replace("; fix the shards or raise data.max_bad_fraction",
@@ -358,7 +382,9 @@ def embed_shards(
         stats["seconds"] = round(time.perf_counter() - start, 3)
         info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
                 "dtype": "float16", "with_cls": labels is not None, "with_txt": not class_only, "bad": stats["bad"],
-                "seconds": stats["seconds"]}
+                "seconds": stats["seconds"],
+                # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
+                "shard_sha256": {name: file_sha256(tmp_dir / name) for name in sizes}}
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
 

@@ -50,6 +50,7 @@ from lit_softmoe.train.runtime import (
     global_loss,
     open_run_folder,
     resume_state,
+    run_folder_lock,
 )
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.paths import check_writable
@@ -124,6 +125,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
     data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
                                shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
                                resampled=cfg.data.resampled and not exact,
+                               samples_per_epoch=0 if exact else cfg.data.samples_per_epoch,
                                max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
     return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
 
@@ -235,8 +237,13 @@ def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, resu
 
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
+    check_writable(cfg.run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
+    with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
+        return _train_lit(cfg)
+
+
+def _train_lit(cfg: LiTConfig) -> dict:
     run_dir = Path(cfg.run_dir)
-    check_writable(run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built

@@ -49,6 +49,7 @@ from lit_softmoe.train.runtime import (
     global_loss,
     open_run_folder,
     resume_state,
+    run_folder_lock,
 )
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.paths import check_writable
@@ -148,9 +149,11 @@ def _check_settings(cfg: PretrainConfig) -> None:
 def _check_fits(cfg: PretrainConfig, tower_cfg, data: ClassData) -> None:
     _, channels, height, _ = data.train_images.shape
     if channels != tower_cfg.in_channels or height != tower_cfg.image_size:
+        # A split is read as RGB as soon as one of its images is in color (load_class_split says how many).
+        read_as = " (read as RGB: one or more of its images are in color)" if channels == 3 else ""
         raise UserError(
             f"tower {cfg.tower.name!r} takes {tower_cfg.in_channels}×{tower_cfg.image_size}px images but "
-            f"{cfg.data.train} holds {channels}×{height}px; pick a tower for this size or set "
+            f"{cfg.data.train} holds {channels}×{height}px{read_as}; pick a tower for this size or set "
             f"tower.options.image_size / tower.options.in_channels")
 
 
@@ -187,8 +190,13 @@ def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
 
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
+    check_writable(cfg.run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
+    with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
+        return _pretrain(cfg)
+
+
+def _pretrain(cfg: PretrainConfig) -> dict:
     run_dir = Path(cfg.run_dir)
-    check_writable(run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     _check_settings(cfg)

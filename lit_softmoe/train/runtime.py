@@ -1,8 +1,12 @@
 """What every recipe sets up first: threads, precision and the accelerate object."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from accelerate import Accelerator
@@ -10,11 +14,27 @@ from omegaconf import OmegaConf
 
 from lit_softmoe.config import read_yaml, to_yaml
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import RUN_CONFIG, latest_checkpoint
-from lit_softmoe.train.checkpoint import load_training_state
+from lit_softmoe.model_folders import RUN_CONFIG, checkpoints_newest_first, latest_checkpoint
+from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
 from lit_softmoe.train.logging import RunLogger
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
+from lit_softmoe.utils.locks import folder_lock
+
+_log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
+    """One run at a time in a run folder: a second process training into it (another config, or the
+    same command twice) is refused in one line instead of mixing its metrics, config and checkpoints
+    with the first one's. Taken by the main process only (the other processes of a distributed run
+    write nothing there); released when the block ends or the process dies."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    with folder_lock(run_dir, refuse="wait for that run to end, or start this one with another run_dir=..."):
+        yield
 
 
 def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:
@@ -36,10 +56,18 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
     A checkpoint past `total_steps` is refused: steps/epochs may change on a rerun to extend a run,
     but a shorter rerun would save the longer run's model as the shorter one (and its learning
     rates were those of the longer schedule)."""
-    latest = latest_checkpoint(checkpoints_dir)
-    if latest is None:
+    checkpoints = checkpoints_newest_first(checkpoints_dir)
+    for latest in checkpoints:
+        try:
+            meta = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
+            break
+        except DamagedCheckpoint as damage:  # a disk filled or a copy cut short: the one before still holds
+            _log.warning("%s is damaged (%s); resuming from the checkpoint before it", latest, damage)
+    else:
+        if checkpoints:
+            raise UserError(f"every checkpoint in {checkpoints_dir} is damaged (the newest: {checkpoints[0]}); "
+                            "restore them from a copy, or delete the folder to start the run over")
         return 0, {}, None
-    meta = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
     if meta["step"] > total_steps:
         raise UserError(f"{Path(checkpoints_dir).parent} holds a checkpoint at step {meta['step']}, past the "
                         f"{total_steps} steps this config trains; set steps (or epochs) to at least that, or start "

@@ -27,7 +27,8 @@ _in_flight: set[Path] = set()  # temporary paths this process is writing right n
 
 # ---- what killed writers leave --------------------------------------------------------------------
 
-def _is_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -49,7 +50,7 @@ def _stale_leftovers(final: Path) -> list[re.Match]:
         match = pattern.match(path.name)
         if match and path not in _in_flight:
             pid = int(match.group(2))
-            if pid == os.getpid() or pid <= 0 or not _is_alive(pid):
+            if pid == os.getpid() or pid <= 0 or not process_alive(pid):
                 stale.append(match)
     return stale
 
@@ -168,6 +169,8 @@ def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], r
     a folder holding files, so no check made earlier can be raced.
     """
     final_dir = Path(final_dir)
+    if final_dir.is_symlink():  # the folder the link names takes the new contents; the link stays
+        final_dir = final_dir.resolve()
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     recover(final_dir)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-{os.getpid()}-", dir=final_dir.parent))
@@ -196,8 +199,8 @@ def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], r
                 shutil.rmtree(holder, ignore_errors=True)
                 _in_flight.discard(holder)
     finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
+        if tmp_dir.exists() or tmp_dir.is_symlink():  # after an exchange with a link, the link itself
+            _remove(tmp_dir)
         _in_flight.discard(tmp_dir)
     return final_dir
 

@@ -1,0 +1,63 @@
+"""One writer per folder: an advisory lock held while a command writes a dataset or a run folder.
+
+The lock is `flock` on FOLDER/.lit-softmoe.lock, which holds the holder's pid for messages. The
+kernel releases it when its process exits, killed or not, so a crashed run never leaves a stale
+lock behind. Systems without `fcntl` (Windows) run without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+from lit_softmoe.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+LOCK_FILE = ".lit-softmoe.lock"
+logger = logging.getLogger(__name__)
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        pid = lock_path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid else "another process"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]:
+    """Hold the lock of `folder` (created if missing) for the block.
+
+    When another process holds it: with `refuse` (the fix to name), raise UserError at once; without,
+    say so and wait for it (writers of one dataset folder then run one after the other, each seeing
+    what the one before wrote).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    lock_path = folder / LOCK_FILE
+    with open(lock_path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if refuse is not None:
+                raise UserError(f"{folder} is in use by {_holder(lock_path)}; {refuse}") from None
+            logger.warning("waiting for %s, which is writing %s", _holder(lock_path), folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
