@@ -85,3 +85,33 @@ def _write_table(folder, kind):
         import pyarrow.parquet as pq
         pq.write_table(pa.table({name: [row[i] for row in ROWS] for i, name in enumerate(header)}), table)
     return table
+
+
+def _cut_at_sample(tar_path, index: int, into: int = 0) -> int:
+    """Cut a tar shard just before the first member of its `index`-th sample (0-based): what is left is
+    a complete, valid archive of the first `index` samples, as a copy or a download cut short at a
+    member boundary leaves it. `into` > 0 keeps that many bytes of the sample (a cut inside a member:
+    a damaged tar). Returns the offset cut at."""
+    keys = []
+    with tarfile.open(tar_path) as tar:
+        for member in tar.getmembers():
+            key = member.name.rsplit(".", 1)[0]
+            if key not in keys:
+                keys.append(key)
+                if len(keys) == index + 1:
+                    offset = member.offset  # the member's header block
+                    break
+        else:
+            raise ValueError(f"{tar_path} holds {len(keys)} samples, not more than {index}")
+    with open(tar_path, "r+b") as file:
+        file.truncate(offset + into)
+    return offset + into
+
+
+def _copy_split(split_dir, target):
+    """A copy of a split folder (its shards, nshards.txt and sizes.json; no decoded cache)."""
+    target.mkdir(parents=True)
+    for path in split_dir.iterdir():
+        if not path.name.startswith("."):
+            (target / path.name).write_bytes(path.read_bytes())
+    return target
