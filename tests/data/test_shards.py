@@ -1,25 +1,27 @@
-"""lit_softmoe.data.shards: the shard layout (nshards.txt, sizes.json), shard urls, writing splits, and
-reading class samples back with their bad samples skipped and counted."""
+"""lit_softmoe.data.shards: the shard layout (nshards.txt, sizes.json), shard urls, writing splits, sample
+keys, and one shard read with what it lost counted (`tar_samples`)."""
 from __future__ import annotations
 
-import io
 import json
-import logging
-import pathlib
 import re
 import tarfile
 
 import numpy as np
-import PIL.Image
 import pytest
-import torch
 
-from data_files import LIMIT, _png, _png_bytes, _read_split
-from lit_softmoe.data.class_split import iter_class_samples, load_class_split
+from data_files import LIMIT, _copy_split, _cut_at_sample, _png, _png_bytes, _read_split
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import BadSampleCounter, num_samples, read_classnames, shard_urls, write_split
+from lit_softmoe.data.shards import (
+    BadSampleCounter,
+    is_safe_key,
+    listed_sizes,
+    num_samples,
+    read_classnames,
+    shard_urls,
+    tar_samples,
+    write_split,
+)
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils import atomic
 
 
 def test_nshards_sizes_and_urls(fmnist_shards):
@@ -35,16 +37,6 @@ def test_nshards_sizes_and_urls(fmnist_shards):
     assert shard_urls(f"{split}/{{0..3}}.tar") == urls
     assert shard_urls(f"{split}/{{0..1}}.tar::{split}/{{2..3}}.tar") == urls
     assert shard_urls([urls[0], f"{split}/{{1..3}}.tar"]) == urls
-
-
-def test_decoded_cache_matches_decoding(fmnist_shards):
-    out, _, _ = fmnist_shards
-    cached_images, cached_labels, _ = load_class_split(out / "train")  # warmed by the writer
-    assert list((out / "train").glob(".decoded-*.npz"))
-    images, labels, _ = load_class_split(out / "train", cache=False)
-    assert torch.equal(cached_images, images) and torch.equal(cached_labels, labels)
-    first, first_labels, _ = load_class_split(out / "train", max_samples=10)
-    assert torch.equal(first, images[:10]) and torch.equal(first_labels, labels[:10])
 
 
 def test_write_split_rolls_over_by_count_and_bytes(tmp_path):
@@ -80,68 +72,6 @@ def test_write_split_killed_midway_leaves_no_final_shard(tmp_path):
         num_samples(split)
 
 
-def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):
-    good = _png_bytes(np.arange(64, dtype=np.uint8).reshape(8, 8))
-    samples = [
-        {"png": good, "cls": "3"},
-        {"png": b"\x89PNG\r\n\x1a\n not really a png", "cls": "1"},  # undecodable image
-        {"png": good},  # no .cls
-        {"cls": "2", "txt": "a caption but no image"},
-        {"png": good, "cls": "seven"},  # label is not a number
-        {"png": good, "cls": "5"},
-    ]
-    write_split(samples, tmp_path, "a", samples_per_shard=6)
-    write_split([{"png": good, "cls": str(i)} for i in range(10)], tmp_path, "b", samples_per_shard=5)
-    second = tmp_path / "b" / "1.tar"
-    second.write_bytes(second.read_bytes()[:3000])  # truncated inside its first samples
-    urls = shard_urls(tmp_path / "a") + shard_urls(tmp_path / "b")
-
-    counter = BadSampleCounter()
-    with caplog.at_level(logging.WARNING, logger="lit_softmoe.data.shards"):
-        got = list(iter_class_samples(urls, counter))
-    # From b/1.tar, whatever precedes the cut is kept; the last partial sample is counted.
-    assert [label for _, label in got][:7] == [3, 5, 0, 1, 2, 3, 4]
-    assert all(np.array_equal(np.asarray(image), np.asarray(PIL.Image.open(io.BytesIO(good)))) for image, _ in got)
-    assert counter.counts["bad_image"] == 1 and counter.counts["missing_cls"] == 1
-    assert counter.counts["missing_image"] >= 1 and counter.counts["bad_cls"] == 1
-    assert counter.counts["bad_shard"] == 1  # counted once, though webdataset reports it twice
-    assert len(got) + counter.counts["missing_image"] + counter.counts["missing_cls"] <= 16
-    assert sum(1 for r in caplog.records if "bad_shard" in r.getMessage()) == 1
-
-    images, labels, counts = load_class_split(tmp_path / "a", cache=False)
-    assert labels.tolist() == [3, 5] and images.shape == (2, 1, 8, 8)
-    assert dict(counts) == {"bad_image": 1, "missing_cls": 1, "missing_image": 1, "bad_cls": 1}
-
-
-def test_negative_class_index_is_a_bad_sample(tmp_path):
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
-    write_split([{"png": good, "cls": "1"}, {"png": good, "cls": "-1"}, {"png": good, "cls": "0"}], tmp_path, "a")
-    images, labels, counts = load_class_split(tmp_path / "a", cache=False)
-    assert labels.tolist() == [1, 0] and dict(counts) == {"bad_cls": 1}
-
-
-def test_first_n_samples_count_only_their_own_bad_samples_cached_or_not(tmp_path):
-    """`max_samples` from the decoded cache counts the bad samples among the first N, as decoding
-    the first N does, not the whole split's."""
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
-    # 100 samples: bad at reading positions 3 (image), 50 (image), 70 (no .cls) and 99 (image, last).
-    samples = [{"png": b"not a png" if i in (3, 50, 99) else good, **({} if i == 70 else {"cls": str(i % 5)})}
-               for i in range(100)]
-    write_split(samples, tmp_path, "a", samples_per_shard=40)
-    expected = {n: load_class_split(tmp_path / "a", n, cache=False) for n in (3, 4, 10, 60, 96, 97, None)}
-    assert not list((tmp_path / "a").glob(".decoded-*.npz"))
-    assert dict(expected[3][2]) == {} and dict(expected[4][2]) == {"bad_image": 1}
-    assert dict(expected[60][2]) == {"bad_image": 2}
-    assert dict(expected[96][2]) == {"bad_image": 2, "missing_cls": 1}
-    assert dict(expected[None][2]) == {"bad_image": 3, "missing_cls": 1}
-    load_class_split(tmp_path / "a")  # the full decode writes the cache
-    assert list((tmp_path / "a").glob(".decoded-*.npz"))
-    for n, (images, labels, counts) in expected.items():
-        cached_images, cached_labels, cached_counts = load_class_split(tmp_path / "a", n)
-        assert torch.equal(cached_images, images) and torch.equal(cached_labels, labels)
-        assert cached_counts == counts, n
-
-
 def test_missing_shards_name_the_path_and_the_fix(tmp_path):
     with pytest.raises(UserError, match=f"shards not found: {tmp_path}/nope.*nshards.txt"):
         shard_urls(tmp_path / "nope")
@@ -162,8 +92,9 @@ def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
         with pytest.raises(ValueError):
             write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
     # Each refused for its own reason (a bare ValueError is met by any crash on the way).
-    for keys, reason in ((["x.y"], "'x.y' is not a non-empty str without a dot"), (["a", "a"], "'a' repeats"),
-                         ([7], "7 is not a non-empty str"), ([""], "'' is not a non-empty str")):
+    plain = "is not a relative path of plain parts without a dot in its last part"
+    for keys, reason in ((["x.y"], f"'x.y' {plain}"), (["a", "a"], "'a' repeats"), ([7], f"7 {plain}"),
+                         ([""], f"'' {plain}"), (["../x"], f"'../x' {plain}"), (["/abs/x"], f"'/abs/x' {plain}")):
         with pytest.raises(ValueError, match=re.escape(f"sample key {reason}")):
             write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
 
@@ -199,18 +130,34 @@ def test_split_folder_with_padded_shard_names(tmp_path, width):
     assert shard_urls(split) == [str(split / f"{index:0{width}d}.tar") for index in range(2)]
 
 
-def test_a_stale_decoded_cache_in_a_read_only_split_does_not_stop_the_load(tmp_path, monkeypatch):
-    # A split cached by an older version (another cache name), then mounted read-only: removing the
-    # stale cache raised PermissionError outside the "not writable" guard, after the whole decode.
-    write_split([{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(i)} for i in range(3)], tmp_path, "a")
-    stale = tmp_path / "a" / ".decoded-0123456789abcdef.npz"
-    stale.write_bytes(b"an older version's cache")
+@pytest.mark.parametrize("key", ["../x", "/abs/x", "a/../../b", "a/./b", "a//b", "a/", "..", "a\\b", "a\nb", "x.y",
+                                 "", None, 7])
+def test_hostile_or_unreadable_sample_keys_are_unsafe(key):
+    """Keys read from someone else's shards become file names (`embed` writes its feature shards under
+    them): one that climbs out (`../x`, `a/../../b`) or is absolute must never be used."""
+    assert not is_safe_key(key)
 
-    def read_only(*args, **kwargs):
-        raise PermissionError(13, "Read-only file system")
 
-    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
-    monkeypatch.setattr(atomic.tempfile, "mkstemp", read_only)  # the new cache's temporary file
-    images, labels, counts = load_class_split(tmp_path / "a")
-    assert labels.tolist() == [0, 1, 2] and images[:, 0, 0, 0].tolist() == [0, 1, 2] and not counts
-    assert stale.is_file() and len(list((tmp_path / "a").glob(".decoded-*"))) == 1
+@pytest.mark.parametrize("key", ["s0000001", "images/a", "cat/dog/0001", "a b", "x-y_z"])
+def test_plain_relative_sample_keys_are_safe(key):
+    assert is_safe_key(key)
+
+
+def test_tar_samples_counts_what_a_shard_cut_at_a_sample_boundary_lost(fmnist_shards, tmp_path):
+    """Python's tarfile reads a tar cut at a member boundary as a complete archive without a word: only
+    the count its sizes.json lists tells the 44 missing samples."""
+    out, _, _ = fmnist_shards
+    split = _copy_split(out / "train", tmp_path / "train")
+    _cut_at_sample(split / "1.tar", 20)
+    with tarfile.open(split / "1.tar") as tar:  # a valid tar of 20 samples
+        assert len({name.rsplit(".", 1)[0] for name in tar.getnames()}) == 20
+    urls = shard_urls(split)
+    listed = listed_sizes(urls)
+    assert listed == {urls[0]: 64, urls[1]: 64, urls[2]: 64, urls[3]: 8}
+    counter = BadSampleCounter()
+    keys = [sample["__key__"] for url in urls for sample in tar_samples(url, counter, listed[url])]
+    assert keys == [f"s{i:07d}" for i in [*range(64 + 20), *range(128, 200)]]
+    assert dict(counter.counts) == {"truncated_shard": 1, "missing_samples": 44}
+    # Without a listed count (hand-made tars, img2dataset's output) there is nothing to compare with.
+    counter = BadSampleCounter()
+    assert len(list(tar_samples(urls[1], counter))) == 20 and not counter.counts
