@@ -4,6 +4,7 @@ shards counted by reason and stopped by max_bad_fraction, and all three sample k
 Fashion-MNIST shards."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import re
@@ -16,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
-from data_files import _png_bytes
+from data_files import _copy_split, _cut_at_sample, _png_bytes
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
@@ -188,21 +189,24 @@ def test_bad_samples_and_shards_are_skipped_counted_and_warned_once(tmp_path, ca
     bad = (3, 5, 7, 14, 21)
     expected = [f"caption {i}" for i in range(30) if i not in bad] + ["damaged 0", "damaged 1"]  # 2 before the cut
     assert sorted(captions) == sorted(expected)
+    # The damaged shard: counted once, and the 8 samples its sizes.json lists after the cut as missing.
     assert loader.metrics() == {
-        "data/samples_read": 32, "data/bad_samples": 6, "data/bad/bad_image": 1, "data/bad/bad_shard": 1,
-        "data/bad/bad_txt": 1, "data/bad/missing_image": 1, "data/bad/missing_txt": 2,
+        "data/samples_read": 32, "data/bad_samples": 14, "data/bad/bad_image": 1, "data/bad/bad_shard": 1,
+        "data/bad/bad_txt": 1, "data/bad/missing_image": 1, "data/bad/missing_samples": 8, "data/bad/missing_txt": 2,
     }
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert sum(message.startswith("skipping missing_txt") for message in warnings) == 1  # 2 workers, 1 warning
-    assert len(warnings) == 5  # one per reason
+    assert len(warnings) == 6  # one per reason
     assert any("s0000005" in message and "bad_image" in message for message in warnings)
 
 
 def test_too_many_bad_samples_stop_the_run(tmp_path):
     urls = _planted_split(tmp_path)
     cfg = ShardDataConfig(urls=urls, batch_size=4, workers=2, exact_epoch=True, max_bad_fraction=0.05)
-    message = ("6 of 33 samples were bad (bad_image: 1, bad_shard: 1, bad_txt: 1, missing_image: 1, "
-               "missing_txt: 2), over max_bad_fraction=0.05; fix the shards or raise data.max_bad_fraction")
+    # 32 read, 1 damaged shard, 8 samples it lost: 41 that should have been read.
+    message = ("14 of 41 samples were bad (bad_image: 1, bad_shard: 1, bad_txt: 1, missing_image: 1, "
+               "missing_samples: 8, missing_txt: 2), over max_bad_fraction=0.05; fix the shards or raise "
+               "data.max_bad_fraction")
     with pytest.raises(UserError, match=re.escape(message)):
         _read(cfg)
 
@@ -220,6 +224,29 @@ def test_an_endless_stream_of_unusable_samples_stops(tmp_path):
                           max_bad_fraction=1.0)
     with pytest.raises(UserError, match="no sample could be read from 2 shards"):
         _read(cfg)
+
+
+def test_a_shard_cut_at_a_sample_boundary_is_counted_and_stops_the_run(fmnist, tmp_path):
+    """A tar cut at a member boundary reads as a complete, shorter archive: an epoch of 160 of the 200
+    samples went by without a count, and training went on with a fifth of the split gone."""
+    out, _, labels = fmnist
+    split = _copy_split(out / "test", tmp_path / "test")  # 4 shards of 50
+    _cut_at_sample(split / "2.tar", 10)
+    kept = [*range(100 + 10), *range(150, 200)]
+    cfg = ShardDataConfig(urls=str(split), batch_size=16, workers=2, exact_epoch=True, max_bad_fraction=0.5)
+    loader = create_shard_loader(cfg, "image-class")
+    batches = list(loader)
+    keys = _keys(batches)
+    assert sorted(keys) == [f"s{i:07d}" for i in kept]
+    order = np.array([_index(key) for key in keys])
+    assert torch.equal(torch.cat([batch["label"] for batch in batches]), torch.from_numpy(labels[order]).long())
+    assert loader.metrics() == {"data/samples_read": 160, "data/bad_samples": 41, "data/bad/missing_samples": 40,
+                                "data/bad/truncated_shard": 1}
+    # 160 read + 1 truncated shard + 40 samples it lost: 201 that should have been read, 41 bad.
+    message = ("41 of 201 samples were bad (missing_samples: 40, truncated_shard: 1), over max_bad_fraction=0.01; "
+               "fix the shards or raise data.max_bad_fraction")
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        _read(dataclasses.replace(cfg, max_bad_fraction=0.01), "image-class")
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -338,3 +365,46 @@ def test_world_size_set_alone_takes_the_rank_from_the_launcher(tmp_path, monkeyp
         assert loader.rank == rank and loader.world_size == 2
     assert keys[0] == ["s0000000", "s0000001", "s0000004", "s0000005"]  # shards 0 and 2
     assert keys[1] == ["s0000002", "s0000003", "s0000006", "s0000007"]  # shards 1 and 3
+
+
+def _npy(array, allow_pickle=False) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_a_float64_feature_past_the_float32_range_is_a_bad_sample(tmp_path):
+    """1e300 is finite as float64 and inf as the float32 that trains: it passed the finiteness check made
+    before the cast, and a run on such a shard ended in "training diverged" far from its cause."""
+    embeddings = np.arange(24, dtype=np.float64).reshape(4, 6) / 7  # float64 in range: read as float32
+    samples = [{"npy": _npy(embeddings[i]), "txt": f"text {i}".encode()} for i in range(4)]
+    samples[1]["npy"] = _npy(np.array([0.5, 1e300, 0, 0, 0, 0]))
+    samples[2]["npy"] = _npy(np.array([0, 0, 0, -1e39, 0, 0]))  # just past float32's -3.4e38
+    write_split(samples, tmp_path, "features")
+    cfg = ShardDataConfig(urls=str(tmp_path / "features"), batch_size=4, workers=0, exact_epoch=True,
+                          shuffle=False, max_bad_fraction=0.5)
+    loader = create_shard_loader(cfg, "embedding-caption")
+    batches = list(loader)
+    assert _keys(batches) == ["s0000000", "s0000003"]
+    embedding = torch.cat([batch["embedding"] for batch in batches])
+    assert embedding.dtype == torch.float32
+    assert torch.equal(embedding, torch.from_numpy(embeddings[[0, 3]].astype(np.float32)))
+    assert loader.metrics() == {"data/samples_read": 4, "data/bad_samples": 2, "data/bad/bad_npy": 2}
+
+
+def test_a_pickled_npy_is_a_bad_sample_whose_reason_never_suggests_allow_pickle(tmp_path, caplog):
+    """numpy's error for an object array advises `allow_pickle=True`, which would run code from the
+    shard's author: relayed in the warning, it read as the fix."""
+    samples = [{"npy": _npy(np.ones(3, np.float32)), "txt": b"good"},
+               {"npy": _npy(np.array([{"a": 1}], dtype=object), allow_pickle=True), "txt": b"pickled"}]
+    write_split(samples, tmp_path, "features")
+    cfg = ShardDataConfig(urls=str(tmp_path / "features"), batch_size=2, workers=0, exact_epoch=True,
+                          shuffle=False, max_bad_fraction=0.5)
+    loader = create_shard_loader(cfg, "embedding-caption")
+    with caplog.at_level(logging.WARNING):
+        assert _keys(loader) == ["s0000000"]
+    assert loader.metrics() == {"data/samples_read": 2, "data/bad_samples": 1, "data/bad/bad_npy": 1}
+    (warning,) = [record.getMessage() for record in caplog.records if "bad_npy" in record.getMessage()]
+    assert warning == "skipping bad_npy: s0000001 in {}: ValueError: holds Python objects, which are never " \
+                      "unpickled (further ones are counted, not logged)".format(tmp_path / "features" / "0.tar")
+    assert "allow_pickle" not in warning and "pickle.load" not in warning
