@@ -1,0 +1,79 @@
+"""lit_softmoe.utils.locks: one writer per folder. A second holder waits for the first, or is refused in one
+line naming the holder; a killed holder's lock goes with its process."""
+import os
+import signal
+import time
+
+import pytest
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
+from lock_holders import in_thread, lock_held_by_another_process, start_holder
+
+
+def _take(folder, entered: list) -> None:
+    with folder_lock(folder):
+        entered.append(time.monotonic())
+
+
+def test_a_second_holder_waits_until_the_first_releases(tmp_path, caplog):
+    folder = tmp_path / "data"
+    with lock_held_by_another_process(folder) as holder:
+        entered = []
+        thread, outcome = in_thread(_take, folder, entered)
+        thread.join(1.0)
+        assert thread.is_alive() and not entered  # waiting, not writing beside the holder
+        released = time.monotonic()
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in outcome
+    assert entered and entered[0] >= released
+    assert (folder / LOCK_FILE).read_text() == f"{os.getpid()}\n"  # the new holder, for messages
+    assert holder.returncode == 0
+    assert any(f"waiting for process {holder.pid}, which is writing {folder}" in record.getMessage()
+               for record in caplog.records)
+
+
+def test_a_second_holder_in_this_process_waits_too(tmp_path):
+    """flock is per open file, so two threads of one process exclude each other as two processes do."""
+    entered = []
+    with folder_lock(tmp_path):
+        thread, outcome = in_thread(_take, tmp_path, entered)
+        thread.join(0.5)
+        assert thread.is_alive() and not entered
+        released = time.monotonic()
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in outcome and entered[0] >= released
+
+
+def test_refuse_names_the_holder_and_the_fix(tmp_path):
+    with lock_held_by_another_process(tmp_path / "run") as holder:
+        with pytest.raises(UserError) as raised:
+            with folder_lock(tmp_path / "run", refuse="wait for it to finish or choose another run_dir"):
+                pytest.fail("entered a folder another process holds")
+    assert str(raised.value) == (f"{tmp_path / 'run'} is in use by process {holder.pid}; "
+                                 "wait for it to finish or choose another run_dir")
+    # Released: the same call now enters.
+    with folder_lock(tmp_path / "run", refuse="unused"):
+        pass
+
+
+def test_a_killed_holders_lock_goes_with_its_process(tmp_path):
+    holder = start_holder(tmp_path)
+    with pytest.raises(UserError, match=f"in use by process {holder.pid}"):
+        with folder_lock(tmp_path, refuse="x"):
+            pass
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert (tmp_path / LOCK_FILE).read_text() == f"{holder.pid}\n"  # the file stays, the lock does not
+    with folder_lock(tmp_path, refuse="x"):
+        assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_the_lock_creates_a_missing_folder_and_is_released_on_an_exception(tmp_path):
+    folder = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError):
+        with folder_lock(folder):
+            assert folder.is_dir()
+            raise RuntimeError("the write failed")
+    with folder_lock(folder, refuse="x"):
+        pass
