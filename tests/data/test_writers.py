@@ -4,10 +4,12 @@ and a split holding other data is never replaced silently.
 Real images: foolbox's bundled ImageNet / CIFAR / MNIST files (read from its folder, not imported)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,15 +17,19 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import pytest
+import webdataset.writer
 
 from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _write_table
 from lit_softmoe.cli import build_parser, main
+from lit_softmoe.data import writers
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist
 from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lit_softmoe.utils.locks import folder_lock
+from lock_holders import in_thread
 
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
@@ -275,7 +281,7 @@ def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys
 
     # --overwrite: the whole split is replaced, and the class list of the replaced data goes too.
     assert main(["data", "from-folder", str(tmp_path / "photos"), "--out", str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["train"]
+    assert sorted(p.name for p in out.iterdir()) == [".lit-softmoe.lock", "train"]  # the writers' lock file
     assert sorted(p.name for p in (out / "train").iterdir()) == ["0.tar", "manifest.json", "nshards.txt",
                                                                  "sizes.json"]
     assert all("cls" not in sample for sample in _read_split(out / "train").values())
@@ -374,3 +380,68 @@ def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and f"{tmp_path / 'out' / 'train'} is a file, not a split folder" in error
     assert (tmp_path / "out" / "train").read_text() == "not a folder"
+
+
+# ---------------------------------------------------------------------------------------- two writers
+
+
+@pytest.mark.parametrize("first_source", ["the same", "another"])
+def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wrote(tmp_path, monkeypatch,
+                                                                                     first_source):
+    """Two writers with one --out ran at once: a second run of one command deleted the first's shards,
+    and splits of two sources each passed the "split holds other data" check made before either wrote.
+    Now the second waits for the folder's lock, then finds the first's split complete, or refuses it."""
+    out, labelled = tmp_path / "out", _class_folder(tmp_path / "labelled")
+    _captioned_folder(tmp_path / "photos", count=3)
+    with folder_lock(out):  # the first writer, at work
+        thread, outcome = in_thread(writers.write_folder_shards, labelled, out, layout="classes")
+        thread.join(1.0)
+        assert thread.is_alive() and [p.name for p in out.iterdir()] == [".lit-softmoe.lock"]  # waiting
+        # What the first writer writes meanwhile, under the lock this block holds.
+        monkeypatch.setattr(writers, "folder_lock", lambda folder: contextlib.nullcontext())
+        if first_source == "the same":
+            first = writers.write_folder_shards(labelled, out, layout="classes")
+        else:
+            first = writers.write_folder_shards(tmp_path / "photos", out)
+        monkeypatch.undo()
+        written = _tree(out / "train")
+        assert thread.is_alive()
+    thread.join(30)
+    assert not thread.is_alive()
+    if first_source == "the same":
+        second = outcome["result"]
+        assert second.already_complete and second.sizes == first.sizes == {"0.tar": 4}
+    else:
+        photos = (tmp_path / "photos").resolve()
+        assert str(outcome["error"]) == (f"{out / 'train'} already holds 3 samples of {photos}; pass --overwrite to "
+                                         "replace that split, or choose another --out or --split")
+    assert _tree(out / "train") == written  # the first's split, untouched
+
+
+@pytest.mark.parametrize("close_fails", [False, True], ids=["write fails", "write and close fail"])
+def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close_fails):
+    """A writer's temporary shard carries its pid (a second writer's start deletes none of the first's),
+    and a writer that fails deletes its own, even when a full disk fails closing the tar as well."""
+    source = _class_folder(tmp_path / "src", count=3)
+    real_read, real_close = writers._read_file, webdataset.writer.TarWriter.close
+    disk_full = []
+
+    def read_until_the_disk_is_full(path, missing):
+        if path.name == "0.png" and path.parent.name == "dog":  # the 4th image: the 2nd shard's 2nd sample
+            partial = [p.name for p in (tmp_path / "out" / "train").glob(".*.partial")]
+            assert partial == [f".1.tar.{os.getpid()}.partial"]  # the shard being written, named by its writer
+            disk_full.append(True)
+            raise OSError(28, "No space left on device")
+        return real_read(path, missing)
+
+    def close(self):
+        real_close(self)
+        if disk_full and close_fails:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writers, "_read_file", read_until_the_disk_is_full)
+    monkeypatch.setattr(webdataset.writer.TarWriter, "close", close)
+    with pytest.raises(OSError, match="No space left"):
+        writers.write_folder_shards(source, tmp_path / "out", WriteOptions(samples_per_shard=2), layout="classes")
+    assert disk_full and not [p for p in (tmp_path / "out").rglob("*") if ".partial" in p.name]
+    assert sorted(p.name for p in (tmp_path / "out" / "train").glob("*.tar")) == ["0.tar"]  # the complete one
