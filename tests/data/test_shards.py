@@ -3,7 +3,10 @@ keys, and one shard read with what it lost counted (`tar_samples`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -161,3 +164,24 @@ def test_tar_samples_counts_what_a_shard_cut_at_a_sample_boundary_lost(fmnist_sh
     # Without a listed count (hand-made tars, img2dataset's output) there is nothing to compare with.
     counter = BadSampleCounter()
     assert len(list(tar_samples(urls[1], counter))) == 20 and not counter.counts
+
+
+def test_a_split_writer_deletes_only_partial_shards_of_writers_that_are_gone(tmp_path):
+    """A second writer's start deleted every `.N.tar.partial` of the split: the shards a first writer,
+    still at work, was writing. Temporary names carry the pid now; a live writer's are kept."""
+    split = tmp_path / "train"
+    split.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    try:
+        names = {"live": f".0.tar.{live.pid}.partial", "gone": f".0.tar.{gone.stdout.strip()}.partial",
+                 "old version": ".1.tar.partial", "this process": f".2.tar.{os.getpid()}.partial"}
+        for name in names.values():
+            (split / name).write_bytes(b"half a tar")
+        assert write_split([{"cls": b"1"}], tmp_path, "train") == {"0.tar": 1}
+        assert sorted(p.name for p in split.glob(".*")) == [names["live"]]
+        assert (split / names["live"]).read_bytes() == b"half a tar"
+    finally:
+        live.stdin.close()
+        live.wait(timeout=30)
