@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_files import LIMIT, _gray_png
+from data_files import LIMIT, _gray_png, _read_split
 from lit_softmoe.cli import main
 from lit_softmoe.data import fashion_mnist as sources
 from lit_softmoe.data.class_split import load_class_split
@@ -20,6 +20,7 @@ from lit_softmoe.data.fashion_mnist import find_fashion_mnist, read_fashion_mnis
 from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
+from lock_holders import in_thread, lock_held_by_another_process
 
 
 def test_read_fashion_mnist_shapes_and_labels():
@@ -165,3 +166,18 @@ def test_fashion_mnist_does_not_rename_the_classes_of_another_split(tmp_path, ca
         assert error.count("\n") == 1 and "for the split(s) val; write Fashion-MNIST to another --out" in error
     assert read_classnames(tmp_path / "out") == ["ant", "bee"]
     assert not (tmp_path / "out" / "train").exists()
+
+
+def test_a_second_fashion_mnist_writer_waits_for_the_folders_lock(tmp_path):
+    """`data fashion-mnist` and `data from-folder` with one --out wrote at once; now each takes the dataset
+    folder's lock, and waits while another process holds it."""
+    out = tmp_path / "data"
+    with lock_held_by_another_process(out):
+        thread, outcome = in_thread(write_fashion_mnist_shards, out, samples_per_shard=8, limit=20,
+                                    allow_download=False)
+        thread.join(1.5)
+        assert thread.is_alive() and [p.name for p in out.iterdir()] == [".lit-softmoe.lock"]
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in outcome
+    assert outcome["result"]["samples"] == {"train": 20, "test": 20}
+    assert len(_read_split(out / "train")) == 20
