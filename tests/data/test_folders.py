@@ -46,3 +46,24 @@ def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):
     assert summary.samples == 4 and sum(summary.skipped.values()) == 0
     labels = sorted(label for _, label in iter_class_samples(tmp_path / "out" / "train"))
     assert labels == sorted(imagefolder.targets) == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("mark", ["\n", "\r", "\t", "\x1b", "\u2028"], ids=["newline", "return", "tab", "escape",
+                                                                               "line separator"])
+def test_a_class_folder_named_with_a_control_character_is_refused_in_one_line(tmp_path, mark):
+    """classnames.txt holds a class name a line: a folder `cat<newline>tabby` gave it one line more than
+    there are classes, and every class after it read the name of the one before."""
+    _gray_png(tmp_path / "src" / f"cat{mark}tabby" / "0.png", 10)
+    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    with pytest.raises(UserError) as raised:
+        write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    message = str(raised.value)
+    assert message == (f"class folder {f'cat{mark}tabby'!r} in {tmp_path / 'src'} has a control character or "
+                       "line break in its name, which classnames.txt (one class name per line) cannot hold; "
+                       "rename the folder")
+    assert len(message.splitlines()) == 1
+    assert not (tmp_path / "out" / "classnames.txt").exists() and not (tmp_path / "out" / "train").exists()
+    # Renamed, the same folder is written, its classes numbered in order.
+    os.rename(tmp_path / "src" / f"cat{mark}tabby", tmp_path / "src" / "cat tabby")
+    write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert read_classnames(tmp_path / "out") == ["cat tabby", "dog"]
