@@ -1,7 +1,9 @@
 """Image, shard and table files the data tests write and read back."""
+import contextlib
 import csv
 import io
 import json
+import os
 import tarfile
 
 import numpy as np
@@ -9,6 +11,7 @@ import PIL.Image
 import pytest
 
 from lit_softmoe.data.shards import shard_urls
+from lock_holders import in_thread
 
 LIMIT = 200
 
@@ -115,3 +118,21 @@ def _copy_split(split_dir, target):
         if not path.name.startswith("."):
             (target / path.name).write_bytes(path.read_bytes())
     return target
+
+
+def _run_past_fifos(fifos, target, *args, timeout: float = 20, **kwargs):
+    """`target(*args, **kwargs)`, run in a thread so that a reader blocked on one of `fifos` (a FIFO's
+    open waits for a writer forever) fails the test instead of hanging it: past `timeout` seconds each
+    FIFO is opened for writing and closed, which lets the reader go on, and the test fails."""
+    thread, outcome = in_thread(target, *args, **kwargs)
+    thread.join(timeout)
+    if thread.is_alive():
+        for _ in range(10):
+            for fifo in fifos:
+                with contextlib.suppress(OSError):  # ENXIO: nobody is reading this one
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(0.5)
+        pytest.fail(f"{target.__name__} blocked reading a FIFO for {timeout} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]

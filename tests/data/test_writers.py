@@ -19,7 +19,7 @@ import PIL.Image
 import pytest
 import webdataset.writer
 
-from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _write_table
+from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _run_past_fifos, _write_table
 from lit_softmoe.cli import build_parser, main
 from lit_softmoe.data import writers
 from lit_softmoe.data.class_split import load_class_split
@@ -445,3 +445,40 @@ def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close
         writers.write_folder_shards(source, tmp_path / "out", WriteOptions(samples_per_shard=2), layout="classes")
     assert disk_full and not [p for p in (tmp_path / "out").rglob("*") if ".partial" in p.name]
     assert sorted(p.name for p in (tmp_path / "out" / "train").glob("*.tar")) == ["0.tar"]  # the complete one
+
+
+# ---------------------------------------------------------------------------------------- what is read
+
+
+def test_a_fifo_among_the_images_or_captions_is_counted_never_read(tmp_path):
+    """Reading a FIFO blocks until something writes to it: a named pipe in a photo folder hung
+    `data from-folder` forever. Only regular files are read now."""
+    made = _captioned_folder(tmp_path / "src", count=3)
+    bucket = tmp_path / "src" / "00000"
+    fifos = [bucket / "fifo.png", bucket / "z.txt"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    (bucket / "fifo.txt").write_text("a pipe, not a picture")
+    (bucket / "z.png").write_bytes(_encode(_rng_image(9)))  # its caption is the FIFO
+    summary = _run_past_fifos(fifos, writers.write_folder_shards, tmp_path / "src", tmp_path / "out")
+    assert summary.samples == 3 and summary.skipped == {"not_a_regular_file": 2}
+    samples = _read_split(tmp_path / "out" / "train")
+    assert sorted(samples) == sorted(made)  # the three real pairs, nothing of the FIFOs' samples
+    assert all(samples[stem]["png"] == image.read_bytes() for stem, (image, _) in made.items())
+
+
+def test_files_over_the_input_cap_are_counted_as_too_large(tmp_path, monkeypatch):
+    """Nothing bounded a read: a disk image or a huge file among the photos was read whole into memory."""
+    made = _captioned_folder(tmp_path / "src", count=4)
+    big_image = made["000000001"][0]
+    big_image.write_bytes(_encode(_rng_image(1, size=(64, 64))))
+    big_caption = made["000000002"][0].with_suffix(".txt")
+    big_caption.write_text("a long caption " * 400)
+    small = max(path.stat().st_size for stem, (image, _) in made.items() if stem in ("000000000", "000000003")
+                for path in (image, image.with_suffix(".txt")))
+    cap = small + 100
+    assert big_image.stat().st_size > cap and big_caption.stat().st_size > cap
+    monkeypatch.setattr(writers, "MAX_INPUT_BYTES", cap, raising=False)  # (the old code had no cap)
+    summary = writers.write_folder_shards(tmp_path / "src", tmp_path / "out")
+    assert summary.samples == 2 and summary.skipped == {"too_large": 2}
+    assert sorted(_read_split(tmp_path / "out" / "train")) == ["000000000", "000000003"]
