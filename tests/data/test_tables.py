@@ -1,9 +1,13 @@
-"""lit_softmoe.data.tables: CSV, TSV, JSON-lines and Parquet tables of images and captions."""
+"""lit_softmoe.data.tables: CSV, TSV, JSON-lines and Parquet tables of images and captions; rows naming what
+is not a regular file, and rows outside `--root`."""
+import csv
 import json
+import os
 
 import pytest
 
-from data_files import ROWS, _encode, _read_split, _rng_image, _write_table
+from data_files import ROWS, _encode, _read_split, _rng_image, _run_past_fifos, _write_table
+from lit_softmoe.cli import main
 from lit_softmoe.data.writers import WriteOptions, write_table_shards
 from lit_softmoe.errors import UserError
 
@@ -77,3 +81,61 @@ def test_from_table_given_a_folder_points_to_from_folder(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is a folder" in err[0] and "data from-folder" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def _csv(path, rows):
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([("filepath", "title"), *rows])
+    return path
+
+
+def test_rows_naming_a_device_or_a_fifo_are_counted_never_read(tmp_path):
+    """A row naming /dev/zero was read until memory ran out (MemoryError), and one naming a FIFO blocked
+    forever: only regular files are read."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(_encode(_rng_image(0)))
+    os.mkfifo(tmp_path / "images" / "pipe.png")
+    table = _csv(tmp_path / "t.csv", [("images/a.png", "a picture"), ("/dev/zero", "endless zeros"),
+                                      ("images/pipe.png", "a pipe"), ("images", "a folder")])
+    summary = _run_past_fifos([tmp_path / "images" / "pipe.png"], write_table_shards, table, tmp_path / "out",
+                              "filepath", "title")
+    assert summary.samples == 1 and summary.skipped == {"not_a_regular_file": 3}
+    samples = _read_split(tmp_path / "out" / "train")
+    assert list(samples) == ["images/a"] and samples["images/a"]["png"] == (tmp_path / "images/a.png").read_bytes()
+
+
+def _table_beside_an_outside_file(tmp_path):
+    """tab/t.csv naming tab/images/a.png directly and through a link, and outside/secret.png through
+    `..`, an absolute path and a link."""
+    root, outside = tmp_path / "tab", tmp_path / "outside"
+    (root / "images").mkdir(parents=True)
+    outside.mkdir()
+    (root / "images" / "a.png").write_bytes(_encode(_rng_image(1)))
+    (outside / "secret.png").write_bytes(_encode(_rng_image(2)))
+    os.symlink(outside / "secret.png", root / "images" / "link.png")
+    os.symlink(root / "images" / "a.png", root / "images" / "inner.png")
+    rows = [("images/a.png", "inside"), ("images/inner.png", "inside, through a link"),
+            ("../outside/secret.png", "up and out"), ("images/../../outside/secret.png", "in, then up and out"),
+            (str(outside / "secret.png"), "absolute"), ("images/link.png", "a link out")]
+    return _csv(root / "t.csv", rows), root
+
+
+def test_root_confines_a_tables_rows_to_a_folder(tmp_path, capsys):
+    """Without --root a table reads any file its user can read (a table is as trusted as what it names):
+    --root DIR skips and counts every row resolving outside DIR, by `..`, an absolute path or a link."""
+    table, root = _table_beside_an_outside_file(tmp_path)
+    summary = write_table_shards(table, tmp_path / "out", "filepath", "title", root=root)
+    assert summary.samples == 2 and summary.skipped == {"outside_root": 4}
+    samples = _read_split(tmp_path / "out" / "train")
+    assert list(samples) == ["images/a", "images/inner"]
+    assert [samples[key]["txt"].decode() for key in samples] == ["inside", "inside, through a link"]
+    assert all(sample["png"] == (root / "images" / "a.png").read_bytes() for sample in samples.values())
+
+    # The command line's --root; and without it, all six rows are read.
+    assert main(["data", "from-table", str(table), "--image-col", "filepath", "--caption-col", "title",
+                 "--root", str(root), "--out", str(tmp_path / "cli")]) == 0
+    assert list(_read_split(tmp_path / "cli" / "train")) == ["images/a", "images/inner"]
+    everything = write_table_shards(table, tmp_path / "all", "filepath", "title")
+    assert everything.samples == 6 and not everything.skipped
+    with pytest.raises(UserError, match="--root .* is not a folder"):
+        write_table_shards(table, tmp_path / "none", "filepath", "title", root=tmp_path / "nowhere")
