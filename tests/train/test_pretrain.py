@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from checkpoint_checks import _finite_checkpoints
+from data_files import _cut_at_sample
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
@@ -249,6 +250,16 @@ def test_bad_samples_are_counted_and_too_many_stop_the_run(shards, tmp_path):
     results = pretrain(_cfg(shards, tmp_path / "run", *overrides, "data.max_bad_fraction=0.1"))
     assert results["bad_samples"]["train"] == {"bad_image": 20, "missing_cls": 8}
 
+
+def test_a_train_shard_cut_at_a_sample_boundary_stops_the_run(tmp_path):
+    """A tar cut at a member boundary is a valid, shorter archive: pretraining trained on the 100 samples
+    left of 300 without a word. The 200 that sizes.json lists but the shard lost are bad samples."""
+    write_fashion_mnist_shards(tmp_path / "data", samples_per_shard=300, limit=300, allow_download=False)
+    _cut_at_sample(tmp_path / "data" / "train" / "0.tar", 100)
+    with pytest.raises(UserError) as raised:
+        pretrain(_cfg(tmp_path / "data", tmp_path / "run", "steps=3", "fewshot_shots=0"))
+    assert str(raised.value) == ("201 of 301 train samples were bad (missing_samples 200, truncated_shard 1), over "
+                                 "data.max_bad_fraction=0.01; fix the shards or raise it")
 
 def test_class_index_past_the_class_names_is_skipped_and_counted(shards, tmp_path):
     """A .cls of 10 with 10 class names, or of -1, is a bad sample: skipped and counted, and too
