@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -386,7 +387,7 @@ def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("first_source", ["the same", "another"])
-def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wrote(tmp_path, monkeypatch,
+def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wrote(tmp_path, monkeypatch, caplog,
                                                                                      first_source):
     """Two writers with one --out ran at once: a second run of one command deleted the first's shards,
     and splits of two sources each passed the "split holds other data" check made before either wrote.
@@ -395,7 +396,10 @@ def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wr
     _captioned_folder(tmp_path / "photos", count=3)
     with folder_lock(out):  # the first writer, at work
         thread, outcome = in_thread(writers.write_folder_shards, labelled, out, layout="classes")
-        thread.join(1.0)
+        deadline = time.monotonic() + 30
+        while thread.is_alive() and time.monotonic() < deadline and not any(
+                record.getMessage().startswith(f"waiting for process {os.getpid()}") for record in caplog.records):
+            time.sleep(0.05)
         assert thread.is_alive() and [p.name for p in out.iterdir()] == [".lit-softmoe.lock"]  # waiting
         # What the first writer writes meanwhile, under the lock this block holds.
         monkeypatch.setattr(writers, "folder_lock", lambda folder: contextlib.nullcontext())
