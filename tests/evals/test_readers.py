@@ -545,3 +545,32 @@ def test_labels_kept_beside_the_images_are_read_without_decoding_them(tmp_path, 
     assert decoded == []  # nothing decoded until the images themselves are read
     assert _names_of(data, "renderedsst2") == ["negative"] * 2 + ["positive"] * 3
     assert sorted(decoded) == list(range(5))
+
+
+@needs_foolbox
+def test_a_fifo_among_class_folder_images_is_passed_over_never_opened(tmp_path):
+    """Opening a FIFO blocks until a writer comes, so an image-folder eval with one among its images
+    hung forever; only regular files are images."""
+    import os
+    import threading
+
+    images = foolbox_images("cifar10")
+    for label, name in enumerate(("cat", "dog")):
+        (tmp_path / "test" / name).mkdir(parents=True)
+        (tmp_path / "test" / name / "a.png").write_bytes(images[label][0].read_bytes())
+    fifo = tmp_path / "test" / "dog" / "b.png"
+    os.mkfifo(fifo)
+    read = []
+
+    def read_all():
+        data = read_benchmark("mine", tmp_path, "test", lambda im: im.size)
+        read.append([data.dataset[i][2] for i in range(len(data.dataset))])
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    reader.join(20)
+    if reader.is_alive():  # unblock the reader (open a writer end, then close it) before failing
+        open(fifo, "wb").close()
+        reader.join(5)
+        pytest.fail("the image-folder reader blocked on a FIFO for 20 s")
+    assert read == [[0, 1]]
