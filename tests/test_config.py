@@ -206,3 +206,35 @@ def test_the_earlier_warmup_steps_key_is_read_as_warmup(tmp_path):
     cfg = load_config(PretrainConfig, old)
     assert cfg.optim.warmup == 300 and cfg.optim.lr == 0.002
     assert load_config(PretrainConfig, old, ["optim.warmup=0.05"]).optim.warmup == 0.05  # the command line wins
+
+
+@pytest.mark.parametrize("override", ["epochs=nan", "epochs=inf", "data.max_bad_fraction=nan", "optim.lr=-inf"])
+def test_a_value_that_is_not_a_finite_number_is_refused(override):
+    """nan compares false with everything: epochs=nan passed every check (a traceback later) and
+    max_bad_fraction=nan silently switched the bad-sample limit off."""
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"config key '{key}' is -?(nan|inf); give a finite number"):
+        load_config(PretrainConfig, None, [override])
+
+
+def test_a_shell_command_in_a_config_file_needs_the_users_consent(tmp_path, monkeypatch):
+    """A `pipe:` shard spec runs a shell command: from a config file (someone else's, maybe) it is
+    refused unless LIT_SOFTMOE_ALLOW_PIPE=1; on the command line it is the user's own."""
+    monkeypatch.delenv("LIT_SOFTMOE_ALLOW_PIPE", raising=False)
+    config = tmp_path / "lit.yaml"
+    config.write_text("data:\n  train: 'data/a/train::pipe:curl -s https://x/0.tar'\n")
+    with pytest.raises(UserError, match=r"sets data\.train to a shell command .*set LIT_SOFTMOE_ALLOW_PIPE=1"):
+        load_config(LiTConfig, config)
+    assert load_config(LiTConfig, config, ["data.train=pipe:cat a.tar"]).data.train == "pipe:cat a.tar"
+    monkeypatch.setenv("LIT_SOFTMOE_ALLOW_PIPE", "1")
+    assert load_config(LiTConfig, config).data.train.endswith("0.tar")
+
+
+def test_a_shell_command_in_a_config_file_given_to_train_is_one_line(tmp_path, capsys, monkeypatch):
+    """Through the command line: refused before anything runs (no run folder), naming the key."""
+    monkeypatch.delenv("LIT_SOFTMOE_ALLOW_PIPE", raising=False)
+    marker = tmp_path / "ran"
+    (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\ndata:\n  train: 'pipe:touch {marker}'\n")
+    line = _one_line_error(capsys, ["train", "--config", str(tmp_path / "c.yaml")])
+    assert "sets data.train to a shell command" in line and "LIT_SOFTMOE_ALLOW_PIPE=1" in line
+    assert not marker.exists() and not (tmp_path / "run").exists()
