@@ -1,7 +1,13 @@
 """lit_softmoe.train.runtime: a run folder holds one run, and a run must train something."""
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from cli_errors import _one_line_error
+from lit_runs import ROOT
 from lit_softmoe.config import load_config
 from lit_softmoe.errors import UserError
 
@@ -44,3 +50,34 @@ def test_a_run_of_zero_steps_and_zero_epochs_is_refused(tmp_path, capsys, comman
     line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), "steps=0", "epochs=0"])
     assert "steps=0 and epochs=0 train nothing; set steps=N or epochs=E" in line
     assert not (tmp_path / "run").exists()
+
+
+_HOLD = ("import sys, time\n"
+         "from lit_softmoe.utils.locks import folder_lock\n"
+         "with folder_lock(sys.argv[1]):\n"
+         "    print('held', flush=True)\n"
+         "    time.sleep(120)\n")
+
+
+@pytest.mark.parametrize("command", ["pretrain", "train"])
+def test_a_run_folder_in_use_by_a_live_process_is_refused_until_it_dies(tmp_path, capsys, command):
+    """Two runs in one run folder mixed their metrics, configs and checkpoints. The lock is the
+    kernel's: a holder killed with SIGKILL leaves nothing stale behind."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (tmp_path / "c.yaml").write_text(f"run_dir: {run}\n")
+        argv = [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none' / 'train'}"]
+        if command == "train":
+            argv.append(f"image_tower={tmp_path / 'no-tower'}")
+        line = _one_line_error(capsys, argv)
+        assert f"{run} is in use by process {holder.pid}; wait for that run to end, or start this one with " \
+               "another run_dir=..." in line
+        assert sorted(p.name for p in run.iterdir()) == [".lit-softmoe.lock"]  # nothing written beside it
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    line = _one_line_error(capsys, argv)  # past the lock: the next mistake of this config is told
+    expected = "shards not found: " if command == "pretrain" else "no-tower is not a tower checkpoint"
+    assert expected in line, line
