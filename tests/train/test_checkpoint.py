@@ -149,3 +149,61 @@ def test_latest_and_prune(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000015"
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000015", "step_00000020"]
+
+
+def _three_checkpoints(folder) -> dict[int, dict[str, torch.Tensor]]:
+    """Checkpoints at steps 1, 2, 3 of a tiny model trained one AdamW step between each; returns
+    each step's parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saved = {}
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        save_training_state(folder / f"step_{step:08d}", step, model, opt)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    return saved
+
+
+def _damage(ckpt, how: str) -> None:
+    if how == "truncated tensors":  # a disk that filled while it was written, a copy cut short
+        data = (ckpt / "state.safetensors").read_bytes()
+        (ckpt / "state.safetensors").write_bytes(data[:len(data) // 2])
+    elif how == "garbage json":
+        (ckpt / "state.json").write_bytes(b"\x00\x17{not json")
+    else:  # a step of the wrong type
+        info = json.loads((ckpt / "state.json").read_text())
+        (ckpt / "state.json").write_text(json.dumps({**info, "step": "ten"}))
+
+
+@pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, caplog, how):
+    """It crashed every rerun with a traceback (safetensors' or json's error, or comparing "ten" with
+    the run's length), so the intact checkpoints before it were never used."""
+    from lit_softmoe.train.runtime import resume_state
+    saved = _three_checkpoints(tmp_path)
+    _damage(tmp_path / "step_00000003", how)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING"):
+        step, meta, latest = resume_state(tmp_path, model, opt, total_steps=10)
+    assert (step, meta["step"], latest) == (2, 2, tmp_path / "step_00000002")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[2][name]) and not torch.equal(value, saved[3][name])
+    assert opt.state[model.weight]["step"].item() == 2  # AdamW's moments of step 2 too
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{tmp_path / 'step_00000003'} is damaged" in warnings[0]
+
+
+def test_every_checkpoint_damaged_is_one_user_error(tmp_path):
+    from lit_softmoe.train.runtime import resume_state
+    _three_checkpoints(tmp_path)
+    for step, how in ((1, "step not a number"), (2, "garbage json"), (3, "truncated tensors")):
+        _damage(tmp_path / f"step_{step:08d}", how)
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(UserError, match=rf"every checkpoint in {tmp_path} is damaged \(the newest: "
+                                        rf"{tmp_path / 'step_00000003'}\); restore them from a copy, or delete"):
+        resume_state(tmp_path, model, torch.optim.AdamW(model.parameters()), total_steps=10)

@@ -535,3 +535,23 @@ def test_a_warmup_longer_than_half_the_run_is_said_once(small_shards, tmp_path, 
     with caplog.at_level("WARNING", logger="lit_softmoe.train.pretrain"):
         pretrain(_cfg(small_shards, tmp_path / "half", "steps=10", "optim.warmup=0.5", "fewshot_shots=0"))
     assert not [r for r in caplog.records if "warmup" in r.getMessage()]
+
+
+def test_pretrain_rerun_over_a_truncated_newest_checkpoint_resumes_from_the_one_before(data, tmp_path, caplog):
+    """A disk that filled while the step-4 checkpoint was copied: the rerun crashed in safetensors
+    on every try. Now it resumes at step 2 and, training being exact on resume, ends with the
+    same tower the uninterrupted run saved."""
+    run = tmp_path / "run"
+    cfg = ["steps=4", "checkpoint_every=2", "keep_checkpoints=10", "fewshot_shots=0"]
+    pretrain(_pretrain_cfg(data, run, *cfg))
+    first = load_tower(run / "tower")[0]
+    tensors = run / "checkpoints" / "step_00000004" / "state.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:1000])
+    shutil.rmtree(run / "tower")  # so the rerun must train steps 3 and 4 again to save it
+    (run / "results.json").unlink()
+    with caplog.at_level("WARNING"):
+        again = pretrain(_pretrain_cfg(data, run, *cfg))
+    assert again["steps"] == 4
+    assert any(f"{run / 'checkpoints' / 'step_00000004'} is damaged" in r.getMessage() for r in caplog.records)
+    for a, b in zip(first.state_dict().values(), load_tower(run / "tower")[0].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
