@@ -1,8 +1,10 @@
 """lit_softmoe.cli: what the command line itself does: closing lines from the main process only, an
 interrupt on its own line, a --benchmarks that names nothing refused, exit code 2 when nothing was evaluated."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import PIL.Image
 import pytest
@@ -133,3 +135,57 @@ def test_lit_softmoe_models_piped_into_head_ends_quietly():
     done = subprocess.run(f"{sys.executable} -m lit_softmoe.cli models | head -1", shell=True, capture_output=True,
                           text=True, timeout=300)
     assert done.stdout.count("\n") == 1 and "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _five_captioned_images(src):
+    src.mkdir()
+    for i in range(5):
+        PIL.Image.new("L", (8, 8), 40 * i).save(src / f"{i}.png")
+        (src / f"{i}.txt").write_text(f"gray square {i}")
+    return src
+
+
+def test_a_full_disk_while_data_writes_shards_is_one_line_and_the_rerun_completes(tmp_path, capsys, monkeypatch):
+    """ENOSPC ended `data` in a traceback. Now one line naming the file, exit code 2, no temporary shard
+    and no sizes.json left (a reader would take the split for complete), and the rerun writes it all."""
+    import errno
+    import tarfile
+    real_addfile, failed_on = tarfile.TarFile.addfile, []
+
+    def addfile(self, *args, **kwargs):
+        if (out / "train" / "0.tar").exists() and not failed_on:  # shard 0 done, shard 1 being written
+            failed_on.extend(str(p) for p in (out / "train").glob(".*.partial"))  # the shard being written
+            raise OSError(errno.ENOSPC, "No space left on device", failed_on[0])
+        return real_addfile(self, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile.TarFile, "addfile", addfile)
+    src, out = _five_captioned_images(tmp_path / "src"), tmp_path / "out"
+    argv = ["data", "from-folder", str(src), "--out", str(out), "--samples-per-shard", "2"]
+    line = _one_line_error(capsys, argv)
+    assert [Path(p).name for p in failed_on] == [f".1.tar.{os.getpid()}.partial"]
+    assert line == (f"lit-softmoe data: error: no space left on the device while writing {failed_on[0]}; free some "
+                    "space (or write to another disk) and rerun the same command")
+    split = out / "train"
+    assert not list(split.glob(".*partial")) and not (split / "sizes.json").exists()
+    assert not (split / "nshards.txt").exists()
+    assert "summary" not in json.loads((split / "manifest.json").read_text())  # not marked complete
+    monkeypatch.setattr(tarfile.TarFile, "addfile", real_addfile)  # space again
+    assert main(argv) == 0
+    assert json.loads((split / "sizes.json").read_text()) == {"0.tar": 2, "1.tar": 2, "2.tar": 1}
+
+
+def test_a_full_disk_in_safetensors_own_words_is_one_line(run, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk in its own error, without errno or path."""
+    from safetensors import SafetensorError
+
+    from lit_softmoe.export import pair
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(pair, "save_file", full)
+    line = _one_line_error(capsys, ["export", str(run), "--out", str(tmp_path / "export")])
+    assert line == ("lit-softmoe export: error: no space left on the device; free some space (or write to another "
+                    "disk) and rerun the same command")
+    assert not (tmp_path / "export").exists() and list(tmp_path.iterdir()) == []
