@@ -266,3 +266,22 @@ def test_overwrite_still_replaces_and_an_empty_out_is_still_taken(lit_run, tmp_p
     assert json.loads((out / "config.json").read_text())["kind"] == "pair"
     load_pretrained(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "raced"]
+
+
+def test_overwrite_through_a_link_to_an_export_replaces_its_target_and_keeps_the_link(run, tmp_path, capsys):
+    """`--out LINK --overwrite`, LINK → an export: the export lands in the folder the link names."""
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "exports" / "v1")]) == 0
+    (tmp_path / "exports" / "v1" / "stale.txt").write_text("from the old export")
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "exports" / "v1", target_is_directory=True)
+    assert cli.main(["export", str(run), "--out", str(link), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and link.readlink() == tmp_path / "exports" / "v1"
+    assert not (tmp_path / "exports" / "v1" / "stale.txt").exists()
+    assert (tmp_path / "exports" / "v1" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "latest"]
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["v1"]  # no temporary folder left
+    reference, _, tokenizer = load_pretrained(run)
+    model, _, _ = load_pretrained(link)
+    for got, want in zip(_embed(model, tokenizer), _embed(reference, tokenizer), strict=True):
+        assert torch.equal(got, want)

@@ -116,3 +116,22 @@ def test_atomic_exchange_swaps_two_folders(tmp_path):
     if not _exchange(tmp_path / "a", tmp_path / "b"):
         pytest.skip("no renameat2(RENAME_EXCHANGE) on this system or filesystem: two renames are used")
     assert (tmp_path / "a" / "v").read_text() == "b" and (tmp_path / "b" / "v").read_text() == "a"
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_replacing_a_folder_through_a_symlink_keeps_the_link(tmp_path, monkeypatch, atomic_exchange):
+    """The link itself was replaced: with two renames it became a real folder and its target was never
+    updated; with the atomic exchange the temporary name got the link, and removing it failed
+    ("Cannot call rmtree on a symbolic link")."""
+    from lit_softmoe.utils import atomic
+    if not atomic_exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    (tmp_path / "disk" / "target").mkdir(parents=True)
+    (tmp_path / "disk" / "target" / "v").write_text("1")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "disk" / "target", target_is_directory=True)
+    write_folder_atomically(link, lambda tmp: (tmp / "v").write_text("2"))
+    assert link.is_symlink() and link.readlink() == tmp_path / "disk" / "target"
+    assert (tmp_path / "disk" / "target" / "v").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"]
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["target"]  # no temporary folder left
