@@ -2,6 +2,8 @@
 flax's maths in numpy, and loud errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -247,3 +249,27 @@ def test_vmoe_tree_with_two_slots_per_expert_converts_with_its_slots(tmp_path):
     torch.testing.assert_close(combine.sum(dim=(2, 3)), torch.ones(2, 16))
     # The released p = 1 trees still load as before.
     assert load_vmoe_tower(_save(tmp_path, vmoe_tree(6), "p1.npz"), "soft-test-4e").cfg.slots_per_expert == 1
+
+
+def test_a_tree_holding_python_objects_is_refused_without_advising_to_unpickle_it(tmp_path, capsys):
+    """numpy's error for an object array says `allow_pickle=False`, which relayed read as advice to
+    set it True: loading someone else's pickle runs their code."""
+    marker = tmp_path / "unpickled"
+    tree = dict(vmoe_tree(5), **{"head/bias": np.array([_Touch(marker)], dtype=object)})
+    path = tmp_path / "objects.npz"
+    np.savez(path, **tree)  # np.savez pickles the object array
+    assert main(["convert", "--from-vmoe", str(path), "--to", "soft-test-4e", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"lit-softmoe convert: error: cannot read {path} as .npz (it holds Python objects, which are "
+                   "never unpickled); save the tree with np.savez(path, **flat_params) of numeric arrays\n")
+    assert "allow_pickle" not in err and "weights_only" not in err
+    assert not marker.exists() and not (tmp_path / "x").exists()
+
+
+class _Touch:
+    """An object whose unpickling creates a file: the proof that it was (not) unpickled."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
