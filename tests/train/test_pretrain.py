@@ -555,3 +555,26 @@ def test_pretrain_rerun_over_a_truncated_newest_checkpoint_resumes_from_the_one_
     assert any(f"{run / 'checkpoints' / 'step_00000004'} is damaged" in r.getMessage() for r in caplog.records)
     for a, b in zip(first.state_dict().values(), load_tower(run / "tower")[0].state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_one_color_image_among_gray_ones_is_named_as_the_reason_a_gray_tower_does_not_fit(tmp_path, caplog):
+    """One RGB image among gray ones makes the split read as RGB: "holds 3×28px" alone, for a split
+    the user knows is gray, hid the reason."""
+    import PIL.Image
+
+    from lit_softmoe.data.shards import write_split
+    samples = [{"png": PIL.Image.new("L", (28, 28), 10 * i), "cls": i % 2} for i in range(9)]
+    samples.append({"png": PIL.Image.new("RGB", (28, 28), (200, 10, 10)), "cls": 1})
+    for split in ("train", "test"):
+        write_split(samples, tmp_path / "ds", split)
+    (tmp_path / "ds" / "classnames.txt").write_text("dark\nlight\n")
+    train = tmp_path / "ds" / "train"
+    with caplog.at_level("WARNING"), pytest.raises(UserError) as refused:
+        pretrain(load_config(PretrainConfig, None, [
+            f"data.train={train}", f"data.test={tmp_path / 'ds' / 'test'}", f"run_dir={tmp_path / 'run'}",
+            "tower.name=soft-test-4e", "batch_size=5", "steps=1", "fewshot_shots=0"]))
+    assert str(refused.value) == (
+        f"tower 'soft-test-4e' takes 1×28px images but {train} holds 3×28px (read as RGB: one or more of its "
+        "images are in color); pick a tower for this size or set tower.options.image_size / "
+        "tower.options.in_channels")
+    assert f"1 of the 10 images of {train} are in color and the rest gray: the split is read as RGB" in caplog.text
