@@ -1,6 +1,6 @@
 """lit_softmoe.evals.features: image features encoded in order by any number of workers, unreadable images
 skipped and counted, and the feature cache: hit only when the tower, preprocessing, task and precision are
-the same, and no reason to stop when it cannot be written."""
+the same, verified by its checksum, and no reason to stop when it cannot be written."""
 from __future__ import annotations
 
 import pytest
@@ -127,3 +127,58 @@ def test_a_cache_that_cannot_be_written_does_not_end_the_suite(tmp_path, caplog)
     entry = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["status"] == "ok" and entry["image_cache"] == "off"
     assert "not cached" in caplog.text and str(blocker) in caplog.text
+
+
+def _replace_with_zeros(entry) -> None:
+    """A valid safetensors file of the right shape holding other numbers: only the checksum tells."""
+    from safetensors.torch import load_file, save_file
+    features = load_file(entry / "features.safetensors")["features"]
+    save_file({"features": torch.zeros_like(features)}, entry / "features.safetensors")
+
+
+def _truncate(entry) -> None:
+    data = (entry / "features.safetensors").read_bytes()
+    (entry / "features.safetensors").write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("damage", [_replace_with_zeros, _truncate], ids=["other-numbers", "truncated"])
+def test_a_damaged_cache_entry_is_said_and_encoded_again_to_a_fresh_evals_numbers(fmnist, tmp_path, caplog, damage):
+    """A truncated entry crashed every later eval of its benchmark; one holding other numbers was a
+    silent "hit" with wrong metrics."""
+    cfg, bundle = _suite(fmnist, tmp_path / "cache"), tiny_pair()
+    run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle)
+    [entry] = [p.parent for p in (tmp_path / "cache").glob("*/features.safetensors")]
+    damage(entry)
+    with caplog.at_level("WARNING"):
+        rebuilt = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)["results"][0]
+    fresh = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=bundle, use_cache=False)["results"][0]
+    assert rebuilt["status"] == "ok" and rebuilt["image_cache"] == "miss"
+    assert rebuilt["metrics"] == fresh["metrics"] and rebuilt["num_samples"] == fresh["num_samples"] == 300
+    assert f"ignoring the damaged image-feature cache entry {entry}" in caplog.text
+    again = run_suite("m", cfg, out=tmp_path / "d.json", model_bundle=bundle)["results"][0]
+    assert again["image_cache"] == "hit" and again["metrics"] == fresh["metrics"]  # written anew, whole
+
+
+@pytest.mark.parametrize("error", ["safetensors", "oserror"])
+def test_a_full_disk_while_caching_features_still_returns_the_result(fmnist, tmp_path, caplog, monkeypatch, error):
+    """safetensors reports a full disk in its own SafetensorError, not an OSError: it ended the eval in a
+    traceback after all the images were encoded (an OSError was already a warning)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from lit_softmoe.evals import features
+
+    def full(tensors, path, *args, **kwargs):
+        if error == "safetensors":
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                  '"No space left on device" })')
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    cfg, bundle = _suite(fmnist, tmp_path / "cache"), tiny_pair()
+    fresh = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle, use_cache=False)["results"][0]
+    monkeypatch.setattr(features, "save_file", full)
+    entry = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)["results"][0]
+    assert entry["status"] == "ok" and entry["image_cache"] == "off" and entry["metrics"] == fresh["metrics"]
+    assert "image features of fashion-mnist not cached" in caplog.text and "No space left" in caplog.text
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no half entry left
