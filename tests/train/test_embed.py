@@ -22,6 +22,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.embed import check_feature_cache, embed_shards
+from shard_cuts import cut_before_sample
 
 LIMIT = 300
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
@@ -304,3 +305,30 @@ def test_embed_refuses_to_replace_an_image_split(six_shard_data, tmp_path):
     summary = embed_shards(six_shard_data / "tower", str(six_shard_data / "fmnist" / "test"), tmp_path / "features",
                            split="train")
     assert summary["skipped"] is False and summary["num_samples"] == 300
+
+
+def _copy_split(cache, tmp_path):
+    """A copy of the fixture's test split (3 shards: 128 + 128 + 44), so the shared one stays whole."""
+    source = tmp_path / "fmnist" / "test"
+    shutil.copytree(cache["root"] / "fmnist" / "test", source)
+    return source
+
+
+def test_a_split_truncated_at_a_sample_boundary_is_not_cached_as_complete(cache, tmp_path):
+    """A tar cut at a sample boundary reads as a complete, shorter one: embed wrote a "finished" cache of
+    a third of the split, with an empty bad count, and LiT trained on it without a word."""
+    source = _copy_split(cache, tmp_path)
+    cut_before_sample(source / "1.tar", 28)  # 100 of its 128 samples gone
+    with pytest.raises(UserError) as refused:
+        embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64)
+    # What should have been read: the 200 samples read, the 100 lost and the truncated shard itself.
+    assert str(refused.value) == ("101 of 301 samples were bad (missing_samples: 100, truncated_shard: 1), over "
+                                  "max_bad_fraction=0.01; fix or rewrite the source shards")
+    assert not (tmp_path / "features" / "test" / "embed.json").exists()
+    # Past the limit on purpose: the missing samples are recorded, and the cache holds what was read.
+    summary = embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64,
+                           max_bad_fraction=0.5)
+    assert summary["num_samples"] == LIMIT - 100
+    assert summary["bad"] == {"truncated_shard": 1, "missing_samples": 100}
+    info = json.loads((tmp_path / "features" / "test" / "embed.json").read_text())
+    assert info["num_samples"] == LIMIT - 100 and info["bad"] == summary["bad"]
