@@ -332,3 +332,46 @@ def test_a_split_truncated_at_a_sample_boundary_is_not_cached_as_complete(cache,
     assert summary["bad"] == {"truncated_shard": 1, "missing_samples": 100}
     info = json.loads((tmp_path / "features" / "test" / "embed.json").read_text())
     assert info["num_samples"] == LIMIT - 100 and info["bad"] == summary["bad"]
+
+
+def _flip_a_byte(shard) -> None:
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside an embedding: the tar still reads, the numbers are other ones
+    shard.write_bytes(bytes(data))
+
+
+def _replace_with_another(shard) -> None:
+    shutil.copyfile(shard.parent / "0.tar", shard)  # a valid feature shard, of other samples
+
+
+@pytest.mark.parametrize("damage", [_flip_a_byte, _replace_with_another], ids=["flipped-byte", "replaced"])
+def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed(cache, tmp_path, capsys, damage):
+    """The feature cache was trusted by its embed.json alone: a shard damaged or replaced since was
+    trained on, and a rerun of embed said "already there"."""
+    source, features = cache["root"] / "fmnist" / "test", tmp_path / "features"
+    embed_shards(cache["root"] / "tower", str(source), features, batch_size=64, samples_per_shard=128)
+    original = (features / "test" / "1.tar").read_bytes()
+    recorded = json.loads((features / "test" / "embed.json").read_text())["shard_sha256"]
+    assert sorted(recorded) == ["0.tar", "1.tar", "2.tar"]
+    damage(features / "test" / "1.tar")
+    with pytest.raises(UserError, match=rf"^feature cache {features / 'test'}: its shard 1\.tar is not the one "
+                                        r"embed wrote \(damaged or replaced since\); rerun `lit-softmoe embed "):
+        check_feature_cache(features / "test", cache["root"] / "tower")
+    (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), f"image_tower={cache['root'] / 'tower'}",
+                 f"data.train={features / 'test'}", "data.workers=0", "steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its shard 1.tar is not the one embed wrote" in err[0], err
+    again = embed_shards(cache["root"] / "tower", str(source), features, batch_size=64, samples_per_shard=128)
+    assert not again["skipped"] and again["num_samples"] == LIMIT
+    assert (features / "test" / "1.tar").read_bytes() == original  # embedded again, to the same bytes
+    assert check_feature_cache(features / "test", cache["root"] / "tower")["num_samples"] == LIMIT
+
+
+def test_a_missing_feature_shard_is_refused(cache, tmp_path):
+    features = tmp_path / "features"
+    embed_shards(cache["root"] / "tower", str(cache["root"] / "fmnist" / "test"), features, batch_size=64,
+                 samples_per_shard=128)
+    (features / "test" / "2.tar").unlink()
+    with pytest.raises(UserError, match=r"its shard 2\.tar is missing; rerun `lit-softmoe embed "):
+        check_feature_cache(features / "test", cache["root"] / "tower")
