@@ -375,3 +375,26 @@ def test_a_missing_feature_shard_is_refused(cache, tmp_path):
     (features / "test" / "2.tar").unlink()
     with pytest.raises(UserError, match=r"its shard 2\.tar is missing; rerun `lit-softmoe embed "):
         check_feature_cache(features / "test", cache["root"] / "tower")
+
+
+def test_hostile_sample_keys_are_never_written_into_feature_shards(cache, tmp_path):
+    """Keys from someone else's shards (`../x`, `/abs/x`) were written as they came: a tool
+    extracting our feature shards would write outside its folder."""
+    import tarfile
+    source = sorted(_read_raw(cache["root"] / "fmnist" / "train").items())[:10]
+    keys = [key for key, _ in source]
+    hostile = {"../../escape": source[0][1], "/tmp/abs/x": source[1][1], "a/../../up": source[2][1]}
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "0.tar", "w") as tar:
+        for key, sample in [*source, *hostile.items()]:
+            for ext in ("png", "txt"):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(sample[ext])
+                tar.addfile(info, io.BytesIO(sample[ext]))
+    summary = embed_shards(cache["root"] / "tower", str(tmp_path / "src" / "0.tar"), tmp_path / "out",
+                           max_bad_fraction=0.5)
+    assert summary["num_samples"] == 10 and summary["bad"] == {"unsafe_key": 3}
+    [split] = [p.parent for p in (tmp_path / "out").glob("*/embed.json")]
+    assert sorted(_read_raw(split)) == sorted(keys)
+    names = [name for shard in split.glob("*.tar") for name in tarfile.open(shard).getnames()]
+    assert len(names) == 20 and not [n for n in names if n.startswith("/") or ".." in n.split("/")]
