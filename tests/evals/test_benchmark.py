@@ -4,17 +4,21 @@ blank lines or uncaptioned images."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
+from evalkit import foolbox_images, needs_foolbox, save_pair, tiny_pair, write_wds_benchmark
+from lit_softmoe.cli import main
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals import suite as suite_module
 from lit_softmoe.evals.prompts import resolve_prompts
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.evals.suite import run_suite
+from shard_cuts import cut_before_sample
 
 # Per image: CLIP_benchmark's str.splitlines gives ['', 'a dog', '', 'another dog', ''] (3 empty), ['a cat'],
 # [' ', ' '] (2 blank, no caption left), ['a bird'] (a final newline is no line): 5 empty captions.
@@ -140,3 +144,30 @@ def test_karpathy_empty_sentences_are_counted_even_as_an_images_only_one(tmp_pat
                       out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["format"] == "karpathy"
     assert (entry["empty_captions"], entry["num_captions"], entry["images_without_captions"]) == (2, 2, 1)
+
+
+def test_a_split_truncated_at_a_sample_boundary_is_reported_partial_and_not_compared(fmnist, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A shard cut at a sample boundary reads as a complete, shorter tar: the eval reported its numbers on
+    two thirds of the split as the split's, and --peer claimed agreement with CLIP_benchmark on them."""
+    root = tmp_path / "fashion-mnist"
+    shutil.copytree(fmnist, root)
+    listed = sum(json.loads((root / "test" / "sizes.json").read_text()).values())
+    kept = cut_before_sample(root / "test" / "1.tar", 28)
+    read = listed - 128 + kept  # shard 1 held 128 samples
+    monkeypatch.setattr(suite_module, "compare_with_clip_benchmark", lambda *a, **k: pytest.fail("compared"))
+    (tmp_path / "suite.yaml").write_text(f"name: s\nworkers: 0\nbenchmarks:\n- name: fashion-mnist\n"
+                                         f"  root: {root}\n")
+    model = save_pair(tmp_path / "model")
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(model), "--suite", str(tmp_path / "suite.yaml"), "--out", str(out),
+                 "--no-cache", "--peer"]) == 0
+    partial = (f"{read} of the {listed} samples that the sizes.json of {root}/test lists were read: its shards "
+               "are truncated, and the metrics cover the samples read only")
+    [entry] = json.loads(out.read_text())["results"]
+    assert entry["status"] == "ok" and entry["num_samples"] == read == 200 and entry["partial"] == partial
+    assert entry["peer"] == {"status": "skipped", "reason": f"not compared on a partial split: {partial}"}
+    [row] = [line for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| fashion-mnist")]
+    assert f"| {read} (partial) |" in row
+    stdout = capsys.readouterr().out
+    assert f"| {read} (partial) |" in stdout and "clip_benchmark skipped: not compared on a partial split" in stdout
