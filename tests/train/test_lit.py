@@ -684,3 +684,16 @@ def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_pa
     again = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
     assert read_metrics(run / "metrics.jsonl") == records
     assert again["zeroshot_top1"] == first["zeroshot_top1"] == records[-1]["zeroshot_top1"]
+
+
+def test_lit_on_pipe_shards_takes_its_epoch_length_from_data_samples_per_epoch(data, tmp_path):
+    """Shards read through a command (`pipe:`, `https://`) have no sizes.json: the loader asked for
+    data.samples_per_epoch, a key LiT's config did not have."""
+    spec = f"pipe:cat {data / 'fmnist' / 'train'}/{{0..1}}.tar"  # 2 shards of 50 images, through `cat`
+    with pytest.raises(UserError, match=r"the epoch length of pipe:cat .* is unknown .*; set data.samples_per_epoch"):
+        train_lit(_lit(data, tmp_path / "unknown", "epochs=1", f"data.train={spec}", "eval.shards=''"))
+    results = train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={spec}", "data.samples_per_epoch=100",
+                             "eval.shards=''"))
+    losses = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    # 100 samples an epoch in batches of 50 (_lit's batch_size): one epoch is 2 steps.
+    assert results["steps"] == 2 and [r["step"] for r in losses] == [1, 2] and losses[-1]["epoch"] == 1
