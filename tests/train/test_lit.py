@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,7 @@ from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import is_feature_cache, train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
+from shard_cuts import cut_before_sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)
@@ -697,3 +699,25 @@ def test_lit_on_pipe_shards_takes_its_epoch_length_from_data_samples_per_epoch(d
     losses = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     # 100 samples an epoch in batches of 50 (_lit's batch_size): one epoch is 2 steps.
     assert results["steps"] == 2 and [r["step"] for r in losses] == [1, 2] and losses[-1]["epoch"] == 1
+
+
+def test_lit_on_image_shards_truncated_at_a_sample_boundary_stops_naming_the_missing_samples(data, tmp_path):
+    """A tar cut at a sample boundary reads as a complete, shorter one: LiT trained on a part of the split
+    and called it an epoch."""
+    train = tmp_path / "fmnist" / "train"
+    shutil.copytree(data / "fmnist" / "train", train)
+    cut_before_sample(train / "3.tar", 10)  # 40 of its 50 samples gone
+    with pytest.raises(UserError) as refused:
+        train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''"))
+    # The epoch (300 samples, from sizes.json) reads the 260 left and starts over: each pass over
+    # shard 3 misses its 40; the shard is counted once.
+    match = re.fullmatch(r"(\d+) of (\d+) samples were bad \(missing_samples: (\d+), truncated_shard: 1\), over "
+                         r"max_bad_fraction=0\.01; fix the shards or raise data\.max_bad_fraction", str(refused.value))
+    assert match, str(refused.value)
+    bad, seen, missing = map(int, match.groups())
+    assert missing % 40 == 0 and bad == missing + 1 and seen > 300 and bad / seen > 0.01
+    results = train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''",
+                             "data.max_bad_fraction=0.3"))
+    counts = results["bad_samples"]
+    assert results["steps"] == 6 and counts["truncated_shard"] == 1 and counts["missing_samples"] in (40, 80)
+    assert sorted(counts) == ["missing_samples", "truncated_shard"]
