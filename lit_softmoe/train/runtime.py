@@ -19,7 +19,7 @@ from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
 from lit_softmoe.train.logging import RunLogger
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
-from lit_softmoe.utils.locks import folder_lock
+from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
 
 _log = logging.getLogger(__name__)
 
@@ -33,8 +33,27 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
-    with folder_lock(run_dir, refuse="wait for that run to end, or start this one with another run_dir=..."):
-        yield
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    refuse = "wait for that run to end, or start this one with another run_dir=..."
+    with folder_lock(run_dir, refuse=refuse):
+        lock_path = run_dir / LOCK_FILE
+        try:
+            holder = lock_path.read_text().strip()
+        except OSError:
+            holder = ""
+        if holder != str(os.getpid()):  # the lock of a file removed below by a run that failed meanwhile
+            raise UserError(f"{run_dir} is in use by another process; {refuse}")
+        try:
+            yield
+        except BaseException:
+            # A mistake found before any work (a setting, the data) left the run folder that the lock
+            # created holding the lock file alone: it goes, as it went before there was a lock.
+            with contextlib.suppress(OSError):  # never hides the error itself
+                if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+                    lock_path.unlink()
+                    run_dir.rmdir()
+            raise
 
 
 def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:

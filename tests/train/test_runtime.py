@@ -81,3 +81,42 @@ def test_a_run_folder_in_use_by_a_live_process_is_refused_until_it_dies(tmp_path
     line = _one_line_error(capsys, argv)  # past the lock: the next mistake of this config is told
     expected = "shards not found: " if command == "pretrain" else "no-tower is not a tower checkpoint"
     assert expected in line, line
+
+
+def test_a_run_refused_before_any_work_leaves_no_run_folder_behind(tmp_path):
+    """The lock created the run folder: a mistake found before any work left an empty run folder (a
+    lock file alone) where there was none, unlike before the lock."""
+    from lit_softmoe.train.runtime import run_folder_lock
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match="a mistake"), run_folder_lock(run):
+        assert sorted(p.name for p in run.iterdir()) == [".lit-softmoe.lock"]
+        raise UserError("a mistake")
+    assert not run.exists()
+    run.mkdir()  # a folder that was there before stays, lock file and all
+    with pytest.raises(UserError, match="a mistake"), run_folder_lock(run):
+        raise UserError("a mistake")
+    assert run.is_dir()
+    with run_folder_lock(run):  # after work started (a file written), the folder stays whatever happens
+        (run / "config.yaml").write_text("x")
+    assert (run / "config.yaml").is_file()
+
+
+def test_a_lock_whose_file_was_removed_meanwhile_is_not_trusted(tmp_path, monkeypatch):
+    """A run that failed first removes the lock file it created; a second run that opened that file
+    just before could then lock the removed file while a third locks a new one: two runs in one folder.
+    The second finds its pid missing from the lock file and is refused."""
+    from lit_softmoe.train.runtime import run_folder_lock
+    from lit_softmoe.utils import locks
+    run = tmp_path / "run"
+    run.mkdir()
+    real_flock = locks.fcntl.flock
+
+    def flock(handle, operation):
+        if operation & locks.fcntl.LOCK_EX:  # between our open and our lock, the failed run's cleanup
+            (run / locks.LOCK_FILE).unlink(missing_ok=True)
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(locks.fcntl, "flock", flock)
+    with pytest.raises(UserError, match=rf"^{run} is in use by another process; wait for that run to end"):
+        with run_folder_lock(run):
+            pytest.fail("ran on a lock of a removed file")
