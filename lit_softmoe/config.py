@@ -119,7 +119,10 @@ def read_yaml(path: str | Path):
 
 def _all_keys(node, prefix="") -> list[str]:
     keys = []
-    for key, value in node.items():
+    # Unresolved: an interpolation that does not resolve (an unset ${oc.env:VAR}) is not a key's
+    # problem here, and is reported in one line when the config is built.
+    items = node.items_ex(resolve=False) if OmegaConf.is_dict(node) else node.items()
+    for key, value in items:
         dotted = f"{prefix}{key}"
         keys.append(dotted)
         if OmegaConf.is_dict(value):

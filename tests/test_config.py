@@ -238,3 +238,17 @@ def test_a_shell_command_in_a_config_file_given_to_train_is_one_line(tmp_path, c
     line = _one_line_error(capsys, ["train", "--config", str(tmp_path / "c.yaml")])
     assert "sets data.train to a shell command" in line and "LIT_SOFTMOE_ALLOW_PIPE=1" in line
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_shell_command_reached_through_an_interpolation_in_a_config_file_is_refused(tmp_path, monkeypatch):
+    """The check reads each value as the run will: `${oc.env:SPEC}` holding `pipe:...` is a command from
+    the file too; and an unset variable elsewhere stays the one-line "cannot resolve" error."""
+    monkeypatch.delenv("LIT_SOFTMOE_ALLOW_PIPE", raising=False)
+    monkeypatch.setenv("LIT_SOFTMOE_TEST_SPEC", "pipe:curl -s https://x/0.tar")
+    config = tmp_path / "lit.yaml"
+    config.write_text("data:\n  train: ${oc.env:LIT_SOFTMOE_TEST_SPEC}\n")
+    with pytest.raises(UserError, match=r"sets data\.train to a shell command \('pipe:curl"):
+        load_config(LiTConfig, config)
+    config.write_text("batch_size: ${oc.env:LIT_SOFTMOE_TEST_UNSET_VAR}\ndata:\n  train: data/a/train\n")
+    with pytest.raises(UserError, match="cannot resolve config"):
+        load_config(LiTConfig, config)
