@@ -398,3 +398,29 @@ def test_hostile_sample_keys_are_never_written_into_feature_shards(cache, tmp_pa
     assert sorted(_read_raw(split)) == sorted(keys)
     names = [name for shard in split.glob("*.tar") for name in tarfile.open(shard).getnames()]
     assert len(names) == 20 and not [n for n in names if n.startswith("/") or ".." in n.split("/")]
+
+
+def test_a_full_disk_while_embedding_is_one_line_and_leaves_no_cache_a_rerun_would_trust(cache, tmp_path, capsys,
+                                                                                        monkeypatch):
+    import errno
+    import tarfile
+    real_addfile = tarfile.TarFile.addfile
+
+    def addfile(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "full"))
+
+    monkeypatch.setattr(tarfile.TarFile, "addfile", addfile)
+    root = cache["root"]
+    argv = ["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"lit-softmoe embed: error: no space left on the device while writing {tmp_path / 'out' / 'full'}; "
+                   "free some space (or write to another disk) and rerun the same command"]
+    assert not (tmp_path / "out" / "test").exists()
+    # The dataset's class names and templates may be copied already: no shard, temporary or not, is.
+    left = sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*"))
+    assert [str(p) for p in left] == ["classnames.txt", "dataset_type.txt", "zeroshot_classification_templates.txt"]
+    monkeypatch.setattr(tarfile.TarFile, "addfile", real_addfile)
+    assert main(argv) == 0 and "already there" not in capsys.readouterr().out
+    assert check_feature_cache(tmp_path / "out" / "test", root / "tower")["num_samples"] == LIMIT
