@@ -721,3 +721,21 @@ def test_lit_on_image_shards_truncated_at_a_sample_boundary_stops_naming_the_mis
     counts = results["bad_samples"]
     assert results["steps"] == 6 and counts["truncated_shard"] == 1 and counts["missing_samples"] in (40, 80)
     assert sorted(counts) == ["missing_samples", "truncated_shard"]
+
+
+def test_lit_rerun_over_a_garbage_newest_checkpoint_resumes_from_the_one_before(data, tmp_path, caplog):
+    """A state.json cut short or overwritten: every rerun crashed in json; now it resumes at the step-2
+    checkpoint and, resuming being exact, saves the model the uninterrupted run saved."""
+    run = tmp_path / "run"
+    cfg = ["steps=4", "checkpoint_every=2", "keep_checkpoints=10", "eval.shards=''"]
+    train_lit(_lit(data, run, *cfg))
+    first = load_file(run / "model" / "model.safetensors")
+    (run / "checkpoints" / "step_00000004" / "state.json").write_text('{"step": 4, "param_gr')
+    shutil.rmtree(run / "model")
+    (run / "results.json").unlink()
+    with caplog.at_level("WARNING"):
+        again = train_lit(_lit(data, run, *cfg))
+    assert again["steps"] == 4
+    assert any(f"{run / 'checkpoints' / 'step_00000004'} is damaged" in r.getMessage() for r in caplog.records)
+    second = load_file(run / "model" / "model.safetensors")
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
