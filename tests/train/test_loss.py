@@ -143,6 +143,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str):
                     t /= world_size
         if rank == 0:
             torch.save(results, out_file)
+        # Both processes end their collectives before either tears gloo down: one leaving while the
+        # other still talks to it aborts the process now and then (SIGABRT, "terminate called").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -216,6 +219,7 @@ def _dist_worker(rank: int, init_file: str, out_file: str):
                                          zimg, ztxt, bias=-3.0) for impl in ("bidir", "shift", "gather")]),
         }
         torch.save(results, f"{out_file}.{rank}")
+        dist.barrier()  # as in _worker: no process tears gloo down while another still uses it
     finally:
         dist.destroy_process_group()
 
