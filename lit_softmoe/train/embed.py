@@ -28,6 +28,7 @@ are what is left of it).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -38,8 +39,9 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import webdataset as wds
 from tqdm import tqdm
+from webdataset.gopen import gopen
+from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import (
@@ -171,8 +173,13 @@ def _ignore(exn: Exception) -> bool:
 def _first_sample_members(first_url: str) -> set[str]:
     """The members ("cls", "txt", "png"…) of the first sample of the first shard (reads one sample)."""
     # A broken first shard reads as no members: the main pass counts and reports it.
-    samples = wds.tarfile_to_samples(handler=_ignore)(iter([{"url": first_url}]))
-    first = next(iter(samples), None)
+    try:
+        stream = gopen(first_url)
+    except Exception:  # noqa: BLE001 — counted by the main pass
+        return set()
+    with contextlib.closing(stream):  # one sample read: the rest of the shard is left, its file closed now
+        files = tar_file_expander(iter([{"url": first_url, "stream": stream}]), handler=_ignore)
+        first = next(iter(group_by_keys(files, handler=_ignore)), None)
     return {key for key in first if not key.startswith("__")} if first is not None else set()
 
 
