@@ -336,12 +336,22 @@ def _library_warnings_hidden(hidden: bool):
                 logger.setLevel(level)
 
 
+def _end_progress_bars() -> None:
+    """Close the progress bars that an error left open (tqdm ends each one's line), so the error's
+    one line starts a line of its own instead of trailing the bar's."""
+    if "tqdm" in sys.modules:  # a command that failed before any bar did not import it
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with _library_warnings_hidden(not args.verbose):
             args.func(args)
     except UserError as err:
+        _end_progress_bars()
         print(f"lit-softmoe {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -355,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         full = _disk_full(err)
         if full is None:
             raise
+        _end_progress_bars()
         print(f"lit-softmoe {args.command}: error: {full}", file=sys.stderr)
         return 2
     return 0

@@ -578,3 +578,44 @@ def test_one_color_image_among_gray_ones_is_named_as_the_reason_a_gray_tower_doe
         "images are in color); pick a tower for this size or set tower.options.image_size / "
         "tower.options.in_channels")
     assert f"1 of the 10 images of {train} are in color and the rest gray: the split is read as RGB" in caplog.text
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_rerun_resumes(small_shards, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """ENOSPC while a checkpoint is written ended pretraining in a traceback. Now one line naming the
+    file, exit code 2, no half-written checkpoint left for the rerun to trust, and the rerun (space
+    again) resumes from the checkpoint before and finishes the run."""
+    import errno
+
+    from lit_softmoe.cli import main
+    from lit_softmoe.train import checkpoint
+
+    real_save_file, written = checkpoint.save_file, []
+
+    def save_file(tensors, path):
+        written.append(str(path))
+        if len(written) == 2:  # the checkpoint of step 6
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save_file(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    run_dir, config = tmp_path / "run", tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    argv = ["pretrain", "--config", str(config), f"data.train={small_shards / 'train'}",
+            f"data.test={small_shards / 'test'}", f"run_dir={run_dir}", "batch_size=64", "optim.warmup=0.1",
+            "log_every=1", "steps=6", "checkpoint_every=3", "fewshot_shots=0", "data.max_test_samples=100",
+            *SMALL_TOWER]
+    assert main(argv) == 2
+    stderr = capsys.readouterr().err.splitlines()  # the progress bar's lines, then the error on its own
+    assert stderr[-1] == (f"lit-softmoe pretrain: error: no space left on the device while writing {written[1]}; "
+                          "free some space (or write to another disk) and rerun the same command")
+    assert [line for line in stderr if "error" in line] == stderr[-1:]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003"]  # no temporary folder either
+    assert not (run_dir / "tower").exists()
+    monkeypatch.setattr(checkpoint, "save_file", real_save_file)  # space again
+    assert main(argv) == 0
+    assert "resuming from" in capsys.readouterr().out
+    trained = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert trained == [1, 2, 3, 4, 5, 6]  # steps 1-3 once, then 4-6 after the resume
+    assert (run_dir / "tower").is_dir()
