@@ -37,13 +37,6 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
     created = not run_dir.exists()
     refuse = "wait for that run to end, or start this one with another run_dir=..."
     with folder_lock(run_dir, refuse=refuse):
-        lock_path = run_dir / LOCK_FILE
-        try:
-            holder = lock_path.read_text().strip()
-        except OSError:
-            holder = ""
-        if holder != str(os.getpid()):  # the lock of a file removed below by a run that failed meanwhile
-            raise UserError(f"{run_dir} is in use by another process; {refuse}")
         try:
             yield
         except BaseException:
@@ -51,7 +44,7 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
             # created holding the lock file alone: it goes, as it went before there was a lock.
             with contextlib.suppress(OSError):  # never hides the error itself
                 if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
-                    lock_path.unlink()
+                    (run_dir / LOCK_FILE).unlink()
                     run_dir.rmdir()
             raise
 

@@ -31,6 +31,16 @@ def _holder(lock_path: Path) -> str:
     return f"process {pid}" if pid else "another process"
 
 
+def _is_current(handle, lock_path: Path) -> bool:
+    """Whether the file locked through `handle` is still the one at `lock_path`: a holder that removed
+    its lock file on the way out (a run folder it created and leaves empty) may have done so between
+    our open and our lock, and a lock on the removed file excludes nobody."""
+    try:
+        return os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]:
     """Hold the lock of `folder` (created if missing) for the block.
@@ -40,19 +50,31 @@ def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]
     what the one before wrote).
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     if fcntl is None:
+        folder.mkdir(parents=True, exist_ok=True)
         yield
         return
     lock_path = folder / LOCK_FILE
-    with open(lock_path, "a+") as handle:
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if refuse is not None:
-                raise UserError(f"{folder} is in use by {_holder(lock_path)}; {refuse}") from None
-            logger.warning("waiting for %s, which is writing %s", _holder(lock_path), folder)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if refuse is not None:
+                    raise UserError(f"{folder} is in use by {_holder(lock_path)}; {refuse}") from None
+                logger.warning("waiting for %s, which is writing %s", _holder(lock_path), folder)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            if _is_current(handle, lock_path):
+                break
+            if refuse is not None:  # the file we locked was removed meanwhile by another process
+                raise UserError(f"{folder} is in use by another process; {refuse}")
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()  # releases the lock of the removed file; take the one there now
+    with handle:
         try:
             handle.seek(0)
             handle.truncate()

@@ -77,3 +77,24 @@ def test_the_lock_creates_a_missing_folder_and_is_released_on_an_exception(tmp_p
             raise RuntimeError("the write failed")
     with folder_lock(folder, refuse="x"):
         pass
+
+
+def test_a_waiting_holder_whose_lock_file_was_removed_takes_the_new_one(tmp_path, monkeypatch):
+    """A lock on a removed file excludes nobody: a waiter that locked it takes the lock of the file
+    at the path now, instead of writing beside a holder of that one."""
+    from lit_softmoe.utils import locks
+    real_flock, locked = locks.fcntl.flock, []
+
+    def flock(handle, operation):
+        if operation & locks.fcntl.LOCK_EX:
+            locked.append(handle)
+            if len(locked) == 1:  # between the first open and its lock, the file goes
+                (tmp_path / locks.LOCK_FILE).unlink()
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(locks.fcntl, "flock", flock)
+    with folder_lock(tmp_path):
+        assert len(locked) == 2 and locked[0].closed  # the removed file's lock let go, the new one taken
+        held = tmp_path / locks.LOCK_FILE
+        assert os.fstat(locked[1].fileno()).st_ino == held.stat().st_ino
+        assert held.read_text() == f"{os.getpid()}\n"
