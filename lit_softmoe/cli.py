@@ -75,8 +75,14 @@ def _cmd_embed(args) -> None:
     check_writable(args.out, "--out", folder=True)
     summary = embed_shards(args.tower, args.shards, args.out, split=args.split, batch_size=args.batch_size,
                            workers=args.workers, progress=sys.stderr.isatty())
+    if summary["rank"] != 0:  # rank 0 puts the split together and says so
+        return
+    resumed = f", {summary['resumed_shards']} shards kept from an interrupted run" if summary["resumed_shards"] else ""
+    processes = f" by {summary['world_size']} processes" if summary["world_size"] > 1 else ""
+    on_rank_0 = " on rank 0" if summary["world_size"] > 1 else ""
     done = "already there, nothing written" if summary["skipped"] else \
-        f"written in {summary['seconds']:.1f} s ({summary['images_per_second']:.0f} images/s)"
+        f"written{processes} in {summary['seconds']:.1f} s " \
+        f"({summary['images_per_second']:.0f} images/s{on_rank_0}{resumed})"
     bad = ", ".join(f"{reason}: {count}" for reason, count in summary["bad"].items())
     print(f"{summary['num_samples']} embeddings (dim {summary['dim']}, float16) of {args.shards} at "
           f"{summary['split_dir']}: {done}" + (f"; bad samples skipped ({bad})" if bad else ""))
@@ -239,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
     train.set_defaults(func=_cmd_train)
 
-    embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards")
+    embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards "
+                                  "(resumes where a killed run stopped; one process per GPU under torchrun)")
     embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower)")
     embed.add_argument("--shards", required=True, help="image + caption shards: a split folder, DIR/{0..9}.tar, "
                        "or several joined with '::'")

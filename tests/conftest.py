@@ -53,7 +53,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def six_shard_data(tmp_path_factory):
     """`data`'s images and tower, with a feature cache of 6 shards a split."""
-    return write_lit_data(tmp_path_factory.mktemp("lit_six_shards"), samples_per_shard=50)
+    return write_lit_data(tmp_path_factory.mktemp("lit_six_shards"))
 
 
 # ---- a finished LiT run and its ONNX export ---------------------------------------------------------

@@ -202,6 +202,50 @@ def _decode_embedding(sample: dict, expected_shape: list) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def sample_decoder(kind: str, transform: Callable | None = None) -> Callable[[dict], tuple]:
+    """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `_Skip`.
+
+    The cheap target is checked first, so a sample missing its caption or class costs no image decode.
+    """
+
+    def image_caption(s: dict) -> tuple:
+        caption = _decode_caption(s)
+        return s["__key__"], _decode_image(s, transform), caption
+
+    def image_class(s: dict) -> tuple:
+        label = _decode_label(s)
+        return s["__key__"], _decode_image(s, transform), label
+
+    shape: list = []  # filled by the first good embedding
+
+    def embedding_caption(s: dict) -> tuple:
+        caption = _decode_caption(s)
+        return s["__key__"], _decode_embedding(s, shape), caption
+
+    def embedding_class(s: dict) -> tuple:  # cached features of a class split (zero-shot eval)
+        label = _decode_label(s)
+        return s["__key__"], _decode_embedding(s, shape), label
+
+    return {"image-caption": image_caption, "image-class": image_class,
+            "embedding-caption": embedding_caption, "embedding-class": embedding_class}[kind]
+
+
+def read_shard(url: str, kind: str, transform: Callable | None = None,
+               listed: int | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
+    """One shard's decoded samples, in the shard's order, and the counter they are counted in.
+
+    The stages of a stream (tar → decode → skip and count) without shuffling, splitting or
+    batching: for jobs that work shard by shard (`train.embed`). Yields (key, input, target) as
+    `sample_decoder(kind, transform)` makes them; the counter's `counts` (bad samples and shards by
+    reason) and `read` are complete once the iterator is exhausted. `listed`: the shard's count in
+    its sizes.json, if known (a shard that holds fewer is counted as truncated).
+    """
+    counter = _StreamCounter()
+    samples = _decode_stage(_open_tars(iter([url]), counter, {url: listed} if listed is not None else None),
+                            sample_decoder(kind, transform), counter, give_up_without_good=False)
+    return samples, counter
+
+
 # ---------------------------------------------------------------------------------- stages
 
 def _epoch_shard_order(urls: Sequence[str], shuffle: bool, seed: int, epoch: int) -> list[str]:
@@ -334,30 +378,7 @@ class _ShardStream(IterableDataset):
         return _decode_stage(samples, decode, counter, give_up_without_good)
 
     def _decoder(self) -> Callable[[dict], tuple]:
-        # Each returns (key, input, target); the cheap target is checked first, so a sample
-        # missing its caption or class costs no image decode.
-        transform = self.transform
-
-        def image_caption(s: dict) -> tuple:
-            caption = _decode_caption(s)
-            return s["__key__"], _decode_image(s, transform), caption
-
-        def image_class(s: dict) -> tuple:
-            label = _decode_label(s)
-            return s["__key__"], _decode_image(s, transform), label
-
-        shape: list = []  # filled by the first good embedding
-
-        def embedding_caption(s: dict) -> tuple:
-            caption = _decode_caption(s)
-            return s["__key__"], _decode_embedding(s, shape), caption
-
-        def embedding_class(s: dict) -> tuple:  # cached features of a class split (zero-shot eval)
-            label = _decode_label(s)
-            return s["__key__"], _decode_embedding(s, shape), label
-
-        return {"image-caption": image_caption, "image-class": image_class,
-                "embedding-caption": embedding_caption, "embedding-class": embedding_class}[self.kind]
+        return sample_decoder(self.kind, self.transform)
 
     def _collate(self, samples: list[tuple]) -> dict[str, Any]:
         keys, inputs, targets = zip(*samples)

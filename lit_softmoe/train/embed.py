@@ -6,8 +6,9 @@ raised their throughput from 17 to 2,409 img/s/core and the largest batch from 1
 has no such cache (its issue #99); this module is ours.
 
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
-zero-shot test split can be cached too, also without captions), runs `tower.forward_features` under inference mode
-(bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset layout:
+zero-shot test split can be cached too, also without captions), runs `tower.forward_features` under
+inference mode (bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset
+layout, feature shard i for source shard i:
 
     out_dir/
         classnames.txt  zeroshot_classification_templates.txt  dataset_type.txt   (copied, if present)
@@ -18,46 +19,55 @@ of float32, and well inside the rounding a contrastive loss ignores), `.txt` (th
 `.cls` (copied as-is) when the source had them; `create_shard_loader(…, "embedding-caption")`
 reads them back. `embed.json` lives in the split folder, so train and test caches can share one
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
-fingerprint (sha256 of its weights, its config, its preprocessing). The whole split folder is
-written under a temporary name and renamed when complete, so its presence means a finished
-cache: a rerun with the same tower and the same source files (each shard's path, size and
-modification time) is skipped, one with anything changed embeds again, and `check_feature_cache`
-refuses a cache made with another tower or preprocessing, or one whose local source shards were
-rewritten since, instead of training on stale embeddings (a deleted source is fine: the features
-are what is left of it).
+fingerprint (sha256 of its weights, its config, its preprocessing).
+
+Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
+on its own GPU; the processes share nothing but the output folder. Each feature shard is written
+atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
+shards it had not finished. When all are there, rank 0 puts the split folder in place whole (hard
+links, then one rename), so its presence means a finished cache: a rerun with the same tower and
+the same source files (each shard's path, size and modification time) is skipped, one with anything
+changed embeds again, and `check_feature_cache` refuses a cache made with another tower or
+preprocessing, or one whose local source shards were rewritten since, instead of training on stale
+embeddings (a deleted source is fine: the features are what is left of it).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
+    NSHARDS_FILE,
+    SIZES_FILE,
     dataset_dir,
     is_local_url,
     is_safe_key,
+    listed_sizes,
     read_class_members,
     shard_urls,
     splits_beside,
-    write_split,
 )
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
-from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
 from lit_softmoe.utils.hashing import file_sha256
 
@@ -218,28 +228,141 @@ def _npy_bytes(embedding: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _feature_samples(loader, tower, device, autocast, labels: dict[str, bytes] | None,
-                     stats: dict, progress: bool) -> Iterator[dict]:
-    """Feature-shard samples in the loader's order (shard order with workers=0: deterministic)."""
-    for batch in tqdm(loader, total=loader.num_batches, desc="embed", unit="batch", disable=not progress):
-        embeddings = _embed_batch(tower, batch["image"], device, autocast).numpy()  # (B, width) fp16
-        finite = np.isfinite(embeddings).all(axis=1)
-        captions = batch.get("caption", [None] * len(batch["key"]))  # None: class-only shards
-        for key, caption, embedding, ok in zip(batch["key"], captions, embeddings, finite):
-            if not ok:  # fp16 overflow or a NaN from the tower: the reader would skip it anyway
-                stats["bad"]["nonfinite_embedding"] = stats["bad"].get("nonfinite_embedding", 0) + 1
-                continue
-            if not is_safe_key(key):  # `../x`, `/abs/x` from a hostile source: not written into our shards
-                stats["bad"]["unsafe_key"] = stats["bad"].get("unsafe_key", 0) + 1
-                continue
-            sample = {"__key__": key, "npy": _npy_bytes(embedding)}
-            if caption is not None:
-                sample["txt"] = caption.encode("utf-8")
-            if labels is not None and key in labels:
-                sample["cls"] = labels[key]
-            stats["num_samples"] += 1
-            yield sample
+class _SourceShards(IterableDataset):
+    """Decoded images of whole source shards, batch by batch; runs in each DataLoader worker.
 
+    A worker takes every `num_workers`-th of the shards it is given and reads each to its end, in
+    the shard's own order: a batch never mixes two shards, and after a shard's last batch comes its
+    report {"shard": index, "done": {"read", "bad"}}. So a feature shard holds its source shard's
+    samples in their order whatever the numbers of workers and processes, and is complete when its
+    report arrives.
+    """
+
+    def __init__(self, shards: list[tuple[int, str]], kind: str, transform, batch_size: int,
+                 listed: dict[str, int], with_cls: bool):
+        super().__init__()
+        self.shards, self.kind, self.transform = shards, kind, transform
+        self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for index, url in self.shards[worker::num_workers]:
+            # The image-caption stream carries no class: `.cls` members are read apart, unextracted others skipped.
+            classes = read_class_members([url]) if self.with_cls else {}
+            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url))
+            batch: list[tuple] = []
+            for sample in samples:
+                batch.append(sample)
+                if len(batch) == self.batch_size:
+                    yield self._collate(index, batch, classes)
+                    batch = []
+            if batch:
+                yield self._collate(index, batch, classes)
+            yield {"shard": index, "done": {"read": counter.read, "bad": dict(counter.counts)}}
+
+    def _collate(self, index: int, samples: list[tuple], classes: dict[str, bytes]) -> dict:
+        keys, images, targets = zip(*samples)
+        captions = list(targets) if self.kind == "image-caption" else [None] * len(keys)
+        return {"shard": index, "image": torch.stack(images),  # (B, C, H, W)
+                "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
+
+
+def _feature_sample(key: str, embedding: np.ndarray, caption: str | None, cls: bytes | None) -> dict:
+    sample = {"__key__": key, "npy": _npy_bytes(embedding)}
+    if caption is not None:
+        sample["txt"] = caption.encode("utf-8")
+    if cls is not None:
+        sample["cls"] = cls
+    return sample
+
+
+def _write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
+    """Write one feature shard and then its record ({index}.json: counts, bytes, sha256), each atomically.
+
+    The record is written last: a shard counts as finished (a rerun skips it) only once both exist.
+    The same samples give the same bytes (fixed mtime, owner and mode, as `shards.write_split`).
+    """
+    tar_path = work_dir / f"{index}.tar"
+    with replacing(tar_path) as temporary:
+        with open(temporary, "wb") as stream, wds.TarWriter(stream, user="lit-softmoe", group="lit-softmoe",
+                                                            mode=0o644, mtime=0) as writer:
+            for sample in samples:
+                writer.write(sample)
+    record = {**record, "num_samples": len(samples), "bytes": tar_path.stat().st_size,
+              "sha256": file_sha256(tar_path)}
+    write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
+    return record
+
+
+def _finished_shard(work_dir: Path, index: int) -> dict | None:
+    """The record of a feature shard a killed run finished, or None when it must be embedded (again)."""
+    try:
+        record = json.loads((work_dir / f"{index}.json").read_text())
+        return record if (work_dir / f"{index}.tar").stat().st_size == record["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
+    """(samples read or lost, samples skipped, skips by reason) over shard records; as the loader counts:
+    a damaged shard and the samples it lost count as read."""
+    bad: dict[str, int] = {}
+    read = 0
+    for record in records:
+        read += record["read"]
+        for reason, count in record["bad"].items():
+            bad[reason] = bad.get(reason, 0) + count
+    lost = sum(bad.get(reason, 0) for reason in (*SHARD_REASONS, "missing_samples"))
+    return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
+
+
+def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: float,
+                        at_least: int = 0) -> str | None:
+    seen, bad, reasons = _seen_and_bad(records)
+    if seen < max(at_least, 1) or bad / seen <= max_bad_fraction:
+        return None
+    return (f"{bad} of {seen} samples of {source} were bad ({', '.join(f'{r}: {n}' for r, n in reasons.items())}), "
+            f"over max_bad_fraction={max_bad_fraction}; fix or rewrite the source shards")
+
+
+def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
+                                  device, autocast, workers: int, max_bad_fraction: float, source: str,
+                                  finished: list[dict], progress) -> None:
+    """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
+
+    Raises UserError once over 1,000 samples were read and more than `max_bad_fraction` of them were
+    bad (the shards finished so far stay: a rerun on fixed shards starts over, they are keyed by the
+    source's files).
+    """
+    loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(todo)),
+                        pin_memory=device.type == "cuda")
+    pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
+    skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
+    for batch in loader:
+        index = batch["shard"]
+        if "done" in batch:
+            record = batch["done"]
+            for reason, count in skipped.pop(index, {}).items():
+                record["bad"][reason] = record["bad"].get(reason, 0) + count
+            finished.append(_write_feature_shard(work_dir, index, pending.pop(index, []), record))
+            progress.set_postfix(shards=f"{len(finished)}/{len(todo)}")
+            error = _bad_fraction_error(source, finished, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
+            if error:
+                raise UserError(error)
+            continue
+        embeddings = _embed_batch(tower, batch["image"], device, autocast).numpy()  # (B, width) float16
+        samples, bad = pending.setdefault(index, []), skipped.setdefault(index, {})
+        for key, caption, cls, embedding in zip(batch["key"], batch["caption"], batch["cls"], embeddings):
+            # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x`
+            # from a hostile source, never written into our shards.
+            reason = ("nonfinite_embedding" if not np.isfinite(embedding).all()
+                      else "unsafe_key" if not is_safe_key(key) else None)
+            if reason:
+                bad[reason] = bad.get(reason, 0) + 1
+                continue
+            samples.append(_feature_sample(key, embedding, caption, cls))
+        progress.update(len(batch["key"]))
 
 def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
     """Copy classnames.txt & co. from beside the source split to beside the feature split."""
@@ -268,10 +391,46 @@ def _refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -
                             f"{target} to take the new one")
 
 
-def _remove_leftovers(out_dir: Path, split: str) -> None:
-    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming).
-    for leftover in out_dir.glob(f".{split}.tmp-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+def _remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
+    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
+    # the work folder of a run of another tower or other sources, which will never be resumed.
+    for leftover in [*out_dir.glob(f".{split}.tmp-*"), *out_dir.glob(f".{split}.work-*")]:
+        if leftover != keep:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) of this process: given, else from the launcher (`torchrun`, `accelerate launch`)."""
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    rank = rank if rank is not None else int(os.environ.get("RANK", 0))
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is not in [0, world size {world_size}); check RANK and WORLD_SIZE")
+    return rank, world_size
+
+
+def _default_device(world_size: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # One GPU per process: the launcher's LOCAL_RANK picks it.
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
+def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) -> list[dict]:
+    """The records of all `num_shards` feature shards, once the other processes have written theirs.
+
+    Through the file system, not a collective: processes that finish their shards early would
+    otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
+    works. A process that stops on an error leaves `.error-RANK`, which ends the wait with its message.
+    """
+    while True:
+        records = [_finished_shard(work_dir, index) for index in range(num_shards)]
+        if all(records):
+            return records
+        for error in work_dir.glob(".error-*"):
+            if error.stat().st_mtime >= started:
+                raise UserError(f"another embed process stopped: {error.read_text().strip()}")
+        progress.set_postfix(shards=f"{sum(map(bool, records))}/{num_shards} (all processes)")
+        time.sleep(1.0)
 
 
 def embed_shards(
@@ -283,42 +442,55 @@ def embed_shards(
     workers: int = 0,
     device: str | torch.device | None = None,
     precision: str = "auto",
-    samples_per_shard: int = 10_000,
     max_bad_fraction: float = 0.01,
     progress: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> dict:
     """Embed every image of `shards` with the tower in `tower_dir`; write feature shards to `out_dir/split/`.
+
+    Feature shard `i.tar` holds the embeddings of source shard i, in that shard's order. Under
+    `torchrun` or `accelerate launch` each process embeds every world_size-th source shard; the
+    processes meet through the file system only (out_dir must be a folder they all see). Each
+    feature shard is written atomically into a work folder (`.SPLIT.work-<key>`, keyed by the tower
+    and the source files) as soon as it is complete, so a killed run rerun with the same tower and
+    sources embeds only the shards that were not finished. Rank 0 then waits for every shard and
+    puts the split in place whole, with nshards.txt, sizes.json and embed.json.
 
     Args:
         tower_dir: a tower folder written by `save_tower` (its config.json holds "preprocess").
         shards: image + caption shards: a split folder, a brace pattern, several joined with `::`.
         out_dir: the feature dataset folder; gets `split/` and the source's classnames.txt & co.
         split: the feature split's name; default: the source split folder's name (e.g. "train").
-        batch_size: images per tower forward.
-        workers: DataLoader workers decoding images; 0 decodes in this process. The output
-            order is the loader's: the same for the same shards and workers.
-        device: where the tower runs; default CUDA when available, else the CPU.
+        batch_size: images per tower forward (a batch never spans two source shards).
+        workers: DataLoader workers decoding images, each reading whole shards; 0 decodes in this process.
+            The output is the same for any number of workers and processes.
+        device: where the tower runs; default the process's GPU (LOCAL_RANK) when there is one, else the CPU.
         precision: auto (bf16 autocast on GPUs that support it, else fp32) | fp32 | bf16.
-        samples_per_shard: feature samples per output tar.
         max_bad_fraction: stop (UserError) when more than this fraction of samples is unreadable;
             fewer are skipped and counted in "bad".
-        progress: show a progress bar.
+        progress: show a progress bar (images/s, shards done, time left) on rank 0.
+        rank, world_size: this process's place among the embedding processes; default from the
+            launcher's RANK and WORLD_SIZE (1 process without a launcher).
 
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
-        "skipped"}; "skipped" is True when the split already held this tower's embeddings of
-        these shards, unchanged since (nothing was written).
+        "skipped", "resumed_shards", "rank", "world_size"}; "skipped" is True when the split already
+        held this tower's embeddings of these shards, unchanged since (nothing was written). On ranks
+        other than 0, "num_samples", "bad" and "images_per_second" are this process's share and
+        "split_dir" is written by rank 0.
     """
     start = time.perf_counter()
+    started = time.time()
     out_dir = Path(out_dir)
     # The command's own flags: the loader's checks would name data.* options embed does not take.
-    for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0),
-                               (samples_per_shard, "samples_per_shard", 1)):
+    for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
+    rank, world_size = _process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = _first_sample_members(urls[0])  # one sample read: what kind of shards these are
     _refuse_feature_shards(shards, urls, members)
@@ -329,7 +501,7 @@ def embed_shards(
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
         raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else _default_device(world_size)
     autocast = autocast_dtype(precision, device)
     fingerprint = cache_fingerprint(tower_dir)
     wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
@@ -338,8 +510,6 @@ def embed_shards(
     source_dir = dataset_dir(shards, urls)
     _refuse_other_metadata(source_dir, out_dir, split)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(out_dir, split)
-    _copy_metadata(source_dir, out_dir)
     done = _read_embed_json(split_dir)
     # Anything else (another tower, other source files, a cache from before source_stats was
     # recorded) is embedded again; the new split replaces the old one atomically.
@@ -347,55 +517,91 @@ def embed_shards(
             and _damaged_shard(split_dir, done.get("shard_sha256")) is None:
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
-                "bad": done.get("bad", {}), "skipped": True}
+                "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
+                "world_size": world_size}
+    # The work folder of this tower and these sources: a killed run's finished shards are kept there.
+    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
+    work_dir = out_dir / f".{split}.work-{work_key}"
+    if rank == 0:
+        _remove_leftovers(out_dir, split, keep=work_dir)
+        _copy_metadata(source_dir, out_dir)
+    work_dir.mkdir(exist_ok=True)
+    (work_dir / f".error-{rank}").unlink(missing_ok=True)
 
     tower, meta = load_tower(tower_dir, device=device)
     tower.eval()  # no drop-path or dropout: the cache must be the locked tower's deterministic output
     preprocess = meta["preprocess"]
     transform = eval_transform(preprocess["image_size"], tower.cfg.in_channels, preprocess["mean"], preprocess["std"])
-    # One process reads every sample once, in shard order; rank/world_size fixed so a launcher's
-    # RANK/WORLD_SIZE cannot make this process embed only its share.
-    data = ShardDataConfig(urls=shards, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True,
-                           rank=0, world_size=1, max_bad_fraction=max_bad_fraction,
-                           pin_memory=device.type == "cuda")
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in members and "txt" not in members
-    loader = create_shard_loader(data, "image-class" if class_only else "image-caption", transform)
-    # The image-caption pipeline carries no class: class shards are read a second time, `.cls` only.
-    labels = read_class_members(urls) if "cls" in members else None
-    stats: dict = {"num_samples": 0, "bad": {}}
+    kind = "image-class" if class_only else "image-caption"
+    listed = listed_sizes(urls) or {}
+    mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
+    finished = [record for index, _ in mine if (record := _finished_shard(work_dir, index)) is not None]
+    todo = [(index, url) for index, url in mine if _finished_shard(work_dir, index) is None]
+    known = all(url in listed for _, url in todo)
+    progress_bar = tqdm(total=sum(listed[url] for _, url in todo) if known else None, desc="embed", unit="img",
+                        disable=not progress or rank != 0, dynamic_ncols=True)
+    progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
+    resumed = len(finished)
+    try:
+        if todo:
+            dataset = _SourceShards(todo, kind, transform, batch_size, listed, with_cls="cls" in members)
+            _embed_shards_of_this_process(todo, work_dir, dataset, tower, device, autocast, workers,
+                                          max_bad_fraction, str(shards), finished, progress_bar)
+        mine_seconds = time.perf_counter() - start
+        if rank != 0:  # rank 0 puts the split in place
+            fresh = sum(record["num_samples"] for record in finished[resumed:])
+            return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
+                    "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
+                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": _seen_and_bad(finished)[2],
+                    "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size}
+        records = _wait_for_shards(work_dir, len(urls), started, progress_bar) if world_size > 1 else \
+            [_finished_shard(work_dir, index) for index in range(len(urls))]
+    except UserError as err:
+        if world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
+            write_text_atomic(work_dir / f".error-{rank}", f"{err}\n")
+        raise
+    finally:
+        progress_bar.close()
+
+    # ---- rank 0: the whole split, checked, then put in place in one step
+    num_samples = sum(record["num_samples"] for record in records)
+    _, _, bad = _seen_and_bad(records)
+    if num_samples == 0:
+        needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
+        raise UserError(f"no sample of {shards} could be embedded (skipped: {bad or 'nothing'}); check that its "
+                        f"shards hold {needed} per sample")
+    error = _bad_fraction_error(str(shards), records, max_bad_fraction)
+    if error:
+        raise UserError(error)
+    seconds = round(time.perf_counter() - start, 3)
+    info = {**wanted, "split": split, "num_samples": num_samples, "dim": tower.cfg.width, "dtype": "float16",
+            "with_cls": "cls" in members, "with_txt": not class_only, "bad": bad, "seconds": seconds,
+            "processes": world_size,
+            # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
+            "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
 
     def write(tmp_dir: Path) -> None:
-        samples = _feature_samples(loader, tower, device, autocast, labels, stats, progress)
-        try:
-            sizes = write_split(samples, tmp_dir.parent, tmp_dir.name, samples_per_shard=samples_per_shard,
-                                keep_keys=True)
-        except UserError as err:
-            # The loader's hint names data.max_bad_fraction, a training option `embed` does not take.
-            message = str(err).replace("; fix the shards or raise data.max_bad_fraction",
-                                       "; fix or rewrite the source shards")
-            raise UserError(message) from None
-        except ValueError as err:
-            if "sample key" not in str(err):
-                raise
-            raise UserError(f"{shards}: {err}; embed each source into its own --split") from None
-        if stats["num_samples"] == 0:
-            needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
-            raise UserError(f"no sample of {shards} could be embedded "
-                            f"(skipped: {dict(loader.bad.counts) or 'nothing'}); check that its shards hold "
-                            f"{needed} per sample")
-        stats["bad"].update({reason: count for reason, count in sorted(loader.bad.counts.items()) if count})
-        stats["seconds"] = round(time.perf_counter() - start, 3)
-        info = {**wanted, "split": split, "num_samples": stats["num_samples"], "dim": tower.cfg.width,
-                "dtype": "float16", "with_cls": labels is not None, "with_txt": not class_only, "bad": stats["bad"],
-                "seconds": stats["seconds"],
-                # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
-                "shard_sha256": {name: file_sha256(tmp_dir / name) for name in sizes}}
+        for index in range(len(urls)):  # hard links: the work folder stays whole until the split is in place
+            _link_or_copy(work_dir / f"{index}.tar", tmp_dir / f"{index}.tar")
+        write_text_atomic(tmp_dir / NSHARDS_FILE, f"{len(urls)}\n")
+        sizes = {f"{index}.tar": record["num_samples"] for index, record in enumerate(records)}
+        write_text_atomic(tmp_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
         # Last: inside the folder that is renamed into place, so it is never beside partial shards.
         write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
 
     write_folder_atomically(split_dir, write)
-    rate = round(stats["num_samples"] / max(stats["seconds"], 1e-9), 1)
-    return {"split_dir": str(split_dir), "num_samples": stats["num_samples"], "dim": tower.cfg.width,
-            "seconds": stats["seconds"], "images_per_second": rate, "bad": stats["bad"], "skipped": False}
+    shutil.rmtree(work_dir, ignore_errors=True)
+    rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
+    return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
+            "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
+            "world_size": world_size}
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)

@@ -322,8 +322,8 @@ def test_a_split_truncated_at_a_sample_boundary_is_not_cached_as_complete(cache,
     with pytest.raises(UserError) as refused:
         embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64)
     # What should have been read: the 200 samples read, the 100 lost and the truncated shard itself.
-    assert str(refused.value) == ("101 of 301 samples were bad (missing_samples: 100, truncated_shard: 1), over "
-                                  "max_bad_fraction=0.01; fix or rewrite the source shards")
+    assert str(refused.value) == (f"101 of 301 samples of {source} were bad (missing_samples: 100, "
+                                  "truncated_shard: 1), over max_bad_fraction=0.01; fix or rewrite the source shards")
     assert not (tmp_path / "features" / "test" / "embed.json").exists()
     # Past the limit on purpose: the missing samples are recorded, and the cache holds what was read.
     summary = embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64,
@@ -349,7 +349,7 @@ def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed
     """The feature cache was trusted by its embed.json alone: a shard damaged or replaced since was
     trained on, and a rerun of embed said "already there"."""
     source, features = cache["root"] / "fmnist" / "test", tmp_path / "features"
-    embed_shards(cache["root"] / "tower", str(source), features, batch_size=64, samples_per_shard=128)
+    embed_shards(cache["root"] / "tower", str(source), features, batch_size=64)
     original = (features / "test" / "1.tar").read_bytes()
     recorded = json.loads((features / "test" / "embed.json").read_text())["shard_sha256"]
     assert sorted(recorded) == ["0.tar", "1.tar", "2.tar"]
@@ -362,7 +362,7 @@ def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed
                  f"data.train={features / 'test'}", "data.workers=0", "steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its shard 1.tar is not the one embed wrote" in err[0], err
-    again = embed_shards(cache["root"] / "tower", str(source), features, batch_size=64, samples_per_shard=128)
+    again = embed_shards(cache["root"] / "tower", str(source), features, batch_size=64)
     assert not again["skipped"] and again["num_samples"] == LIMIT
     assert (features / "test" / "1.tar").read_bytes() == original  # embedded again, to the same bytes
     assert check_feature_cache(features / "test", cache["root"] / "tower")["num_samples"] == LIMIT
@@ -370,8 +370,7 @@ def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed
 
 def test_a_missing_feature_shard_is_refused(cache, tmp_path):
     features = tmp_path / "features"
-    embed_shards(cache["root"] / "tower", str(cache["root"] / "fmnist" / "test"), features, batch_size=64,
-                 samples_per_shard=128)
+    embed_shards(cache["root"] / "tower", str(cache["root"] / "fmnist" / "test"), features, batch_size=64)
     (features / "test" / "2.tar").unlink()
     with pytest.raises(UserError, match=r"its shard 2\.tar is missing; rerun `lit-softmoe embed "):
         check_feature_cache(features / "test", cache["root"] / "tower")
@@ -418,9 +417,162 @@ def test_a_full_disk_while_embedding_is_one_line_and_leaves_no_cache_a_rerun_wou
     assert err == [f"lit-softmoe embed: error: no space left on the device while writing {tmp_path / 'out' / 'full'}; "
                    "free some space (or write to another disk) and rerun the same command"]
     assert not (tmp_path / "out" / "test").exists()
-    # The dataset's class names and templates may be copied already: no shard, temporary or not, is.
-    left = sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*"))
-    assert [str(p) for p in left] == ["classnames.txt", "dataset_type.txt", "zeroshot_classification_templates.txt"]
+    # The dataset's class names and templates may be copied already, and the (empty) work folder a rerun
+    # resumes in made: no shard, temporary or not, is there.
+    left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
+    assert left[1:] == ["classnames.txt", "dataset_type.txt", "zeroshot_classification_templates.txt"]
+    assert left[0].startswith(".test.work-") and not any((tmp_path / "out" / left[0]).iterdir())
     monkeypatch.setattr(tarfile.TarFile, "addfile", real_addfile)
     assert main(argv) == 0 and "already there" not in capsys.readouterr().out
     assert check_feature_cache(tmp_path / "out" / "test", root / "tower")["num_samples"] == LIMIT
+
+
+# ---- scale: shard by shard, resumable, many processes ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """Fashion-MNIST's first 300 test images in 15 shards of 20, the `cache` tower, and one process's
+    uninterrupted feature cache of them: what every way of running embed must reproduce."""
+    root = tmp_path_factory.mktemp("embed_many")
+    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=20, limit=LIMIT, allow_download=False)
+    _save_test_tower(root / "tower", seed=0)
+    embed_shards(root / "tower", str(root / "fmnist" / "test"), root / "reference", batch_size=16)
+    return root
+
+
+def _shard_bytes(split_dir) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(split_dir.glob("*.tar"))}
+
+
+def test_feature_shard_i_holds_source_shard_i_in_order(many_shards):
+    source = _read_raw(many_shards / "fmnist" / "test")
+    split = many_shards / "reference" / "test"
+    assert (split / "nshards.txt").read_text() == "15\n"
+    assert json.loads((split / "sizes.json").read_text()) == {f"{i}.tar": 20 for i in range(15)}
+    for index in (0, 7, 14):
+        keys = [sample["__key__"] for sample in wds.DataPipeline(wds.SimpleShardList([str(split / f"{index}.tar")]),
+                                                                  wds.tarfile_to_samples())]
+        assert keys == [f"s{n:07d}" for n in range(20 * index, 20 * index + 20)]
+        assert all(source[key]["cls"] for key in keys)
+
+
+def test_two_ranks_write_disjoint_shards_and_rank_0_the_same_split_as_one_process(many_shards, tmp_path):
+    tower, shards = many_shards / "tower", str(many_shards / "fmnist" / "test")
+    # Rank 1 first: it embeds shards 1, 3, …, 13 into the work folder and leaves; rank 0 then finds them.
+    other = embed_shards(tower, shards, tmp_path / "out", batch_size=16, rank=1, world_size=2)
+    work = next((tmp_path / "out").glob(".test.work-*"))
+    assert sorted(int(p.stem) for p in work.glob("*.tar")) == list(range(1, 15, 2))
+    assert other["num_samples"] == 7 * 20 and not (tmp_path / "out" / "test").exists()
+    summary = embed_shards(tower, shards, tmp_path / "out", batch_size=16, rank=0, world_size=2)
+    assert summary["num_samples"] == LIMIT and summary["world_size"] == 2
+    assert _shard_bytes(tmp_path / "out" / "test") == _shard_bytes(many_shards / "reference" / "test")
+    assert json.loads((tmp_path / "out" / "test" / "embed.json").read_text())["processes"] == 2
+    assert not work.exists()  # removed once the split is in place
+    check_feature_cache(tmp_path / "out" / "test", tower)
+
+
+def test_rank_0_stops_with_the_error_of_another_process(many_shards, tmp_path):
+    import threading
+    tower, shards = many_shards / "tower", str(many_shards / "fmnist" / "test")
+
+    def fail_rank_1():
+        work = next((tmp_path / "out").glob(".test.work-*"))
+        (work / ".error-1").write_text("3 of 4 samples of X were bad; fix or rewrite the source shards\n")
+
+    threading.Timer(2.0, fail_rank_1).start()  # while rank 0 waits for rank 1's shards
+    with pytest.raises(UserError, match=r"^another embed process stopped: 3 of 4 samples of X were bad; fix"):
+        embed_shards(tower, shards, tmp_path / "out", batch_size=16, rank=0, world_size=2)
+    assert not (tmp_path / "out" / "test").exists()
+
+
+_SLOW_EMBED = """
+import sys, time
+import lit_softmoe.train.embed as embed
+embed_batch = embed._embed_batch
+def slow(*args, **kwargs):  # a slower tower: the test's SIGKILL lands mid-run
+    time.sleep(0.25)
+    return embed_batch(*args, **kwargs)
+embed._embed_batch = slow
+from lit_softmoe.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_embed_resumes_keeping_its_finished_shards(many_shards, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "slow_embed.py"
+    script.write_text(_SLOW_EMBED)
+    argv = ["embed", "--tower", str(many_shards / "tower"), "--shards", str(many_shards / "fmnist" / "test"),
+            "--out", str(tmp_path / "out"), "--batch-size", "16"]
+    process = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        finished = list((tmp_path / "out").glob(".test.work-*/*.json"))
+        if len(finished) >= 4:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()
+    work = next((tmp_path / "out").glob(".test.work-*"))
+    kept = {path.stem: path.stat().st_mtime_ns for path in work.glob("*.json")}
+    assert 4 <= len(kept) < 15 and not (tmp_path / "out" / "test").exists()
+    kept_tars = {index: (work / f"{index}.tar").stat() for index in kept}
+
+    summary = embed_shards(many_shards / "tower", str(many_shards / "fmnist" / "test"), tmp_path / "out",
+                           batch_size=16)
+    assert summary["resumed_shards"] == len(kept) and summary["num_samples"] == LIMIT
+    split = tmp_path / "out" / "test"
+    for index, stat in kept_tars.items():  # not rewritten: the very files the killed run wrote
+        final = (split / f"{index}.tar").stat()
+        assert (final.st_ino, final.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    assert _shard_bytes(split) == _shard_bytes(many_shards / "reference" / "test")
+    check_feature_cache(split, many_shards / "tower")
+
+
+def test_a_work_folder_of_another_tower_is_not_resumed(many_shards, tmp_path):
+    shards = str(many_shards / "fmnist" / "test")
+    other_tower = tmp_path / "other_tower"
+    _save_test_tower(other_tower, seed=1)
+    embed_shards(other_tower, shards, tmp_path / "out", batch_size=16, rank=1, world_size=2)  # leaves a work folder
+    stale = next((tmp_path / "out").glob(".test.work-*"))
+    summary = embed_shards(many_shards / "tower", shards, tmp_path / "out", batch_size=16)
+    assert summary["resumed_shards"] == 0 and not stale.exists()
+    assert _shard_bytes(tmp_path / "out" / "test") == _shard_bytes(many_shards / "reference" / "test")
+
+
+def test_the_progress_bar_counts_images_and_shards(many_shards, tmp_path, capsys):
+    embed_shards(many_shards / "tower", str(many_shards / "fmnist" / "test"), tmp_path / "out", batch_size=16,
+                 progress=True)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert bar.startswith("embed: 100%") and "300/300" in bar and "shards=15/15" in bar and "img/s" in bar
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_equal_one(many_shards, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    torchrun = Path(sys.executable).parent / "torchrun"
+    lit_softmoe = Path(sys.executable).parent / "lit-softmoe"
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", str(lit_softmoe), "embed",
+         "--tower", str(many_shards / "tower"), "--shards", str(many_shards / "fmnist" / "test"),
+         "--out", str(tmp_path / "out"), "--batch-size", "16", "--workers", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()  # rank 0 alone says what was written
+    assert len(lines) == 1 and lines[0].startswith(f"{LIMIT} embeddings (dim ") and "by 2 processes" in lines[0]
+    one, two = many_shards / "reference" / "test", tmp_path / "out" / "test"
+    reference = {key: sample for key, sample in _read_raw(one).items()}
+    both = _read_raw(two)
+    assert sorted(both) == sorted(reference)
+    for key, sample in both.items():
+        assert sample["txt"] == reference[key]["txt"] and sample["cls"] == reference[key]["cls"]
+        ours, theirs = (np.load(io.BytesIO(s["npy"])).astype(np.float32) for s in (sample, reference[key]))
+        # Within fp16 rounding: one unit in the last place of the larger value.
+        assert np.all(np.abs(ours - theirs) <= np.spacing(np.maximum(abs(ours), abs(theirs)).astype(np.float16)))
+    check_feature_cache(two, many_shards / "tower")
