@@ -7,42 +7,17 @@ All prompts go through the text tower in large batches (not one class per forwar
 slowness CLIP_benchmark's users report).
 
 Templates write the class name as `{c}`, as CLIP_benchmark's template files and this package's
-metadata do (OpenAI CLIP's and big_vision's lists write `{}`: replace it with `{c}`).
+metadata do (OpenAI CLIP's and big_vision's lists write `{}`: replace it with `{c}`);
+`metadata.check_templates` says so (it lives there because the data writers check caption templates too).
 """
 from __future__ import annotations
 
-import string
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from lit_softmoe.errors import UserError
-
-
-def check_templates(templates: Sequence[str], source: str = "templates") -> None:
-    """Raise a UserError naming the first template that does not put the class name in as `{c}`.
-
-    Checked up front, since a bad template otherwise fails only when the classifier is built (for
-    LiT: after training), and one without a placeholder gives every class the same prompt.
-    """
-    if not templates:
-        raise UserError(f"{source} holds no templates; give one prompt per line, such as 'a photo of a {{c}}.'")
-    for template in templates:
-        try:
-            fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
-        except ValueError as err:  # a lone brace
-            problem = f"is not a format string ({err})"
-        else:
-            others = [field for field in fields if field != "c"]
-            if others:
-                problem = f"has the placeholder {{{others[0]}}}"
-            elif not fields:
-                problem = "has no {c}, so every class would get the same prompt"
-            else:
-                continue
-        raise UserError(f"{source}: template {template!r} {problem}; write the class name as {{c}}, "
-                        "e.g. 'a photo of a {c}.' (a literal brace as {{ or }})")
+from lit_softmoe.metadata import check_templates
 
 
 @torch.no_grad()

@@ -10,9 +10,8 @@ from pathlib import Path
 from lit_softmoe.config import BenchmarkConfig
 from lit_softmoe.data.shards import read_lines
 from lit_softmoe.errors import UserError
-from lit_softmoe.evals.classifier import check_templates
 from lit_softmoe.evals.readers import EvalData
-from lit_softmoe.metadata import BenchmarkInfo, benchmark_info
+from lit_softmoe.metadata import BenchmarkInfo, benchmark_info, check_templates
 
 
 def shipped_metadata(name: str) -> BenchmarkInfo | None:

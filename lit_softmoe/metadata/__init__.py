@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import difflib
 import json
+import string
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 from lit_softmoe.errors import UserError
 
@@ -62,6 +64,31 @@ ZEROSHOT_TEMPLATES = (
     "a close-up photo of the {c}.",
     "a picture of one {c}.",
 )
+
+
+def check_templates(templates: Sequence[str], source: str = "templates") -> None:
+    """Raise a UserError naming the first template that does not put the class name in as `{c}`.
+
+    Checked up front, since a bad template otherwise fails only when the classifier is built (for
+    LiT: after training), and one without a placeholder gives every class the same prompt.
+    """
+    if not templates:
+        raise UserError(f"{source} holds no templates; give one prompt per line, such as 'a photo of a {{c}}.'")
+    for template in templates:
+        try:
+            fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+        except ValueError as err:  # a lone brace
+            problem = f"is not a format string ({err})"
+        else:
+            others = [field for field in fields if field != "c"]
+            if others:
+                problem = f"has the placeholder {{{others[0]}}}"
+            elif not fields:
+                problem = "has no {c}, so every class would get the same prompt"
+            else:
+                continue
+        raise UserError(f"{source}: template {template!r} {problem}; write the class name as {{c}}, "
+                        "e.g. 'a photo of a {c}.' (a literal brace as {{ or }})")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_member
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
-from lit_softmoe.evals.classifier import check_templates
 from lit_softmoe.evals.probes import linear_probe
+from lit_softmoe.metadata import check_templates
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
