@@ -24,8 +24,9 @@ import PIL.Image
 import torch
 from tqdm import tqdm
 
+from lit_softmoe.data.captions import class_caption
 from lit_softmoe.data.class_split import cache_decoded_split
-from lit_softmoe.data.shards import CLASSNAMES_FILE, SIZES_FILE, read_lines, splits_beside, write_split
+from lit_softmoe.data.shards import CLASSNAMES_FILE, SIZES_FILE, TEMPLATES_FILE, read_lines, splits_beside, write_split
 from lit_softmoe.data.writers import other_split_data
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
@@ -165,8 +166,7 @@ def _fashion_mnist_samples(images: np.ndarray, labels: np.ndarray, split: str,
                            progress: bool) -> Iterator[dict[str, bytes]]:
     for index in tqdm(range(len(labels)), desc=f"fashion-mnist {split}", disable=not progress):
         label = int(labels[index])
-        # The caption template cycles with the index: deterministic, and every class gets all of them.
-        caption = CAPTION_TEMPLATES[index % len(CAPTION_TEMPLATES)].format(c=FASHION_MNIST_CLASSNAMES[label])
+        caption = class_caption(CAPTION_TEMPLATES, FASHION_MNIST_CLASSNAMES[label], index)  # cycled: see data.captions
         meta = {"source": "fashion-mnist", "split": split, "index": index}
         yield {
             "png": _png_bytes(images[index]),
@@ -194,7 +194,7 @@ def _is_complete(out_dir: Path, manifest: dict) -> bool:
             path = out_dir / split / name
             if not path.is_file() or path.stat().st_size != nbytes:
                 return False
-    metadata = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
+    metadata = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt")
     return set(written.get("splits", {})) == set(FASHION_MNIST_FILES) and all(
         (out_dir / name).is_file() for name in metadata)
 
@@ -270,8 +270,8 @@ def write_fashion_mnist_shards(
                 write_folder_atomically(out_dir / split, write)
             else:
                 write(out_dir / split)
-        write_text_atomic(out_dir / "classnames.txt", "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
-        write_text_atomic(out_dir / "zeroshot_classification_templates.txt", "\n".join(ZEROSHOT_TEMPLATES) + "\n")
+        write_text_atomic(out_dir / CLASSNAMES_FILE, "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
+        write_text_atomic(out_dir / TEMPLATES_FILE, "\n".join(ZEROSHOT_TEMPLATES) + "\n")
         write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
         write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
         return _summary(out_dir, splits, skipped=False, start=start)

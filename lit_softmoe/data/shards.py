@@ -41,6 +41,7 @@ IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 NSHARDS_FILE = "nshards.txt"
 SIZES_FILE = "sizes.json"
 CLASSNAMES_FILE = "classnames.txt"
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
 _PARTIAL_SUFFIX = ".partial"
 DECODED_CACHE_PREFIX = ".decoded-"
