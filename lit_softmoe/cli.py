@@ -36,8 +36,10 @@ def _cmd_data(args) -> None:
                            samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
     progress = sys.stderr.isatty()
     if args.dataset == "from-folder":
+        from lit_softmoe.data.captions import load_caption_templates
+        templates = load_caption_templates(args.caption_templates) if args.caption_templates is not None else None
         summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
-                                      overwrite=args.overwrite)
+                                      overwrite=args.overwrite, caption_templates=templates)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
                                      key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root)
@@ -210,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     folder.add_argument("--layout", choices=["auto", "captions", "classes"], default="auto",
                         help="captions: x.jpg + x.txt; classes: SRC/CLASS/x.jpg (writes .cls and "
                              "classnames.txt); auto: captions if any image has a .txt beside it (default)")
+    folder.add_argument("--caption-templates", default=None, metavar="FILE|NAME",
+                        help="classes layout: also write a .txt caption per image from its class folder's name, "
+                             "one {c} template per line of FILE, or NAME: default (CLIP's 80 ImageNet templates) "
+                             "or a benchmark's, e.g. cifar10; they also become the zero-shot prompts")
     table = command(sources, "from-table", "a CSV / TSV / JSONL / Parquet table of image paths and "
                                            "captions → shards")
     table.add_argument("table", metavar="FILE", help="the table; image paths in it are relative to its folder")

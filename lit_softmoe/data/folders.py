@@ -3,17 +3,21 @@
 - captions: each image with a same-stem `.txt` caption beside it (img2dataset's output,
   `00000/000000001.jpg` + `00000/000000001.txt`);
 - classes: one subfolder per class (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`), numbered in
-  sorted folder-name order as ImageFolder numbers them.
+  sorted folder-name order as ImageFolder numbers them; with caption templates, each sample also gets
+  a caption from its class folder's name (`data.captions`), so the set can train a text tower.
 """
 from __future__ import annotations
 
 import os
 import unicodedata
 from pathlib import Path, PurePosixPath
+from typing import Sequence
 
+from lit_softmoe.data.captions import class_caption
 from lit_softmoe.data.listing import Candidate, Listing, drop_duplicate_keys, files_fingerprint, sample_key
 from lit_softmoe.data.shards import BadSampleCounter
 from lit_softmoe.errors import UserError
+from lit_softmoe.metadata import check_templates
 
 LAYOUTS = ("auto", "captions", "classes")
 # Files read as images; anything else in a folder (img2dataset's .json, a README) is not a sample.
@@ -55,14 +59,17 @@ def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[Pu
                     "`lit-softmoe data from-table` with a caption column")
 
 
-def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None) -> Listing:
+def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None,
+                caption_templates: Sequence[str] | None = None) -> Listing:
     """The samples of a folder in path order; `layout` is "captions", "classes" or "auto".
 
     Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
     unique keys), so the same stem in two subfolders is a duplicate_key; an image with no caption
     is missing_caption, a caption with no image is missing_image. Classes layout: the key is the
     path from the class folder down, so `cat/1.jpg` and `dog/1.jpg` are both kept; images lying
-    beside the class folders are outside_class_folder.
+    beside the class folders are outside_class_folder. `caption_templates` (`{c}` templates, classes
+    layout only) give each sample a caption from its class folder's name, the template cycled along
+    the listing (`data.captions.class_caption`).
     """
     src = Path(src)
     if not src.exists():
@@ -71,6 +78,10 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         raise UserError(f"{src} is not a folder; for a table use `lit-softmoe data from-table {src} …`")
     if layout not in LAYOUTS:
         raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if caption_templates is not None:
+        caption_templates = list(caption_templates)
+        check_templates(caption_templates, "caption templates")
+        _check_not_captions(src, layout)
     # The output folder may lie inside the source: its files are not inputs.
     exclude = Path(exclude).resolve() if exclude is not None else None
     files = _walk_files(src, exclude)  # compared to real paths: the output may lie behind a link
@@ -81,6 +92,8 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
                         "pass the folder holding them")
     if layout == "auto":
         layout = _detect_layout(src, images, set(captions))
+        if caption_templates is not None:
+            _check_not_captions(src, layout, detected=True)
     counter = BadSampleCounter()
     if layout == "captions":
         candidates, classnames = _caption_candidates(src, images, captions, counter), None
@@ -91,7 +104,20 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         candidates = _class_candidates(src, images, classnames, counter)
     read = images + (list(captions.values()) if layout == "captions" else [])
     fingerprint = files_fingerprint((str(path), src / path) for path in read)
-    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames)
+    candidates = drop_duplicate_keys(candidates, counter)
+    if caption_templates is not None:
+        for position, candidate in enumerate(candidates):  # after the duplicates went: positions are write order
+            candidate.caption = class_caption(caption_templates, candidate.meta["class"], position)
+    return Listing(candidates, counter, fingerprint, classnames, caption_templates)
+
+
+def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
+    """Caption templates name classes: a captions-layout folder has none (and captions of its own)."""
+    if layout == "captions":
+        found = " (found .txt captions beside its images)" if detected else ""
+        raise UserError(f"caption templates write captions from class folder names, but {src} is read in the "
+                        f"captions layout{found}; pass --layout classes, or drop --caption-templates to keep "
+                        "the .txt captions")
 
 
 def _check_classnames(src: Path, classnames: list[str]) -> None:

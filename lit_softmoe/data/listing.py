@@ -37,6 +37,7 @@ class Listing:
     counter: BadSampleCounter
     fingerprint: str               # sha256 over the name, size and mtime of every input file
     classnames: list[str] | None = None
+    templates: list[str] | None = None  # the `{c}` templates captions were written from (classes layout)
 
 
 def sample_key(path: str | PurePosixPath) -> str:

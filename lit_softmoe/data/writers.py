@@ -5,6 +5,8 @@ Sources (listed by `data.folders` and `data.tables`):
   `00000/000000001.jpg` + `00000/000000001.txt`; Tux Paint's saved drawings);
 - a folder of class subfolders (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`): writes `.cls`
   and `classnames.txt`, classes numbered in sorted folder-name order as ImageFolder numbers them;
+  with caption templates also a `.txt` caption from the class name (`data.captions`) and the
+  templates as `zeroshot_classification_templates.txt`, so zero-shot evaluation prompts the same way;
 - a table (CSV, TSV, JSONL, Parquet) with an image column (paths relative to the table, or bytes
   embedded as img2dataset's and Hugging Face datasets' Parquet files hold them) and a caption column;
   its other columns go to each sample's `.json`.
@@ -42,7 +44,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from stat import S_ISREG
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
@@ -55,7 +57,9 @@ from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     NSHARDS_FILE,
     SIZES_FILE,
+    TEMPLATES_FILE,
     BadSampleCounter,
+    read_lines,
     splits_beside,
     write_split,
 )
@@ -69,7 +73,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
-DATASET_FILES = (CLASSNAMES_FILE, "zeroshot_classification_templates.txt", "dataset_type.txt", MANIFEST_FILE)
+DATASET_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt", MANIFEST_FILE)
 _FORMAT_VERSION = 2  # bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys)
 
 
@@ -271,16 +275,20 @@ def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSamp
 # ---------------------------------------------------------------------------------------- writing
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
-                        layout: str = "auto", progress: bool = False, overwrite: bool = False) -> WriteSummary:
+                        layout: str = "auto", progress: bool = False, overwrite: bool = False,
+                        caption_templates: Sequence[str] | None = None) -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
-    The classes layout also writes `out_dir/classnames.txt`. See `list_folder` for the layouts
-    and keys, and the module docstring for what is skipped, normalized and rewritten. A split
-    holding other data is refused unless `overwrite` (see `_write_listing`).
+    The classes layout also writes `out_dir/classnames.txt`; with `caption_templates` (`{c}`
+    templates, see `data.captions.load_caption_templates`) each sample gets a `.txt` caption from
+    its class name too, and the templates go to `out_dir/zeroshot_classification_templates.txt`.
+    See `list_folder` for the layouts and keys, and the module docstring for what is skipped,
+    normalized and rewritten. A split holding other data is refused unless `overwrite` (see
+    `_write_listing`).
     """
     # With --out SRC itself, the split folder written into it is what must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
-    listing = list_folder(src, layout, exclude=exclude)
+    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates)
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
     return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
 
@@ -315,6 +323,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     split_dir = out_dir / options.split
     manifest = {"format": _FORMAT_VERSION, "pillow": PIL.__version__, "arguments": arguments,
                 "options": asdict(options), "inputs": listing.fingerprint, "classnames": listing.classnames}
+    if listing.templates is not None:  # like the options, not the arguments: other templates rewrite the split
+        manifest["caption_templates"] = listing.templates
     finished = _finished_summary(split_dir, manifest)
     if finished is not None:
         logger.info("%s already holds these shards; nothing written", split_dir)
@@ -369,8 +379,23 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         summary = write(split_dir)
     if listing.classnames is not None:
         write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
+    if listing.templates is not None:
+        _write_templates(out_dir, listing.templates)
     summary.seconds = round(time.perf_counter() - start, 3)
     return summary
+
+
+def _write_templates(out_dir: Path, templates: list[str]) -> None:
+    """The caption templates become the dataset's zero-shot prompts; a different set already there
+    (another split's captions, a file of the user's) is replaced, and said so."""
+    try:
+        existing = read_lines(out_dir / TEMPLATES_FILE)  # as the evaluation reads it
+    except (OSError, ValueError):
+        existing = None
+    if existing is not None and existing != templates:
+        logger.warning("%s held %d other templates; replaced by the %d caption templates of this split",
+                       out_dir / TEMPLATES_FILE, len(existing), len(templates))
+    write_text_atomic(out_dir / TEMPLATES_FILE, "".join(f"{template}\n" for template in templates))
 
 
 def _check_split_free(out_dir: Path, split_dir: Path, split: str, arguments: dict, classnames: list[str] | None,
@@ -427,6 +452,9 @@ def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
             return None
         classnames = manifest["classnames"]
         if classnames is not None and _read_lines(split_dir.parent / CLASSNAMES_FILE) != classnames:
+            return None
+        templates = manifest.get("caption_templates")
+        if templates is not None and read_lines(split_dir.parent / TEMPLATES_FILE) != templates:
             return None
         return WriteSummary(**{**recorded, "split_dir": str(split_dir)}, already_complete=True)
     except (OSError, ValueError, KeyError, TypeError):
