@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import PIL.Image
@@ -189,3 +190,39 @@ def test_a_full_disk_in_safetensors_own_words_is_one_line(run, tmp_path, capsys,
     assert line == ("lit-softmoe export: error: no space left on the device; free some space (or write to another "
                     "disk) and rerun the same command")
     assert not (tmp_path / "export").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_data_from_folder_writes_captions_from_class_names(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    for name in ("cat", "dog"):
+        (src / name).mkdir(parents=True)
+        PIL.Image.new("L", (8, 8), 7).save(src / name / "0.png")
+    assert main(["data", "from-folder", str(src), "--out", str(out), "--caption-templates", "default"]) == 0
+    assert capsys.readouterr().out.startswith(f"written 2 samples in 1 shard to {out / 'train'}")
+    with tarfile.open(out / "train" / "0.tar") as tar:
+        names = tar.getnames()
+    assert names == ["cat/0.cls", "cat/0.json", "cat/0.png", "cat/0.txt", "dog/0.cls", "dog/0.json", "dog/0.png",
+                     "dog/0.txt"]
+    assert (out / "zeroshot_classification_templates.txt").read_text().count("{c}") == 80
+
+
+@pytest.mark.parametrize("templates, layout, message", [
+    ("missing.txt", "classes", "caption templates 'missing.txt': no such file, and not a shipped template set; "
+                               "give a file with one template per line writing the class name as {c}"),
+    ("plain.txt", "classes", "caption templates plain.txt: template 'a photo' has no {c}, so every class "
+                             "would get the same prompt; write the class name as {c}"),
+    ("empty.txt", "classes", "caption templates empty.txt holds no templates; give one prompt per line"),
+    ("default", "captions", "caption templates write captions from class folder names, but {tmp}/src is read in "
+                            "the captions layout; pass --layout classes, or drop --caption-templates"),
+], ids=["missing", "no placeholder", "empty", "captions layout"])
+def test_data_from_folder_caption_template_mistakes_are_one_line(tmp_path, capsys, monkeypatch, templates, layout,
+                                                                 message):
+    monkeypatch.chdir(tmp_path)  # the templates files are named as a user in that folder names them
+    (tmp_path / "plain.txt").write_text("a photo\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    PIL.Image.new("L", (8, 8), 7).save(tmp_path / "src" / "cat" / "0.png")
+    line = _one_line_error(capsys, ["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+                                    "--layout", layout, "--caption-templates", templates])
+    assert line.startswith("lit-softmoe data: error: " + message.format(tmp=tmp_path, c="{c}"))
+    assert not (tmp_path / "out").exists()
