@@ -368,21 +368,22 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
             return summary
 
-    if other:
-        results = []
-        write_folder_atomically(split_dir, lambda tmp: results.append(write(tmp)))
-        summary = results[0]
-        if not other_splits:  # they described the data just replaced, and no other split
-            for name in DATASET_FILES:
-                (out_dir / name).unlink(missing_ok=True)
-    else:
-        summary = write(split_dir)
-    if listing.classnames is not None:
-        write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
-    if listing.templates is not None:
-        _write_templates(out_dir, listing.templates)
-    summary.seconds = round(time.perf_counter() - start, 3)
-    return summary
+        # Still under the lock: the checks above hold only while nobody else writes.
+        if other:
+            results = []
+            write_folder_atomically(split_dir, lambda tmp: results.append(write(tmp)))
+            summary = results[0]
+            if not other_splits:  # they described the data just replaced, and no other split
+                for name in DATASET_FILES:
+                    (out_dir / name).unlink(missing_ok=True)
+        else:
+            summary = write(split_dir)
+        if listing.classnames is not None:
+            write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
+        if listing.templates is not None:
+            _write_templates(out_dir, listing.templates)
+        summary.seconds = round(time.perf_counter() - start, 3)
+        return summary
 
 
 def _write_templates(out_dir: Path, templates: list[str]) -> None:

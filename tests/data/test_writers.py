@@ -422,6 +422,34 @@ def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wr
     assert _tree(out / "train") == written  # the first's split, untouched
 
 
+def test_the_shards_and_class_names_are_written_under_the_dataset_folders_lock(tmp_path, monkeypatch):
+    """The lock covered the checks only: the shards, classnames.txt and the templates were written after
+    it was released, so a second writer could pass its checks before the first's manifest existed."""
+    out, labelled = tmp_path / "out", _class_folder(tmp_path / "labelled")
+    real_split, real_text, held = writers.write_split, writers.write_text_atomic, []
+
+    def locked() -> bool:
+        try:
+            with folder_lock(out, refuse="busy"):
+                return False
+        except UserError:
+            return True
+
+    def write_split(*args, **kwargs):
+        held.append(("shards", locked()))
+        return real_split(*args, **kwargs)
+
+    def write_text_atomic(path, *args, **kwargs):
+        held.append((Path(path).name, locked()))
+        return real_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(writers, "write_split", write_split)
+    monkeypatch.setattr(writers, "write_text_atomic", write_text_atomic)
+    write_folder_shards(labelled, out, layout="classes", caption_templates=["a photo of a {c}."])
+    assert held == [("manifest.json", True), ("shards", True), ("manifest.json", True), ("classnames.txt", True),
+                    ("zeroshot_classification_templates.txt", True)]
+
+
 @pytest.mark.parametrize("close_fails", [False, True], ids=["write fails", "write and close fail"])
 def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close_fails):
     """A writer's temporary shard carries its pid (a second writer's start deletes none of the first's),
