@@ -88,8 +88,7 @@ def pretrained(tmp_path_factory):
         "batch_size=64", "epochs=3", "optim.lr=3e-3", "optim.warmup=20", "log_every=50", "fewshot_shots=0",
         *SMALL_TOWER]))
     for split in ("train", "test"):
-        embed_shards(root / "pre" / "tower", str(root / "fmnist" / split), root / "features",
-                     samples_per_shard=SAMPLES_PER_SHARD, batch_size=500)
+        embed_shards(root / "pre" / "tower", str(root / "fmnist" / split), root / "features", batch_size=500)
     return root
 
 
