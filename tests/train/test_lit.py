@@ -418,12 +418,13 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
 
 
 def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path):
-    # The feature cache is one shard: two workers each need one of their own, unless shards are drawn
-    # with replacement, which the error suggests (data.resampled, a LiT config key).
+    # One feature shard: two workers each need one of their own, unless shards are drawn with
+    # replacement, which the error suggests (data.resampled, a LiT config key).
+    one_shard = f"data.train={data / 'features' / 'train' / '0.tar'}"
     with pytest.raises(UserError, match=r"1 shards cannot feed 1 processes × 2 workers .* set data.resampled=true"):
-        train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''"))
+        train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''", one_shard))
     results = train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
-                             "eval.shards=''"))
+                             "eval.shards=''", one_shard))
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert results["steps"] == 4 and len(losses) == 4 and all(np.isfinite(losses))
 
