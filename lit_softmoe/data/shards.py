@@ -14,6 +14,15 @@ keep the source's own keys instead, see writers.py), and hold an image (`.png`,
 ({tar name: sample count}) is ours: it gives the split length without reading the tars.
 Shard names are unpadded (`0.tar`) because CLIP_benchmark expands `{0..N-1}.tar`.
 
+img2dataset's webdataset output (rom1504/img2dataset, writer.py and logger.py) is read as it comes:
+
+    out_folder/  00000.tar 00000.parquet 00000_stats.json  00001.tar …
+
+with `.jpg` + `.txt` + `.json` per sample (the `.json`, its url and sizes, is read and ignored); a
+failed download is a row of the `.parquet` and no sample of the tar. There is no nshards.txt and no
+sizes.json: `NNNNN_stats.json` marks a finished shard (img2dataset writes it after closing the tar)
+and its "successes" is the number of samples the tar holds.
+
 Reading (`data.pipelines` streams, `data.class_split` reads a class split whole) follows open_clip's
 `get_wds_dataset`: explicit webdataset stages, and a handler that skips and counts a bad shard instead
 of ending the run (`BadSampleCounter`); a bad *sample* is skipped and counted too.
@@ -21,16 +30,19 @@ of ending the run (`BadSampleCounter`); a bad *sample* is skipped and counted to
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import logging
 import os
 import re
+import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import webdataset as wds
 from webdataset.shardlists import expand_urls
+from webdataset.tariterators import base_plus_ext
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
@@ -40,14 +52,19 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 NSHARDS_FILE = "nshards.txt"
 SIZES_FILE = "sizes.json"
+STATS_SUFFIX = "_stats.json"  # img2dataset's per-shard record: NNNNN.tar's is NNNNN_stats.json
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
+_STATS_NAME = re.compile(r"^(\d+)_stats\.json$")
+# The tar members webdataset skips (tariterators.tar_file_iterator's `skip_meta` and `meta_prefix`).
+_WDS_META_MEMBER = re.compile(r"__[^/]*__($|/)")
 _PARTIAL_SUFFIX = ".partial"
 DECODED_CACHE_PREFIX = ".decoded-"
 _LAYOUT_HINT = (
-    "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout); "
-    "or pass a brace pattern such as DIR/{0..9}.tar, or several patterns joined with '::'"
+    "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout), or 00000.tar … with "
+    "00000_stats.json … beside them (img2dataset's output); or pass a brace pattern such as DIR/{0..9}.tar, "
+    "or several patterns joined with '::'"
 )
 
 
@@ -197,8 +214,13 @@ def files_signature(paths) -> str:
 
 
 def split_dir_urls(split_dir: Path) -> list[str]:
+    """The tars of a split folder: those its nshards.txt counts, or, in img2dataset's output (no
+    nshards.txt), the finished shards (`img2dataset_urls`)."""
     nshards_path = split_dir / NSHARDS_FILE
     if not nshards_path.is_file():
+        urls = img2dataset_urls(split_dir)
+        if urls:
+            return urls
         splits = sorted(p.parent.name for p in split_dir.glob(f"*/{NSHARDS_FILE}"))
         guess = f" (it holds the splits {', '.join(splits)}: pass {split_dir}/{splits[0]})" if splits else ""
         raise UserError(f"no {NSHARDS_FILE} in {split_dir}{guess}; {_LAYOUT_HINT}")
@@ -217,6 +239,45 @@ def split_dir_urls(split_dir: Path) -> list[str]:
             "rewrite the split's shards"
         )
     return urls
+
+
+_warned_unfinished: set[tuple[str, ...]] = set()
+
+
+def img2dataset_urls(split_dir: Path) -> list[str]:
+    """The finished shards of an img2dataset output folder, in shard-number order; [] if the folder
+    holds no `NNNNN_stats.json` (not img2dataset's output).
+
+    The stats files list the shards, as nshards.txt does ours: img2dataset writes a shard's stats
+    after closing its tar, so a tar without one is a shard still being written or cut short by a
+    killed run (img2dataset's incremental mode downloads it again). Those are left out, with a
+    warning. A numbered folder of tars without stats is not read as a split: a `write_split` killed
+    midway leaves one too, and it must not pass for complete (a brace pattern reads such tars).
+    """
+    stats = {int(m.group(1)): m.group(1) for p in split_dir.glob(f"*{STATS_SUFFIX}")
+             if (m := _STATS_NAME.match(p.name))}
+    if not stats:
+        return []
+    tars = {int(m.group(1)): m.group(1) for p in split_dir.glob("*.tar") if (m := _SHARD_NAME.match(p.name))}
+    missing = sorted(set(stats) - set(tars))
+    if missing:
+        first = stats[missing[0]]
+        raise UserError(f"{split_dir / (first + STATS_SUFFIX)} describes a shard whose tar {first}.tar is missing "
+                        f"({len(missing)} such); restore the tars, or delete their {STATS_SUFFIX} files and rerun "
+                        "img2dataset with --incremental_mode incremental")
+    unfinished = tuple(str(split_dir / f"{tars[n]}.tar") for n in sorted(set(tars) - set(stats)))
+    if unfinished and unfinished not in _warned_unfinished:  # once per process, not per loader built
+        _warned_unfinished.add(unfinished)
+        logger.warning("%s: %d tar(s) have no %s, which img2dataset writes once a shard is complete: left out as "
+                       "unfinished (first: %s); rerun img2dataset with --incremental_mode incremental to finish them",
+                       split_dir, len(unfinished), STATS_SUFFIX, unfinished[0])
+    return [str(split_dir / f"{stats[number]}.tar") for number in sorted(stats)]
+
+
+def is_split_folder(path: str | Path) -> bool:
+    """A local folder `split_dir_urls` reads: nshards.txt (ours, CLIP_benchmark's) or img2dataset's stats."""
+    path = Path(path)
+    return (path / NSHARDS_FILE).is_file() or any(_STATS_NAME.match(p.name) for p in path.glob(f"*{STATS_SUFFIX}"))
 
 
 def shard_urls(spec: str | Path | list[str]) -> list[str]:
@@ -247,14 +308,21 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
 
 
 def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
-    """{url: samples} from the sizes.json beside each local shard; None if any shard is remote or has
-    no entry (img2dataset's output, hand-made tars)."""
+    """{url: samples} of local shards; None if any shard is remote (it cannot be stat'ed or counted
+    without streaming it whole).
+
+    Each shard's count comes from the first of: the sizes.json beside it (ours); img2dataset's
+    `NNNNN_stats.json` beside `NNNNN.tar` ("successes": the samples the tar holds, failed downloads
+    being rows of the .parquet only); else one count of the tar's samples (`count_samples`). The
+    listed counts also say when a tar holds fewer samples than it should (`tar_samples`).
+    """
+    urls = list(urls)
+    if not all(is_local_url(url) for url in urls):
+        return None
     tables: dict[str, dict | None] = {}
     sizes = {}
     for url in urls:
-        if not is_local_url(url):
-            return None
-        folder = os.path.dirname(url)
+        folder, name = os.path.split(url)
         if folder not in tables:
             path = Path(folder) / SIZES_FILE
             try:
@@ -263,11 +331,63 @@ def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
                 raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
                                 "and set data.samples_per_epoch") from None
         table = tables[folder]
-        name = os.path.basename(url)
-        if not isinstance(table, dict) or name not in table:
-            return None
-        sizes[url] = int(table[name])
+        if isinstance(table, dict) and name in table:
+            sizes[url] = int(table[name])
+            continue
+        listed = img2dataset_successes(url)
+        sizes[url] = listed if listed is not None else count_samples(url)
     return sizes
+
+
+def img2dataset_successes(url: str) -> int | None:
+    """"successes" of the `NNNNN_stats.json` img2dataset wrote beside `NNNNN.tar`: the samples of the
+    tar. None where there is none, or it does not hold a count (then the tar is counted instead)."""
+    if not url.endswith(".tar"):
+        return None
+    path = Path(url[: -len(".tar")] + STATS_SUFFIX)
+    if not path.is_file():
+        return None
+    try:
+        successes = json.loads(path.read_text()).get("successes")
+    except (OSError, ValueError, AttributeError):
+        successes = None
+    if isinstance(successes, int) and not isinstance(successes, bool) and successes >= 0:
+        return successes
+    logger.warning("%s holds no \"successes\" count; counting the samples of %s instead", path, url)
+    return None
+
+
+def count_samples(url: str) -> int:
+    """The samples of a local tar as webdataset groups them (consecutive members sharing a key), read
+    from its member headers alone (no member's data); those before the damage of a damaged tar.
+
+    Remembered per file identity (path, size, mtime, ctime) for the life of the process: the train
+    loader, the eval set and a progress bar each ask, and a rewritten tar is counted again. Not
+    written to disk: it is a fallback for tars that list no count (img2dataset writes its
+    _stats.json, `write_split` its sizes.json), and their folder may be read-only or shared.
+    """
+    try:
+        identity = file_identity(url)
+    except OSError:  # gone or unreadable: the reading pass counts it as a bad shard
+        return 0
+    return _count_tar_samples(identity)
+
+
+@functools.lru_cache(maxsize=4096)
+def _count_tar_samples(identity: tuple[str, int, int, int]) -> int:
+    logger.info("counting the samples of %s (no %s or %s lists them)", identity[0], SIZES_FILE, STATS_SUFFIX)
+    count, previous = 0, None
+    try:
+        with tarfile.open(identity[0], "r:*") as tar:  # a random-access tar skips each member's data
+            for member in tar:
+                if not member.isreg() or _WDS_META_MEMBER.match(member.name):
+                    continue
+                key, _ = base_plus_ext(member.name)  # webdataset's own split: its samples are counted
+                if key is not None and key != previous:
+                    count, previous = count + 1, key
+    except (tarfile.TarError, OSError, EOFError):
+        pass  # the samples before the damage; the reading pass counts the damaged shard
+    return count
 
 
 def tar_samples(url: str, counter: BadSampleCounter, listed: int | None = None,
@@ -318,12 +438,9 @@ def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]
 
 
 def num_samples(split_dir: str | Path) -> int:
-    """Number of samples in a split written by `write_split` (from its sizes.json)."""
-    sizes_path = Path(split_dir) / SIZES_FILE
-    if not sizes_path.is_file():
-        raise UserError(f"no {SIZES_FILE} in {split_dir}: pass a split folder written by lit-softmoe "
-                        "(e.g. DATA/fashion-mnist/train), or rewrite its shards")
-    return sum(json.loads(sizes_path.read_text()).values())
+    """Number of samples in a split folder: from its sizes.json (`write_split`), img2dataset's
+    _stats.json, or a count of its tars (`listed_sizes`)."""
+    return sum(listed_sizes(split_dir_urls(Path(split_dir))).values())
 
 
 def read_lines(path: str | Path) -> list[str] | None:

@@ -1,7 +1,9 @@
-"""lit_softmoe.data.shards: the shard layout (nshards.txt, sizes.json), shard urls, writing splits, sample
-keys, and one shard read with what it lost counted (`tar_samples`)."""
+"""lit_softmoe.data.shards: the shard layout (nshards.txt, sizes.json; img2dataset's _stats.json), shard urls,
+shard sizes (listed or counted), writing splits, sample keys, and one shard read with what it lost counted
+(`tar_samples`)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -13,9 +15,12 @@ import numpy as np
 import pytest
 
 from data_files import LIMIT, _copy_split, _cut_at_sample, _png, _png_bytes, _read_split
+from img2dataset_shards import write_img2dataset_output
+from lit_softmoe.data import shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import (
     BadSampleCounter,
+    count_samples,
     is_safe_key,
     listed_sizes,
     num_samples,
@@ -71,7 +76,7 @@ def test_write_split_killed_midway_leaves_no_final_shard(tmp_path):
     assert sorted(p.name for p in split.iterdir()) == ["0.tar"]
     with pytest.raises(UserError, match="no nshards.txt"):
         shard_urls(split)
-    with pytest.raises(UserError, match="no sizes.json"):
+    with pytest.raises(UserError, match="no nshards.txt"):  # no _stats.json either: not img2dataset's output
         num_samples(split)
 
 
@@ -161,7 +166,7 @@ def test_tar_samples_counts_what_a_shard_cut_at_a_sample_boundary_lost(fmnist_sh
     keys = [sample["__key__"] for url in urls for sample in tar_samples(url, counter, listed[url])]
     assert keys == [f"s{i:07d}" for i in [*range(64 + 20), *range(128, 200)]]
     assert dict(counter.counts) == {"truncated_shard": 1, "missing_samples": 44}
-    # Without a listed count (hand-made tars, img2dataset's output) there is nothing to compare with.
+    # Without a listed count (hand-made tars) there is nothing to compare with.
     counter = BadSampleCounter()
     assert len(list(tar_samples(urls[1], counter))) == 20 and not counter.counts
 
@@ -185,3 +190,104 @@ def test_a_split_writer_deletes_only_partial_shards_of_writers_that_are_gone(tmp
     finally:
         live.stdin.close()
         live.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------- img2dataset's output
+
+
+def test_img2dataset_output_folder_is_a_split_of_its_finished_shards(tmp_path, caplog):
+    """00000.tar … with their _stats.json, no nshards.txt: the stats list the shards and their sizes. A
+    tar still without its stats (a shard img2dataset was writing when killed) is left out, with a warning."""
+    out = write_img2dataset_output(tmp_path / "laion", rows=50, rows_per_shard=20, unfinished_rows=5)
+    folder = out.folder
+    assert not (folder / "nshards.txt").exists() and not (folder / "sizes.json").exists()
+    with caplog.at_level("WARNING"):
+        urls = shard_urls(folder)
+    assert urls == [str(folder / f"{i:05d}.tar") for i in range(3)]  # 00003.tar has no _stats.json
+    assert "1 tar(s) have no _stats.json" in caplog.text and "00003.tar" in caplog.text
+    # 20 + 20 + 10 rows, every 7th a failed download: 18 + 17 + 8 samples, as "successes" says.
+    assert out.successes == [18, 17, 8]
+    assert listed_sizes(urls) == dict(zip(urls, [18, 17, 8]))
+    assert num_samples(folder) == 43
+    counter = BadSampleCounter()
+    samples = [sample for url in urls for sample in tar_samples(url, counter, 20)]
+    # Failed downloads are absent: keys skip them (shard number, then the row in the shard).
+    assert [sample["__key__"] for sample in samples] == out.keys
+    assert "000000006" in out.failed and "000000006" not in out.keys
+    assert {key for sample in samples for key in sample if not key.startswith("__")} == {"jpg", "txt", "json"}
+    assert json.loads(samples[0]["json"])["status"] == "success"
+    # The failed rows are in the .parquet beside the tar, with their error.
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = pq.read_table(folder / "00000.parquet").to_pylist()
+    assert [row["key"] for row in rows if row["status"] == "failed_to_download"] == ["000000006", "000000013"]
+    assert len(rows) == 20
+
+
+def test_a_tar_shorter_than_its_stats_is_truncated(tmp_path):
+    """"successes" is what the tar should hold: a tar cut at a sample boundary reads as a clean, shorter
+    archive, and only the count its _stats.json gives tells the loss (as sizes.json does for ours)."""
+    out = write_img2dataset_output(tmp_path / "laion", rows=40, rows_per_shard=20, failed_every=0)
+    _cut_at_sample(out.shards[1], 12)
+    urls = shard_urls(out.folder)
+    listed = listed_sizes(urls)
+    assert listed == {urls[0]: 20, urls[1]: 20}  # from the stats, not a count of the cut tar (12)
+    counter = BadSampleCounter()
+    assert sum(1 for url in urls for _ in tar_samples(url, counter, listed[url])) == 32
+    assert dict(counter.counts) == {"truncated_shard": 1, "missing_samples": 8}
+
+
+def test_stats_without_a_successes_count_fall_back_to_counting_the_tar(tmp_path, caplog):
+    out = write_img2dataset_output(tmp_path / "laion", rows=30, rows_per_shard=15)
+    stats = out.shards[0].with_name("00000_stats.json")
+    stats.write_text("{not json")
+    out.shards[1].with_name("00001_stats.json").write_text(json.dumps({"count": 15}))
+    with caplog.at_level("WARNING"):
+        assert listed_sizes(shard_urls(out.folder)) == dict(zip(map(str, out.shards), [13, 13]))
+    assert f"{stats} holds no \"successes\" count" in caplog.text
+
+
+def test_stats_of_a_missing_tar_name_the_fix(tmp_path):
+    out = write_img2dataset_output(tmp_path / "laion", rows=30, rows_per_shard=15)
+    out.shards[1].unlink()
+    with pytest.raises(UserError, match=r"00001_stats.json describes a shard whose tar 00001.tar is missing .*"
+                                        r"--incremental_mode incremental"):
+        shard_urls(out.folder)
+
+
+def test_numbered_tars_without_stats_or_nshards_are_no_split_but_a_pattern_reads_them(tmp_path):
+    """A numbered folder without _stats.json is what a killed `write_split` leaves: not taken for a
+    complete split. Named by a pattern, its tars are read, and their sizes counted."""
+    out = write_img2dataset_output(tmp_path / "laion", rows=30, rows_per_shard=15)
+    for tar in out.shards:
+        tar.with_name(tar.stem + "_stats.json").unlink()
+    with pytest.raises(UserError, match="no nshards.txt"):
+        shard_urls(out.folder)
+    urls = shard_urls(f"{out.folder}/{{00000..00001}}.tar")
+    assert listed_sizes(urls) == dict(zip(urls, [13, 13]))
+
+
+def test_a_tar_listed_nowhere_is_counted_once_as_webdataset_groups_it(tmp_path, monkeypatch):
+    """No sizes.json, no _stats.json: each tar's samples are counted from its member headers, once per
+    file (path, size, mtime, ctime), and the count is what webdataset then reads (its metadata members
+    and members without an extension are no samples)."""
+    tar_path = tmp_path / "hand.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name, data in (("__meta__", b"x"), ("a.jpg", b"1"), ("a.txt", b"1"), ("README", b"no sample"),
+                           ("b.jpg", b"2"), ("dir/c.jpg", b"3"), ("dir/c.json", b"{}"), ("d.txt", b"4")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    counter = BadSampleCounter()
+    read = [sample["__key__"] for sample in tar_samples(str(tar_path), counter)]
+    assert read == ["a", "b", "dir/c", "d"] and not counter.counts
+    opened = []
+    real_open = shards.tarfile.open
+    monkeypatch.setattr(shards.tarfile, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    assert listed_sizes([str(tar_path)]) == {str(tar_path): 4}
+    assert count_samples(str(tar_path)) == 4 and len(opened) == 1  # counted once
+    with real_open(tar_path, "a") as tar:  # rewritten: counted again
+        info = tarfile.TarInfo("e.jpg")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"5"))
+    assert count_samples(str(tar_path)) == 5 and len(opened) == 2
+    assert count_samples(str(tmp_path / "gone.tar")) == 0  # the reading pass counts a missing shard
