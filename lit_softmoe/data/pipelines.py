@@ -19,6 +19,8 @@ What differs from open_clip:
   process with the batches, where the first of each reason is logged once, the totals go into the
   run's metrics (`ShardLoader.metrics()`), and `max_bad_fraction` stops the run with one line
   instead of letting it train on garbage.
+- The epoch length is the sum of the shards' sizes (`shards.listed_sizes`): our sizes.json,
+  img2dataset's `_stats.json`, or one count of each tar's samples.
 - `exact_epoch` reads every sample exactly once per epoch (for embedding and evaluation); otherwise
   every worker yields the same number of full batches, rolling over its shards (open_clip's
   `with_epoch`), because every process of a data-parallel run must take the same number of steps.
@@ -46,7 +48,6 @@ from torchvision.transforms.v2 import functional as TF
 
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
-    SIZES_FILE,
     BadSampleCounter,
     listed_sizes,
     shard_urls,
@@ -67,7 +68,8 @@ _REPORT = "_shard_report"  # key of the counts a worker sends along with each ba
 class ShardDataConfig:
     """How to read one stream of shards; every pipeline takes this, never a CLI namespace."""
 
-    # A split folder (its nshards.txt), a brace pattern DIR/{0..9}.tar, `pipe:CMD`, several joined with `::`.
+    # A split folder (its nshards.txt, or img2dataset's output), a brace pattern DIR/{0..9}.tar, `pipe:CMD`,
+    # several joined with `::`.
     urls: str = ""
     batch_size: int = 256  # per process: the global batch is batch_size × world_size
     workers: int = 2  # DataLoader worker processes (per process); 0 reads in the main process
@@ -75,7 +77,7 @@ class ShardDataConfig:
     shuffle_buffer: int = 5000  # samples (still encoded) held by the sample shuffle; 0 or 1: shard order only
     seed: int = 0  # shard order is a function of (seed, epoch); the sample shuffle of (seed, epoch, node, worker)
     resampled: bool = False  # draw shards with replacement: an endless stream, cut into epochs
-    samples_per_epoch: int = 0  # all processes together; 0: the sum of sizes.json beside the shards
+    samples_per_epoch: int = 0  # all processes together; 0: the shards' sizes (`shards.listed_sizes`)
     exact_epoch: bool = False  # every sample exactly once per epoch, partial last batches (embedding, evaluation)
     max_bad_fraction: float = 0.01  # more skipped samples than this fraction stops the run
     rank: int = -1  # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
@@ -416,8 +418,8 @@ def _check_config(cfg: ShardDataConfig, kind: str) -> None:
     if kind not in SAMPLE_KINDS:
         raise UserError(f"unknown sample kind {kind!r}; choose one of {', '.join(SAMPLE_KINDS)}")
     if not cfg.urls:
-        raise UserError("data.urls is empty; set it to a split folder (holding nshards.txt), a pattern such as "
-                        "DIR/{0..9}.tar, or several joined with '::'")
+        raise UserError("data.urls is empty; set it to a split folder (holding nshards.txt, or img2dataset's "
+                        "output), a pattern such as DIR/{0..9}.tar, or several joined with '::'")
     if cfg.batch_size < 1:
         raise UserError(f"data.batch_size must be at least 1, got {cfg.batch_size}")
     if cfg.workers < 0:
@@ -431,7 +433,7 @@ def _check_config(cfg: ShardDataConfig, kind: str) -> None:
         raise UserError("data.samples_per_epoch sets a training epoch's length; with data.exact_epoch an epoch is "
                         "the shards themselves: set samples_per_epoch=0")
     if cfg.samples_per_epoch < 0:
-        raise UserError(f"data.samples_per_epoch must be 0 (from sizes.json) or more, got {cfg.samples_per_epoch}")
+        raise UserError(f"data.samples_per_epoch must be 0 (the shards' sizes) or more, got {cfg.samples_per_epoch}")
 
 
 class ShardLoader:
@@ -445,7 +447,8 @@ class ShardLoader:
 
     Attributes:
         num_batches: batches this process yields per epoch (for exact epochs: at most this many,
-            since skipped samples can shorten workers' streams; None if sizes.json is missing).
+            since skipped samples can shorten workers' streams; None for remote shards, whose sizes
+            are unknown).
         num_samples: samples per epoch over all processes (rolled up to whole global batches).
         bad: a BadSampleCounter holding the skipped samples and shards of the run, by reason.
         samples_read: samples read in the run (used or skipped).
@@ -470,8 +473,8 @@ class ShardLoader:
         else:
             total = cfg.samples_per_epoch or (sum(self._sizes.values()) if self._sizes is not None else 0)
             if total <= 0:
-                raise UserError(f"the epoch length of {cfg.urls} is unknown (no {SIZES_FILE} lists its shards); "
-                                "set data.samples_per_epoch")
+                unknown = "remote shards list no sizes" if self._sizes is None else "its shards hold no sample"
+                raise UserError(f"the epoch length of {cfg.urls} is unknown ({unknown}); set data.samples_per_epoch")
             if not cfg.resampled and len(self.urls) < self.world_size * workers:
                 raise UserError(f"{len(self.urls)} shards cannot feed {self.world_size} processes × {workers} workers "
                                 "(each needs a shard of its own): write smaller shards, lower data.workers, "
@@ -518,7 +521,7 @@ class ShardLoader:
 
     def __len__(self) -> int:
         if self.num_batches is None:
-            raise TypeError(f"the number of batches of {self.cfg.urls} is unknown: no {SIZES_FILE} beside its shards")
+            raise TypeError(f"the number of batches of {self.cfg.urls} is unknown: remote shards list no sizes")
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
 from data_files import _copy_split, _cut_at_sample, _png_bytes
+from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
 from lit_softmoe.data.shards import write_split
@@ -159,6 +160,41 @@ def test_urls_as_pattern_list_and_pipe(tmp_path):
     loader = create_shard_loader(ShardDataConfig(urls=piped, batch_size=5, workers=2, samples_per_epoch=20,
                                                  shuffle=False), "image-caption")
     assert sorted(_keys(loader)) == [f"s{i:07d}" for i in range(20)]
+
+
+def test_img2dataset_output_streams_with_its_epoch_length_from_the_stats(tmp_path):
+    """img2dataset's folder as data.urls: 60 rows in shards of 20, every 7th a failed download (absent
+    from the tars), and a fourth tar without its _stats.json (unfinished). The epoch length is the
+    stats' successes (18 + 17 + 17 = 52), the `.json` members are read past, nothing counts as bad."""
+    out = write_img2dataset_output(tmp_path / "laion", rows=60, rows_per_shard=20, unfinished_rows=4)
+    assert out.successes == [18, 17, 17]
+    training = create_shard_loader(ShardDataConfig(urls=str(out.folder), batch_size=8, workers=0), "image-caption")
+    # 52 samples → ceil(52 / 8) = 7 batches of 8: the length a progress bar and the LR schedule take.
+    assert (training.num_samples, training.num_batches, training.smallest_pass) == (56, 7, 52)
+    exact = create_shard_loader(ShardDataConfig(urls=str(out.folder), batch_size=8, workers=2, shuffle=False,
+                                                exact_epoch=True), "image-caption")
+    # Worker 0 reads shards 0 and 2 (35 samples: 5 batches), worker 1 shard 1 (17: 3 batches).
+    assert exact.num_samples == 52 and exact.num_batches == 8
+    batches = list(exact)
+    assert len(batches) == 8
+    assert sorted(_keys(batches)) == out.keys  # every sample of the finished shards, none of the unfinished
+    for batch in batches:
+        assert set(batch) == {"image", "caption", "key"}  # the .json is not a field
+        assert batch["image"].shape[1:] == (3, 28, 28)  # RGB JPEGs, as img2dataset writes them
+        assert batch["caption"] == [out.captions[key] for key in batch["key"]]
+    assert exact.metrics() == {"data/samples_read": 52, "data/bad_samples": 0}
+
+
+def test_tars_listed_nowhere_take_their_epoch_length_from_a_count(tmp_path):
+    out = write_img2dataset_output(tmp_path / "laion", rows=60, rows_per_shard=20)
+    for tar in out.shards:
+        tar.with_name(tar.stem + "_stats.json").unlink()
+    urls = f"{out.folder}/{{00000..00002}}.tar"
+    training = create_shard_loader(ShardDataConfig(urls=urls, batch_size=8, workers=0), "image-caption")
+    assert (training.num_samples, training.num_batches) == (56, 7)  # 52 counted samples
+    exact = create_shard_loader(ShardDataConfig(urls=urls, batch_size=8, workers=0, exact_epoch=True),
+                                "image-caption")
+    assert exact.num_batches == 7 and len(_keys(exact)) == 52 == len(out.keys)
 
 
 # ---------------------------------------------------------------------------------------- bad samples
