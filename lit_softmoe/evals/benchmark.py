@@ -114,7 +114,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
 
 def _partial_read(spec: BenchmarkConfig, data: EvalData, read: int) -> str | None:
     """Why the metrics cover only part of the split (its shards hold fewer samples than their
-    sizes.json lists: truncated), or None. A cut at a sample boundary reads as a shorter, clean tar."""
+    sizes.json lists: truncated; img2dataset's _stats.json serves as one), or None. A cut at a sample
+    boundary reads as a shorter, clean tar."""
     if data.listed_samples is None or read >= data.listed_samples:
         return None
     partial = (f"{read} of the {data.listed_samples} samples that the sizes.json of {spec.root}/{spec.split} lists "

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
@@ -55,7 +55,8 @@ def encode_images(model, data: EvalData, batch_size: int, workers: int, device: 
                         pin_memory=device.type == "cuda", persistent_workers=False)
     autocast = autocast_context(device, precision)
     indices, features, targets, bad = [], [], [], 0
-    for index, images, target, skipped in tqdm(loader, desc=desc, disable=not progress, leave=False):
+    total = _streamed_batches(data, batch_size, workers)
+    for index, images, target, skipped in tqdm(loader, total=total, desc=desc, disable=not progress, leave=False):
         bad += skipped
         if images is None:
             continue
@@ -68,6 +69,17 @@ def encode_images(model, data: EvalData, batch_size: int, workers: int, device: 
     order = torch.cat(indices).argsort()  # workers interleave samples; restore the dataset's order
     features = torch.cat(features)[order]  # (N, width)
     return features, [targets[i] for i in order.tolist()], bad
+
+
+def _streamed_batches(data: EvalData, batch_size: int, workers: int) -> int | None:
+    """The batches a DataLoader over streamed shards yields, from the samples they list (a progress bar's
+    total; a map-style set has its len() for that). Each of the workers takes every workers-th sample
+    and batches its own share. None when the shards list no sizes (remote ones)."""
+    if not isinstance(data.dataset, IterableDataset) or data.listed_samples is None:
+        return None
+    streams = max(1, workers)
+    shares = [len(range(worker, data.listed_samples, streams)) for worker in range(streams)]
+    return sum(-(-share // batch_size) for share in shares)
 
 
 def _tower_hash(model) -> str:

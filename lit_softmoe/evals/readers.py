@@ -6,7 +6,8 @@ Layouts read (the network is never used; a benchmark whose files are absent rais
 naming the path looked for, and the suite reports it as skipped):
 - `wds`: the CLIP_benchmark webdataset layout (`SPLIT/nshards.txt`, `SPLIT/0.tar …`, samples with an
   image + `.cls` or `.txt` captions, and beside the splits `classnames.txt`,
-  `zeroshot_classification_templates.txt`, `dataset_type.txt`) — also what `lit-softmoe data` writes;
+  `zeroshot_classification_templates.txt`, `dataset_type.txt`) — also what `lit-softmoe data` writes,
+  and img2dataset's output folder (`00000.tar` + `00000_stats.json` …; a caption set: `task: retrieval`);
 - `imagefolder`: `ROOT[/SPLIT]/CLASS/*.jpg` (ImageNet-style wnid folders are mapped to the benchmark's
   classes, so ImageNet-R/-A with their 200 wnid folders line up with the 1000-class list; folders named
   after the classes, or by the benchmark's `folder_aliases` such as Kaggle FER2013's `disgust/`, too);
@@ -40,6 +41,7 @@ from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     BadSampleCounter,
     files_signature,
+    is_split_folder,
     listed_sizes,
     read_lines,
     shard_urls,
@@ -67,8 +69,9 @@ class EvalData:
     classnames: list[str] | None = None  # from the dataset's own files, when it ships them
     templates: list[str] | None = None
     signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
-    # The samples the split's sizes.json lists (webdataset splits written by lit-softmoe): reading
-    # fewer means truncated shards, and metrics over a part of the split.
+    # The samples of a webdataset split (`shards.listed_sizes`: lit-softmoe's sizes.json, img2dataset's
+    # _stats.json, or a count): reading fewer than listed means truncated shards, and metrics over a part
+    # of the split; it also sizes the progress bar. None for remote shards.
     listed_samples: int | None = None
 
 
@@ -142,8 +145,10 @@ def _class_index(cls: bytes) -> int | None:
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     split_dir = root / split
-    if (split_dir / NSHARDS_FILE).is_file():
-        try:  # the project's own shard resolution: padded names too, every listed shard must be there
+    if is_split_folder(split_dir):
+        # The project's own shard resolution: padded names too, every listed shard must be there, and
+        # of img2dataset's output the finished shards (those with their _stats.json).
+        try:
             urls = shard_urls(split_dir)
         except UserError as err:
             raise MissingData(split_dir, f"webdataset shards ({err})") from None

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
+from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.evals.features import encode_images
+from lit_softmoe.evals.features import _collate, _streamed_batches, encode_images
 from lit_softmoe.evals.readers import read_benchmark
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
@@ -24,6 +26,18 @@ def test_two_workers_give_the_same_features_in_the_same_order(fmnist):
     two, labels_two, _ = encode_images(model, data, 50, 2, torch.device("cpu"))
     assert labels_one == labels_two == [label for _, label in _tar_samples(fmnist / "test")]
     torch.testing.assert_close(one, two)
+
+
+def test_the_progress_total_of_streamed_shards_is_the_batches_their_workers_yield(tmp_path):
+    """Shards stream (no len()): the bar's total comes from the samples they list (img2dataset's
+    _stats.json here: 52), split among the workers as they split the samples, each batching its own."""
+    out = write_img2dataset_output(tmp_path / "downloads" / "laion", rows=60, rows_per_shard=20)
+    data = read_benchmark("laion", out.folder.parent, out.folder.name, eval_transform(28, 1, 0.5, 0.25),
+                          task="retrieval")
+    assert data.listed_samples == 52
+    for workers, batches in ((0, 11), (2, 12)):  # batches of 5: 52 → 11; 26 + 26 → 6 + 6, not ceil(52 / 5)
+        loader = DataLoader(data.dataset, batch_size=5, num_workers=workers, collate_fn=_collate)
+        assert _streamed_batches(data, 5, workers) == batches == len(list(loader))
 
 
 def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
