@@ -1,13 +1,15 @@
 """Load what lit-softmoe wrote: `load_pretrained` (an image–text pair) and `load_image_tower`.
 
 Both take any folder `lit_softmoe.model_folders.classify_folder` recognizes (an export, a LiT run, its
-model/ folder, a training checkpoint, a pretraining run or its tower/) and follow open_clip's
-`create_model_and_transforms` in spirit: the model comes with the preprocessing its image tower was
-trained with, and the pair with its tokenizer. Nothing here needs the training code.
+model/ folder, a training checkpoint, a pretraining run or its tower/), or `hf-hub:ORG/NAME[@REVISION]`
+for an export on the Hugging Face Hub (`resolve_model_path`, as open_clip's `hf-hub:` names), and follow
+open_clip's `create_model_and_transforms` in spirit: the model comes with the preprocessing its image
+tower was trained with, and the pair with its tokenizer. Nothing here needs the training code.
 """
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import torch
@@ -21,11 +23,13 @@ from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
     IMAGE_WEIGHTS,
+    MODEL_CARD,
     RUN_CONFIG,
     STATE_META,
     STATE_TENSORS,
     TEXT_WEIGHTS,
     TOKENIZER_DIR,
+    TOKENIZER_JSON,
     ModelFolder,
     classify_folder,
     read_json,
@@ -43,6 +47,63 @@ from lit_softmoe.models.tower_folder import (
     tower_fingerprint,
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+
+HF_HUB_PREFIX = "hf-hub:"
+# What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
+HF_HUB_PATTERNS = [EXPORT_CONFIG, MODEL_CARD, "*.safetensors", TOKENIZER_JSON, f"{TOKENIZER_DIR}/*"]
+_REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+
+
+def parse_hf_hub_spec(spec: str) -> tuple[str, str | None]:
+    """`hf-hub:ORG/NAME[@REVISION]` → (repo_id, revision or None), or one UserError line."""
+    repo_id, _, revision = spec[len(HF_HUB_PREFIX):].partition("@")
+    if not _REPO_ID.fullmatch(repo_id) or repo_id.startswith((".", "-")) or (revision == "" and "@" in spec):
+        raise UserError(f"{spec!r} is not a Hub model name; write hf-hub:ORG/NAME, or hf-hub:ORG/NAME@REVISION "
+                        "(a branch, tag or commit)")
+    return repo_id, revision or None
+
+
+def resolve_model_path(spec: str | Path) -> Path:
+    """The local folder a model spec names: `hf-hub:ORG/NAME[@REVISION]` is fetched into (or found in) the
+    Hugging Face cache with `huggingface_hub.snapshot_download`, which honours HF_HUB_OFFLINE, HF_HUB_CACHE,
+    HF_HOME and HF_TOKEN; any other spec is a path, returned as it is. Every loader starts here."""
+    if not str(spec).startswith(HF_HUB_PREFIX):
+        return Path(spec)
+    repo_id, revision = parse_hf_hub_spec(str(spec))
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HF_HUB_PATTERNS))
+    except GatedRepoError:
+        raise UserError(f"{spec} is gated: accept its terms on https://huggingface.co/{repo_id}, then log in "
+                        "(`hf auth login`, or set HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{spec}: no such model repository on the Hub, or it is private; check the name, or log in "
+                        "(`hf auth login`, or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"{spec}: the repository has no revision {revision!r}; name a branch, tag or commit "
+                        "it has") from None
+    except LocalEntryNotFoundError as err:
+        if constants.HF_HUB_OFFLINE:
+            raise UserError(f"{spec} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+                            "is set; download it once with the network on (unset HF_HUB_OFFLINE), or load an "
+                            "export folder by its path") from None
+        raise UserError(f"{spec} could not be downloaded and is not in the Hugging Face cache "
+                        f"({type(err).__name__}); check the network, or load an export folder by its path") from None
+    except (HfHubHTTPError, HFValidationError) as err:
+        raise UserError(f"{spec} could not be downloaded ({type(err).__name__}: {_first_line(err)}); check the "
+                        "network and the name, or load an export folder by its path") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
 
 
 def _find_tower(recorded: str, run_dir: Path | None) -> Path:
@@ -179,13 +240,14 @@ def _tokenizer_for(spec: str, context_length: int, export_dir: Path | None = Non
 
 
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
-    """(model, preprocess, tokenizer) from an export folder, a LiT run, its model/ folder or a checkpoint.
+    """(model, preprocess, tokenizer) from an export folder, a LiT run, its model/ folder or a checkpoint,
+    or `hf-hub:ORG/NAME[@REVISION]` (an export on the Hugging Face Hub, see `resolve_model_path`).
 
     `model.encode_image(preprocess(img)[None])` and `model.encode_text(tokenizer(["a cat"]))` give
     normalized embeddings (B, D); `model.pretrained_info` says what was loaded (source, kind,
     image_tower_sha256, the tower's config, the preprocessing). The model is fp32 in eval mode.
     """
-    source = classify_folder(path)
+    source = classify_folder(resolve_model_path(path))
     if source.kind == "tower":
         raise UserError(f"{path} is a pretrained image tower without a text tower; load it with "
                         "lit_softmoe.load_image_tower(path), or point to a LiT run trained against it")
@@ -211,9 +273,9 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
     """(tower, preprocess) from any export (pair or image-only), a tower folder, or a pretraining/LiT run.
 
     `tower.forward_features(preprocess(img)[None])` gives the pooled Soft MoE features (B, width);
-    `tower.pretrained_info` is as in `load_pretrained`.
+    `tower.pretrained_info` is as in `load_pretrained`; `path` may be `hf-hub:ORG/NAME[@REVISION]` too.
     """
-    source = classify_folder(path)
+    source = classify_folder(resolve_model_path(path))
     if source.kind == "export":
         config = read_json(source.path / EXPORT_CONFIG)
         tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")

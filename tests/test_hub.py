@@ -91,3 +91,52 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
     for load in (load_pretrained, load_image_tower):
         with pytest.raises(UserError, match="image_encoder.safetensors .*incomplete or damaged"):
             load(truncated)
+
+
+# ---- hf-hub: an export on the Hugging Face Hub, read from an offline cache ------------------------
+
+@pytest.fixture
+def hub_export(run, tmp_path_factory):
+    from lit_softmoe.export import export_pair
+    return export_pair(run, tmp_path_factory.mktemp("hub") / "export", onnx=False)
+
+
+def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path, monkeypatch):
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    from lit_runs import _embed, _inputs
+    from lit_softmoe.hub import load_image_tower, resolve_model_path
+    cache = offline_hf_cache(monkeypatch, tmp_path / "hf")
+    snapshot = cache_repo(cache, "org/name", hub_export)
+    cache_repo(cache, "org/name", hub_export, revision="v1")
+    assert resolve_model_path("hf-hub:org/name") == snapshot
+    assert resolve_model_path(hub_export) == hub_export  # a path stays a path
+
+    reference, _, tokenizer = load_pretrained(hub_export)
+    image, text = _embed(reference, tokenizer)
+    for spec in ("hf-hub:org/name", "hf-hub:org/name@v1"):
+        model, preprocess, tok = load_pretrained(spec)
+        got_image, got_text = _embed(model, tok)
+        assert torch.equal(got_image, image) and torch.equal(got_text, text), spec
+        assert model.pretrained_info["source"] == spec and model.pretrained_info["kind"] == "export"
+    tower, _ = load_image_tower("hf-hub:org/name")
+    reference_tower, _ = load_image_tower(hub_export)
+    with torch.no_grad():
+        assert torch.equal(tower.forward_features(_inputs()), reference_tower.forward_features(_inputs()))
+
+
+def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch):
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    from lit_softmoe.errors import UserError
+    cache = offline_hf_cache(monkeypatch, tmp_path / "hf")
+    with pytest.raises(UserError) as err:
+        load_pretrained("hf-hub:org/absent")
+    line = str(err.value)
+    assert "\n" not in line and "hf-hub:org/absent is not in the Hugging Face cache" in line, line
+    assert "HF_HUB_OFFLINE" in line and str(cache) in line
+    (tmp_path / "files").mkdir()
+    cache_repo(cache, "org/name", tmp_path / "files")  # cached at main only
+    with pytest.raises(UserError, match="not in the Hugging Face cache"):
+        load_pretrained("hf-hub:org/name@v2")
+    for bad in ("hf-hub:a/b/c", "hf-hub:org/name@", "hf-hub:"):
+        with pytest.raises(UserError, match="is not a Hub model name; write hf-hub:ORG/NAME"):
+            load_pretrained(bad)
