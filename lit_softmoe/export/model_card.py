@@ -1,12 +1,15 @@
 """An export's README.md: what the towers are, what they were trained on, their zero-shot results
-and how to load them."""
+and how to load them, under the YAML front matter the Hugging Face Hub indexes a model by
+(https://huggingface.co/docs/hub/model-cards#model-card-metadata), as timm's and open_clip's
+`push_to_hf_hub` write it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from lit_softmoe.evals.reports import markdown_row, percent
-from lit_softmoe.model_folders import read_run_config
+from lit_softmoe.model_folders import RUN_CONFIG, read_run_config
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
 
@@ -70,8 +73,67 @@ def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
             f"{params / 1e6:.2f}M parameters")
 
 
+# The toolkit's licence (pyproject's) as the Hub spells it: weights trained on data under other terms
+# may need another; edit README.md's front matter before `lit-softmoe push`.
+LICENSE = "apache-2.0"
+# Data folders a Hub dataset id is known for (local shard paths mean nothing to the Hub): the demo's.
+KNOWN_DATASETS = {re.compile(r"fashion[-_]?mnist", re.IGNORECASE): "zalando-datasets/fashion_mnist"}
+
+
+def _training_data(run_dir: Path | None, tower_dir: str | None) -> list[str]:
+    """The data paths the exported model was trained on: the pretraining run's and the LiT run's."""
+    runs = [run_dir, Path(tower_dir).parent if tower_dir else None]
+    paths = []
+    for run in dict.fromkeys(r for r in runs if r is not None and (r / RUN_CONFIG).is_file()):
+        data = read_run_config(run).get("data") or {}
+        paths += [str(data[key]) for key in ("train", "test") if data.get(key)]
+    return paths
+
+
+def front_matter(config: dict, facts: dict, run_dir: Path | None) -> dict:
+    """The Hub's model card metadata: library, task, licence, tags and (where known) training datasets."""
+    pair = config["kind"] == "pair"
+    moe = config["image_tower"].get("moe_type", "soft") if config["image_tower"].get("moe_layers") else None
+    moe_tags = [] if moe is None else ["soft-moe"] if moe == "soft" else ["moe"]
+    tags = ["lit-softmoe", "vision", *(["lit", "image-text"] if pair else []), *moe_tags, "safetensors",
+            *(["onnx"] if "onnx" in config else [])]
+    data = _training_data(run_dir, facts.get("tower_dir"))
+    datasets = list(dict.fromkeys(hub_id for path in data for pattern, hub_id in KNOWN_DATASETS.items()
+                                  if pattern.search(path)))
+    return {"library_name": "lit-softmoe", "license": LICENSE,
+            # An image tower alone has no text side: it gives features, not zero-shot classes.
+            "pipeline_tag": "zero-shot-image-classification" if pair else "image-feature-extraction",
+            "tags": tags, **({"datasets": datasets} if datasets else {})}
+
+
+def front_matter_text(meta: dict) -> str:
+    """`---`-fenced YAML; every value written as JSON (a subset of YAML), so no string needs quoting rules."""
+    lines = []
+    for key, value in meta.items():
+        lines += [f"{key}:", *[f"- {json.dumps(item)}" for item in value]] if isinstance(value, list) else \
+                 [f"{key}: {json.dumps(value)}"]
+    return "\n".join(["---", *lines, "---", ""])
+
+
+def read_front_matter(card: str) -> dict | None:
+    """A model card's front matter as a dict, or None when it has none (an export from before it was written)."""
+    import yaml
+    match = re.match(r"---\n(.*?\n)---\n", card, re.DOTALL)
+    if match is None:
+        return None
+    loaded = yaml.safe_load(match.group(1))
+    return loaded if isinstance(loaded, dict) else None
+
+
 def model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
-                run_dir: Path | None, results: dict, out_dir: Path) -> str:
+               run_dir: Path | None, results: dict, out_dir: Path) -> str:
+    """The front matter, then the card's body (`card_body`)."""
+    return front_matter_text(front_matter(config, facts, run_dir)) + card_body(
+        config, model, tower, facts, run_dir, results, out_dir)
+
+
+def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
+              run_dir: Path | None, results: dict, out_dir: Path) -> str:
     pretrain = facts["tower_meta"].get("pretrain") or {}
     tower_params = sum(p.numel() for p in tower.parameters())
     title = "LiT image–text pair" if model is not None else "Soft MoE image tower"

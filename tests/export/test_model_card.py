@@ -88,3 +88,37 @@ def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     # The final model's export still shows the final model's numbers.
     card = (export_pair(run, tmp_path / "final") / "README.md").read_text()
     assert "LiT: 10 steps in 2.5 s" in card and "99.99" in card and "11.11" not in card
+
+
+def test_model_card_opens_with_the_hubs_front_matter(tmp_path):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from lit_softmoe.export.model_card import read_front_matter
+    run = _make_run(tmp_path)
+    card = (export_pair(run, tmp_path / "pair") / "README.md").read_text()
+    assert card.startswith("---\n")
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    license = re.search(r'^license = "(.+)"$', pyproject, re.MULTILINE).group(1)  # tomllib: Python 3.11+
+    assert meta == {"library_name": "lit-softmoe", "license": license.lower(),
+                    "pipeline_tag": "zero-shot-image-classification",
+                    "tags": ["lit-softmoe", "vision", "lit", "image-text", "soft-moe", "safetensors"]}
+    assert read_front_matter(card) == meta
+    # The body is the card as before: title first, nothing of the front matter repeated.
+    assert body.startswith("# LiT image–text pair exported by lit-softmoe ") and "---" not in body.split("\n")
+    assert "## Towers" in body and "## Zero-shot" in body and "## Use" in body
+
+    # Training data the Hub knows (the demo's Fashion-MNIST) is listed; local shard paths are not.
+    config = run.parent / "pre" / "config.yaml"
+    config.write_text(config.read_text().replace("data/fm/", "data/fashion-mnist/"))
+    meta = read_front_matter((export_pair(run, tmp_path / "fmnist") / "README.md").read_text())
+    assert meta["datasets"] == ["zalando-datasets/fashion_mnist"]
+    # An image tower alone: features, not zero-shot classes.
+    meta = read_front_matter((export_pair(run.parent / "pre", tmp_path / "image") / "README.md").read_text())
+    assert meta["pipeline_tag"] == "image-feature-extraction" and "lit" not in meta["tags"]
+    assert meta["datasets"] == ["zalando-datasets/fashion_mnist"]
+    assert read_front_matter("# a card without front matter\n") is None
