@@ -172,6 +172,21 @@ def _cmd_export(args) -> None:
           f"{out}: {', '.join(files)}, config.json, README.md{check}")
 
 
+def _cmd_push(args) -> None:
+    from lit_softmoe.export.push import push_export
+    summary = push_export(args.export, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
+    where = f"{args.repo_id}" + (f" (revision {args.revision})" if args.revision else "")
+    if args.dry_run:
+        front = summary["front_matter"]
+        print(f"dry run: {len(summary['files'])} files of {args.export} would go to {where}:")
+        for name in summary["files"]:
+            print(f"  {name}")
+        print("model card front matter: " + (", ".join(f"{k}: {v}" for k, v in front.items()) if front else
+                                             "none (export again to write it; the Hub will not index the model)"))
+        return
+    print(f"{len(summary['files'])} files of {args.export} pushed to {where}: {summary['url']}")
+
+
 def _cmd_demo(args) -> None:
     from lit_softmoe.demo import run_demo
     run_demo(data_dir=args.data, runs_dir=args.runs, fast=args.fast)
@@ -319,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "against PyTorch with onnxruntime")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     export.set_defaults(func=_cmd_export)
+
+    push = command(sub, "push", "upload an export to a Hugging Face Hub model repository")
+    push.add_argument("export", metavar="EXPORT", help="an export folder (checked complete before anything is sent)")
+    push.add_argument("repo_id", metavar="REPO_ID", help="the Hub repository, ORG/NAME (created if absent)")
+    push.add_argument("--private", action="store_true", help="create the repository private (an existing one "
+                      "keeps its visibility)")
+    push.add_argument("--revision", default=None, help="the branch to push to (created if absent; default: main)")
+    push.add_argument("--dry-run", action="store_true", help="check the export, list the files and the model "
+                      "card's front matter; nothing is sent")
+    push.set_defaults(func=_cmd_push)
 
     demo = command(sub, "demo", "run the main job on Fashion-MNIST end to end")
     demo.add_argument("--data", default="data", help="where datasets and shards go")

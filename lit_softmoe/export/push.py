@@ -1,0 +1,102 @@
+"""`lit-softmoe push`: an export folder → a model repository on the Hugging Face Hub, as timm's and
+open_clip's `push_to_hf_hub` do it (`HfApi.create_repo(exist_ok=True)`, then `upload_folder`).
+
+Only a complete export goes up: the files its kind needs, every weights file readable (what the
+loader would say of a folder copied in part), and `image_tower_sha256` still the key of the image
+weights in it (caches of its embeddings are keyed by it, so weights edited after the export would
+lie under the old key). `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_softmoe.hub).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from safetensors.torch import save
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.export.model_card import read_front_matter
+from lit_softmoe.model_folders import (
+    EXPORT_CONFIG,
+    EXPORT_FORMAT,
+    IMAGE_WEIGHTS,
+    MODEL_CARD,
+    TEXT_WEIGHTS,
+    TOKENIZER_DIR,
+    TOKENIZER_JSON,
+    classify_folder,
+    read_json,
+)
+from lit_softmoe.models.tower_folder import load_weights
+from lit_softmoe.utils.hashing import file_sha256
+
+_LOGIN = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with write access"
+
+
+def _image_weights_keys(path: Path) -> set[str]:
+    """The sha256s `image_tower_sha256` may be for these image weights: the file's own (bf16/fp16 exports),
+    the tower file's that an fp32 export copies (the same tensors without the `image_tower.` prefix), or
+    the run's tensors under their own names (a partly unlocked run; lit_softmoe.hub.load_run_pair)."""
+    state = load_weights(path)
+    tower = {k: v for k, v in state.items() if k.startswith("image_tower.")}
+    unprefixed = {k[len("image_tower."):]: v for k, v in tower.items()}
+    return {file_sha256(path), *(hashlib.sha256(save(s)).hexdigest() for s in (unprefixed, tower))}
+
+
+def check_export(folder: str | Path) -> list[str]:
+    """The files (relative, sorted) of a complete export at `folder`, or one UserError line naming what is wrong."""
+    folder = Path(folder)
+    if classify_folder(folder).kind != "export":
+        raise UserError(f"{folder} is not an export; write one with `lit-softmoe export RUN --out {folder}`")
+    config = read_json(folder / EXPORT_CONFIG)
+    if config.get("format", 0) > EXPORT_FORMAT:
+        raise UserError(f"{folder} has export format {config['format']}, newer than this lit-softmoe reads "
+                        f"({EXPORT_FORMAT}); upgrade lit-softmoe")
+    needed = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS]
+    if config.get("kind") == "pair":
+        needed += [TEXT_WEIGHTS, TOKENIZER_JSON, TOKENIZER_DIR]
+    missing = [name for name in needed if not (folder / name).exists()]
+    if missing:
+        raise UserError(f"{folder} is incomplete (no {', '.join(missing)}); export it again")
+    for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS)[:2 if config.get("kind") == "pair" else 1]:
+        load_weights(folder / name)  # a truncated or damaged file: one line naming it
+    if config.get("image_tower_sha256") not in _image_weights_keys(folder / IMAGE_WEIGHTS):
+        raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "
+                        "names (the weights were changed after the export); export it again")
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def push_export(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+                dry_run: bool = False) -> dict:
+    """Upload a complete export to the Hub model repository `repo_id` (created if absent).
+
+    Returns {"files", "front_matter", "url" (None on a dry run)}; a dry run checks the export and
+    touches no network.
+    """
+    folder = Path(folder)
+    files = check_export(folder)
+    summary = {"files": files, "front_matter": read_front_matter((folder / MODEL_CARD).read_text()), "url": None}
+    if dry_run:
+        return summary
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
+                                   allow_patterns=files, commit_message=f"Upload lit-softmoe export {folder.name}")
+    except LocalTokenNotFoundError:
+        raise UserError(f"no Hugging Face token to push {repo_id} with; {_LOGIN}") from None
+    except HFValidationError as err:
+        raise UserError(f"{repo_id!r} is not a Hub repository name ({err}); write ORG/NAME") from None
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        fix = _LOGIN if status in (401, 403) else "check the repository name and your rights to it"
+        raise UserError(f"the Hub refused the push to {repo_id} (HTTP {status}); {fix}") from None
+    except OSError as err:  # the network: no connection, a timeout, a proxy (httpx's errors are OSErrors too)
+        raise UserError(f"could not reach the Hugging Face Hub to push {repo_id} ({type(err).__name__}); check the "
+                        "network, then run the same command again") from None
+    summary["url"] = str(getattr(commit, "commit_url", commit))
+    return summary

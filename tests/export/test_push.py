@@ -1,0 +1,115 @@
+"""lit_softmoe.export.push / `lit-softmoe push`: a complete export goes to the Hub through HfApi (recorded
+here, never sent); a dry run lists it without the network; an incomplete one is refused in one line."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from lit_runs import _one_error_line
+from lit_softmoe import cli
+from lit_softmoe.export import export_pair
+
+FILES = ["README.md", "config.json", "image_encoder.safetensors", "text_encoder.safetensors", "tokenizer.json",
+         "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
+
+
+@pytest.fixture(scope="module")
+def export(run, tmp_path_factory):
+    return export_pair(run, tmp_path_factory.mktemp("push") / "export")
+
+
+class _RecordingHfApi:
+    """HfApi's three calls that push makes, recorded."""
+    calls: list = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", repo_id, kwargs))
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+        return type("CommitInfo", (), {"commit_url": f"https://huggingface.co/{kwargs['repo_id']}/commit/abc"})()
+
+
+def _push(capsys, *args) -> tuple[int, str]:
+    code = cli.main(["push", *map(str, args)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return code, captured.out
+
+
+@pytest.fixture
+def hf_api(monkeypatch):
+    import huggingface_hub
+    _RecordingHfApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", _RecordingHfApi)
+    return _RecordingHfApi
+
+
+def test_dry_run_lists_the_files_and_the_front_matter(export, hf_api, capsys):
+    _, out = _push(capsys, export, "org/name", "--dry-run")
+    lines = out.splitlines()
+    assert lines[0] == f"dry run: 6 files of {export} would go to org/name:"
+    assert [line.strip() for line in lines[1:7]] == FILES
+    assert "library_name: lit-softmoe" in lines[7] and "pipeline_tag: zero-shot-image-classification" in lines[7]
+    assert hf_api.calls == []  # nothing sent
+
+
+def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
+    _, out = _push(capsys, export, "org/name", "--private", "--revision", "v1")
+    assert out.strip() == (f"6 files of {export} pushed to org/name (revision v1): "
+                           "https://huggingface.co/org/name/commit/abc")
+    (create, _, create_kwargs), (branch, _, branch_kwargs), (upload, repo_id, upload_kwargs) = hf_api.calls
+    assert (create, branch, upload, repo_id) == ("create_repo", "create_branch", "upload_folder", "org/name")
+    assert create_kwargs == {"repo_type": "model", "private": True, "exist_ok": True}
+    assert branch_kwargs == {"branch": "v1", "repo_type": "model", "exist_ok": True}
+    assert upload_kwargs["folder_path"] == export and upload_kwargs["revision"] == "v1"
+    assert upload_kwargs["allow_patterns"] == FILES
+    hf_api.calls.clear()
+    _push(capsys, export, "org/name")  # no --revision: main, no branch made
+    assert [call[0] for call in hf_api.calls] == ["create_repo", "upload_folder"]
+    assert hf_api.calls[1][2]["revision"] is None
+
+
+def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path, capsys, hf_api):
+    from safetensors.torch import load_file, save_file
+    missing, edited, truncated = tmp_path / "missing", tmp_path / "edited", tmp_path / "truncated"
+    shutil.copytree(export, missing)
+    shutil.rmtree(missing / "tokenizer")
+    line = _one_error_line(capsys, cli.main(["push", str(missing), "org/name", "--dry-run"]))
+    assert f"{missing} is incomplete (no tokenizer); export it again" in line, line
+    shutil.copytree(export, truncated)
+    with open(truncated / "text_encoder.safetensors", "r+b") as file:
+        file.truncate(1000)
+    line = _one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
+    assert "text_encoder.safetensors" in line and "incomplete or damaged" in line, line
+    shutil.copytree(export, edited)
+    state = load_file(edited / "image_encoder.safetensors")
+    state[next(iter(state))] += 1
+    save_file(state, edited / "image_encoder.safetensors")
+    line = _one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
+    assert "is not the image tower config.json's image_tower_sha256 names" in line, line
+    line = _one_error_line(capsys, cli.main(["push", str(tmp_path), "org/name"]))
+    assert "is not a model folder" in line, line
+    assert hf_api.calls == []
+
+
+def test_no_token_and_no_network_are_one_line(export, monkeypatch, capsys):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalTokenNotFoundError
+
+    class Failing(_RecordingHfApi):
+        error: Exception
+
+        def create_repo(self, repo_id, **kwargs):
+            raise self.error
+    monkeypatch.setattr(huggingface_hub, "HfApi", Failing)
+    Failing.error = LocalTokenNotFoundError("Token is required")
+    line = _one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
+    assert "no Hugging Face token to push org/name" in line and "hf auth login" in line and "HF_TOKEN" in line
+    Failing.error = ConnectionError("connection refused")
+    line = _one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
+    assert "could not reach the Hugging Face Hub to push org/name (ConnectionError)" in line, line
