@@ -140,3 +140,19 @@ def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch)
     for bad in ("hf-hub:a/b/c", "hf-hub:org/name@", "hf-hub:"):
         with pytest.raises(UserError, match="is not a Hub model name; write hf-hub:ORG/NAME"):
             load_pretrained(bad)
+
+
+def test_the_hf_hub_snippet_of_the_docs_runs_offline(hub_export, tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "interoperability.md").read_text()
+    snippet = re.search(r"snippet against an offline cache it builds:\n\n```python\n(.*?)```", doc, re.DOTALL).group(1)
+    assert "load_pretrained(\"hf-hub:org/name\")" in snippet and len(snippet.splitlines()) == 5
+    cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/name", hub_export)
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 (the docs' own example)
+    reference, _, tokenizer = load_pretrained(hub_export)
+    with torch.no_grad():
+        assert torch.equal(scope["text"], reference.encode_text(tokenizer(["a photo of a sneaker"])))
