@@ -67,6 +67,10 @@ class PretrainConfig:
     compile: bool = False  # torch.compile the tower (pays on GPUs: Soft MoE fwd+bwd 1.6x faster on an H200)
     seed: int = 0
     log_every: int = 50
+    # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
+    # RUN/tensorboard), wandb, mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none.
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    log_project: str = "lit-softmoe"  # the project (wandb, comet_ml, ...) or experiment (mlflow) of the runs
     eval_every: int = 0  # steps between test evaluations during training; 0: only at the end
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
@@ -334,6 +338,8 @@ class LiTConfig:
     precision: str = "auto"
     seed: int = 0
     log_every: int = 20
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # as PretrainConfig's
+    log_project: str = "lit-softmoe"
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     threads: int = 0

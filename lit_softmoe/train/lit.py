@@ -247,7 +247,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
-    accelerator = create_accelerator(cfg.precision, cfg.threads)
+    accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
@@ -319,7 +319,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
             _restore_data_counts(loader, checkpoint_meta.get("data_counts"))
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
-    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps)
+    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     inputs = "cached features" if cached else "images"
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
                       f"{total_steps} steps of {cfg.batch_size}")

@@ -1,11 +1,13 @@
-"""Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in TensorBoard, PNG curves.
+"""Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in the experiment trackers
+(`log_with`: TensorBoard by default, through accelerate), PNG curves.
 
-Only the main process writes. On resume, records past the resumed step are dropped first, so the
-file tells one consistent story even when a killed run had logged beyond its last checkpoint; a
-finished run rerun (it resumes at its last step and evaluates again) also drops its final
-evaluation's records, so the new ones replace them instead of repeating them. A run
-killed mid-append (or a full disk) can leave a torn last line: readers drop it with a warning, and
-the resume's rewrite goes through a temporary file, so a kill then cannot lose the log.
+metrics.jsonl is the record the toolkit reads back (curves.png, resume, tests); the trackers get a
+copy of each record's numbers. Only the main process writes. On resume, records past the resumed
+step are dropped first, so the file tells one consistent story even when a killed run had logged
+beyond its last checkpoint; a finished run rerun (it resumes at its last step and evaluates again)
+also drops its final evaluation's records, so the new ones replace them instead of repeating them.
+A run killed mid-append (or a full disk) can leave a torn last line: readers drop it with a
+warning, and the resume's rewrite goes through a temporary file, so a kill then cannot lose the log.
 """
 from __future__ import annotations
 
@@ -36,17 +38,14 @@ def _parse_records(path: Path) -> list[dict]:
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+    """Appends records to RUN/metrics.jsonl and sends their numbers to `accelerator`'s trackers (those
+    `init_trackers` started; none without an accelerator)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, accelerator=None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.path = self.run_dir / "metrics.jsonl"
-        self._writer = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:  # tensorboard is a dependency, but a missing one must not stop training
-                self._writer = None
+        self._accelerator = accelerator if enabled else None
 
     def truncate_after(self, step: int, final: bool = False) -> None:
         """Drop records with a step beyond `step` (what a killed run logged after its checkpoint).
@@ -67,15 +66,23 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._writer is not None and "step" in record:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, record["step"])
-            self._writer.flush()
+        self.send_to_trackers(record)
+
+    def send_to_trackers(self, record: dict) -> None:
+        """The record's numbers to the trackers, at its step (a record without one has no place on a curve)."""
+        if self._accelerator is None or not self._accelerator.trackers or "step" not in record:
+            return
+        numbers = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if numbers:
+            self._accelerator.log(numbers, step=record["step"])
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        """Finish the trackers (flush and close their files or runs). Not `accelerator.end_training()`:
+        that also destroys the process group, which the recipe still waits on after this."""
+        if self._accelerator is not None:
+            for tracker in self._accelerator.trackers:
+                tracker.finish()
 
 
 def read_metrics(path: str | Path) -> list[dict]:

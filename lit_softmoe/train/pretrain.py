@@ -200,7 +200,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     _check_settings(cfg)
-    accelerator = create_accelerator(cfg.precision, cfg.threads)
+    accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
 
     # ---- data, tower, optimizer
@@ -238,7 +238,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     tower, optimizer = accelerator.prepare(tower, optimizer)
     if cfg.compile:
         tower = torch.compile(tower)  # shares parameters with the module we save
-    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps)
+    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {len(data.train_labels)} "
                       f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
 

@@ -17,6 +17,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import RUN_CONFIG, checkpoints_newest_first, latest_checkpoint
 from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
 from lit_softmoe.train.logging import RunLogger
+from lit_softmoe.train.trackers import accelerator_trackers, check_trackers, start_trackers
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
 from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
@@ -49,15 +50,19 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
             raise
 
 
-def create_accelerator(precision: str = "auto", threads: int = 0) -> Accelerator:
-    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16."""
+def create_accelerator(precision: str = "auto", threads: int = 0, log_with=(), run_dir=None) -> Accelerator:
+    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16. `log_with`: the
+    experiment trackers (checked here, before any work), writing under `run_dir`; `open_run_folder` starts them."""
+    check_trackers(log_with)
     if threads > 0:
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mixed_precision = "bf16" if autocast_dtype(precision, device) is not None else "no"
     # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
     # when told so, e.g. under `torchrun --nproc_per_node 2`.
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    trackers = accelerator_trackers(log_with, run_dir)
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                       log_with=trackers or None, project_dir=None if run_dir is None else str(run_dir))
 
 
 def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -89,15 +94,16 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
 
 # Config keys a rerun into a run folder may change and still resume the run there: they set how
 # long to train (steps/epochs extend a run; the learning-rate schedule stretches to the new end), how
-# often to log, evaluate and checkpoint, how fast the same computation runs, or what only the final
-# evaluation reports (two of them are what error messages tell a user to change and rerun). Every
-# other key (the towers, the data and its order, data.workers included since the shards are split
-# per worker, the optimizer, the loss, batch size, seed, the eval set logged during training) makes
-# a different run, which a checkpoint of this one must not start.
+# often to log, evaluate and checkpoint, which experiment trackers get a copy of the metrics (adding
+# wandb to a run half done changes neither metrics.jsonl nor the model), how fast the same computation
+# runs, or what only the final evaluation reports (two of them are what error messages tell a user to
+# change and rerun). Every other key (the towers, the data and its order, data.workers included since
+# the shards are split per worker, the optimizer, the loss, batch size, seed, the eval set logged
+# during training) makes a different run, which a checkpoint of this one must not start.
 RESUMABLE_KEYS = frozenset({
     "run_dir", "steps", "epochs",
     "log_every", "eval_every", "eval.every", "checkpoint_every", "keep_checkpoints",
-    "threads", "compile", "precision", "eval_batch_size",
+    "threads", "compile", "precision", "eval_batch_size", "log_with", "log_project",
     "fewshot_shots", "eval.probe_train", "data.max_bad_fraction",
 })
 
@@ -159,17 +165,20 @@ def check_same_run(run_dir, config) -> None:
                         "it (steps, epochs and logging may change)")
 
 
-def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None):
+def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None, accelerator=None):
     """Write the run's config.yaml and open its metrics log, dropping records past `step`
     (what a killed run logged after its last checkpoint). At `step` == `total_steps` (a finished
     run rerun, or one killed after its final evaluation) the final evaluation runs again, so its
-    earlier records are dropped as well: a rerun does not log them twice."""
-    logger = RunLogger(run_dir, enabled=is_main)
+    earlier records are dropped as well: a rerun does not log them twice. Then `accelerator`'s
+    experiment trackers start (`start_trackers`); the logger sends them each record."""
+    logger = RunLogger(run_dir, enabled=is_main, accelerator=accelerator)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Renamed into place: a kill mid-write must not leave a half config for check_same_run.
         write_text_atomic(run_dir / RUN_CONFIG, to_yaml(config))
         logger.truncate_after(step, final=step == total_steps)
+        if accelerator is not None:
+            start_trackers(accelerator, logger, config, step)
     return logger
 
 

@@ -19,7 +19,7 @@ def test_a_torn_last_metrics_line_is_dropped(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 0.2')  # a run killed mid-append
     assert read_metrics(tmp_path / "metrics.jsonl") == records
-    logger = RunLogger(tmp_path, tensorboard=False)
+    logger = RunLogger(tmp_path)
     logger.truncate_after(2)
     logger.log({"step": 3, "loss": 0.5})
     assert read_metrics(tmp_path / "metrics.jsonl") == [*records[:2], {"step": 3, "loss": 0.5}]
@@ -29,7 +29,7 @@ def test_a_bad_metrics_line_before_the_last_is_reported(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(UserError, match="line 2 is not JSON"):
-        RunLogger(tmp_path, tensorboard=False).truncate_after(1)
+        RunLogger(tmp_path).truncate_after(1)
     assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'
 
 
@@ -44,6 +44,6 @@ def test_truncating_the_metrics_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "write_text", killed_halfway)
     with pytest.raises(KeyboardInterrupt):
-        RunLogger(tmp_path, tensorboard=False).truncate_after(10)
+        RunLogger(tmp_path).truncate_after(10)
     monkeypatch.undo()
     assert read_metrics(tmp_path / "metrics.jsonl") == records

@@ -1,0 +1,116 @@
+"""lit_softmoe.train.trackers: `log_with` (accelerate's experiment trackers). TensorBoard, the one that
+works offline here, holds exactly the numbers of metrics.jsonl after a run and after a resume; unknown
+or uninstalled trackers are one line before any work."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cli_errors import _one_line_error
+from lit_data import _lit
+from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.errors import UserError
+from lit_softmoe.train import trackers
+from lit_softmoe.train.lit import train_lit
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.pretrain import pretrain
+from lit_softmoe.train.runtime import check_same_run
+
+
+def _pretrain_cfg(data, run, *extra):
+    return load_config(PretrainConfig, None, [
+        f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+        "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=3", "precision=fp32", "log_every=1", *extra])
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows: the scalars of the event files in `folder`, earlier files' steps purged
+    where a later file restarted (SummaryWriter's purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def _metrics_scalars(path) -> dict[str, list[tuple[int, float]]]:
+    scalars = {}
+    for record in read_metrics(path):
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                scalars.setdefault(key, []).append((record["step"], value))
+    return scalars
+
+
+def _assert_tensorboard_holds_the_metrics(run):
+    shown, logged = _tensorboard_scalars(run / "tensorboard"), _metrics_scalars(run / "metrics.jsonl")
+    assert sorted(shown) == sorted(logged)
+    for tag, points in logged.items():
+        assert [step for step, _ in shown[tag]] == [step for step, _ in points], tag
+        assert [value for _, value in shown[tag]] == pytest.approx([value for _, value in points], rel=1e-6), tag
+
+
+def test_pretrain_tensorboard_holds_the_metrics_also_after_a_resume(data, tmp_path):
+    run = tmp_path / "run"
+    pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2", "checkpoint_every=2"))
+    _assert_tensorboard_holds_the_metrics(run)
+    assert {"loss", "lr", "test_top1", "fewshot3_top1"} <= set(_tensorboard_scalars(run / "tensorboard"))
+    # A run killed after logging past its checkpoint: its event files hold steps 3, 4 and the final
+    # evaluation, which the resume from step 2 logs again; TensorBoard shows the new ones only.
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2", "checkpoint_every=2"))
+    _assert_tensorboard_holds_the_metrics(run)
+    # A longer rerun resumes at the last step: its records there are sent again after the purge.
+    pretrain(_pretrain_cfg(data, run, "steps=6", "eval_every=2", "checkpoint_every=2"))
+    _assert_tensorboard_holds_the_metrics(run)
+    assert [step for step, _ in _tensorboard_scalars(run / "tensorboard")["loss"]] == [1, 2, 3, 4, 5, 6]
+    # The trackers may change between a run and its resume: metrics.jsonl and the model do not depend on them.
+    check_same_run(run, _pretrain_cfg(data, run, "steps=6", "eval_every=2", "checkpoint_every=2", "log_with=[]"))
+
+
+def test_lit_tensorboard_holds_the_metrics_and_no_tracker_writes_none(data, tmp_path):
+    train_lit(_lit(data, tmp_path / "lit", "steps=3"))
+    _assert_tensorboard_holds_the_metrics(tmp_path / "lit")
+    assert {"loss", "temperature", "zeroshot_top1"} <= set(_tensorboard_scalars(tmp_path / "lit" / "tensorboard"))
+    train_lit(_lit(data, tmp_path / "plain", "steps=2", "log_with=[]"))
+    assert not (tmp_path / "plain" / "tensorboard").exists()
+    assert [r["step"] for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in r] == [1, 2]
+
+
+def test_log_with_is_a_list_in_the_config():
+    assert load_config(PretrainConfig).log_with == ["tensorboard"]
+    assert load_config(PretrainConfig, None, ["log_with=[tensorboard,wandb]"]).log_with == ["tensorboard", "wandb"]
+    assert load_config(PretrainConfig, None, ["log_with=[]"]).log_with == []
+
+
+def test_an_unknown_tracker_is_one_line_naming_the_choices():
+    with pytest.raises(UserError, match=r"'tensorbord', a tracker accelerate does not know \(did you mean "
+                                        r"'tensorboard'\?\); choose from .*wandb"):
+        trackers.check_trackers(["tensorbord"])
+    with pytest.raises(UserError, match="'all', a tracker accelerate does not know"):
+        trackers.check_trackers(["all"])
+
+
+@pytest.mark.parametrize("name, fix", [("wandb", "pip install 'lit-softmoe[wandb]'"),
+                                       ("mlflow", "pip install 'lit-softmoe[mlflow]'"),
+                                       ("tensorboard", "pip install tensorboard")])
+def test_a_tracker_without_its_package_names_what_to_install(monkeypatch, name, fix):
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: [])  # a machine without any
+    with pytest.raises(UserError) as err:
+        trackers.check_trackers([name])
+    assert str(err.value) == f"log_with names {name!r}, but its package is not installed: {fix}, or drop {name} " \
+                             "from log_with"
+
+
+@pytest.mark.parametrize("command", ["pretrain", "train"])
+def test_a_tracker_mistake_stops_the_command_before_any_work(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: [])
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    run = tmp_path / "run"
+    # The data paths do not exist: the tracker check comes first.
+    line = _one_line_error(capsys, [command, "--config", str(empty), f"run_dir={run}", "data.train=nowhere",
+                                    "log_with=[wandb]"])
+    assert "pip install 'lit-softmoe[wandb]'" in line
+    assert not run.exists()
