@@ -4,8 +4,10 @@ or uninstalled trackers are one line before any work."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+from accelerate.utils import LoggerType
 
 from cli_errors import _one_line_error
 from lit_data import _lit
@@ -114,3 +116,11 @@ def test_a_tracker_mistake_stops_the_command_before_any_work(tmp_path, capsys, m
                                     "log_with=[wandb]"])
     assert "pip install 'lit-softmoe[wandb]'" in line
     assert not run.exists()
+
+
+def test_every_tracker_but_tensorboard_has_its_extra_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert set(trackers.TRACKER_EXTRAS) == set(LoggerType.list()) - {"all", "tensorboard"}
+    assert set(trackers.TRACKER_EXTRAS.values()) <= set(extras)
