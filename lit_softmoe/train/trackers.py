@@ -76,7 +76,9 @@ def start_trackers(accelerator, logger, config, step: int) -> None:
         return
     run_dir = logger.run_dir
     for tracker in accelerator.log_with:
-        if isinstance(tracker, TensorBoardTracker):  # ours (accelerator_trackers): its writer is not open yet
+        # Ours (accelerator_trackers); its SummaryWriter opens in start(), which init_trackers calls
+        # (accelerate >= 1.8), so its keyword arguments can still change here.
+        if isinstance(tracker, TensorBoardTracker):
             tracker.init_kwargs["purge_step"] = step
     # The run folder names the run; wandb keeps its files there rather than in the working directory.
     init_kwargs = {"wandb": {"name": run_dir.name, "dir": str(run_dir)}, "mlflow": {"run_name": run_dir.name}}
