@@ -7,11 +7,16 @@ streaming pipeline, in-memory splits (`class_split.load_class_split`), the eval 
 inference the pixels it was trained on. `scripts/onnx_example.py` repeats it in a few PIL lines
 (it must run without torch or this package); keep the two equal.
 
+Decoding (`decode`) is shared the same way: the pipeline, the eval readers and a transform given a
+lazily opened file all call it, so a preprocessing's `decode` setting ("full" or "reduced", see
+`jpeg_min_side`) gives the same pixels for the same bytes everywhere.
+
 Only numpy and PIL here: `writers` imports this without torch.
 """
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +71,54 @@ def l_or_rgb(image: PIL.Image.Image) -> tuple[PIL.Image.Image, str | None]:
 def upright_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     """`image` upright (EXIF applied) and in mode "L" or "RGB", transparent pixels on white."""
     return l_or_rgb(upright(image))[0]
+
+
+# ---- decoding at the scale a transform needs -------------------------------------------------
+
+DECODES = ("full", "reduced")
+# "reduced" keeps a JPEG's shorter side at least this many times the side the transform resizes it
+# to: at 1× a 224-px tower's pixels lose ~38 dB PSNR worth of detail to the DCT scaling; at 2× the
+# decode is still 2-4× cheaper for 500-1,200 px photos (docs/benchmarks.md, scripts/bench_data.py).
+REDUCED_DECODE_FACTOR = 2
+
+
+def jpeg_min_side(decode: str, side: int) -> int | None:
+    """The shorter side a JPEG keeps when decoded for a transform resizing it to `side` px (None: full).
+
+    Preprocessing dicts written before the setting existed have no "decode" and mean "full".
+    """
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {decode!r}")
+    return None if decode == "full" else REDUCED_DECODE_FACTOR * int(side)
+
+
+def draft_jpeg(image: PIL.Image.Image, min_side: int | None) -> PIL.Image.Image:
+    """Ask libjpeg to decode a not yet loaded JPEG at 1/2, 1/4 or 1/8 scale, the smallest keeping its
+    shorter side ≥ `min_side` (PIL's `Image.draft`: the DCT is scaled, so the skipped pixels cost
+    nothing). A no-op for other formats, loaded images, `min_side` None, or when no scale fits — so
+    small JPEGs decode exactly as in full. The mode is kept: libjpeg's own YCbCr → L would differ from
+    PIL's convert("L").
+    """
+    if not min_side or image.format not in ("JPEG", "MPO") or len(getattr(image, "tile", ())) != 1:
+        return image
+    if min(image.size) // min_side >= 2:
+        image.draft(image.mode, (min_side, min_side))  # scale = min(w // min_side, h // min_side), floored to 8/4/2/1
+    return image
+
+
+def decode(image: PIL.Image.Image, min_side: int | None = None) -> PIL.Image.Image:
+    """An opened image file decoded (reduced if `draft_jpeg` applies), upright and in mode L or RGB.
+
+    Images already loaded (arrays, a user's converted image) only go through `upright_l_or_rgb`.
+    """
+    draft_jpeg(image, min_side)
+    image.load()  # decode now: PIL is lazy, and a truncated file fails only here
+    return upright_l_or_rgb(image)
+
+
+def open_image(source: bytes | str | os.PathLike, min_side: int | None = None) -> PIL.Image.Image:
+    """`decode` of an image file's bytes or path."""
+    return decode(PIL.Image.open(io.BytesIO(source) if isinstance(source, bytes) else source), min_side)
 
 
 # ---- re-encoding an image file for a shard ---------------------------------------------------

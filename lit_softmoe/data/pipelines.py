@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import PIL.Image
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms.v2 import functional as TF
 
+from lit_softmoe.data.images import open_image
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
     BadSampleCounter,
@@ -53,7 +53,7 @@ from lit_softmoe.data.shards import (
     shard_urls,
     tar_samples,
 )
-from lit_softmoe.data.transforms import to_l_or_rgb
+from lit_softmoe.data.transforms import decode_min_side
 from lit_softmoe.errors import UserError
 
 SAMPLE_KINDS = ("image-caption", "image-class", "embedding-caption", "embedding-class")
@@ -140,14 +140,13 @@ class _Skip(Exception):
 
 # ---------------------------------------------------------------------------------- field decoders
 
-def _decode_image(sample: dict, transform: Callable | None) -> torch.Tensor:
+def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None) -> torch.Tensor:
+    """`min_side`: the transform's `decode_min_side` (JPEGs decoded at a reduced scale keeping it)."""
     extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
     if extension is None:
         raise _Skip("missing_image")
     try:
-        image = PIL.Image.open(io.BytesIO(sample[extension]))
-        image.load()  # decode now: PIL is lazy, and a truncated file fails only here
-        image = to_l_or_rgb(image)
+        image = open_image(sample[extension], min_side)  # decoded now: a truncated file fails here
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
         raise _Skip("bad_image", f"{type(exn).__name__}: {exn}") from None
     if transform is None:
@@ -210,13 +209,15 @@ def sample_decoder(kind: str, transform: Callable | None = None) -> Callable[[di
     The cheap target is checked first, so a sample missing its caption or class costs no image decode.
     """
 
+    min_side = decode_min_side(transform)  # the transform's decode setting ("reduced": JPEGs at a DCT scale)
+
     def image_caption(s: dict) -> tuple:
         caption = _decode_caption(s)
-        return s["__key__"], _decode_image(s, transform), caption
+        return s["__key__"], _decode_image(s, transform, min_side), caption
 
     def image_class(s: dict) -> tuple:
         label = _decode_label(s)
-        return s["__key__"], _decode_image(s, transform), label
+        return s["__key__"], _decode_image(s, transform, min_side), label
 
     shape: list = []  # filled by the first good embedding
 
@@ -572,6 +573,7 @@ def create_shard_loader(cfg: ShardDataConfig, kind: str, transform: Callable | N
         kind: the sample type; a sample without the fields it needs is skipped and counted.
         transform: PIL image → tensor for image samples (`transforms.eval_transform` or
             `train_transform`); None gives uint8 (C, H, W) tensors, which then need one size.
+            JPEGs are decoded as the transform's `decode` setting says (`transforms.decode_min_side`).
         tokenizer: list of captions → (B, L) ids (`tokenizers.create_tokenizer`), applied in the
             workers' collate; None leaves only the raw "caption" strings.
     """

@@ -12,14 +12,15 @@ would cost more than the tiny model's step on 2 CPU cores.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Sequence
 
 import PIL.Image
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-from lit_softmoe.data.images import upright_l_or_rgb
+from lit_softmoe.data.images import decode, jpeg_min_side, upright_l_or_rgb
 
 # ITU-R 601-2 luma, the weights PIL's convert("L") and torchvision's Grayscale use.
 _LUMA_WEIGHTS = (0.299, 0.587, 0.114)
@@ -72,8 +73,35 @@ def to_l(image: PIL.Image.Image) -> PIL.Image.Image:
     return to_l_or_rgb(image).convert("L")
 
 
-def _pil_modes(in_channels: int) -> v2.Transform:
-    return v2.Lambda(to_l if in_channels == 1 else to_l_or_rgb, PIL.Image.Image)  # applied to PIL inputs only
+class _Decode:
+    """A transform's first step on PIL inputs: `images.decode` (a lazily opened JPEG is decoded at the
+    reduced scale `min_side` allows, as the pipeline and the eval readers decode it), then L or RGB."""
+
+    def __init__(self, in_channels: int, min_side: int | None):
+        self.in_channels, self.min_side = in_channels, min_side
+
+    def __call__(self, image: PIL.Image.Image) -> PIL.Image.Image:
+        image = decode(image, self.min_side)
+        return to_l(image) if self.in_channels == 1 else image
+
+    def __repr__(self) -> str:
+        return f"_Decode(in_channels={self.in_channels}, min_side={self.min_side})"
+
+
+def _pil_modes(in_channels: int, min_side: int | None) -> v2.Transform:
+    return v2.Lambda(_Decode(in_channels, min_side), PIL.Image.Image)  # applied to PIL inputs only
+
+
+def decode_min_side(transform: Any) -> int | None:
+    """The shorter side JPEGs keep when decoded for `transform` (None: full decode, or not ours).
+
+    Readers that open files themselves (the shard pipeline, the eval readers) decode with this, so
+    the transform's own first step finds the image already decoded as it would have decoded it.
+    """
+    steps = getattr(transform, "transforms", None)
+    first = steps[0] if isinstance(transform, v2.Compose) and steps else None
+    step = getattr(first, "lambd", None)
+    return step.min_side if isinstance(step, _Decode) else None
 
 
 def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
@@ -84,14 +112,16 @@ def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
 
 
 def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence[float] = 0.5,
-                   std: float | Sequence[float] = 0.5) -> v2.Compose:
+                   std: float | Sequence[float] = 0.5, decode: str = "full") -> v2.Compose:
     """PIL image or uint8 (C, H, W) tensor → normalized float32 (in_channels, image_size, image_size).
 
-    Resizes the shorter side to `image_size`, then takes the center square.
+    Resizes the shorter side to `image_size`, then takes the center square. `decode="reduced"` decodes
+    JPEGs at a DCT scale keeping the shorter side ≥ `images.REDUCED_DECODE_FACTOR` × `image_size`
+    (in the pipeline, the eval readers, and here for a PIL image opened but not yet loaded).
     """
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
-        _pil_modes(in_channels),
+        _pil_modes(in_channels, jpeg_min_side(decode, image_size)),
         v2.ToImage(),
         *before,
         v2.Resize(image_size, antialias=True),
@@ -99,6 +129,16 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
         *after,
         *_to_normalized_float(in_channels, mean, std),
     ])
+
+
+def preprocess_transform(preprocess: dict, in_channels: int) -> v2.Compose:
+    """The eval transform a tower folder's "preprocess" ({image_size, mean, std, decode}) describes.
+
+    Embedding, LiT on the fly, eval and a loaded model's `preprocess` all build theirs here, so they
+    decode alike; a dict without "decode" (written before the setting existed) decodes in full.
+    """
+    return eval_transform(preprocess["image_size"], in_channels, preprocess["mean"], preprocess["std"],
+                          decode=preprocess.get("decode", "full"))
 
 
 def train_transform(
@@ -110,6 +150,7 @@ def train_transform(
     random_resized_crop: bool = True,
     scale: tuple[float, float] = (0.35, 1.0),
     hflip: bool = True,
+    decode: str = "full",
 ) -> v2.Compose:
     """Training counterpart of `eval_transform`.
 
@@ -119,7 +160,13 @@ def train_transform(
             Takes precedence over `random_resized_crop`.
         random_resized_crop: otherwise, crop a random area fraction in `scale` and resize it.
         hflip: flip horizontally with probability 0.5.
+        decode: "reduced" decodes JPEGs at a reduced scale relative to the smallest random crop,
+            not to the image: that crop (side ≥ √(scale[0] · 3/4) of the shorter one) is upscaled to
+            `image_size`, so it must keep `REDUCED_DECODE_FACTOR` × `image_size` pixels itself.
     """
+    side = image_size
+    if crop_padding is None and random_resized_crop:
+        side = math.ceil(image_size / math.sqrt(scale[0] * 3 / 4))  # RandomResizedCrop's ratio ≥ 3/4
     if crop_padding is not None:
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
                     v2.RandomCrop(image_size, padding=crop_padding)]
@@ -130,7 +177,7 @@ def train_transform(
     flip = [v2.RandomHorizontalFlip()] if hflip else []
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
-        _pil_modes(in_channels),
+        _pil_modes(in_channels, jpeg_min_side(decode, side)),
         v2.ToImage(),
         *before,
         *geometry,

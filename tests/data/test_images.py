@@ -4,6 +4,7 @@ the no-torch `scripts/onnx_example.py` computes are the same pixels (16-bit gray
 white; transparency on white; EXIF orientation applied); and how images are re-encoded."""
 import io
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -14,9 +15,15 @@ import torch
 
 from data_files import _encode, _pixels, _rng_image
 from lit_softmoe.data.class_split import load_class_split
-from lit_softmoe.data.images import prepare_image
+from lit_softmoe.data.images import REDUCED_DECODE_FACTOR, jpeg_min_side, open_image, prepare_image
 from lit_softmoe.data.shards import write_split
-from lit_softmoe.data.transforms import eval_transform, to_l_or_rgb
+from lit_softmoe.data.transforms import (
+    decode_min_side,
+    eval_transform,
+    preprocess_transform,
+    to_l_or_rgb,
+    train_transform,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
@@ -66,11 +73,11 @@ def test_16bit_gray_is_scaled_not_clipped_white():
         assert torch.equal(transform(sixteen), transform(PIL.Image.fromarray(RAMP8)))
 
 
-def _onnx_example_image(tmp_path, data, mode):
+def _onnx_example_image(tmp_path, data, mode, **preprocess):
     """The PIL image the no-torch example feeds its resize: its own lines, run up to the resize."""
     code = EXAMPLE.read_text().split("# --- example start\n")[1].split("short, long =")[0]
-    (tmp_path / "config.json").write_text(json.dumps({"preprocess": {"image_size": 8, "mode": mode}}))
-    (tmp_path / "image.png").write_bytes(data)
+    (tmp_path / "config.json").write_text(json.dumps({"preprocess": {"image_size": 8, "mode": mode, **preprocess}}))
+    (tmp_path / "image.png").write_bytes(data)  # PIL reads the format from the bytes, not the name
     argv, sys.argv = sys.argv, ["onnx_example.py", str(tmp_path), str(tmp_path / "image.png"), "a caption"]
     try:
         scope = {}
@@ -191,3 +198,95 @@ def test_a_palette_png_with_transparency_converts_without_a_warning(tmp_path):
     assert pixels[0, 1].tolist() == [127, 255, 127]  # index 1: green at alpha 128 on white
     assert pixels[0, 2].tolist() == [0, 0, 255]  # index 2: opaque blue
     assert torch.equal((tensor * 255).round().to(torch.uint8), torch.from_numpy(pixels).permute(2, 0, 1))
+
+
+# ---- reduced JPEG decoding (issue 18) --------------------------------------------------------
+
+def _large_jpeg(size=(1100, 900), mode="RGB", **settings) -> bytes:
+    """A photo-like JPEG of `size`: foolbox's first ImageNet photo upscaled, else a smooth gradient
+    with noise (the decode paths are compared with each other, so any content does)."""
+    from evalkit import FOOLBOX_DATA
+
+    photos = sorted(FOOLBOX_DATA.glob("imagenet_*.jpg")) if FOOLBOX_DATA.is_dir() else []
+    if photos:
+        image = PIL.Image.open(photos[0]).convert("RGB").resize(size, PIL.Image.Resampling.BICUBIC)
+    else:
+        y, x = np.mgrid[0:size[1], 0:size[0]]
+        noise = np.random.default_rng(0).normal(0, 12, (size[1], size[0], 3))
+        base = np.stack([x / size[0] * 255, y / size[1] * 255, 128 + 100 * np.sin(x / 37) * np.cos(y / 23)], -1)
+        image = PIL.Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+    return _encode(image.convert(mode), "JPEG", quality=90, **settings)
+
+
+def test_jpeg_min_side_of_each_decode_setting():
+    assert jpeg_min_side("full", 224) is None
+    assert jpeg_min_side("reduced", 224) == REDUCED_DECODE_FACTOR * 224
+    with pytest.raises(ValueError, match="full, reduced"):
+        jpeg_min_side("fast", 224)
+
+
+@pytest.mark.parametrize(("min_side", "scale"), [(64, 8), (112, 8), (200, 4), (300, 2), (450, 2), (451, 1)])
+def test_a_large_jpeg_is_decoded_at_the_smallest_dct_scale_keeping_the_shorter_side(min_side, scale):
+    data = _large_jpeg((1100, 900))
+    image = open_image(data, min_side)
+    assert image.size == (-(-1100 // scale), -(-900 // scale))  # libjpeg rounds up
+    assert min(image.size) >= min_side and image.mode == "RGB"
+    if scale == 1:  # no scale fits: the very pixels of a full decode
+        assert np.array_equal(np.asarray(image), np.asarray(open_image(data)))
+
+
+def test_small_jpegs_and_other_formats_decode_exactly_as_in_full():
+    small = _large_jpeg((400, 300))  # shorter side under 2 × 224: no DCT scale would keep it ≥ 224
+    png = _encode(PIL.Image.open(io.BytesIO(_large_jpeg())), "PNG")
+    for data in (small, png, RAW["alpha"], RAW["exif_rotated"]):
+        assert np.array_equal(np.asarray(open_image(data, 224)), np.asarray(open_image(data)))
+    assert open_image(png, 224).size == (1100, 900)
+
+
+def test_reduced_decode_keeps_exif_orientation_cmyk_and_gray():
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise to display
+    rotated = open_image(_large_jpeg((1100, 900), exif=exif.tobytes()), 200)
+    assert rotated.size == (225, 275) and rotated.mode == "RGB"  # 1/4 scale, then upright
+    cmyk = open_image(_large_jpeg((1100, 900), "CMYK"), 200)
+    assert cmyk.mode == "RGB" and cmyk.size == (275, 225)
+    gray = open_image(_large_jpeg((1100, 900), "L"), 200)
+    assert gray.mode == "L" and gray.size == (275, 225)
+    # The same pixels as a lazily opened file handed to a transform (a loaded model's preprocess).
+    data = _large_jpeg((1100, 900), "CMYK")
+    assert torch.equal(eval_transform(100, decode="reduced")(PIL.Image.open(io.BytesIO(data))),
+                       eval_transform(100)(open_image(data, 200)))
+
+
+def test_a_transform_says_how_readers_must_decode_for_it():
+    assert decode_min_side(eval_transform(224)) is None
+    assert decode_min_side(eval_transform(224, decode="reduced")) == 448
+    assert decode_min_side(eval_transform(28, 1, decode="reduced")) == 56
+    assert decode_min_side(lambda image: image) is None  # not ours: decoded in full
+    # A random crop of ≥ 35% of the area, upscaled to 224, keeps 2 × 224 px over its own shorter side.
+    assert decode_min_side(train_transform(224, decode="reduced")) == 2 * math.ceil(224 / math.sqrt(0.35 * 0.75))
+    assert decode_min_side(train_transform(224, random_resized_crop=False, decode="reduced")) == 448
+    assert decode_min_side(train_transform(224)) is None
+
+
+def test_preprocess_dicts_without_a_decode_key_decode_in_full():
+    data = _large_jpeg()
+    old = {"image_size": 64, "mean": [0.5], "std": [0.5]}  # a tower folder written before the setting
+    assert decode_min_side(preprocess_transform(old, 3)) is None
+    assert decode_min_side(preprocess_transform({**old, "decode": "reduced"}, 3)) == 128
+    lazy = lambda: PIL.Image.open(io.BytesIO(data))  # noqa: E731
+    full, reduced = preprocess_transform(old, 3)(lazy()), preprocess_transform({**old, "decode": "reduced"}, 3)(lazy())
+    assert torch.equal(full, eval_transform(64, 3, 0.5, 0.5)(open_image(data)))
+    assert torch.equal(reduced, eval_transform(64, 3, 0.5, 0.5)(open_image(data, 128)))
+    assert not torch.equal(full, reduced)  # the reduced decode was used
+    # …and close to it: a 1100 × 900 photo at 1/4 scale (275 × 225 px) resized to 64.
+    assert (full - reduced).abs().mean() < 0.02
+
+
+def test_the_onnx_example_decodes_a_large_jpeg_as_the_export_says(tmp_path):
+    data = _large_jpeg((1100, 900))
+    for min_side in (None, 200):
+        example = _onnx_example_image(tmp_path, data, "RGB", decode="reduced" if min_side else "full",
+                                      jpeg_min_side=min_side)
+        assert example.size == ((275, 225) if min_side else (1100, 900))
+        assert np.array_equal(np.asarray(example), np.asarray(open_image(data, min_side)))
