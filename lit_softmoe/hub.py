@@ -17,6 +17,7 @@ from safetensors.torch import save
 from torch import nn
 
 from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.data.images import jpeg_min_side
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import (
@@ -135,7 +136,11 @@ def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
         values = [float(values)] if isinstance(values, (int, float)) else [float(v) for v in values]
         return values * channels if len(values) == 1 else values
 
+    decode = preprocess.get("decode", "full")  # written before the setting: full
     return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
+            # reduced: PIL's image.draft(image.mode, (jpeg_min_side,) * 2) on an opened JPEG whose shorter
+            # side is at least 2 × jpeg_min_side, before anything loads it (libjpeg's DCT scaling).
+            "decode": decode, "jpeg_min_side": jpeg_min_side(decode, size),
             "resize": "shorter side to image_size, bilinear, antialiased", "crop": "center",
             "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"]),
             # RGB → gray for 1-channel towers: PIL's convert("L") (exact on gray content).
@@ -143,8 +148,13 @@ def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
 
 
 def make_preprocess(spec: dict):
-    """PIL image → normalized float32 (C, H, W): the tower's eval transform (RGB ↔ gray converted)."""
-    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"])
+    """PIL image → normalized float32 (C, H, W): the tower's eval transform (RGB ↔ gray converted).
+
+    With "decode": "reduced", a JPEG given as opened by `PIL.Image.open` (not yet loaded) is decoded at a
+    reduced scale, as embed and eval decoded it; an image already loaded is taken as it is.
+    """
+    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"],
+                          decode=spec.get("decode", "full"))
 
 
 def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

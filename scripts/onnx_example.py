@@ -29,7 +29,10 @@ export_dir, image_path, caption = sys.argv[1:4]
 
 pre = json.load(open(f"{export_dir}/config.json"))["preprocess"]
 size = pre["image_size"]
-image = ImageOps.exif_transpose(Image.open(image_path))  # upright, as training saw it
+image, min_side = Image.open(image_path), pre.get("jpeg_min_side")  # min_side: the export's decode="reduced"
+if min_side and image.format in ("JPEG", "MPO") and min(image.size) >= 2 * min_side:
+    image.draft(image.mode, (min_side, min_side))  # a large JPEG decoded at 1/2-1/8 scale, as embed decoded it
+image = ImageOps.exif_transpose(image)  # upright, as training saw it
 if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit gray: scale to 8 bits (convert would clip at 255)
     image = Image.fromarray(((np.asarray(image, np.int64).clip(0, 65535) * 255 + 32767) // 65535).astype(np.uint8))
 if image.has_transparency_data:  # transparent pixels on white, as in training

@@ -35,6 +35,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from lit_softmoe.data.images import decode
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     IMAGE_EXTENSIONS,
@@ -46,7 +47,7 @@ from lit_softmoe.data.shards import (
     read_lines,
     shard_urls,
 )
-from lit_softmoe.data.transforms import to_l_or_rgb
+from lit_softmoe.data.transforms import decode_min_side, to_l_or_rgb
 from lit_softmoe.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -75,17 +76,18 @@ class EvalData:
     listed_samples: int | None = None
 
 
-def _load_image(data: bytes | str | Path) -> PIL.Image.Image:
+def _open_image(data: bytes | str | Path) -> PIL.Image.Image:
+    """The file opened, not decoded: `_transformed` decodes it at the scale the transform asks for."""
     if not isinstance(data, bytes) and not Path(data).is_file():  # a FIFO would block, a device never end
         raise ValueError(f"{data} is not a regular file")
-    image = PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
-    image.load()  # decode now: PIL is lazy, and a truncated file fails only here
-    return to_l_or_rgb(image)
+    return PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
 
 
 def _transformed(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor | None:
+    """`load()`'s image decoded as the training pipeline decodes it for `transform` (full, or JPEGs at
+    the reduced scale of the tower's preprocessing), then transformed; None for a broken image."""
     try:
-        return transform(load())
+        return transform(decode(load(), decode_min_side(transform)))
     except Exception:  # a broken image is skipped and counted by the encoder, never fatal
         return None
 
@@ -120,7 +122,7 @@ class _TarSamples(IterableDataset):
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.
             image = None if extension is None or target is None else \
-                _transformed(lambda: _load_image(sample[extension]), self.transform)
+                _transformed(lambda: _open_image(sample[extension]), self.transform)
             yield index, image, target
 
     def _samples(self) -> Iterator[dict]:
@@ -225,7 +227,7 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
     # Regular files only: a FIFO among the images would block the reader forever.
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
              if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
-    items = [((lambda p=path: _load_image(p)), label) for path, label in files]
+    items = [((lambda p=path: _open_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})
 
@@ -398,7 +400,7 @@ def _caltech101_items(root: Path) -> list[tuple[Callable[[], PIL.Image.Image], i
     torchvision's reader drops that folder, so its labels were one below the shipped names' (every
     image scored against the previous class's prompt) and the background images went unread."""
     folders = sorted(p for p in (root / "101_ObjectCategories").iterdir() if p.is_dir())
-    return [((lambda p=path: _load_image(p)), label)
+    return [((lambda p=path: _open_image(p)), label)
             for label, folder in enumerate(folders) for path in sorted(folder.glob("*.jpg"))]
 
 
@@ -419,7 +421,7 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
         # One line per sentence, each ended by a newline: an empty sentence stays an (empty) line that
         # the suite counts, also when it is the image's only one ("\n".join([""]) would be no line).
         captions = "".join(f"{s['raw'].strip()}\n" for s in im["sentences"])
-        items.append(((lambda p=path: _load_image(p)), captions))
+        items.append(((lambda p=path: _open_image(p)), captions))
         paths.append(path)
     if not items or not paths[0].is_file():
         raise MissingData(paths[0] if paths else root, f"{split} images of {ann.name}")

@@ -171,12 +171,12 @@ def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], 
 
 # ---- the command --------------------------------------------------------------------------------
 
-def _read_image(path: Path):
+def _read_image(path: Path, transform) -> torch.Tensor:
     import PIL.Image
     try:
+        # Decoded by the transform (at the scale the tower's preprocessing asks for), as eval decodes.
         with PIL.Image.open(path) as image:
-            image.load()
-            return image.copy()
+            return transform(image)
     except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
         raise UserError(f"cannot read {path} as an image ({type(err).__name__}: {err}); "
                         "give a PNG or JPEG file") from None
@@ -204,7 +204,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
         num_slots: draw the first `num_slots` slots of that block.
     Returns the report written to `out_png` with suffix .json.
     """
-    from lit_softmoe.data.transforms import eval_transform
+    from lit_softmoe.data.transforms import preprocess_transform
     from lit_softmoe.models.tower_folder import load_tower
 
     _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
@@ -228,8 +228,8 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
                         "save the tower as pretraining does")
 
     image_path = Path(image_path)
-    transform = eval_transform(pre["image_size"], tower.cfg.in_channels, pre["mean"], pre["std"])
-    pixels = transform(_read_image(image_path)).unsqueeze(0)  # (1, c, h, w)
+    transform = preprocess_transform(pre, tower.cfg.in_channels)
+    pixels = _read_image(image_path, transform).unsqueeze(0)  # (1, c, h, w)
     routing = capture_routing(tower, pixels)
     with torch.no_grad():
         logits = tower(pixels)[0]

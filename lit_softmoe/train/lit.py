@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
-from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
@@ -91,7 +91,7 @@ def _image_transform(meta: dict, in_channels: int):
     pre = meta.get("preprocess") or {}
     if "mean" not in pre:
         raise UserError("the tower's config.json has no preprocess entry; re-save it with `lit-softmoe pretrain`")
-    return eval_transform(pre["image_size"], in_channels, pre["mean"], pre["std"])
+    return preprocess_transform(pre, in_channels)
 
 
 def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:

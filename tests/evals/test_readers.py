@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import json
 import pickle
 from pathlib import Path
@@ -574,3 +575,56 @@ def test_a_fifo_among_class_folder_images_is_passed_over_never_opened(tmp_path):
         reader.join(5)
         pytest.fail("the image-folder reader blocked on a FIFO for 20 s")
     assert read == [[0, 1]]
+
+
+def _photo_jpegs(count: int) -> list[bytes]:
+    """foolbox's ImageNet photos upscaled to 900-1,100 px JPEGs (q90): large enough for a reduced decode."""
+    jpegs = []
+    for i, (path, _) in enumerate(foolbox_images("imagenet")[:count]):
+        size = (1100 - 60 * i, 900 + 40 * i)
+        image = PIL.Image.open(path).convert("RGB").resize(size, PIL.Image.Resampling.BICUBIC)
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=90)
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+@needs_foolbox
+@pytest.mark.parametrize("decode", ["reduced", "full", None])  # None: a tower folder written before the key
+def test_pipeline_eval_readers_and_model_preprocess_decode_a_jpeg_alike(tmp_path, decode):
+    """Embedding (the shard pipeline), eval (its webdataset and class-folder readers) and a loaded model's
+    preprocess, given the file as PIL.Image.open returns it, see the very same tensor."""
+    from lit_softmoe.data.images import open_image
+    from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+    from lit_softmoe.data.transforms import eval_transform, preprocess_transform
+    from lit_softmoe.hub import make_preprocess, preprocess_spec
+
+    jpegs = _photo_jpegs(3)
+    pre = {"image_size": 32, "mean": [0.4, 0.5, 0.6], "std": [0.2, 0.25, 0.3]}
+    if decode:
+        pre["decode"] = decode
+    transform = preprocess_transform(pre, in_channels=3)
+    min_side = 64 if decode == "reduced" else None
+    expected = torch.stack([eval_transform(32, 3, pre["mean"], pre["std"])(open_image(d, min_side)) for d in jpegs])
+    full = torch.stack([eval_transform(32, 3, pre["mean"], pre["std"])(open_image(d)) for d in jpegs])
+    assert torch.equal(expected, full) == (decode != "reduced")  # the reduced decode is another decode
+
+    write_wds_benchmark(tmp_path / "wds", [(d, "jpg", i) for i, d in enumerate(jpegs)])
+    loader = create_shard_loader(ShardDataConfig(urls=str(tmp_path / "wds" / "test"), batch_size=8, workers=0,
+                                                 shuffle=False, exact_epoch=True),
+                                 "image-class", transform=transform)
+    assert torch.equal(next(iter(loader))["image"], expected)
+
+    wds_data = read_benchmark("x", tmp_path / "wds", "test", transform, format="wds")
+    assert torch.equal(torch.stack([image for _, image, _ in wds_data.dataset]), expected)
+    for i, data in enumerate(jpegs):
+        (tmp_path / "folders" / f"class{i}").mkdir(parents=True)
+        (tmp_path / "folders" / f"class{i}" / "photo.jpg").write_bytes(data)
+    folder_data = read_benchmark("x", tmp_path / "folders", "test", transform, format="imagefolder")
+    assert torch.equal(torch.stack([folder_data.dataset[i][1] for i in range(3)]), expected)
+
+    spec = preprocess_spec({"in_channels": 3}, pre)  # an export's: torch-free readers redo it from these
+    assert (spec["decode"], spec["jpeg_min_side"]) == (decode or "full", min_side)
+    preprocess = make_preprocess(spec)
+    opened = [PIL.Image.open(tmp_path / "folders" / f"class{i}" / "photo.jpg") for i in range(3)]
+    assert torch.equal(torch.stack([preprocess(image) for image in opened]), expected)
