@@ -36,6 +36,9 @@ class ClassDataConfig:
     max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
     max_test_samples: int = 0
     max_bad_fraction: float = 0.01  # more skipped (corrupt, incomplete) samples than this stops the run
+    # How embed, LiT on the fly, eval and the exported preprocess decode JPEGs for this tower (recorded in
+    # its preprocess): reduced (at a DCT scale keeping the shorter side ≥ 2× the tower's) | full.
+    decode: str = "reduced"
 
 
 @dataclass
@@ -83,6 +86,7 @@ _VALID_CHOICES = {
     "loss": ("softmax", "sigmoid"),
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
+    "data.decode": ("full", "reduced"),
 }
 _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides by zero mid-run)
     "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,

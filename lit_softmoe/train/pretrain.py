@@ -337,7 +337,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         pretrain_meta = {"config": str(run_dir / "config.yaml"), **results}
         save_tower(run_dir / "tower", tower_module, extra={
             "classnames": data.classnames,
-            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std},
+            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std,
+                           "decode": cfg.data.decode},
             "pretrain": pretrain_meta,
         })
         eval_tic = time.perf_counter()
