@@ -77,8 +77,9 @@ def upright_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
 
 DECODES = ("full", "reduced")
 # "reduced" keeps a JPEG's shorter side at least this many times the side the transform resizes it
-# to: at 1× a 224-px tower's pixels lose ~38 dB PSNR worth of detail to the DCT scaling; at 2× the
-# decode is still 2-4× cheaper for 500-1,200 px photos (docs/benchmarks.md, scripts/bench_data.py).
+# to, as PIL's own `thumbnail` drafts (reducing_gap=2): the resize after the DCT scaling then still
+# averages ≥ 2 pixels into one. On 500-1,200 px photos resized to 224, 2× keeps the pixels at 45 dB
+# PSNR of a full decode's, 1× at 37 dB for more speed (docs/benchmarks.md, scripts/bench_data.py).
 REDUCED_DECODE_FACTOR = 2
 
 
