@@ -64,7 +64,7 @@ from lit_softmoe.data.shards import (
     shard_urls,
     splits_beside,
 )
-from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
@@ -531,7 +531,7 @@ def embed_shards(
     tower, meta = load_tower(tower_dir, device=device)
     tower.eval()  # no drop-path or dropout: the cache must be the locked tower's deterministic output
     preprocess = meta["preprocess"]
-    transform = eval_transform(preprocess["image_size"], tower.cfg.in_channels, preprocess["mean"], preprocess["std"])
+    transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in members and "txt" not in members

@@ -576,3 +576,36 @@ def test_two_processes_under_torchrun_equal_one(many_shards, tmp_path):
         # Within fp16 rounding: one unit in the last place of the larger value.
         assert np.all(np.abs(ours - theirs) <= np.spacing(np.maximum(abs(ours), abs(theirs)).astype(np.float16)))
     check_feature_cache(two, many_shards / "tower")
+
+
+def test_a_tower_that_decodes_reduced_is_embedded_as_eval_decodes(tmp_path):
+    """Large JPEGs (Fashion-MNIST upscaled to 240 px) and a tower whose preprocess says decode=reduced: the
+    cache holds the features of the reduced decode that eval and a loaded model's preprocess use."""
+    from lit_softmoe.data.fashion_mnist import read_fashion_mnist
+    from lit_softmoe.data.transforms import preprocess_transform
+    images, _ = read_fashion_mnist("test", allow_download=False)
+    jpegs = []
+    for image in images[:40]:
+        buffer = io.BytesIO()
+        PIL.Image.fromarray(image).resize((240, 240), PIL.Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
+        jpegs.append(buffer.getvalue())
+    write_split(({"jpg": data, "txt": f"item {i}".encode()} for i, data in enumerate(jpegs)), tmp_path / "jpegs",
+                "train", samples_per_shard=20)
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e", num_classes=10).eval()
+    preprocess = {**PREPROCESS, "decode": "reduced"}
+    save_tower(tmp_path / "tower", tower, extra={"preprocess": preprocess})
+    embed_shards(tmp_path / "tower", str(tmp_path / "jpegs" / "train"), tmp_path / "features", batch_size=16)
+    cached = _read_raw(tmp_path / "features" / "train")
+    keys = sorted(cached)
+    got = torch.from_numpy(np.stack([np.load(io.BytesIO(cached[key]["npy"])) for key in keys])).float()
+    by_key = dict(zip((f"s{i:07d}" for i in range(len(jpegs))), jpegs))
+
+    def features(decode: str) -> torch.Tensor:
+        transform = preprocess_transform({**PREPROCESS, "decode": decode}, 1)
+        with torch.inference_mode():  # the file as PIL opens it: the transform's first step decodes it
+            return tower.forward_features(torch.stack([transform(PIL.Image.open(io.BytesIO(by_key[k]))) for k in keys]))
+
+    reduced, full = features("reduced"), features("full")
+    torch.testing.assert_close(got, reduced, rtol=2e-3, atol=2e-3)
+    assert (got - full).abs().max() > 10 * (got - reduced).abs().max()  # the decode made a difference
