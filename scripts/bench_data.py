@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
-import io
 import json
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -57,7 +54,10 @@ import PIL
 import PIL.Image
 import torch
 
-from lit_softmoe.data import images
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
+from benchlib import photo_jpegs, write_photo_shards  # noqa: E402
+
+from lit_softmoe.data import images  # noqa: E402
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls
@@ -141,51 +141,6 @@ def _race(epochs: dict, repeats: int, workers: int, cpu: bool = False) -> tuple[
 
 # ---------------------------------------------------------------------------------- --photos
 
-def _foolbox_photos() -> list[Path]:
-    """foolbox's 20 ImageNet photos (512 px JPEGs), found without importing foolbox."""
-    spec = importlib.util.find_spec("foolbox")
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    files = sorted(Path(folders[0], "data").glob("imagenet_*.jpg")) if folders else []
-    if not files:
-        raise SystemExit("--photos reads the ImageNet photos of foolbox's data/ folder: pip install --no-deps foolbox")
-    return files
-
-
-def _photo_jpegs(count: int, seed: int = 0) -> list[bytes]:
-    """`count` JPEGs (quality 90, 4:2:0) with both sides in 500-1,200 px: each a random crop of one of
-    the photos (aspect ratio up to 4:3) resized (bicubic, so mostly upscaled) to a random shorter side."""
-    rng = random.Random(seed)
-    photos = [PIL.Image.open(path).convert("RGB") for path in _foolbox_photos()]
-    jpegs = []
-    for index in range(count):
-        photo = photos[index % len(photos)]
-        aspect = rng.uniform(1.0, 4 / 3)
-        crop = (photo.width, round(photo.height / aspect)) if rng.random() < 0.5 else \
-            (round(photo.width / aspect), photo.height)
-        left, top = rng.randint(0, photo.width - crop[0]), rng.randint(0, photo.height - crop[1])
-        shorter = rng.randint(500, 1200)
-        size = (shorter, min(1200, round(shorter * aspect)))
-        size = size[::-1] if crop[0] > crop[1] else size
-        image = photo.crop((left, top, left + crop[0], top + crop[1])).resize(size, PIL.Image.Resampling.BICUBIC)
-        buffer = io.BytesIO()
-        image.save(buffer, "JPEG", quality=90)
-        jpegs.append(buffer.getvalue())
-    return jpegs
-
-
-def _write_photo_shards(out: Path, jpegs: list[bytes], per_shard: int) -> Path:
-    import webdataset as wds
-
-    out.mkdir(parents=True, exist_ok=True)
-    shards = math.ceil(len(jpegs) / per_shard)
-    for shard in range(shards):
-        with wds.TarWriter(str(out / f"{shard}.tar")) as sink:
-            for index in range(shard * per_shard, min(len(jpegs), (shard + 1) * per_shard)):
-                sink.write({"__key__": f"{index:06d}", "jpg": jpegs[index], "txt": b"a photo"})
-    (out / "nshards.txt").write_text(f"{shards}\n")
-    return out
-
-
 def _towers(tower_dir: Path | None) -> list[tuple[str, torch.nn.Module, dict]]:
     """[(name, tower, preprocess)]: a randomly initialised soft-s16-128e at 224 px, and `tower_dir`'s."""
     from lit_softmoe.models.registry import create_image_tower
@@ -247,9 +202,9 @@ def _quality(jpegs: list[bytes], factors: list[float], tower, preprocess: dict) 
 def photos_main(args) -> dict:
     import open_clip
 
-    jpegs = _photo_jpegs(args.samples or 400)
+    jpegs = photo_jpegs(args.samples or 400)
     with tempfile.TemporaryDirectory(prefix="bench-photos-") as tmp:
-        split = _write_photo_shards(Path(tmp), jpegs, per_shard=100)
+        split = write_photo_shards(Path(tmp), jpegs, per_shard=100)
         print(f"# {len(jpegs)} JPEGs (q90, 500-1,200 px, from foolbox's ImageNet photos) in {split}, "
               f"{sum(map(len, jpegs)) / len(jpegs) / 1e3:.0f} kB each on average; batch {args.batch_size}, "
               f"{os.cpu_count()} CPUs, torch {torch.__version__}, pillow {PIL.__version__}", file=sys.stderr)

@@ -1,11 +1,17 @@
 """Helpers shared by the benchmark scripts."""
 from __future__ import annotations
 
+import importlib.util
+import io
+import math
 import os
 import platform
+import random
 import statistics
 import time
+from pathlib import Path
 
+import PIL.Image
 import torch
 
 
@@ -78,3 +84,50 @@ def time_step(step, device: torch.device, warmup: int, iters: int) -> tuple[floa
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return statistics.median(times), peak
+
+
+# ---- real photos as large JPEG shards (scripts/bench_data.py --photos, scripts/bench_embed.py)
+
+def foolbox_photos() -> list[Path]:
+    """foolbox's 20 ImageNet photos (512 px JPEGs), found without importing foolbox."""
+    spec = importlib.util.find_spec("foolbox")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    files = sorted(Path(folders[0], "data").glob("imagenet_*.jpg")) if folders else []
+    if not files:
+        raise SystemExit("--photos reads the ImageNet photos of foolbox's data/ folder: pip install --no-deps foolbox")
+    return files
+
+
+def photo_jpegs(count: int, seed: int = 0) -> list[bytes]:
+    """`count` JPEGs (quality 90, 4:2:0) with both sides in 500-1,200 px: each a random crop of one of
+    the photos (aspect ratio up to 4:3) resized (bicubic, so mostly upscaled) to a random shorter side."""
+    rng = random.Random(seed)
+    photos = [PIL.Image.open(path).convert("RGB") for path in foolbox_photos()]
+    jpegs = []
+    for index in range(count):
+        photo = photos[index % len(photos)]
+        aspect = rng.uniform(1.0, 4 / 3)
+        crop = (photo.width, round(photo.height / aspect)) if rng.random() < 0.5 else \
+            (round(photo.width / aspect), photo.height)
+        left, top = rng.randint(0, photo.width - crop[0]), rng.randint(0, photo.height - crop[1])
+        shorter = rng.randint(500, 1200)
+        size = (shorter, min(1200, round(shorter * aspect)))
+        size = size[::-1] if crop[0] > crop[1] else size
+        image = photo.crop((left, top, left + crop[0], top + crop[1])).resize(size, PIL.Image.Resampling.BICUBIC)
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=90)
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+def write_photo_shards(out: Path, jpegs: list[bytes], per_shard: int) -> Path:
+    import webdataset as wds
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards = math.ceil(len(jpegs) / per_shard)
+    for shard in range(shards):
+        with wds.TarWriter(str(out / f"{shard}.tar")) as sink:
+            for index in range(shard * per_shard, min(len(jpegs), (shard + 1) * per_shard)):
+                sink.write({"__key__": f"{index:06d}", "jpg": jpegs[index], "txt": b"a photo"})
+    (out / "nshards.txt").write_text(f"{shards}\n")
+    return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement and GPU test of the project in one go, for one CUDA machine (H100/H200 class):
-# scripts/bench_gpu.py (the layer, the locked tower and the LiT step against the peers), the patch
-# embedding A/B (scripts/bench_patches.py) and tests/test_cuda.py. About 6 minutes on an H200.
+# scripts/bench_gpu.py (the layer, the locked tower and the LiT step against the peers), `embed` on
+# JPEG shards against the tower alone (scripts/bench_embed.py), the patch embedding A/B
+# (scripts/bench_patches.py) and tests/test_cuda.py. About 10 minutes on an H200.
 #
 #   bash scripts/gpu_check.sh                     # results in ./gpu-results/
 #   OUT=/some/dir WHEELS=.whl bash scripts/gpu_check.sh
@@ -36,6 +37,9 @@ timeout 400 $PY scripts/bench_gpu.py --json "$OUT/bench_gpu.json" --md "$OUT/ben
     --profile-dir "$OUT" > "$OUT/bench_gpu.log" 2>&1
 echo "bench_gpu.py exit $? after $(( $(date +%s) - t0 )) s"
 grep -E "^\s+\[|^\[|TFLOP/s|Error|error" "$OUT/bench_gpu.log" | tail -60
+
+timeout 240 $PY scripts/bench_embed.py --json "$OUT/bench_embed.json" > "$OUT/bench_embed.md" 2>&1
+echo "bench_embed exit $? after $(( $(date +%s) - t0 )) s"; cat "$OUT/bench_embed.md"
 
 timeout 60 $PY scripts/bench_patches.py --device cuda --batch 256 > "$OUT/bench_patches.md" 2>&1
 echo "bench_patches exit $?"; cat "$OUT/bench_patches.md"

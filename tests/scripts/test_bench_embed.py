@@ -1,0 +1,42 @@
+"""scripts/bench_embed.py in its CPU mode: real photos as large JPEG shards, every one embedded, the
+ceiling and the embed rate measured in the same run and their ratio reported."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("foolbox") is None,
+                    reason="the photos are foolbox's data files (make install adds foolbox)")
+def test_cpu_run_embeds_every_photo_and_reports_the_ratio(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_embed", ROOT / "scripts" / "bench_embed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_embed"] = module
+    spec.loader.exec_module(module)
+    result = module.main(["--cpu", "--images", "24", "--unique", "6", "--json", str(tmp_path / "embed.json")])
+    assert json.loads((tmp_path / "embed.json").read_text()) == result
+    assert result["images"] == 24 and result["tower"] == "soft-test-4e" and result["workers"] == 0
+    assert result["ceiling_images_per_s"] > 0 and result["embed_images_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["embed_images_per_s"] / result["ceiling_images_per_s"], abs=1e-3)
+    table = capsys.readouterr().out
+    assert "| `embed` on the JPEG shards (decode + tower + write) |" in table and f"{result['ratio']:.2f} |" in table
+
+
+def test_photo_jpegs_are_500_to_1200_px_jpegs():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import io
+
+    import PIL.Image
+    from benchlib import photo_jpegs
+    if importlib.util.find_spec("foolbox") is None:
+        pytest.skip("the photos are foolbox's data files (make install adds foolbox)")
+    for data in photo_jpegs(5, seed=1):
+        image = PIL.Image.open(io.BytesIO(data))
+        assert image.format == "JPEG" and image.mode == "RGB"
+        assert 500 <= min(image.size) and max(image.size) <= 1200
