@@ -100,7 +100,7 @@ def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> lis
     with torch.no_grad():
         zimg = model.encode_image(torch.stack([pixels for _, pixels, _ in images]))  # (count, D)
         ztxt = model.encode_text(tokenizer(prompts))  # (C, D)
-        probs = (model.log_scale.exp() * zimg @ ztxt.T).softmax(dim=-1)  # (count, C)
+        probs = (model.logit_scale.exp() * zimg @ ztxt.T).softmax(dim=-1)  # (count, C)
     return [{"label": classnames[label], "prompt": prompts[int(p.argmax())], "prob": float(p.max()),
              "right": int(p.argmax()) == label} for (_, _, label), p in zip(images, probs)]
 

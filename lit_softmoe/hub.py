@@ -36,7 +36,7 @@ from lit_softmoe.model_folders import (
     read_json,
     read_run_config,
 )
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.lit import LiTModel, upgrade_state_dict
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import (
@@ -203,6 +203,7 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
         state = load_weights(source.path / TOWER_WEIGHTS)
         image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
+    state = upgrade_state_dict(state)  # a run saved before a rename (log_scale)
     tower, tower_meta = load_tower(tower_dir)
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
@@ -237,6 +238,7 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
     state = {k: v.float() if v.is_floating_point() else v
              for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_weights(path / name).items()}
+    state = upgrade_state_dict(state)  # format 1 held `log_scale`
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     model.lock_image_tower()

@@ -21,7 +21,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
 
 # An export folder's files.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2  # 2: the pair's log-scale is `logit_scale` (1: `log_scale`, still read)
 EXPORT_CONFIG, MODEL_CARD = "config.json", "README.md"
 IMAGE_WEIGHTS, TEXT_WEIGHTS = "image_encoder.safetensors", "text_encoder.safetensors"
 IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"

@@ -40,7 +40,7 @@ def _make_run(root: Path, loss: str = "softmax") -> Path:
                                         "data.train=data/feats/train", "eval.shards=data/feats/test"])
     model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim), loss=loss)
     with torch.no_grad():  # something other than the init: a trained scale and moved text weights
-        model.log_scale.fill_(2.7)
+        model.logit_scale.fill_(2.7)
         for p in model.text_tower.parameters():
             p.add_(0.01 * torch.randn_like(p))
     run = Path(cfg.run_dir)

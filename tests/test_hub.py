@@ -156,3 +156,35 @@ def test_the_hf_hub_snippet_of_the_docs_runs_offline(hub_export, tmp_path, monke
     reference, _, tokenizer = load_pretrained(hub_export)
     with torch.no_grad():
         assert torch.equal(scope["text"], reference.encode_text(tokenizer(["a photo of a sneaker"])))
+
+
+# ---- weights written before `log_scale` became open_clip's `logit_scale` still load --------------
+
+def _rename_key(file, old: str, new: str) -> None:
+    from safetensors.torch import load_file, save_file
+    state = load_file(file)
+    state[new] = state.pop(old)
+    save_file(state, file)
+
+
+def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_path):
+    import json
+    import shutil
+
+    from lit_runs import _embed
+    reference, _, tokenizer = load_pretrained(hub_export)
+    expected = _embed(reference, tokenizer)
+    old_export, old_run = tmp_path / "export", tmp_path / "run"
+    shutil.copytree(hub_export, old_export)
+    _rename_key(old_export / "text_encoder.safetensors", "logit_scale", "log_scale")
+    config = json.loads((old_export / "config.json").read_text())
+    (old_export / "config.json").write_text(json.dumps({**config, "format": 1}))
+    shutil.copytree(run, old_run)  # its config.yaml names the tower by absolute path: still found
+    _rename_key(old_run / "model" / "model.safetensors", "logit_scale", "log_scale")
+    checkpoint = old_run / "checkpoints" / "step_00000010"
+    _rename_key(checkpoint / "state.safetensors", "model.logit_scale", "model.log_scale")
+    for source in (old_export, old_run, old_run / "model", checkpoint):
+        model, _, tok = load_pretrained(source)
+        assert float(model.logit_scale) == pytest.approx(float(reference.logit_scale)) == pytest.approx(2.7)
+        got = _embed(model, tok)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source

@@ -9,7 +9,7 @@ loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_so
                                     (and SigLIP bias), image preprocessing, tokenizer spec + context
                                     length, image_tower_sha256, lit_softmoe version
         image_encoder.safetensors   `image_tower.*` (+ `image_head.*`): LiTModel's own key names
-        text_encoder.safetensors    `text_tower.*`, `log_scale` (+ `logit_bias`)
+        text_encoder.safetensors    `text_tower.*`, `logit_scale` (+ `logit_bias`)
         tokenizer.json              a `tokenizers` tokenizer with truncation and padding to the context
                                     length built in: ids without torch (the ONNX example uses it)
         tokenizer/                  the original tokenizer files: open_clip's BPE vocabulary, or the
@@ -163,7 +163,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         config["classnames"] = facts["tower_meta"].get("classnames")
     else:
         config.update({"text": facts["text"], "loss": facts["loss"], "image_head": facts["image_head"],
-                       "temperature": float(model.log_scale.detach().exp().clamp(max=model.max_temperature)),
+                       "temperature": float(model.logit_scale.detach().exp().clamp(max=model.max_temperature)),
                        "logit_bias": float(model.logit_bias.detach()) if model.logit_bias is not None else None})
 
     tokenizer = (create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)

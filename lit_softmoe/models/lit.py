@@ -23,6 +23,17 @@ from lit_softmoe.models.text import TextTower
 from lit_softmoe.models.vit import VisionTransformer
 
 LOSSES = ("softmax", "sigmoid")
+# Parameters renamed since a state dict could be written: old name → today's. `log_scale` took open_clip's
+# name `logit_scale` with the same meaning (the *log* of the scale, used as `logit_scale.exp()`).
+RENAMED_KEYS = {"log_scale": "logit_scale"}
+
+
+def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LiTModel state dict (a run's model, a checkpoint, an export) under older names → today's names.
+
+    Pure, like timm's `checkpoint_filter_fn`; loaders call it before checking the keys, and
+    `LiTModel.load_state_dict` applies it too, so weights saved before a rename keep loading."""
+    return {RENAMED_KEYS.get(key, key): value for key, value in state.items()}
 
 
 class LiTModel(nn.Module):
@@ -32,7 +43,8 @@ class LiTModel(nn.Module):
         image_tower: the pretrained tower, or None when training only from cached image features.
         text_tower: projects ids (B, L) to (B, D) with D = the image embedding width.
         loss: "softmax" (CLIP/LiT contrastive) or "sigmoid" (SigLIP; adds the learned bias).
-        temperature_init: initial logit scale, stored as its log (big_vision's `t`).
+        temperature_init: initial logit scale, stored as its log in `logit_scale` (big_vision's `t`;
+            open_clip's name and meaning: the scale is `logit_scale.exp()`).
         max_temperature: the scale is capped at this value (CLIP's 100); at the cap it still learns.
         bias_init: initial logit bias of the sigmoid loss.
         image_head: a trainable Linear(width, D) on top of the locked features (LiT found none best).
@@ -64,7 +76,8 @@ class LiTModel(nn.Module):
             raise UserError(f"the image tower's width {image_width} differs from the text tower's embed_dim "
                             f"{embed_dim}; build the text tower with embed_dim={image_width} or set image_head")
         self.image_head = nn.Linear(image_width, embed_dim) if image_head else nn.Identity()
-        self.log_scale = nn.Parameter(torch.tensor(math.log(temperature_init)))  # big_vision's `t`
+        # The *log* of the scale, as open_clip's `logit_scale` (big_vision's `t`); forward returns its exp.
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(temperature_init)))
         self.logit_bias = nn.Parameter(torch.tensor(float(bias_init))) if loss == "sigmoid" else None
         self.lock_image_tower()
 
@@ -102,6 +115,13 @@ class LiTModel(nn.Module):
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # raw bytes, any dtype
         return digest.hexdigest()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Old names → today's (RENAMED_KEYS), so `load_state_dict` takes state dicts written before a rename.
+        for old, new in RENAMED_KEYS.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- encoders -----------------------------------------------------------------------------
 
@@ -141,9 +161,9 @@ class LiTModel(nn.Module):
         # clamp gives none at or past its bound (and exp(float32 ln 100) is just past 100), so a
         # scale that reached the cap could never come back down. The recipe also caps the
         # parameter itself after each step (`clamp_logit_scale_`), as CLIP and open_clip do.
-        overshoot = (self.log_scale.detach() - math.log(self.max_temperature)).clamp(min=0)
+        overshoot = (self.logit_scale.detach() - math.log(self.max_temperature)).clamp(min=0)
         extras = {
-            "logit_scale": (self.log_scale - overshoot).exp(),
+            "logit_scale": (self.logit_scale - overshoot).exp(),
             "logit_bias": self.logit_bias,
         }
         return zimg, ztxt, extras
@@ -152,11 +172,11 @@ class LiTModel(nn.Module):
     def clamp_logit_scale_(self) -> None:
         """Cap the log-scale parameter at log(max_temperature); call after each optimizer step
         (open_clip's `logit_scale.clamp_(0, math.log(100))`), so Adam cannot carry it past the cap."""
-        self.log_scale.clamp_(max=math.log(self.max_temperature))
+        self.logit_scale.clamp_(max=math.log(self.max_temperature))
 
     def no_weight_decay(self) -> set[str]:
-        """Biases, norms, log-scale/bias, position embeddings, phi: names as in `named_parameters()`."""
-        names = {"log_scale"} | ({"logit_bias"} if self.logit_bias is not None else set())
+        """Biases, norms, logit scale/bias, position embeddings, phi: names as in `named_parameters()`."""
+        names = {"logit_scale"} | ({"logit_bias"} if self.logit_bias is not None else set())
         if self.image_tower is not None:
             names |= {f"image_tower.{n}" for n in self.image_tower.no_weight_decay()}
         names |= {f"text_tower.{n}" for n in self.text_tower.no_weight_decay()}

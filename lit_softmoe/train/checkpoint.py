@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import STATE_META, STATE_TENSORS
+from lit_softmoe.models.lit import RENAMED_KEYS, upgrade_state_dict
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
 
@@ -84,7 +85,8 @@ def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
     A damaged checkpoint raises DamagedCheckpoint before anything is restored."""
     ckpt_dir = Path(ckpt_dir)
     info, tensors = read_training_state(ckpt_dir)
-    model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    # upgrade_state_dict: a LiT checkpoint written before a rename (log_scale) resumes; towers have no such keys.
+    model_state = upgrade_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     check_state_dict(model, model_state, str(ckpt_dir), skip_prefixes)
     model.load_state_dict(model_state, strict=not skip_prefixes)
     opt_state: dict[int, dict] = {}
@@ -155,7 +157,7 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
                         f"({sum(len(g['params']) for g in saved_groups)} trained "
                         f"tensors, this one trains {sum(map(len, now))}); resume with the run's own settings, "
                         "or start a new run_dir")
-    saved_ids = {name: param_id for group, names in zip(saved_groups, saved)
+    saved_ids = {RENAMED_KEYS.get(name, name): param_id for group, names in zip(saved_groups, saved)
                  for param_id, name in zip(group["params"], names)}
     missing = [name for names in now for name in names if name not in saved_ids]
     if missing:

@@ -34,7 +34,7 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
                      "tokenizer", "tokenizer.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     text_keys = set(load_file(out / "text_encoder.safetensors"))
-    assert "log_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"log_scale"})
+    assert "logit_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"logit_scale"})
     assert all(k.startswith("image_tower.") for k in load_file(out / "image_encoder.safetensors"))
 
     checkpoint = run / "checkpoints" / "step_00000010"
@@ -48,10 +48,10 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
         # The fp32 export keeps the run's key for the same tower weights.
         assert info["image_tower_sha256"] == tower_fingerprint(run.parent / "pre" / "tower")["tower_sha256"]
         assert info["image_tower"]["num_experts"] == 4 and info["preprocess"]["image_size"] == 28
-        assert float(model.log_scale.detach()) == pytest.approx(2.7)
+        assert float(model.logit_scale.detach()) == pytest.approx(2.7)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["format"] == 1 and config["kind"] == "pair" and config["lit_softmoe_version"]
+    assert config["format"] == 2 and config["kind"] == "pair" and config["lit_softmoe_version"]
     assert config["tokenizer"] == {"spec": "openclip-bpe", "context_length": 16, "pad_id": 0, "vocab_size": 49408,
                                    "tokenizer_json": "tokenizer.json", "files": "tokenizer",
                                    "tokenizer_json_differences": OPENCLIP_BPE_DIFFERENCES}

@@ -38,7 +38,7 @@ def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     zimg, ztxt, extras = model(_ids(), pixels=_pixels())
     sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"]).backward()
     assert all(p.grad is None for p in model.image_tower.parameters())
-    assert model.log_scale.grad is not None and model.logit_bias.grad is not None
+    assert model.logit_scale.grad is not None and model.logit_bias.grad is not None
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
     optimizer.step()
     assert model.image_tower_state_hash() == before
@@ -93,7 +93,7 @@ def test_forward_extras_and_temperature():
     _, _, extras = model(_ids(), image_features=torch.randn(4, model.image_tower.embed_dim))
     assert extras["logit_scale"].item() == pytest.approx(10.0) and extras["logit_bias"] is None
     with torch.no_grad():
-        model.log_scale.fill_(10.0)  # e^10 > 100: clamped
+        model.logit_scale.fill_(10.0)  # e^10 > 100: clamped
     assert model(_ids(), image_features=torch.randn(4, 32))[2]["logit_scale"].item() == pytest.approx(100.0)
     sig = _model(loss="sigmoid")
     assert sig(_ids(), image_features=torch.randn(4, 32))[2]["logit_bias"].item() == pytest.approx(-10.0)
@@ -115,7 +115,7 @@ def test_no_weight_decay_names_exist_and_cover_scale_norms_and_positions():
     names = dict(model.named_parameters())
     skip = model.no_weight_decay()
     assert skip <= set(names)
-    assert {"log_scale", "logit_bias", "image_head.bias", "image_tower.pos_embed",
+    assert {"logit_scale", "logit_bias", "image_head.bias", "image_tower.pos_embed",
             "text_tower.transformer.positional_embedding"} <= skip
     assert "image_head.weight" not in skip and "text_tower.transformer.text_projection" not in skip
 
@@ -142,7 +142,7 @@ def _scale_gradient(model: LiTModel) -> torch.Tensor:
     ids = torch.randint(1, 49000, (8, 16))
     zimg, ztxt, extras = model(ids, image_features=torch.randn(8, 16))
     contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
-    return model.log_scale.grad
+    return model.logit_scale.grad
 
 
 def test_logit_scale_at_its_cap_still_learns():
@@ -157,9 +157,9 @@ def test_logit_scale_at_its_cap_still_learns():
     assert _scale_gradient(model) != 0
     model.zero_grad()
     with torch.no_grad():
-        model.log_scale.fill_(math.log(100.0) + 0.3)  # where an optimizer step past the cap leaves it
+        model.logit_scale.fill_(math.log(100.0) + 0.3)  # where an optimizer step past the cap leaves it
     model.clamp_logit_scale_()
-    assert float(model.log_scale) <= math.log(100.0) + 1e-6
+    assert float(model.logit_scale) <= math.log(100.0) + 1e-6
     assert _scale_gradient(model) != 0
 
 
@@ -178,6 +178,20 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     assert decay_of["image_tower.blocks.1.mlp.scale"] == 0.1
     assert decay_of["image_tower.blocks.1.mlp.experts.w1"] == 0.1
     assert decay_of["image_tower.blocks.1.mlp.phi"] == 0.0 and decay_of["image_tower.norm.weight"] == 0.0
-    assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["log_scale"] == 0.0
+    assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["logit_scale"] == 0.0
     assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
     assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
+
+
+def test_a_state_dict_saved_under_the_old_log_scale_name_loads():
+    """`log_scale` is now open_clip's `logit_scale` (the same log of the scale): old state dicts still load."""
+    from lit_softmoe.models.lit import upgrade_state_dict
+    source = _model()
+    with torch.no_grad():
+        source.logit_scale.fill_(3.1)
+    old = {("log_scale" if k == "logit_scale" else k): v for k, v in source.state_dict().items()}
+    assert "logit_scale" not in old
+    model = _model()
+    model.load_state_dict(old)  # strict: nothing missing, nothing unexpected
+    assert float(model.logit_scale) == pytest.approx(3.1)
+    assert upgrade_state_dict(old).keys() == source.state_dict().keys()

@@ -1,5 +1,6 @@
 """lit_softmoe.train.checkpoint: training state (optimizer moments, RNG) restored exactly, checkpoints pruned."""
 import json
+import math
 
 import pytest
 import torch
@@ -207,3 +208,38 @@ def test_every_checkpoint_damaged_is_one_user_error(tmp_path):
     with pytest.raises(UserError, match=rf"every checkpoint in {tmp_path} is damaged \(the newest: "
                                         rf"{tmp_path / 'step_00000003'}\); restore them from a copy, or delete"):
         resume_state(tmp_path, model, torch.optim.AdamW(model.parameters()), total_steps=10)
+
+
+def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from lit_softmoe.models.lit import LiTModel
+    from lit_softmoe.models.text import create_text_tower
+    from tiny_text import TINY_TEXT, _ids
+
+    def lit():
+        torch.manual_seed(0)
+        tower = create_image_tower("soft-test-4e")
+        return LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim))
+
+    model = lit()
+    opt = create_optimizer(model, OptimConfig(lr=1e-2))
+    zimg, ztxt, extras = model(_ids(), image_features=torch.randn(4, 32))
+    (extras["logit_scale"] * zimg @ ztxt.T).logsumexp(-1).mean().backward()
+    opt.step()
+    ckpt = save_training_state(tmp_path / "step_00000001", 1, model, opt, skip_prefixes=("image_tower.",))
+    # Rewrite it as lit-softmoe wrote it before the rename: the weight and the optimizer's name for it.
+    tensors = load_file(ckpt / "state.safetensors")
+    tensors["model.log_scale"] = tensors.pop("model.logit_scale")
+    save_file(tensors, ckpt / "state.safetensors")
+    info = json.loads((ckpt / "state.json").read_text())
+    assert any("logit_scale" in names for names in info["param_names"])
+    info["param_names"] = [["log_scale" if n == "logit_scale" else n for n in names] for names in info["param_names"]]
+    (ckpt / "state.json").write_text(json.dumps(info))
+
+    model2 = lit()
+    opt2 = create_optimizer(model2, OptimConfig(lr=1e-2))
+    load_training_state(ckpt, model2, opt2, skip_prefixes=("image_tower.",))
+    assert float(model.logit_scale) != pytest.approx(math.log(10))  # the step moved it
+    assert torch.equal(model2.logit_scale, model.logit_scale)
+    assert torch.equal(opt2.state[model2.logit_scale]["exp_avg"], opt.state[model.logit_scale]["exp_avg"])

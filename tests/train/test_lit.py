@@ -506,7 +506,7 @@ def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_pa
     temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
     assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
     assert temperatures[-1] != temperatures[0]  # it learned (it sat at exactly 100 before)
-    log_scale = load_file(run / "model" / "model.safetensors")["log_scale"]
+    log_scale = load_file(run / "model" / "model.safetensors")["logit_scale"]
     assert float(log_scale) <= math.log(100.0) + 1e-6
 
 
