@@ -192,10 +192,10 @@ def ours_step(model, optimizer, inputs, autocast_dtype, cached: bool):
     def step():
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             if cached:
-                zimg, ztxt, extras = model(inputs["text"], image_features=inputs["features"])
+                outputs = model(image_features=inputs["features"], text=inputs["text"])
             else:
-                zimg, ztxt, extras = model(inputs["text"], pixels=inputs["pixels"])
-            loss = contrastive_loss(zimg, ztxt, extras["logit_scale"])
+                outputs = model(inputs["pixels"], inputs["text"])
+            loss = contrastive_loss(*outputs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

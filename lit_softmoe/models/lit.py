@@ -1,10 +1,12 @@
 """The paired image–text model of LiT: a locked image tower, a trained text tower, a learned scale.
 
 Follows big_vision's two-tower model (`big_vision/models/proj/image_text/two_towers.py`): the model
-owns the log-temperature (and, for the SigLIP loss, the bias), L2-normalizes both towers' outputs and
-returns `(zimg, ztxt, extras)`. Locking follows LiT (Zhai et al., CVPR 2022): the image tower gets no
-gradient and no update, and — unlike open_clip's `--lock-image`, which only clears `requires_grad` —
-it also stays in eval mode, so no dropout or drop-path ever perturbs the features, and a fully locked
+owns the log-temperature (and, for the SigLIP loss, the bias) and L2-normalizes both towers' outputs;
+its interface is open_clip's (`logit_scale`, `encode_image(x, normalize=...)`, `model(image, text)` with
+either left out, returning `(image_features, text_features, logit_scale[, logit_bias])`), so open_clip's
+helpers such as `build_zero_shot_classifier` take it. Locking follows LiT (Zhai et al., CVPR 2022): the
+image tower gets no gradient and no update, and — unlike open_clip's `--lock-image`, which only clears
+`requires_grad` — it also stays in eval mode, so no dropout or drop-path ever perturbs the features, and a fully locked
 tower's output can be computed once and cached (`encode_image_features` takes those cached
 `forward_features` outputs). Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
 t = log 10, b = -10 (SigLIP, Zhai et al., ICCV 2023).
@@ -125,48 +127,54 @@ class LiTModel(nn.Module):
 
     # ---- encoders -----------------------------------------------------------------------------
 
-    def encode_image_features(self, features: torch.Tensor) -> torch.Tensor:
-        """Pooled tower features (B, width), e.g. cached ones → normalized embeddings (B, D)."""
-        return F.normalize(self.image_head(features), dim=-1)
+    def encode_image_features(self, features: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """Pooled tower features (B, width), e.g. cached ones → embeddings (B, D), L2-normalized by default."""
+        embeddings = self.image_head(features)
+        return F.normalize(embeddings, dim=-1) if normalize else embeddings
 
-    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (B, C, H, W) → normalized embeddings (B, D)."""
+    def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """image (B, C, H, W), preprocessed → embeddings (B, D); `normalize=False` as in open_clip (whose
+        default it is) gives them before the L2 norm. Ours defaults to normalized: what every caller wants."""
         if self.image_tower is None:
             raise ValueError("this LiTModel has no image tower; pass image_features (the cached embeddings)")
         # Fully locked: no graph at all (activations freed at once). Partly unlocked: autograd
         # records nothing before the first unlocked block anyway, since nothing there needs grad.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_tower_locked):
-            features = self.image_tower.forward_features(pixels)  # (B, width)
-        return self.encode_image_features(features)
+            features = self.image_tower.forward_features(image)  # (B, width)
+        return self.encode_image_features(features, normalize=normalize)
 
-    def encode_text(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, L) → normalized embeddings (B, D)."""
-        return F.normalize(self.text_tower(ids), dim=-1)
+    def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """text ids (B, L) → embeddings (B, D), L2-normalized unless `normalize=False` (as encode_image)."""
+        embeddings = self.text_tower(text)
+        return F.normalize(embeddings, dim=-1) if normalize else embeddings
 
-    def forward(self, text_ids: torch.Tensor, pixels: torch.Tensor | None = None,
+    def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None, *,
                 image_features: torch.Tensor | None = None):
-        """→ (zimg (B, D), ztxt (B, D), extras). Give exactly one of `pixels` and `image_features`."""
-        if (pixels is None) == (image_features is None):
-            raise ValueError("give exactly one of pixels and image_features")
-        if pixels is not None:
-            zimg = self.encode_image(pixels)
-        else:
+        """open_clip's `CLIP.forward` contract: → (image_features (B, D) or None, text_features (B', D) or
+        None, logit_scale), plus logit_bias for the sigmoid loss; features normalized, either tower may be
+        left out (`model(text=ids)` embeds text alone). The scale is `logit_scale.exp()` capped at
+        max_temperature. `image_features`: pooled tower features (e.g. cached) in place of `image`."""
+        if image is not None and image_features is not None:
+            raise ValueError("give at most one of image and image_features")
+        zimg = None
+        if image is not None:
+            zimg = self.encode_image(image)
+        elif image_features is not None:
             if self.unlocked_blocks:
                 raise UserError("cached image features come from the locked tower, but unlocked_blocks="
                                 f"{self.unlocked_blocks} trains part of it; use unlocked_blocks=0 with an "
                                 "embedding cache, or feed images")
             zimg = self.encode_image_features(image_features)
-        ztxt = self.encode_text(text_ids)
+        ztxt = self.encode_text(text) if text is not None else None
         # Capped at max_temperature in value only: the gradient passes as if uncapped, because a
         # clamp gives none at or past its bound (and exp(float32 ln 100) is just past 100), so a
         # scale that reached the cap could never come back down. The recipe also caps the
         # parameter itself after each step (`clamp_logit_scale_`), as CLIP and open_clip do.
         overshoot = (self.logit_scale.detach() - math.log(self.max_temperature)).clamp(min=0)
-        extras = {
-            "logit_scale": (self.logit_scale - overshoot).exp(),
-            "logit_bias": self.logit_bias,
-        }
-        return zimg, ztxt, extras
+        scale = (self.logit_scale - overshoot).exp()
+        if self.logit_bias is not None:
+            return zimg, ztxt, scale, self.logit_bias
+        return zimg, ztxt, scale
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:

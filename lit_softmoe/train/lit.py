@@ -342,15 +342,12 @@ def _train_lit(cfg: LiTConfig) -> dict:
             lr = lr_at(step, total_steps, cfg.optim)
             set_lr(optimizer, lr)
             with accelerator.autocast():
-                if cached:
-                    zimg, ztxt, extras = model(text, image_features=batch["embedding"].to(accelerator.device,
-                                                                                          non_blocking=True))
+                if cached:  # → (zimg, ztxt, logit_scale) and, for the sigmoid loss, logit_bias
+                    outputs = model(image_features=batch["embedding"].to(accelerator.device, non_blocking=True),
+                                    text=text)
                 else:
-                    zimg, ztxt, extras = model(text, pixels=batch["image"].to(accelerator.device, non_blocking=True))
-                if cfg.loss == "sigmoid":
-                    loss = sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"])
-                else:
-                    loss = contrastive_loss(zimg, ztxt, extras["logit_scale"])
+                    outputs = model(batch["image"].to(accelerator.device, non_blocking=True), text)
+                loss = (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
             accelerator.backward(loss)
             if cfg.optim.grad_clip > 0:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -366,7 +363,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                 rate = cfg.batch_size * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
                 last_log_step, last_log_seconds = step, train_seconds
                 logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
-                            "temperature": float(extras["logit_scale"].detach()),
+                            "temperature": float(outputs[2].detach()),
                             "train_seconds": round(train_seconds, 2), "samples_per_s": round(rate, 1),
                             **loader.metrics()})
                 progress.set_postfix(loss=f"{loss_value:.3f}")

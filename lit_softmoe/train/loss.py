@@ -51,7 +51,9 @@ def _global_batch(zimg: torch.Tensor, ztxt: torch.Tensor, gather: bool):
 
 def contrastive_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor,
                      gather: bool = True) -> torch.Tensor:
-    """CLIP's symmetric softmax cross-entropy; zimg, ztxt (B, D) local, normalized; scalar loss."""
+    """CLIP's symmetric softmax cross-entropy; zimg, ztxt (B, D) local, normalized; scalar loss.
+    `logit_scale` is the scale itself (`LiTModel(...)[2]`, the parameter `model.logit_scale` exp'd), as the
+    argument of open_clip's ClipLoss, so `contrastive_loss(*model(image, text))` works."""
     all_img, all_txt, offset = _global_batch(zimg, ztxt, gather)
     logits_per_image = logit_scale * zimg @ all_txt.T  # (B, N): my images vs every text
     logits_per_text = logit_scale * ztxt @ all_img.T  # (B, N): my texts vs every image
@@ -61,7 +63,8 @@ def contrastive_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.
 
 def sigmoid_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor,
                  logit_bias: torch.Tensor, gather: bool = True) -> torch.Tensor:
-    """SigLIP's pairwise sigmoid loss; zimg, ztxt (B, D) local, normalized; scalar loss.
+    """SigLIP's pairwise sigmoid loss; zimg, ztxt (B, D) local, normalized; scalar loss. `logit_scale` is
+    the scale itself, as in `contrastive_loss`: `sigmoid_loss(*model(image, text))`.
 
     Every pair enters once (my images × all texts), so only the texts need gathering.
     """

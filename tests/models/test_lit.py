@@ -35,8 +35,7 @@ def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     assert model.training and model.text_tower.training and not model.image_tower.training
     assert not any(p.requires_grad for p in model.image_tower.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # every parameter handed in
-    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
-    sigmoid_loss(zimg, ztxt, extras["logit_scale"], extras["logit_bias"]).backward()
+    sigmoid_loss(*model(_pixels(), _ids())).backward()
     assert all(p.grad is None for p in model.image_tower.parameters())
     assert model.logit_scale.grad is not None and model.logit_bias.grad is not None
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
@@ -57,20 +56,18 @@ def test_one_unlocked_block_trains_only_the_last_block_and_norm():
     model = _model(unlocked_blocks=1)
     model.train()
     assert not model.image_tower.training
-    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
-    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    contrastive_loss(*model(_pixels(), _ids())).backward()
     last = len(model.image_tower.blocks) - 1
     for name, param in model.image_tower.named_parameters():
         trains = name.startswith(f"blocks.{last}.") or name.startswith("norm.")
         assert (param.grad is not None) == trains, name
     with pytest.raises(UserError, match="unlocked_blocks"):
-        model(_ids(), image_features=torch.randn(4, model.image_tower.embed_dim))
+        model(image_features=torch.randn(4, model.image_tower.embed_dim), text=_ids())
 
 
 def test_image_head_trains_on_locked_features():
     model = _model(image_head=True)
-    zimg, ztxt, extras = model(_ids(), pixels=_pixels())
-    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    contrastive_loss(*model(image=_pixels(), text=_ids())).backward()
     assert model.image_head.weight.grad is not None and model.image_head.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in model.image_tower.parameters())
 
@@ -88,23 +85,54 @@ def test_encode_image_is_unit_norm_and_matches_cached_features():
     torch.testing.assert_close(ztxt.norm(dim=-1), torch.ones(4))
 
 
-def test_forward_extras_and_temperature():
+def test_normalize_false_gives_the_embeddings_before_the_l2_norm():
+    """open_clip's `encode_image(x, normalize=False)` / `encode_text(t, normalize=False)`: the raw
+    projections, whose L2 normalization is what the default (normalize=True) returns."""
+    model = _model(image_head=True).eval()
+    with torch.no_grad():
+        for encode, inputs in ((model.encode_image, _pixels()), (model.encode_text, _ids())):
+            raw, unit = encode(inputs, normalize=False), encode(inputs)
+            assert not torch.allclose(raw.norm(dim=-1), torch.ones(4), atol=1e-3), encode.__name__
+            torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=-1), unit, rtol=0, atol=1e-7)
+            assert torch.equal(encode(inputs, normalize=True), unit)
+
+
+def test_either_tower_may_be_left_out_of_forward():
+    """`model(text=ids)` alone, as open_clip allows (its helpers call it so): the features of the
+    tower given, None for the other, and the same values as the encoders."""
+    model = _model().eval()
+    pixels, ids = _pixels(), _ids()
+    with torch.no_grad():
+        zimg, ztxt, scale = model(pixels, ids)
+        text_only, image_only = model(text=ids), model(image=pixels)
+        nothing = model()
+    assert text_only[0] is None and torch.equal(text_only[1], model.encode_text(ids))
+    assert torch.equal(text_only[1], ztxt)
+    assert image_only[1] is None and torch.equal(image_only[0], model.encode_image(pixels))
+    assert torch.equal(image_only[0], zimg)
+    assert nothing[:2] == (None, None) and scale.item() == text_only[2].item() == pytest.approx(10.0)
+
+
+def test_forward_returns_open_clips_tuple_with_the_capped_scale():
     model = _model(loss="softmax")
-    _, _, extras = model(_ids(), image_features=torch.randn(4, model.image_tower.embed_dim))
-    assert extras["logit_scale"].item() == pytest.approx(10.0) and extras["logit_bias"] is None
+    outputs = model(image_features=torch.randn(4, model.image_tower.embed_dim), text=_ids())
+    assert len(outputs) == 3 and outputs[2].item() == pytest.approx(10.0)  # (zimg, ztxt, logit_scale.exp())
     with torch.no_grad():
         model.logit_scale.fill_(10.0)  # e^10 > 100: clamped
-    assert model(_ids(), image_features=torch.randn(4, 32))[2]["logit_scale"].item() == pytest.approx(100.0)
+    assert model(image_features=torch.randn(4, 32), text=_ids())[2].item() == pytest.approx(100.0)
     sig = _model(loss="sigmoid")
-    assert sig(_ids(), image_features=torch.randn(4, 32))[2]["logit_bias"].item() == pytest.approx(-10.0)
-    with pytest.raises(ValueError, match="exactly one"):
-        model(_ids())
+    outputs = sig(image_features=torch.randn(4, 32), text=_ids())
+    assert len(outputs) == 4 and outputs[3].item() == pytest.approx(-10.0)  # + logit_bias, as open_clip's
+    with pytest.raises(ValueError, match="at most one"):
+        model(_pixels(), image_features=torch.randn(4, 32))
+    with pytest.raises(ValueError, match="at most one"):
+        model(_ids(), image_features=torch.randn(4, 32))  # the old (text_ids, ...) order is refused, not misread
 
 
 def test_features_only_model_without_an_image_tower():
     text = create_text_tower(TINY_TEXT, embed_dim=32)
     model = LiTModel(None, text, loss="sigmoid")
-    zimg, ztxt, _ = model(_ids(), image_features=torch.randn(4, 32))
+    zimg, ztxt, _, _ = model(image_features=torch.randn(4, 32), text=_ids())
     assert zimg.shape == ztxt.shape == (4, 32)
     with pytest.raises(ValueError, match="no image tower"):
         model.encode_image(_pixels())
@@ -140,8 +168,7 @@ def test_temperature_init_outside_its_range_is_a_user_error(init):
 def _scale_gradient(model: LiTModel) -> torch.Tensor:
     torch.manual_seed(1)
     ids = torch.randint(1, 49000, (8, 16))
-    zimg, ztxt, extras = model(ids, image_features=torch.randn(8, 16))
-    contrastive_loss(zimg, ztxt, extras["logit_scale"]).backward()
+    contrastive_loss(*model(image_features=torch.randn(8, 16), text=ids)).backward()
     return model.logit_scale.grad
 
 
@@ -152,7 +179,7 @@ def test_logit_scale_at_its_cap_still_learns():
     overshoots it) stayed there for good."""
     torch.manual_seed(0)
     model = LiTModel(None, create_text_tower(ONE_LAYER_TEXT, embed_dim=16), temperature_init=100.0)
-    assert float(model(torch.randint(1, 49000, (2, 16)), image_features=torch.randn(2, 16))[2]["logit_scale"]) == \
+    assert float(model(image_features=torch.randn(2, 16), text=torch.randint(1, 49000, (2, 16)))[2].detach()) == \
         pytest.approx(100.0)
     assert _scale_gradient(model) != 0
     model.zero_grad()

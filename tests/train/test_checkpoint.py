@@ -224,8 +224,8 @@ def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):
 
     model = lit()
     opt = create_optimizer(model, OptimConfig(lr=1e-2))
-    zimg, ztxt, extras = model(_ids(), image_features=torch.randn(4, 32))
-    (extras["logit_scale"] * zimg @ ztxt.T).logsumexp(-1).mean().backward()
+    zimg, ztxt, logit_scale = model(image_features=torch.randn(4, 32), text=_ids())
+    (logit_scale * zimg @ ztxt.T).logsumexp(-1).mean().backward()
     opt.step()
     ckpt = save_training_state(tmp_path / "step_00000001", 1, model, opt, skip_prefixes=("image_tower.",))
     # Rewrite it as lit-softmoe wrote it before the rename: the weight and the optimizer's name for it.
