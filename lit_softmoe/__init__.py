@@ -19,15 +19,17 @@ _PUBLIC = {
     "TextTowerConfig": "lit_softmoe.models", "create_text_tower": "lit_softmoe.models",
     "LiTModel": "lit_softmoe.models",
     "load_pretrained": "lit_softmoe.hub", "load_image_tower": "lit_softmoe.hub",
+    "create_model_from_pretrained": "lit_softmoe.hub", "get_tokenizer": "lit_softmoe.hub",
     "prepare_for_inference": "lit_softmoe.models.inference",
     "upcycle_tower": "lit_softmoe.models.upcycle",
 }
 __all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE", "ViTConfig",
-           "VisionTransformer", "create_image_tower", "create_text_tower", "list_image_towers", "load_image_tower",
-           "load_pretrained", "prepare_for_inference", "upcycle_tower"]  # the keys of _PUBLIC
+           "VisionTransformer", "create_image_tower", "create_model_from_pretrained", "create_text_tower",
+           "get_tokenizer", "list_image_towers", "load_image_tower", "load_pretrained", "prepare_for_inference",
+           "upcycle_tower"]  # the keys of _PUBLIC
 
 if TYPE_CHECKING:  # what editors and type checkers see
-    from lit_softmoe.hub import load_image_tower, load_pretrained
+    from lit_softmoe.hub import create_model_from_pretrained, get_tokenizer, load_image_tower, load_pretrained
     from lit_softmoe.models import (
         LiTModel,
         TextTowerConfig,

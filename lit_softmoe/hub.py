@@ -1,4 +1,5 @@
-"""Load what lit-softmoe wrote: `load_pretrained` (an image–text pair) and `load_image_tower`.
+"""Load what lit-softmoe wrote: `load_pretrained` (an image–text pair) and `load_image_tower`; open_clip's
+`create_model_from_pretrained` and `get_tokenizer` split the first.
 
 Both take any folder `lit_softmoe.model_folders.classify_folder` recognizes (an export, a LiT run, its
 model/ folder, a training checkpoint, a pretraining run or its tower/), or `hf-hub:ORG/NAME[@REVISION]`
@@ -251,6 +252,29 @@ def _tokenizer_for(spec: str, context_length: int, export_dir: Path | None = Non
     return create_tokenizer(spec, context_length)
 
 
+def _pair_folder(path: str | Path) -> ModelFolder:
+    source = classify_folder(resolve_model_path(path))
+    if source.kind == "tower":
+        raise UserError(f"{path} is a pretrained image tower without a text tower; load it with "
+                        "lit_softmoe.load_image_tower(path), or point to a LiT run trained against it")
+    return source
+
+
+def _pair_tokenizer(source: ModelFolder):
+    """The tokenizer the pair in `source` was trained with, read from its config alone (no weights)."""
+    if source.kind == "export":
+        config = read_json(source.path / EXPORT_CONFIG)
+        if config.get("kind") != "pair":
+            raise UserError(f"{source.path} is an image-only export (no text tower, no tokenizer)")
+        return _tokenizer_for(config["tokenizer"]["spec"], config["tokenizer"]["context_length"], source.path)
+    if source.kind == "checkpoint":  # its data specs are never run here
+        text_cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG, commands_from_file=True).text
+    else:
+        text_cfg = TextTowerConfig.from_dict(read_json(source.path / EXPORT_CONFIG)["text"])
+    spec = f"{HF_PREFIX}{text_cfg.path}" if text_cfg.kind == "hf" else text_cfg.tokenizer  # as the towers build it
+    return _tokenizer_for(spec, text_cfg.context_length)
+
+
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
     """(model, preprocess, tokenizer) from an export folder, a LiT run, its model/ folder or a checkpoint,
     or `hf-hub:ORG/NAME[@REVISION]` (an export on the Hugging Face Hub, see `resolve_model_path`).
@@ -258,27 +282,37 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
     `model.encode_image(preprocess(img)[None])` and `model.encode_text(tokenizer(["a cat"]))` give
     normalized embeddings (B, D); `model.pretrained_info` says what was loaded (source, kind,
     image_tower_sha256, the tower's config, the preprocessing). The model is fp32 in eval mode.
+    open_clip's habit, `create_model_from_pretrained(path)` + `get_tokenizer(path)`, gives the same.
     """
-    source = classify_folder(resolve_model_path(path))
-    if source.kind == "tower":
-        raise UserError(f"{path} is a pretrained image tower without a text tower; load it with "
-                        "lit_softmoe.load_image_tower(path), or point to a LiT run trained against it")
+    source = _pair_folder(path)
     if source.kind == "export":
         config = read_json(source.path / EXPORT_CONFIG)
         model = _load_export_pair(source.path, config)
         preprocess_spec, sha, tower_cfg = config["preprocess"], config["image_tower_sha256"], config["image_tower"]
-        tokenizer = _tokenizer_for(config["tokenizer"]["spec"], config["tokenizer"]["context_length"], source.path)
         kind = "export"
     else:
         model, facts = load_run_pair(source)
         preprocess_spec, sha, tower_cfg = facts["preprocess"], facts["image_tower_sha256"], facts["image_tower"]
-        tokenizer = _tokenizer_for(model.text_tower.tokenizer_spec, model.text_tower.context_length)
         kind = "run"
+    tokenizer = _pair_tokenizer(source)
     model.to(device)
     model.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower_cfg, "preprocess": preprocess_spec,
                              "tokenizer": getattr(model.text_tower, "tokenizer_spec", None)}
     return model, make_preprocess(preprocess_spec), tokenizer
+
+
+def create_model_from_pretrained(path: str | Path, device: str | torch.device = "cpu"):
+    """(model, preprocess), as open_clip's `create_model_from_pretrained`: `load_pretrained` less the
+    tokenizer, for the same `path` specs (a folder or `hf-hub:ORG/NAME[@REVISION]`); `get_tokenizer(path)`."""
+    model, preprocess, _ = load_pretrained(path, device)
+    return model, preprocess
+
+
+def get_tokenizer(path: str | Path):
+    """The tokenizer of the pair at `path` (any spec `load_pretrained` takes), as open_clip's
+    `get_tokenizer(name)`: `tokenizer(["a cat"])` → ids (B, context_length). Reads no weights."""
+    return _pair_tokenizer(_pair_folder(path))
 
 
 def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):

@@ -185,6 +185,47 @@ def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_pa
     _rename_key(checkpoint / "state.safetensors", "model.logit_scale", "model.log_scale")
     for source in (old_export, old_run, old_run / "model", checkpoint):
         model, _, tok = load_pretrained(source)
-        assert float(model.logit_scale) == pytest.approx(float(reference.logit_scale)) == pytest.approx(2.7)
+        scale = model.logit_scale.detach()
+        assert scale == reference.logit_scale.detach() and float(scale) == pytest.approx(2.7)
         got = _embed(model, tok)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source
+
+
+# ---- open_clip's habits: create_model_from_pretrained + get_tokenizer, and its helpers on our model ----
+
+def test_create_model_from_pretrained_and_get_tokenizer_give_load_pretrained(run, hub_export, tmp_path, monkeypatch):
+    import lit_softmoe
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    from lit_runs import CAPTIONS, _embed
+    cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/name", hub_export)
+    checkpoint = run / "checkpoints" / "step_00000010"
+    for source in (hub_export, "hf-hub:org/name", run, run / "model", checkpoint):
+        reference, reference_preprocess, reference_tokenizer = load_pretrained(source)
+        model, preprocess = lit_softmoe.create_model_from_pretrained(source)
+        tokenizer = lit_softmoe.get_tokenizer(source)
+        assert torch.equal(tokenizer(CAPTIONS), reference_tokenizer(CAPTIONS)), source
+        got, expected = _embed(model, tokenizer), _embed(reference, reference_tokenizer)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source
+        image = PIL.Image.fromarray(np.random.RandomState(0).randint(0, 256, (40, 60, 3), dtype=np.uint8))
+        assert torch.equal(preprocess(image), reference_preprocess(image))
+    from lit_softmoe.errors import UserError
+    with pytest.raises(UserError, match="without a text tower"):
+        lit_softmoe.get_tokenizer(run.parent / "pre" / "tower")
+
+
+def test_open_clips_zero_shot_classifier_builds_ours_on_our_model(hub_export):
+    """open_clip.build_zero_shot_classifier calls `model.encode_text(ids, normalize=True)`: on our model it
+    gives the classifier lit_softmoe.evals.classifier builds from the same class names and templates."""
+    open_clip = pytest.importorskip("open_clip")
+    import lit_softmoe
+    from lit_softmoe.evals.classifier import build_zeroshot_classifier
+    model, _ = lit_softmoe.create_model_from_pretrained(hub_export)
+    tokenizer = lit_softmoe.get_tokenizer(hub_export)
+    classnames = ["sneaker", "ankle boot", "trouser", "pullover", "bag"]
+    templates = ["a photo of a {c}.", "a blurry photo of the {c}.", "{c}"]  # ours name the class {c}
+    theirs = open_clip.build_zero_shot_classifier(model, tokenizer, classnames,
+                                                  [lambda c, t=t: t.format(c=c) for t in templates],
+                                                  num_classes_per_batch=2)
+    ours = build_zeroshot_classifier(model.encode_text, tokenizer, classnames, templates)
+    assert theirs.shape == ours.shape == (model.text_tower.embed_dim, len(classnames))
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
