@@ -318,7 +318,7 @@ def get_tokenizer(path: str | Path):
 def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
     """(tower, preprocess) from any export (pair or image-only), a tower folder, or a pretraining/LiT run.
 
-    `tower.forward_features(preprocess(img)[None])` gives the pooled Soft MoE features (B, width);
+    `tower.forward_pooled(preprocess(img)[None])` gives the pooled Soft MoE features (B, width);
     `tower.pretrained_info` is as in `load_pretrained`; `path` may be `hf-hub:ORG/NAME[@REVISION]` too.
     """
     source = classify_folder(resolve_model_path(path))

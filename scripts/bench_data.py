@@ -29,7 +29,7 @@ ours decoding in full, and ours with `decode="reduced"` (JPEGs decoded at a DCT 
 shorter side ≥ 2 × 224). Each reads in this process (workers=0, one torch thread, as a DataLoader
 worker runs) and is timed in the process's CPU seconds: images per CPU second is what one worker
 delivers, and other jobs on a busy machine barely change it. Then what the speed costs: the mean
-cosine similarity of a randomly initialised soft-s16-128e tower's `forward_features` between reduced
+cosine similarity of a randomly initialised soft-s16-128e tower's `forward_pooled` between reduced
 and full decodes, and the pixels' PSNR, for each of `--factors` (the shorter side kept, in
 multiples of 224):
 
@@ -180,7 +180,7 @@ def _quality(jpegs: list[bytes], factors: list[float], tower, preprocess: dict) 
     def features(pixels):
         pixels = (pixels * 0.5 + 0.5 - mean) / std  # the tower's own normalization
         with torch.no_grad():
-            return torch.cat([tower.forward_features(batch) for batch in pixels.split(32)])
+            return torch.cat([tower.forward_pooled(batch) for batch in pixels.split(32)])
 
     full, full_speed = decoded(None)
     full_features = features(full)

@@ -42,7 +42,7 @@ def _ceiling(tower, device: torch.device, batch: int, image_size: int, channels:
     def step():
         with torch.inference_mode(), torch.autocast(device.type, dtype=dtype or torch.float32,
                                                     enabled=dtype is not None):
-            tower.forward_features(pixels)
+            tower.forward_pooled(pixels)
 
     milliseconds, _ = time_step(step, device, warmup=3, iters=10 if device.type == "cuda" else 3)
     return batch / (milliseconds / 1000)

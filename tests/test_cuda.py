@@ -87,7 +87,7 @@ def test_inference_mode_tower_matches_fp32():
     tower = create_image_tower("soft-s16-128e").cuda().eval()
     pixels = torch.randn(4, 3, 224, 224, device="cuda")
     with torch.no_grad():
-        want = tower.forward_features(pixels)
+        want = tower.forward_pooled(pixels)
     got = encode_images(prepare_for_inference(tower), pixels)
     assert got.dtype == torch.bfloat16 and _relative_error(got.float(), want) < 3e-2
 
@@ -119,10 +119,10 @@ def test_tower_takes_the_kernel_in_inference_only(monkeypatch):
     tower = create_image_tower("vit-s16").cuda().bfloat16().eval()
     pixels = torch.randn(4, 3, 224, 224, device="cuda").bfloat16()
     with torch.inference_mode():
-        fused = tower.forward_features(pixels)
+        fused = tower.forward_pooled(pixels)
         assert len(calls) == 2 * 12
         monkeypatch.setenv("LIT_SOFTMOE_FUSED_QK_NORM", "0")
-        plain = tower.forward_features(pixels)
+        plain = tower.forward_pooled(pixels)
         assert len(calls) == 2 * 12
     assert _relative_error(fused.float(), plain.float()) < 1e-2
     monkeypatch.delenv("LIT_SOFTMOE_FUSED_QK_NORM")

@@ -121,7 +121,7 @@ def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path,
     tower, _ = load_image_tower("hf-hub:org/name")
     reference_tower, _ = load_image_tower(hub_export)
     with torch.no_grad():
-        assert torch.equal(tower.forward_features(_inputs()), reference_tower.forward_features(_inputs()))
+        assert torch.equal(tower.forward_pooled(_inputs()), reference_tower.forward_pooled(_inputs()))
 
 
 def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch):

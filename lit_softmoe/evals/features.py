@@ -3,7 +3,7 @@ once, and kept on disk keyed by everything the features depend on.
 
 The key is the image tower's weights (sha256 of the state), its config, the preprocessing and the
 data files, so a new text tower against a locked image tower re-encodes only text (CLIP_benchmark
-re-encodes every image every time). The cache holds the tower's pooled `forward_features` (before
+re-encodes every image every time). The cache holds the tower's pooled `forward_pooled` (before
 any trainable image head), so it stays valid for every text tower and head trained against the
 same locked tower.
 """
@@ -61,7 +61,7 @@ def encode_images(model, data: EvalData, batch_size: int, workers: int, device: 
         if images is None:
             continue
         with autocast:
-            features.append(model.image_tower.forward_features(images.to(device, non_blocking=True)).float().cpu())
+            features.append(model.image_tower.forward_pooled(images.to(device, non_blocking=True)).float().cpu())
         indices.append(index)
         targets.extend(target)
     if not features:

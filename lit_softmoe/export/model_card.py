@@ -178,7 +178,7 @@ def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, fa
               "", (f"model, preprocess, tokenizer = load_pretrained(\"{out_dir}\")" if model is not None else
                    f"tower, preprocess = load_image_tower(\"{out_dir}\")"),
               ("image = model.encode_image(preprocess(pil_image)[None])  # (1, D), normalized" if model is not None else
-               "features = tower.forward_features(preprocess(pil_image)[None])  # (1, width)")]
+               "features = tower.forward_pooled(preprocess(pil_image)[None])  # (1, width)")]
     if model is not None:
         lines.append("text = model.encode_text(tokenizer([\"a photo of a cat\"]))  # (1, D), normalized")
     lines += ["```", "", "Without torch: onnxruntime + numpy + PIL (+ `tokenizers` for the text) — see "

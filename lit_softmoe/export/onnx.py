@@ -28,7 +28,7 @@ class _ImageEncoder(nn.Module):
         self.model, self.tower = model, tower
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) → (B, D)
-        return self.model.encode_image(pixels) if self.model is not None else self.tower.forward_features(pixels)
+        return self.model.encode_image(pixels) if self.model is not None else self.tower.forward_pooled(pixels)
 
 
 class _TextEncoder(nn.Module):

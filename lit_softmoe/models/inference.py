@@ -50,5 +50,5 @@ def encode_images(tower: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """
     weight = next(tower.parameters())
     with torch.inference_mode():
-        features = tower.forward_features if hasattr(tower, "forward_features") else tower
+        features = tower.forward_pooled if hasattr(tower, "forward_pooled") else tower
         return features(pixels.to(device=weight.device, dtype=weight.dtype))

@@ -8,7 +8,7 @@ helpers such as `build_zero_shot_classifier` take it. Locking follows LiT (Zhai 
 image tower gets no gradient and no update, and — unlike open_clip's `--lock-image`, which only clears
 `requires_grad` — it also stays in eval mode, so no dropout or drop-path ever perturbs the features, and a fully locked
 tower's output can be computed once and cached (`encode_image_features` takes those cached
-`forward_features` outputs). Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
+`forward_pooled` outputs). Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
 t = log 10, b = -10 (SigLIP, Zhai et al., ICCV 2023).
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ class LiTModel(nn.Module):
         # Fully locked: no graph at all (activations freed at once). Partly unlocked: autograd
         # records nothing before the first unlocked block anyway, since nothing there needs grad.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_tower_locked):
-            features = self.image_tower.forward_features(image)  # (B, width)
+            features = self.image_tower.forward_pooled(image)  # (B, width)
         return self.encode_image_features(features, normalize=normalize)
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:

@@ -6,24 +6,29 @@ keys (qk-norm), learned position embeddings, no class token, global average pool
 contiguous last half of the MLP blocks replaced by Soft MoE, as the released configs place it.
 The paper's sparse baselines (Tokens Choice, Experts Choice) sit in the same blocks, so
 `tc-*` / `ec-*` towers differ from `soft-*` ones only in the MoE layer (`moe_type`).
-The `forward_features` / `forward_head` split follows timm.
+The methods follow timm's contract (`timm/models/vision_transformer.py`): `forward_features` → tokens
+`(B, N, C)` after the final norm, `forward_head(x, pre_logits=True)` → pooled `(B, C)`, plus
+`reset_classifier`, `get_classifier`, `num_features`, `group_matcher` and `set_grad_checkpointing`;
+`forward_pooled` is the pooled embedding that embedding, LiT and the evals call.
 
 Read bottom-up: Attention → Mlp → Block → VisionTransformer.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, fused_qk_norm
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 MOE_TYPES = ("soft", "tokens_choice", "experts_choice")
+GLOBAL_POOLS = ("avg", "")  # timm's: "" = no pooling, forward returns the tokens
 
 
 def _is_int(value) -> bool:
@@ -190,14 +195,22 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _check_pool(global_pool: str) -> str:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f"global_pool {global_pool!r} is not one of {GLOBAL_POOLS} (the tower has no class token)")
+    return global_pool
+
+
 class VisionTransformer(nn.Module):
     """ViT tower: patches → blocks → final LayerNorm → global average pool → optional head."""
 
-    def __init__(self, cfg: ViTConfig, device=None, dtype=None):
+    def __init__(self, cfg: ViTConfig, device=None, dtype=None, global_pool: str = "avg"):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.cfg = cfg
-        self.embed_dim = cfg.width
+        self.embed_dim = self.num_features = self.head_hidden_size = cfg.width  # timm's names
+        self.global_pool = _check_pool(global_pool)
+        self.grad_checkpointing = False
         self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, cfg.patch_size, **factory)
         self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches, cfg.width, **factory))
         self.blocks = nn.ModuleList(
@@ -301,21 +314,64 @@ class VisionTransformer(nn.Module):
         patches = patches.reshape(b, rows * cols, c * p * p)  # (b, m, c·p·p), the conv kernel's order
         return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
 
-    def forward_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling."""
+    @property
+    def num_classes(self) -> int:
+        return self.cfg.num_classes
+
+    @property
+    def in_chans(self) -> int:
+        return self.cfg.in_channels
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new head of `num_classes` (0: none), initialized as at construction; `global_pool` None keeps it."""
+        if global_pool is not None:
+            self.global_pool = _check_pool(global_pool)
+        self.cfg = replace(self.cfg, num_classes=num_classes)  # validates num_classes
+        like = self.pos_embed  # the head joins the tower's device, dtype and mode
+        if num_classes:
+            self.head = nn.Linear(self.cfg.width, num_classes, device=like.device, dtype=like.dtype)
+            if not like.is_meta:
+                with torch.no_grad():
+                    nn.init.zeros_(self.head.weight)
+                    nn.init.constant_(self.head.bias, -math.log(num_classes))
+        else:
+            self.head = nn.Identity()
+        self.head.requires_grad_(like.requires_grad).train(self.training)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for layer-wise lr decay and open_clip's `--lock-image-unlocked-groups`, as timm's ViT."""
+        return dict(stem=r"^pos_embed|patch_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling (timm's contract)."""
         p = self.cfg.patch_size
         x = self.embed_patches(pixels)  # (b, m, d), m = rows · cols
         x = x + self._pos_embed(x.shape[1], (pixels.shape[-2] // p, pixels.shape[-1] // p))
         for block in self.blocks:
-            x = block(x)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.norm(x)
 
-    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (b, c, h, w) → pooled embedding (b, d)."""
-        return self.forward_tokens(pixels).mean(dim=1)
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """tokens (b, m, d) → logits (b, num_classes), or the pooled embedding (b, d) with `pre_logits`
+        or without a head; with `global_pool=""` the tokens pass through unpooled."""
+        x = tokens.mean(dim=1) if self.global_pool == "avg" else tokens  # (b, d)
+        return x if pre_logits else self.head(x)
 
-    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
-        return self.head(features)
+    def forward_pooled(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → the pooled embedding (b, d) that embedding, LiT and the evals use."""
+        return self.forward_features(pixels).mean(dim=1)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Logits (b, num_classes) when the tower has a head, else the pooled embedding (b, d)."""

@@ -6,7 +6,7 @@ raised their throughput from 17 to 2,409 img/s/core and the largest batch from 1
 has no such cache (its issue #99); this module is ours.
 
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
-zero-shot test split can be cached too, also without captions), runs `tower.forward_features` under
+zero-shot test split can be cached too, also without captions), runs `tower.forward_pooled` under
 inference mode (bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset
 layout, feature shard i for source shard i:
 
@@ -216,7 +216,7 @@ def _embed_batch(tower: torch.nn.Module, images: torch.Tensor, device: torch.dev
     """images (B, C, H, W) → float16 pooled embeddings (B, width) on the CPU."""
     with torch.inference_mode(), torch.autocast(device.type, dtype=autocast or torch.float32,
                                                 enabled=autocast is not None):
-        features = tower.forward_features(images.to(device, non_blocking=True))  # (B, width)
+        features = tower.forward_pooled(images.to(device, non_blocking=True))  # (B, width)
     return features.float().to(torch.float16).cpu()
 
 

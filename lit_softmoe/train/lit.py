@@ -144,7 +144,7 @@ def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, acce
         batches = []
         for b in loader:
             with accelerator.autocast():
-                batches.append((model.image_tower.forward_features(b["image"].to(accelerator.device)).float().cpu(),
+                batches.append((model.image_tower.forward_pooled(b["image"].to(accelerator.device)).float().cpu(),
                                 b["label"]))
     return torch.cat([features for features, _ in batches]).float(), torch.cat([labels for _, labels in batches])
 

@@ -174,10 +174,10 @@ def _embed(tower, images_uint8, mean, std, batch_size, accelerator, with_logits=
     for start in range(0, len(images_uint8), batch_size):
         pixels = _normalize(images_uint8[start:start + batch_size].to(accelerator.device), mean, std)
         with accelerator.autocast():
-            feats = tower.forward_features(pixels)
-            features.append(feats.float().cpu())
+            tokens = tower.forward_features(pixels)  # (b, m, d)
+            features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())  # pooled (b, d)
             if with_logits:
-                logits.append(tower.forward_head(feats).float().cpu())
+                logits.append(tower.forward_head(tokens).float().cpu())
         dropped += float(tower.moe_dropped_fraction()) * len(pixels)
     tower.train()
     return torch.cat(features), (torch.cat(logits) if with_logits else None), dropped / max(len(images_uint8), 1)

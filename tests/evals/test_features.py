@@ -48,8 +48,8 @@ def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
     second = tiny_pair(seed=1)
     second[0].image_tower.load_state_dict(first[0].image_tower.state_dict())
     calls = []
-    forward = second[0].image_tower.forward_features
-    monkeypatch.setattr(second[0].image_tower, "forward_features", lambda x: calls.append(len(x)) or forward(x))
+    forward = second[0].image_tower.forward_pooled
+    monkeypatch.setattr(second[0].image_tower, "forward_pooled", lambda x: calls.append(len(x)) or forward(x))
     warm = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=second)["results"][0]
     assert (cold["image_cache"], warm["image_cache"]) == ("miss", "hit") and calls == []
     fresh = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=second, use_cache=False)["results"][0]

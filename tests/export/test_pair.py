@@ -101,8 +101,8 @@ def test_tower_only_export(run, tmp_path):
     tower, preprocess = load_image_tower(out)
     pixels = _inputs()
     with torch.no_grad():
-        features = reference.forward_features(pixels)  # (3, 32)
-        assert torch.equal(tower.forward_features(pixels), features)
+        features = reference.forward_pooled(pixels)  # (3, 32)
+        assert torch.equal(tower.forward_pooled(pixels), features)
     assert tower.pretrained_info["image_tower_sha256"] == tower_fingerprint(pretrain_run / "tower")["tower_sha256"]
     onnx_features = ort.InferenceSession(str(out / "image_encoder.onnx")).run(None, {"pixels": pixels.numpy()})[0]
     assert np.abs(onnx_features - features.numpy()).max() < 1e-4

@@ -10,7 +10,7 @@ def test_prepare_for_inference_converts_in_place_and_keeps_the_function():
     tower = create_image_tower("soft-test-4e")
     pixels = torch.randn(3, 1, 28, 28)
     with torch.no_grad():
-        want = tower.eval().forward_features(pixels)
+        want = tower.eval().forward_pooled(pixels)
     keys = list(tower.state_dict())
     tower.train()
     got_tower = prepare_for_inference(tower)
@@ -27,7 +27,7 @@ def test_prepare_for_inference_compiles_forward_features():
     tower = create_image_tower("vit-test")
     pixels = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
-        want = tower.eval().forward_features(pixels)
+        want = tower.eval().forward_pooled(pixels)
     # backend="eager": traced by dynamo, no kernels built (CPU tests stay fast).
     prepare_for_inference(tower, dtype=None, compile=True, backend="eager")
     assert tower.pos_embed.dtype == torch.float32

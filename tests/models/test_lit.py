@@ -79,7 +79,7 @@ def test_encode_image_is_unit_norm_and_matches_cached_features():
     assert zimg.shape == (4, model.image_tower.embed_dim) and not zimg.requires_grad  # fully locked: no graph
     torch.testing.assert_close(zimg.norm(dim=-1), torch.ones(4))
     with torch.no_grad():
-        cached = model.image_tower.forward_features(pixels)
+        cached = model.image_tower.forward_pooled(pixels)
     torch.testing.assert_close(model.encode_image_features(cached), zimg, rtol=0, atol=0)
     ztxt = model.encode_text(_ids())
     torch.testing.assert_close(ztxt.norm(dim=-1), torch.ones(4))

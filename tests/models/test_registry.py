@@ -84,7 +84,7 @@ def test_every_registered_tower_builds(name):
         tower = tiny(name, num_classes=5)
         out = tower(images(cfg, b=2))
         assert out.shape == (2, 5) and torch.isfinite(out).all()
-        feats = tower.forward_features(images(cfg, b=2))
+        feats = tower.forward_pooled(images(cfg, b=2))
         assert feats.shape == (2, cfg.width) and torch.isfinite(feats).all()
     else:
         tower = meta_tower(name)

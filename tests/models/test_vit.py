@@ -39,16 +39,51 @@ def test_closed_form_count_of_the_reference_page(name):
 def test_forward_shapes_with_and_without_head():
     tower = tiny(num_classes=10)
     x = images(tower.cfg)
-    feats = tower.forward_features(x)
+    feats = tower.forward_pooled(x)
     assert feats.shape == (3, tower.cfg.width) == (3, 32)
     assert tower(x).shape == (3, 10)
-    torch.testing.assert_close(tower(x), tower.forward_head(feats))
+    tokens = tower.forward_features(x)
+    torch.testing.assert_close(tower(x), tower.forward_head(tokens))
+    assert torch.equal(tower.forward_head(tokens, pre_logits=True), feats)
     headless = tiny()
     assert isinstance(headless.head, torch.nn.Identity)
     body = {k: v for k, v in tower.state_dict().items() if not k.startswith("head.")}
     headless.load_state_dict(body)  # strict: the two towers differ only by the head
     torch.testing.assert_close(headless(x), feats)
-    assert tower.forward_tokens(x).shape == (3, tower.cfg.num_patches, 32)
+    assert tower.forward_features(x).shape == (3, tower.cfg.num_patches, 32)
+
+
+def test_timm_contract_of_the_tower():
+    # timm's: forward_features → tokens, forward_head pools, reset/get_classifier, num_features, global_pool "".
+    tower = tiny(num_classes=10)
+    x = images(tower.cfg)
+    assert (tower.num_classes, tower.num_features, tower.head_hidden_size, tower.in_chans) == (10, 32, 32, 1)
+    assert tower.get_classifier() is tower.head
+    tower.reset_classifier(0)
+    assert tower.num_classes == tower.cfg.num_classes == 0 and isinstance(tower.get_classifier(), nn.Identity)
+    torch.testing.assert_close(tower(x), tower.forward_pooled(x))
+    tower.reset_classifier(5, global_pool="")
+    assert tower(x).shape == (3, tower.cfg.num_patches, 5)  # unpooled, as timm's ViT with global_pool=""
+    torch.testing.assert_close(tower.get_classifier().bias, torch.full((5,), -math.log(5)))
+    with pytest.raises(ValueError, match="global_pool"):
+        tower.reset_classifier(0, global_pool="token")
+    matcher = tower.group_matcher()
+    assert {"stem", "blocks"} == set(matcher)
+
+
+def test_grad_checkpointing_gives_the_same_output_and_gradients():
+    tower = tiny(num_classes=10)
+    x = images(tower.cfg)
+    want = tower(x)
+    want.sum().backward()
+    grads = {n: p.grad.clone() for n, p in tower.named_parameters()}
+    tower.zero_grad()
+    tower.set_grad_checkpointing()
+    got = tower(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    for n, p in tower.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], msg=n)
 
 
 def test_head_init_gives_uniform_probabilities():
@@ -65,7 +100,7 @@ def test_runs_at_another_resolution():
     cfg = tower.cfg  # 28 px, patch 7 -> a 4x4 grid
     out = tower(images(cfg, size=42))  # a 6x6 grid
     assert out.shape == (3, cfg.width) and torch.isfinite(out).all()
-    assert tower.forward_tokens(images(cfg, size=42)).shape == (3, 36, cfg.width)
+    assert tower.forward_features(images(cfg, size=42)).shape == (3, 36, cfg.width)
     # At the native grid the learned embedding is used as is.
     assert tower._pos_embed(16) is tower.pos_embed
     # Resampling a per-channel constant grid gives that constant; a grid varying along one axis
@@ -152,7 +187,7 @@ def test_residual_stream_is_contiguous_in_every_block():
     block_out = []
     tower.blocks[-1].register_forward_hook(lambda module, args, out: block_out.append(out.is_contiguous()))
     with torch.no_grad():
-        tower.forward_features(images(tower.cfg, b=3))
+        tower.forward_pooled(images(tower.cfg, b=3))
     assert seen == [True] * tower.cfg.depth
     assert block_out == [True]
 
@@ -209,8 +244,8 @@ def test_tower_forward_equals_a_block_by_block_reference():
             moe = isinstance(block.mlp, SoftMoE)
             tokens = tokens + (reference_forward(block.mlp, mixed) if moe else block.mlp(mixed))
         want_tokens = ln(tower.norm, tokens)
-        torch.testing.assert_close(tower.forward_tokens(x), want_tokens, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(tower.forward_features(x), want_tokens.mean(dim=1), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(tower.forward_features(x), want_tokens, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(tower.forward_pooled(x), want_tokens.mean(dim=1), rtol=1e-10, atol=1e-10)
     assert want_tokens.std() > 0.1  # far from a degenerate output
 
 
@@ -241,7 +276,7 @@ def test_old_tower_configs_load_as_soft_moe_and_sparse_towers_round_trip(tmp_pat
     loaded, _ = load_tower(tmp_path / "tc")
     assert loaded.cfg == tower.cfg and isinstance(loaded.blocks[1].mlp, TokensChoiceMoE)
     x = torch.randn(2, 1, 28, 28)
-    torch.testing.assert_close(loaded.eval().forward_features(x), tower.forward_features(x))
+    torch.testing.assert_close(loaded.eval().forward_pooled(x), tower.forward_pooled(x))
 
 
 def test_q_k_v_kernels_are_each_xavier_uniform_over_d_by_d():
@@ -313,7 +348,7 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
         torch.testing.assert_close(experts(v), tanh_gelu(v), rtol=1e-12, atol=1e-12)
     pixels = randn(2, 1, 28, 28, dtype=torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(tower.forward_features(pixels), tower.forward_tokens(pixels).mean(1))
+        torch.testing.assert_close(tower.forward_pooled(pixels), tower.forward_features(pixels).mean(1))
 
 
 def test_qk_norm_has_no_bias_as_flax_and_old_towers_keep_theirs(tmp_path):
@@ -364,7 +399,7 @@ def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():
         tower = create_image_tower(name, num_classes=3).eval()
         for h, w in ((28, 35), (35, 28)):  # 4×5 and 5×4 patches
             pixels = torch.randn(2, 1, h, w)
-            assert tower.forward_tokens(pixels).shape == (2, 20, tower.cfg.width)
+            assert tower.forward_features(pixels).shape == (2, 20, tower.cfg.width)
             logits = tower(pixels)
             assert logits.shape == (2, 3) and torch.isfinite(logits).all()
 

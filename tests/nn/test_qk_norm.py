@@ -55,9 +55,9 @@ INTERPRETED_CHECKS = textwrap.dedent("""
                         norm.bias.normal_(0, 0.3)
         with torch.inference_mode():
             vit.can_fuse_qk_norm = fuse
-            want = tower.forward_features(pixels)
+            want = tower.forward_pooled(pixels)
             vit.can_fuse_qk_norm = lambda *args: True
-            got = tower.forward_features(pixels)
+            got = tower.forward_pooled(pixels)
         report[f"tower bias={bias}"] = [(got - want).abs().max().item(), want.abs().max().item()]
     print(json.dumps(report))
 """)
@@ -118,12 +118,12 @@ def test_a_kernel_that_cannot_run_falls_back_to_pytorch_once(monkeypatch):
     tower = create_image_tower("vit-test", qk_norm=True).eval()
     pixels = torch.randn(2, 1, 28, 28)
     with torch.inference_mode():
-        want = tower.forward_features(pixels)
+        want = tower.forward_pooled(pixels)
         monkeypatch.setattr(vit, "can_fuse_qk_norm", lambda *args: qk_norm.fused_qk_norm_enabled())
         with pytest.warns(RuntimeWarning, match="qk-norm kernel cannot run here .*using PyTorch's LayerNorm"):
-            got = tower.forward_features(pixels)
+            got = tower.forward_pooled(pixels)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert qk_norm._kernel_error and not qk_norm.fused_qk_norm_enabled()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # warned once: later calls go straight to PyTorch's path
-            torch.testing.assert_close(tower.forward_features(pixels), want, rtol=0, atol=0)
+            torch.testing.assert_close(tower.forward_pooled(pixels), want, rtol=0, atol=0)

@@ -64,7 +64,7 @@ def test_features_equal_the_tower_on_the_source_images(cache):
     keys = sorted(source)
     images = torch.stack([transform(PIL.Image.open(io.BytesIO(source[key]["png"]))) for key in keys])
     with torch.inference_mode():
-        expected = tower.forward_features(images)  # (N, 32)
+        expected = tower.forward_pooled(images)  # (N, 32)
     cached = np.stack([np.load(io.BytesIO(features[key]["npy"])) for key in keys])
     assert cached.dtype == np.float16 and cached.shape == (LIMIT, 32)
     torch.testing.assert_close(torch.from_numpy(cached).float(), expected, rtol=2e-3, atol=2e-3)
@@ -118,7 +118,7 @@ def test_another_tower_is_refused_then_rewritten(cache, tmp_path):
     first = sorted(_read_raw(out / "test").items())[0][1]
     image = PIL.Image.open(io.BytesIO(_read_raw(root / "fmnist" / "test")[first["__key__"]]["png"]))
     with torch.inference_mode():
-        expected = other.forward_features(eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"])(image)[None])
+        expected = other.forward_pooled(eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"])(image)[None])
     torch.testing.assert_close(torch.from_numpy(np.load(io.BytesIO(first["npy"]))).float(), expected[0],
                                rtol=2e-3, atol=2e-3)
 
@@ -283,7 +283,7 @@ def test_class_shards_without_captions_are_cached_for_zero_shot_eval(cache, tmp_
     rows = [order[key] for key in batch["key"]]
     assert torch.equal(batch["label"], reference["label"][rows])
     with torch.no_grad():
-        expected = tower.forward_features(reference["image"][rows])
+        expected = tower.forward_pooled(reference["image"][rows])
     assert torch.allclose(batch["embedding"], expected, atol=2e-3, rtol=1e-2)  # float16 storage
     check_feature_cache(tmp_path / "features" / "test", root / "tower")
 
@@ -604,7 +604,7 @@ def test_a_tower_that_decodes_reduced_is_embedded_as_eval_decodes(tmp_path):
     def features(decode: str) -> torch.Tensor:
         transform = preprocess_transform({**PREPROCESS, "decode": decode}, 1)
         with torch.inference_mode():  # the file as PIL opens it: the transform's first step decodes it
-            return tower.forward_features(torch.stack([transform(PIL.Image.open(io.BytesIO(by_key[k]))) for k in keys]))
+            return tower.forward_pooled(torch.stack([transform(PIL.Image.open(io.BytesIO(by_key[k]))) for k in keys]))
 
     reduced, full = features("reduced"), features("full")
     torch.testing.assert_close(got, reduced, rtol=2e-3, atol=2e-3)
