@@ -9,7 +9,7 @@ import sys
 
 import lit_softmoe
 
-HEAVY = ("accelerate", "webdataset", "lit_softmoe.train")
+HEAVY = ("accelerate", "webdataset", "lit_softmoe.train", "timm")  # timm: seconds to import
 
 
 def _loaded_after(code: str) -> list[str]:

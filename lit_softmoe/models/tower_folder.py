@@ -3,7 +3,10 @@
     TOWER/
         model.safetensors   the VisionTransformer's state dict
         config.json         {"tower": ViTConfig as a dict, "preprocess": {"image_size", "mean", "std"},
-                             ...what its writer adds: "classnames", "pretrain", "upcycled_from", ...}
+                             ...what its writer adds: "classnames", "pretrain", "upcycled_from", ...,
+                             and timm's hub keys beside ours: "architecture", "num_classes",
+                             "num_features", "pretrained_cfg", "model_args" (models.timm_config), so
+                             that `timm.create_model("local-dir:TOWER")` builds it}
 
 Pretraining, `upcycle` and `convert` write it; LiT, `embed`, `eval`, `export` and `inspect-routing`
 read it. It is written into a temporary sibling folder and renamed into place, so a run killed
@@ -19,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.hashing import file_sha256
@@ -36,7 +40,8 @@ def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = (
 
 def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None = None) -> Path:
     """Save a tower as safetensors + config.json (tower config under "tower", plus `extra`)."""
-    meta = {"tower": tower.cfg.to_dict(), **(extra or {})}
+    extra = extra or {}
+    meta = {"tower": tower.cfg.to_dict(), **extra, **timm_hub_keys(tower.cfg, extra.get("preprocess"))}
 
     def write(tmp: Path):
         save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)

@@ -1,0 +1,74 @@
+"""timm's door to our towers: `import lit_softmoe.integrations.timm`, then `timm.create_model(...)`.
+
+Registers the dense and Soft MoE towers of `models.registry` under identifier names
+(`soft-s16-128e` → `soft_moe_s16_128e`, `vit-b16` → `lit_softmoe_vit_b16`; `models.timm_config`), each
+with a default cfg (mean/std, input size, crop) from the tower's preprocessing, the way timm's own
+model files do (`timm/models/vision_transformer.py`: `default_cfgs`, `register_model`,
+`build_model_with_cfg`). timm's kwargs map onto the tower config: `num_classes`, `in_chans`,
+`img_size` (square), `global_pool` ("avg" or ""), plus any `ViTConfig` field (what a tower folder's
+"model_args" carries for `timm.create_model("local-dir:TOWER")`). `pretrained=True` with
+`pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights.
+
+Tokens Choice towers are refused: timm's training loop knows no `moe_aux_loss()` and would drop
+their balancing loss silently. Importing timm costs seconds, which is why `import lit_softmoe` does
+not register (docs/interoperability.md).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+
+from lit_softmoe.models.registry import image_tower_config, list_image_towers
+from lit_softmoe.models.timm_config import timm_name, timm_pretrained_cfg
+from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+
+_OURS = {timm_name(n): n for n in list_image_towers() if timm_name(n)}  # timm name → registry name
+_FIELDS = {f.name for f in fields(ViTConfig)}
+
+
+def _tower(registry_name: str, num_classes: int | None = None, in_chans: int | None = None,
+           img_size: int | tuple[int, int] | None = None, global_pool: str = "avg", device=None, dtype=None,
+           **tower_options) -> VisionTransformer:
+    """The tower `registry_name` with timm's kwargs mapped onto its config (TypeError for unknown ones)."""
+    unknown = sorted(set(tower_options) - _FIELDS)
+    if unknown:
+        raise TypeError(f"{registry_name} got unexpected keyword arguments {unknown}")
+    if img_size is not None:
+        h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        if h != w:
+            raise ValueError(f"img_size {img_size}: the towers are square (other sizes run; build it square)")
+        tower_options["image_size"] = h
+    if in_chans is not None:
+        tower_options["in_channels"] = in_chans
+    if num_classes is not None:
+        tower_options["num_classes"] = num_classes
+    cfg = image_tower_config(registry_name, **tower_options)
+    if cfg.moe_type == "tokens_choice" and cfg.moe_layers:
+        raise ValueError("Tokens Choice towers are not built through timm: its training loop would drop their "
+                         "balancing loss (tower.moe_aux_loss()) silently; use lit_softmoe.create_image_tower")
+    return VisionTransformer(cfg, device=device, dtype=dtype, global_pool=global_pool)
+
+
+def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
+    return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name], **kwargs)
+
+
+default_cfgs = generate_default_cfgs({n: timm_pretrained_cfg(image_tower_config(ours)) for n, ours in _OURS.items()})
+
+
+def _entrypoint(name: str):
+    def create(pretrained: bool = False, **kwargs) -> VisionTransformer:
+        return _create(name, pretrained, **kwargs)
+    create.__name__ = create.__qualname__ = name
+    create.__doc__ = f"lit-softmoe's `{_OURS[name]}` tower (`lit_softmoe.create_image_tower`)."
+    return create
+
+
+for _name in _OURS:
+    register_model(_entrypoint(_name))
+
+
+def timm_model_names() -> list[str]:
+    """The names this module registers with timm, sorted."""
+    return sorted(_OURS)

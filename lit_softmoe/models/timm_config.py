@@ -1,0 +1,56 @@
+"""What timm knows of our towers, as plain data (no timm import): names, pretrained cfgs, hub keys.
+
+`lit_softmoe.integrations.timm` registers the towers with timm from these; the tower folder writes
+`timm_hub_keys` into its config.json so that `timm.create_model("local-dir:TOWER")` builds it
+(timm's `_hub.py` reads "architecture", "num_classes", "pretrained_cfg" and "model_args").
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lit_softmoe.models.vit import ViTConfig
+
+# vmoe's input pipelines (and timm's vit_* weights) map pixels to [-1, 1]: mean = std = 0.5.
+DEFAULT_MEAN_STD = 0.5
+# Registry towers timm gets: dense and Soft MoE. Not Tokens Choice: timm's training loop would drop
+# their balancing loss (`moe_aux_loss()`) silently. Not Experts Choice: its sparse twins are baselines only.
+TIMM_PREFIXES = {"soft-": "soft_moe_", "vit-": "lit_softmoe_vit_"}
+
+
+def timm_name(name: str) -> str | None:
+    """Our registry name → timm's identifier (`soft-s16-128e` → `soft_moe_s16_128e`), None if not for timm."""
+    for ours, theirs in TIMM_PREFIXES.items():
+        if name.startswith(ours):
+            return theirs + name[len(ours):].replace("-", "_")
+    return None
+
+
+def timm_pretrained_cfg(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
+    """timm's pretrained cfg of a tower: input size, mean/std and crop of its preprocessing (the
+    evaluation transform resizes the shorter side to `image_size` and center-crops: crop_pct 1)."""
+    preprocess = preprocess or {}
+    size = int(preprocess.get("image_size", cfg.image_size))
+    grid = size // cfg.patch_size
+    mean = preprocess.get("mean", [DEFAULT_MEAN_STD] * cfg.in_channels)
+    std = preprocess.get("std", [DEFAULT_MEAN_STD] * cfg.in_channels)
+    return dict(num_classes=cfg.num_classes, input_size=(cfg.in_channels, size, size), pool_size=(grid, grid),
+                crop_pct=1.0, crop_mode="center", interpolation="bilinear", fixed_input_size=False,
+                mean=tuple(mean), std=tuple(std), first_conv="patch_embed", classifier="head",
+                license="apache-2.0")
+
+
+def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
+    """The keys of timm's hub config.json for a tower folder, beside ours. "model_args" carries the whole
+    tower config (timm's names for classes, channels and size), so the architecture is a label."""
+    same = [n for n, c in _registered().items() if c == replace(cfg, num_classes=0)]
+    architecture = same[0] if same else ("soft_moe_s16_128e" if cfg.moe_layers else "lit_softmoe_vit_b16")
+    args = cfg.to_dict()
+    model_args = {"in_chans": args.pop("in_channels"), "img_size": args.pop("image_size"), **args}
+    model_args.pop("num_classes")
+    return {"architecture": architecture, "num_classes": cfg.num_classes, "num_features": cfg.width,
+            "pretrained_cfg": timm_pretrained_cfg(cfg, preprocess), "model_args": model_args}
+
+
+def _registered() -> dict[str, ViTConfig]:
+    from lit_softmoe.models.registry import image_tower_config, list_image_towers  # the registry imports vit too
+    return {timm_name(n): image_tower_config(n) for n in list_image_towers() if timm_name(n)}

@@ -1,0 +1,83 @@
+"""lit_softmoe.integrations.timm: our towers through `timm.create_model`, as timm builds its own
+(timm's `tests/test_models.py` runs on them in `make timm-tests`; these check what it cannot: the
+same outputs as `create_image_tower`, timm's kwargs honoured, and the tower folder's weights)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+from lit_softmoe.integrations.timm import timm_model_names
+from lit_softmoe.models.registry import create_image_tower, list_image_towers
+from lit_softmoe.models.timm_config import timm_name
+from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS, save_tower
+from towers import images, tiny
+
+PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
+
+
+def test_names_are_the_dense_and_soft_moe_towers_only():
+    names = timm_model_names()
+    assert "soft_moe_s16_128e" in names and "lit_softmoe_vit_b16" in names and "soft_moe_test_4e" in names
+    assert set(timm.list_models("soft_moe_*")) | set(timm.list_models("lit_softmoe_vit_*")) == set(names)
+    # Tokens Choice (its balancing loss would be dropped by timm's loop) and Experts Choice are not registered.
+    assert not [n for n in list_image_towers() if n.startswith(("tc-", "ec-")) and timm_name(n)]
+    assert len(names) == len([n for n in list_image_towers() if n.startswith(("soft-", "vit-"))])
+
+
+def test_timm_tower_equals_ours_given_the_same_weights():
+    ours = tiny(num_classes=5)
+    theirs = timm.create_model("soft_moe_test_4e", num_classes=5).eval()
+    theirs.load_state_dict(ours.state_dict())
+    x = images(ours.cfg)
+    assert torch.equal(theirs(x), ours(x))
+    assert torch.equal(theirs.forward_features(x), ours.forward_features(x))
+    assert theirs.cfg == ours.cfg
+    assert not torch.equal(timm.create_model("soft_moe_test_4e").forward_features(x), ours.forward_features(x))
+
+
+def test_timm_kwargs_are_honoured():
+    tower = timm.create_model("soft_moe_test_4e", num_classes=7, in_chans=3, img_size=56, global_pool="")
+    assert (tower.num_classes, tower.in_chans, tower.cfg.image_size, tower.global_pool) == (7, 3, 56, "")
+    assert tower(torch.randn(2, 3, 56, 56)).shape == (2, 64, 7)  # unpooled: (B, N, classes)
+    cfg = tower.pretrained_cfg
+    assert (cfg["input_size"], cfg["mean"], cfg["crop_pct"]) == ((1, 28, 28), (0.5,), 1.0)
+    with pytest.raises(TypeError, match="not_a_model_arg"):
+        timm.create_model("soft_moe_test_4e", not_a_model_arg=1)
+
+
+def test_pretrained_cfg_overlay_file_loads_a_tower_folder(tmp_path):
+    ours = tiny(num_classes=0)
+    save_tower(tmp_path / "tower", ours, extra={"preprocess": PREPROCESS})
+    theirs = timm.create_model("soft_moe_test_4e", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(tmp_path / "tower" / TOWER_WEIGHTS))).eval()
+    x = images(ours.cfg)
+    assert torch.equal(theirs(x), ours(x))
+
+
+def test_local_dir_round_trip(tmp_path):
+    # A tower that no registered name matches (3 experts): "model_args" carries its whole config.
+    ours = create_image_tower("soft-test-4e", num_classes=3, num_experts=3).eval()
+    save_tower(tmp_path / "tower", ours, extra={"preprocess": PREPROCESS})
+    meta = json.loads((tmp_path / "tower" / TOWER_CONFIG).read_text())
+    assert meta["tower"] == ours.cfg.to_dict() and meta["preprocess"] == PREPROCESS  # ours, beside timm's keys
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'tower'}", pretrained=True).eval()
+    assert theirs.cfg == ours.cfg
+    cfg = theirs.pretrained_cfg
+    assert tuple(cfg["mean"]) == (0.286,) and tuple(cfg["input_size"]) == (1, 28, 28)
+    x = images(ours.cfg)
+    assert torch.equal(theirs.forward_features(x), ours.forward_features(x))  # the head starts at zero: not it
+    assert torch.equal(theirs.head.bias, ours.head.bias)
+
+
+def test_registered_name_of_a_tower_folder_is_its_architecture(tmp_path):
+    save_tower(tmp_path / "tower", tiny(), extra={"preprocess": PREPROCESS})
+    assert json.loads((tmp_path / "tower" / TOWER_CONFIG).read_text())["architecture"] == "soft_moe_test_4e"
+
+
+def test_tokens_choice_tower_folder_is_refused(tmp_path):
+    save_tower(tmp_path / "tower", create_image_tower("tc-test-4e-k1"), extra={"preprocess": PREPROCESS})
+    with pytest.raises(ValueError, match="balancing loss"):
+        timm.create_model(f"local-dir:{tmp_path / 'tower'}")
