@@ -81,3 +81,13 @@ def test_tokens_choice_tower_folder_is_refused(tmp_path):
     save_tower(tmp_path / "tower", create_image_tower("tc-test-4e-k1"), extra={"preprocess": PREPROCESS})
     with pytest.raises(ValueError, match="balancing loss"):
         timm.create_model(f"local-dir:{tmp_path / 'tower'}")
+
+
+def test_pretrained_cfg_takes_one_mean_for_all_channels_or_one_per_channel():
+    from lit_softmoe.models.registry import image_tower_config
+    from lit_softmoe.models.timm_config import timm_pretrained_cfg
+    rgb = image_tower_config("soft-test-4e", in_channels=3)
+    scalar = timm_pretrained_cfg(rgb, {"image_size": 28, "mean": 0.25, "std": 0.5})
+    assert scalar["mean"] == (0.25, 0.25, 0.25) and scalar["std"] == (0.5, 0.5, 0.5)
+    listed = timm_pretrained_cfg(rgb, {"image_size": 28, "mean": [0.1, 0.2, 0.3], "std": [1, 2, 3]})
+    assert listed["mean"] == (0.1, 0.2, 0.3) and listed["std"] == (1, 2, 3)
