@@ -91,3 +91,5 @@ def test_pretrained_cfg_takes_one_mean_for_all_channels_or_one_per_channel():
     assert scalar["mean"] == (0.25, 0.25, 0.25) and scalar["std"] == (0.5, 0.5, 0.5)
     listed = timm_pretrained_cfg(rgb, {"image_size": 28, "mean": [0.1, 0.2, 0.3], "std": [1, 2, 3]})
     assert listed["mean"] == (0.1, 0.2, 0.3) and listed["std"] == (1, 2, 3)
+    one = timm_pretrained_cfg(rgb, {"image_size": 28, "mean": [0.5], "std": [0.5]})  # as convert/upcycle write
+    assert one["mean"] == (0.5, 0.5, 0.5) and one["std"] == (0.5, 0.5, 0.5)
