@@ -538,8 +538,9 @@ def embed_shards(
     kind = "image-class" if class_only else "image-caption"
     listed = listed_sizes(urls) or {}
     mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
-    finished = [record for index, _ in mine if (record := _finished_shard(work_dir, index)) is not None]
-    todo = [(index, url) for index, url in mine if _finished_shard(work_dir, index) is None]
+    kept = {index: _finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
+    finished = [record for record in kept.values() if record is not None]
+    todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
     progress_bar = tqdm(total=sum(listed[url] for _, url in todo) if known else None, desc="embed", unit="img",
                         disable=not progress or rank != 0, dynamic_ncols=True)
