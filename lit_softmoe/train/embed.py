@@ -422,14 +422,17 @@ def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) 
     otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
     works. A process that stops on an error leaves `.error-RANK`, which ends the wait with its message.
     """
+    records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
     while True:
-        records = [_finished_shard(work_dir, index) for index in range(num_shards)]
-        if all(records):
-            return records
+        for index in range(num_shards):
+            if index not in records and (record := _finished_shard(work_dir, index)) is not None:
+                records[index] = record
+        if len(records) == num_shards:
+            return [records[index] for index in range(num_shards)]
         for error in work_dir.glob(".error-*"):
             if error.stat().st_mtime >= started:
                 raise UserError(f"another embed process stopped: {error.read_text().strip()}")
-        progress.set_postfix(shards=f"{sum(map(bool, records))}/{num_shards} (all processes)")
+        progress.set_postfix(shards=f"{len(records)}/{num_shards} (all processes)")
         time.sleep(1.0)
 
 
