@@ -2,15 +2,17 @@
 # Every GPU measurement and GPU test of the project in one go, for one CUDA machine (H100/H200 class):
 # scripts/bench_gpu.py (the layer, the locked tower and the LiT step against the peers), `embed` on
 # JPEG shards against the tower alone (scripts/bench_embed.py), the patch embedding A/B
-# (scripts/bench_patches.py) and tests/test_cuda.py. About 10 minutes on an H200.
+# (scripts/bench_patches.py) and tests/test_cuda.py. Each step has a timeout so that the whole fits one
+# 10-minute call of a lent GPU machine (at most about 9 minutes; BENCH_GPU_BUDGET=layer=S,tower=S,lit=S
+# gives bench_gpu.py's parts more time where there is more).
 #
 #   bash scripts/gpu_check.sh                     # results in ./gpu-results/
 #   OUT=/some/dir WHEELS=.whl bash scripts/gpu_check.sh
 #
 # WHEELS: a folder of wheels to add first, for machines without network that lack some of the
-# peers (open_clip_torch, ftfy, wcwidth, soft-moe-pytorch) or our own dependencies (webdataset,
-# braceexpand, omegaconf). Fill it on a machine with network:
-#   pip download --no-deps -d .whl open_clip_torch ftfy wcwidth soft-moe-pytorch webdataset braceexpand omegaconf
+# peers (open_clip_torch, ftfy, wcwidth, soft-moe-pytorch), our own dependencies (webdataset,
+# braceexpand, omegaconf) or bench_embed.py's photos (foolbox). Fill it on a machine with network:
+#   pip download --no-deps -d .whl open_clip_torch ftfy wcwidth soft-moe-pytorch webdataset braceexpand omegaconf foolbox
 # They are installed with --no-deps into a private folder; their other dependencies (einops, timm,
 # ...) must already be there.
 set -u
@@ -33,18 +35,18 @@ $PY -c "import open_clip, soft_moe_pytorch, timm, webdataset, omegaconf, ftfy, l
 print('imports ok; timm', timm.__version__, 'open_clip', open_clip.__version__)" 2>&1 | tee "$OUT/imports.txt"
 
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-timeout 400 $PY scripts/bench_gpu.py --json "$OUT/bench_gpu.json" --md "$OUT/bench_gpu.md" \
-    --profile-dir "$OUT" > "$OUT/bench_gpu.log" 2>&1
+timeout ${BENCH_GPU_TIMEOUT:-300} $PY scripts/bench_gpu.py --json "$OUT/bench_gpu.json" --md "$OUT/bench_gpu.md" \
+    --budget "${BENCH_GPU_BUDGET:-layer=120,tower=90,lit=50}" --profile-dir "$OUT" > "$OUT/bench_gpu.log" 2>&1
 echo "bench_gpu.py exit $? after $(( $(date +%s) - t0 )) s"
 grep -E "^\s+\[|^\[|TFLOP/s|Error|error" "$OUT/bench_gpu.log" | tail -60
 
-timeout 240 $PY scripts/bench_embed.py --json "$OUT/bench_embed.json" > "$OUT/bench_embed.md" 2>&1
+timeout 110 $PY scripts/bench_embed.py --images 4096 --json "$OUT/bench_embed.json" > "$OUT/bench_embed.md" 2>&1
 echo "bench_embed exit $? after $(( $(date +%s) - t0 )) s"; cat "$OUT/bench_embed.md"
 
-timeout 60 $PY scripts/bench_patches.py --device cuda --batch 256 > "$OUT/bench_patches.md" 2>&1
+timeout 30 $PY scripts/bench_patches.py --device cuda --batch 256 > "$OUT/bench_patches.md" 2>&1
 echo "bench_patches exit $?"; cat "$OUT/bench_patches.md"
 
-timeout 130 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/test_cuda.log" 2>&1
+timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/test_cuda.log" 2>&1
 echo "test_cuda exit $? after $(( $(date +%s) - t0 )) s"
 tail -15 "$OUT/test_cuda.log"
 
