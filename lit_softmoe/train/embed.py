@@ -328,8 +328,11 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
                                   device, autocast, workers: int, max_bad_fraction: float, source: str,
-                                  finished: list[dict], progress) -> None:
+                                  finished: list[dict], progress, timing: dict) -> None:
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
+
+    `timing` gets "first_batch" (perf_counter once the first batch is embedded) and "later_images"
+    (the images embedded after it): the steady rate, without the tower's loading and the workers' start.
 
     Raises UserError once over 1,000 samples were read and more than `max_bad_fraction` of them were
     bad (the shards finished so far stay: a rerun on fixed shards starts over, they are keyed by the
@@ -363,6 +366,10 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
                 continue
             samples.append(_feature_sample(key, embedding, caption, cls))
         progress.update(len(batch["key"]))
+        if "first_batch" in timing:
+            timing["later_images"] += len(batch["key"])
+        else:
+            timing["first_batch"] = time.perf_counter()
 
 def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
     """Copy classnames.txt & co. from beside the source split to beside the feature split."""
@@ -478,7 +485,9 @@ def embed_shards(
 
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
-        "skipped", "resumed_shards", "rank", "world_size"}; "skipped" is True when the split already
+        "skipped", "resumed_shards", "rank", "world_size", "startup_seconds", "steady_images_per_second"};
+        the last two split this process's time at its first embedded batch (None where it embedded
+        nothing, or nothing after the first batch); "skipped" is True when the split already
         held this tower's embeddings of these shards, unchanged since (nothing was written). On ranks
         other than 0, "num_samples", "bad" and "images_per_second" are this process's share and
         "split_dir" is written by rank 0.
@@ -521,7 +530,7 @@ def embed_shards(
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
-                "world_size": world_size}
+                "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None}
     # The work folder of this tower and these sources: a killed run's finished shards are kept there.
     work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
     work_dir = out_dir / f".{split}.work-{work_key}"
@@ -549,18 +558,20 @@ def embed_shards(
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
     resumed = len(finished)
+    timing = {"later_images": 0}
     try:
         if todo:
             dataset = _SourceShards(todo, kind, transform, batch_size, listed, with_cls="cls" in members)
             _embed_shards_of_this_process(todo, work_dir, dataset, tower, device, autocast, workers,
-                                          max_bad_fraction, str(shards), finished, progress_bar)
+                                          max_bad_fraction, str(shards), finished, progress_bar, timing)
         mine_seconds = time.perf_counter() - start
+        rates = _rates(start, timing)
         if rank != 0:  # rank 0 puts the split in place
             fresh = sum(record["num_samples"] for record in finished[resumed:])
             return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
                     "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
                     "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": _seen_and_bad(finished)[2],
-                    "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size}
+                    "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
         records = _wait_for_shards(work_dir, len(urls), started, progress_bar) if world_size > 1 else \
             [_finished_shard(work_dir, index) for index in range(len(urls))]
     except UserError as err:
@@ -601,7 +612,17 @@ def embed_shards(
     rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
-            "world_size": world_size}
+            "world_size": world_size, **rates}
+
+
+def _rates(start: float, timing: dict) -> dict:
+    """The seconds before the first batch was embedded (hashing and loading the tower, starting the workers,
+    their first shards) and the images/s after it: on a large tower and a short run they differ most."""
+    if "first_batch" not in timing:
+        return {"startup_seconds": None, "steady_images_per_second": None}
+    later = time.perf_counter() - timing["first_batch"]
+    steady = round(timing["later_images"] / later, 1) if timing["later_images"] and later > 0 else None
+    return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady}
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
