@@ -1,4 +1,4 @@
-"""Issue 8's GPU measurements in one process: the Soft MoE layer, the locked tower, the LiT step.
+"""The GPU measurements in one process: the Soft MoE layer, the locked tower, the LiT step.
 
 Three parts, each a list of rows timed on the same device in the same run, then the issue's ratios
 (each with its target) computed from them:
@@ -513,7 +513,7 @@ def _f(v, fmt):
 
 
 def markdown(meta: dict, rows: list[Row], ratios: list[Ratio]) -> str:
-    lines = [f"# Issue 8 benchmarks: {meta['device_name']}", "",
+    lines = [f"# GPU benchmarks: {meta['device_name']}", "",
              f"torch {meta['torch']}, {meta['mode']} mode, median of {meta['iters']} calls after "
              f"{meta['warmup']} warm-ups (soft-moe-pytorch: {meta['peer_iters']}); MFU against "
              + (f"{meta['peak_tflops']:.0f} TFLOP/s peak dense bf16 ({meta['peak_source']})"
