@@ -162,14 +162,19 @@ def _cmd_export(args) -> None:
     import json
 
     from lit_softmoe.export import export_pair
-    out = export_pair(args.run, args.out, dtype=args.dtype, onnx=args.onnx, overwrite=args.overwrite)
+    out = export_pair(args.run, args.out, dtype=args.dtype, onnx=args.onnx, overwrite=args.overwrite,
+                      open_clip=args.open_clip)
     config = json.loads((out / "config.json").read_text())
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".onnx"))
     onnx = config.get("onnx") or {}
     check = "; ONNX vs PyTorch max abs difference " + ", ".join(
         f"{side} {onnx[side]['max_abs_diff']:.1e}" for side in ("image", "text") if side in onnx) if onnx else ""
+    open_clip = config.get("open_clip") or {}
+    extra = ", open_clip_config.json" if "config" in open_clip else ""
+    skipped = (f"\nopen_clip files left out: {open_clip['skipped']}"
+               if "skipped" in open_clip and config["kind"] != "image" and args.open_clip else "")
     print(f"{'image tower' if config['kind'] == 'image' else 'LiT pair'} of {args.run} exported ({args.dtype}) to "
-          f"{out}: {', '.join(files)}, config.json, README.md{check}")
+          f"{out}: {', '.join(files)}, config.json{extra}, README.md{check}{skipped}")
 
 
 def _cmd_push(args) -> None:
@@ -330,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="export folder (written atomically)")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="weights on disk (default: fp32); ONNX graphs are always fp32")
+    export.add_argument("--no-open-clip", dest="open_clip", action="store_false",
+                        help="leave out open_clip_config.json and open_clip_model.safetensors (a second copy of the "
+                             "weights, under open_clip's names, for open_clip.create_model_and_transforms)")
     export.add_argument("--onnx", action="store_true", help="also write image/text_encoder.onnx and check them "
                         "against PyTorch with onnxruntime")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")

@@ -52,7 +52,8 @@ from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 HF_HUB_PREFIX = "hf-hub:"
 # What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
-HF_HUB_PATTERNS = [EXPORT_CONFIG, MODEL_CARD, "*.safetensors", TOKENIZER_JSON, f"{TOKENIZER_DIR}/*"]
+# Our loader's files only: the ONNX graphs and open_clip's copy of the weights stay on the Hub.
+HF_HUB_PATTERNS = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS, TEXT_WEIGHTS, TOKENIZER_JSON, f"{TOKENIZER_DIR}/*"]
 _REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 
 

@@ -23,25 +23,29 @@ EXAMPLE = ROOT / "scripts" / "onnx_example.py"
 CAPTIONS = ["a photo of a sneaker", "an ankle boot.", "Trousers, folded!", "a very long caption that goes on "
             "and on well past the sixteen tokens of the text tower"]
 PREPROCESS = {"image_size": 28, "mean": [0.2860], "std": [0.3530]}
+PREPROCESS_RGB = {"image_size": 28, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
-def _make_run(root: Path, loss: str = "softmax") -> Path:
+def _make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: bool = False) -> Path:
     """A tiny pretrained tower and a LiT run folder around a randomly 'trained' pair, written by the
-    recipe's own writers (save_tower, _save_model, save_training_state, config.yaml)."""
+    recipe's own writers (save_tower, _save_model, save_training_state, config.yaml). `rgb`: a 3-channel
+    tower (per-channel mean/std); `image_head`: a linear head on the image features."""
     torch.manual_seed(0)
-    tower = create_image_tower("soft-test-4e", num_classes=3)
+    tower = create_image_tower("soft-test-4e", num_classes=3, in_channels=3 if rgb else 1)
+    preprocess = PREPROCESS_RGB if rgb else PREPROCESS
     tower_dir = save_tower(root / "pre" / "tower", tower, extra={
-        "classnames": ["a", "b", "c"], "preprocess": PREPROCESS,
+        "classnames": ["a", "b", "c"], "preprocess": preprocess,
         "pretrain": {"tower": "soft-test-4e", "steps": 10, "train_seconds": 1.5, "test_top1": 0.5}})
     (root / "pre" / "config.yaml").write_text(to_yaml(load_config(PretrainConfig, None, [
         f"run_dir={root / 'pre'}", "tower.name=soft-test-4e", "data.train=data/fm/train", "data.test=data/fm/test"])))
     cfg = load_config(LiTConfig, None, [f"run_dir={root / 'run'}", f"image_tower={tower_dir}", f"loss={loss}",
                                         "text.width=32", "text.layers=1", "text.heads=2",
-                                        "data.train=data/feats/train", "eval.shards=data/feats/test"])
-    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim), loss=loss)
-    with torch.no_grad():  # something other than the init: a trained scale and moved text weights
+                                        "data.train=data/feats/train", "eval.shards=data/feats/test",
+                                        f"image_head={str(image_head).lower()}"])
+    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
+    with torch.no_grad():  # something other than the init: a trained scale and moved text and head weights
         model.logit_scale.fill_(2.7)
-        for p in model.text_tower.parameters():
+        for p in (*model.text_tower.parameters(), *model.image_head.parameters()):
             p.add_(0.01 * torch.randn_like(p))
     run = Path(cfg.run_dir)
     run.mkdir(parents=True)
@@ -52,7 +56,7 @@ def _make_run(root: Path, loss: str = "softmax") -> Path:
                         meta={"image_tower_sha256": tower_sha})
     results = {"steps": 10, "train_seconds": 2.5, "cached_features": True, "zeroshot_top1": 0.4321,
                "linear_probe_top1": 0.6543}
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, results, tower_sha)
+    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": preprocess}, results, tower_sha)
     (run / "results.json").write_text(json.dumps(results))
     return run
 

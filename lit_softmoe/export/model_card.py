@@ -96,6 +96,7 @@ def front_matter(config: dict, facts: dict, run_dir: Path | None) -> dict:
     moe = config["image_tower"].get("moe_type", "soft") if config["image_tower"].get("moe_layers") else None
     moe_tags = [] if moe is None else ["soft-moe"] if moe == "soft" else ["moe"]
     tags = ["lit-softmoe", "vision", *(["lit", "image-text"] if pair else []), *moe_tags, "safetensors",
+            *(["open_clip"] if "config" in (config.get("open_clip") or {}) else []),
             *(["onnx"] if "onnx" in config else [])]
     data = _training_data(run_dir, facts.get("tower_dir"))
     datasets = list(dict.fromkeys(hub_id for path in data for pattern, hub_id in KNOWN_DATASETS.items()
@@ -184,4 +185,13 @@ def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, fa
     lines += ["```", "", "Without torch: onnxruntime + numpy + PIL (+ `tokenizers` for the text) — see "
               "`scripts/onnx_example.py` in lit-softmoe." if model is not None else
               "Without torch: `image_encoder.onnx` (pixels → image_features) with onnxruntime.", ""]
+    open_clip = config.get("open_clip") or {}
+    if "config" in open_clip:
+        lines += ["With open_clip (`open_clip_config.json` + `open_clip_model.safetensors`; timm builds the image "
+                  "tower once lit-softmoe registered it):", "", "```python",
+                  "import open_clip, lit_softmoe.integrations.timm",
+                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out_dir}\")",
+                  f"tokenizer = open_clip.get_tokenizer(\"local-dir:{out_dir}\")", "```", ""]
+    elif model is not None and open_clip.get("skipped"):
+        lines += [f"Not loadable with open_clip: {open_clip['skipped']}.", ""]
     return "\n".join(lines)

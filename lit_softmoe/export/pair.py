@@ -10,6 +10,9 @@ loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_so
                                     length, image_tower_sha256, lit_softmoe version
         image_encoder.safetensors   `image_tower.*` (+ `image_head.*`): LiTModel's own key names
         text_encoder.safetensors    `text_tower.*`, `logit_scale` (+ `logit_bias`)
+        open_clip_config.json       open_clip's `local-dir:`/`hf-hub:` config (model_cfg + preprocess_cfg) and
+        open_clip_model.safetensors the same weights under open_clip's names (export/open_clip.py); not for
+                                    Hugging Face text towers (config.json's "open_clip" says why)
         tokenizer.json              a `tokenizers` tokenizer with truncation and padding to the context
                                     length built in: ids without torch (the ONNX example uses it)
         tokenizer/                  the original tokenizer files: open_clip's BPE vocabulary, or the
@@ -44,6 +47,13 @@ from torch import nn
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import model_card
 from lit_softmoe.export.onnx import write_onnx
+from lit_softmoe.export.open_clip import (
+    OPEN_CLIP_CONFIG,
+    OPEN_CLIP_WEIGHTS,
+    open_clip_config,
+    open_clip_skip_reason,
+    open_clip_state_dict,
+)
 from lit_softmoe.export.tokenizer_json import write_tokenizer
 from lit_softmoe.hub import load_run_pair, preprocess_spec
 from lit_softmoe.model_folders import (
@@ -108,8 +118,10 @@ def _read_from(source: ModelFolder, tower_dir: Path | None = None) -> list[Path]
 
 
 def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx: bool = False,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, open_clip: bool = True) -> Path:
     """Export a finished LiT run (or a pretraining tower, image-only) to `out_dir`; returns `out_dir`.
+
+    `open_clip=False` leaves out open_clip's two files (they hold a second copy of the weights).
 
     Written into a temporary sibling folder and renamed at the end: a failure leaves nothing behind
     and an existing `out_dir` untouched.
@@ -168,6 +180,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
 
     tokenizer = (create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
                  if model is not None else None)
+    skip_open_clip = open_clip_skip_reason(model) if open_clip else "left out on request (--no-open-clip)"
+    config["open_clip"] = ({"config": OPEN_CLIP_CONFIG, "weights": OPEN_CLIP_WEIGHTS} if skip_open_clip is None
+                           else {"skipped": skip_open_clip})
 
     def write(tmp: Path) -> None:
         save_file(image_state, tmp / IMAGE_WEIGHTS)
@@ -179,6 +194,11 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                                                   model.text_tower.context_length, tokenizer)
             if model.text_tower.tokenizer_spec.startswith(HF_PREFIX):
                 model.text_tower.encoder.config.save_pretrained(tmp / TOKENIZER_DIR)  # the architecture
+        if skip_open_clip is None:
+            open_clip_json = open_clip_config(model, facts["preprocess"])
+            config["open_clip"]["timm_model_name"] = open_clip_json["model_cfg"]["vision_cfg"]["timm_model_name"]
+            save_file(open_clip_state_dict(state, tower.cfg.in_channels), tmp / OPEN_CLIP_WEIGHTS)
+            (tmp / OPEN_CLIP_CONFIG).write_text(json.dumps(open_clip_json, indent=2) + "\n")
         if onnx:
             config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

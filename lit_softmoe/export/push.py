@@ -15,6 +15,7 @@ from safetensors.torch import save
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import read_front_matter
+from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
@@ -52,12 +53,17 @@ def check_export(folder: str | Path) -> list[str]:
         raise UserError(f"{folder} has export format {config['format']}, newer than this lit-softmoe reads "
                         f"({EXPORT_FORMAT}); upgrade lit-softmoe")
     needed = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS]
+    weights = [IMAGE_WEIGHTS]
     if config.get("kind") == "pair":
         needed += [TEXT_WEIGHTS, TOKENIZER_JSON, TOKENIZER_DIR]
+        weights.append(TEXT_WEIGHTS)
+    if "config" in (config.get("open_clip") or {}):
+        needed += [OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS]
+        weights.append(OPEN_CLIP_WEIGHTS)
     missing = [name for name in needed if not (folder / name).exists()]
     if missing:
         raise UserError(f"{folder} is incomplete (no {', '.join(missing)}); export it again")
-    for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS)[:2 if config.get("kind") == "pair" else 1]:
+    for name in weights:
         load_weights(folder / name)  # a truncated or damaged file: one line naming it
     if config.get("image_tower_sha256") not in _image_weights_keys(folder / IMAGE_WEIGHTS):
         raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "

@@ -69,15 +69,26 @@ def register_with_clip_benchmark() -> None:
 
 def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str, split: str = "test",
                        batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None, task: str = "",
-                       classnames=None, templates=None) -> dict:
+                       classnames=None, templates=None, model_type: str = MODEL_TYPE) -> dict:
     """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON.
+
+    `model_type`: "lit_softmoe" (our loader, registered here) or "open_clip" (CLIP_benchmark's own
+    open_clip loader on `local-dir:EXPORT`, an export's open_clip files; only our timm towers are
+    registered, so nothing of ours loads the model).
 
     `task` ("classification" | "retrieval"): CLIP_benchmark otherwise picks it by the dataset's name, so
     a caption set of the user's own name is run as classification (and fails). `classnames` and
     `templates`: the prompts our suite used, handed over as its custom JSON files, so both score the
     same prompts even where the suite set them or the dataset has no files of its own."""
     from clip_benchmark import cli
-    register_with_clip_benchmark()
+    if model_type == "open_clip":
+        import lit_softmoe.integrations.timm  # noqa: F401 (timm.create_model must know the export's tower)
+        model_args = ["--model", f"local-dir:{model_path}", "--pretrained", "export"]  # open_clip ignores it
+    elif model_type == MODEL_TYPE:
+        register_with_clip_benchmark()
+        model_args = ["--model", "lit-softmoe", "--pretrained", str(model_path)]
+    else:
+        raise ValueError(f"model_type {model_type!r}: use {MODEL_TYPE!r} or 'open_clip'")
     if bundle is not None:
         _BUNDLES[str(model_path)] = bundle
     nshards = Path(dataset_root, split, "nshards.txt")
@@ -86,8 +97,8 @@ def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset
         workers = workers if workers > 1 else 0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        argv = ["clip_benchmark", "eval", "--model_type", MODEL_TYPE, "--model", "lit-softmoe",
-                "--pretrained", str(model_path), "--dataset", f"wds/{dataset_name}", "--dataset_root",
+        argv = ["clip_benchmark", "eval", "--model_type", model_type, *model_args,
+                "--dataset", f"wds/{dataset_name}", "--dataset_root",
                 str(dataset_root), "--split", split, "--no_amp", "--batch_size", str(batch_size),
                 "--num_workers", str(workers), "--output", str(out), "--quiet",
                 "--recall_k", *[str(k) for k in recall_k]]

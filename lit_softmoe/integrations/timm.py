@@ -7,7 +7,8 @@ model files do (`timm/models/vision_transformer.py`: `default_cfgs`, `register_m
 `build_model_with_cfg`). timm's kwargs map onto the tower config: `num_classes`, `in_chans`,
 `img_size` (square), `global_pool` ("avg" or ""), plus any `ViTConfig` field (what a tower folder's
 "model_args" carries for `timm.create_model("local-dir:TOWER")`). `pretrained=True` with
-`pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights.
+`pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights. A name
+with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
 
 Tokens Choice towers are refused: timm's training loop knows no `moe_aux_loss()` and would drop
 their balancing loss silently. Importing timm costs seconds, which is why `import lit_softmoe` does
@@ -20,7 +21,7 @@ from dataclasses import fields
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from lit_softmoe.models.registry import image_tower_config, list_image_towers
-from lit_softmoe.models.timm_config import timm_name, timm_pretrained_cfg
+from lit_softmoe.models.timm_config import config_tag_fields, timm_name, timm_pretrained_cfg
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 _OURS = {timm_name(n): n for n in list_image_towers() if timm_name(n)}  # timm name → registry name
@@ -51,6 +52,12 @@ def _tower(registry_name: str, num_classes: int | None = None, in_chans: int | N
 
 
 def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
+    # `name.cfg-...` (an export's open_clip config names such towers): the tag's fields over the
+    # registered config; kwargs given explicitly still win. timm's pretrained cfg then describes them.
+    fields = config_tag_fields(kwargs.get("pretrained_cfg"))
+    if fields is not None:
+        kwargs = {**fields, **kwargs}
+        kwargs["pretrained_cfg"] = timm_pretrained_cfg(image_tower_config(_OURS[name], **fields))
     return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name], **kwargs)
 
 

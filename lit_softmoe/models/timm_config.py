@@ -3,9 +3,19 @@
 `lit_softmoe.integrations.timm` registers the towers with timm from these; the tower folder writes
 `timm_hub_keys` into its config.json so that `timm.create_model("local-dir:TOWER")` builds it
 (timm's `_hub.py` reads "architecture", "num_classes", "pretrained_cfg" and "model_args").
+
+A tower whose config is no registered one's is named by a registered name plus a *config tag*:
+`soft_moe_tiny_p7_16e.cfg-<base64url JSON of the fields that differ>`. timm splits a name at its first
+"." and hands the tag to the entry point as `pretrained_cfg` (as for `resnet50.a1_in1k`); ours reads
+the fields from it. open_clip's timm towers (`vision_cfg.timm_model_name`) take a name and nothing
+else, so this is how an export's open_clip config names a tower of any shape. base64url because timm
+refuses names holding ":" or "/".
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from dataclasses import replace
 
 from lit_softmoe.models.vit import ViTConfig
@@ -56,3 +66,45 @@ def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
 def _registered() -> dict[str, ViTConfig]:
     from lit_softmoe.models.registry import image_tower_config, list_image_towers  # the registry imports vit too
     return {timm_name(n): image_tower_config(n) for n in list_image_towers() if timm_name(n)}
+
+
+CONFIG_TAG_PREFIX = "cfg-"
+
+
+def timm_model_spec(cfg: ViTConfig) -> str:
+    """The timm model name that builds `cfg` (its class head aside) once our towers are registered.
+
+    A registered name whose config is `cfg`'s, else the registered tower that differs from it in the
+    fewest fields, tagged with those fields (see the module docstring).
+    """
+    cfg = replace(cfg, num_classes=0)
+    registered = _registered()
+    for name, config in registered.items():
+        if config == cfg:
+            return name
+    mine = cfg.to_dict()
+
+    def differing(name: str) -> dict:
+        theirs = registered[name].to_dict()
+        return {key: value for key, value in mine.items() if theirs[key] != value}
+
+    base = min(registered, key=lambda name: (len(differing(name)), name))
+    fields = json.dumps(differing(base), sort_keys=True, separators=(",", ":")).encode()
+    return f"{base}.{CONFIG_TAG_PREFIX}{base64.urlsafe_b64encode(fields).decode().rstrip('=')}"
+
+
+def config_tag_fields(tag) -> dict | None:
+    """The tower config fields a config tag holds; None for anything else (a real pretrained tag)."""
+    if not isinstance(tag, str) or not tag.startswith(CONFIG_TAG_PREFIX):
+        return None
+    encoded = tag[len(CONFIG_TAG_PREFIX):]
+    try:
+        fields = json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)))
+    except (binascii.Error, ValueError):
+        raise ValueError(f"model tag {tag!r} is no lit-softmoe config tag (base64url JSON after "
+                         f"{CONFIG_TAG_PREFIX!r}); copy the model name whole") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"model tag {tag!r} holds no tower config fields")
+    if "moe_layers" in fields:
+        fields["moe_layers"] = tuple(fields["moe_layers"])
+    return fields

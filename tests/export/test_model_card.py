@@ -106,11 +106,12 @@ def test_model_card_opens_with_the_hubs_front_matter(tmp_path):
     license = re.search(r'^license = "(.+)"$', pyproject, re.MULTILINE).group(1)  # tomllib: Python 3.11+
     assert meta == {"library_name": "lit-softmoe", "license": license.lower(),
                     "pipeline_tag": "zero-shot-image-classification",
-                    "tags": ["lit-softmoe", "vision", "lit", "image-text", "soft-moe", "safetensors"]}
+                    "tags": ["lit-softmoe", "vision", "lit", "image-text", "soft-moe", "safetensors", "open_clip"]}
     assert read_front_matter(card) == meta
     # The body is the card as before: title first, nothing of the front matter repeated.
     assert body.startswith("# LiT image–text pair exported by lit-softmoe ") and "---" not in body.split("\n")
     assert "## Towers" in body and "## Zero-shot" in body and "## Use" in body
+    assert f'open_clip.create_model_and_transforms("local-dir:{tmp_path / "pair"}")' in body
 
     # Training data the Hub knows (the demo's Fashion-MNIST) is listed; local shard paths are not.
     config = run.parent / "pre" / "config.yaml"

@@ -30,8 +30,8 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     image, text = _embed(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["README.md", "config.json", "image_encoder.safetensors", "text_encoder.safetensors",
-                     "tokenizer", "tokenizer.json"]
+    assert names == ["README.md", "config.json", "image_encoder.safetensors", "open_clip_config.json",
+                     "open_clip_model.safetensors", "text_encoder.safetensors", "tokenizer", "tokenizer.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     text_keys = set(load_file(out / "text_encoder.safetensors"))
     assert "logit_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"logit_scale"})
@@ -161,6 +161,11 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     out = export_pair(run, tmp_path / "export", onnx=True)
     onnx = json.loads((out / "config.json").read_text())["onnx"]
     assert onnx["image"]["max_abs_diff"] < 1e-4 and onnx["text"]["max_abs_diff"] < 1e-4
+    # open_clip's HFTextEncoder would not embed as this tower does: its files are left out, with the reason.
+    assert not (out / "open_clip_config.json").exists() and not (out / "open_clip_model.safetensors").exists()
+    skipped = json.loads((out / "config.json").read_text())["open_clip"]["skipped"]
+    assert "Hugging Face text tower" in skipped
+    assert f"Not loadable with open_clip: {skipped}" in (out / "README.md").read_text()
     assert (out / "tokenizer" / "config.json").is_file() and not list((out / "tokenizer").glob("*.safetensors"))
     loaded, _, tok = load_pretrained(out)
     got_image, got_text = _embed(loaded, tok)

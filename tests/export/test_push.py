@@ -10,7 +10,8 @@ from lit_runs import _one_error_line
 from lit_softmoe import cli
 from lit_softmoe.export import export_pair
 
-FILES = ["README.md", "config.json", "image_encoder.safetensors", "text_encoder.safetensors", "tokenizer.json",
+FILES = ["README.md", "config.json", "image_encoder.safetensors", "open_clip_config.json",
+         "open_clip_model.safetensors", "text_encoder.safetensors", "tokenizer.json",
          "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
 
 
@@ -52,15 +53,15 @@ def hf_api(monkeypatch):
 def test_dry_run_lists_the_files_and_the_front_matter(export, hf_api, capsys):
     _, out = _push(capsys, export, "org/name", "--dry-run")
     lines = out.splitlines()
-    assert lines[0] == f"dry run: 6 files of {export} would go to org/name:"
-    assert [line.strip() for line in lines[1:7]] == FILES
-    assert "library_name: lit-softmoe" in lines[7] and "pipeline_tag: zero-shot-image-classification" in lines[7]
+    assert lines[0] == f"dry run: 8 files of {export} would go to org/name:"
+    assert [line.strip() for line in lines[1:9]] == FILES
+    assert "library_name: lit-softmoe" in lines[9] and "pipeline_tag: zero-shot-image-classification" in lines[9]
     assert hf_api.calls == []  # nothing sent
 
 
 def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
     _, out = _push(capsys, export, "org/name", "--private", "--revision", "v1")
-    assert out.strip() == (f"6 files of {export} pushed to org/name (revision v1): "
+    assert out.strip() == (f"8 files of {export} pushed to org/name (revision v1): "
                            "https://huggingface.co/org/name/commit/abc")
     (create, _, create_kwargs), (branch, _, branch_kwargs), (upload, repo_id, upload_kwargs) = hf_api.calls
     assert (create, branch, upload, repo_id) == ("create_repo", "create_branch", "upload_folder", "org/name")
@@ -86,6 +87,10 @@ def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path,
         file.truncate(1000)
     line = _one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
     assert "text_encoder.safetensors" in line and "incomplete or damaged" in line, line
+    shutil.copy(export / "text_encoder.safetensors", truncated / "text_encoder.safetensors")
+    (truncated / "open_clip_model.safetensors").write_bytes(b"")  # open_clip's copy too, when config.json lists it
+    line = _one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
+    assert "open_clip_model.safetensors" in line and "incomplete or damaged" in line, line
     shutil.copytree(export, edited)
     state = load_file(edited / "image_encoder.safetensors")
     state[next(iter(state))] += 1

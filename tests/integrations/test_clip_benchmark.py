@@ -71,14 +71,42 @@ def test_retrieval_agrees_on_real_images(rgb_model, tmp_path):
     assert ours["num_captions"] == 60
 
 
+@pytest.fixture(scope="module")
+def fashion_mnist_5000(tmp_path_factory) -> Path:
+    """5,000 Fashion-MNIST test images as `lit-softmoe data fashion-mnist` writes them."""
+    root = tmp_path_factory.mktemp("fmnist") / "fashion-mnist"
+    write_fashion_mnist_shards(root, limit=5000)
+    return root
+
+
 @needs_clip_benchmark
 @needs_foolbox
-def test_fashion_mnist_agrees(tmp_path):
+def test_fashion_mnist_agrees(tmp_path, fashion_mnist_5000):
     model_dir = save_pair(tmp_path / "gray", in_channels=1, image_size=28)
-    root = tmp_path / "fashion-mnist"
-    write_fashion_mnist_shards(root, limit=5000)
-    ours, theirs = _agree(model_dir, root, "fashion-mnist", tmp_path)
+    ours, theirs = _agree(model_dir, fashion_mnist_5000, "fashion-mnist", tmp_path)
     assert ours["num_samples"] == 5000 and 0.0 < ours["metrics"]["top1"] < 1.0
+
+
+@needs_clip_benchmark
+@pytest.mark.slow
+def test_stock_clip_benchmark_scores_the_open_clip_export_as_our_eval(tmp_path, fashion_mnist_5000):
+    """CLIP_benchmark's own open_clip loader (`--model_type open_clip --model local-dir:EXPORT`) on the
+    export's open_clip files, against our eval of the same export, on 5,000 Fashion-MNIST test images.
+    The gray tower: open_clip's RGB pixels reach it through the luma-widened patch embedding."""
+    pytest.importorskip("timm")
+    from lit_runs import _make_run
+    from lit_softmoe.export import export_pair
+    export = export_pair(_make_run(tmp_path / "run"), tmp_path / "export")
+    root = fashion_mnist_5000
+    cfg = EvalSuiteConfig(name="peer", workers=0, batch_size=64, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(root))])
+    ours = run_suite(export, cfg, out=tmp_path / "ours.json")["results"][0]
+    theirs = in_our_names(run_clip_benchmark(export, root, "fashion-mnist", model_type="open_clip")["metrics"])
+    assert ours["status"] == "ok" and ours["num_samples"] == 5000 and set(ours["metrics"]) == set(theirs)
+    assert 0.0 < ours["metrics"]["top1"] < 1.0
+    for key, value in ours["metrics"].items():
+        assert abs(value - theirs[key]) * 100 <= 0.1, (key, value, theirs[key])
+    print(f"ours {ours['metrics']}, CLIP_benchmark on open_clip {theirs}")
 
 
 def _peer_entry(model, tmp_path, **spec) -> dict:

@@ -93,3 +93,21 @@ def test_pretrained_cfg_takes_one_mean_for_all_channels_or_one_per_channel():
     assert listed["mean"] == (0.1, 0.2, 0.3) and listed["std"] == (1, 2, 3)
     one = timm_pretrained_cfg(rgb, {"image_size": 28, "mean": [0.5], "std": [0.5]})  # as convert/upcycle write
     assert one["mean"] == (0.5, 0.5, 0.5) and one["std"] == (0.5, 0.5, 0.5)
+
+
+def test_a_config_tag_builds_any_tower_config():
+    """`timm_model_spec` names a registered config plainly and any other as the nearest registered name with
+    a tag of the fields that differ; timm hands the tag to our entry point, which builds that config."""
+    from dataclasses import replace
+
+    from lit_softmoe.models.registry import image_tower_config
+    from lit_softmoe.models.timm_config import timm_model_spec
+    assert timm_model_spec(image_tower_config("soft-s16-128e", num_classes=1000)) == "soft_moe_s16_128e"
+    wanted = image_tower_config("soft-test-4e", in_channels=3, image_size=32, patch_size=8, moe_layers=(0, 1))
+    name = timm_model_spec(wanted)
+    assert name.startswith("soft_moe_test_4e.cfg-") and ":" not in name and "/" not in name
+    tower = timm.create_model(name)
+    assert tower.cfg == wanted and tower.pretrained_cfg["input_size"] == (3, 32, 32)
+    assert timm.create_model(name, num_classes=7, in_chans=1).cfg == replace(wanted, num_classes=7, in_channels=1)
+    with pytest.raises(ValueError, match="no lit-softmoe config tag"):
+        timm.create_model("soft_moe_test_4e.cfg-%%%")

@@ -1,0 +1,96 @@
+"""An export as open_clip reads it: `open_clip_config.json` + `open_clip_model.safetensors`.
+
+open_clip's `local-dir:` and `hf-hub:` loaders (`open_clip.create_model_and_transforms`,
+`open_clip.get_tokenizer`) read `model_cfg` and `preprocess_cfg` from `open_clip_config.json` and the
+weights from `open_clip_model.safetensors` (the first name `open_clip.factory._find_checkpoint_in_dir`
+prefers). The model they build is open_clip's `CustomTextCLIP`:
+
+- `visual`: open_clip's `TimmModel` around `timm.create_model(vision_cfg.timm_model_name)`, our tower
+  once `lit_softmoe.integrations.timm` registered it (`models.timm_config.timm_model_spec` names any
+  config); global average pooling as ours; `timm_proj` "none" (LiT's default, no image head) or
+  "linear" with a bias (our `image_head`).
+- `text`: open_clip's `TextTransformer`, the class our "transformer" text tower is, with its shape.
+- `preprocess_cfg`: resize of the shorter side (bilinear) + center crop + mean/std, as our eval transform.
+
+Gray towers: open_clip's transforms always give RGB (`PreprocessCfg` asserts mode "RGB"), so the
+patch embedding is widened to 3 channels with the ITU-R 601-2 luma weights (0.299, 0.587, 0.114) that
+PIL's `convert("L")`, our gray conversion, uses. They sum to 1, so on gray content (R = G = B) the
+tower computes what it computes on the gray image; on colour images PIL's integer rounding aside.
+
+Not written (the reason goes into config.json and the model card): text towers from Hugging Face
+(open_clip's `HFTextEncoder` loads the encoder by hub name, tokenizes with its own `HFTokenizer` and
+pools differently at padding, and has no last-token pooling: its embeddings would not be ours),
+Tokens Choice towers (not registered with timm: its training loop would drop their balancing loss),
+and image-only exports (open_clip builds pairs; `timm.create_model("local-dir:...")` takes a tower).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.text import OpenClipTextTower
+from lit_softmoe.models.timm_config import timm_model_spec
+
+OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
+LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # PIL's convert("L"): L = R·299/1000 + G·587/1000 + B·114/1000
+
+
+def open_clip_skip_reason(model: LiTModel | None) -> str | None:
+    """Why open_clip cannot load this export as our model, or None when it can."""
+    if model is None:
+        return "an image tower alone: open_clip builds image-text pairs (timm's local-dir: loads a tower)"
+    if not isinstance(model.text_tower, OpenClipTextTower):
+        return ("a Hugging Face text tower: open_clip's HFTextEncoder tokenizes and pools differently from ours "
+                "(and has no last-token pooling), so its embeddings would not be this model's")
+    if model.image_tower.cfg.moe_type == "tokens_choice" and model.image_tower.cfg.moe_layers:
+        return "a Tokens Choice tower: not registered with timm, whose training loop would drop its balancing loss"
+    return None
+
+
+def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
+    """`open_clip_config.json`: the `model_cfg` that rebuilds `model` and the `preprocess_cfg` of its tower."""
+    tower_cfg, text_cfg = model.image_tower.cfg, model.text_tower.cfg
+    vision = {"image_size": tower_cfg.image_size,
+              "timm_model_name": timm_model_spec(_rgb(tower_cfg)), "timm_model_pretrained": False,
+              "timm_pool": "avg",  # our towers' pooling: the mean over the tokens after the final norm
+              "timm_proj": "linear" if isinstance(model.image_head, torch.nn.Linear) else "none",
+              "timm_proj_bias": True}
+    text = {"context_length": text_cfg.context_length, "vocab_size": text_cfg.vocab_size, "width": text_cfg.width,
+            "heads": text_cfg.heads, "layers": text_cfg.layers, "mlp_ratio": text_cfg.mlp_ratio,
+            "pool_type": "argmax", "proj_type": "linear", "proj_bias": False}
+    model_cfg = {"embed_dim": model.text_tower.embed_dim, "custom_text": True, "quick_gelu": False,
+                 "init_logit_scale": float(model.logit_scale.detach()), "vision_cfg": vision, "text_cfg": text}
+    if model.logit_bias is not None:
+        model_cfg["init_logit_bias"] = float(model.logit_bias.detach())
+
+    def rgb(values: list[float]) -> list[float]:
+        return values * 3 if len(values) == 1 else values
+
+    preprocess_cfg = {"size": preprocess["image_size"], "mode": "RGB", "mean": rgb(preprocess["mean"]),
+                      "std": rgb(preprocess["std"]), "interpolation": "bilinear", "resize_mode": "shortest"}
+    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+
+
+def open_clip_state_dict(state: dict[str, torch.Tensor], in_channels: int) -> dict[str, torch.Tensor]:
+    """A LiTModel state dict (the export's own key names) under open_clip's CustomTextCLIP names."""
+    renamed = {}
+    for key, value in state.items():
+        if key.startswith("image_tower.head."):
+            continue  # the pretraining class head: open_clip's trunk is built without one
+        if key == "image_tower.patch_embed.weight" and in_channels == 1:
+            luma = torch.tensor(LUMA_WEIGHTS, dtype=torch.float32).view(1, 3, 1, 1)
+            value = (value.float() * luma).to(value.dtype)  # (d, 1, p, p) → (d, 3, p, p)
+        for ours, theirs in (("image_tower.", "visual.trunk."), ("image_head.", "visual.head.proj."),
+                             ("text_tower.transformer.", "text.")):
+            if key.startswith(ours):
+                key = theirs + key[len(ours):]
+                break
+        renamed[key] = value.contiguous()
+    return renamed
+
+
+def _rgb(cfg):
+    """The tower open_clip builds: 3 input channels (see the module docstring)."""
+    return replace(cfg, in_channels=3) if cfg.in_channels == 1 else cfg
