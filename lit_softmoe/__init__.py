@@ -3,10 +3,19 @@
 The names below are the library's public surface. Each is imported on first use (PEP 562), so
 `import lit_softmoe` costs nothing and `from lit_softmoe import SoftMoE` loads the layers only; no
 public name loads the training code, accelerate or webdataset.
+
+Our towers are registered with timm (`lit_softmoe.integrations.timm`) as soon as timm is imported,
+before or after `import lit_softmoe`: `timm.create_model("soft_moe_s16_128e")` and open_clip's
+`local-dir:` loading of an export then work, and a user who never imports timm does not pay the
+seconds it takes to import.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -54,3 +63,35 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC})
+
+
+def _register_with_timm() -> None:
+    try:
+        importlib.import_module("lit_softmoe.integrations.timm")
+    except Exception as err:  # a timm this version cannot work with must not break `import timm`
+        warnings.warn(f"lit-softmoe could not register its towers with timm: {type(err).__name__}: {err}",
+                      stacklevel=2)
+
+
+class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):
+    """Finds timm as Python would, and has its module register our towers once it has run."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "timm":
+            return None
+        sys.meta_path.remove(self)  # once; and the lookup below must not come back here
+        spec = importlib.util.find_spec("timm")
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_timm = spec.loader.exec_module
+
+            def exec_module(module):
+                run_timm(module)
+                _register_with_timm()
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if "timm" in sys.modules:
+    _register_with_timm()
+elif not any(isinstance(finder, _RegisterWhenTimmLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenTimmLoads())

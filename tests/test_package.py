@@ -46,3 +46,13 @@ def test_an_unknown_name_is_an_attribute_error():
         assert "load_trainer" in str(err)
     else:
         raise AssertionError("lit_softmoe.load_trainer resolved")
+
+
+def test_timm_knows_our_towers_whichever_is_imported_first():
+    """`import lit_softmoe` does not import timm, yet once timm is imported (before or after) it builds ours."""
+    for code in ("import lit_softmoe, timm", "import timm, lit_softmoe"):
+        script = (f"{code}\nimport sys\nassert 'lit_softmoe.integrations.timm' in sys.modules\n"
+                  "print(type(timm.create_model('soft_moe_test_4e')).__module__)")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+        assert done.stdout.strip() == "lit_softmoe.models.vit", code
+    assert "lit_softmoe.integrations.timm" not in _loaded_after("import timm")  # without us, timm is timm
