@@ -93,13 +93,7 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
             load(truncated)
 
 
-# ---- hf-hub: an export on the Hugging Face Hub, read from an offline cache ------------------------
-
-@pytest.fixture
-def hub_export(run, tmp_path_factory):
-    from lit_softmoe.export import export_pair
-    return export_pair(run, tmp_path_factory.mktemp("hub") / "export", onnx=False)
-
+# ---- hf-hub: an export on the Hugging Face Hub, read from an offline cache (hub_export: conftest.py) ----
 
 def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path, monkeypatch):
     from hf_hub_cache import cache_repo, offline_hf_cache
