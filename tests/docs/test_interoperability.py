@@ -1,0 +1,103 @@
+"""docs/interoperability.md: every example on the page, run as the page shows it.
+
+An example is a fenced block right after an `<!-- example: NAME -->` line. Its placeholder folders
+(`runs/demo/export`, `data/fashion-mnist`, ...) are replaced by folders the fixtures build, and what it
+computes is checked against our own API's answer on the same folder. No example needs the network."""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalkit import needs_clip_benchmark
+from lit_softmoe.hub import load_pretrained
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
+EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
+                     r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
+# The examples the tests below run, by the name that marks them on the page.
+RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "hf-hub"}
+
+
+def _examples() -> dict[str, str]:
+    examples = {}
+    for match in EXAMPLE.finditer(DOC.read_text()):
+        assert match["name"] not in examples, f"two examples named {match['name']}"
+        examples[match["name"]] = textwrap.dedent(match["body"])
+    return examples
+
+
+def _example(name: str, **folders) -> str:
+    """The example `name`, each placeholder folder (`folders`: placeholder -> tmp folder) replaced."""
+    code = _examples()[name]
+    assert len(code.splitlines()) <= 6, f"{name}: {len(code.splitlines())} lines, a short example has 6 at most"
+    for placeholder, folder in folders.items():
+        assert placeholder in code, f"{name} no longer names {placeholder}"
+        code = code.replace(placeholder, str(folder))
+    return code
+
+
+def _run(code: str) -> dict:
+    scope: dict = {"__name__": "__example__"}
+    exec(compile(code, str(DOC), "exec"), scope)  # noqa: S102 (the docs' own example)
+    return scope
+
+
+def test_every_block_of_the_page_is_an_example_that_runs():
+    text = DOC.read_text()
+    fences = re.findall(r"^ *```\w+$", text, re.MULTILINE)
+    examples = _examples()
+    assert len(fences) == len(examples), "a fenced block of the page has no `<!-- example: NAME -->` line before it"
+    assert set(examples) == RUN_HERE, "an example of the page is not run here, or one run here left the page"
+
+
+# ---- open_clip ----------------------------------------------------------------------------------
+
+def test_open_clip_zero_shot_example_gives_our_classifier(hub_export):
+    pytest.importorskip("open_clip")
+    from lit_softmoe.evals.classifier import build_zeroshot_classifier
+    code = _example("open-clip-zero-shot", **{"runs/demo/export": hub_export})
+    assert code.count(str(hub_export)) == 2  # the model and the tokenizer
+    classifier = _run(code)["classifier"]
+    model, _, tokenizer = load_pretrained(hub_export)
+    ours = build_zeroshot_classifier(model.encode_text, tokenizer, ["sneaker", "bag"],
+                                     ["a photo of a {c}.", "a drawing of a {c}."])
+    assert classifier.shape == (model.text_tower.embed_dim, 2)
+    torch.testing.assert_close(classifier, ours, rtol=0, atol=1e-6)
+
+
+# ---- CLIP_benchmark ----------------------------------------------------------------------------
+
+@needs_clip_benchmark
+def test_clip_benchmark_example_agrees_with_our_suite(hub_export, fmnist, tmp_path, capsys):
+    from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+    from lit_softmoe.evals.suite import run_suite
+    from lit_softmoe.integrations.clip_benchmark import in_our_names
+    code = _example("clip-benchmark", **{"runs/demo/export": hub_export, "data/fashion-mnist": fmnist})
+    result = _run(code)["result"]
+    assert capsys.readouterr().out.strip().endswith(str(result["metrics"]))
+    assert set(result["metrics"]) >= {"acc1", "acc5", "mean_per_class_recall"}  # the names the comment gives
+    suite = EvalSuiteConfig(name="s", workers=0, batch_size=64, cache_dir=str(tmp_path / "cache"),
+                            benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(fmnist), split="test")])
+    ours = run_suite(hub_export, suite, out=tmp_path / "ours.json")["results"][0]
+    assert ours["status"] == "ok" and ours["num_samples"] == 300
+    theirs = in_our_names(result["metrics"])
+    assert set(theirs) == set(ours["metrics"])
+    for key, value in ours["metrics"].items():
+        assert abs(value - theirs[key]) * 100 <= 0.1 + 1e-6, (key, value, theirs[key])  # float32 slack
+
+
+# ---- Hugging Face -------------------------------------------------------------------------------
+
+def test_hf_hub_example_loads_the_cached_export_offline(hub_export, tmp_path, monkeypatch):
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/name", hub_export)
+    code = _example("hf-hub")
+    assert 'load_pretrained("hf-hub:org/name")' in code
+    text = _run(code)["text"]
+    reference, _, tokenizer = load_pretrained(hub_export)
+    with torch.no_grad():
+        assert torch.equal(text, reference.encode_text(tokenizer(["a photo of a sneaker"])))
