@@ -19,7 +19,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
 EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
                      r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
 # The examples the tests below run, by the name that marks them on the page.
-RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "hf-hub"}
+RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub"}
 
 
 def _examples() -> dict[str, str]:
@@ -88,6 +88,27 @@ def test_clip_benchmark_example_agrees_with_our_suite(hub_export, fmnist, tmp_pa
     assert set(theirs) == set(ours["metrics"])
     for key, value in ours["metrics"].items():
         assert abs(value - theirs[key]) * 100 <= 0.1 + 1e-6, (key, value, theirs[key])  # float32 slack
+
+
+# ---- timm -----------------------------------------------------------------------------------------
+
+def test_timm_example_builds_a_registered_tower_and_a_tower_folder(run):
+    from lit_softmoe.hub import load_image_tower
+    from lit_softmoe.models.registry import image_tower_config
+    from lit_softmoe.models.vit import VisionTransformer
+    from towers import images
+    tower_dir = run.parent / "pre" / "tower"  # soft-test-4e: 28x28 gray in patches of 7, as the demo's
+    code = _example("timm", **{"runs/demo/pretrain/tower": tower_dir})
+    scope = _run(code)
+    fresh, tower, tokens = scope["fresh"], scope["tower"], scope["tokens"]
+    assert isinstance(fresh, VisionTransformer)
+    assert fresh.cfg == image_tower_config("soft-tiny-p7-16e", num_classes=10)
+    ours, _ = load_image_tower(tower_dir)
+    assert tower.cfg == ours.cfg and not tower.training
+    assert tokens.shape == (2, 16, ours.cfg.width) and "# (2, 16, D)" in code
+    x = images(ours.cfg, b=2)
+    with torch.no_grad():
+        assert torch.equal(tower.forward_features(x), ours.forward_features(x))  # the folder's weights
 
 
 # ---- Hugging Face -------------------------------------------------------------------------------
