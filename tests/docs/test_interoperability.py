@@ -5,6 +5,7 @@ An example is a fenced block right after an `<!-- example: NAME -->` line. Its p
 computes is checked against our own API's answer on the same folder. No example needs the network."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import textwrap
 from pathlib import Path
@@ -19,7 +20,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
 EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
                      r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
 # The examples the tests below run, by the name that marks them on the page.
-RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub"}
+RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub", "onnx"}
 
 
 def _examples() -> dict[str, str]:
@@ -122,3 +123,17 @@ def test_hf_hub_example_loads_the_cached_export_offline(hub_export, tmp_path, mo
     reference, _, tokenizer = load_pretrained(hub_export)
     with torch.no_grad():
         assert torch.equal(text, reference.encode_text(tokenizer(["a photo of a sneaker"])))
+
+
+# ---- ONNX -----------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="pip install 'lit-softmoe[onnx]'")
+def test_onnx_example_gives_encode_text(onnx_export):
+    code = _example("onnx", **{"runs/demo/export": onnx_export})
+    assert "torch" not in code
+    text = _run(code)["text"]
+    model, _, tokenizer = load_pretrained(onnx_export)
+    with torch.no_grad():
+        expected = model.encode_text(tokenizer(["a photo of a sneaker"]))
+    assert text.shape == tuple(expected.shape) == (1, model.text_tower.embed_dim)
+    torch.testing.assert_close(torch.from_numpy(text), expected, rtol=0, atol=1e-4)  # export's own check: 1e-4
