@@ -2,11 +2,13 @@
 
 An example is a fenced block right after an `<!-- example: NAME -->` line. Its placeholder folders
 (`runs/demo/export`, `data/fashion-mnist`, ...) are replaced by folders the fixtures build, and what it
-computes is checked against our own API's answer on the same folder. No example needs the network."""
+computes is checked against our own API's answer on the same folder; the trackers' command runs in a
+tmp folder laid out as the shipped config expects. No example needs the network."""
 from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import textwrap
 from pathlib import Path
 
@@ -20,7 +22,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
 EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
                      r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
 # The examples the tests below run, by the name that marks them on the page.
-RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub", "onnx"}
+RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub", "onnx", "trackers"}
 
 
 def _examples() -> dict[str, str]:
@@ -137,3 +139,53 @@ def test_onnx_example_gives_encode_text(onnx_export):
         expected = model.encode_text(tokenizer(["a photo of a sneaker"]))
     assert text.shape == tuple(expected.shape) == (1, model.text_tower.embed_dim)
     torch.testing.assert_close(torch.from_numpy(text), expected, rtol=0, atol=1e-4)  # export's own check: 1e-4
+
+
+# ---- experiment trackers ---------------------------------------------------------------------------
+
+def _hparams(folder: Path) -> dict:
+    """The hyperparameters TensorBoard shows for the run in `folder` (its hparams plugin's session start)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    for file in folder.rglob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(file)).Load():
+            for value in event.summary.value:
+                if value.tag == "_hparams_/session_start_info":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    hparams = data.session_start_info.hparams  # name -> protobuf Value
+                    return {name: getattr(v, v.WhichOneof("kind")) for name, v in hparams.items()}
+    raise AssertionError(f"no hparams under {folder}")
+
+
+def test_trackers_example_trains_with_its_metrics_in_tensorboard(data, tmp_path, monkeypatch):
+    """The command as the page gives it, in a folder laid out as the shipped config names its inputs (the
+    tower and feature cache of `data`); TensorBoard then holds what metrics.jsonl holds, and the config."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_softmoe import cli
+    from lit_softmoe.config import LiTConfig, config_path, load_config
+    from lit_softmoe.train.logging import read_metrics
+    lines = [line for line in _example("trackers").splitlines() if not line.startswith("#")]
+    assert [line.split()[0] for line in lines] == ["lit-softmoe", "tensorboard"]
+    argv, logdir = shlex.split(lines[0])[1:], Path(shlex.split(lines[1])[-1])
+    shipped = load_config(LiTConfig, config_path(LiTConfig, argv[argv.index("--config") + 1]))
+    features = Path(shipped.data.train).parent  # as `lit-softmoe embed --out FEATURES` writes both splits
+    assert Path(shipped.eval.shards) == features / "test" and Path(shipped.data.train) == features / "train"
+    for placeholder, built in ((Path(shipped.image_tower), data / "tower"), (features, data / "features")):
+        (tmp_path / placeholder).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / placeholder).symlink_to(built)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 0
+    run = Path(shipped.run_dir)
+    assert logdir == run / "tensorboard"
+    accumulator = EventAccumulator(str(logdir))
+    accumulator.Reload()
+    records = read_metrics(run / "metrics.jsonl")
+    for tag in ("loss", "zeroshot_top1"):
+        logged = [(r["step"], r[tag]) for r in records if tag in r]
+        shown = [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        assert logged and [s for s, _ in shown] == [s for s, _ in logged], tag
+        assert [v for _, v in shown] == pytest.approx([v for _, v in logged], rel=1e-6), tag
+    hparams = _hparams(logdir)
+    assert hparams["log_project"] == "fmnist" and hparams["log_with"] == "['tensorboard']"
+    assert hparams["image_tower"] == shipped.image_tower
