@@ -72,6 +72,13 @@ def onnx_export(run) -> Path:
     return out
 
 
+@pytest.fixture
+def hub_export(run, tmp_path_factory) -> Path:
+    """An export of `run` without ONNX: what the hub and docs tests load, from a folder or a Hub cache."""
+    from lit_softmoe.export import export_pair
+    return export_pair(run, tmp_path_factory.mktemp("hub") / "export", onnx=False)
+
+
 # ---- others ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -93,13 +93,7 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
             load(truncated)
 
 
-# ---- hf-hub: an export on the Hugging Face Hub, read from an offline cache ------------------------
-
-@pytest.fixture
-def hub_export(run, tmp_path_factory):
-    from lit_softmoe.export import export_pair
-    return export_pair(run, tmp_path_factory.mktemp("hub") / "export", onnx=False)
-
+# ---- hf-hub: an export on the Hugging Face Hub, read from an offline cache (hub_export: conftest.py) ----
 
 def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path, monkeypatch):
     from hf_hub_cache import cache_repo, offline_hf_cache
@@ -140,22 +134,6 @@ def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch)
     for bad in ("hf-hub:a/b/c", "hf-hub:org/name@", "hf-hub:"):
         with pytest.raises(UserError, match="is not a Hub model name; write hf-hub:ORG/NAME"):
             load_pretrained(bad)
-
-
-def test_the_hf_hub_snippet_of_the_docs_runs_offline(hub_export, tmp_path, monkeypatch):
-    import re
-    from pathlib import Path
-
-    from hf_hub_cache import cache_repo, offline_hf_cache
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "interoperability.md").read_text()
-    snippet = re.search(r"snippet against an offline cache it builds:\n\n```python\n(.*?)```", doc, re.DOTALL).group(1)
-    assert "load_pretrained(\"hf-hub:org/name\")" in snippet and len(snippet.splitlines()) == 5
-    cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/name", hub_export)
-    scope: dict = {}
-    exec(snippet, scope)  # noqa: S102 (the docs' own example)
-    reference, _, tokenizer = load_pretrained(hub_export)
-    with torch.no_grad():
-        assert torch.equal(scope["text"], reference.encode_text(tokenizer(["a photo of a sneaker"])))
 
 
 # ---- weights written before `log_scale` became open_clip's `logit_scale` still load --------------
@@ -229,20 +207,3 @@ def test_open_clips_zero_shot_classifier_builds_ours_on_our_model(hub_export):
     ours = build_zeroshot_classifier(model.encode_text, tokenizer, classnames, templates)
     assert theirs.shape == ours.shape == (model.text_tower.embed_dim, len(classnames))
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
-
-
-def test_the_open_clip_snippet_of_the_docs_runs(hub_export):
-    import re
-    from pathlib import Path
-
-    pytest.importorskip("open_clip")
-    from lit_softmoe.evals.classifier import build_zeroshot_classifier
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "interoperability.md").read_text()
-    snippet = re.search(r"```python\n(import open_clip, lit_softmoe\n.*?)```", doc, re.DOTALL).group(1)
-    assert len(snippet.splitlines()) == 5 and snippet.count('"runs/demo/export"') == 2
-    scope: dict = {}
-    exec(snippet.replace('"runs/demo/export"', repr(str(hub_export))), scope)  # noqa: S102 (the docs' own example)
-    model, _, tokenizer = load_pretrained(hub_export)
-    ours = build_zeroshot_classifier(model.encode_text, tokenizer, ["sneaker", "bag"],
-                                     ["a photo of a {c}.", "a drawing of a {c}."])
-    torch.testing.assert_close(scope["classifier"], ours, rtol=0, atol=1e-6)
