@@ -74,18 +74,28 @@ def _register_with_timm() -> None:
 
 
 class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):
-    """Finds timm as Python would, and has its module register our towers once it has run."""
+    """Finds timm as Python would, and has its module register our towers once it has run.
+
+    Stays in `sys.meta_path` until timm is imported: libraries ask `importlib.util.find_spec("timm")`
+    only to learn whether it is installed (transformers does), and that import may come later."""
+
+    _finding = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "timm":
+        if fullname != "timm" or self._finding:
             return None
-        sys.meta_path.remove(self)  # once; and the lookup below must not come back here
-        spec = importlib.util.find_spec("timm")
+        self._finding = True  # the lookup below must not come back here
+        try:
+            spec = importlib.util.find_spec("timm")
+        finally:
+            self._finding = False
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             run_timm = spec.loader.exec_module
 
             def exec_module(module):
                 run_timm(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 _register_with_timm()
             spec.loader.exec_module = exec_module
         return spec

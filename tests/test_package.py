@@ -50,7 +50,9 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_timm_knows_our_towers_whichever_is_imported_first():
     """`import lit_softmoe` does not import timm, yet once timm is imported (before or after) it builds ours."""
-    for code in ("import lit_softmoe, timm", "import timm, lit_softmoe"):
+    # transformers asks importlib whether timm is installed without importing it: the hook must stay.
+    for code in ("import lit_softmoe, timm", "import timm, lit_softmoe",
+                 "import lit_softmoe, importlib.util; importlib.util.find_spec('timm'); import timm"):
         script = (f"{code}\nimport sys\nassert 'lit_softmoe.integrations.timm' in sys.modules\n"
                   "print(type(timm.create_model('soft_moe_test_4e')).__module__)")
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)

@@ -22,7 +22,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
 EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
                      r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
 # The examples the tests below run, by the name that marks them on the page.
-RUN_HERE = {"open-clip-zero-shot", "clip-benchmark", "timm", "hf-hub", "onnx", "trackers"}
+RUN_HERE = {"open-clip-zero-shot", "open-clip-export", "clip-benchmark", "timm", "hf-hub", "onnx", "trackers"}
 
 
 def _examples() -> dict[str, str]:
@@ -70,6 +70,20 @@ def test_open_clip_zero_shot_example_gives_our_classifier(hub_export):
                                      ["a photo of a {c}.", "a drawing of a {c}."])
     assert classifier.shape == (model.text_tower.embed_dim, 2)
     torch.testing.assert_close(classifier, ours, rtol=0, atol=1e-6)
+
+
+def test_open_clip_export_example_embeds_as_ours(hub_export):
+    pytest.importorskip("open_clip")
+    code = _example("open-clip-export", **{"runs/demo/export": hub_export})
+    scope = _run(code)
+    assert type(scope["model"]).__name__ == "CustomTextCLIP"  # open_clip's own class, built from the export
+    assert scope["text"].shape == scope["ours"].shape == (1, scope["model"].text.output_dim)
+    torch.testing.assert_close(scope["text"], scope["ours"], rtol=0, atol=1e-5)
+    model, _, _ = load_pretrained(hub_export)
+    pixels = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(scope["model"].encode_image(pixels.expand(-1, 3, -1, -1), normalize=True),
+                                   model.encode_image(pixels), rtol=0, atol=1e-5)
 
 
 # ---- CLIP_benchmark ----------------------------------------------------------------------------
