@@ -659,3 +659,10 @@ def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(
         got = np.stack([np.load(io.BytesIO(sample["npy"])) for sample in written])
         assert got.dtype == np.float16 and got.shape == expected.shape
         assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("width", [1, 32, 768, 40_000])
+def test_npy_rows_are_np_save_of_each_row(width):
+    from lit_softmoe.train.embed import _npy_bytes, _npy_rows
+    rows = np.random.default_rng(width).standard_normal((3, width)).astype(np.float16)
+    assert _npy_rows(rows) == [_npy_bytes(row) for row in rows]
