@@ -21,6 +21,11 @@ reads them back. `embed.json` lives in the split folder, so train and test cache
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing).
 
+Keeping a GPU fed: the DataLoader workers decode, resize and crop, and send uint8 batches (a quarter of
+float32's bytes through shared memory, pinning and the copy to the GPU); the normalization runs on the
+device, bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the
+GPU while the host turns the previous one into samples and shards (`_ToHost`).
+
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder. Each feature shard is written
 atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
