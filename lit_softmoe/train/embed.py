@@ -257,7 +257,9 @@ class _ToHost:
         self.event = None
         if features.is_cuda:
             self.event = torch.cuda.Event()
-            self.event.record()
+            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless set),
+            # which LOCAL_RANK's GPU need not be.
+            self.event.record(torch.cuda.current_stream(features.device))
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
