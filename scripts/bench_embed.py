@@ -8,13 +8,20 @@ decode=reduced: JPEGs at a DCT scale) and writes feature shards. The ratio embed
 much of the GPU the host keeps fed; on a GPU run, a ratio well under 1 with the workers' cores busy
 means more cores (or GPU JPEG decoding) would pay.
 
+`--baseline` first runs embed's loop as it was before its workers sent uint8 pixels (float32 batches, each
+waited for before the next was queued, np.save per sample: `_loop_before`) over the same shards, then
+checks that the two wrote the same feature shards, byte for byte. Every run checks that the normalization
+on the device gives bitwise the pixels of the tower's transform on the CPU.
+
     python scripts/bench_embed.py                          # CUDA: soft-b16-128e, 8,192 images, a worker per core
     python scripts/bench_embed.py --cpu                    # tiny shapes in seconds (the test suite runs this)
     python scripts/bench_embed.py --tower soft-s16-128e --images 4096 --workers 8 --json embed.json
+    python scripts/bench_embed.py --images 16384 --baseline     # before/after in one run
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -22,14 +29,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import PIL.Image
 import torch
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
-from lit_softmoe.data.shards import write_split  # noqa: E402
+from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
+from lit_softmoe.data.transforms import preprocess_transform  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
+from lit_softmoe.train import embed  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
 from lit_softmoe.utils.device import autocast_dtype  # noqa: E402
 
@@ -48,6 +60,58 @@ def _ceiling(tower, device: torch.device, batch: int, image_size: int, channels:
     return batch / (milliseconds / 1000)
 
 
+def _normalization_matches(jpegs: list[bytes], preprocess: dict, channels: int, device: torch.device) -> bool:
+    """Whether embed's uint8 batches normalized on `device` are bitwise the tower's whole transform on the CPU."""
+    transform = preprocess_transform(preprocess, channels)
+    pixels, normalize = embed._pixels_and_normalization(transform)
+    expected = torch.stack([transform(PIL.Image.open(io.BytesIO(data))) for data in jpegs])
+    with torch.inference_mode():
+        got = normalize(torch.stack([pixels(PIL.Image.open(io.BytesIO(data))) for data in jpegs]).to(device))
+    return torch.equal(got.cpu(), expected)
+
+
+def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int, workers: int, preprocess: dict,
+                 channels: int) -> float:
+    """Steady images/s (after the first batch) of embed's main loop as it was before uint8 batches (commit
+    2cfbcf0): the workers ran the whole transform and sent float32 batches (pinned, then copied to the
+    device), `.cpu()` waited for each batch before the next was queued, and each sample's .npy was np.save'd
+    alone. Same shards, tower, workers, DataLoader and shard writing as embed; its shards go to `out`."""
+    urls = shard_urls(shards)
+    todo = list(enumerate(urls))
+    dataset = embed._SourceShards(todo, "image-caption", preprocess_transform(preprocess, channels), batch,
+                                  listed_sizes(urls) or {}, with_cls=False)
+    loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(todo)),
+                        pin_memory=device.type == "cuda")
+    autocast = autocast_dtype("auto", device)
+    out.mkdir(parents=True)
+    pending: dict[int, list[dict]] = {}
+    first, later = None, 0
+    for item in loader:
+        if "done" in item:
+            embed._write_feature_shard(out, item["shard"], pending.pop(item["shard"], []), item["done"])
+            continue
+        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast or torch.float32,
+                                                    enabled=autocast is not None):
+            features = tower.forward_pooled(item["image"].to(device, non_blocking=True))
+        embeddings = features.float().to(torch.float16).cpu().numpy()
+        samples = pending.setdefault(item["shard"], [])
+        for key, caption, embedding in zip(item["key"], item["caption"], embeddings):
+            if np.isfinite(embedding).all() and is_safe_key(key):
+                samples.append(embed._feature_sample(key, embed._npy_bytes(embedding), caption, None))
+        if first is None:
+            first = time.perf_counter()
+        else:
+            later += len(item["key"])
+    seconds = time.perf_counter() - first if first is not None else 0.0
+    return later / seconds if later and seconds > 0 else 0.0
+
+
+def _same_shards(first: Path, second: Path) -> bool:
+    names = sorted(path.name for path in first.glob("*.tar"))
+    return bool(names) and names == sorted(path.name for path in second.glob("*.tar")) and all(
+        (first / name).read_bytes() == (second / name).read_bytes() for name in names)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
@@ -58,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=None, help="decoding workers (default: one per core)")
     parser.add_argument("--decode", choices=("reduced", "full"), default="reduced",
                         help="the tower's preprocess decode: reduced (DCT scaling, the default) or full")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time embed's loop as it was before uint8 batches, and compare their shards")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
@@ -83,10 +149,18 @@ def main(argv: list[str] | None = None) -> dict:
         save_tower(tmp / "tower", tower, extra={"preprocess": preprocess})
         setup_seconds = time.perf_counter() - tic
         ceiling = _ceiling(tower.to(device), device, batch, image_size, channels)
+        print(f"ceiling {ceiling:,.0f} images/s; setup {setup_seconds:.0f} s", flush=True)
+        normalization = _normalization_matches(jpegs[:8], preprocess, channels, device)
+        before = None
+        if args.baseline:
+            before = _loop_before(tower, device, str(tmp / "data" / "train"), tmp / "before", batch, workers,
+                                  preprocess, channels)
+            print(f"before: {before:,.0f} images/s", flush=True)
         del tower
         torch.cuda.empty_cache() if device.type == "cuda" else None
         summary = embed_shards(tmp / "tower", str(tmp / "data" / "train"), tmp / "features", batch_size=batch,
                                workers=workers, device=device)
+        same = _same_shards(tmp / "before", tmp / "features" / "train") if args.baseline else None
     # Steady: after the first batch. Overall: start-up included (hashing and loading the tower folder, 15 GB
     # in fp32 for soft-b16-128e, and starting the workers), what a user waits on a short run.
     steady = summary["steady_images_per_second"] or 0.0
@@ -95,15 +169,23 @@ def main(argv: list[str] | None = None) -> dict:
               "workers": workers, "cpus": os.cpu_count(), "decode": args.decode,
               "ceiling_images_per_s": round(ceiling, 1), "embed_images_per_s": round(steady, 1),
               "ratio": round(steady / ceiling, 3), "embed_overall_images_per_s": round(overall, 1),
-              "startup_seconds": summary["startup_seconds"], "setup_seconds": round(setup_seconds, 1)}
+              "startup_seconds": summary["startup_seconds"], "setup_seconds": round(setup_seconds, 1),
+              "normalization_on_device_bitwise": normalization,
+              "before_images_per_s": round(before, 1) if before is not None else None,
+              "same_shards_as_before": same}
     print(f"embed on {device_name}: {name} at {image_size} px, {count} JPEGs of 500-1,200 px, batch {batch}, "
           f"{workers} workers ({os.cpu_count()} CPUs), decode {args.decode}\n")
     print("| path | images/s | / ceiling |\n|---|---:|---:|")
     print(f"| tower alone, pre-decoded tensors on the device (ceiling) | {ceiling:,.0f} | 1.00 |")
+    if before is not None:
+        print(f"| `embed` before uint8 batches (float32 from the workers, a sync per batch), after its first batch | "
+              f"{before:,.0f} | {before / ceiling:.2f} |")
     print(f"| `embed` on the JPEG shards (decode + tower + write), after its first batch | {steady:,.0f} | "
           f"{result['ratio']:.2f} |")
     print(f"| `embed`, start-up included ({summary['startup_seconds']:.1f} s to its first batch) | {overall:,.0f} | "
           f"{overall / ceiling:.2f} |")
+    print(f"\nnormalization on the device bitwise the transform's on the CPU: {normalization}" +
+          (f"; feature shards byte-identical to the loop before: {same}" if same is not None else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -21,6 +21,11 @@ reads them back. `embed.json` lives in the split folder, so train and test cache
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing).
 
+Keeping a GPU fed: the DataLoader workers decode, resize and crop, and send uint8 batches (a quarter of
+float32's bytes through shared memory, pinning and the copy to the GPU); the normalization runs on the
+device, bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the
+GPU while the host turns the previous one into samples and shards (`_ToHost`).
+
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder. Each feature shard is written
 atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
@@ -47,6 +52,7 @@ import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchvision.transforms import v2
 from tqdm import tqdm
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -211,13 +217,54 @@ def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> N
 
 # ---------------------------------------------------------------------------------- embedding
 
-def _embed_batch(tower: torch.nn.Module, images: torch.Tensor, device: torch.device,
+def _pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
+    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization).
+
+    The workers run the first part and send uint8 batches: a quarter of float32's bytes through shared
+    memory, pinning and the copy to the GPU (154 MB a batch of 256 at 224 px as float32), which the main
+    process paid batch after batch. The normalization (to float32, × 1/255, − mean, ÷ std) runs on the batch
+    where the tower runs; its ops are elementwise and exactly rounded on the CPU and the GPU alike, so the
+    tower sees bitwise the pixels the whole transform gives image by image (as eval and LiT see them).
+    """
+    steps = transform.transforms
+    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize):
+        raise ValueError(f"expected an eval transform ending in ToDtype and Normalize, got {transform}")
+    return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
+
+
+def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose, device: torch.device,
                  autocast: torch.dtype | None) -> torch.Tensor:
-    """images (B, C, H, W) → float16 pooled embeddings (B, width) on the CPU."""
-    with torch.inference_mode(), torch.autocast(device.type, dtype=autocast or torch.float32,
-                                                enabled=autocast is not None):
-        features = tower.forward_pooled(images.to(device, non_blocking=True))  # (B, width)
-    return features.float().to(torch.float16).cpu()
+    """uint8 pixels (B, C, H, W) → float16 pooled embeddings (B, width) on `device`, queued there (on a GPU
+    not waited for: `_ToHost` fetches them)."""
+    with torch.inference_mode():
+        images = normalize(pixels.to(device, non_blocking=True))  # float32, outside autocast as in the transform
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            features = tower.forward_pooled(images)  # (B, width)
+    return features.float().to(torch.float16)
+
+
+class _ToHost:
+    """A batch's features on their way to the host, with the batch's keys, captions and classes.
+
+    On a GPU the copy is asynchronous (into pinned memory, then a CUDA event), so the loop queues the next
+    batch on the GPU before it waits for this one: the GPU computes while the host writes samples and
+    shards, instead of each waiting for the other as with a `.cpu()` after every batch.
+    """
+
+    def __init__(self, batch: dict, features: torch.Tensor):
+        self.batch = batch
+        self.features = features.to("cpu", non_blocking=True)  # pinned memory when from a GPU
+        self.event = None
+        if features.is_cuda:
+            self.event = torch.cuda.Event()
+            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless set),
+            # which LOCAL_RANK's GPU need not be.
+            self.event.record(torch.cuda.current_stream(features.device))
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.features.numpy()
 
 
 def _npy_bytes(embedding: np.ndarray) -> bytes:
@@ -228,8 +275,19 @@ def _npy_bytes(embedding: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _npy_rows(embeddings: np.ndarray) -> list[bytes]:
+    """`_npy_bytes` of each row of (B, width): np.save's header depends on the dtype and shape alone, so it is
+    made once a batch and each row's bytes appended (np.save row by row cost more than the rest of the loop)."""
+    row_bytes = embeddings.shape[1] * embeddings.itemsize
+    first = _npy_bytes(embeddings[0])
+    header = first[:len(first) - row_bytes]
+    return [header + row.tobytes() for row in embeddings]
+
+
 class _SourceShards(IterableDataset):
     """Decoded images of whole source shards, batch by batch; runs in each DataLoader worker.
+
+    `transform` gives each image's uint8 pixels (`_pixels_and_normalization`): a batch is (B, C, H, W) uint8.
 
     A worker takes every `num_workers`-th of the shards it is given and reads each to its end, in
     the shard's own order: a batch never mixes two shards, and after a shard's last batch comes its
@@ -268,8 +326,8 @@ class _SourceShards(IterableDataset):
                 "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
 
 
-def _feature_sample(key: str, embedding: np.ndarray, caption: str | None, cls: bytes | None) -> dict:
-    sample = {"__key__": key, "npy": _npy_bytes(embedding)}
+def _feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None) -> dict:
+    sample = {"__key__": key, "npy": npy}
     if caption is not None:
         sample["txt"] = caption.encode("utf-8")
     if cls is not None:
@@ -327,9 +385,12 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
-                                  device, autocast, workers: int, max_bad_fraction: float, source: str,
-                                  finished: list[dict], progress, timing: dict) -> None:
+                                  normalize: v2.Compose, device, autocast, workers: int, max_bad_fraction: float,
+                                  source: str, finished: list[dict], progress, timing: dict) -> None:
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
+
+    `dataset` yields uint8 pixels; `normalize` (`_pixels_and_normalization`) turns them into the tower's
+    input on `device`. One batch stays queued on the device while the previous one's features are written.
 
     `timing` gets "first_batch" (perf_counter once the first batch is embedded) and "later_images"
     (the images embedded after it): the steady rate, without the tower's loading and the workers' start.
@@ -342,9 +403,34 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
                         pin_memory=device.type == "cuda")
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
+
+    def keep(embedded: _ToHost) -> None:
+        """Wait for a batch's features and add its good samples to its shard's."""
+        batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
+        samples, bad = pending.setdefault(batch["shard"], []), skipped.setdefault(batch["shard"], {})
+        # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x` from a
+        # hostile source, never written into our shards. Checked over the whole batch at once.
+        finite = np.isfinite(embeddings).all(axis=1)
+        for key, caption, cls, npy, good in zip(batch["key"], batch["caption"], batch["cls"], _npy_rows(embeddings),
+                                                finite):
+            reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
+            if reason:
+                bad[reason] = bad.get(reason, 0) + 1
+                continue
+            samples.append(_feature_sample(key, npy, caption, cls))
+        progress.update(len(batch["key"]))
+        if "first_batch" in timing:
+            timing["later_images"] += len(batch["key"])
+        else:
+            timing["first_batch"] = time.perf_counter()
+
+    in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
     for batch in loader:
         index = batch["shard"]
         if "done" in batch:
+            if in_flight is not None:  # it may be this shard's last batch
+                keep(in_flight)
+                in_flight = None
             record = batch["done"]
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
@@ -354,22 +440,15 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if error:
                 raise UserError(error)
             continue
-        embeddings = _embed_batch(tower, batch["image"], device, autocast).numpy()  # (B, width) float16
-        samples, bad = pending.setdefault(index, []), skipped.setdefault(index, {})
-        for key, caption, cls, embedding in zip(batch["key"], batch["caption"], batch["cls"], embeddings):
-            # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x`
-            # from a hostile source, never written into our shards.
-            reason = ("nonfinite_embedding" if not np.isfinite(embedding).all()
-                      else "unsafe_key" if not is_safe_key(key) else None)
-            if reason:
-                bad[reason] = bad.get(reason, 0) + 1
-                continue
-            samples.append(_feature_sample(key, embedding, caption, cls))
-        progress.update(len(batch["key"]))
-        if "first_batch" in timing:
-            timing["later_images"] += len(batch["key"])
-        else:
-            timing["first_batch"] = time.perf_counter()
+        # Metadata only: the pixels' last reference is dropped once they are on the device.
+        meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
+        queued = _ToHost(meta, _embed_batch(tower, batch.pop("image"), normalize, device, autocast))
+        if in_flight is not None:
+            keep(in_flight)  # the host's share of the previous batch, while the device computes this one
+        in_flight = queued
+    if in_flight is not None:
+        keep(in_flight)
+
 
 def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
     """Copy classnames.txt & co. from beside the source split to beside the feature split."""
@@ -544,6 +623,7 @@ def embed_shards(
     tower.eval()  # no drop-path or dropout: the cache must be the locked tower's deterministic output
     preprocess = meta["preprocess"]
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
+    pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in members and "txt" not in members
@@ -561,8 +641,8 @@ def embed_shards(
     timing = {"later_images": 0}
     try:
         if todo:
-            dataset = _SourceShards(todo, kind, transform, batch_size, listed, with_cls="cls" in members)
-            _embed_shards_of_this_process(todo, work_dir, dataset, tower, device, autocast, workers,
+            dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members)
+            _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device, autocast, workers,
                                           max_bad_fraction, str(shards), finished, progress_bar, timing)
         mine_seconds = time.perf_counter() - start
         rates = _rates(start, timing)

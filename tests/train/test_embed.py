@@ -609,3 +609,60 @@ def test_a_tower_that_decodes_reduced_is_embedded_as_eval_decodes(tmp_path):
     reduced, full = features("reduced"), features("full")
     torch.testing.assert_close(got, reduced, rtol=2e-3, atol=2e-3)
     assert (got - full).abs().max() > 10 * (got - reduced).abs().max()  # the decode made a difference
+
+
+def _photo_like_jpegs(count: int, seed: int) -> list[bytes]:
+    """Noisy RGB and grayscale JPEGs of 70-150 px per side, each its own aspect: resizing, cropping, reduced
+    decoding and the gray → RGB step all shape the pixels, and no two images are alike."""
+    rng = np.random.default_rng(seed)
+    jpegs = []
+    for index in range(count):
+        width, height = (int(side) for side in rng.integers(70, 151, size=2))
+        pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+        image = PIL.Image.fromarray(pixels, "RGB")
+        image = image.convert("L") if index % 5 == 0 else image
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=85)
+        jpegs.append(buffer.getvalue())
+    return jpegs
+
+
+@pytest.mark.parametrize("in_channels, workers", [(3, 0), (3, 2), (1, 0)])
+def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(tmp_path, in_channels, workers):
+    """The cache's values, not only close ones: every feature equals, bit for bit, the tower's fp16-rounded output
+    on the batch embed forms (a source shard's samples in its order, `batch_size` at a time) of images each
+    preprocessed by the tower's own transform, as eval and a loaded model's preprocess do, and each shard keeps its
+    source shard's keys in order. Any change in the pixels, their normalization or the order fails here."""
+    from lit_softmoe.data.transforms import preprocess_transform
+    jpegs = _photo_like_jpegs(50, seed=in_channels)
+    write_split(({"jpg": data, "txt": f"item {i}".encode()} for i, data in enumerate(jpegs)), tmp_path / "jpegs",
+                "train", samples_per_shard=20)  # shards of 20, 20, 10: batches of 8, 8, 4 and 8, 2
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e", image_size=32, patch_size=8, in_channels=in_channels).eval()
+    preprocess = {"image_size": 32, "mean": [0.481, 0.458, 0.408][:in_channels],
+                  "std": [0.269, 0.261, 0.276][:in_channels], "decode": "reduced"}
+    save_tower(tmp_path / "tower", tower, extra={"preprocess": preprocess})
+    embed_shards(tmp_path / "tower", str(tmp_path / "jpegs" / "train"), tmp_path / "features", batch_size=8,
+                 workers=workers)
+
+    transform = preprocess_transform(preprocess, in_channels)
+    source = tmp_path / "jpegs" / "train"
+    for index in range(3):
+        read = list(wds.DataPipeline(wds.SimpleShardList([str(source / f"{index}.tar")]), wds.tarfile_to_samples()))
+        written = list(wds.DataPipeline(wds.SimpleShardList([str(tmp_path / "features" / "train" / f"{index}.tar")]),
+                                        wds.tarfile_to_samples()))
+        assert [s["__key__"] for s in written] == [s["__key__"] for s in read]
+        images = [transform(PIL.Image.open(io.BytesIO(sample["jpg"]))) for sample in read]
+        with torch.inference_mode():
+            expected = torch.cat([tower.forward_pooled(torch.stack(images[start:start + 8])).to(torch.float16)
+                                  for start in range(0, len(images), 8)]).numpy()
+        got = np.stack([np.load(io.BytesIO(sample["npy"])) for sample in written])
+        assert got.dtype == np.float16 and got.shape == expected.shape
+        assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("width", [1, 32, 768, 40_000])
+def test_npy_rows_are_np_save_of_each_row(width):
+    from lit_softmoe.train.embed import _npy_bytes, _npy_rows
+    rows = np.random.default_rng(width).standard_normal((3, width)).astype(np.float16)
+    assert _npy_rows(rows) == [_npy_bytes(row) for row in rows]
