@@ -39,10 +39,13 @@ def _cmd_data(args) -> None:
         from lit_softmoe.data.captions import load_caption_templates
         templates = load_caption_templates(args.caption_templates) if args.caption_templates is not None else None
         summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
-                                      overwrite=args.overwrite, caption_templates=templates)
+                                      overwrite=args.overwrite, caption_templates=templates,
+                                      class_names=args.class_names)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
                                      key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root)
+    if summary.classnames_note:
+        print(summary.classnames_note)
     print(summary.line())
 
 
@@ -236,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="classes layout: also write a .txt caption per image from its class folder's name, "
                              "one {c} template per line of FILE, or NAME: default (CLIP's 80 ImageNet templates) "
                              "or a benchmark's, e.g. cifar10; they also become the zero-shot prompts")
+    folder.add_argument("--class-names", choices=["auto", "folders"], default="auto",
+                        help="classes layout: auto (default) names ImageNet wnid folders (n01440764/ …) by ImageNet's "
+                             "class names, .cls then the standard ImageNet index for all 1000; folders keeps every "
+                             "folder's name")
     table = command(sources, "from-table", "a CSV / TSV / JSONL / Parquet table of image paths and "
                                            "captions → shards")
     table.add_argument("table", metavar="FILE", help="the table; image paths in it are relative to its folder")

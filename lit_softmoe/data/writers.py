@@ -132,6 +132,7 @@ class WriteSummary:
     shard_bytes: dict[str, int] = field(default_factory=dict)  # {shard: file size}, for the rerun check
     already_complete: bool = False
     seconds: float = 0.0
+    classnames_note: str | None = None  # printed above `line()`: where the class names came from
 
     @property
     def samples(self) -> int:
@@ -276,21 +277,26 @@ def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSamp
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
                         layout: str = "auto", progress: bool = False, overwrite: bool = False,
-                        caption_templates: Sequence[str] | None = None) -> WriteSummary:
+                        caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
     The classes layout also writes `out_dir/classnames.txt`; with `caption_templates` (`{c}`
     templates, see `data.captions.load_caption_templates`) each sample gets a `.txt` caption from
     its class name too, and the templates go to `out_dir/zeroshot_classification_templates.txt`.
-    See `list_folder` for the layouts and keys, and the module docstring for what is skipped,
+    Folders named by ImageNet wnids are named by ImageNet's class names unless `class_names` is
+    "folders" (`data.imagenet_folders`). See `list_folder` for the layouts and keys, and the module docstring for what is skipped,
     normalized and rewritten. A split holding other data is refused unless `overwrite` (see
     `_write_listing`).
     """
     # With --out SRC itself, the split folder written into it is what must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
-    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates)
+    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates, class_names=class_names)
+    # class_names is not an argument: like the templates, other names rewrite this source's split
+    # (the manifest records them), where another source's split is refused.
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
-    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
+    summary.classnames_note = listing.classnames_note
+    return summary
 
 
 def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str,
@@ -364,7 +370,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
                                 f"{_reasons(skipped)}; fix the source and rerun")
             summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
                                    {name: (target / name).stat().st_size for name in sizes})
-            recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
+            recorded = {k: v for k, v in asdict(summary).items()
+                        if k not in ("already_complete", "seconds", "classnames_note")}
             write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
             return summary
 
