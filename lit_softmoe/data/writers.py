@@ -284,9 +284,9 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     templates, see `data.captions.load_caption_templates`) each sample gets a `.txt` caption from
     its class name too, and the templates go to `out_dir/zeroshot_classification_templates.txt`.
     Folders named by ImageNet wnids are named by ImageNet's class names unless `class_names` is
-    "folders" (`data.imagenet_folders`). See `list_folder` for the layouts and keys, and the module docstring for what is skipped,
-    normalized and rewritten. A split holding other data is refused unless `overwrite` (see
-    `_write_listing`).
+    "folders" (`data.imagenet_folders`). See `list_folder` for the layouts and keys, and the module
+    docstring for what is skipped, normalized and rewritten. A split holding other data is refused
+    unless `overwrite` (see `_write_listing`).
     """
     # With --out SRC itself, the split folder written into it is what must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
