@@ -39,10 +39,14 @@ def _cmd_data(args) -> None:
         from lit_softmoe.data.captions import load_caption_templates
         templates = load_caption_templates(args.caption_templates) if args.caption_templates is not None else None
         summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
-                                      overwrite=args.overwrite, caption_templates=templates)
+                                      overwrite=args.overwrite, caption_templates=templates,
+                                      class_names=args.class_names)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
-                                     key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root)
+                                     key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root,
+                                     class_col=args.class_col, classnames_file=args.classnames)
+    if summary.classnames_note:
+        print(summary.classnames_note)
     print(summary.line())
 
 
@@ -236,11 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="classes layout: also write a .txt caption per image from its class folder's name, "
                              "one {c} template per line of FILE, or NAME: default (CLIP's 80 ImageNet templates) "
                              "or a benchmark's, e.g. cifar10; they also become the zero-shot prompts")
+    folder.add_argument("--class-names", choices=["auto", "folders"], default="auto",
+                        help="classes layout: auto (default) names ImageNet wnid folders (n01440764/ …) by ImageNet's "
+                             "class names, .cls then the standard ImageNet index for all 1000; folders keeps every "
+                             "folder's name")
     table = command(sources, "from-table", "a CSV / TSV / JSONL / Parquet table of image paths and "
-                                           "captions → shards")
+                                           "captions or classes → shards")
     table.add_argument("table", metavar="FILE", help="the table; image paths in it are relative to its folder")
     table.add_argument("--image-col", required=True, help="column of image paths (or embedded image bytes)")
-    table.add_argument("--caption-col", required=True, help="column of captions")
+    table.add_argument("--caption-col", default=None, help="column of captions (required without --class-col)")
+    table.add_argument("--class-col", default=None, help="column of class names (or, with --classnames, of class "
+                       "indices): writes .cls and classnames.txt, classes numbered in sorted name order")
+    table.add_argument("--classnames", default=None, metavar="FILE",
+                       help="with --class-col: the classes, one name per line in label order; a column of whole "
+                            "numbers is then read as indices into it")
     table.add_argument("--key-col", default=None, help="column of sample keys (default: the image path without "
                        "extension; give one to keep several captions of one image)")
     table.add_argument("--root", default=None, metavar="DIR",

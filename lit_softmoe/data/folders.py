@@ -3,8 +3,10 @@
 - captions: each image with a same-stem `.txt` caption beside it (img2dataset's output,
   `00000/000000001.jpg` + `00000/000000001.txt`);
 - classes: one subfolder per class (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`), numbered in
-  sorted folder-name order as ImageFolder numbers them; with caption templates, each sample also gets
-  a caption from its class folder's name (`data.captions`), so the set can train a text tower.
+  sorted folder-name order as ImageFolder numbers them, each class named by its folder, or by
+  ImageNet's class name where the folders are ImageNet wnids (`data.imagenet_folders`); with caption
+  templates, each sample also gets a caption from its class name (`data.captions`), so the set can
+  train a text tower.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Sequence
 
 from lit_softmoe.data.captions import class_caption
+from lit_softmoe.data.imagenet_folders import CLASS_NAMES, imagenet_classnames
 from lit_softmoe.data.listing import Candidate, Listing, drop_duplicate_keys, files_fingerprint, sample_key
 from lit_softmoe.data.shards import BadSampleCounter
 from lit_softmoe.errors import UserError
@@ -60,16 +63,17 @@ def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[Pu
 
 
 def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None,
-                caption_templates: Sequence[str] | None = None) -> Listing:
+                caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> Listing:
     """The samples of a folder in path order; `layout` is "captions", "classes" or "auto".
 
     Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
     unique keys), so the same stem in two subfolders is a duplicate_key; an image with no caption
     is missing_caption, a caption with no image is missing_image. Classes layout: the key is the
     path from the class folder down, so `cat/1.jpg` and `dog/1.jpg` are both kept; images lying
-    beside the class folders are outside_class_folder. `caption_templates` (`{c}` templates, classes
-    layout only) give each sample a caption from its class folder's name, the template cycled along
-    the listing (`data.captions.class_caption`).
+    beside the class folders are outside_class_folder. `class_names` "auto" names classes whose
+    folders are ImageNet wnids by ImageNet's class names (`data.imagenet_folders`), "folders" keeps
+    every folder's name. `caption_templates` (`{c}` templates, classes layout only) give each sample
+    a caption from its class name, the template cycled along the listing (`data.captions.class_caption`).
     """
     src = Path(src)
     if not src.exists():
@@ -78,6 +82,8 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         raise UserError(f"{src} is not a folder; for a table use `lit-softmoe data from-table {src} …`")
     if layout not in LAYOUTS:
         raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if class_names not in CLASS_NAMES:
+        raise UserError(f"unknown class names {class_names!r}; choose one of {', '.join(CLASS_NAMES)}")
     if caption_templates is not None:
         caption_templates = list(caption_templates)
         check_templates(caption_templates, "caption templates")
@@ -95,20 +101,23 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         if caption_templates is not None:
             _check_not_captions(src, layout, detected=True)
     counter = BadSampleCounter()
+    classnames, note = None, None
     if layout == "captions":
-        candidates, classnames = _caption_candidates(src, images, captions, counter), None
+        candidates = _caption_candidates(src, images, captions, counter)
     else:
         # From the images, not the listing of `src`: an excluded output folder is not a class.
-        classnames = sorted({image.parts[0] for image in images if len(image.parts) > 1})
-        _check_classnames(src, classnames)
-        candidates = _class_candidates(src, images, classnames, counter)
+        folders = sorted({image.parts[0] for image in images if len(image.parts) > 1})
+        _check_classnames(src, folders)
+        found = imagenet_classnames(src, folders) if class_names == "auto" else None
+        classnames, note = found if found is not None else (folders, None)
+        candidates = _class_candidates(src, images, folders, classnames, counter)
     read = images + (list(captions.values()) if layout == "captions" else [])
     fingerprint = files_fingerprint((str(path), src / path) for path in read)
     candidates = drop_duplicate_keys(candidates, counter)
     if caption_templates is not None:
         for position, candidate in enumerate(candidates):  # after the duplicates went: positions are write order
             candidate.caption = class_caption(caption_templates, candidate.meta["class"], position)
-    return Listing(candidates, counter, fingerprint, classnames, caption_templates)
+    return Listing(candidates, counter, fingerprint, classnames, caption_templates, note)
 
 
 def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
@@ -145,15 +154,17 @@ def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[P
     return candidates
 
 
-def _class_candidates(src: Path, images: list[PurePosixPath], classnames: list[str],
+def _class_candidates(src: Path, images: list[PurePosixPath], folders: list[str], classnames: list[str],
                       counter: BadSampleCounter) -> list[Candidate]:
-    label_of = {name: label for label, name in enumerate(classnames)}
+    """Candidates of the images in class folders: label = the folder's place in `folders`, "class" its
+    name in `classnames` (the folder's own, or ImageNet's for a wnid)."""
+    label_of = {name: label for label, name in enumerate(folders)}
     candidates = []
     for image in images:
         if len(image.parts) == 1:
             counter.skip("outside_class_folder", f"{image} lies beside the class folders, not in one")
             continue
-        classname = image.parts[0]
+        label = label_of[image.parts[0]]
         candidates.append(Candidate(sample_key(image.with_suffix("")), str(image), src / image, None,
-                                    label=label_of[classname], meta={"class": classname}))
+                                    label=label, meta={"class": classnames[label]}))
     return candidates

@@ -38,6 +38,7 @@ class Listing:
     fingerprint: str               # sha256 over the name, size and mtime of every input file
     classnames: list[str] | None = None
     templates: list[str] | None = None  # the `{c}` templates captions were written from (classes layout)
+    classnames_note: str | None = None  # one line on where the class names came from, where not the obvious place
 
 
 def sample_key(path: str | PurePosixPath) -> str:

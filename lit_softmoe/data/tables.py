@@ -1,7 +1,8 @@
 """A table of images and captions as samples (`lit-softmoe data from-table`): CSV, TSV, JSONL or
 Parquet, with an image column (paths relative to the table, or bytes embedded as img2dataset's and
-Hugging Face datasets' Parquet files hold them) and a caption column; its other columns go to each
-sample's `.json`. A malformed line is skipped and counted (bad_row), not the end of the run."""
+Hugging Face datasets' Parquet files hold them) and a caption column, a class column
+(`data.table_classes`), or both; its other columns go to each sample's `.json`. A malformed line is
+skipped and counted (bad_row), not the end of the run."""
 from __future__ import annotations
 
 import csv
@@ -19,6 +20,7 @@ from lit_softmoe.data.listing import (
     sample_key,
 )
 from lit_softmoe.data.shards import BadSampleCounter
+from lit_softmoe.data.table_classes import class_cell, load_classnames_file, resolve_classes
 from lit_softmoe.errors import UserError
 
 TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -139,9 +141,14 @@ def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | 
     return path, name, None
 
 
-def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str | None = None,
-               root: str | Path | None = None) -> Listing:
+def list_table(table: str | Path, image_col: str, caption_col: str | None, key_col: str | None = None,
+               root: str | Path | None = None, class_col: str | None = None,
+               classnames_file: str | Path | None = None) -> Listing:
     """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
+
+    `caption_col` gives each sample a `.txt` caption, `class_col` a `.cls` label and the listing its
+    class names (sorted, or those of `classnames_file` in its order: see `data.table_classes`); at
+    least one of the two is needed.
 
     Image paths are relative to the table's folder, or absolute: a table reads any file its user can
     read. `root` confines them: a path resolving outside that folder is skipped (outside_root).
@@ -151,6 +158,11 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
     row number for embedded bytes. Columns other than these go to `.json` as "extra".
     """
     table = Path(table)
+    if caption_col is None and class_col is None:
+        raise UserError("a table gives captions, classes or both; pass --caption-col COL, --class-col COL, or both")
+    if classnames_file is not None and class_col is None:
+        raise UserError(f"--classnames {classnames_file} names the classes of a class column; pass --class-col COL "
+                        "too, or leave --classnames out")
     if root is not None:
         root = Path(root).resolve()
         if not root.is_dir():
@@ -161,10 +173,10 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
     if not table.is_file():
         raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
     kind = _table_kind(table)
+    file_names = load_classnames_file(classnames_file) if classnames_file is not None else None
     counter = BadSampleCounter()
-    needed = {"--image-col": image_col, "--caption-col": caption_col}
-    if key_col:
-        needed["--key-col"] = key_col
+    needed = {"--image-col": image_col, "--caption-col": caption_col, "--key-col": key_col, "--class-col": class_col}
+    needed = {option: column for option, column in needed.items() if column}
     if kind == "parquet":
         columns, rows = _parquet_rows(table)
     elif kind == "jsonl":
@@ -177,7 +189,7 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
     candidates, seen_columns = [], {}
     for index, row in enumerate(rows):
         seen_columns.update(dict.fromkeys(row))
-        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, counter, root)
+        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, class_col, counter, root)
         if candidate is not None:
             candidates.append(candidate)
     if columns is None and seen_columns:
@@ -186,18 +198,41 @@ def list_table(table: str | Path, image_col: str, caption_col: str, key_col: str
         raise UserError(f"{table} holds no rows; pass a table with one row per image")
     image_files = [(c.source, c.image) for c in candidates if isinstance(c.image, Path)]
     fingerprint = files_fingerprint([(table.name, table), *image_files])
-    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint)
+    classnames, note = None, None
+    if class_col is not None:
+        candidates, classnames, note = _label(candidates, file_names, f"column {class_col!r} of {table}", counter)
+    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames, classnames_note=note)
 
 
-def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption_col: str, key_col: str | None,
-                     counter: BadSampleCounter, root: Path | None) -> Candidate | None:
-    """The candidate of one row, or None after counting why the row is skipped."""
+def _label(candidates: list[Candidate], file_names: list[str] | None, source: str,
+           counter: BadSampleCounter) -> tuple[list[Candidate], list[str], str | None]:
+    """The candidates whose class is known, labelled; the class names; a line to print or None. Known
+    only once every row is read: the column's values decide the class numbers."""
+    labels, classnames, note = resolve_classes([c.meta.pop("class") for c in candidates], file_names, source, counter)
+    labelled = []
+    for candidate, label in zip(candidates, labels):
+        if label is not None:
+            candidate.label, candidate.meta["class"] = label, classnames[label]
+            labelled.append(candidate)
+    return labelled, classnames, note
+
+
+def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption_col: str | None,
+                     key_col: str | None, class_col: str | None, counter: BadSampleCounter,
+                     root: Path | None) -> Candidate | None:
+    """The candidate of one row, or None after counting why the row is skipped. Its class cell, if
+    any, is left in meta["class"] for `_label`."""
     image, name, problem = _table_image(row.get(image_col), table.parent, root)
-    caption = row.get(caption_col)
-    if caption is None:
-        caption = ""  # counted as empty_caption when written, like a blank cell
-    elif not isinstance(caption, str) and not problem:
-        problem = "bad_caption"  # a number or a list where a caption belongs
+    caption = None  # without a caption column (a class table): no .txt
+    if caption_col is not None:
+        caption = row.get(caption_col)
+        if caption is None:
+            caption = ""  # counted as empty_caption when written, like a blank cell
+        elif not isinstance(caption, str) and not problem:
+            problem = "bad_caption"  # a number or a list where a caption belongs
+    meta = {}
+    if class_col is not None and not problem:
+        meta["class"], problem = class_cell(row.get(class_col))
     if problem:
         counter.skip(problem, f"{table} row {index}: {name}")
         return None
@@ -208,5 +243,8 @@ def _table_candidate(row: dict, index: int, table: Path, image_col: str, caption
         key = sample_key(re.sub(r"\.[^./]*$", "", name))  # the path without its extension
     else:
         key = f"row{index:07d}"
-    extra = {column: value for column, value in row.items() if column not in (image_col, caption_col, key_col)}
-    return Candidate(key, name or f"row {index}", image, caption, meta={"extra": extra} if extra else {})
+    extra = {column: value for column, value in row.items()
+             if column not in (image_col, caption_col, key_col, class_col)}
+    if extra:
+        meta["extra"] = extra
+    return Candidate(key, name or f"row {index}", image, caption, meta=meta)

@@ -8,7 +8,8 @@ Sources (listed by `data.folders` and `data.tables`):
   with caption templates also a `.txt` caption from the class name (`data.captions`) and the
   templates as `zeroshot_classification_templates.txt`, so zero-shot evaluation prompts the same way;
 - a table (CSV, TSV, JSONL, Parquet) with an image column (paths relative to the table, or bytes
-  embedded as img2dataset's and Hugging Face datasets' Parquet files hold them) and a caption column;
+  embedded as img2dataset's and Hugging Face datasets' Parquet files hold them) and a caption column,
+  a class column (`.cls` and `classnames.txt`, as class folders give: `data.table_classes`) or both;
   its other columns go to each sample's `.json`.
 
 Output is shards.py's layout, written by `write_split` (rollover by sample count and by bytes, atomic
@@ -29,8 +30,8 @@ that holds anything else (another source's shards, Fashion-MNIST) is refused unl
 Reasons a sample is skipped: missing_image, unreadable_file, not_a_regular_file (a FIFO, a device:
 never read), too_large (over MAX_INPUT_BYTES), bad_image (does not decode), remote_image (a URL in a
 table), outside_root (a table path outside --root), missing_caption, empty_caption, non_utf8_text,
-bad_caption (not a string), bad_row (a malformed table line), duplicate_key, missing_key,
-outside_class_folder.
+bad_caption (not a string), bad_row (a malformed table line), empty_class, bad_class, unknown_class
+(a table's class cell: `data.table_classes`), duplicate_key, missing_key, outside_class_folder.
 Changes counted among the re-encoded images: see `images.normalize_image`.
 """
 from __future__ import annotations
@@ -132,6 +133,7 @@ class WriteSummary:
     shard_bytes: dict[str, int] = field(default_factory=dict)  # {shard: file size}, for the rerun check
     already_complete: bool = False
     seconds: float = 0.0
+    classnames_note: str | None = None  # printed above `line()`: where the class names came from
 
     @property
     def samples(self) -> int:
@@ -276,37 +278,49 @@ def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSamp
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
                         layout: str = "auto", progress: bool = False, overwrite: bool = False,
-                        caption_templates: Sequence[str] | None = None) -> WriteSummary:
+                        caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
     The classes layout also writes `out_dir/classnames.txt`; with `caption_templates` (`{c}`
     templates, see `data.captions.load_caption_templates`) each sample gets a `.txt` caption from
     its class name too, and the templates go to `out_dir/zeroshot_classification_templates.txt`.
-    See `list_folder` for the layouts and keys, and the module docstring for what is skipped,
-    normalized and rewritten. A split holding other data is refused unless `overwrite` (see
-    `_write_listing`).
+    Folders named by ImageNet wnids are named by ImageNet's class names unless `class_names` is
+    "folders" (`data.imagenet_folders`). See `list_folder` for the layouts and keys, and the module
+    docstring for what is skipped, normalized and rewritten. A split holding other data is refused
+    unless `overwrite` (see `_write_listing`).
     """
     # With --out SRC itself, the split folder written into it is what must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
-    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates)
+    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates, class_names=class_names)
+    # class_names is not an argument: like the templates, other names rewrite this source's split
+    # (the manifest records them), where another source's split is refused.
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
-    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
+    summary.classnames_note = listing.classnames_note
+    return summary
 
 
-def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str,
+def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str | None,
                        options: WriteOptions = WriteOptions(), key_col: str | None = None,
-                       progress: bool = False, overwrite: bool = False, root: str | Path | None = None) -> WriteSummary:
+                       progress: bool = False, overwrite: bool = False, root: str | Path | None = None,
+                       class_col: str | None = None, classnames_file: str | Path | None = None) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
     Image paths are relative to the table's folder (or absolute), confined to `root` if given; see
-    `list_table` for keys and extra columns. A split holding other data is refused unless `overwrite`.
+    `list_table` for keys and extra columns. With `class_col`, each sample also gets a `.cls` and
+    `out_dir/classnames.txt` the class names: sorted, or those of `classnames_file` in its order
+    (`data.table_classes`). A split holding other data is refused unless `overwrite`.
     """
-    listing = list_table(table, image_col, caption_col, key_col, root)
+    listing = list_table(table, image_col, caption_col, key_col, root, class_col, classnames_file)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
                  "caption_col": caption_col, "key_col": key_col}
+    if class_col is not None:  # the file's names are in the manifest's classnames: other names rewrite
+        arguments["class_col"] = class_col
     if root is not None:
         arguments["root"] = str(Path(root).resolve())
-    return _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite)
+    summary.classnames_note = listing.classnames_note
+    return summary
 
 
 def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, arguments: dict,
@@ -364,7 +378,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
                                 f"{_reasons(skipped)}; fix the source and rerun")
             summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
                                    {name: (target / name).stat().st_size for name in sizes})
-            recorded = {k: v for k, v in asdict(summary).items() if k not in ("already_complete", "seconds")}
+            recorded = {k: v for k, v in asdict(summary).items()
+                        if k not in ("already_complete", "seconds", "classnames_note")}
             write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
             return summary
 

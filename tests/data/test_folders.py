@@ -1,5 +1,6 @@
-"""lit_softmoe.data.folders: what a source folder holds: class folders (links included), folder mistakes, and
-captions written from class names (`--caption-templates`)."""
+"""lit_softmoe.data.folders: what a source folder holds: class folders (links included), folder mistakes,
+captions written from class names (`--caption-templates`), and ImageNet wnid folders named by ImageNet's class
+names (`--class-names`)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import pytest
 import torchvision
 
 from data_files import _encode, _gray_png, _read_split, _rng_image
+from evalkit import foolbox_images, needs_foolbox
+from lit_softmoe.cli import main
 from lit_softmoe.data.captions import load_caption_templates
 from lit_softmoe.data.class_split import iter_class_samples
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist
@@ -17,7 +20,7 @@ from lit_softmoe.data.folders import list_folder
 from lit_softmoe.data.shards import read_classnames, read_lines
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
-from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, benchmark_info
+from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, benchmark_info, imagenet_wnids
 
 
 def test_folder_mistakes_are_user_errors(tmp_path):
@@ -191,3 +194,107 @@ def test_caption_templates_refuse_the_captions_layout(tmp_path):
         list_folder(tmp_path / "src", "classes", caption_templates=["a photo"])
     assert list_folder(tmp_path / "src", "classes", caption_templates=["a {c}"]).candidates[0].caption == "a cat"
     assert not (tmp_path / "out").exists()
+
+
+# ---- ImageNet wnid class folders (`--class-names`) ------------------------------------------------
+
+def _wnid_folders(src):
+    """foolbox's 20 real ImageNet images, each in the folder of its class's wnid (19 classes, one twice);
+    returns {relative path: ImageNet-1k label}."""
+    wnids = imagenet_wnids()
+    written = {}
+    for path, label in foolbox_images("imagenet"):
+        (src / wnids[label]).mkdir(parents=True, exist_ok=True)
+        (src / wnids[label] / path.name).write_bytes(path.read_bytes())
+        written[f"{wnids[label]}/{path.name}"] = label
+    return written
+
+
+def _classes_written(split_dir):
+    """{image path: (.cls, .json's class)} of a written split."""
+    return {json.loads(sample["json"])["path"]: (int(sample["cls"]), json.loads(sample["json"])["class"])
+            for sample in _read_split(split_dir).values()}
+
+
+@needs_foolbox
+def test_wnid_class_folders_are_named_by_imagenet_class_names_in_sorted_wnid_order(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    written = _wnid_folders(src)
+    names = benchmark_info("imagenet1k").classnames
+    labels = sorted(set(written.values()))  # sorted wnids = sorted ImageNet indices
+
+    assert main(["data", "from-folder", str(src), "--layout", "classes", "--out", str(out)]) == 0
+
+    assert capsys.readouterr().out.splitlines() == [
+        "class folders are 19 of ImageNet-1k's WordNet ids: classnames.txt holds their shipped ImageNet class names, "
+        "numbered in sorted wnid order (--class-names folders keeps the folder names)",
+        f"written 20 samples in 1 shard to {out / 'train'}; skipped 0"]
+    assert read_classnames(out) == [names[label] for label in labels]
+    assert read_classnames(out)[:3] == ["bald eagle", "goose", "spoonbill"]  # 22 n01614925, 99, 129
+    assert _classes_written(out / "train") == {path: (labels.index(label), names[label])
+                                                for path, label in written.items()}
+    # The subset's labels are ImageFolder's: its classes in sorted folder order.
+    imagefolder = torchvision.datasets.ImageFolder(str(src))
+    assert sorted(label for label, _ in _classes_written(out / "train").values()) == sorted(imagefolder.targets)
+
+
+@needs_foolbox
+def test_wnid_folders_caption_with_the_class_names_and_folders_keeps_the_ids(tmp_path):
+    src = tmp_path / "src"
+    written = _wnid_folders(src)
+    write_folder_shards(src, tmp_path / "named", caption_templates=["a photo of a {c}."])
+    captions = {path: caption for path, caption, _ in _captions_in_write_order(tmp_path / "named" / "train")}
+    assert captions[f"{imagenet_wnids()[22]}/imagenet_17_22.jpg"] == "a photo of a bald eagle."  # not n01614925
+
+    summary = write_folder_shards(src, tmp_path / "ids", class_names="folders")
+    assert summary.classnames_note is None
+    assert read_classnames(tmp_path / "ids") == sorted({path.split("/")[0] for path in written})
+    assert {cls for cls, _ in _classes_written(tmp_path / "ids" / "train").values()} == set(range(19))
+
+
+def test_all_1000_wnid_folders_give_the_standard_imagenet_labels(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    wnids = imagenet_wnids()
+    image = _encode(_rng_image(7, size=(4, 4)))
+    for wnid in reversed(wnids):  # made in another order: the folders' names, not their ages, give the order
+        (src / wnid).mkdir(parents=True)
+        (src / wnid / "0.png").write_bytes(image)
+
+    summary = write_folder_shards(src, out, layout="classes")
+
+    assert summary.classnames_note == ("class folders are ImageNet-1k's 1000 WordNet ids: classnames.txt holds the "
+                                       "shipped ImageNet class names and .cls the standard ImageNet label index "
+                                       "(--class-names folders keeps the folder names)")
+    classnames = read_classnames(out)
+    assert classnames == list(benchmark_info("imagenet1k").classnames)
+    assert (classnames[0], classnames[1], classnames[207]) == ("tench", "goldfish", "Golden Retriever")
+    written = _classes_written(out / "train")
+    assert {path.split("/")[0]: cls for path, (cls, _) in written.items()} == {wnid: i for i, wnid in enumerate(wnids)}
+    assert written["n02099601/0.png"] == (207, "Golden Retriever")
+
+
+def test_unknown_wnid_folders_among_imagenet_ones_are_one_error_line(tmp_path, capsys):
+    src = tmp_path / "src"
+    for index, wnid in enumerate(("n01440764", "n01443537", "n99999999")):  # tench, goldfish, no ImageNet-1k class
+        _gray_png(src / wnid / "0.png", 60 * index)
+    command = ["data", "from-folder", str(src), "--layout", "classes", "--out", str(tmp_path / "out")]
+
+    assert main(command) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"lit-softmoe data: error: {src} holds 2 ImageNet-1k class folders (WordNet ids) and 1 wnid-named folder "
+        "that ImageNet-1k does not have, e.g. 'n99999999'; remove or rename it, or pass --class-names folders to "
+        "keep every folder's name as its class name"]
+    assert not (tmp_path / "out").exists()
+
+    assert main([*command, "--class-names", "folders"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("written 3 samples")
+    assert read_classnames(tmp_path / "out") == ["n01440764", "n01443537", "n99999999"]
+
+
+@pytest.mark.parametrize("folders", [("n01440764", "cat"), ("n99999998", "n99999999"), ("n0144076",)],
+                         ids=["a folder of another name", "no ImageNet-1k wnid", "not a wnid"])
+def test_folders_not_all_imagenet_wnids_keep_their_names(tmp_path, folders):
+    for index, folder in enumerate(folders):
+        _gray_png(tmp_path / "src" / folder / "0.png", 60 * index)
+    summary = write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert summary.classnames_note is None and read_classnames(tmp_path / "out") == sorted(folders)

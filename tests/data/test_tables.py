@@ -1,5 +1,6 @@
 """lit_softmoe.data.tables: CSV, TSV, JSON-lines and Parquet tables of images and captions; rows naming what
-is not a regular file, and rows outside `--root`."""
+is not a regular file, and rows outside `--root`; class columns (`--class-col`, `--classnames`), read back by
+pretraining's and evaluation's readers."""
 import csv
 import json
 import os
@@ -7,9 +8,14 @@ import os
 import pytest
 
 from data_files import ROWS, _encode, _read_split, _rng_image, _run_past_fifos, _write_table
+from evalkit import foolbox_images, needs_foolbox
 from lit_softmoe.cli import main
+from lit_softmoe.data.class_split import load_class_split
+from lit_softmoe.data.shards import read_classnames
 from lit_softmoe.data.writers import WriteOptions, write_table_shards
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals.readers import read_wds
+from lit_softmoe.metadata import benchmark_info
 
 
 @pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
@@ -139,3 +145,148 @@ def test_root_confines_a_tables_rows_to_a_folder(tmp_path, capsys):
     assert everything.samples == 6 and not everything.skipped
     with pytest.raises(UserError, match="--root .* is not a folder"):
         write_table_shards(table, tmp_path / "none", "filepath", "title", root=tmp_path / "nowhere")
+
+
+# ---- class columns (`--class-col`, `--classnames`) ---------------------------------------------------
+
+CIFAR10 = benchmark_info("cifar10").classnames
+
+
+def _class_table(folder, kind="csv", cell=lambda label: CIFAR10[label], extra_rows=()):
+    """foolbox's 20 real CIFAR-10 test images under folder/images and a table naming them: columns path,
+    label (`cell(label)`: the class name by default) and note; `extra_rows` are (path, label cell) rows
+    added after them. Returns (table, [(path, ImageNet-style CIFAR-10 label)] of the real rows)."""
+    (folder / "images").mkdir(parents=True)
+    written = []
+    for path, label in foolbox_images("cifar10"):
+        (folder / "images" / path.name).write_bytes(path.read_bytes())
+        written.append((f"images/{path.name}", label))
+    rows = [(path, cell(label), f"note {i}") for i, (path, label) in enumerate(written)]
+    rows += [(path, label, "extra") for path, label in extra_rows]
+    table = folder / f"t.{kind}"
+    if kind == "csv":
+        with open(table, "w", newline="", encoding="utf-8") as file:
+            csv.writer(file).writerows([("path", "label", "note"), *rows])
+    else:
+        table.write_text("".join(json.dumps({"path": p, "label": c, "note": n}) + "\n" for p, c, n in rows))
+    return table, written
+
+
+def _labels_written(split_dir):
+    """{path: (.cls, .json's class, has a .txt)} of a written split."""
+    out = {}
+    for sample in _read_split(split_dir).values():
+        meta = json.loads(sample["json"])
+        out[meta["path"]] = (int(sample["cls"]), meta["class"], "txt" in sample)
+    return out
+
+
+@needs_foolbox
+def test_a_class_column_of_names_writes_class_shards_that_pretraining_and_eval_read(tmp_path, capsys):
+    table, written = _class_table(tmp_path, extra_rows=[("images/gone.png", "cat"), ("", "dog"),
+                                                        ("images/cifar10_00_3.png", "  ")])
+    out = tmp_path / "out"
+
+    assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
+                 "--out", str(out)]) == 0
+
+    assert capsys.readouterr().out.splitlines() == [
+        f"written 20 samples in 1 shard to {out / 'train'}; skipped 3 (empty_class 1, missing_image 2)"]
+    classnames = sorted({CIFAR10[label] for _, label in written})  # the names met, sorted
+    assert read_classnames(out) == classnames
+    assert classnames == ["airplane", "automobile", "cat", "dog", "frog", "horse", "ship", "truck"]  # no bird, deer
+    assert _labels_written(out / "train") == {path: (classnames.index(CIFAR10[label]), CIFAR10[label], False)
+                                              for path, label in written}
+    assert json.loads(next(iter(_read_split(out / "train").values()))["json"])["extra"] == {"note": "note 0"}
+    # Pretraining's class-split reader and zero-shot evaluation's webdataset reader read it as written.
+    images, labels, skipped = load_class_split(out / "train")
+    assert images.shape == (20, 3, 32, 32) and not skipped
+    assert labels.tolist() == [classnames.index(CIFAR10[label]) for _, label in written]
+    evaluated = read_wds(out, "train", lambda image: image)
+    assert evaluated.task == "classification" and evaluated.classnames == classnames
+    assert [target for _, _, target in evaluated.dataset] == labels.tolist()
+
+
+@needs_foolbox
+@pytest.mark.parametrize("kind, cell", [("csv", str), ("jsonl", int)], ids=["csv digits", "jsonl integers"])
+def test_class_indices_with_a_classnames_file_are_the_cls(tmp_path, kind, cell):
+    table, written = _class_table(tmp_path, kind, cell, extra_rows=[("images/cifar10_00_3.png", cell(10)),
+                                                                    ("images/cifar10_01_8.png", cell(-1))])
+    names = tmp_path / "names.txt"
+    names.write_text("".join(f"{name}\n" for name in CIFAR10))
+
+    summary = write_table_shards(table, tmp_path / "out", "path", None, class_col="label", classnames_file=names)
+
+    assert summary.samples == 20 and summary.skipped == {"unknown_class": 2}
+    assert read_classnames(tmp_path / "out") == list(CIFAR10)  # the file's order, every class
+    assert _labels_written(tmp_path / "out" / "train") == {path: (label, CIFAR10[label], False)
+                                                           for path, label in written}
+    assert load_class_split(tmp_path / "out" / "train")[1].tolist() == [label for _, label in written]
+
+
+@needs_foolbox
+def test_whole_numbers_without_a_classnames_file_are_names_and_said_so(tmp_path, capsys):
+    table, written = _class_table(tmp_path, cell=str)
+    assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
+                 "--caption-col", "note", "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"column 'label' of {table} holds whole numbers, read as class names sorted as text (\"1\", \"10\", \"2\" …); "
+        "pass --classnames FILE to read them as indices into FILE's names")
+    assert read_classnames(tmp_path / "out") == sorted({str(label) for _, label in written})
+    assert all(has_caption for _, _, has_caption in _labels_written(tmp_path / "out" / "train").values())
+
+
+@needs_foolbox
+def test_names_with_a_classnames_file_take_its_order_and_unknown_names_are_counted(tmp_path):
+    table, written = _class_table(tmp_path, extra_rows=[("images/cifar10_00_3.png", "kitten")])
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(reversed(CIFAR10)) + "\n\n")  # blank lines are not classes
+    summary = write_table_shards(table, tmp_path / "out", "path", None, class_col="label", classnames_file=names)
+    assert summary.skipped == {"unknown_class": 1}
+    assert read_classnames(tmp_path / "out") == list(reversed(CIFAR10))
+    assert {path: cls for path, (cls, _, _) in _labels_written(tmp_path / "out" / "train").items()} == {
+        path: 9 - label for path, label in written}
+
+    names.write_text("cat\ndog\ncat\n")  # a name twice cannot say which class a row means
+    with pytest.raises(UserError, match=r"the class 'cat' is listed twice in the class-names file") as raised:
+        write_table_shards(table, tmp_path / "dup", "path", None, class_col="label", classnames_file=names)
+    assert "\n" not in str(raised.value)
+
+
+def test_bad_class_cells_are_skipped_and_counted(tmp_path):
+    (tmp_path / "images").mkdir()
+    for index in range(6):
+        (tmp_path / "images" / f"{index}.png").write_bytes(_encode(_rng_image(40 + index)))
+    cells = ["cat", None, ["cat"], "two\nlines", 2.5, 3.0]  # 3.0: an integer column with a null, from pandas
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"path": f"images/{i}.png", "label": cell}) + "\n"
+                                              for i, cell in enumerate(cells)))
+    summary = write_table_shards(tmp_path / "t.jsonl", tmp_path / "out", "path", None, class_col="label")
+    assert summary.samples == 2 and summary.skipped == {"bad_class": 3, "empty_class": 1}
+    assert read_classnames(tmp_path / "out") == ["3", "cat"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--class-col", "labl"], "{table} has no column 'labl' (its columns: path, label); pass --class-col with one "
+                              "of them"),
+    ([], "a table gives captions, classes or both; pass --caption-col COL, --class-col COL, or both"),
+    (["--caption-col", "label", "--classnames", "names.txt"], "--classnames {names} names the classes of a class "
+                                                              "column; pass --class-col COL too, or leave --classnames "
+                                                              "out"),
+    (["--class-col", "label", "--classnames", "nowhere.txt"], "--classnames {nowhere} is not found; give a text file "
+                                                              "with one class name per line, in label order"),
+    (["--class-col", "label", "--classnames", "empty.txt"], "--classnames {empty} holds no class names; give a text "
+                                                            "file with one class name per line, in label order"),
+], ids=["no such column", "neither captions nor classes", "classnames without a class column", "no classnames file",
+        "empty classnames file"])
+def test_class_column_mistakes_are_one_error_line(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.png").write_bytes(_encode(_rng_image(1)))
+    table = _csv(tmp_path / "t.csv", [("a.png", "cat")])
+    table.write_text(table.read_text().replace("filepath,title", "path,label"))
+    (tmp_path / "names.txt").write_text("cat\n")
+    (tmp_path / "empty.txt").write_text("\n")
+    code = main(["data", "from-table", str(table), "--image-col", "path", *flags, "--out", str(tmp_path / "out")])
+    assert code == 2
+    expected = message.format(table=table, names="names.txt", nowhere="nowhere.txt", empty="empty.txt")
+    assert capsys.readouterr().err.splitlines() == [f"lit-softmoe data: error: {expected}"]
+    assert not (tmp_path / "out").exists()

@@ -201,3 +201,19 @@ def test_sun397_shipped_names_are_classname_txt_in_its_order():
     # CLIP_benchmark names SUN397's classes as torchvision's ClassName.txt with "_" and "/" as spaces.
     assert list(benchmark_info("sun397").classnames) == \
         [c.replace("_", " ").replace("/", " ") for c in _SUN397_CLASSES]
+
+
+def test_imagenet_names_and_wnids_share_the_label_order():
+    """`data from-folder` names wnid folders by the class name at the wnid's index: both lists must be in
+    ImageNet-1k's label order, checked on known classes and against timm's and torchvision's lists."""
+    info = benchmark_info("imagenet1k")
+    for index, wnid, name in ((0, "n01440764", "tench"), (1, "n01443537", "goldfish"),
+                              (207, "n02099601", "golden retriever")):
+        assert info.wnids[index] == wnid and info.classnames[index].lower() == name
+    timm_data = pytest.importorskip("timm.data")
+    timm_info = timm_data.ImageNetInfo()
+    assert info.wnids == tuple(timm_info.index_to_label_name(i) for i in range(1000))
+    assert info.wnids == tuple((Path(timm_data.__file__).parent / "_info" / "imagenet_synsets.txt").read_text().split())
+    assert timm_info.index_to_description(207) == "golden retriever"
+    weights = pytest.importorskip("torchvision.models").ResNet18_Weights.IMAGENET1K_V1
+    assert [weights.meta["categories"][i] for i in (0, 1, 207)] == ["tench", "goldfish", "golden retriever"]
