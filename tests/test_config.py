@@ -101,7 +101,9 @@ def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
     from lit_softmoe.config import EvalSuiteConfig
     with pytest.raises(UserError, match="a shipped one: clip-27, fashion-mnist, lit-paper$"):
         load_config(EvalSuiteConfig, tmp_path / "nope.yaml")
-    with pytest.raises(UserError, match="a shipped one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny$"):
+    with pytest.raises(UserError, match=r"a shipped one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny, "
+                                        r"pretrain/soft-b16-128e-imagenet1k, pretrain/soft-b16-128e-imagenet21k, "
+                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k$"):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
     config = tmp_path / "run.yaml"
     config.write_text("optim:\n  lrr: 1\n")
@@ -193,7 +195,9 @@ def test_shipped_configs_and_suites_load_by_short_name_from_anywhere(tmp_path, m
     (tmp_path / "fashion-mnist").write_text("name: mine\n")  # a file of the user's own comes first
     assert load_config(EvalSuiteConfig, "fashion-mnist").name == "mine"
     with pytest.raises(UserError, match=r"config file fmnist-nope does not exist; give a YAML file or a shipped "
-                                        r"one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny$"):
+                                        r"one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny, "
+                                        r"pretrain/soft-b16-128e-imagenet1k, pretrain/soft-b16-128e-imagenet21k, "
+                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k$"):
         load_config(PretrainConfig, "fmnist-nope")
 
 
