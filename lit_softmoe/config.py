@@ -58,6 +58,9 @@ class OptimConfig:
 class PretrainConfig:
     run_dir: str = "runs/pretrain"
     tower: TowerConfig = field(default_factory=TowerConfig)
+    # A tower folder (from `upcycle`, `convert` or a pretraining run) whose weights a fresh run starts
+    # from; its architecture must be `tower`'s. "": start from a random init.
+    init_from: str = ""
     data: ClassDataConfig = field(default_factory=ClassDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: str = "softmax"  # softmax | sigmoid (cross-entropy)

@@ -103,7 +103,8 @@ def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
         load_config(EvalSuiteConfig, tmp_path / "nope.yaml")
     with pytest.raises(UserError, match=r"a shipped one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny, "
                                         r"pretrain/soft-b16-128e-imagenet1k, pretrain/soft-b16-128e-imagenet21k, "
-                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k$"):
+                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k, "
+                                        r"pretrain/upcycle-fmnist-tiny$"):
         load_config(PretrainConfig, tmp_path / "nope.yaml")
     config = tmp_path / "run.yaml"
     config.write_text("optim:\n  lrr: 1\n")
@@ -197,7 +198,8 @@ def test_shipped_configs_and_suites_load_by_short_name_from_anywhere(tmp_path, m
     with pytest.raises(UserError, match=r"config file fmnist-nope does not exist; give a YAML file or a shipped "
                                         r"one: pretrain/fmnist-dense-tiny, pretrain/fmnist-soft-tiny, "
                                         r"pretrain/soft-b16-128e-imagenet1k, pretrain/soft-b16-128e-imagenet21k, "
-                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k$"):
+                                        r"pretrain/soft-s16-128e-imagenet1k, pretrain/soft-s16-128e-imagenet21k, "
+                                        r"pretrain/upcycle-fmnist-tiny$"):
         load_config(PretrainConfig, "fmnist-nope")
 
 

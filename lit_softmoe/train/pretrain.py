@@ -16,6 +16,9 @@ each batch's augmentation from one seeded with (seed, step, rank). So a killed r
 checkpoint replays exactly the batches the uninterrupted run would have seen. A rerun into a run
 folder resumes only with the same config, up to `runtime.RESUMABLE_KEYS` (training length,
 frequencies, speed); another config there is refused, naming the keys that differ.
+
+`init_from=FOLDER` starts a fresh run from a tower folder's weights (`upcycle`'s, `convert`'s, an
+earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what is kept and checked.
 """
 from __future__ import annotations
 
@@ -36,10 +39,12 @@ from lit_softmoe.data.shards import dataset_dir, read_classnames
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.probes import fewshot_probe, sample_shots
+from lit_softmoe.model_folders import checkpoints_newest_first
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
+from lit_softmoe.train.init_from import check_unchanged, head_decision, load_init_weights, read_init_source
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
@@ -204,7 +209,11 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     is_main = accelerator.is_main_process
 
     # ---- data, tower, optimizer
+    checkpoints_dir = run_dir / "checkpoints"
+    resuming = bool(checkpoints_newest_first(checkpoints_dir))
     tower_cfg = _validate_tower(cfg)
+    source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
+        if cfg.init_from else None  # a wrong folder is said before the data is read
     data = _setup_data(cfg)
     _check_fits(cfg, tower_cfg, data)
     fewshot_skipped = _fewshot_skip_reason(cfg, data)
@@ -212,10 +221,14 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         _log.warning(fewshot_skipped)
     torch.manual_seed(cfg.seed)
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
+    if source is not None and not resuming:  # a resumed run restores its own (trained) weights below
+        keep_head, why = head_decision(source, data.classnames)
+        load_init_weights(tower, source, keep_head)
+        source["head"] = "kept" if keep_head else "replaced"
+        accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head {source['head']} ({why}); "
+                          "inputs normalized with its preprocess mean and std")
     num_params = sum(p.numel() for p in tower.parameters())
     optimizer = create_optimizer(tower, cfg.optim)
-    mean = torch.tensor(data.mean, device=accelerator.device)[:, None, None]
-    std = torch.tensor(data.std, device=accelerator.device)[:, None, None]
 
     global_batch = cfg.batch_size
     if global_batch % accelerator.num_processes:
@@ -226,8 +239,15 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
     # ---- resume from the newest complete checkpoint in the run folder
-    checkpoints_dir = run_dir / "checkpoints"
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps)
+    if latest is not None:  # what the run started from, as its checkpoint recorded it (also if the folder is gone)
+        check_unchanged(checkpoint_meta.get("init_from"), source)
+        source = checkpoint_meta.get("init_from")
+    if source is not None:  # normalized as the source tower was trained (and the saved tower records)
+        data.mean, data.std = source["preprocess"]["mean"], source["preprocess"]["std"]
+    init_record = None if source is None else {k: v for k, v in source.items() if k != "classnames"}
+    mean = torch.tensor(data.mean, device=accelerator.device)[:, None, None]
+    std = torch.tensor(data.std, device=accelerator.device)[:, None, None]
     warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
     if warning and is_main:
         _log.warning(warning)
@@ -322,6 +342,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
             if is_main:
                 save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,
                                     meta={"train_seconds": train_seconds, "dropped_steps": dropped_steps,
+                                          **({"init_from": init_record} if init_record else {}),
                                           "dropped_total": dropped_total,
                                           "log_window": {"step": last_log_step, "seconds": last_log_seconds,
                                                          "aux": float(window_aux), "dropped": float(window_dropped)}})
@@ -333,6 +354,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     # step and evaluates again); its results are added to the tower's config.json after.
     results = {"tower": cfg.tower.name, "params": num_params, "steps": total_steps,
                "train_seconds": round(train_seconds, 1)}
+    if init_record:
+        results["init_from"] = {k: init_record[k] for k in ("path", "tower_sha256", "head")}
     if is_main:
         pretrain_meta = {"config": str(run_dir / "config.yaml"), **results}
         save_tower(run_dir / "tower", tower_module, extra={
