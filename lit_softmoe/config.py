@@ -39,6 +39,21 @@ class ClassDataConfig:
     # How embed, LiT on the fly, eval and the exported preprocess decode JPEGs for this tower (recorded in
     # its preprocess): reduced (at a DCT scale keeping the shorter side ≥ 2× the tower's) | full.
     decode: str = "reduced"
+    # memory: decode the split once and keep it (small sets of one image size: Fashion-MNIST) | stream: read
+    # the shards through loader workers every epoch (any size, flat memory) | auto: memory when the train
+    # split's shards total at most 256 MB and its images have the tower's size, else stream.
+    loader: str = "auto"
+    workers: int = 2  # stream: loader worker processes per training process
+    shuffle_buffer: int = 5000  # stream: samples (still encoded) in the shuffle buffer
+    # With augment: pad (a random crop of the image padded by crop_padding; memory or stream) | random_resized
+    # (the Inception crop of the ViT recipes: an area fraction in crop_scale, aspect 3/4-4/3; stream only).
+    crop: str = "pad"
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    randaugment: list[int] = field(default_factory=list)  # stream, with augment: [num_ops, magnitude], e.g. [2, 15]
+    mixup: float = 0.0  # alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off
+    # Per-channel input normalization; []: the mean and std of the first 10,000 training images.
+    mean: list[float] = field(default_factory=list)
+    std: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -90,12 +105,15 @@ _VALID_CHOICES = {
     "precision": ("auto", "fp32", "bf16"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
     "data.decode": ("full", "reduced"),
+    "data.loader": ("auto", "memory", "stream"),
+    "data.crop": ("pad", "random_resized"),
 }
 _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides by zero mid-run)
     "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
     "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
     "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
     "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
+    "data.shuffle_buffer": 0, "data.mixup": 0,
     "optim.cooldown_steps": 0,
     "optim.lr": 0, "optim.weight_decay": 0,
 }

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 _DECODED_CACHE_VERSION = 4
 
 
+class MixedSizesError(UserError):
+    """A split whose images differ in size (it cannot be held as one array; the stream resizes them)."""
+
+
 def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
     where = f"{sample['__key__']} in {sample.get('__url__')}"
     image_key = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
@@ -206,8 +210,9 @@ def load_class_split(
                         "check that its shards hold an image and a .cls per sample")
     shapes = {array.shape[:2] for array in arrays}
     if len(shapes) > 1:
-        raise UserError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
-                        "loading a split into memory needs one size: resize the images when writing the shards")
+        raise MixedSizesError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
+                              "loading a split into memory needs one size: set data.loader=stream (it resizes "
+                              "every image) or resize the images when writing the shards")
     color = sum(array.ndim == 3 for array in arrays)
     if color:
         if color < len(arrays):

@@ -30,6 +30,7 @@ Sample fields: an image (`.png`, `.jpg`, `.jpeg`, `.webp`), a caption (`.txt`, U
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import math
@@ -83,6 +84,10 @@ class ShardDataConfig:
     rank: int = -1  # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
     world_size: int = 0  # 0: from torch.distributed or WORLD_SIZE (1 if neither)
     pin_memory: bool = False
+    # Random transforms draw from a generator seeded with (seed, epoch, sample key): the same sample gets
+    # the same crop in an epoch whatever process, worker or pass reads it (exact resume, padding passes).
+    seed_transforms: bool = False
+    num_classes: int = 0  # class samples: a class index ≥ this is skipped as bad_cls; 0 checks nothing
 
 
 # ---------------------------------------------------------------------------------- sample format
@@ -140,8 +145,11 @@ class _Skip(Exception):
 
 # ---------------------------------------------------------------------------------- field decoders
 
-def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None) -> torch.Tensor:
-    """`min_side`: the transform's `decode_min_side` (JPEGs decoded at a reduced scale keeping it)."""
+def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None,
+                  seed: int | None = None) -> torch.Tensor:
+    """`min_side`: the transform's `decode_min_side` (JPEGs decoded at a reduced scale keeping it).
+    `seed`: the transform's random draws come from torch's generator seeded with it (and the
+    caller's generator state is left as it was)."""
     extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
     if extension is None:
         raise _Skip("missing_image")
@@ -152,7 +160,11 @@ def _decode_image(sample: dict, transform: Callable | None, min_side: int | None
     if transform is None:
         return TF.pil_to_tensor(image)  # (C, H, W) uint8
     try:
-        return transform(image)
+        if seed is None:
+            return transform(image)
+        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms draw from torch's generator
+            torch.manual_seed(seed)
+            return transform(image)
     except Exception as exn:  # counted apart from bad files: a transform that fails on everything is a bug
         raise _Skip("bad_transform", f"{type(exn).__name__}: {exn}") from None
 
@@ -169,7 +181,7 @@ def _decode_caption(sample: dict) -> str:
     return caption
 
 
-def _decode_label(sample: dict) -> int:
+def _decode_label(sample: dict, num_classes: int = 0) -> int:
     if "cls" not in sample:
         raise _Skip("missing_cls")
     try:
@@ -178,6 +190,8 @@ def _decode_label(sample: dict) -> int:
         raise _Skip("bad_cls", f"{sample['cls'][:20]!r} is not a class index") from None
     if label < 0:
         raise _Skip("bad_cls", f"negative class {label}")
+    if num_classes and label >= num_classes:
+        raise _Skip("bad_cls", f"class {label} is past the {num_classes} class names")
     return label
 
 
@@ -203,21 +217,32 @@ def _decode_embedding(sample: dict, expected_shape: list) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def sample_decoder(kind: str, transform: Callable | None = None) -> Callable[[dict], tuple]:
+def sample_seed(seed: int, epoch: int, key: str) -> int:
+    """The seed of one sample's random transform in an epoch: a function of the three alone."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{epoch}/{key}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callable[[str], int] | None = None,
+                   num_classes: int = 0) -> Callable[[dict], tuple]:
     """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `_Skip`.
 
     The cheap target is checked first, so a sample missing its caption or class costs no image decode.
+    `seed_of(key)`: the seed of the sample's random transform (`sample_seed`); None: torch's generator
+    as it is. `num_classes`: class indices from it on are skipped as bad_cls (0: no check).
     """
 
     min_side = decode_min_side(transform)  # the transform's decode setting ("reduced": JPEGs at a DCT scale)
 
+    def image(s: dict) -> torch.Tensor:
+        return _decode_image(s, transform, min_side, None if seed_of is None else seed_of(s["__key__"]))
+
     def image_caption(s: dict) -> tuple:
         caption = _decode_caption(s)
-        return s["__key__"], _decode_image(s, transform, min_side), caption
+        return s["__key__"], image(s), caption
 
     def image_class(s: dict) -> tuple:
-        label = _decode_label(s)
-        return s["__key__"], _decode_image(s, transform, min_side), label
+        label = _decode_label(s, num_classes)
+        return s["__key__"], image(s), label
 
     shape: list = []  # filled by the first good embedding
 
@@ -226,7 +251,7 @@ def sample_decoder(kind: str, transform: Callable | None = None) -> Callable[[di
         return s["__key__"], _decode_embedding(s, shape), caption
 
     def embedding_class(s: dict) -> tuple:  # cached features of a class split (zero-shot eval)
-        label = _decode_label(s)
+        label = _decode_label(s, num_classes)
         return s["__key__"], _decode_embedding(s, shape), label
 
     return {"image-caption": image_caption, "image-class": image_class,
@@ -332,7 +357,8 @@ class _ShardStream(IterableDataset):
         counter = _StreamCounter()
         endless = self.batches_per_worker is not None  # rolls over its shards, or resamples
 
-        decoded = self._decoded_samples(self.epoch.value, worker, num_workers, counter, endless)
+        epoch = self.epoch.value
+        decoded = self._decoded_samples(epoch, worker, num_workers, counter, endless)
         batches = wds.batched(self.cfg.batch_size, collation_fn=self._collate, partial=not endless)(decoded)
         if endless:
             batches = itertools.islice(batches, self.batches_per_worker)
@@ -348,7 +374,7 @@ class _ShardStream(IterableDataset):
         Each pass shuffles within itself, so a pass holds each of its samples once (a roll-over
         never mixes the next pass's samples into this one's).
         """
-        cfg, decode = self.cfg, self._decoder()
+        cfg, decode = self.cfg, self._decoder(epoch)
         if cfg.resampled:
             # Each node and worker draws its own shards, with replacement (open_clip's ResampledShards2).
             rng = random.Random(f"resampled/{cfg.seed}/{epoch}/{self.rank}/{worker}")
@@ -380,8 +406,9 @@ class _ShardStream(IterableDataset):
             samples = wds.shuffle(cfg.shuffle_buffer, max(1, cfg.shuffle_buffer // 5), rng=rng)(samples)
         return _decode_stage(samples, decode, counter, give_up_without_good)
 
-    def _decoder(self) -> Callable[[dict], tuple]:
-        return sample_decoder(self.kind, self.transform)
+    def _decoder(self, epoch: int) -> Callable[[dict], tuple]:
+        seed_of = (lambda key: sample_seed(self.cfg.seed, epoch, key)) if self.cfg.seed_transforms else None
+        return sample_decoder(self.kind, self.transform, seed_of, self.cfg.num_classes)
 
     def _collate(self, samples: list[tuple]) -> dict[str, Any]:
         keys, inputs, targets = zip(*samples)

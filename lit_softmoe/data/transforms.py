@@ -112,12 +112,14 @@ def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
 
 
 def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence[float] = 0.5,
-                   std: float | Sequence[float] = 0.5, decode: str = "full") -> v2.Compose:
+                   std: float | Sequence[float] = 0.5, decode: str = "full", normalize: bool = True) -> v2.Compose:
     """PIL image or uint8 (C, H, W) tensor → normalized float32 (in_channels, image_size, image_size).
 
     Resizes the shorter side to `image_size`, then takes the center square. `decode="reduced"` decodes
     JPEGs at a DCT scale keeping the shorter side ≥ `images.REDUCED_DECODE_FACTOR` × `image_size`
     (in the pipeline, the eval readers, and here for a PIL image opened but not yet loaded).
+    `normalize=False` stops at uint8 (a quarter of the bytes between processes; `normalize_batch`
+    then runs on the batch, on the device).
     """
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
@@ -127,7 +129,7 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
         v2.Resize(image_size, antialias=True),
         v2.CenterCrop(image_size),
         *after,
-        *_to_normalized_float(in_channels, mean, std),
+        *(_to_normalized_float(in_channels, mean, std) if normalize else []),
     ])
 
 
@@ -151,6 +153,8 @@ def train_transform(
     scale: tuple[float, float] = (0.35, 1.0),
     hflip: bool = True,
     decode: str = "full",
+    randaugment: Sequence[int] = (),
+    normalize: bool = True,
 ) -> v2.Compose:
     """Training counterpart of `eval_transform`.
 
@@ -163,6 +167,9 @@ def train_transform(
         decode: "reduced" decodes JPEGs at a reduced scale relative to the smallest random crop,
             not to the image: that crop (side ≥ √(scale[0] · 3/4) of the shorter one) is upscaled to
             `image_size`, so it must keep `REDUCED_DECODE_FACTOR` × `image_size` pixels itself.
+        randaugment: (num_ops, magnitude) of torchvision's RandAugment (Cubuk et al., 2020) after the
+            crop and flip, on uint8 pixels (the ViT/V-MoE ImageNet-21k recipes use (2, 15)); () for none.
+        normalize: False stops at uint8 (see `eval_transform`).
     """
     side = image_size
     if crop_padding is None and random_resized_crop:
@@ -175,6 +182,9 @@ def train_transform(
     else:
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
     flip = [v2.RandomHorizontalFlip()] if hflip else []
+    if randaugment and len(randaugment) != 2:
+        raise ValueError(f"randaugment takes (num_ops, magnitude), got {list(randaugment)}")
+    augment = [v2.RandAugment(num_ops=int(randaugment[0]), magnitude=int(randaugment[1]))] if randaugment else []
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
         _pil_modes(in_channels, jpeg_min_side(decode, side)),
@@ -183,7 +193,8 @@ def train_transform(
         *geometry,
         *flip,
         *after,
-        *_to_normalized_float(in_channels, mean, std),
+        *augment,
+        *(_to_normalized_float(in_channels, mean, std) if normalize else []),
     ])
 
 

@@ -10,33 +10,45 @@ balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report 
 tokens no expert processed (`dropped_fraction`, in metrics.jsonl and results.json); Soft MoE and
 dense towers have neither (0), so their training is unchanged.
 
-The training split is decoded into memory once (Fashion-MNIST is 47 MB) and every random choice is
-a function of (seed, step): the epoch's order comes from a generator seeded with (seed, epoch) and
-each batch's augmentation from one seeded with (seed, step, rank). So a killed run resumed from its
-checkpoint replays exactly the batches the uninterrupted run would have seen. A rerun into a run
-folder resumes only with the same config, up to `runtime.RESUMABLE_KEYS` (training length,
-frequencies, speed); another config there is refused, naming the keys that differ.
+The training split is either decoded into memory once (small sets of one size: Fashion-MNIST is
+47 MB) or streamed from its shards by loader workers every epoch (any size, flat memory):
+`data.loader`, and `lit_softmoe.data.class_batches` for both. Either way every batch is a function of
+(seed, epoch, rank) and its position in the epoch, so a killed run resumed from its checkpoint
+replays exactly the batches the uninterrupted run would have seen. The test split and the few-shot
+probe's shots are read the way the training split is. A rerun into a run folder resumes only with
+the same config, up to `runtime.RESUMABLE_KEYS` (training length, frequencies, speed); another config
+there is refused, naming the keys that differ.
 
 `init_from=FOLDER` starts a fresh run from a tower folder's weights (`upcycle`'s, `convert`'s, an
 earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what is kept and checked.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig
-from lit_softmoe.data.class_split import load_class_split
-from lit_softmoe.data.shards import dataset_dir, read_classnames
-from lit_softmoe.data.transforms import batch_augment
+from lit_softmoe.data.class_batches import (
+    InMemoryClassBatches,
+    StreamedClassBatches,
+    read_samples,
+    split_batches,
+    split_labels,
+)
+from lit_softmoe.data.class_split import MixedSizesError, load_class_split
+from lit_softmoe.data.shards import dataset_dir, listed_sizes, read_classnames, shard_urls
+from lit_softmoe.data.transforms import eval_transform, train_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.probes import fewshot_probe, sample_shots
 from lit_softmoe.model_folders import checkpoints_newest_first
@@ -62,16 +74,25 @@ from lit_softmoe.utils.paths import check_writable
 _log = logging.getLogger(__name__)
 
 
+# data.loader=auto streams a training split whose shards total more than this.
+AUTO_MEMORY_BYTES = 256 * 2**20
+STATS_IMAGES = 10_000  # the mean and std come from this many training images (when the config gives none)
+
+
 @dataclass
 class ClassData:
-    train_images: torch.Tensor  # (N, C, H, W) uint8
-    train_labels: torch.Tensor  # (N,) int64
-    test_images: torch.Tensor
-    test_labels: torch.Tensor
+    """A run's splits, however they are read: `train` gives the training batches; `test_batches` and
+    `shots` read the test split and the few-shot probe's shots, as uint8 images."""
+
+    train: InMemoryClassBatches | StreamedClassBatches
     classnames: list[str]
-    mean: list[float]  # per channel, of the training images in [0, 1]
+    mean: list[float]  # per channel, of the training images in [0, 1] (or the config's)
     std: list[float]
-    bad_samples: dict
+    num_test: int
+    test_batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]  # batch size → (images, labels)
+    shots: Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | str]  # (k, seed) → k per class, or why not
+    bad_samples: Callable[[], dict]
+    streamed: bool
 
 
 def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]):
@@ -86,36 +107,148 @@ def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]
     return images[~unnamed], labels[~unnamed]
 
 
-def _setup_data(cfg: PretrainConfig) -> ClassData:
-    train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
-    test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
+def _loader_kind(cfg: PretrainConfig) -> str:
+    """memory or stream, for data.loader=auto: memory for small splits whose augmentation it has."""
+    if cfg.data.loader != "auto":
+        return cfg.data.loader
+    if cfg.data.augment and (cfg.data.crop != "pad" or cfg.data.randaugment):
+        return "stream"  # the in-memory batches have the padded crop + flip only
+    try:
+        size = sum(Path(url).stat().st_size for url in shard_urls(cfg.data.train))
+    except OSError:  # remote shards (or a name that is not a file): never loaded whole
+        return "stream"
+    return "memory" if size <= AUTO_MEMORY_BYTES else "stream"
+
+
+def _setup_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int) -> ClassData:
+    kind = _loader_kind(cfg)
+    if kind == "memory":
+        data = _setup_memory_data(cfg, tower_cfg, rank, world_size, fall_back=cfg.data.loader == "auto")
+        if data is not None:
+            return data
+    return _setup_streamed_data(cfg, tower_cfg, rank, world_size)
+
+
+def _check_bad_fraction(cfg: PretrainConfig, split: str, bad: dict, good: int) -> None:
+    num_bad = sum(bad.values())
+    if num_bad > cfg.data.max_bad_fraction * (num_bad + good):
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
+        raise UserError(f"{num_bad} of {num_bad + good} {split} samples were bad ({reasons}), over "
+                        f"data.max_bad_fraction={cfg.data.max_bad_fraction}; fix the shards or raise it")
+
+
+def _setup_memory_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int,
+                       fall_back: bool) -> ClassData | None:
+    """The splits decoded into memory; None (with `fall_back`) where the images do not all have the
+    tower's size and channels, which the stream then resizes and converts."""
+    try:
+        train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
+        if fall_back and not _fits(tower_cfg, train_images):
+            raise MixedSizesError("")
+        test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
+        if fall_back and not _fits(tower_cfg, test_images):
+            raise MixedSizesError("")
+    except MixedSizesError:
+        if not fall_back:
+            raise
+        _log.info("data.loader=auto: the images are not all %d×%d px with %d channels: streaming them",
+                  tower_cfg.image_size, tower_cfg.image_size, tower_cfg.in_channels)
+        return None
     classnames_dir = dataset_dir(cfg.data.train)  # beside the split, for a pattern or a '::' list too
     has_names = classnames_dir is not None and (classnames_dir / "classnames.txt").exists()
     classnames = read_classnames(classnames_dir) if has_names else [str(i) for i in range(int(train_labels.max()) + 1)]
     train_images, train_labels = _drop_unnamed_classes("train", train_images, train_labels, train_bad, classnames)
     test_images, test_labels = _drop_unnamed_classes("test", test_images, test_labels, test_bad, classnames)
-    for split, labels, bad in (("train", train_labels, train_bad), ("test", test_labels, test_bad)):
-        num_bad = sum(bad.values())
-        if num_bad > cfg.data.max_bad_fraction * (num_bad + len(labels)):
-            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
-            raise UserError(f"{num_bad} of {num_bad + len(labels)} {split} samples were bad ({reasons}), over "
-                            f"data.max_bad_fraction={cfg.data.max_bad_fraction}; fix the shards or raise it")
-    pixels = train_images[:10_000].float() / 255  # statistics of the first 10k images are plenty
-    mean = pixels.mean(dim=(0, 2, 3)).tolist()
-    std = pixels.std(dim=(0, 2, 3)).tolist()
-    return ClassData(train_images, train_labels, test_images, test_labels, classnames, mean, std,
-                     {"train": dict(train_bad), "test": dict(test_bad)})
+    _check_bad_fraction(cfg, "train", train_bad, len(train_labels))
+    _check_bad_fraction(cfg, "test", test_bad, len(test_labels))
+    _check_fits(cfg, tower_cfg, train_images)
+    if cfg.data.mean:
+        mean, std = list(cfg.data.mean), list(cfg.data.std)
+    else:
+        pixels = train_images[:STATS_IMAGES].float() / 255
+        mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+    train = InMemoryClassBatches(train_images, train_labels, cfg.batch_size, cfg.seed, rank, world_size,
+                                 augment=cfg.data.augment, crop_padding=cfg.data.crop_padding)
+
+    def test_batches(batch_size: int):
+        return zip(test_images.split(batch_size), test_labels.split(batch_size))
+
+    def shots(k: int, seed: int):
+        why = _fewshot_skip_reason(k, train_labels, classnames)
+        if why:
+            return why
+        ids = sample_shots(train_labels, k, seed)
+        return train_images[ids], train_labels[ids]
+
+    return ClassData(train, classnames, mean, std, len(test_labels), test_batches, shots,
+                     lambda: {"train": dict(train_bad), "test": dict(test_bad)}, streamed=False)
 
 
-def _fewshot_skip_reason(cfg: PretrainConfig, data: ClassData) -> str | None:
-    """Why the k-shot probe cannot run on these training images, or None: it takes k of every class."""
-    if cfg.fewshot_shots <= 0:
+def _fits(tower_cfg, images: torch.Tensor) -> bool:
+    return images.shape[1] == tower_cfg.in_channels and images.shape[2] == images.shape[3] == tower_cfg.image_size
+
+
+def _setup_streamed_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int) -> ClassData:
+    """The splits streamed from their shards, each image resized (and converted) to the tower's input."""
+    if cfg.data.max_train_samples or cfg.data.max_test_samples:
+        raise UserError("data.max_train_samples and data.max_test_samples keep the first N images of a split held "
+                        "in memory; with data.loader=stream, write a smaller split instead (or set them to 0)")
+    classnames_dir = dataset_dir(cfg.data.train)
+    if classnames_dir is None or not (classnames_dir / "classnames.txt").exists():
+        raise UserError(f"streaming {cfg.data.train} needs its classnames.txt (one class name per line, in label "
+                        "order) beside the split folder: `lit-softmoe data from-folder --layout classes` writes it")
+    classnames = read_classnames(classnames_dir)
+    size, channels = tower_cfg.image_size, tower_cfg.in_channels
+    eval_pixels = eval_transform(size, channels, decode=cfg.data.decode, normalize=False)  # uint8 (C, size, size)
+    workers = cfg.data.workers
+    if cfg.data.mean:
+        mean, std = list(cfg.data.mean), list(cfg.data.std)
+    else:  # each process reads the same first images, so all normalize alike
+        batches, _ = split_batches(cfg.data.train, eval_pixels, 256, workers=0, num_classes=len(classnames),
+                                   max_bad_fraction=1.0)
+        first = torch.cat([b.images for b in itertools.islice(batches, math.ceil(STATS_IMAGES / 256))])
+        pixels = first[:STATS_IMAGES].float() / 255
+        mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+    if cfg.data.augment:
+        crop = dict(crop_padding=cfg.data.crop_padding) if cfg.data.crop == "pad" else \
+            dict(random_resized_crop=True, scale=tuple(cfg.data.crop_scale))
+        train_pixels = train_transform(size, channels, hflip=True, decode=cfg.data.decode,
+                                       randaugment=cfg.data.randaugment, normalize=False, **crop)
+    else:
+        train_pixels = eval_pixels
+    train = StreamedClassBatches(cfg.data.train, cfg.batch_size, train_pixels, seed=cfg.seed, rank=rank,
+                                 world_size=world_size, workers=workers, shuffle_buffer=cfg.data.shuffle_buffer,
+                                 max_bad_fraction=cfg.data.max_bad_fraction, num_classes=len(classnames))
+    test_bad: dict = {}
+
+    def test_batches(batch_size: int):
+        batches, loader = split_batches(cfg.data.test, eval_pixels, batch_size, workers, len(classnames),
+                                        cfg.data.max_bad_fraction)
+        yield from ((b.images, b.labels) for b in batches)
+        test_bad.clear()
+        test_bad.update(loader.bad.counts)
+
+    def shots(k: int, seed: int):
+        labels = split_labels(cfg.data.train, len(classnames))
+        why = _fewshot_skip_reason(k, labels, classnames)
+        if why:
+            return why
+        return read_samples(cfg.data.train, sample_shots(labels, k, seed).tolist(), eval_pixels, len(classnames))
+
+    sizes = listed_sizes(shard_urls(cfg.data.test)) or {}
+    return ClassData(train, classnames, mean, std, sum(sizes.values()), test_batches, shots,
+                     lambda: {"train": dict(train.loader.bad.counts), "test": dict(test_bad)}, streamed=True)
+
+
+def _fewshot_skip_reason(shots: int, labels: torch.Tensor, classnames: list[str]) -> str | None:
+    """Why the k-shot probe cannot run on these training labels, or None: it takes k of every class."""
+    if shots <= 0:
         return None
-    counts = torch.bincount(data.train_labels, minlength=len(data.classnames))
+    counts = torch.bincount(labels, minlength=len(classnames))
     smallest = int(counts.argmin())
-    if counts[smallest] >= cfg.fewshot_shots:
+    if counts[smallest] >= shots:
         return None
-    return (f"the {cfg.fewshot_shots}-shot linear probe is skipped: class {smallest} ({data.classnames[smallest]}) "
+    return (f"the {shots}-shot linear probe is skipped: class {smallest} ({classnames[smallest]}) "
             f"has {int(counts[smallest])} training images; lower fewshot_shots (0 turns the probe off) or train "
             "on more images")
 
@@ -151,46 +284,67 @@ def _check_settings(cfg: PretrainConfig) -> None:
     check_optim_settings(cfg.optim)
 
 
-def _check_fits(cfg: PretrainConfig, tower_cfg, data: ClassData) -> None:
-    _, channels, height, _ = data.train_images.shape
+def _check_fits(cfg: PretrainConfig, tower_cfg, images: torch.Tensor) -> None:
+    _, channels, height, _ = images.shape
     if channels != tower_cfg.in_channels or height != tower_cfg.image_size:
         # A split is read as RGB as soon as one of its images is in color (load_class_split says how many).
         read_as = " (read as RGB: one or more of its images are in color)" if channels == 3 else ""
         raise UserError(
             f"tower {cfg.tower.name!r} takes {tower_cfg.in_channels}×{tower_cfg.image_size}px images but "
-            f"{cfg.data.train} holds {channels}×{height}px{read_as}; pick a tower for this size or set "
-            f"tower.options.image_size / tower.options.in_channels")
+            f"{cfg.data.train} holds {channels}×{height}px{read_as}; set data.loader=stream (it resizes and "
+            f"converts every image), pick a tower for this size, or set tower.options.image_size / "
+            f"tower.options.in_channels")
 
 
 def _loss_fn(cfg: PretrainConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """labels: class indices (B,), or class probabilities (B, C) where mixup mixed the batch."""
     if cfg.loss == "sigmoid":
-        targets = F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+        targets = labels.to(logits.dtype) if labels.ndim == 2 else F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
         # Summed over classes, averaged over examples: big_vision's sigmoid_xent.
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
     return F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
 
 
 @torch.inference_mode()
-def _embed(tower, images_uint8, mean, std, batch_size, accelerator, with_logits=True):
-    """(features (N, d), logits (N, C) or None, fraction of MoE tokens dropped) for uint8 images,
-    batched, no gradient."""
+def _embed(tower, batches, mean, std, accelerator, with_logits=True):
+    """(features (N, d), logits (N, C) or None, labels (N,), fraction of MoE tokens dropped) for
+    batches of (uint8 images, labels), no gradient."""
     tower.eval()
-    features, logits, dropped = [], [], 0.0
-    for start in range(0, len(images_uint8), batch_size):
-        pixels = _normalize(images_uint8[start:start + batch_size].to(accelerator.device), mean, std)
+    features, logits, labels, dropped, count = [], [], [], 0.0, 0
+    for images, batch_labels in batches:
+        pixels = _normalize(images.to(accelerator.device), mean, std)
         with accelerator.autocast():
             tokens = tower.forward_features(pixels)  # (b, m, d)
             features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())  # pooled (b, d)
             if with_logits:
                 logits.append(tower.forward_head(tokens).float().cpu())
+        labels.append(batch_labels)
         dropped += float(tower.moe_dropped_fraction()) * len(pixels)
+        count += len(pixels)
     tower.train()
-    return torch.cat(features), (torch.cat(logits) if with_logits else None), dropped / max(len(images_uint8), 1)
+    return (torch.cat(features), torch.cat(logits) if with_logits else None, torch.cat(labels),
+            dropped / max(count, 1))
+
+
+def _batches_from(train: InMemoryClassBatches | StreamedClassBatches, step: int, steps_per_epoch: int):
+    """The training batches from global step `step` on, epoch after epoch."""
+    epoch, start = divmod(step, steps_per_epoch)
+    while True:
+        yield from train.epoch(epoch, start)
+        epoch, start = epoch + 1, 0
 
 
 def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
-    _, logits, _ = _embed(tower, data.test_images, mean, std, cfg.eval_batch_size, accelerator)
-    return (logits.argmax(1) == data.test_labels).float().mean().item()
+    _, logits, labels, _ = _embed(tower, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
+    return (logits.argmax(1) == labels).float().mean().item()
+
+
+def _mixup(cfg: PretrainConfig, pixels: torch.Tensor, labels: torch.Tensor, num_classes: int, step: int, rank: int):
+    """torchvision's MixUp on a normalized batch (one Beta(alpha, alpha) ratio, the batch mixed with
+    itself rolled by one, as big_vision's mixup), its draw seeded with (seed, step, rank)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((cfg.seed * 1_000_003 + step) * 1013 + rank)
+        return v2.MixUp(alpha=cfg.data.mixup, num_classes=num_classes)(pixels, labels)
 
 
 def pretrain(cfg: PretrainConfig) -> dict:
@@ -214,11 +368,14 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     tower_cfg = _validate_tower(cfg)
     source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
         if cfg.init_from else None  # a wrong folder is said before the data is read
-    data = _setup_data(cfg)
-    _check_fits(cfg, tower_cfg, data)
-    fewshot_skipped = _fewshot_skip_reason(cfg, data)
-    if fewshot_skipped:  # said now, so that a user who wants the probe need not wait for the end
-        _log.warning(fewshot_skipped)
+    global_batch = cfg.batch_size
+    if global_batch % accelerator.num_processes:
+        raise UserError(f"batch_size {global_batch} does not split over {accelerator.num_processes} processes")
+    data = _setup_data(cfg, tower_cfg, accelerator.process_index, accelerator.num_processes)
+    if not data.streamed:  # said now, so that a user who wants the probe need not wait for the end
+        fewshot_skipped = _fewshot_skip_reason(cfg.fewshot_shots, data.train.labels, data.classnames)
+        if fewshot_skipped:
+            _log.warning(fewshot_skipped)
     torch.manual_seed(cfg.seed)
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
     if source is not None and not resuming:  # a resumed run restores its own (trained) weights below
@@ -230,12 +387,9 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     num_params = sum(p.numel() for p in tower.parameters())
     optimizer = create_optimizer(tower, cfg.optim)
 
-    global_batch = cfg.batch_size
-    if global_batch % accelerator.num_processes:
-        raise UserError(f"batch_size {global_batch} does not split over {accelerator.num_processes} processes")
-    steps_per_epoch = len(data.train_labels) // global_batch
+    steps_per_epoch = data.train.steps_per_epoch
     if steps_per_epoch == 0:
-        raise UserError(f"batch_size {global_batch} exceeds the {len(data.train_labels)} training images")
+        raise UserError(f"batch_size {global_batch} exceeds the {data.train.num_samples} training images")
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
     # ---- resume from the newest complete checkpoint in the run folder
@@ -259,8 +413,9 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if cfg.compile:
         tower = torch.compile(tower)  # shares parameters with the module we save
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
-    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {len(data.train_labels)} "
-                      f"train / {len(data.test_labels)} test images, {total_steps} steps of {global_batch}")
+    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
+                      f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
+                      f"{total_steps} steps of {global_batch}")
 
     # ---- train
     # The open logging window (sums since the last record) and the dropped-token totals are part of
@@ -273,25 +428,17 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     window_dropped = torch.tensor(window.get("dropped", 0.0), device=accelerator.device)
     # Over all steps of the run (this process's batches), for results.json.
     dropped_steps, dropped_total = checkpoint_meta.get("dropped_steps", 0), checkpoint_meta.get("dropped_total", 0.0)
-    order, order_epoch = None, -1
     tower.train()
     progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
                     dynamic_ncols=True)
+    batches = _batches_from(data.train, step, steps_per_epoch)
     while step < total_steps:
         tic = time.perf_counter()
-        epoch, index_in_epoch = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:  # the epoch's order is a pure function of (seed, epoch)
-            order = torch.randperm(len(data.train_labels), generator=torch.Generator().manual_seed(
-                cfg.seed * 100_003 + epoch))
-            order_epoch = epoch
-        batch_ids = order[index_in_epoch * global_batch:(index_in_epoch + 1) * global_batch]
-        batch_ids = batch_ids[accelerator.process_index::accelerator.num_processes]  # (local_batch,)
-        images = data.train_images[batch_ids]
-        if cfg.data.augment:
-            generator = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1009 + accelerator.process_index)
-            images = batch_augment(images, generator, padding=cfg.data.crop_padding)
-        pixels = _normalize(images.to(accelerator.device, non_blocking=True), mean, std)
-        labels = data.train_labels[batch_ids].to(accelerator.device)
+        batch = next(batches)  # uint8 (local_batch, C, H, W), as the uninterrupted run's batch of this step
+        pixels = _normalize(batch.images.to(accelerator.device, non_blocking=True), mean, std)
+        labels = batch.labels.to(accelerator.device)
+        if cfg.data.mixup:
+            pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), step, accelerator.process_index)
 
         lr = lr_at(step, total_steps, cfg.optim)
         set_lr(optimizer, lr)
@@ -348,6 +495,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                                                          "aux": float(window_aux), "dropped": float(window_dropped)}})
                 prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
+    batches.close()  # a stream's loader workers stop reading
 
     # ---- save the tower, then evaluate it: test top-1 and the few-shot linear probe on frozen
     # features. An evaluation that fails must not cost the training (a rerun resumes at the last
@@ -365,27 +513,29 @@ def _pretrain(cfg: PretrainConfig) -> dict:
             "pretrain": pretrain_meta,
         })
         eval_tic = time.perf_counter()
-        test_features, test_logits, test_dropped = _embed(tower_module, data.test_images, mean, std,
-                                                          cfg.eval_batch_size, accelerator)
-        results["test_top1"] = (test_logits.argmax(1) == data.test_labels).float().mean().item()
+        test_features, test_logits, test_labels, test_dropped = _embed(
+            tower_module, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
+        results["test_top1"] = (test_logits.argmax(1) == test_labels).float().mean().item()
         if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
             results["dropped_fraction_train"] = dropped_total / max(dropped_steps, 1)
             results["dropped_fraction_test"] = test_dropped
-        if fewshot_skipped:
-            _log.warning(fewshot_skipped)
-            results["fewshot_skipped"] = fewshot_skipped
-        elif cfg.fewshot_shots > 0:
-            shot_ids = sample_shots(data.train_labels, cfg.fewshot_shots, cfg.seed)
-            shot_features, _, _ = _embed(tower_module, data.train_images[shot_ids], mean, std,
-                                         cfg.eval_batch_size, accelerator, with_logits=False)
-            results.update(fewshot_probe(shot_features, data.train_labels[shot_ids], test_features,
-                                         data.test_labels, shots=cfg.fewshot_shots))
+        shots = data.shots(cfg.fewshot_shots, cfg.seed) if cfg.fewshot_shots > 0 else None
+        if isinstance(shots, str):  # why the probe cannot run
+            _log.warning(shots)
+            results["fewshot_skipped"] = shots
+        elif shots is not None:
+            shot_images, shot_labels = shots
+            shot_features, _, _, _ = _embed(tower_module, zip(shot_images.split(cfg.eval_batch_size),
+                                                              shot_labels.split(cfg.eval_batch_size)),
+                                            mean, std, accelerator, with_logits=False)
+            results.update(fewshot_probe(shot_features, shot_labels, test_features, test_labels,
+                                         shots=cfg.fewshot_shots))
         results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
         logger.log({"step": total_steps, **{k: v for k, v in results.items()
                                             if k.startswith(("test_", "fewshot", "dropped_"))
                                             and k != "fewshot_skipped"}})
         update_tower_meta(run_dir / "tower", {"pretrain": {**pretrain_meta, **results}})
-        results["bad_samples"] = data.bad_samples
+        results["bad_samples"] = data.bad_samples()
         write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")  # never half a file
         plot_curves(read_metrics(logger.path), run_dir / "curves.png",
                     keys=("loss", "lr", "test_top1"), title=f"pretrain {cfg.tower.name}")

@@ -3,6 +3,7 @@ the global batch over several processes."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -148,6 +149,19 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_without_teardown()
+
+
+def _exit_without_teardown():
+    """End a spawned worker whose results are saved without running C++ static destructors: gloo's
+    (with a file:// store) abort a process now and then (once in about 60 runs here) ("terminate called without an
+    active exception", SIGABRT) after every collective has finished, which is no fault of the code
+    under test."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_processes_match_one_process_with_the_combined_batch(tmp_path):
@@ -222,6 +236,7 @@ def _dist_worker(rank: int, init_file: str, out_file: str):
         dist.barrier()  # as in _worker: no process tears gloo down while another still uses it
     finally:
         dist.destroy_process_group()
+    _exit_without_teardown()
 
 
 def test_losses_match_open_clip_across_three_processes(tmp_path):
