@@ -4,6 +4,8 @@ Writes `OUT/train/<class name>/<index>.jpg` and `OUT/test/<class name>/<index>.j
 28×28 original resized (PIL bicubic) to a random, roughly square size — a base side drawn uniformly in
 `--min-size..--max-size`, then each side drawn independently within ±25% of it and clipped to that
 range — optionally converted to RGB (`--rgb`; default grayscale "L"), saved as JPEG quality 90.
+The originals are taken one class after the other (image i is of class i mod 10, in Fashion-MNIST's order
+within each class), so a split of any size ≥ 10 has every class folder and about equal counts;
 `--train N` above 60,000 repeats the originals, each repeat at a new size under a new index. Every
 image's size depends only on (seed, split, index), so the same command writes the same files whatever
 the number of processes. With `--shards`, `lit-softmoe data from-folder --layout classes` then writes
@@ -53,9 +55,23 @@ def image_size(seed: int, split: str, index: int, min_size: int, max_size: int) 
     return side(), side()
 
 
+def class_interleaved(labels: np.ndarray) -> np.ndarray:
+    """An order of the originals taking one of each class in turn (the first of each, then the second…),
+    so that any 10 consecutive images hold every class: small splits then have the same class folders,
+    which `data from-folder` requires of the splits of one data set."""
+    rank = np.zeros(len(labels), dtype=np.int64)  # each image's position among its class's
+    for label in np.unique(labels):
+        members = labels == label
+        rank[members] = np.arange(members.sum())
+    return np.lexsort((labels, rank))  # by rank, then label
+
+
 def _arrays(split: str, source: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST's `split` (images, labels) in `class_interleaved` order."""
     if split not in _ARRAYS:  # read once per process: the pool's workers read their own copy
-        _ARRAYS[split] = read_fashion_mnist(split, source, allow_download=False)
+        images, labels = read_fashion_mnist(split, source, allow_download=False)
+        order = class_interleaved(labels)
+        _ARRAYS[split] = images[order], labels[order]
     return _ARRAYS[split]
 
 
@@ -80,7 +96,8 @@ def _prepare(out: Path, manifest: dict) -> bool:
     """True if `out` already holds these folders; else empties what this script wrote there before."""
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
-        if json.loads(manifest_path.read_text()) == manifest:
+        written = json.loads(manifest_path.read_text())
+        if {key: value for key, value in written.items() if key != "summary"} == manifest:
             return True
         manifest_path.unlink()
         for split in SPLITS:
@@ -122,8 +139,9 @@ def make_class_folders(out: str | Path, train: int | None = None, test: int | No
     options = {"seed": seed, "min_size": min_size, "max_size": max_size, "rgb": rgb, "source": source}
     tasks = []
     for split, count in counts.items():
-        for name in FASHION_MNIST_CLASSNAMES if count else ():
-            (out / split / name).mkdir(parents=True, exist_ok=True)
+        labels = _arrays(split, source)[1] if count else []
+        for label in np.unique(labels[:count]):  # only classes with images: `data from-folder` lists no others
+            (out / split / FASHION_MNIST_CLASSNAMES[label]).mkdir(parents=True, exist_ok=True)
         tasks += [(str(out), split, first, min(count, first + CHUNK), options) for first in range(0, count, CHUNK)]
     if processes > 1 and len(tasks) > 1:
         with multiprocessing.get_context("fork").Pool(processes) as pool:
