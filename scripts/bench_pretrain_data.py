@@ -148,7 +148,11 @@ def throughput_main(args) -> dict:
         print(f"# {name} transform:\n{transform}", file=sys.stderr)
     if not with_uint8:
         print(f"# train_transform has no `normalize` argument yet: no {UINT8_ROW!r} row", file=sys.stderr)
+    threads = torch.get_num_threads()
+    if args.workers == 0:  # reading in this process: one torch thread, as in a DataLoader worker (several
+        torch.set_num_threads(1)  # spin-waiting OpenMP threads make the tensor transforms 10x slower on a busy machine)
     speeds, counts = _race(epochs, args.repeats, args.workers)
+    torch.set_num_threads(threads)
     del epochs
     gc.collect()  # stops the persistent workers
     workers = max(args.workers, 1)
