@@ -20,9 +20,9 @@ In both, every batch is a function of (seed, epoch, rank, world size) — and fo
 of workers — and a sample's random crop of (seed, epoch, its key): `epoch(e, start=k)` yields what
 `epoch(e)` yields from its k-th batch on, so a resumed run sees the batches the killed one would have.
 
-Also here, for evaluating on streamed splits: `split_batches` (a split read once, in shard order, by
-one process), `split_labels` (its labels alone, without decoding an image) and `read_samples` (the
-images at chosen positions, for the few-shot probe's shots).
+Also here, for evaluating on streamed splits: `split_batches` (a split read once by one process),
+`split_labels` (its labels alone, without decoding an image) and `read_samples` (the images at
+chosen positions, for the few-shot probe's shots).
 """
 from __future__ import annotations
 
@@ -143,8 +143,9 @@ def _take(pending: list[ClassBatch], count: int) -> tuple[ClassBatch, list[Class
 
 def split_batches(urls: str, transform: Callable, batch_size: int, workers: int = 2, num_classes: int = 0,
                   max_bad_fraction: float = 0.01) -> tuple[Iterator[ClassBatch], object]:
-    """A whole split once, in shard order, by this process alone: (its batches, the loader whose
-    `bad` counts the skipped samples once the batches are read)."""
+    """A whole split once, by this process alone: (its batches, the loader whose `bad` counts the
+    skipped samples once the batches are read). With workers, their shards' batches interleave; with
+    none, the samples come in shard order."""
     loader = create_shard_loader(ShardDataConfig(
         urls=urls, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True, rank=0, world_size=1,
         max_bad_fraction=max_bad_fraction, num_classes=num_classes), "image-class", transform)

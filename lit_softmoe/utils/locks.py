@@ -21,6 +21,21 @@ except ImportError:  # Windows
 
 LOCK_FILE = ".lit-softmoe.lock"
 logger = logging.getLogger(__name__)
+_held: set = set()  # the open lock files of this process
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the held lock files: a flock lasts
+    while any copy is open, so a run killed with SIGKILL otherwise stayed locked until its orphaned
+    workers noticed (seconds later), refusing the rerun meanwhile. Closing a copy leaves the
+    parent's lock in place."""
+    for handle in list(_held):
+        handle.close()
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _holder(lock_path: Path) -> str:
@@ -75,6 +90,7 @@ def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]
             raise
         handle.close()  # releases the lock of the removed file; take the one there now
     with handle:
+        _held.add(handle)
         try:
             handle.seek(0)
             handle.truncate()
@@ -82,4 +98,5 @@ def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]
             handle.flush()
             yield
         finally:
+            _held.discard(handle)
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -98,3 +98,31 @@ def test_a_waiting_holder_whose_lock_file_was_removed_takes_the_new_one(tmp_path
         held = tmp_path / locks.LOCK_FILE
         assert os.fstat(locked[1].fileno()).st_ino == held.stat().st_ino
         assert held.read_text() == f"{os.getpid()}\n"
+
+
+def test_a_killed_holder_releases_the_lock_at_once_though_its_forked_child_lives_on(tmp_path):
+    """A run killed with SIGKILL while its DataLoader workers (forked children) still live: the folder
+    is free at once, not when the orphans notice their parent is gone."""
+    import multiprocessing
+
+    ready = multiprocessing.get_context("fork").Event()
+
+    def holder():
+        with folder_lock(tmp_path):
+            child = os.fork()
+            if child == 0:  # the "worker": lives on for a while, then leaves without cleaning up
+                time.sleep(30)
+                os._exit(0)
+            ready.set()
+            time.sleep(60)
+
+    process = multiprocessing.get_context("fork").Process(target=holder)
+    process.start()
+    assert ready.wait(30)
+    with pytest.raises(UserError, match="is in use by process"):  # held while the holder lives
+        with folder_lock(tmp_path, refuse="wait"):
+            pass
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    with folder_lock(tmp_path, refuse="wait"):  # the orphaned child does not hold it
+        pass
