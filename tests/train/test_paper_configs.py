@@ -1,7 +1,8 @@
 """The paper-scale pretraining configs (`configs/pretrain/*-imagenet*.yaml`) stay valid: each loads as a
 PretrainConfig, names a tower of the paper's parameter count (built on the meta device), and its recipe
 runs three steps with the tower shrunk to test size on stand-in ImageNet class shards (foolbox's 20 real
-ImageNet images in WordNet-id folders, written by `data from-folder --layout classes`)."""
+ImageNet images in WordNet-id folders, written by `data from-folder --layout classes`), streamed with the
+config's augmentation (inception crop, RandAugment, mixup)."""
 from __future__ import annotations
 
 import math
@@ -99,10 +100,13 @@ def test_recipe_runs_with_the_tower_shrunk(name, imagenet_standin, tmp_path):
     # shrinks, the data points at the stand-in, the run is 3 steps of 8 on the CPU (no compile, no tracker).
     cfg = load_config(PretrainConfig, f"pretrain/{name}", [
         *SHRINK, f"data.train={imagenet_standin / 'train'}", f"data.test={imagenet_standin / 'test'}",
-        f"run_dir={run_dir}", "batch_size=8", f"steps={STEPS}", "log_every=1", "compile=false", "log_with=[]"])
+        f"run_dir={run_dir}", "batch_size=8", f"steps={STEPS}", "log_every=1", "compile=false", "log_with=[]",
+        "data.workers=1"])
     shipped = load_config(PretrainConfig, f"pretrain/{name}")
-    assert (cfg.optim, cfg.loss, cfg.label_smoothing, cfg.data.augment, cfg.data.crop_padding) == (
-        shipped.optim, shipped.loss, shipped.label_smoothing, shipped.data.augment, shipped.data.crop_padding)
+    assert (cfg.optim, cfg.loss, cfg.label_smoothing) == (shipped.optim, shipped.loss, shipped.label_smoothing)
+    recipe = ("loader", "augment", "crop", "crop_scale", "randaugment", "mixup", "mean", "std")
+    assert [getattr(cfg.data, key) for key in recipe] == [getattr(shipped.data, key) for key in recipe]
+    assert shipped.data.loader == "stream" and shipped.data.crop == "random_resized"
 
     results = pretrain(cfg)
 

@@ -560,7 +560,8 @@ def test_pretrain_rerun_over_a_truncated_newest_checkpoint_resumes_from_the_one_
 
 def test_one_color_image_among_gray_ones_is_named_as_the_reason_a_gray_tower_does_not_fit(tmp_path, caplog):
     """One RGB image among gray ones makes the split read as RGB: "holds 3×28px" alone, for a split
-    the user knows is gray, hid the reason."""
+    the user knows is gray, hid the reason. (data.loader=auto streams such a split instead, converting
+    each image to the tower's channels.)"""
     import PIL.Image
 
     from lit_softmoe.data.shards import write_split
@@ -573,11 +574,11 @@ def test_one_color_image_among_gray_ones_is_named_as_the_reason_a_gray_tower_doe
     with caplog.at_level("WARNING"), pytest.raises(UserError) as refused:
         pretrain(load_config(PretrainConfig, None, [
             f"data.train={train}", f"data.test={tmp_path / 'ds' / 'test'}", f"run_dir={tmp_path / 'run'}",
-            "tower.name=soft-test-4e", "batch_size=5", "steps=1", "fewshot_shots=0"]))
+            "tower.name=soft-test-4e", "batch_size=5", "steps=1", "fewshot_shots=0", "data.loader=memory"]))
     assert str(refused.value) == (
         f"tower 'soft-test-4e' takes 1×28px images but {train} holds 3×28px (read as RGB: one or more of its "
-        "images are in color); pick a tower for this size or set tower.options.image_size / "
-        "tower.options.in_channels")
+        "images are in color); set data.loader=stream (it resizes and converts every image), pick a tower for "
+        "this size, or set tower.options.image_size / tower.options.in_channels")
     assert f"1 of the 10 images of {train} are in color and the rest gray: the split is read as RGB" in caplog.text
 
 

@@ -28,7 +28,6 @@ from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import _embed, _setup_memory_data, _setup_streamed_data, _validate_tower, pretrain
 
-CONFIG = "pretrain/fmnist-soft-tiny"  # the overrides below replace what matters of it
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
                "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
 # The ViT recipe's augmentation, all of it random per sample or per batch.
@@ -44,6 +43,14 @@ def _overrides(data, run_dir, *extra):
 
 def _cfg(data, run_dir, *extra):
     return load_config(PretrainConfig, None, _overrides(data, run_dir, *extra))
+
+
+def _cli(data, run_dir, *extra, launcher=()):
+    """`lit-softmoe pretrain` in a subprocess with `_cfg`'s config (an empty YAML file + the same overrides)."""
+    empty = run_dir.parent / "empty.yaml"
+    empty.write_text("{}\n")
+    return [sys.executable, *launcher, "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
+            *_overrides(data, run_dir, *extra)]
 
 
 def _jpeg(array: np.ndarray, size: tuple[int, int], mode: str = "L") -> bytes:
@@ -107,8 +114,7 @@ def test_a_stream_without_class_names_is_one_line_with_exit_code_2(mixed, tmp_pa
     bare.mkdir()
     for split in ("train", "test"):
         shutil.copytree(mixed / split, bare / split)
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", CONFIG,
-                             *_overrides(bare, tmp_path / "run", "steps=2")], capture_output=True, text=True)
+    result = subprocess.run(_cli(bare, tmp_path / "run", "steps=2"), capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs its classnames.txt" in lines[0] and "Traceback" not in result.stderr
@@ -201,8 +207,7 @@ def test_killed_streamed_run_resumes_exactly(mixed, tmp_path):
     straight = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", CONFIG,
-                             *_overrides(mixed, killed, *common)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cli(mixed, killed, *common), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     while not [p for p in (killed / "checkpoints").glob("step_*") if int(p.name[5:]) >= 14] and time.time() < deadline:
         time.sleep(0.02)
@@ -242,9 +247,9 @@ def test_two_processes_train_as_one_does_on_the_same_global_batches(mixed, tmp_p
     assert {k for rank in steps for batch in rank for k in batch.keys} == keys
 
     double = tmp_path / "double"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531",
-                             "-m", "lit_softmoe.cli", "pretrain", "--config", CONFIG,
-                             *_overrides(mixed, double, *common)], capture_output=True, text=True,
+    result = subprocess.run(_cli(mixed, double, *common, launcher=("-m", "torch.distributed.run", "--nproc_per_node=2",
+                                                                "--master_port=29531")),
+                            capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
 
