@@ -143,14 +143,13 @@ def _setup_memory_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: in
     tower's size and channels, which the stream then resizes and converts."""
     try:
         train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
-        if fall_back and not _fits(tower_cfg, train_images):
-            raise MixedSizesError("")
         test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
-        if fall_back and not _fits(tower_cfg, test_images):
-            raise MixedSizesError("")
+        fits = _fits(tower_cfg, train_images) and _fits(tower_cfg, test_images)
     except MixedSizesError:
         if not fall_back:
             raise
+        fits = False
+    if fall_back and not fits:
         _log.info("data.loader=auto: the images are not all %d×%d px with %d channels: streaming them",
                   tower_cfg.image_size, tower_cfg.image_size, tower_cfg.in_channels)
         return None
