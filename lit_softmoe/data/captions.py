@@ -4,12 +4,12 @@ them). `data fashion-mnist` and `data from-folder --layout classes --caption-tem
 their `.txt` captions with `class_caption`.
 
 A caption is one of a list of `{c}` templates (the placeholder this package's metadata and
-CLIP_benchmark use) filled with the sample's class name. The template is cycled along the samples
-in write order: sample i gets template i mod T. Cycled rather than drawn by a hash of the sample
-key, because a class whose images lie side by side in write order (a class folder, sorted) then
-gets every template in equal shares (±1) and as many different ones as it has images, where a hash
-repeats some and skips others; and the same input lists the same samples in the same order, so a
-rerun writes the same bytes. The price, that adding an image shifts the captions after it, costs
+CLIP_benchmark use) filled with the sample's class name. The template is cycled: the i-th image of a
+class in path order gets template i mod T (`data from-folder`; `data fashion-mnist` counts along the
+split in the set's own order). Cycled rather than drawn by a hash of the sample key, because a class
+then gets every template in equal shares (±1) and as many different ones as it has images, where a
+hash repeats some and skips others; and the same input gives the same captions, so a rerun writes the
+same bytes. The price, that adding an image shifts the captions after it in its class, costs
 nothing here: any change to the inputs rewrites the whole split anyway.
 
 The built-in set (`--caption-templates default`) is CLIP's 80 ImageNet templates (shipped in
@@ -57,5 +57,5 @@ def load_caption_templates(spec: str | Path) -> list[str]:
 
 
 def class_caption(templates: Sequence[str], classname: str, position: int) -> str:
-    """The caption of the sample at `position` in write order, whose class is `classname`."""
+    """The caption of the sample at `position` (see the module docstring), whose class is `classname`."""
     return templates[position % len(templates)].format(c=classname)

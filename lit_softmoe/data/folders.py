@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import os
 import unicodedata
+from collections import Counter
 from pathlib import Path, PurePosixPath
 from typing import Sequence
 
 from lit_softmoe.data.captions import class_caption
 from lit_softmoe.data.imagenet_folders import CLASS_NAMES, imagenet_classnames
-from lit_softmoe.data.listing import Candidate, Listing, drop_duplicate_keys, files_fingerprint, sample_key
+from lit_softmoe.data.listing import (
+    Candidate,
+    Listing,
+    drop_duplicate_keys,
+    files_fingerprint,
+    in_shuffled_order,
+    sample_key,
+)
 from lit_softmoe.data.shards import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import check_templates
@@ -64,7 +72,7 @@ def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[Pu
 
 def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None,
                 caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> Listing:
-    """The samples of a folder in path order; `layout` is "captions", "classes" or "auto".
+    """The samples of a folder; `layout` is "captions", "classes" or "auto".
 
     Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
     unique keys), so the same stem in two subfolders is a duplicate_key; an image with no caption
@@ -73,7 +81,10 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     beside the class folders are outside_class_folder. `class_names` "auto" names classes whose
     folders are ImageNet wnids by ImageNet's class names (`data.imagenet_folders`), "folders" keeps
     every folder's name. `caption_templates` (`{c}` templates, classes layout only) give each sample
-    a caption from its class name, the template cycled along the listing (`data.captions.class_caption`).
+    a caption from its class name, the template cycled along each class's images in path order
+    (`data.captions.class_caption`).
+    Captioned images are listed in path order, class folders' images in a seeded random order
+    (`data.listing.in_shuffled_order`: in path order every shard would hold one class).
     """
     src = Path(src)
     if not src.exists():
@@ -115,9 +126,16 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     fingerprint = files_fingerprint((str(path), src / path) for path in read)
     candidates = drop_duplicate_keys(candidates, counter)
     if caption_templates is not None:
-        for position, candidate in enumerate(candidates):  # after the duplicates went: positions are write order
-            candidate.caption = class_caption(caption_templates, candidate.meta["class"], position)
-    return Listing(candidates, counter, fingerprint, classnames, caption_templates, note)
+        # The i-th image of a class in path order (after the duplicates went) gets template i mod T:
+        # every template in equal shares (±1) within each class, whatever order the samples are written in.
+        seen = Counter()
+        for candidate in candidates:
+            candidate.caption = class_caption(caption_templates, candidate.meta["class"], seen[candidate.label])
+            seen[candidate.label] += 1
+    if layout == "classes":  # one class after another otherwise: see `in_shuffled_order`
+        candidates = in_shuffled_order(candidates)
+    return Listing(candidates, counter, fingerprint, classnames, caption_templates, note,
+                   order="shuffled" if layout == "classes" else "source")
 
 
 def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:

@@ -16,6 +16,7 @@ from lit_softmoe.data.listing import (
     Listing,
     drop_duplicate_keys,
     files_fingerprint,
+    in_shuffled_order,
     is_utf8_text,
     sample_key,
 )
@@ -201,7 +202,12 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
     classnames, note = None, None
     if class_col is not None:
         candidates, classnames, note = _label(candidates, file_names, f"column {class_col!r} of {table}", counter)
-    return Listing(drop_duplicate_keys(candidates, counter), counter, fingerprint, classnames, classnames_note=note)
+    candidates = drop_duplicate_keys(candidates, counter)
+    if class_col is None:
+        return Listing(candidates, counter, fingerprint)
+    # Tables are often sorted by class: see `in_shuffled_order`.
+    return Listing(in_shuffled_order(candidates), counter, fingerprint, classnames, classnames_note=note,
+                   order="shuffled")
 
 
 def _label(candidates: list[Candidate], file_names: list[str] | None, source: str,

@@ -12,6 +12,8 @@ Sources (listed by `data.folders` and `data.tables`):
   a class column (`.cls` and `classnames.txt`, as class folders give: `data.table_classes`) or both;
   its other columns go to each sample's `.json`.
 
+Captioned sources are written in their own order; labelled ones (class folders, a class column) in a
+seeded random order, so each shard holds every class (`data.listing.in_shuffled_order`).
 Output is shards.py's layout, written by `write_split` (rollover by sample count and by bytes, atomic
 shards, fixed tar headers): `DIR/{split}/0.tar … N-1.tar`, `nshards.txt`, `sizes.json`. A sample
 keeps its source's key (a file stem, as img2dataset's keys are) and holds the image, `.txt` and/or
@@ -339,6 +341,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
                 "options": asdict(options), "inputs": listing.fingerprint, "classnames": listing.classnames}
     if listing.templates is not None:  # like the options, not the arguments: other templates rewrite the split
         manifest["caption_templates"] = listing.templates
+    if listing.order != "source":  # so a split written in the source's order is rewritten shuffled
+        manifest["order"] = listing.order
     finished = _finished_summary(split_dir, manifest)
     if finished is not None:
         logger.info("%s already holds these shards; nothing written", split_dir)

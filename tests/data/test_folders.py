@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 
 import PIL.Image
 import pytest
@@ -17,8 +18,8 @@ from lit_softmoe.data.captions import load_caption_templates
 from lit_softmoe.data.class_split import iter_class_samples
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist
 from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.shards import read_classnames, read_lines
-from lit_softmoe.data.writers import write_folder_shards
+from lit_softmoe.data.shards import read_classnames, read_lines, shard_urls
+from lit_softmoe.data.writers import WriteOptions, write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, benchmark_info, imagenet_wnids
 
@@ -110,14 +111,13 @@ def test_class_folders_get_a_caption_per_sample_from_the_default_templates(tmp_p
     assert summary.samples == 30 and sum(summary.skipped.values()) == 0
     classnames = sorted(FASHION_MNIST_CLASSNAMES)  # folders are numbered in sorted order, as ImageFolder does
     assert read_classnames(out) == classnames
-    # Template i mod 80 for the i-th sample in write order: "ankle boot" takes the first three, "bag" the next.
-    expected = [(path, templates[i % 80].format(c=name), classnames.index(name))
-                for i, (name, path) in enumerate(written)]
-    assert _captions_in_write_order(out / "train") == expected
-    assert expected[:4] == [("ankle boot/00000.png", "a bad photo of a ankle boot.", 0),
-                            ("ankle boot/00023.png", "a photo of many ankle boot.", 0),
-                            ("ankle boot/00028.png", "a sculpture of a ankle boot.", 0),
-                            ("bag/00018.png", "a photo of the hard to see bag.", 1)]
+    # Template i mod 80 for the i-th image of a class in path order, whatever the (shuffled) write order.
+    found = {path: (caption, label) for path, caption, label in _captions_in_write_order(out / "train")}
+    assert sorted(found) == [path for _, path in written]
+    in_class = {path: [p for n, p in written if n == name].index(path) for name, path in written}
+    assert found == {path: (templates[in_class[path]].format(c=name), classnames.index(name)) for name, path in written}
+    assert [found[path] for path in ("ankle boot/00000.png", "ankle boot/00023.png", "bag/00018.png")] == [
+        ("a bad photo of a ankle boot.", 0), ("a photo of many ankle boot.", 0), ("a bad photo of a bag.", 1)]
     # The templates are the zero-shot prompts beside the split, read as the evaluation reads them.
     assert read_lines(out / "zeroshot_classification_templates.txt") == templates
 
@@ -141,9 +141,9 @@ def test_a_templates_file_gives_the_captions_and_other_templates_rewrite_the_spl
             _gray_png(src / name / f"{index}.png", 40 * index)
     file.write_text("a photo of my {c}.\n\n  {c}, seen from above  \n")  # blank lines and spaces go
     write_folder_shards(src, out, caption_templates=load_caption_templates(file))  # auto: class folders
-    assert [caption for _, caption, _ in _captions_in_write_order(out / "train")] == [
-        "a photo of my cat.", "cat, seen from above", "a photo of my cat.",
-        "dog, seen from above", "a photo of my dog.", "dog, seen from above"]
+    found = {path: caption for path, caption, _ in _captions_in_write_order(out / "train")}
+    assert found == {f"{name}/{index}.png": ("a photo of my {}." if index % 2 == 0 else "{}, seen from above").format(name)
+                     for name in ("cat", "dog") for index in range(3)}  # cycled along each class's images
     assert read_lines(out / "zeroshot_classification_templates.txt") == ["a photo of my {c}.", "{c}, seen from above"]
 
     file.write_text("a drawing of a {c}\n")  # the same source with other templates: rewritten, not refused
@@ -298,3 +298,24 @@ def test_folders_not_all_imagenet_wnids_keep_their_names(tmp_path, folders):
         _gray_png(tmp_path / "src" / folder / "0.png", 60 * index)
     summary = write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
     assert summary.classnames_note is None and read_classnames(tmp_path / "out") == sorted(folders)
+
+
+def test_class_folders_are_written_in_a_seeded_shuffled_order_so_every_shard_holds_many_classes(tmp_path):
+    """Written in path order, each shard held one class: a shard shuffle and a shuffle buffer cannot
+    mix that, and a streamed training batch saw a few classes (4 points of top-1 lost on Fashion-MNIST).
+    The order is random but fixed: a rerun writes the same shards."""
+    src = tmp_path / "src"
+    _fmnist_class_folders(src, per_class=20)  # 200 images, one class folder after another
+    for out in ("one", "two"):
+        write_folder_shards(src, tmp_path / out, WriteOptions(samples_per_shard=20), layout="classes")
+    shards = shard_urls(tmp_path / "one" / "train")
+    assert len(shards) == 10
+    for shard in shards:
+        with tarfile.open(shard) as tar:
+            classes = {json.loads(tar.extractfile(member).read())["class"]
+                       for member in tar.getmembers() if member.name.endswith(".json")}
+        assert len(classes) >= 5, (shard, classes)  # in path order: 1 class a shard
+    first, second = (sorted((tmp_path / out / "train").glob("*.tar")) for out in ("one", "two"))
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
+    manifest = json.loads((tmp_path / "one" / "train" / "manifest.json").read_text())
+    assert manifest["order"] == "shuffled"

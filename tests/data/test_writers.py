@@ -202,7 +202,9 @@ def test_class_folders_round_trip_like_imagefolder(tmp_path):
     assert read_classnames(tmp_path / "out") == ["cat", "dog"]
     images, labels, counts = load_class_split(tmp_path / "out/test", cache=False)
     assert sum(counts.values()) == 0
-    expected = [sources[key] for key in sorted(sources)]
+    written = list(_read_split(tmp_path / "out/test"))  # the keys in write order (shuffled: see in_shuffled_order)
+    assert sorted(written) == sorted(sources)
+    expected = [sources[key] for key in written]
     assert np.array_equal(images[:, 0].numpy(), np.stack([pixels for pixels, _ in expected]))
     assert labels.tolist() == [label for _, label in expected]
     samples = _read_split(tmp_path / "out/test")
@@ -351,8 +353,9 @@ def test_foolbox_images_through_from_folder(tmp_path):
     images, labels, _ = load_class_split(tmp_path / "out/cifar10", cache=False)
     assert images.shape == (20, 3, 32, 32)
     classnames = read_classnames(tmp_path / "out")
-    stems = sorted((path.parent.name, path.stem) for path in by_class.glob("*/*.png"))
-    assert [classnames[label] for label in labels.tolist()] == [name for name, _ in stems]
+    written = list(_read_split(tmp_path / "out/cifar10"))  # keys in write order: class/stem
+    assert sorted(written) == sorted(f"{path.parent.name}/{path.stem}" for path in by_class.glob("*/*.png"))
+    assert [classnames[label] for label in labels.tolist()] == [key.split("/")[0] for key in written]
 
 
 def test_out_equal_to_the_source_is_not_read_back(tmp_path):
@@ -456,10 +459,11 @@ def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close
     and a writer that fails deletes its own, even when a full disk fails closing the tar as well."""
     source = _class_folder(tmp_path / "src", count=3)
     real_read, real_close = writers._read_file, webdataset.writer.TarWriter.close
-    disk_full = []
+    disk_full, read = [], []
 
     def read_until_the_disk_is_full(path, missing):
-        if path.name == "0.png" and path.parent.name == "dog":  # the 4th image: the 2nd shard's 2nd sample
+        read.append(path)
+        if len(read) == 4:  # the 4th image: the 2nd shard's 2nd sample
             partial = [p.name for p in (tmp_path / "out" / "train").glob(".*.partial")]
             assert partial == [f".1.tar.{os.getpid()}.partial"]  # the shard being written, named by its writer
             disk_full.append(True)
