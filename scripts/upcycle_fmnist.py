@@ -61,9 +61,11 @@ def main() -> None:
     parser.add_argument("--dense-epochs", type=float, default=2.0)
     parser.add_argument("--epochs", type=float, default=1.0, help="training of the upcycled tower (and the control)")
     parser.add_argument("--no-control", action="store_true", help="skip the dense-trained-on control row")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     args = parser.parse_args()
     data, out = Path(args.data), Path(args.out)
-    common = [f"data.train={data / 'train'}", f"data.test={data / 'test'}", "log_with=[]", "fewshot_shots=0"]
+    common = [f"data.train={data / 'train'}", f"data.test={data / 'test'}", "log_with=[]", "fewshot_shots=0",
+              f"threads={args.threads}"]
     minutes = {}
 
     tic = time.perf_counter()

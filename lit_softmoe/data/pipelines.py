@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torchvision.transforms.v2 import functional as TF
 
 from lit_softmoe.data.images import open_image
@@ -419,11 +419,12 @@ class _ShardStream(IterableDataset):
     def _collate(self, samples: list[tuple]) -> dict[str, Any]:
         keys, inputs, targets = zip(*samples)
         input_name = "image" if self.kind.startswith("image") else "embedding"
+        # default_collate stacks straight into shared memory in a worker; a plain torch.stack is
+        # copied there again when the batch is sent (a float 224-px batch of 64: 38 MB more to copy).
+        stacked = default_collate(list(inputs))  # (B, C, H, W) images or (B, D) embeddings
         if self.kind.endswith("-class"):
-            return {input_name: torch.stack(inputs),  # (B, C, H, W) images or (B, D) embeddings
-                    "label": torch.tensor(targets, dtype=torch.int64), "key": list(keys)}
-        batch = {input_name: torch.stack(inputs),
-                 "caption": list(targets), "key": list(keys)}
+            return {input_name: stacked, "label": torch.tensor(targets, dtype=torch.int64), "key": list(keys)}
+        batch = {input_name: stacked, "caption": list(targets), "key": list(keys)}
         if self.tokenizer is not None:
             batch["text"] = self.tokenizer(list(targets))  # (B, L)
         return batch

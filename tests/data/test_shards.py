@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,3 +292,69 @@ def test_a_tar_listed_nowhere_is_counted_once_as_webdataset_groups_it(tmp_path, 
         tar.addfile(info, io.BytesIO(b"5"))
     assert count_samples(str(tar_path)) == 5 and len(opened) == 2
     assert count_samples(str(tmp_path / "gone.tar")) == 0  # the reading pass counts a missing shard
+
+
+def _damaged_copies(source, folder):
+    """Copies of a good shard, each damaged another way: {name: path}."""
+    data = Path(source).read_bytes()
+    with tarfile.open(source) as tar:
+        member = tar.getmembers()[len(tar.getmembers()) // 2]
+        inside = member.offset_data + member.size // 2
+    folder.mkdir()
+    damaged = {
+        "whole": data,
+        "cut inside a member": data[:inside],
+        "cut inside a header": data[:(len(data) // 1024) * 512 + 100],
+        "garbage in the middle": data[:len(data) // 2 // 512 * 512] + b"\x17" * 2048 + data[len(data) // 2 // 512 * 512 + 2048:],
+        "zero bytes": b"",
+        "not a tar": b"this is not a tar archive\n" * 40,
+    }
+    paths = {}
+    for name, content in damaged.items():
+        path = folder / f"{name.replace(' ', '-')}.tar"
+        path.write_bytes(content)
+        paths[name] = path
+    return paths
+
+
+def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, tmp_path, monkeypatch):
+    """Local .tar shards are read in tarfile's random-access mode (`shards._local_tar_files`), others by
+    webdataset's stream reader: the same samples, bytes and bad-shard counts on whole and damaged tars,
+    long (pax) member names and a select_files filter included."""
+    out, _, _ = fmnist_shards
+    paths = _damaged_copies(shard_urls(out / "train")[0], tmp_path / "damaged")
+    long_names = tmp_path / "long.tar"  # a name over 100 characters: a pax or GNU long-name header
+    with tarfile.open(long_names, "w", format=tarfile.PAX_FORMAT) as tar:
+        meta = tarfile.TarInfo("__meta__/info.json")  # webdataset's metadata folder: not a sample
+        meta.size = 2
+        tar.addfile(meta, io.BytesIO(b"{}"))
+        for index in range(3):
+            for extension, payload in (("png", _png(index)), ("cls", str(index).encode())):
+                info = tarfile.TarInfo(f"{'deep/' * 30}{index:03d}.{extension}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    paths["long names"] = long_names
+
+    def read(url, select_files=None):
+        counter = BadSampleCounter()
+        samples = [{k: v for k, v in sample.items() if k != "__url__"}
+                   for sample in tar_samples(url, counter, select_files=select_files)]
+        return samples, {reason: count for reason, count in counter.counts.items() if count}
+
+    def by_webdataset(url, select_files=None):  # the same shard through webdataset's opener and stream reader
+        with monkeypatch.context() as patch:
+            patch.setattr(shards, "_is_local_tar", lambda url: False)
+            return read(url, select_files)
+
+    for name, path in paths.items():
+        fast, streamed = read(str(path)), by_webdataset(str(path))
+        assert fast == streamed, name
+        assert (len(fast[0]) > 0) == (name in ("whole", "cut inside a member", "cut inside a header",
+                                              "garbage in the middle", "long names")), name
+    whole, counts = read(str(paths["whole"]))
+    assert len(whole) == 64 and not counts and all({"__key__", "png", "cls", "json"} <= set(sample) for sample in whole)
+    assert read(str(paths["cut inside a member"]))[1] == {"bad_shard": 1}
+    assert [sample["__key__"] for sample in read(str(paths["long names"]))[0]] == [f"{'deep/' * 30}{i:03d}" for i in range(3)]
+    only_labels = read(str(paths["whole"]), lambda name: name.endswith(".cls"))
+    assert only_labels == by_webdataset(str(paths["whole"]), lambda name: name.endswith(".cls"))
+    assert [set(sample) for sample in only_labels[0]] == [{"__key__", "cls"}] * 64
