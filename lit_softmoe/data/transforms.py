@@ -19,6 +19,7 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
+from torchvision.transforms import transforms as v1
 
 from lit_softmoe.data.images import decode, jpeg_min_side, upright_l_or_rgb
 
@@ -104,6 +105,33 @@ def decode_min_side(transform: Any) -> int | None:
     return step.min_side if isinstance(step, _Decode) else None
 
 
+class _RandomAreaCropFlip:
+    """The random half of RandomResizedCrop (Szegedy et al., 2015: an area fraction in `scale`, an
+    aspect ratio in 3/4-4/3, torchvision's own draw), cropped from the image as it is, then a
+    horizontal flip with probability 0.5; the resize to the tower's size follows on the tensor.
+
+    One plain step on the PIL image rather than v2's RandomResizedCrop + RandomHorizontalFlip on a
+    tensor: the crop and flip are then copies of the crop alone, and the tensor made from it is
+    smaller, and v2's per-transform dispatch runs twice less (`scripts/bench_pretrain_data.py`
+    measures the loader against timm's). Tensors (C, H, W) are cropped and flipped alike.
+    """
+
+    def __init__(self, scale: tuple[float, float], hflip: bool):
+        self.scale, self.hflip = tuple(scale), hflip
+
+    def __call__(self, image: PIL.Image.Image | torch.Tensor) -> PIL.Image.Image | torch.Tensor:
+        top, left, height, width = v1.RandomResizedCrop.get_params(image, list(self.scale), [3 / 4, 4 / 3])
+        flip = self.hflip and bool(torch.rand(1) < 0.5)
+        if isinstance(image, PIL.Image.Image):
+            image = image.crop((left, top, left + width, top + height))
+            return image.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+        image = image[..., top:top + height, left:left + width]
+        return image.flip(-1) if flip else image
+
+    def __repr__(self) -> str:
+        return f"_RandomAreaCropFlip(scale={self.scale}, ratio=(3/4, 4/3), hflip={self.hflip})"
+
+
 def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
     return [
         v2.ToDtype(torch.float32, scale=True),  # uint8 [0, 255] → [0, 1]
@@ -174,24 +202,26 @@ def train_transform(
     side = image_size
     if crop_padding is None and random_resized_crop:
         side = math.ceil(image_size / math.sqrt(scale[0] * 3 / 4))  # RandomResizedCrop's ratio ≥ 3/4
+    crop_flip = []  # before the tensor: on the PIL image
+    flip = [v2.RandomHorizontalFlip()] if hflip else []
     if crop_padding is not None:
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
-                    v2.RandomCrop(image_size, padding=crop_padding)]
+                    v2.RandomCrop(image_size, padding=crop_padding), *flip]
     elif random_resized_crop:
-        geometry = [v2.RandomResizedCrop(image_size, scale=scale, antialias=True)]
+        crop_flip = [v2.Lambda(_RandomAreaCropFlip(scale, hflip), PIL.Image.Image, torch.Tensor)]
+        geometry = [v2.Resize([image_size, image_size], antialias=True)]
     else:
-        geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
-    flip = [v2.RandomHorizontalFlip()] if hflip else []
+        geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size), *flip]
     if randaugment and len(randaugment) != 2:
         raise ValueError(f"randaugment takes (num_ops, magnitude), got {list(randaugment)}")
     augment = [v2.RandAugment(num_ops=int(randaugment[0]), magnitude=int(randaugment[1]))] if randaugment else []
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
         _pil_modes(in_channels, jpeg_min_side(decode, side)),
+        *crop_flip,
         v2.ToImage(),
         *before,
         *geometry,
-        *flip,
         *after,
         *augment,
         *(_to_normalized_float(in_channels, mean, std) if normalize else []),

@@ -100,3 +100,36 @@ def test_grayscale_copied_to_rgb_after_resizing_equals_before():
     torch.manual_seed(0)
     augmented = train_transform(24, in_channels=3, scale=(0.5, 1.0))(image)
     assert augmented.shape == (3, 24, 24) and torch.equal(augmented[0], augmented[1])
+
+
+def test_random_resized_crop_equals_torchvisions_resized_crop_of_the_box_it_draws():
+    """train_transform's random-resized crop crops and flips the PIL image, then resizes the tensor: the
+    pixels torchvision's resized_crop kernel gives for the same box on the whole image (the box drawn by
+    torchvision's RandomResizedCrop.get_params, area in `scale`, aspect ratio in 3/4-4/3)."""
+    from torchvision.transforms import RandomResizedCrop
+    from torchvision.transforms.v2 import functional as TF
+
+    from lit_softmoe.data.fashion_mnist import read_fashion_mnist
+
+    images, _ = read_fashion_mnist("test", allow_download=False)
+    photo = PIL.Image.fromarray(np.stack([images[0], images[1], images[2]], axis=-1)).resize((90, 70))  # RGB, 90×70
+    transform = train_transform(32, in_channels=3, scale=(0.08, 1.0), normalize=False)
+    whole = TF.pil_to_tensor(photo)
+    flips, areas = 0, []
+    for seed in range(200):
+        torch.manual_seed(seed)
+        top, left, height, width = RandomResizedCrop.get_params(photo, [0.08, 1.0], [3 / 4, 4 / 3])
+        flip = bool(torch.rand(1) < 0.5)
+        torch.manual_seed(seed)
+        ours = transform(photo)
+        expected = TF.resized_crop(whole, top, left, height, width, [32, 32], antialias=True)
+        assert torch.equal(ours, expected.flip(-1) if flip else expected), seed
+        flips += flip
+        areas.append(height * width / (90 * 70))
+        assert 3 / 4 - 0.1 <= width / height <= 4 / 3 + 0.1
+    assert 0.08 - 0.01 <= min(areas) and max(areas) <= 1.0 and 70 <= flips <= 130
+    # A tensor input is cropped and flipped alike.
+    torch.manual_seed(3)
+    from_pil = transform(photo)
+    torch.manual_seed(3)
+    assert torch.equal(transform(whole), from_pil)
