@@ -253,7 +253,9 @@ def _fewshot_skip_reason(shots: int, labels: torch.Tensor, classnames: list[str]
 
 
 def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    return (images_uint8.float() / 255 - mean) / std  # (B, C, H, W) float
+    # A streamed batch is channels-last in memory (`pipelines._ShardStream._collate`): laid out
+    # contiguously by the cast, as an in-memory batch is.
+    return (images_uint8.to(torch.float32, memory_format=torch.contiguous_format) / 255 - mean) / std  # (B, C, H, W)
 
 
 def _validate_tower(cfg: PretrainConfig):

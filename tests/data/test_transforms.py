@@ -102,34 +102,54 @@ def test_grayscale_copied_to_rgb_after_resizing_equals_before():
     assert augmented.shape == (3, 24, 24) and torch.equal(augmented[0], augmented[1])
 
 
-def test_random_resized_crop_equals_torchvisions_resized_crop_of_the_box_it_draws():
-    """train_transform's random-resized crop crops and flips the PIL image, then resizes the tensor: the
-    pixels torchvision's resized_crop kernel gives for the same box on the whole image (the box drawn by
-    torchvision's RandomResizedCrop.get_params, area in `scale`, aspect ratio in 3/4-4/3)."""
+def test_random_resized_crop_is_torchvisions_resized_crop_of_a_box_drawn_as_torchvision_draws():
+    """train_transform's random-resized crop draws its box itself (one torch.rand a sample instead of
+    torchvision's dozen tiny tensors), crops and flips the PIL image, then resizes the tensor: the
+    pixels are torchvision's resized_crop kernel's for that box on the whole image, and the boxes
+    follow torchvision's RandomResizedCrop.get_params distribution."""
     from torchvision.transforms import RandomResizedCrop
     from torchvision.transforms.v2 import functional as TF
 
     from lit_softmoe.data.fashion_mnist import read_fashion_mnist
+    from lit_softmoe.data.transforms import _RandomAreaCropFlip
 
     images, _ = read_fashion_mnist("test", allow_download=False)
     photo = PIL.Image.fromarray(np.stack([images[0], images[1], images[2]], axis=-1)).resize((90, 70))  # RGB, 90×70
     transform = train_transform(32, in_channels=3, scale=(0.08, 1.0), normalize=False)
     whole = TF.pil_to_tensor(photo)
-    flips, areas = 0, []
-    for seed in range(200):
+    step = _RandomAreaCropFlip((0.08, 1.0), hflip=True)
+    flips = 0
+    for seed in range(100):
         torch.manual_seed(seed)
-        top, left, height, width = RandomResizedCrop.get_params(photo, [0.08, 1.0], [3 / 4, 4 / 3])
-        flip = bool(torch.rand(1) < 0.5)
+        top, left, height, width, flip = step.draw(70, 90)
         torch.manual_seed(seed)
         ours = transform(photo)
         expected = TF.resized_crop(whole, top, left, height, width, [32, 32], antialias=True)
         assert torch.equal(ours, expected.flip(-1) if flip else expected), seed
         flips += flip
-        areas.append(height * width / (90 * 70))
-        assert 3 / 4 - 0.1 <= width / height <= 4 / 3 + 0.1
-    assert 0.08 - 0.01 <= min(areas) and max(areas) <= 1.0 and 70 <= flips <= 130
+    assert 30 <= flips <= 70
     # A tensor input is cropped and flipped alike.
     torch.manual_seed(3)
     from_pil = transform(photo)
     torch.manual_seed(3)
     assert torch.equal(transform(whole), from_pil)
+
+    # The boxes: torchvision's distribution (area fraction, aspect ratio, position), on a wide image too
+    # (where many tries fail and the center-crop fallback is reached).
+    def boxes(draw, count=3000):
+        torch.manual_seed(0)
+        return np.array([draw() for _ in range(count)], dtype=float)  # (count, 4): top, left, h, w
+
+    for height, width, scale in ((70, 90, (0.08, 1.0)), (20, 200, (0.5, 1.0))):
+        mine = boxes(lambda: _RandomAreaCropFlip(scale, hflip=False).draw(height, width)[:4])
+        theirs = boxes(lambda: RandomResizedCrop.get_params(torch.zeros(1, height, width), list(scale), [3 / 4, 4 / 3]))
+        for boxes_ in (mine, theirs):
+            assert (boxes_[:, 0] + boxes_[:, 2] <= height).all() and (boxes_[:, 1] + boxes_[:, 3] <= width).all()
+        area_mine, area_theirs = mine[:, 2] * mine[:, 3] / (height * width), theirs[:, 2] * theirs[:, 3] / (height * width)
+        aspect_mine, aspect_theirs = mine[:, 3] / mine[:, 2], theirs[:, 3] / theirs[:, 2]
+        assert abs(area_mine.mean() - area_theirs.mean()) < 0.02, (area_mine.mean(), area_theirs.mean())
+        assert abs(np.log(aspect_mine).mean() - np.log(aspect_theirs).mean()) < 0.03
+        assert abs((aspect_mine < 1).mean() - (aspect_theirs < 1).mean()) < 0.03  # log-uniform: as many below 1 as above
+        assert abs((mine[:, 0] / height).mean() - (theirs[:, 0] / height).mean()) < 0.02
+        assert abs((mine[:, 1] / width).mean() - (theirs[:, 1] / width).mean()) < 0.02
+        assert abs(area_mine.min() - area_theirs.min()) < 0.02 and abs(area_mine.max() - area_theirs.max()) < 0.02
