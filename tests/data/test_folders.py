@@ -142,7 +142,8 @@ def test_a_templates_file_gives_the_captions_and_other_templates_rewrite_the_spl
     file.write_text("a photo of my {c}.\n\n  {c}, seen from above  \n")  # blank lines and spaces go
     write_folder_shards(src, out, caption_templates=load_caption_templates(file))  # auto: class folders
     found = {path: caption for path, caption, _ in _captions_in_write_order(out / "train")}
-    assert found == {f"{name}/{index}.png": ("a photo of my {}." if index % 2 == 0 else "{}, seen from above").format(name)
+    templates = ("a photo of my {}.", "{}, seen from above")
+    assert found == {f"{name}/{index}.png": templates[index % 2].format(name)
                      for name in ("cat", "dog") for index in range(3)}  # cycled along each class's images
     assert read_lines(out / "zeroshot_classification_templates.txt") == ["a photo of my {c}.", "{c}, seen from above"]
 

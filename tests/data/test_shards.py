@@ -300,12 +300,13 @@ def _damaged_copies(source, folder):
     with tarfile.open(source) as tar:
         member = tar.getmembers()[len(tar.getmembers()) // 2]
         inside = member.offset_data + member.size // 2
+    middle = len(data) // 2 // 512 * 512  # a block boundary
     folder.mkdir()
     damaged = {
         "whole": data,
         "cut inside a member": data[:inside],
         "cut inside a header": data[:(len(data) // 1024) * 512 + 100],
-        "garbage in the middle": data[:len(data) // 2 // 512 * 512] + b"\x17" * 2048 + data[len(data) // 2 // 512 * 512 + 2048:],
+        "garbage in the middle": data[:middle] + b"\x17" * 2048 + data[middle + 2048:],
         "zero bytes": b"",
         "not a tar": b"this is not a tar archive\n" * 40,
     }
@@ -354,7 +355,8 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
     whole, counts = read(str(paths["whole"]))
     assert len(whole) == 64 and not counts and all({"__key__", "png", "cls", "json"} <= set(sample) for sample in whole)
     assert read(str(paths["cut inside a member"]))[1] == {"bad_shard": 1}
-    assert [sample["__key__"] for sample in read(str(paths["long names"]))[0]] == [f"{'deep/' * 30}{i:03d}" for i in range(3)]
+    long_keys = [sample["__key__"] for sample in read(str(paths["long names"]))[0]]
+    assert long_keys == [f"{'deep/' * 30}{i:03d}" for i in range(3)]
     only_labels = read(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert only_labels == by_webdataset(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert [set(sample) for sample in only_labels[0]] == [{"__key__", "cls"}] * 64

@@ -145,11 +145,13 @@ def test_random_resized_crop_is_torchvisions_resized_crop_of_a_box_drawn_as_torc
         theirs = boxes(lambda: RandomResizedCrop.get_params(torch.zeros(1, height, width), list(scale), [3 / 4, 4 / 3]))
         for boxes_ in (mine, theirs):
             assert (boxes_[:, 0] + boxes_[:, 2] <= height).all() and (boxes_[:, 1] + boxes_[:, 3] <= width).all()
-        area_mine, area_theirs = mine[:, 2] * mine[:, 3] / (height * width), theirs[:, 2] * theirs[:, 3] / (height * width)
+        area_mine = mine[:, 2] * mine[:, 3] / (height * width)
+        area_theirs = theirs[:, 2] * theirs[:, 3] / (height * width)
         aspect_mine, aspect_theirs = mine[:, 3] / mine[:, 2], theirs[:, 3] / theirs[:, 2]
         assert abs(area_mine.mean() - area_theirs.mean()) < 0.02, (area_mine.mean(), area_theirs.mean())
         assert abs(np.log(aspect_mine).mean() - np.log(aspect_theirs).mean()) < 0.03
-        assert abs((aspect_mine < 1).mean() - (aspect_theirs < 1).mean()) < 0.03  # log-uniform: as many below 1 as above
+        # Log-uniform: as many below 1 as above.
+        assert abs((aspect_mine < 1).mean() - (aspect_theirs < 1).mean()) < 0.03
         assert abs((mine[:, 0] / height).mean() - (theirs[:, 0] / height).mean()) < 0.02
         assert abs((mine[:, 1] / width).mean() - (theirs[:, 1] / width).mean()) < 0.02
         assert abs(area_mine.min() - area_theirs.min()) < 0.02 and abs(area_mine.max() - area_theirs.max()) < 0.02
