@@ -88,8 +88,16 @@ class _Decode:
         return f"_Decode(in_channels={self.in_channels}, min_side={self.min_side})"
 
 
+class _Step(v2.Lambda):
+    """A v2 step running one of this module's callables on the input types given; printed with the
+    callable (v2.Lambda prints only the types)."""
+
+    def extra_repr(self) -> str:
+        return repr(self.lambd)
+
+
 def _pil_modes(in_channels: int, min_side: int | None) -> v2.Transform:
-    return v2.Lambda(_Decode(in_channels, min_side), PIL.Image.Image)  # applied to PIL inputs only
+    return _Step(_Decode(in_channels, min_side), PIL.Image.Image)  # applied to PIL inputs only
 
 
 def decode_min_side(transform: Any) -> int | None:
@@ -233,7 +241,7 @@ def train_transform(
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size),
                     v2.RandomCrop(image_size, padding=crop_padding), *flip]
     elif random_resized_crop:
-        crop_flip = [v2.Lambda(_RandomAreaCropFlip(scale, hflip), PIL.Image.Image, torch.Tensor)]
+        crop_flip = [_Step(_RandomAreaCropFlip(scale, hflip), PIL.Image.Image, torch.Tensor)]
         geometry = [v2.Resize([image_size, image_size], antialias=True)]
     else:
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size), *flip]

@@ -87,7 +87,10 @@ def test_throughput_race_has_both_rows_and_a_ratio(bench, tmp_path, capsys):
     assert result["ratio"] == pytest.approx(rows["ours"]["ratio"]) and result["ratio"] > 0
     printed = capsys.readouterr()
     assert "| loader | images/epoch | images/s | images/s per worker | / timm |" in printed.out
-    assert "RandomResizedCropAndInterpolation" in printed.err and "RandomResizedCrop(size=(224, 224)" in printed.err
+    # The same crop on both sides: timm's, and ours (the random box on the PIL image, then the resize).
+    assert "RandomResizedCropAndInterpolation(size=(224, 224), scale=(0.08, 1.0), ratio=(0.75, 1.3333)" in printed.err
+    assert "_RandomAreaCropFlip(scale=(0.08, 1.0), ratio=(3/4, 4/3), hflip=True)" in printed.err
+    assert "Resize(size=[224, 224], interpolation=bilinear, antialias=True)" in printed.err
 
 
 # A stand-in for `lit-softmoe pretrain`: a process holding 30 MB that starts a worker holding 60 MB.
