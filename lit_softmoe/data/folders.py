@@ -134,8 +134,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
             seen[candidate.label] += 1
     if layout == "classes":  # one class after another otherwise: see `in_shuffled_order`
         candidates = in_shuffled_order(candidates)
-    return Listing(candidates, counter, fingerprint, classnames, caption_templates, note,
-                   order="shuffled" if layout == "classes" else "source")
+    return Listing(candidates, counter, fingerprint, classnames, caption_templates, note)
 
 
 def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:

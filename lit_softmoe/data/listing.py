@@ -32,7 +32,8 @@ class Candidate:
 
 @dataclass
 class Listing:
-    """A source's candidates in write order, the problems found listing them, and its identity."""
+    """A source's candidates in write order, the problems found listing them, and its identity.
+    Labelled sources (with `classnames`) are in `in_shuffled_order`, others in the source's order."""
 
     candidates: list[Candidate]
     counter: BadSampleCounter
@@ -40,7 +41,6 @@ class Listing:
     classnames: list[str] | None = None
     templates: list[str] | None = None  # the `{c}` templates captions were written from (classes layout)
     classnames_note: str | None = None  # one line on where the class names came from, where not the obvious place
-    order: str = "source"          # "source": as listed; "shuffled": `in_shuffled_order`
 
 
 def sample_key(path: str | PurePosixPath) -> str:

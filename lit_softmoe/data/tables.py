@@ -203,11 +203,9 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
     if class_col is not None:
         candidates, classnames, note = _label(candidates, file_names, f"column {class_col!r} of {table}", counter)
     candidates = drop_duplicate_keys(candidates, counter)
-    if class_col is None:
-        return Listing(candidates, counter, fingerprint)
-    # Tables are often sorted by class: see `in_shuffled_order`.
-    return Listing(in_shuffled_order(candidates), counter, fingerprint, classnames, classnames_note=note,
-                   order="shuffled")
+    if class_col is not None:  # tables are often sorted by class: see `in_shuffled_order`
+        candidates = in_shuffled_order(candidates)
+    return Listing(candidates, counter, fingerprint, classnames, classnames_note=note)
 
 
 def _label(candidates: list[Candidate], file_names: list[str] | None, source: str,

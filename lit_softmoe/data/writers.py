@@ -341,8 +341,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
                 "options": asdict(options), "inputs": listing.fingerprint, "classnames": listing.classnames}
     if listing.templates is not None:  # like the options, not the arguments: other templates rewrite the split
         manifest["caption_templates"] = listing.templates
-    if listing.order != "source":  # so a split written in the source's order is rewritten shuffled
-        manifest["order"] = listing.order
+    if listing.classnames is not None:  # labelled: shuffled, so a split written in path order is rewritten
+        manifest["order"] = "shuffled"
     finished = _finished_summary(split_dir, manifest)
     if finished is not None:
         logger.info("%s already holds these shards; nothing written", split_dir)
