@@ -1,9 +1,12 @@
 """Fashion-MNIST's real images as ImageNet-style class folders of JPEGs at random sizes (issue 17).
 
-Writes `OUT/train/<class name>/<index>.jpg` and `OUT/test/<class name>/<index>.jpg`: each image is the
-28×28 original resized (PIL bicubic) to a random, roughly square size — a base side drawn uniformly in
-`--min-size..--max-size`, then each side drawn independently within ±25% of it and clipped to that
-range — optionally converted to RGB (`--rgb`; default grayscale "L"), saved as JPEG quality 90.
+Writes `OUT/train/<class name>/<index>.jpg` and `OUT/test/<class name>/<index>.jpg`, each at a random
+size: a base side drawn uniformly in `--min-size..--max-size`, then each side drawn independently within
+±25% of it and clipped to that range. The 28×28 original is resized (PIL bicubic) to a square of the
+shorter side and centered on that canvas, the rest filled with Fashion-MNIST's black background, as a
+photo framed wider: stretching the item to the canvas instead would distort it, and a classifier's
+center crop would then cut up to 40% of it. Optionally converted to RGB (`--rgb`; default grayscale
+"L"), saved as JPEG quality 90.
 The originals are taken one class after the other (image i is of class i mod 10, in Fashion-MNIST's order
 within each class), so a split of any size ≥ 10 has every class folder and about equal counts;
 `--train N` above 60,000 repeats the originals, each repeat at a new size under a new index. Every
@@ -39,6 +42,7 @@ MANIFEST = "make_class_folders.json"
 SPLITS = ("train", "test")
 ASPECT_SPREAD = 0.25  # each side within ±25% of the drawn base side
 JPEG_QUALITY = 90
+FRAMING = "centered"  # in the manifest: folders whose items were stretched to the canvas are rewritten
 CHUNK = 500  # images per task of the pool
 
 _ARRAYS: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # split → (images, labels), per process
@@ -53,6 +57,16 @@ def image_size(seed: int, split: str, index: int, min_size: int, max_size: int) 
         return min(max_size, max(min_size, round(base * rng.uniform(1 - ASPECT_SPREAD, 1 + ASPECT_SPREAD))))
 
     return side(), side()
+
+
+def framed(item: np.ndarray, size: tuple[int, int]) -> PIL.Image.Image:
+    """The item (H, W uint8) resized to a square of the shorter side of `size` = (width, height) and
+    centered on a black canvas of that size."""
+    side = min(size)
+    canvas = PIL.Image.new("L", size, 0)  # Fashion-MNIST's background is 0
+    canvas.paste(PIL.Image.fromarray(item).resize((side, side), PIL.Image.Resampling.BICUBIC),
+                 ((size[0] - side) // 2, (size[1] - side) // 2))
+    return canvas
 
 
 def class_interleaved(labels: np.ndarray) -> np.ndarray:
@@ -83,7 +97,7 @@ def _write_chunk(task: tuple) -> int:
     for index in range(start, stop):
         original = index % len(images)  # past the originals: repeats, each at its own size
         size = image_size(options["seed"], split, index, options["min_size"], options["max_size"])
-        image = PIL.Image.fromarray(images[original]).resize(size, PIL.Image.Resampling.BICUBIC)
+        image = framed(images[original], size)
         if options["rgb"]:
             image = image.convert("RGB")
         path = Path(out, split, FASHION_MNIST_CLASSNAMES[labels[original]], f"{index}.jpg")
@@ -132,7 +146,7 @@ def make_class_folders(out: str | Path, train: int | None = None, test: int | No
     counts = {split: n if n is not None else len(_arrays(split, source)[1])
               for split, n in zip(SPLITS, (train, test))}
     manifest = {"counts": counts, "min_size": min_size, "max_size": max_size, "rgb": rgb, "seed": seed,
-                "quality": JPEG_QUALITY, "shards": samples_per_shard if shards else None}
+                "quality": JPEG_QUALITY, "framing": FRAMING, "shards": samples_per_shard if shards else None}
     if _prepare(out, manifest):
         summary = json.loads((out / MANIFEST).read_text())["summary"]
         return {**summary, "seconds": time.perf_counter() - start, "skipped": True}

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import PIL.Image
 import pytest
 
@@ -59,6 +60,29 @@ def test_class_folders_are_jpegs_at_the_sizes_asked(make_class_folders, tmp_path
     assert len({PIL.Image.open(p).size for p in out.glob("train/*/*.jpg")}) > 5  # sizes do vary
     assert make_class_folders.main(["--out", str(out), "--train", "30", "--test", "10", "--min-size", "40",
                                     "--max-size", "90", "--rgb", "--seed", "3"])["skipped"]
+
+
+def test_items_keep_their_shape_centered_on_a_black_canvas(make_class_folders, tmp_path):
+    # Stretched to a canvas up to 1.67:1, an item would lose up to 40% of itself to a classifier's center crop.
+    out = tmp_path / "folders"
+    make_class_folders.make_class_folders(out, train=0, test=30, min_size=40, max_size=120, processes=1)
+    originals, _ = make_class_folders._arrays("test", None)
+    non_square = 0
+    for path in out.glob("test/*/*.jpg"):
+        index = int(path.stem)
+        width, height = make_class_folders.image_size(0, "test", index, 40, 120)
+        side, top, left = min(width, height), (height - min(width, height)) // 2, (width - min(width, height)) // 2
+        with PIL.Image.open(path) as image:
+            pixels = np.asarray(image, dtype=np.float64)  # (H, W)
+        item = PIL.Image.fromarray(originals[index]).resize((side, side), PIL.Image.Resampling.BICUBIC)
+        assert pixels.shape == (height, width)
+        assert np.abs(pixels[top:top + side, left:left + side] - np.asarray(item)).mean() < 3  # JPEG's error only
+        canvas = np.ones(pixels.shape, dtype=bool)
+        canvas[top:top + side, left:left + side] = False
+        if canvas.any():
+            non_square += 1
+            assert pixels[canvas].mean() < 3  # black, as Fashion-MNIST's background
+    assert non_square >= 20
 
 
 def test_more_images_than_fashion_mnist_repeat_it_and_shards_follow(make_class_folders, tmp_path, monkeypatch):
