@@ -71,7 +71,8 @@ def test_items_keep_their_shape_centered_on_a_black_canvas(make_class_folders, t
     for path in out.glob("test/*/*.jpg"):
         index = int(path.stem)
         width, height = make_class_folders.image_size(0, "test", index, 40, 120)
-        side, top, left = min(width, height), (height - min(width, height)) // 2, (width - min(width, height)) // 2
+        side = min(width, height)
+        top, left = (height - side) // 2, (width - side) // 2
         with PIL.Image.open(path) as image:
             pixels = np.asarray(image, dtype=np.float64)  # (H, W)
         item = PIL.Image.fromarray(originals[index]).resize((side, side), PIL.Image.Resampling.BICUBIC)
