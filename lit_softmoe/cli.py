@@ -80,7 +80,8 @@ def _cmd_embed(args) -> None:
     from lit_softmoe.train.embed import embed_shards
     check_writable(args.out, "--out", folder=True)
     summary = embed_shards(args.tower, args.shards, args.out, split=args.split, batch_size=args.batch_size,
-                           workers=args.workers, progress=sys.stderr.isatty())
+                           workers=args.workers, device=args.device, precision=args.precision,
+                           compile=args.compile, jpeg_decoder=args.jpeg_decoder, progress=sys.stderr.isatty())
     if summary["rank"] != 0:  # rank 0 puts the split together and says so
         return
     resumed = f", {summary['resumed_shards']} shards kept from an interrupted run" if summary["resumed_shards"] else ""
@@ -292,7 +293,19 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--out", required=True, help="feature dataset folder; shards go to OUT/SPLIT/")
     embed.add_argument("--split", default=None, help="feature split name (default: the source split folder's name)")
     embed.add_argument("--batch-size", type=int, default=256, help="images per tower forward (default: 256)")
-    embed.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default: 0)")
+    embed.add_argument("--workers", type=int, default=None,
+                       help="shard-reading (and image-decoding) worker processes (default: one per available core, "
+                            "at most one per shard)")
+    embed.add_argument("--device", default=None, help="where the tower runs: cpu, cuda, cuda:1 … (default: this "
+                       "process's GPU under torchrun, else cuda when present)")
+    embed.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                       help="the tower's weights: auto (default) = bf16 on GPUs that support it, else fp32")
+    embed.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+                       help="torch.compile the tower (default auto: on a GPU, for runs long enough to earn the "
+                            "compile time back)")
+    embed.add_argument("--jpeg-decoder", choices=["auto", "gpu", "cpu"], default="auto",
+                       help="where JPEGs are decoded (default auto: on the GPU with nvJPEG when the tower runs on one; "
+                            "other formats always on the host)")
     embed.set_defaults(func=_cmd_embed)
 
     upcycle = command(sub, "upcycle", "dense ViT (tower folder or timm vit_* weights) → Soft MoE tower, "

@@ -49,6 +49,7 @@ from lit_softmoe.models.tower_folder import (
     tower_fingerprint,
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.utils.device import inference_dtype
 
 HF_HUB_PREFIX = "hf-hub:"
 # What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
@@ -276,14 +277,16 @@ def _pair_tokenizer(source: ModelFolder):
     return _tokenizer_for(spec, text_cfg.context_length)
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu", precision: str = "auto"):
     """(model, preprocess, tokenizer) from an export folder, a LiT run, its model/ folder or a checkpoint,
     or `hf-hub:ORG/NAME[@REVISION]` (an export on the Hugging Face Hub, see `resolve_model_path`).
 
     `model.encode_image(preprocess(img)[None])` and `model.encode_text(tokenizer(["a cat"]))` give
-    normalized embeddings (B, D); `model.pretrained_info` says what was loaded (source, kind,
-    image_tower_sha256, the tower's config, the preprocessing). The model is fp32 in eval mode.
-    open_clip's habit, `create_model_from_pretrained(path)` + `get_tokenizer(path)`, gives the same.
+    normalized float32 embeddings (B, D); `model.pretrained_info` says what was loaded (source, kind,
+    image_tower_sha256, the tower's config, the preprocessing). The model is in eval mode, in fp32 but for
+    its locked image tower, whose weights take the dtype it runs in on `device` (`precision`: auto = bf16
+    on GPUs that support it, fp32 elsewhere; fp32 | bf16). open_clip's habit,
+    `create_model_from_pretrained(path)` + `get_tokenizer(path)`, gives the same.
     """
     source = _pair_folder(path)
     if source.kind == "export":
@@ -297,16 +300,17 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
         kind = "run"
     tokenizer = _pair_tokenizer(source)
     model.to(device)
+    model.image_tower.to(inference_dtype(precision, torch.device(device)))
     model.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower_cfg, "preprocess": preprocess_spec,
                              "tokenizer": getattr(model.text_tower, "tokenizer_spec", None)}
     return model, make_preprocess(preprocess_spec), tokenizer
 
 
-def create_model_from_pretrained(path: str | Path, device: str | torch.device = "cpu"):
+def create_model_from_pretrained(path: str | Path, device: str | torch.device = "cpu", precision: str = "auto"):
     """(model, preprocess), as open_clip's `create_model_from_pretrained`: `load_pretrained` less the
     tokenizer, for the same `path` specs (a folder or `hf-hub:ORG/NAME[@REVISION]`); `get_tokenizer(path)`."""
-    model, preprocess, _ = load_pretrained(path, device)
+    model, preprocess, _ = load_pretrained(path, device, precision)
     return model, preprocess
 
 
@@ -316,10 +320,11 @@ def get_tokenizer(path: str | Path):
     return _pair_tokenizer(_pair_folder(path))
 
 
-def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
+def load_image_tower(path: str | Path, device: str | torch.device = "cpu", precision: str = "auto"):
     """(tower, preprocess) from any export (pair or image-only), a tower folder, or a pretraining/LiT run.
 
-    `tower.forward_pooled(preprocess(img)[None])` gives the pooled Soft MoE features (B, width);
+    `tower.forward_pooled(preprocess(img)[None])` gives the pooled Soft MoE features (B, width), in the
+    weights' dtype: bf16 on GPUs that support it with `precision` auto, else fp32 (see `load_pretrained`);
     `tower.pretrained_info` is as in `load_pretrained`; `path` may be `hf-hub:ORG/NAME[@REVISION]` too.
     """
     source = classify_folder(resolve_model_path(path))
@@ -338,7 +343,8 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu"):
     else:
         model, facts = load_run_pair(source)
         tower, spec, sha, kind = model.image_tower, facts["preprocess"], facts["image_tower_sha256"], "run"
-    tower = tower.to(device).eval().requires_grad_(False)
+    device = torch.device(device)
+    tower = tower.to(device, inference_dtype(precision, device)).eval().requires_grad_(False)
     tower.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower.cfg.to_dict(), "preprocess": spec}
     return tower, make_preprocess(spec)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU measurement and GPU test of the project in one go, for one CUDA machine (H100/H200 class):
-# scripts/bench_gpu.py (the layer, the locked tower and the LiT step against the peers), `embed` on
-# JPEG shards against the tower alone (scripts/bench_embed.py), the patch embedding A/B
-# (scripts/bench_patches.py) and tests/test_cuda.py. Each step has a timeout so that the whole fits one
-# 10-minute call of a lent GPU machine (at most about 9 minutes; BENCH_GPU_BUDGET=layer=S,tower=S,lit=S
-# gives bench_gpu.py's parts more time where there is more).
+# Every GPU measurement and GPU test of the project in one go, for one CUDA machine (H100/H200 class), in
+# the order docs/benchmarks.md reports them: the product first (scripts/bench_product.py: `embed`, the
+# locked tower, `train` as users run them, default flags, against the peers), then tests/test_cuda.py,
+# then the kernels (scripts/bench_gpu.py: the layer, the tower and the LiT step on device tensors). Each
+# step has a timeout so that the whole fits one 10-minute call of a lent GPU machine (about 9 minutes;
+# PRODUCT_BUDGET=S, BENCH_GPU_BUDGET=layer=S,tower=S,lit=S and KERNELS=parts trade one for another).
 #
 #   bash scripts/gpu_check.sh                     # results in ./gpu-results/
 #   OUT=/some/dir WHEELS=.whl bash scripts/gpu_check.sh
+#   BASELINE=.baseline KERNELS=layer LAYER_SHAPES=B/16 bash scripts/gpu_check.sh   # + an older embed; fewer kernels
 #
 # WHEELS: a folder of wheels to add first, for machines without network that lack some of the
 # peers (open_clip_torch, ftfy, wcwidth, soft-moe-pytorch), our own dependencies (webdataset,
@@ -35,20 +36,29 @@ $PY -c "import open_clip, soft_moe_pytorch, timm, webdataset, omegaconf, ftfy, l
 print('imports ok; timm', timm.__version__, 'open_clip', open_clip.__version__)" 2>&1 | tee "$OUT/imports.txt"
 
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-timeout ${BENCH_GPU_TIMEOUT:-300} $PY scripts/bench_gpu.py --json "$OUT/bench_gpu.json" --md "$OUT/bench_gpu.md" \
-    --budget "${BENCH_GPU_BUDGET:-layer=120,tower=90,lit=50}" --profile-dir "$OUT" > "$OUT/bench_gpu.log" 2>&1
-echo "bench_gpu.py exit $? after $(( $(date +%s) - t0 )) s"
-grep -E "^\s+\[|^\[|TFLOP/s|Error|error" "$OUT/bench_gpu.log" | tail -60
+export PYTHONUNBUFFERED=1
 
-timeout 110 $PY scripts/bench_embed.py --images 4096 --json "$OUT/bench_embed.json" > "$OUT/bench_embed.md" 2>&1
-echo "bench_embed exit $? after $(( $(date +%s) - t0 )) s"; cat "$OUT/bench_embed.md"
+# ---- product: the commands as users run them, default flags, against the peers (docs/benchmarks.md first)
+# BASELINE: a folder holding an older lit_softmoe/ (`git archive REV lit_softmoe | tar -x -C DIR`): its embed too.
+timeout $(( ${PRODUCT_BUDGET:-330} + 60 )) $PY scripts/bench_product.py --budget "${PRODUCT_BUDGET:-330}" \
+    ${BASELINE:+--baseline "$BASELINE"} --json "$OUT/product.json" --md "$OUT/product.md" > "$OUT/product.log" 2>&1
+echo "bench_product exit $? after $(( $(date +%s) - t0 )) s"
+grep -E "^\s+\[|^embed:|ready in|Error" "$OUT/product.log" | tail -40
 
-timeout 30 $PY scripts/bench_patches.py --device cuda --batch 256 > "$OUT/bench_patches.md" 2>&1
-echo "bench_patches exit $?"; cat "$OUT/bench_patches.md"
-
-timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/test_cuda.log" 2>&1
+# ---- the GPU tests (CUDA_TESTS: a pytest -k expression to run some of them)
+timeout ${CUDA_TESTS_TIMEOUT:-120} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py ${CUDA_TESTS:+-k "$CUDA_TESTS"} \
+    > "$OUT/test_cuda.log" 2>&1
 echo "test_cuda exit $? after $(( $(date +%s) - t0 )) s"
 tail -15 "$OUT/test_cuda.log"
 
-echo; echo "==== bench_gpu.md"; grep -v "^$" "$OUT/bench_gpu.md" 2>/dev/null | tail -80
+# ---- kernels: the layer, the tower and the LiT step on device tensors (KERNELS= skips them)
+if [ -n "${KERNELS-layer,tower,lit}" ]; then
+  timeout ${BENCH_GPU_TIMEOUT:-240} $PY scripts/bench_gpu.py --only "${KERNELS-layer,tower,lit}" --json "$OUT/bench_gpu.json" \
+      --md "$OUT/bench_gpu.md" --budget "${BENCH_GPU_BUDGET:-layer=90,tower=60,lit=50}" ${LAYER_SHAPES:+--layer-shapes "$LAYER_SHAPES"} \
+      > "$OUT/bench_gpu.log" 2>&1
+  echo "bench_gpu.py exit $? after $(( $(date +%s) - t0 )) s"
+  grep -v "^$" "$OUT/bench_gpu.md" 2>/dev/null | tail -60
+fi
+
+echo; echo "==== product.md"; cat "$OUT/product.md" 2>/dev/null
 echo "total $(( $(date +%s) - t0 )) s"

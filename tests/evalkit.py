@@ -6,8 +6,8 @@ Real images: the foolbox package ships 20 ImageNet (label = ImageNet-1k index), 
 """
 from __future__ import annotations
 
+import importlib.util
 import io
-import sysconfig
 import tarfile
 from pathlib import Path
 
@@ -25,7 +25,9 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 
-FOOLBOX_DATA = Path(sysconfig.get_paths()["purelib"]) / "foolbox" / "data"
+# Found without importing foolbox (its own imports need packages we do not install), wherever it is installed.
+_FOOLBOX = importlib.util.find_spec("foolbox")
+FOOLBOX_DATA = Path(next(iter(_FOOLBOX.submodule_search_locations or [""])) if _FOOLBOX else "/nonexistent") / "data"
 TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16, vocab_size=49408)
 
 # The marks of the tests that need foolbox's images or the peer package.

@@ -258,3 +258,14 @@ def test_a_shell_command_reached_through_an_interpolation_in_a_config_file_is_re
     config.write_text("batch_size: ${oc.env:LIT_SOFTMOE_TEST_UNSET_VAR}\ndata:\n  train: data/a/train\n")
     with pytest.raises(UserError, match="cannot resolve config"):
         load_config(LiTConfig, config)
+
+
+@pytest.mark.parametrize("schema", [PretrainConfig, LiTConfig])
+def test_compile_defaults_to_auto_and_takes_yaml_booleans(tmp_path, schema):
+    assert load_config(schema).compile == "auto"  # on GPUs, off on the CPU (utils.device.resolve_compile)
+    path = tmp_path / "c.yaml"
+    path.write_text("compile: true\n")  # a YAML boolean, as the shipped ImageNet configs write it
+    assert load_config(schema, path).compile == "true"
+    assert load_config(schema, path, ["compile=False"]).compile == "false"
+    with pytest.raises(UserError, match=r"config key 'compile' is 'yes'; choose one of auto, true, false"):
+        load_config(schema, overrides=["compile=yes"])

@@ -146,13 +146,16 @@ class _Skip(Exception):
 # ---------------------------------------------------------------------------------- field decoders
 
 def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None,
-                  seed: int | None = None) -> torch.Tensor:
+                  seed: int | None = None, defer: Callable[[bytes], Any] | None = None) -> torch.Tensor:
     """`min_side`: the transform's `decode_min_side` (JPEGs decoded at a reduced scale keeping it).
     `seed`: the transform's random draws come from torch's generator seeded with it (and the
-    caller's generator state is left as it was)."""
+    caller's generator state is left as it was). `defer(bytes)`: what stands for an image that is
+    decoded later, elsewhere (`gpu_jpeg.defer_to_gpu`), or None to decode it here."""
     extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
     if extension is None:
         raise _Skip("missing_image")
+    if defer is not None and (deferred := defer(sample[extension])) is not None:
+        return deferred
     try:
         image = open_image(sample[extension], min_side)  # decoded now: a truncated file fails here
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
@@ -229,18 +232,19 @@ def sample_seed(seed: int, epoch: int, key: str) -> int:
 
 
 def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callable[[str], int] | None = None,
-                   num_classes: int = 0) -> Callable[[dict], tuple]:
+                   num_classes: int = 0, defer: Callable[[bytes], Any] | None = None) -> Callable[[dict], tuple]:
     """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `_Skip`.
 
     The cheap target is checked first, so a sample missing its caption or class costs no image decode.
     `seed_of(key)`: the seed of the sample's random transform (`sample_seed`); None: torch's generator
-    as it is. `num_classes`: class indices from it on are skipped as bad_cls (0: no check).
+    as it is. `num_classes`: class indices from it on are skipped as bad_cls (0: no check). `defer`: see
+    `_decode_image`.
     """
 
     min_side = decode_min_side(transform)  # the transform's decode setting ("reduced": JPEGs at a DCT scale)
 
     def image(s: dict) -> torch.Tensor:
-        return _decode_image(s, transform, min_side, None if seed_of is None else seed_of(s["__key__"]))
+        return _decode_image(s, transform, min_side, None if seed_of is None else seed_of(s["__key__"]), defer)
 
     def image_caption(s: dict) -> tuple:
         caption = _decode_caption(s)
@@ -264,19 +268,20 @@ def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callab
             "embedding-caption": embedding_caption, "embedding-class": embedding_class}[kind]
 
 
-def read_shard(url: str, kind: str, transform: Callable | None = None,
-               listed: int | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
+def read_shard(url: str, kind: str, transform: Callable | None = None, listed: int | None = None,
+               defer: Callable[[bytes], Any] | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
     """One shard's decoded samples, in the shard's order, and the counter they are counted in.
 
     The stages of a stream (tar → decode → skip and count) without shuffling, splitting or
     batching: for jobs that work shard by shard (`train.embed`). Yields (key, input, target) as
     `sample_decoder(kind, transform)` makes them; the counter's `counts` (bad samples and shards by
     reason) and `read` are complete once the iterator is exhausted. `listed`: the shard's count in
-    its sizes.json, if known (a shard that holds fewer is counted as truncated).
+    its sizes.json, if known (a shard that holds fewer is counted as truncated). `defer`: images decoded
+    later, elsewhere (`_decode_image`).
     """
     counter = _StreamCounter()
     samples = _decode_stage(_open_tars(iter([url]), counter, {url: listed} if listed is not None else None),
-                            sample_decoder(kind, transform), counter, give_up_without_good=False)
+                            sample_decoder(kind, transform, defer=defer), counter, give_up_without_good=False)
     return samples, counter
 
 

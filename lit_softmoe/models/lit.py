@@ -140,7 +140,8 @@ class LiTModel(nn.Module):
         # Fully locked: no graph at all (activations freed at once). Partly unlocked: autograd
         # records nothing before the first unlocked block anyway, since nothing there needs grad.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_tower_locked):
-            features = self.image_tower.forward_pooled(image)  # (B, width)
+            # (B, width); float32 also from a tower held in bf16 (what a head and the text side expect)
+            features = self.image_tower.forward_pooled(image).float()
         return self.encode_image_features(features, normalize=normalize)
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:

@@ -354,6 +354,9 @@ class VisionTransformer(nn.Module):
     def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling (timm's contract)."""
         p = self.cfg.patch_size
+        # A tower held in bf16 for inference takes the float32 pixels every transform gives (a no-op in
+        # fp32, and under autocast the matmul casts anyway).
+        pixels = pixels.to(self.patch_embed.weight.dtype)
         x = self.embed_patches(pixels)  # (b, m, d), m = rows · cols
         x = x + self._pos_embed(x.shape[1], (pixels.shape[-2] // p, pixels.shape[-1] // p))
         for block in self.blocks:

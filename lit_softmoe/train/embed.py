@@ -21,10 +21,14 @@ reads them back. `embed.json` lives in the split folder, so train and test cache
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing).
 
-Keeping a GPU fed: the DataLoader workers decode, resize and crop, and send uint8 batches (a quarter of
-float32's bytes through shared memory, pinning and the copy to the GPU); the normalization runs on the
-device, bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the
-GPU while the host turns the previous one into samples and shards (`_ToHost`).
+Keeping a GPU fed, by default: the tower runs in bf16 weights on GPUs (`prepare_for_inference`, cast once),
+one DataLoader worker per available core reads the shards, and JPEGs travel to the GPU undecoded, where
+nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
+on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
+float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
+bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the GPU
+while the host turns the previous one into samples and shards (`_ToHost`). The choices are printed once
+at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder. Each feature shard is written
@@ -44,11 +48,13 @@ import io
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+import PIL.Image
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -57,6 +63,7 @@ from tqdm import tqdm
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
@@ -70,11 +77,12 @@ from lit_softmoe.data.shards import (
     shard_urls,
     splits_beside,
 )
-from lit_softmoe.data.transforms import preprocess_transform
+from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
-from lit_softmoe.utils.device import autocast_dtype
+from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
 from lit_softmoe.utils.hashing import file_sha256
 
 EMBED_FILE = "embed.json"
@@ -82,6 +90,9 @@ FORMAT_VERSION = 1
 # Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
 METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
 _FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
+# `compile: auto` compiles the tower for runs of at least this many images: below it the compile time
+# (about a minute for a B/16 tower) is not earned back (docs/benchmarks.md, "embed").
+COMPILE_MIN_IMAGES = 1_000_000
 
 
 def cache_fingerprint(tower_dir: str | Path) -> dict:
@@ -232,15 +243,29 @@ def _pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Com
     return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
 
 
-def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose, device: torch.device,
-                 autocast: torch.dtype | None) -> torch.Tensor:
-    """uint8 pixels (B, C, H, W) → float16 pooled embeddings (B, width) on `device`, queued there (on a GPU
-    not waited for: `_ToHost` fetches them)."""
+def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
+                 pad_to: int | None = None) -> torch.Tensor:
+    """uint8 pixels (B, C, H, W) on the tower's device → float16 pooled embeddings (B, width) there, queued
+    (on a GPU not waited for: `_ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
+    `prepare_for_inference`). `pad_to`: a compiled tower's batch size; a shard's last, smaller batch is
+    padded to it with black images, so the compiled graph's static shapes hold (no recompilation)."""
+    count = len(pixels)
+    if pad_to is not None and count < pad_to:
+        pixels = torch.cat([pixels, pixels.new_zeros(pad_to - count, *pixels.shape[1:])])
     with torch.inference_mode():
-        images = normalize(pixels.to(device, non_blocking=True))  # float32, outside autocast as in the transform
-        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            features = tower.forward_pooled(images)  # (B, width)
+        images = normalize(pixels)  # float32, as the transform computes it; the tower casts to its dtype
+        features = tower.forward_pooled(images)[:count]  # (B, width)
     return features.float().to(torch.float16)
+
+
+def _pixels_on_device(batch: dict, device: torch.device, gpu_decode: dict | None) -> tuple[torch.Tensor, list[int]]:
+    """A loader batch's uint8 pixels (B', C, H, W) on `device`, and the positions of the images that could
+    not be decoded (left out of the B'). Decoded by the workers, or, where `gpu_decode` is set, JPEGs
+    decoded on `device` now (`gpu_jpeg.decode_batch`) and the rest by the workers."""
+    if gpu_decode is None:
+        return batch.pop("image").to(device, non_blocking=True), []
+    pixels, good = gpu_jpeg.decode_batch(batch.pop("packed"), device=device, **gpu_decode)
+    return pixels, (~good).nonzero().flatten().tolist()
 
 
 class _ToHost:
@@ -297,10 +322,11 @@ class _SourceShards(IterableDataset):
     """
 
     def __init__(self, shards: list[tuple[int, str]], kind: str, transform, batch_size: int,
-                 listed: dict[str, int], with_cls: bool):
+                 listed: dict[str, int], with_cls: bool, defer=None):
         super().__init__()
         self.shards, self.kind, self.transform = shards, kind, transform
         self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
+        self.defer = defer  # `gpu_jpeg.defer_to_gpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -308,7 +334,7 @@ class _SourceShards(IterableDataset):
         for index, url in self.shards[worker::num_workers]:
             # The image-caption stream carries no class: `.cls` members are read apart, unextracted others skipped.
             classes = read_class_members([url]) if self.with_cls else {}
-            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url))
+            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url), defer=self.defer)
             batch: list[tuple] = []
             for sample in samples:
                 batch.append(sample)
@@ -322,8 +348,12 @@ class _SourceShards(IterableDataset):
     def _collate(self, index: int, samples: list[tuple], classes: dict[str, bytes]) -> dict:
         keys, images, targets = zip(*samples)
         captions = list(targets) if self.kind == "image-caption" else [None] * len(keys)
-        return {"shard": index, "image": torch.stack(images),  # (B, C, H, W)
-                "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
+        batch = {"shard": index, "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
+        if self.defer is None:
+            batch["image"] = torch.stack(images)  # (B, C, H, W)
+        else:
+            batch["packed"] = gpu_jpeg.pack(images)
+        return batch
 
 
 def _feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None) -> dict:
@@ -385,12 +415,14 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
-                                  normalize: v2.Compose, device, autocast, workers: int, max_bad_fraction: float,
-                                  source: str, finished: list[dict], progress, timing: dict) -> None:
+                                  normalize: v2.Compose, device, pad_to: int | None, gpu_decode: dict | None,
+                                  workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
+                                  timing: dict) -> None:
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
 
-    `dataset` yields uint8 pixels; `normalize` (`_pixels_and_normalization`) turns them into the tower's
-    input on `device`. One batch stays queued on the device while the previous one's features are written.
+    `dataset` yields uint8 pixels (or packed JPEGs, decoded on `device` as `gpu_decode` says); `normalize`
+    (`_pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
+    One batch stays queued on the device while the previous one's features are written.
 
     `timing` gets "first_batch" (perf_counter once the first batch is embedded) and "later_images"
     (the images embedded after it): the steady rate, without the tower's loading and the workers' start.
@@ -399,7 +431,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     bad (the shards finished so far stay: a rerun on fixed shards starts over, they are keyed by the
     source's files).
     """
-    loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(todo)),
+    loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda")
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
@@ -442,7 +474,15 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             continue
         # Metadata only: the pixels' last reference is dropped once they are on the device.
         meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
-        queued = _ToHost(meta, _embed_batch(tower, batch.pop("image"), normalize, device, autocast))
+        pixels, undecodable = _pixels_on_device(batch, device, gpu_decode)
+        if undecodable:  # JPEGs that neither nvJPEG nor the host decoder could read: skipped and counted
+            bad = skipped.setdefault(index, {})
+            bad["bad_image"] = bad.get("bad_image", 0) + len(undecodable)
+            for key in ("key", "caption", "cls"):
+                meta[key] = [value for position, value in enumerate(meta[key]) if position not in undecodable]
+            if not meta["key"]:
+                continue
+        queued = _ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
         if in_flight is not None:
             keep(in_flight)  # the host's share of the previous batch, while the device computes this one
         in_flight = queued
@@ -528,9 +568,11 @@ def embed_shards(
     out_dir: str | Path,
     split: str | None = None,
     batch_size: int = 256,
-    workers: int = 0,
+    workers: int | None = None,
     device: str | torch.device | None = None,
     precision: str = "auto",
+    compile: str | bool = "auto",
+    jpeg_decoder: str = "auto",
     max_bad_fraction: float = 0.01,
     progress: bool = False,
     rank: int | None = None,
@@ -552,10 +594,15 @@ def embed_shards(
         out_dir: the feature dataset folder; gets `split/` and the source's classnames.txt & co.
         split: the feature split's name; default: the source split folder's name (e.g. "train").
         batch_size: images per tower forward (a batch never spans two source shards).
-        workers: DataLoader workers decoding images, each reading whole shards; 0 decodes in this process.
-            The output is the same for any number of workers and processes.
+        workers: DataLoader workers reading (and decoding) images, each reading whole shards; 0 decodes in this
+            process; None: one per CPU core this process may use, at most one per shard to embed. The output
+            is the same for any number of workers and processes.
         device: where the tower runs; default the process's GPU (LOCAL_RANK) when there is one, else the CPU.
-        precision: auto (bf16 autocast on GPUs that support it, else fp32) | fp32 | bf16.
+        precision: the tower's weight dtype: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16.
+        compile: torch.compile the tower: auto (on a GPU, for runs of at least `COMPILE_MIN_IMAGES` images,
+            where the compile time is earned back) | true | false.
+        jpeg_decoder: auto (on the GPU when the tower runs on one and torchvision has nvJPEG, `gpu_jpeg`) |
+            gpu | cpu (the workers decode every image).
         max_bad_fraction: stop (UserError) when more than this fraction of samples is unreadable;
             fewer are skipped and counted in "bad".
         progress: show a progress bar (images/s, shards done, time left) on rank 0.
@@ -576,8 +623,10 @@ def embed_shards(
     out_dir = Path(out_dir)
     # The command's own flags: the loader's checks would name data.* options embed does not take.
     for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0)):
-        if value < least:
+        if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
+    if jpeg_decoder not in gpu_jpeg.DECODERS:
+        raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, got {jpeg_decoder!r}")
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
@@ -592,11 +641,14 @@ def embed_shards(
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
         raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
-    device = torch.device(device) if device is not None else _default_device(world_size)
-    autocast = autocast_dtype(precision, device)
+    device = parse_device(str(device)) if device is not None else _default_device(world_size)
+    weights = inference_dtype(precision, device)
+    decoder, decoder_why = _choose_jpeg_decoder(jpeg_decoder, device)
     fingerprint = cache_fingerprint(tower_dir)
+    # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
+    # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
     wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
-              "precision": "bf16" if autocast else "fp32"}
+              "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder}
 
     source_dir = dataset_dir(shards, urls)
     _refuse_other_metadata(source_dir, out_dir, split)
@@ -620,30 +672,47 @@ def embed_shards(
     (work_dir / f".error-{rank}").unlink(missing_ok=True)
 
     tower, meta = load_tower(tower_dir, device=device)
-    tower.eval()  # no drop-path or dropout: the cache must be the locked tower's deterministic output
-    preprocess = meta["preprocess"]
-    transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
-    pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
-    # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
-    # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
-    class_only = "cls" in members and "txt" not in members
-    kind = "image-class" if class_only else "image-caption"
     listed = listed_sizes(urls) or {}
     mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
     kept = {index: _finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
     finished = [record for record in kept.values() if record is not None]
     todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
-    progress_bar = tqdm(total=sum(listed[url] for _, url in todo) if known else None, desc="embed", unit="img",
+    images_to_embed = sum(listed[url] for _, url in todo) if known else None
+    compiled, compile_why = _choose_compile(compile, device, images_to_embed)
+    # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
+    # deterministic output.
+    tower = prepare_for_inference(tower, dtype=weights, compile=compiled)
+    preprocess = meta["preprocess"]
+    transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
+    pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
+    workers = min(available_cpus(), len(todo)) if workers is None else min(workers, len(todo))
+    gpu_decode = None
+    if decoder == "gpu":
+        gpu_decode = {"size": preprocess["image_size"], "channels": tower.cfg.in_channels,
+                      "min_side": decode_min_side(transform),  # the tower's reduced decode, mimicked there
+                      "host_decode": lambda data: pixels(PIL.Image.open(io.BytesIO(data)))}
+    # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
+    # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
+    class_only = "cls" in members and "txt" not in members
+    kind = "image-class" if class_only else "image-caption"
+    if rank == 0 and todo:  # what runs, once, where a user sees it (the result line goes to stdout)
+        print(f"embed: tower {tower_dir} on {device}, "
+              f"{'bf16' if weights == torch.bfloat16 else 'fp32'} weights, "
+              f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
+              f"JPEGs decoded on the {decoder.upper()} ({decoder_why})", file=sys.stderr, flush=True)
+    progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
     resumed = len(finished)
     timing = {"later_images": 0}
     try:
         if todo:
-            dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members)
-            _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device, autocast, workers,
-                                          max_bad_fraction, str(shards), finished, progress_bar, timing)
+            dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
+                                    defer=gpu_jpeg.defer_to_gpu if gpu_decode else None)
+            _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
+                                          batch_size if compiled else None, gpu_decode, workers, max_bad_fraction,
+                                          str(shards), finished, progress_bar, timing)
         mine_seconds = time.perf_counter() - start
         rates = _rates(start, timing)
         if rank != 0:  # rank 0 puts the split in place
@@ -693,6 +762,29 @@ def embed_shards(
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
             "world_size": world_size, **rates}
+
+
+def _choose_jpeg_decoder(setting: str, device: torch.device) -> tuple[str, str]:
+    """("gpu" | "cpu", why) for `--jpeg-decoder`: auto takes the GPU where torchvision can decode there."""
+    if setting == "cpu":
+        return "cpu", "--jpeg-decoder cpu"
+    problem = gpu_jpeg.gpu_decoder_works(device)
+    if setting == "gpu":
+        if problem is not None:
+            raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
+        return "gpu", "--jpeg-decoder gpu"
+    return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
+
+
+def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:
+    """(compile the tower?, why) for `--compile`: auto compiles on a GPU for long runs (`COMPILE_MIN_IMAGES`)."""
+    if str(setting).strip().lower() != "auto":
+        return resolve_compile(setting, device), f"--compile {str(setting).lower()}"
+    if not resolve_compile("auto", device):
+        return False, f"auto: the tower runs on {device.type}"
+    if images is not None and images < COMPILE_MIN_IMAGES:
+        return False, f"auto: {images:,} images, fewer than the {COMPILE_MIN_IMAGES:,} that earn the compile back"
+    return True, "auto: a long run on a GPU"
 
 
 def _rates(start: float, timing: dict) -> dict:

@@ -53,6 +53,7 @@ from lit_softmoe.train.runtime import (
     run_folder_lock,
 )
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.device import inference_dtype, resolve_compile
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
@@ -262,6 +263,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
     model, meta = _setup_model(cfg)
+    # A locked tower only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast once
+    # instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
+    tower_dtype = inference_dtype(cfg.precision, accelerator.device) if model.image_tower_locked else torch.float32
+    model.image_tower.to(tower_dtype)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     optimizer = _setup_optimizer(cfg, model)
@@ -297,8 +302,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
     model.to(accelerator.device)
-    if cfg.compile:  # in place, so parameter names, checkpoints and the optimizer are unchanged
-        model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
+    compiled = resolve_compile(cfg.compile, accelerator.device)
+    if compiled:  # in place, so parameter names, checkpoints and the optimizer are unchanged
+        if not cached:  # with cached features the tower never runs in a training step
+            model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
     eval_set = _setup_eval(cfg, model, transform, accelerator) if is_main else None
 
@@ -322,7 +329,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     inputs = "cached features" if cached else "images"
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
-                      f"{total_steps} steps of {cfg.batch_size}")
+                      f"{total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, image tower "
+                      f"in {'bf16' if tower_dtype == torch.bfloat16 else 'fp32'} weights, "
+                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
     progress = tqdm(total=total_steps, initial=step, desc="lit", disable=not is_main, dynamic_ncols=True)

@@ -69,6 +69,7 @@ from lit_softmoe.train.runtime import (
     run_folder_lock,
 )
 from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.device import resolve_compile
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
@@ -411,12 +412,15 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
     tower, optimizer = accelerator.prepare(tower, optimizer)
-    if cfg.compile:
+    compiled = resolve_compile(cfg.compile, accelerator.device)
+    if compiled:
         tower = torch.compile(tower)  # shares parameters with the module we save
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
                       f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
-                      f"{total_steps} steps of {global_batch}")
+                      f"{total_steps} steps of {global_batch}; on {accelerator.device}, "
+                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
+                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
     # The open logging window (sums since the last record) and the dropped-token totals are part of

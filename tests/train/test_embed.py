@@ -358,6 +358,7 @@ def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed
                                         r"embed wrote \(damaged or replaced since\); rerun `lit-softmoe embed "):
         check_feature_cache(features / "test", cache["root"] / "tower")
     (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
+    capsys.readouterr()  # embed's own start line
     assert main(["train", "--config", str(tmp_path / "c.yaml"), f"image_tower={cache['root'] / 'tower'}",
                  f"data.train={features / 'test'}", "data.workers=0", "steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -413,7 +414,8 @@ def test_a_full_disk_while_embedding_is_one_line_and_leaves_no_cache_a_rerun_wou
     argv = ["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
             "--out", str(tmp_path / "out")]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    start, *err = capsys.readouterr().err.strip().splitlines()
+    assert start.startswith(f"embed: tower {root / 'tower'} on cpu")  # what runs, said before the work
     assert err == [f"lit-softmoe embed: error: no space left on the device while writing {tmp_path / 'out' / 'full'}; "
                    "free some space (or write to another disk) and rerun the same command"]
     assert not (tmp_path / "out" / "test").exists()
@@ -518,7 +520,8 @@ def test_a_killed_embed_resumes_keeping_its_finished_shards(many_shards, tmp_pat
     process.wait()
     assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()
     work = next((tmp_path / "out").glob(".test.work-*"))
-    kept = {path.stem: path.stat().st_mtime_ns for path in work.glob("*.json")}
+    # Finished records only: a kill can land while one is written (its temporary file, dot-named, stays).
+    kept = {path.stem: path.stat().st_mtime_ns for path in work.glob("[0-9]*.json")}
     assert 4 <= len(kept) < 15 and not (tmp_path / "out" / "test").exists()
     kept_tars = {index: (work / f"{index}.tar").stat() for index in kept}
 
@@ -666,3 +669,113 @@ def test_npy_rows_are_np_save_of_each_row(width):
     from lit_softmoe.train.embed import _npy_bytes, _npy_rows
     rows = np.random.default_rng(width).standard_normal((3, width)).astype(np.float16)
     assert _npy_rows(rows) == [_npy_bytes(row) for row in rows]
+
+
+# ---- the fast path: bf16 weights, workers, compile, JPEGs decoded on the GPU --------------------------
+
+def _photo_split(root, broken: bool = True):
+    """Real photos (foolbox's ImageNet JPEGs, re-encoded baseline at differing crops) as image + caption
+    shards, with a PNG among them and, if `broken`, one JPEG cut short (header whole, data not)."""
+    from evalkit import FOOLBOX_DATA
+    photos = [PIL.Image.open(path).convert("RGB") for path in sorted(FOOLBOX_DATA.glob("imagenet_*.jpg"))]
+    samples = []
+    for index, photo in enumerate(photos):
+        crop = photo.crop((0, 0, 512 - 37 * (index % 5), 512 - 61 * (index % 3)))
+        buffer = io.BytesIO()
+        crop.save(buffer, "PNG" if index == 3 else "JPEG", quality=90)
+        data = buffer.getvalue()
+        if broken and index == 7:
+            data = data[: len(data) // 3]
+        samples.append({"__key__": f"{index:04d}", "png" if index == 3 else "jpg": data, "txt": b"a photo"})
+    write_split(iter(samples), root, "train", samples_per_shard=8)
+    return root / "train"
+
+
+def _photo_tower(path, decode: str = "reduced"):
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e", in_channels=3, image_size=35, num_classes=0).eval()
+    save_tower(path, tower, extra={"preprocess": {"image_size": 35, "mean": 0.5, "std": 0.5, "decode": decode}})
+    return path
+
+
+def _features(split_dir) -> dict[str, np.ndarray]:
+    return {key: np.load(io.BytesIO(sample["npy"])).astype(np.float32) for key, sample in _read_raw(split_dir).items()}
+
+
+def _cosines(first: dict, second: dict) -> np.ndarray:
+    assert sorted(first) == sorted(second)
+    a, b = (np.stack([features[key] for key in sorted(first)]) for features in (first, second))
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.mark.skipif(not __import__("evalkit").FOOLBOX_DATA.is_dir(), reason="needs foolbox's photos")
+def test_bf16_weights_give_the_fp32_features_within_cosine_0999(tmp_path):
+    tower = _photo_tower(tmp_path / "tower")
+    source = _photo_split(tmp_path / "photos", broken=False)
+    fp32 = embed_shards(tower, str(source), tmp_path / "fp32", precision="fp32", workers=0)
+    bf16 = embed_shards(tower, str(source), tmp_path / "bf16", precision="bf16", workers=0)
+    assert fp32["num_samples"] == bf16["num_samples"] == 20
+    recorded = json.loads((tmp_path / "bf16" / "train" / "embed.json").read_text())
+    assert recorded["precision"] == "bf16 weights" and recorded["jpeg_decoder"] == "cpu"
+    first, second = _features(tmp_path / "fp32" / "train"), _features(tmp_path / "bf16" / "train")
+    cosines = _cosines(first, second)
+    assert cosines.min() >= 0.999, cosines.min()
+    assert any(not np.array_equal(first[key], second[key]) for key in first)  # the tower did run in bf16
+
+
+@pytest.mark.skipif(not __import__("evalkit").FOOLBOX_DATA.is_dir(), reason="needs foolbox's photos")
+def test_jpegs_decoded_by_the_gpu_path_give_the_host_features_and_counts(tmp_path, monkeypatch, capsys):
+    """The GPU path end to end — workers pass JPEG bytes on, the main process decodes a batch with
+    torchvision's decode_jpeg, resizes and crops it — run on the CPU device (nvJPEG itself: test_cuda.py)."""
+    from lit_softmoe.data import gpu_jpeg
+    tower = _photo_tower(tmp_path / "tower")
+    source = _photo_split(tmp_path / "photos")
+    host = embed_shards(tower, str(source), tmp_path / "host", workers=2, batch_size=4, max_bad_fraction=0.1)
+    monkeypatch.setattr(gpu_jpeg, "gpu_decoder_works", lambda device: None)  # "this device decodes JPEGs"
+    decoded = []
+    real_decode_batch = gpu_jpeg.decode_batch
+    monkeypatch.setattr(gpu_jpeg, "decode_batch", lambda packed, **kw: decoded.append(int(packed["on_gpu"].sum()))
+                        or real_decode_batch(packed, **kw))
+    capsys.readouterr()
+    gpu = embed_shards(tower, str(source), tmp_path / "gpu", workers=2, batch_size=4, jpeg_decoder="auto",
+                       max_bad_fraction=0.1)
+    assert "JPEGs decoded on the GPU (auto: nvJPEG; other images on the host)" in capsys.readouterr().err
+    # 18 JPEGs went the GPU way (the PNG did not; the broken JPEG did, and was left out there).
+    assert sum(decoded) == 19 and gpu["num_samples"] == host["num_samples"] == 19
+    assert gpu["bad"] == host["bad"] == {"bad_image": 1}
+    assert json.loads((tmp_path / "gpu" / "train" / "embed.json").read_text())["jpeg_decoder"] == "gpu"
+    # Full decode on the GPU path against the tower's reduced (DCT-scaled) decode on the host: the features
+    # still agree within the bound the GPU decoder is held to.
+    assert _cosines(_features(tmp_path / "host" / "train"), _features(tmp_path / "gpu" / "train")).min() >= 0.999
+
+
+def test_gpu_jpeg_decoder_without_a_gpu_is_one_line(cache, tmp_path, capsys):
+    root = cache["root"]
+    assert main(["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
+                 "--out", str(tmp_path / "out"), "--jpeg-decoder", "gpu", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lit-softmoe embed: error: --jpeg-decoder gpu: the tower runs on cpu; leave it at auto (or cpu) to decode "
+        "on the host"]
+
+
+def test_the_default_choices_are_printed_once_at_the_start(cache, tmp_path, capsys):
+    root = cache["root"]
+    capsys.readouterr()
+    assert main(["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
+                 "--out", str(tmp_path / "out")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("embed:")]
+    workers = min(len(os.sched_getaffinity(0)), 3)  # a worker per available core, at most one per shard (3)
+    assert err == [f"embed: tower {root / 'tower'} on cpu, fp32 weights, eager (auto: the tower runs on cpu), "
+                   f"{workers} worker(s) reading shards, JPEGs decoded on the CPU (auto: the tower runs on cpu)"]
+
+
+def test_compile_auto_waits_for_a_run_long_enough_to_pay():
+    from lit_softmoe.train.embed import COMPILE_MIN_IMAGES, _choose_compile
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _choose_compile("auto", cpu, 10**9) == (False, "auto: the tower runs on cpu")
+    assert _choose_compile("auto", cuda, COMPILE_MIN_IMAGES) == (True, "auto: a long run on a GPU")
+    assert _choose_compile("auto", cuda, None)[0]  # remote shards of unknown size: assume a long run
+    assert _choose_compile("auto", cuda, 16_384) == (
+        False, f"auto: 16,384 images, fewer than the {COMPILE_MIN_IMAGES:,} that earn the compile back")
+    assert _choose_compile("true", cpu, 10) == (True, "--compile true")
+    assert _choose_compile("false", cuda, 10**9) == (False, "--compile false")

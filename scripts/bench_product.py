@@ -1,0 +1,342 @@
+"""What a user gets on a GPU with the commands' default flags, each against its peer in the same run.
+
+Rows (the command or recipe as users run it, with its defaults; the peer on the same device):
+- `embed`: `lit-softmoe embed --tower T --shards S --out O` (its function, with the CLI's defaults) on
+  --images JPEGs of 500-1,200 px (`benchlib.photo_jpegs`), images/s after its first batch, against the
+  tower alone on pixels already on the device in bf16 weights (the ceiling), eager and compiled. Also
+  `--jpeg-decoder cpu` (the workers decode), and with --baseline CODE, the same command in an older
+  checkout's code (its own defaults), on --baseline-images of the same JPEGs.
+- `tower`: the locked tower as embed, eval and LiT hold it (bf16 weights) and as they held it before
+  (fp32 weights under bf16 autocast), against timm's `vit_base_patch16_224` in bf16 weights; eager and
+  compiled (`compile=true`; `auto` compiles it in LiT, and in embed for long runs).
+- `lit`: `lit-softmoe train` on the features `embed` cached (--lit-steps steps of 256, a CLIP base text
+  tower with open_clip ViT-B-16's 77 tokens), samples/s from its metrics.jsonl after the compile, and
+  the LiT step on the fly as the recipe sets it up (locked dense vit-b16 in bf16, compile auto), both
+  against open_clip's `--lock-image` ViT-B-16 step with its defaults (eager), on device tensors
+  (`scripts/bench_lit.py`'s builder).
+
+Each row is written to --json and --md as soon as it is measured; rows past --budget seconds are
+skipped and say so, so the run ends in bounded time. --cpu runs tiny shapes in seconds (the test suite
+does), through the same code.
+
+    python scripts/bench_product.py --json product.json --md product.md
+    python scripts/bench_product.py --baseline .baseline --images 16384 --budget 420
+    python scripts/bench_product.py --cpu --json /tmp/p.json --md /tmp/p.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_lit beside this
+from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
+
+from lit_softmoe.data.shards import write_split  # noqa: E402
+from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
+from lit_softmoe.models.registry import create_image_tower  # noqa: E402
+from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
+from lit_softmoe.train.embed import embed_shards  # noqa: E402
+from lit_softmoe.utils.atomic import write_text_atomic  # noqa: E402
+from lit_softmoe.utils.device import inference_dtype, resolve_compile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Report:
+    """Rows {section, name, value, unit, ratio, against, note}, rewritten to JSON and Markdown after each."""
+
+    def __init__(self, args, device_name: str):
+        self.args, self.rows, self.start = args, [], time.perf_counter()
+        self.meta = {"device": device_name, "torch": torch.__version__, "cpus": os.cpu_count(),
+                     "images": args.images, "tower": args.tower}
+
+    def left(self) -> float:
+        return self.args.budget - (time.perf_counter() - self.start)
+
+    def add(self, section: str, name: str, value: float | None, unit: str, against: str | None = None,
+            note: str = "") -> dict:
+        base = next((row["value"] for row in self.rows if row["name"] == against), None) if against else None
+        row = {"section": section, "name": name, "value": None if value is None else round(value, 1), "unit": unit,
+               "against": against, "ratio": round(value / base, 3) if value and base else None, "note": note}
+        self.rows.append(row)
+        print(f"  [{section}] {name}: " + (f"{value:,.0f} {unit}" if value else note)
+              + (f" = {row['ratio']:.2f}x {against}" if row["ratio"] else ""), flush=True)
+        self.write()
+        return row
+
+    def skip(self, section: str, name: str, why: str) -> None:
+        self.add(section, name, None, "", note=f"skipped: {why}")
+
+    def write(self) -> None:
+        if self.args.json:
+            write_text_atomic(Path(self.args.json), json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
+        if self.args.md:
+            meta = self.meta
+            lines = [f"Product rows on {meta['device']} (torch {meta['torch']}, {meta['cpus']} CPUs)", "",
+                     "| section | row | value | ratio | note |", "|---|---|---:|---:|---|"]
+            for row in self.rows:
+                value = f"{row['value']:,.0f} {row['unit']}" if row["value"] else ""
+                ratio = f"{row['ratio']:.2f}x {row['against']}" if row["ratio"] else ""
+                lines.append(f"| {row['section']} | {row['name']} | {value} | {ratio} | {row['note']} |")
+            write_text_atomic(Path(self.args.md), "\n".join(lines) + "\n")
+
+
+def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) -> None:
+    """Run one row unless the budget is spent; a failing row (OOM, compiler) is a row, not the end."""
+    if report.left() < seconds_needed:
+        report.skip(section, name, f"{report.left():.0f} s of the budget left")
+        return
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        report.add(section, name, None, "", note=f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- data and tower --------------------------------------------------------------------------------------
+
+def make_shards(folder: Path, count: int, per_shard: int, unique: int) -> Path:
+    if (folder / "train" / "sizes.json").is_file():
+        return folder / "train"
+    jpegs = photo_jpegs(min(unique, count))
+    write_split(({"jpg": jpegs[i % len(jpegs)], "txt": f"a photo number {i % 97}".encode()} for i in range(count)),
+                folder, "train", samples_per_shard=per_shard)
+    return folder / "train"
+
+
+def make_tower(folder: Path, name: str, options: dict, device: torch.device) -> Path:
+    """A random-init tower folder, built on `device` and saved in the dtype the product runs it in there:
+    on a GPU, bf16 halves the bytes every command hashes and loads (7.4 GB for soft-b16-128e), which is
+    start-up time only (the rows report steady rates)."""
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    tower = create_image_tower(name, num_classes=0, device=device, **options).to(inference_dtype("auto", device))
+    save_tower(folder, tower, extra={"preprocess": {"image_size": tower.cfg.image_size, "mean": 0.5, "std": 0.5,
+                                                    "decode": "reduced"}})
+    del tower
+    return folder
+
+
+def images_per_second(model, device, batch: int, size: int, weights: torch.dtype, autocast: bool,
+                      iters: int) -> float:
+    pixels = torch.randn(batch, 3, size, size, device=device)
+
+    def step():
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            (model.forward_pooled if hasattr(model, "forward_pooled") else model)(pixels.to(weights))
+
+    warmup = 3 if device.type == "cuda" else 1
+    milliseconds, _ = time_step(step, device, warmup=warmup, iters=iters)
+    return batch / (milliseconds / 1000)
+
+
+# ---- sections --------------------------------------------------------------------------------------------
+
+def embed_row(report: Report, args, tower_dir: Path, shards: Path, work: Path, name: str, out: str,
+              **flags) -> None:
+    """`embed_shards` with the CLI's defaults but for `flags`, into work/out; its steady images/s."""
+    def run():
+        shutil.rmtree(work / out, ignore_errors=True)
+        summary = embed_shards(tower_dir, str(shards), work / out, batch_size=args.batch, **flags)
+        report.add("embed", name, summary["steady_images_per_second"], "images/s", against=CEILING,
+                   note=f"{summary['num_samples']} images, start-up {summary['startup_seconds']} s")
+    guarded(report, "embed", name, 30, run)
+
+
+CEILING = "tower alone, bf16 weights, eager"
+
+
+def ceiling_row(report: Report, args, device) -> None:
+    weights = inference_dtype("auto", device)
+    tower = create_image_tower(args.tower, num_classes=0, device=device, **args.tower_options)
+    prepare_for_inference(tower, dtype=weights)
+    report.add("embed", CEILING, images_per_second(tower, device, args.batch, tower.cfg.image_size, weights, False,
+                                                   args.iters), "images/s",
+               note="the ceiling: pixels already on the device")
+
+
+def baseline_embed(report: Report, args, tower_dir: Path, work: Path) -> None:
+    """The same command with an older checkout's code and defaults, in its own process."""
+    shards = make_shards(work / "baseline-data", args.baseline_images, max(1, args.baseline_images // 16), args.unique)
+    code = (f"import json, sys; from lit_softmoe.train.embed import embed_shards; "
+            f"s = embed_shards({str(tower_dir)!r}, {str(shards)!r}, {str(work / 'baseline-features')!r}, "
+            f"batch_size={args.batch}); print(json.dumps(s))")
+    env = {**os.environ, "PYTHONPATH": f"{Path(args.baseline).resolve()}:{os.environ.get('PYTHONPATH', '')}"}
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(f"{ROOT}:", "")  # the older lit_softmoe, not this one
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=max(30, report.left()), cwd=Path(args.baseline).resolve())
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    report.add("embed", "`embed` before (older checkout), default flags", summary["steady_images_per_second"],
+               "images/s", against=CEILING,
+               note=f"{summary['num_samples']} images, start-up {summary['startup_seconds']} s")
+
+
+def tower_rows(report: Report, args, device, compiled: bool) -> None:
+    import timm
+    weights = inference_dtype("auto", device)
+    size = 224 if device.type == "cuda" else 32
+
+    def row(name, make, dtype, autocast, compiled, against):
+        def run():
+            model = make().to(device)
+            prepare_for_inference(model, dtype=dtype, compile=compiled, backend=args.backend)
+            report.add("tower", name, images_per_second(model, device, args.batch, size, dtype, autocast,
+                                                        args.iters), "images/s", against=against)
+        guarded(report, "tower", name, 100 if compiled else 20, run)
+
+    ours = lambda: create_image_tower(args.tower, num_classes=0, device=device, **args.tower_options)  # noqa: E731
+    peer = lambda: timm.create_model("vit_base_patch16_224" if device.type == "cuda" else "vit_tiny_patch16_224",  # noqa: E731
+                                     pretrained=False, num_classes=0, img_size=size)
+    if not compiled:
+        row("timm ViT-B/16, bf16, eager", peer, weights, False, False, None)
+        row(f"{args.tower}, bf16 weights (now), eager", ours, weights, False, False, "timm ViT-B/16, bf16, eager")
+        row(f"{args.tower}, fp32 weights + bf16 autocast (before), eager", ours, torch.float32, True, False,
+            "timm ViT-B/16, bf16, eager")
+    else:
+        row("timm ViT-B/16, bf16, compiled", peer, weights, False, True, None)
+        row(f"{args.tower}, bf16 weights, compiled", ours, weights, False, True, "timm ViT-B/16, bf16, compiled")
+
+
+def lit_rows(report: Report, args, device, tower_dir: Path, features: Path | None, work: Path,
+             on_the_fly: bool) -> None:
+    import bench_lit as bl
+
+    preset = bl.PRESETS["b16" if device.type == "cuda" else "cpu"]
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    inputs = bl.make_inputs(preset, device)
+    options = argparse.Namespace(precision="autocast-bf16" if autocast else "fp32", fp32_tower=False, compile_mode=None)
+
+    base = "open_clip --lock-image ViT-B-16 step (its default: eager)"
+
+    def openclip():
+        built = bl.build_openclip(preset, device, False, options)
+        ms, _ = time_step(bl.openclip_step(*built, inputs, autocast, features_given=False), device, 3, args.iters)
+        report.add("lit", base, preset.batch / ms * 1000, "samples/s", note="device tensors")
+    if not on_the_fly:
+        guarded(report, "lit", base, 30, openclip)
+
+    def train_cached():
+        run_dir = work / "lit-run"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        text = ({"width": preset.text_width, "layers": preset.text_layers, "heads": preset.text_heads,
+                 "context_length": preset.context_length})
+        config = {"run_dir": str(run_dir), "image_tower": str(tower_dir), "batch_size": preset.batch,
+                  "steps": args.lit_steps, "log_every": 10, "log_with": [], "checkpoint_every": 10**6,
+                  "eval": {"shards": ""}, "data": {"train": str(features)}, "text": text}
+        (work / "lit.yaml").write_text(json.dumps(config))  # JSON is YAML
+        done = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "train", "--config", str(work / "lit.yaml")],
+                              capture_output=True, text=True, timeout=max(30, report.left()), cwd=ROOT)
+        if done.returncode:
+            raise RuntimeError((done.stderr.strip().splitlines() or ["failed"])[-1])
+        rates = [record["samples_per_s"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())
+                 if "samples_per_s" in record]
+        steady = statistics.median(rates[2:]) if len(rates) > 2 else rates[-1]  # after the compile
+        setup = next((line for line in done.stdout.splitlines() if line.startswith("LiT:")), "")
+        report.add("lit", "`train` on cached features, default flags", steady, "samples/s", against=base,
+                   note=f"median of {len(rates) - 2} windows of 10 steps; {setup.split('; ', 1)[-1]}")
+    if on_the_fly:
+        pass
+    elif features is None:
+        report.skip("lit", "`train` on cached features, default flags", "no feature cache (embed did not run)")
+    else:
+        guarded(report, "lit", "`train` on cached features", 90, train_cached)
+
+    def on_the_fly_row():
+        # As `train_lit` sets the model up: the locked tower held in the dtype it runs in, compile auto.
+        model, optimizer = bl.build_ours(preset, device, False, options, "vit-b16")
+        model.image_tower.to(inference_dtype("auto", device))
+        if resolve_compile("auto", device):
+            model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
+            model.text_tower.compile()
+        step = bl.ours_step(model, optimizer, inputs, autocast, cached=False)
+        ms, _ = time_step(step, device, 5, args.iters)
+        report.add("lit", "LiT step on the fly (vit-b16 locked), the recipe's defaults", preset.batch / ms * 1000,
+                   "samples/s", against=base, note="device tensors; compile auto")
+    if on_the_fly:
+        guarded(report, "lit", "LiT step on the fly", 100, on_the_fly_row)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
+    parser.add_argument("--only", default="embed,tower,lit", help="comma-separated sections")
+    parser.add_argument("--tower", default=None, help="registered tower (default soft-b16-128e; --cpu soft-test-4e)")
+    parser.add_argument("--images", type=int, default=None, help="JPEGs for embed (default 16384; --cpu 48)")
+    parser.add_argument("--unique", type=int, default=512, help="distinct JPEGs made, repeated to --images")
+    parser.add_argument("--batch", type=int, default=None, help="images per forward (default 256; --cpu 8)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per tower row (default 10; --cpu 2)")
+    parser.add_argument("--lit-steps", type=int, default=None, help="`train` steps (default 200; --cpu 6)")
+    parser.add_argument("--baseline", default=None, metavar="CODE",
+                        help="a folder holding an older lit_softmoe/ (e.g. `git archive` of main): its embed too")
+    parser.add_argument("--baseline-images", type=int, default=2048, help="JPEGs for the older embed")
+    parser.add_argument("--budget", type=float, default=480, help="seconds; rows past it are skipped")
+    parser.add_argument("--work", default=None, help="folder for shards, tower and runs (default: a temporary one)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--md", default=None)
+    args = parser.parse_args(argv)
+    args.cpu = args.cpu or not torch.cuda.is_available()
+    args.tower = args.tower or ("soft-test-4e" if args.cpu else "soft-b16-128e")
+    args.tower_options = {"image_size": 35, "in_channels": 3} if args.cpu else {"image_size": 224}
+    args.images = args.images or (48 if args.cpu else 16384)
+    args.batch = args.batch or (8 if args.cpu else 256)
+    args.iters = args.iters or (2 if args.cpu else 10)
+    args.lit_steps = args.lit_steps or (6 if args.cpu else 200)
+    args.backend = "eager" if args.cpu else "inductor"  # --cpu: the compiled rows run, without a C++ build
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.cpu else "cuda")
+    report = Report(args, setup_device(device))
+    sections = set(args.only.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        tic = time.perf_counter()
+        shards = make_shards(work / "data", args.images, max(1, args.images // 64), args.unique)
+        tower_dir = make_tower(work / "tower", args.tower, args.tower_options, device)
+        report.meta["setup_seconds"] = round(time.perf_counter() - tic, 1)
+        print(f"data and tower ready in {report.meta['setup_seconds']} s", flush=True)
+        features = work / "features" / "train"
+        # The rows in the order of what they settle, the compiled ones last (each compile takes a minute).
+        if "embed" in sections:
+            ceiling_row(report, args, device)
+            embed_row(report, args, tower_dir, shards, work, "`embed`, default flags", "features")
+            if args.baseline:
+                guarded(report, "embed", "`embed` before (older checkout), default flags", 60,
+                        lambda: baseline_embed(report, args, tower_dir, work))
+        if "lit" in sections:
+            lit_rows(report, args, device, tower_dir, features if (features / "embed.json").is_file() else None,
+                     work, on_the_fly=False)
+        if "tower" in sections:
+            tower_rows(report, args, device, compiled=False)
+        if "embed" in sections:
+            embed_row(report, args, tower_dir, shards, work, "`embed --jpeg-decoder cpu`", "features-cpu",
+                      jpeg_decoder="cpu")
+        if "lit" in sections:
+            lit_rows(report, args, device, tower_dir, None, work, on_the_fly=True)
+        if "tower" in sections:
+            tower_rows(report, args, device, compiled=True)
+    report.meta["seconds"] = round(time.perf_counter() - report.start, 1)
+    report.write()
+    return {"meta": report.meta, "rows": report.rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""lit_softmoe.data.gpu_jpeg: which images go to the GPU decoder, how a batch travels from the workers, and
+the decode + resize + crop after it. `decode_batch` runs here on the CPU device (torchvision's decode_jpeg
+takes the same list there), so everything but nvJPEG itself is tested; tests/test_cuda.py runs it on a GPU."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from evalkit import FOOLBOX_DATA, needs_foolbox
+from lit_softmoe.data.gpu_jpeg import EncodedJpeg, decode_batch, defer_to_gpu, gpu_decodable, pack
+from lit_softmoe.data.transforms import eval_transform
+
+pytestmark = needs_foolbox
+
+
+def _photos(count: int = 4) -> list[PIL.Image.Image]:
+    """foolbox's ImageNet photos (real content), cropped to differing sizes and aspect ratios."""
+    sizes = [(512, 384), (300, 512), (450, 450), (512, 200)]
+    return [PIL.Image.open(path).convert("RGB").crop((0, 0, *sizes[i % 4]))
+            for i, path in enumerate(sorted(FOOLBOX_DATA.glob("imagenet_*.jpg"))[:count])]
+
+
+def _jpeg(image: PIL.Image.Image, **settings) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90, **settings)
+    return buffer.getvalue()
+
+
+def test_baseline_jpegs_go_to_the_gpu_and_the_rest_stay_on_the_host():
+    photo = _photos(1)[0]
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # rotate 90°: the host path applies it, nvJPEG would not
+    upright = PIL.Image.Exif()
+    upright[0x0112] = 1
+    png = io.BytesIO()
+    photo.save(png, "PNG")
+    assert gpu_decodable(_jpeg(photo))
+    assert gpu_decodable(_jpeg(photo.convert("L")))
+    assert gpu_decodable(_jpeg(photo, exif=upright))
+    assert not gpu_decodable(_jpeg(photo, progressive=True))
+    assert not gpu_decodable(_jpeg(photo.convert("CMYK")))
+    assert not gpu_decodable(_jpeg(photo, exif=exif))
+    assert not gpu_decodable(png.getvalue())
+    assert not gpu_decodable(b"\xff\xd8\xff" + b"\x00" * 64)  # a JPEG's first bytes, then nothing readable
+    assert defer_to_gpu(png.getvalue()) is None
+    deferred = defer_to_gpu(_jpeg(photo))
+    assert isinstance(deferred, EncodedJpeg) and deferred.data.numpy().tobytes() == _jpeg(photo)
+
+
+def test_pack_keeps_each_image_in_its_place():
+    jpegs = [_jpeg(photo) for photo in _photos(3)]
+    host = [torch.full((3, 8, 8), value, dtype=torch.uint8) for value in (10, 20)]
+    images = [EncodedJpeg(torch.frombuffer(bytearray(jpegs[0]), dtype=torch.uint8)), host[0],
+              EncodedJpeg(torch.frombuffer(bytearray(jpegs[1]), dtype=torch.uint8)), host[1],
+              EncodedJpeg(torch.frombuffer(bytearray(jpegs[2]), dtype=torch.uint8))]
+    packed = pack(images)
+    assert packed["on_gpu"].tolist() == [True, False, True, False, True]
+    assert torch.equal(packed["pixels"], torch.stack(host))
+    parts = torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist())
+    assert [part.numpy().tobytes() for part in parts] == jpegs
+
+
+def _host_pixels(data: bytes, size: int, channels: int) -> torch.Tensor:
+    transform = eval_transform(size, channels, normalize=False)  # full decode: as nvJPEG decodes
+    return transform(PIL.Image.open(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_decoded_batch_equals_the_host_transform(channels):
+    photos = _photos(4)
+    jpegs = [_jpeg(photo) for photo in photos]
+    size = 96
+    # Two decoded on the "GPU" (here the CPU device), two by the workers, interleaved.
+    images = [EncodedJpeg(torch.frombuffer(bytearray(jpegs[0]), dtype=torch.uint8)),
+              _host_pixels(jpegs[1], size, channels),
+              EncodedJpeg(torch.frombuffer(bytearray(jpegs[2]), dtype=torch.uint8)),
+              _host_pixels(jpegs[3], size, channels)]
+    pixels, good = decode_batch(pack(images), size, channels, torch.device("cpu"),
+                                host_decode=lambda data: _host_pixels(data, size, channels))
+    assert good.all() and pixels.shape == (4, channels, size, size) and pixels.dtype == torch.uint8
+    want = torch.stack([_host_pixels(data, size, channels) for data in jpegs])
+    assert torch.equal(pixels[[1, 3]], want[[1, 3]])  # the workers' pixels, in their places
+    # The decoded ones: libjpeg both, but resized from another decoder's output (torchvision's vs PIL's,
+    # and PIL's luma for a gray tower against the JPEG's own Y channel): within a few levels.
+    difference = (pixels[[0, 2]].int() - want[[0, 2]].int()).abs()
+    assert difference.float().mean() < 1.0 and difference.max() <= 8
+
+
+def test_a_jpeg_no_decoder_reads_is_left_out_and_the_rest_kept():
+    photos = _photos(3)
+    jpegs = [_jpeg(photo) for photo in photos]
+    broken = jpegs[1][: len(jpegs[1]) // 3]  # its header is whole: it goes to the GPU, which fails on it
+    assert gpu_decodable(broken)
+    images = [EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+              for data in (jpegs[0], broken, jpegs[2])]
+    host_calls = []
+
+    def host_decode(data: bytes) -> torch.Tensor:
+        host_calls.append(data)
+        return _host_pixels(data, 64, 3)  # PIL refuses the truncated file too
+
+    pixels, good = decode_batch(pack(images), 64, 3, torch.device("cpu"), host_decode)
+    assert good.tolist() == [True, False, True] and pixels.shape == (2, 3, 64, 64)
+    assert host_calls == [broken]  # the host decoder was tried on the broken one alone
+    want = torch.stack([_host_pixels(jpegs[0], 64, 3), _host_pixels(jpegs[2], 64, 3)])
+    assert np.abs(pixels.int().numpy() - want.int().numpy()).mean() < 1.0
+
+
+def test_a_reduced_decode_is_mimicked_after_the_full_one():
+    """A tower whose preprocess says decode=reduced sees DCT-scaled JPEGs on the host; the GPU decodes in
+    full, then box-averages by the same factor to the same size: close to the host's pixels, where
+    skipping the reduction leaves them visibly apart."""
+    from torchvision.io import decode_jpeg
+
+    from lit_softmoe.data.gpu_jpeg import dct_scale, resize_center_crop
+    from lit_softmoe.data.images import jpeg_min_side
+    size = 48
+    min_side = jpeg_min_side("reduced", size)  # 96: a 512 px photo decodes at 1/4 on the host
+    assert dct_scale(512, 300, min_side) == 2 and dct_scale(512, 512, min_side) == 4 and dct_scale(150, 900, 96) == 1
+    for photo in _photos(4):
+        data = _jpeg(photo)
+        host = eval_transform(size, 3, decode="reduced", normalize=False)(PIL.Image.open(io.BytesIO(data)))
+        full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        mimicked = (resize_center_crop(full, size, min_side).int() - host.int()).abs().float().mean()
+        unreduced = (resize_center_crop(full, size).int() - host.int()).abs().float().mean()
+        assert mimicked < 0.5 and mimicked < 0.8 * unreduced, (mimicked, unreduced)
