@@ -92,7 +92,10 @@ class Report:
 
 
 def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) -> None:
-    """Run one row unless the budget is spent; a failing row (OOM, compiler) is a row, not the end."""
+    """Run one row unless the budget is spent (or --skip names it); a failing row (OOM, compiler) is a row,
+    not the end."""
+    if any(part and part in name for part in report.args.skip.split(",")):
+        return
     if report.left() < seconds_needed:
         report.skip(section, name, f"{report.left():.0f} s of the budget left")
         return
@@ -148,15 +151,67 @@ def images_per_second(model, device, batch: int, size: int, weights: torch.dtype
 def embed_row(report: Report, args, tower_dir: Path, shards: Path, work: Path, name: str, out: str,
               **flags) -> None:
     """`embed_shards` with the CLI's defaults but for `flags`, into work/out; its steady images/s."""
+    needed = 120 if flags.get("compile") == "true" else 30
+
     def run():
         shutil.rmtree(work / out, ignore_errors=True)
         summary = embed_shards(tower_dir, str(shards), work / out, batch_size=args.batch, **flags)
         report.add("embed", name, summary["steady_images_per_second"], "images/s", against=CEILING,
                    note=f"{summary['num_samples']} images, start-up {summary['startup_seconds']} s")
-    guarded(report, "embed", name, 30, run)
+    guarded(report, "embed", name, needed, run)
 
 
 CEILING = "tower alone, bf16 weights, eager"
+
+
+def decode_rows(report: Report, args, device) -> None:
+    """What bounds `embed` on large JPEGs: each decoder alone on a batch of the same JPEGs."""
+    import io
+
+    import PIL.Image
+
+    from lit_softmoe.data.gpu_jpeg import EncodedJpeg, JpegBatchDecoder, pack, resize_center_crop
+    from lit_softmoe.data.transforms import eval_transform
+    jpegs = photo_jpegs(min(args.batch, args.unique), seed=1)
+    size = args.tower_options.get("image_size", 224)
+
+    def gpu():
+        from torchvision.io import ImageReadMode
+        decoder = JpegBatchDecoder(device, size, 3, host_decode=lambda data: None, min_side=2 * size)
+        packed = pack([EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)) for data in jpegs])
+        encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
+        decoder(packed)  # warm-up: nvJPEG's state, the kernels
+        timings = {"decode": [], "resize": [], "both": []}
+        for _ in range(3):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            tic = time.perf_counter()
+            decoded = decoder._decode(encoded, ImageReadMode.RGB)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            timings["decode"].append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            for image in decoded:
+                resize_center_crop(image, size, 2 * size)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            timings["resize"].append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            decoder(packed)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            timings["both"].append(time.perf_counter() - tic)
+        for key, name in (("decode", "nvJPEG decode alone"), ("resize", "GPU resize + crop alone (per image)"),
+                          ("both", "JpegBatchDecoder: decode + resize + crop")):
+            report.add("decode", name, len(jpegs) / min(timings[key]), "images/s",
+                       note=f"a batch of {len(jpegs)} JPEGs of 500-1,200 px")
+    guarded(report, "decode", "nvJPEG decode alone", 20, gpu)  # --cpu: torchvision's decoder on the CPU
+
+    def host():
+        transform = eval_transform(size, 3, decode="reduced", normalize=False)
+        sample = jpegs[:32]
+        tic = time.perf_counter()
+        for data in sample:
+            transform(PIL.Image.open(io.BytesIO(data)))
+        report.add("decode", "host decode (reduced) + resize + crop, 1 core", len(sample) / (time.perf_counter() - tic),
+                   "images/s", note=f"x {args.cpus} cores in the workers")
+    guarded(report, "decode", "host decode", 10, host)
 
 
 def ceiling_row(report: Report, args, device) -> None:
@@ -230,14 +285,15 @@ def lit_rows(report: Report, args, device, tower_dir: Path, features: Path | Non
     if not on_the_fly:
         guarded(report, "lit", base, 30, openclip)
 
-    def train_cached():
+    def train_cached(workers: int | None = None):
         run_dir = work / "lit-run"
         shutil.rmtree(run_dir, ignore_errors=True)
         text = ({"width": preset.text_width, "layers": preset.text_layers, "heads": preset.text_heads,
                  "context_length": preset.context_length})
         config = {"run_dir": str(run_dir), "image_tower": str(tower_dir), "batch_size": preset.batch,
                   "steps": args.lit_steps, "log_every": 10, "log_with": [], "checkpoint_every": 10**6,
-                  "eval": {"shards": ""}, "data": {"train": str(features)}, "text": text}
+                  "eval": {"shards": ""}, "data": {"train": str(features), **({"workers": workers} if workers else {})},
+                  "text": text}
         (work / "lit.yaml").write_text(json.dumps(config))  # JSON is YAML
         done = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "train", "--config", str(work / "lit.yaml")],
                               capture_output=True, text=True, timeout=max(30, report.left()), cwd=ROOT)
@@ -247,14 +303,19 @@ def lit_rows(report: Report, args, device, tower_dir: Path, features: Path | Non
                  if "samples_per_s" in record]
         steady = statistics.median(rates[2:]) if len(rates) > 2 else rates[-1]  # after the compile
         setup = next((line for line in done.stdout.splitlines() if line.startswith("LiT:")), "")
-        report.add("lit", "`train` on cached features, default flags", steady, "samples/s", against=base,
+        name = f"`train` on cached features, data.workers={workers}" if workers else \
+            "`train` on cached features, default flags"
+        report.add("lit", name, steady, "samples/s", against=base,
                    note=f"median of {len(rates) - 2} windows of 10 steps; {setup.split('; ', 1)[-1]}")
     if on_the_fly:
         pass
     elif features is None:
         report.skip("lit", "`train` on cached features, default flags", "no feature cache (embed did not run)")
     else:
-        guarded(report, "lit", "`train` on cached features", 90, train_cached)
+        guarded(report, "lit", "`train` on cached features, default flags", 90, train_cached)
+        if args.lit_workers:
+            guarded(report, "lit", f"`train` on cached features, data.workers={args.lit_workers}", 90,
+                    lambda: train_cached(args.lit_workers))
 
     def on_the_fly_row():
         # As `train_lit` sets the model up: the locked tower held in the dtype it runs in, compile auto.
@@ -285,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a folder holding an older lit_softmoe/ (e.g. `git archive` of main): its embed too")
     parser.add_argument("--baseline-images", type=int, default=2048, help="JPEGs for the older embed")
     parser.add_argument("--budget", type=float, default=480, help="seconds; rows past it are skipped")
+    parser.add_argument("--lit-workers", type=int, default=0, help="also `train` with this data.workers")
+    parser.add_argument("--skip", default="", help="comma-separated parts of row names to leave out")
     parser.add_argument("--work", default=None, help="folder for shards, tower and runs (default: a temporary one)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
@@ -296,7 +359,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch = args.batch or (8 if args.cpu else 256)
     args.iters = args.iters or (2 if args.cpu else 10)
     args.lit_steps = args.lit_steps or (6 if args.cpu else 200)
-    args.backend = "eager" if args.cpu else "inductor"  # --cpu: the compiled rows run, without a C++ build
+    args.backend = "eager" if args.cpu else "inductor"
+    args.cpus = os.cpu_count()  # --cpu: the compiled rows run, without a C++ build
     return args
 
 
@@ -318,6 +382,9 @@ def main(argv=None) -> dict:
         if "embed" in sections:
             ceiling_row(report, args, device)
             embed_row(report, args, tower_dir, shards, work, "`embed`, default flags", "features")
+            embed_row(report, args, tower_dir, shards, work, "`embed --gpu-jpeg-share 1`", "features-gpu-only",
+                      gpu_jpeg_share=1.0)
+            decode_rows(report, args, device)
             if args.baseline:
                 guarded(report, "embed", "`embed` before (older checkout), default flags", 60,
                         lambda: baseline_embed(report, args, tower_dir, work))
@@ -333,6 +400,9 @@ def main(argv=None) -> dict:
             lit_rows(report, args, device, tower_dir, None, work, on_the_fly=True)
         if "tower" in sections:
             tower_rows(report, args, device, compiled=True)
+        if "embed" in sections:  # what `compile: auto` does for runs of a million images or more
+            embed_row(report, args, tower_dir, shards, work, "`embed --compile true`", "features-compiled",
+                      compile="true")
     report.meta["seconds"] = round(time.perf_counter() - report.start, 1)
     report.write()
     return {"meta": report.meta, "rows": report.rows}

@@ -3,19 +3,20 @@
 Decoding is what keeps a GPU waiting: a host core decodes and resizes a 500-1,200 px photo in ~9 ms,
 so even 16 cores feed a fraction of what a B/16 tower embeds. nvJPEG decodes on the GPU instead
 (`torchvision.io.decode_jpeg(list, device="cuda")`, batched, on the hardware JPEG engines of A100/H100
-class GPUs), and the resize and center crop run there too. The host workers then only read the shards
-and pass each JPEG's bytes on (`EncodedJpeg`); the process that owns the GPU decodes a whole batch
-(`decode_batch`).
+class GPUs), and the resize and center crop run there too. The host workers pass a share of the JPEGs on
+undecoded (`DeferToGpu`: their bytes, `EncodedJpeg`) and decode the rest as before, so that both decoders
+work; the process that owns the GPU decodes the deferred ones a batch at a time (`JpegBatchDecoder`).
 
 Not every file goes that way. `gpu_decodable` sends to the host decoder, as before, whatever nvJPEG
 would decode differently or not at all: other formats (PNG, WebP), CMYK/YCCK and Adobe-RGB JPEGs,
 progressive ones, and those carrying an EXIF orientation to apply. A JPEG that nvJPEG still refuses is
-decoded on the host by the main process (`decode_batch`'s `host_decode`). The pixels differ from the host
+decoded on the host by the main process (`JpegBatchDecoder`'s `host_decode`). The pixels differ from the host
 path's only as two JPEG decoders and a full against a DCT-reduced decode differ: the features agree
 within cosine 0.999 (tests/test_cuda.py).
 """
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,11 +53,32 @@ def gpu_decodable(data: bytes) -> bool:
         return False
 
 
-def defer_to_gpu(data: bytes) -> EncodedJpeg | None:
-    """The worker side: `data` as an `EncodedJpeg` when the GPU decodes it, else None (decode it here)."""
-    if not gpu_decodable(data):
-        return None
-    return EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+class DeferToGpu:
+    """The worker side: `defer(key, data)` is the JPEG `data` as an `EncodedJpeg` when the GPU decodes it,
+    else None (the worker decodes it).
+
+    `share`: the fraction of the JPEGs the GPU takes; the workers decode the others. One GPU's decoder and
+    the host's cores are two decoders of about equal speed on a GPU machine (docs/benchmarks.md, "embed"):
+    kept both busy, they decode twice what either does. Which images go where is a function of the
+    sample key alone, so the same shards give the same features on every run.
+    """
+
+    def __init__(self, share: float = 1.0):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be in [0, 1], got {share}")
+        self.share = share
+
+    def __call__(self, key: str, data: bytes) -> EncodedJpeg | None:
+        if self.share < 1.0 and _unit_hash(key) >= self.share:
+            return None
+        if not gpu_decodable(data):
+            return None
+        return EncodedJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def _unit_hash(key: str) -> float:
+    """`key` → a number in [0, 1), uniform over keys and the same in every process and run."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2.0**64
 
 
 def pack(images: Sequence[torch.Tensor | EncodedJpeg]) -> dict[str, torch.Tensor]:
@@ -94,41 +116,76 @@ def resize_center_crop(image: torch.Tensor, size: int, min_side: int | None = No
     return TF.center_crop(TF.resize(image, [size], antialias=True), [size, size])
 
 
-def decode_batch(packed: dict[str, torch.Tensor], size: int, channels: int, device: torch.device,
-                 host_decode: Callable[[bytes], torch.Tensor],
-                 min_side: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A `pack`ed batch → (uint8 pixels (n_good, channels, size, size) on `device`, good (B,) bool).
+class JpegBatchDecoder:
+    """Decodes `pack`ed batches on `device`: `decoder(packed)` → (uint8 pixels (n_good, channels, size, size)
+    on `device`, good (B,) bool).
 
-    The JPEGs are decoded together on `device`; if nvJPEG refuses the batch (a file it cannot read), each
-    is tried alone, and one it refuses is decoded on the host by `host_decode` (bytes → uint8 (C, size,
-    size)); one that fails there too is left out (`good` False) for the caller to count. `min_side`: the
-    tower's reduced decode (`resize_center_crop`), None for a full one.
+    The JPEGs are decoded together; if nvJPEG refuses the batch (a file it cannot read), each is tried
+    alone, and one it refuses is decoded on the host by `host_decode` (bytes → uint8 (C, size, size)); one
+    that fails there too is left out (`good` False) for the caller to count. `min_side`: the tower's
+    reduced decode (`resize_center_crop`), None for a full one.
+
+    Streams: torchvision allocates the decoded images on the current stream but writes them from its own,
+    without waiting for the current stream. On the stream the tower runs on, that memory may be what the
+    previous batch's forward, still queued, is using (the caching allocator hands a freed block to the
+    next allocation on the same stream at once): decoding there corrupted features in flight. So the
+    decode runs with a stream of its own current (its allocations come from that stream's pool), the
+    tower's stream waits for it, and the images are marked as used there. The bytes of the batch are
+    kept until the next decode, which starts by waiting for this one (nvJPEG may still read them).
     """
-    from torchvision.io import ImageReadMode, decode_jpeg
 
-    on_gpu = packed["on_gpu"]
-    batch = torch.empty(len(on_gpu), channels, size, size, dtype=torch.uint8, device=device)
-    good = torch.ones(len(on_gpu), dtype=torch.bool)
-    host_pixels = packed["pixels"]
-    if len(host_pixels):
-        batch[~on_gpu.to(device)] = host_pixels.to(device, non_blocking=True)
-    if not on_gpu.any():
-        return batch, good
-    encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
-    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+    def __init__(self, device: torch.device, size: int, channels: int, host_decode: Callable[[bytes], torch.Tensor],
+                 min_side: int | None = None):
+        self.device, self.size, self.channels, self.min_side = device, size, channels, min_side
+        self.host_decode = host_decode
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._in_use: dict | None = None
+
+    def __call__(self, packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchvision.io import ImageReadMode
+
+        on_gpu, device = packed["on_gpu"], self.device
+        batch = torch.empty(len(on_gpu), self.channels, self.size, self.size, dtype=torch.uint8, device=device)
+        good = torch.ones(len(on_gpu), dtype=torch.bool)
+        host_pixels = packed["pixels"]
+        if len(host_pixels):
+            batch[~on_gpu.to(device)] = host_pixels.to(device, non_blocking=True)
+        if not on_gpu.any():
+            return batch, good
+        encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
+        decoded = self._decode(encoded, ImageReadMode.RGB if self.channels == 3 else ImageReadMode.GRAY)
+        self._in_use = packed
+        for index, data, image in zip(on_gpu.nonzero().flatten().tolist(), encoded, decoded):
+            if image is None:  # nvJPEG cannot read it: the host decoder may (or counts it as broken)
+                try:
+                    batch[index] = self.host_decode(data.numpy().tobytes()).to(device)
+                except Exception:  # noqa: BLE001 — a broken file: counted by the caller, the run goes on
+                    good[index] = False
+                continue
+            batch[index] = resize_center_crop(image, self.size, self.min_side)
+        return (batch if good.all() else batch[good.to(device)]), good
+
+    def _decode(self, encoded: list[torch.Tensor], mode) -> list[torch.Tensor | None]:
+        if self.stream is None:
+            return _decode_each_or_none(encoded, mode, self.device)
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            decoded = _decode_each_or_none(encoded, mode, self.device)
+        current.wait_stream(self.stream)
+        for image in decoded:
+            if image is not None:
+                image.record_stream(current)  # freed only once the tower's stream is done with it
+        return decoded
+
+
+def _decode_each_or_none(encoded: list[torch.Tensor], mode, device: torch.device) -> list[torch.Tensor | None]:
+    """The batch decoded at once, or, when that fails (one file it cannot read fails the whole batch), one by
+    one, None for each it cannot read."""
+    from torchvision.io import decode_jpeg
     try:
-        decoded = decode_jpeg(encoded, mode=mode, device=device)
-    except RuntimeError:  # one file it cannot read fails the whole batch: find it
-        decoded = [_decode_one(data, mode, device) for data in encoded]
-    for index, data, image in zip(on_gpu.nonzero().flatten().tolist(), encoded, decoded):
-        if image is None:  # nvJPEG cannot read it: the host decoder may (or counts it as broken)
-            try:
-                batch[index] = host_decode(data.numpy().tobytes()).to(device)
-            except Exception:  # noqa: BLE001 — a broken file: counted by the caller, the run goes on
-                good[index] = False
-            continue
-        batch[index] = resize_center_crop(image, size, min_side)
-    return (batch if good.all() else batch[good.to(device)]), good
+        return decode_jpeg(encoded, mode=mode, device=device)
+    except RuntimeError:
+        return [_decode_one(data, mode, device) for data in encoded]
 
 
 def _decode_one(data: torch.Tensor, mode, device: torch.device) -> torch.Tensor | None:

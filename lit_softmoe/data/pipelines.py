@@ -146,15 +146,15 @@ class _Skip(Exception):
 # ---------------------------------------------------------------------------------- field decoders
 
 def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None,
-                  seed: int | None = None, defer: Callable[[bytes], Any] | None = None) -> torch.Tensor:
+                  seed: int | None = None, defer: Callable[[str, bytes], Any] | None = None) -> torch.Tensor:
     """`min_side`: the transform's `decode_min_side` (JPEGs decoded at a reduced scale keeping it).
     `seed`: the transform's random draws come from torch's generator seeded with it (and the
-    caller's generator state is left as it was). `defer(bytes)`: what stands for an image that is
-    decoded later, elsewhere (`gpu_jpeg.defer_to_gpu`), or None to decode it here."""
+    caller's generator state is left as it was). `defer(key, bytes)`: what stands for an image that is
+    decoded later, elsewhere (`gpu_jpeg.DeferToGpu`), or None to decode it here."""
     extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
     if extension is None:
         raise _Skip("missing_image")
-    if defer is not None and (deferred := defer(sample[extension])) is not None:
+    if defer is not None and (deferred := defer(sample["__key__"], sample[extension])) is not None:
         return deferred
     try:
         image = open_image(sample[extension], min_side)  # decoded now: a truncated file fails here
@@ -232,7 +232,7 @@ def sample_seed(seed: int, epoch: int, key: str) -> int:
 
 
 def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callable[[str], int] | None = None,
-                   num_classes: int = 0, defer: Callable[[bytes], Any] | None = None) -> Callable[[dict], tuple]:
+                   num_classes: int = 0, defer: Callable[[str, bytes], Any] | None = None) -> Callable[[dict], tuple]:
     """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `_Skip`.
 
     The cheap target is checked first, so a sample missing its caption or class costs no image decode.
@@ -269,7 +269,7 @@ def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callab
 
 
 def read_shard(url: str, kind: str, transform: Callable | None = None, listed: int | None = None,
-               defer: Callable[[bytes], Any] | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
+               defer: Callable[[str, bytes], Any] | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
     """One shard's decoded samples, in the shard's order, and the counter they are counted in.
 
     The stages of a stream (tar → decode → skip and count) without shuffling, splitting or

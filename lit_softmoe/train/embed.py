@@ -258,13 +258,14 @@ def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Com
     return features.float().to(torch.float16)
 
 
-def _pixels_on_device(batch: dict, device: torch.device, gpu_decode: dict | None) -> tuple[torch.Tensor, list[int]]:
+def _pixels_on_device(batch: dict, device: torch.device,
+                      gpu_decoder: gpu_jpeg.JpegBatchDecoder | None) -> tuple[torch.Tensor, list[int]]:
     """A loader batch's uint8 pixels (B', C, H, W) on `device`, and the positions of the images that could
-    not be decoded (left out of the B'). Decoded by the workers, or, where `gpu_decode` is set, JPEGs
-    decoded on `device` now (`gpu_jpeg.decode_batch`) and the rest by the workers."""
-    if gpu_decode is None:
+    not be decoded (left out of the B'). Decoded by the workers, or, with a `gpu_decoder`, JPEGs decoded on
+    `device` now and the rest by the workers."""
+    if gpu_decoder is None:
         return batch.pop("image").to(device, non_blocking=True), []
-    pixels, good = gpu_jpeg.decode_batch(batch.pop("packed"), device=device, **gpu_decode)
+    pixels, good = gpu_decoder(batch.pop("packed"))
     return pixels, (~good).nonzero().flatten().tolist()
 
 
@@ -415,12 +416,13 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
-                                  normalize: v2.Compose, device, pad_to: int | None, gpu_decode: dict | None,
+                                  normalize: v2.Compose, device, pad_to: int | None,
+                                  gpu_decoder: gpu_jpeg.JpegBatchDecoder | None,
                                   workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
                                   timing: dict) -> None:
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
 
-    `dataset` yields uint8 pixels (or packed JPEGs, decoded on `device` as `gpu_decode` says); `normalize`
+    `dataset` yields uint8 pixels (or packed JPEGs, which `gpu_decoder` decodes on `device`); `normalize`
     (`_pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
     One batch stays queued on the device while the previous one's features are written.
 
@@ -474,7 +476,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             continue
         # Metadata only: the pixels' last reference is dropped once they are on the device.
         meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
-        pixels, undecodable = _pixels_on_device(batch, device, gpu_decode)
+        pixels, undecodable = _pixels_on_device(batch, device, gpu_decoder)
         if undecodable:  # JPEGs that neither nvJPEG nor the host decoder could read: skipped and counted
             bad = skipped.setdefault(index, {})
             bad["bad_image"] = bad.get("bad_image", 0) + len(undecodable)
@@ -573,6 +575,7 @@ def embed_shards(
     precision: str = "auto",
     compile: str | bool = "auto",
     jpeg_decoder: str = "auto",
+    gpu_jpeg_share: float = 0.5,
     max_bad_fraction: float = 0.01,
     progress: bool = False,
     rank: int | None = None,
@@ -603,6 +606,8 @@ def embed_shards(
             where the compile time is earned back) | true | false.
         jpeg_decoder: auto (on the GPU when the tower runs on one and torchvision has nvJPEG, `gpu_jpeg`) |
             gpu | cpu (the workers decode every image).
+        gpu_jpeg_share: with the GPU decoder, the fraction of the JPEGs it decodes; the workers decode the
+            rest, so both decoders work (chosen by sample key: the same shards give the same features).
         max_bad_fraction: stop (UserError) when more than this fraction of samples is unreadable;
             fewer are skipped and counted in "bad".
         progress: show a progress bar (images/s, shards done, time left) on rank 0.
@@ -627,6 +632,9 @@ def embed_shards(
             raise UserError(f"{flag} must be at least {least}, got {value}")
     if jpeg_decoder not in gpu_jpeg.DECODERS:
         raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, got {jpeg_decoder!r}")
+    if not 0.0 <= gpu_jpeg_share <= 1.0:
+        raise UserError(f"--gpu-jpeg-share must be in [0, 1] (the fraction of the JPEGs the GPU decodes), "
+                        f"got {gpu_jpeg_share}")
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
@@ -648,7 +656,8 @@ def embed_shards(
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
     wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
-              "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder}
+              "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder,
+              **({"gpu_jpeg_share": gpu_jpeg_share} if decoder == "gpu" else {})}
 
     source_dir = dataset_dir(shards, urls)
     _refuse_other_metadata(source_dir, out_dir, split)
@@ -687,11 +696,12 @@ def embed_shards(
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
     pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
     workers = min(available_cpus(), len(todo)) if workers is None else min(workers, len(todo))
-    gpu_decode = None
+    gpu_decoder = None
     if decoder == "gpu":
-        gpu_decode = {"size": preprocess["image_size"], "channels": tower.cfg.in_channels,
-                      "min_side": decode_min_side(transform),  # the tower's reduced decode, mimicked there
-                      "host_decode": lambda data: pixels(PIL.Image.open(io.BytesIO(data)))}
+        gpu_decoder = gpu_jpeg.JpegBatchDecoder(
+            device, preprocess["image_size"], tower.cfg.in_channels,
+            host_decode=lambda data: pixels(PIL.Image.open(io.BytesIO(data))),
+            min_side=decode_min_side(transform))  # the tower's reduced decode, mimicked there
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in members and "txt" not in members
@@ -700,7 +710,7 @@ def embed_shards(
         print(f"embed: tower {tower_dir} on {device}, "
               f"{'bf16' if weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded on the {decoder.upper()} ({decoder_why})", file=sys.stderr, flush=True)
+              f"JPEGs decoded {_decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})", file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
@@ -709,9 +719,9 @@ def embed_shards(
     try:
         if todo:
             dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
-                                    defer=gpu_jpeg.defer_to_gpu if gpu_decode else None)
+                                    defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
             _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
-                                          batch_size if compiled else None, gpu_decode, workers, max_bad_fraction,
+                                          batch_size if compiled else None, gpu_decoder, workers, max_bad_fraction,
                                           str(shards), finished, progress_bar, timing)
         mine_seconds = time.perf_counter() - start
         rates = _rates(start, timing)
@@ -774,6 +784,12 @@ def _choose_jpeg_decoder(setting: str, device: torch.device) -> tuple[str, str]:
             raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
         return "gpu", "--jpeg-decoder gpu"
     return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
+
+
+def _decoder_words(decoder: str, share: float) -> str:
+    if decoder == "cpu":
+        return "on the CPU"
+    return "on the GPU" if share == 1.0 else f"on the GPU ({share:.0%}) and by the workers"
 
 
 def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:

@@ -1,5 +1,5 @@
 """lit_softmoe.data.gpu_jpeg: which images go to the GPU decoder, how a batch travels from the workers, and
-the decode + resize + crop after it. `decode_batch` runs here on the CPU device (torchvision's decode_jpeg
+the decode + resize + crop after it. `JpegBatchDecoder` runs here on the CPU device (torchvision's decode_jpeg
 takes the same list there), so everything but nvJPEG itself is tested; tests/test_cuda.py runs it on a GPU."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evalkit import FOOLBOX_DATA, needs_foolbox
-from lit_softmoe.data.gpu_jpeg import EncodedJpeg, decode_batch, defer_to_gpu, gpu_decodable, pack
+from lit_softmoe.data.gpu_jpeg import DeferToGpu, EncodedJpeg, JpegBatchDecoder, gpu_decodable, pack
 from lit_softmoe.data.transforms import eval_transform
 
 pytestmark = needs_foolbox
@@ -46,9 +46,22 @@ def test_baseline_jpegs_go_to_the_gpu_and_the_rest_stay_on_the_host():
     assert not gpu_decodable(_jpeg(photo, exif=exif))
     assert not gpu_decodable(png.getvalue())
     assert not gpu_decodable(b"\xff\xd8\xff" + b"\x00" * 64)  # a JPEG's first bytes, then nothing readable
-    assert defer_to_gpu(png.getvalue()) is None
-    deferred = defer_to_gpu(_jpeg(photo))
+    defer = DeferToGpu()
+    assert defer("a", png.getvalue()) is None
+    deferred = defer("a", _jpeg(photo))
     assert isinstance(deferred, EncodedJpeg) and deferred.data.numpy().tobytes() == _jpeg(photo)
+
+
+def test_a_share_of_the_jpegs_goes_to_the_gpu_the_same_ones_every_time():
+    data = _jpeg(_photos(1)[0])
+    keys = [f"shard3/{index:06d}" for index in range(2000)]
+    half = [key for key in keys if DeferToGpu(0.5)(key, data) is not None]
+    assert 900 < len(half) < 1100  # about the share, by key
+    assert half == [key for key in keys if DeferToGpu(0.5)(key, data) is not None]  # another process, same keys
+    fifth = {key for key in keys if DeferToGpu(0.2)(key, data) is not None}
+    assert fifth < set(half) and 300 < len(fifth) < 500  # a smaller share takes a subset: the order is fixed
+    assert all(DeferToGpu(0.0)(key, data) is None for key in keys[:50])
+    assert all(DeferToGpu(1.0)(key, data) is not None for key in keys[:50])
 
 
 def test_pack_keeps_each_image_in_its_place():
@@ -79,8 +92,8 @@ def test_decoded_batch_equals_the_host_transform(channels):
               _host_pixels(jpegs[1], size, channels),
               EncodedJpeg(torch.frombuffer(bytearray(jpegs[2]), dtype=torch.uint8)),
               _host_pixels(jpegs[3], size, channels)]
-    pixels, good = decode_batch(pack(images), size, channels, torch.device("cpu"),
-                                host_decode=lambda data: _host_pixels(data, size, channels))
+    decoder = JpegBatchDecoder(torch.device("cpu"), size, channels, lambda data: _host_pixels(data, size, channels))
+    pixels, good = decoder(pack(images))
     assert good.all() and pixels.shape == (4, channels, size, size) and pixels.dtype == torch.uint8
     want = torch.stack([_host_pixels(data, size, channels) for data in jpegs])
     assert torch.equal(pixels[[1, 3]], want[[1, 3]])  # the workers' pixels, in their places
@@ -103,7 +116,7 @@ def test_a_jpeg_no_decoder_reads_is_left_out_and_the_rest_kept():
         host_calls.append(data)
         return _host_pixels(data, 64, 3)  # PIL refuses the truncated file too
 
-    pixels, good = decode_batch(pack(images), 64, 3, torch.device("cpu"), host_decode)
+    pixels, good = JpegBatchDecoder(torch.device("cpu"), 64, 3, host_decode)(pack(images))
     assert good.tolist() == [True, False, True] and pixels.shape == (2, 3, 64, 64)
     assert host_calls == [broken]  # the host decoder was tried on the broken one alone
     want = torch.stack([_host_pixels(jpegs[0], 64, 3), _host_pixels(jpegs[2], 64, 3)])

@@ -733,20 +733,32 @@ def test_jpegs_decoded_by_the_gpu_path_give_the_host_features_and_counts(tmp_pat
     host = embed_shards(tower, str(source), tmp_path / "host", workers=2, batch_size=4, max_bad_fraction=0.1)
     monkeypatch.setattr(gpu_jpeg, "gpu_decoder_works", lambda device: None)  # "this device decodes JPEGs"
     decoded = []
-    real_decode_batch = gpu_jpeg.decode_batch
-    monkeypatch.setattr(gpu_jpeg, "decode_batch", lambda packed, **kw: decoded.append(int(packed["on_gpu"].sum()))
-                        or real_decode_batch(packed, **kw))
+    real_call = gpu_jpeg.JpegBatchDecoder.__call__
+    monkeypatch.setattr(gpu_jpeg.JpegBatchDecoder, "__call__",
+                        lambda self, packed: decoded.append(int(packed["on_gpu"].sum())) or real_call(self, packed))
     capsys.readouterr()
     gpu = embed_shards(tower, str(source), tmp_path / "gpu", workers=2, batch_size=4, jpeg_decoder="auto",
-                       max_bad_fraction=0.1)
+                       gpu_jpeg_share=1.0, max_bad_fraction=0.1)
     assert "JPEGs decoded on the GPU (auto: nvJPEG; other images on the host)" in capsys.readouterr().err
-    # 18 JPEGs went the GPU way (the PNG did not; the broken JPEG did, and was left out there).
+    # 19 JPEGs went the GPU way (the PNG did not; the broken JPEG did, and was left out there).
     assert sum(decoded) == 19 and gpu["num_samples"] == host["num_samples"] == 19
     assert gpu["bad"] == host["bad"] == {"bad_image": 1}
-    assert json.loads((tmp_path / "gpu" / "train" / "embed.json").read_text())["jpeg_decoder"] == "gpu"
+    recorded = json.loads((tmp_path / "gpu" / "train" / "embed.json").read_text())
+    assert recorded["jpeg_decoder"] == "gpu" and recorded["gpu_jpeg_share"] == 1.0
     # Full decode on the GPU path against the tower's reduced (DCT-scaled) decode on the host: the features
     # still agree within the bound the GPU decoder is held to.
-    assert _cosines(_features(tmp_path / "host" / "train"), _features(tmp_path / "gpu" / "train")).min() >= 0.999
+    host_features = _features(tmp_path / "host" / "train")
+    assert _cosines(host_features, _features(tmp_path / "gpu" / "train")).min() >= 0.999
+
+    # The default: the GPU takes half the JPEGs (by key), the workers decode the others.
+    decoded.clear()
+    shared = embed_shards(tower, str(source), tmp_path / "shared", workers=2, batch_size=4, max_bad_fraction=0.1)
+    assert "JPEGs decoded on the GPU (50%) and by the workers" in capsys.readouterr().err
+    to_gpu = [key for key, sample in _read_raw(source).items()
+              if "jpg" in sample and gpu_jpeg._unit_hash(key) < 0.5]
+    assert sum(decoded) == len(to_gpu) and 0 < len(to_gpu) < 19
+    assert shared["num_samples"] == 19 and shared["bad"] == {"bad_image": 1}
+    assert _cosines(host_features, _features(tmp_path / "shared" / "train")).min() >= 0.999
 
 
 def test_gpu_jpeg_decoder_without_a_gpu_is_one_line(cache, tmp_path, capsys):
