@@ -305,11 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.compile the tower (default auto: on a GPU, for runs long enough to earn the "
                             "compile time back)")
     embed.add_argument("--jpeg-decoder", choices=["auto", "gpu", "cpu"], default="auto",
-                       help="where JPEGs are decoded (default auto: on the GPU with nvJPEG when the tower runs on one, "
-                            "sharing them with the workers; other formats always on the host)")
-    embed.add_argument("--gpu-jpeg-share", type=float, default=0.5, metavar="F",
-                       help="with the GPU decoder, the fraction of the JPEGs it decodes; the workers decode the rest "
-                            "(default 0.5: on a 16-core H100 machine the two decode about equally fast)")
+                       help="where JPEGs are decoded (default auto: on the GPU with nvJPEG when the tower runs on one; "
+                            "other formats always on the host)")
+    embed.add_argument("--gpu-jpeg-share", type=float, default=1.0, metavar="F",
+                       help="with the GPU decoder, the fraction of the JPEGs it decodes (default 1); below 1 the "
+                            "workers decode the rest, so both decoders work")
     embed.set_defaults(func=_cmd_embed)
 
     upcycle = command(sub, "upcycle", "dense ViT (tower folder or timm vit_* weights) → Soft MoE tower, "

@@ -1,8 +1,8 @@
 """`lit-softmoe embed` images/s on JPEG shards against the tower alone on pre-decoded tensors.
 
-The ceiling is the locked tower's forward over tensors already on the device (bf16 autocast, inference
-mode, the same batch): what embedding would reach if decoding were free. `embed` reads the same
-images as 500-1,200 px JPEG shards (foolbox's 20 ImageNet photos cropped and resized,
+The ceiling is the locked tower's forward over tensors already on the device (bf16 weights on GPUs, as
+embed holds it; inference mode, the same batch): what embedding would reach if decoding were free.
+`embed` reads the same images as 500-1,200 px JPEG shards (foolbox's 20 ImageNet photos cropped and resized,
 `benchlib.photo_jpegs`), decodes them in --workers DataLoader workers (the tower's preprocess says
 decode=reduced: JPEGs at a DCT scale) and writes feature shards. The ratio embed / ceiling says how
 much of the GPU the host keeps fed; on a GPU run, a ratio well under 1 with the workers' cores busy
@@ -21,6 +21,7 @@ on the device gives bitwise the pixels of the tower's transform on the CPU.
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import os
@@ -39,21 +40,23 @@ from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
 from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
 from lit_softmoe.data.transforms import preprocess_transform  # noqa: E402
+from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
 from lit_softmoe.train import embed  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
-from lit_softmoe.utils.device import autocast_dtype  # noqa: E402
+from lit_softmoe.utils.device import autocast_dtype, inference_dtype  # noqa: E402
 
 
 def _ceiling(tower, device: torch.device, batch: int, image_size: int, channels: int) -> float:
-    """Images/s of the tower alone: one batch of pre-decoded pixels on the device, forward after forward."""
-    pixels = torch.randn(batch, channels, image_size, image_size, device=device)
-    dtype = autocast_dtype("auto", device)
+    """Images/s of the tower alone: one batch of pre-decoded pixels on the device, forward after forward, the
+    tower held as embed holds it (bf16 weights on GPUs)."""
+    dtype = inference_dtype("auto", device)
+    tower = prepare_for_inference(copy.deepcopy(tower), dtype=dtype)
+    pixels = torch.randn(batch, channels, image_size, image_size, device=device, dtype=dtype)
 
     def step():
-        with torch.inference_mode(), torch.autocast(device.type, dtype=dtype or torch.float32,
-                                                    enabled=dtype is not None):
+        with torch.inference_mode():
             tower.forward_pooled(pixels)
 
     milliseconds, _ = time_step(step, device, warmup=3, iters=10 if device.type == "cuda" else 3)

@@ -94,7 +94,7 @@ class Report:
 def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) -> None:
     """Run one row unless the budget is spent (or --skip names it); a failing row (OOM, compiler) is a row,
     not the end."""
-    if any(part and part in name for part in report.args.skip.split(",")):
+    if any(part and part in name for part in report.args.skip.split("|")):
         return
     if report.left() < seconds_needed:
         report.skip(section, name, f"{report.left():.0f} s of the budget left")
@@ -347,7 +347,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline-images", type=int, default=2048, help="JPEGs for the older embed")
     parser.add_argument("--budget", type=float, default=480, help="seconds; rows past it are skipped")
     parser.add_argument("--lit-workers", type=int, default=0, help="also `train` with this data.workers")
-    parser.add_argument("--skip", default="", help="comma-separated parts of row names to leave out")
+    parser.add_argument("--skip", default="", help="parts of row names to leave out, joined with '|'")
     parser.add_argument("--work", default=None, help="folder for shards, tower and runs (default: a temporary one)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
@@ -382,8 +382,8 @@ def main(argv=None) -> dict:
         if "embed" in sections:
             ceiling_row(report, args, device)
             embed_row(report, args, tower_dir, shards, work, "`embed`, default flags", "features")
-            embed_row(report, args, tower_dir, shards, work, "`embed --gpu-jpeg-share 1`", "features-gpu-only",
-                      gpu_jpeg_share=1.0)
+            embed_row(report, args, tower_dir, shards, work, "`embed --gpu-jpeg-share 0.5`", "features-shared",
+                      gpu_jpeg_share=0.5)
             decode_rows(report, args, device)
             if args.baseline:
                 guarded(report, "embed", "`embed` before (older checkout), default flags", 60,

@@ -57,10 +57,10 @@ class DeferToGpu:
     """The worker side: `defer(key, data)` is the JPEG `data` as an `EncodedJpeg` when the GPU decodes it,
     else None (the worker decodes it).
 
-    `share`: the fraction of the JPEGs the GPU takes; the workers decode the others. One GPU's decoder and
-    the host's cores are two decoders of about equal speed on a GPU machine (docs/benchmarks.md, "embed"):
-    kept both busy, they decode twice what either does. Which images go where is a function of the
-    sample key alone, so the same shards give the same features on every run.
+    `share`: the fraction of the JPEGs the GPU takes; below 1 the workers decode the others, so that both
+    decoders work (where each alone feeds about as many images as the other: docs/benchmarks.md, "embed").
+    Which images go where is a function of the sample key alone, so the same shards give the same
+    features on every run.
     """
 
     def __init__(self, share: float = 1.0):
@@ -148,8 +148,9 @@ class JpegBatchDecoder:
         batch = torch.empty(len(on_gpu), self.channels, self.size, self.size, dtype=torch.uint8, device=device)
         good = torch.ones(len(on_gpu), dtype=torch.bool)
         host_pixels = packed["pixels"]
-        if len(host_pixels):
-            batch[~on_gpu.to(device)] = host_pixels.to(device, non_blocking=True)
+        if len(host_pixels):  # by index, not by a mask on the device: a mask would wait for the queued forward
+            on_host = (~on_gpu).nonzero().flatten().to(device, non_blocking=True)
+            batch.index_copy_(0, on_host, host_pixels.to(device, non_blocking=True))
         if not on_gpu.any():
             return batch, good
         encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
@@ -163,7 +164,9 @@ class JpegBatchDecoder:
                     good[index] = False
                 continue
             batch[index] = resize_center_crop(image, self.size, self.min_side)
-        return (batch if good.all() else batch[good.to(device)]), good
+        if not good.all():
+            batch = batch.index_select(0, good.nonzero().flatten().to(device, non_blocking=True))
+        return batch, good
 
     def _decode(self, encoded: list[torch.Tensor], mode) -> list[torch.Tensor | None]:
         if self.stream is None:

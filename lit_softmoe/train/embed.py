@@ -90,8 +90,8 @@ FORMAT_VERSION = 1
 # Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
 METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
 _FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
-# `compile: auto` compiles the tower for runs of at least this many images: below it the compile time
-# (about a minute for a B/16 tower) is not earned back (docs/benchmarks.md, "embed").
+# `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
+# not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
 
 
@@ -575,7 +575,7 @@ def embed_shards(
     precision: str = "auto",
     compile: str | bool = "auto",
     jpeg_decoder: str = "auto",
-    gpu_jpeg_share: float = 0.5,
+    gpu_jpeg_share: float = 1.0,
     max_bad_fraction: float = 0.01,
     progress: bool = False,
     rank: int | None = None,
@@ -606,8 +606,9 @@ def embed_shards(
             where the compile time is earned back) | true | false.
         jpeg_decoder: auto (on the GPU when the tower runs on one and torchvision has nvJPEG, `gpu_jpeg`) |
             gpu | cpu (the workers decode every image).
-        gpu_jpeg_share: with the GPU decoder, the fraction of the JPEGs it decodes; the workers decode the
-            rest, so both decoders work (chosen by sample key: the same shards give the same features).
+        gpu_jpeg_share: with the GPU decoder, the fraction of the JPEGs it decodes; below 1 the workers
+            decode the rest, so both decoders work (chosen by sample key: the same shards give the same
+            features).
         max_bad_fraction: stop (UserError) when more than this fraction of samples is unreadable;
             fewer are skipped and counted in "bad".
         progress: show a progress bar (images/s, shards done, time left) on rank 0.

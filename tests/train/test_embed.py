@@ -738,7 +738,7 @@ def test_jpegs_decoded_by_the_gpu_path_give_the_host_features_and_counts(tmp_pat
                         lambda self, packed: decoded.append(int(packed["on_gpu"].sum())) or real_call(self, packed))
     capsys.readouterr()
     gpu = embed_shards(tower, str(source), tmp_path / "gpu", workers=2, batch_size=4, jpeg_decoder="auto",
-                       gpu_jpeg_share=1.0, max_bad_fraction=0.1)
+                       max_bad_fraction=0.1)
     assert "JPEGs decoded on the GPU (auto: nvJPEG; other images on the host)" in capsys.readouterr().err
     # 19 JPEGs went the GPU way (the PNG did not; the broken JPEG did, and was left out there).
     assert sum(decoded) == 19 and gpu["num_samples"] == host["num_samples"] == 19
@@ -750,9 +750,10 @@ def test_jpegs_decoded_by_the_gpu_path_give_the_host_features_and_counts(tmp_pat
     host_features = _features(tmp_path / "host" / "train")
     assert _cosines(host_features, _features(tmp_path / "gpu" / "train")).min() >= 0.999
 
-    # The default: the GPU takes half the JPEGs (by key), the workers decode the others.
+    # --gpu-jpeg-share 0.5: the GPU takes half the JPEGs (by key), the workers decode the others.
     decoded.clear()
-    shared = embed_shards(tower, str(source), tmp_path / "shared", workers=2, batch_size=4, max_bad_fraction=0.1)
+    shared = embed_shards(tower, str(source), tmp_path / "shared", workers=2, batch_size=4, gpu_jpeg_share=0.5,
+                          max_bad_fraction=0.1)
     assert "JPEGs decoded on the GPU (50%) and by the workers" in capsys.readouterr().err
     to_gpu = [key for key, sample in _read_raw(source).items()
               if "jpg" in sample and gpu_jpeg._unit_hash(key) < 0.5]
