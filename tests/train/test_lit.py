@@ -739,3 +739,36 @@ def test_lit_rerun_over_a_garbage_newest_checkpoint_resumes_from_the_one_before(
     assert any(f"{run / 'checkpoints' / 'step_00000004'} is damaged" in r.getMessage() for r in caplog.records)
     second = load_file(run / "model" / "model.safetensors")
     assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one mixed-precision setting per process; a test of another one resets it around itself
+    (as accelerate's own tests do)."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("unlocked", [0, 1])
+def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tmp_path, monkeypatch, unlocked,
+                                                                   fresh_accelerate_state):
+    """precision=bf16 (what auto picks on GPUs with bf16): a fully locked tower's weights are cast to bf16 once
+    and stay bit-identical through training; a partly unlocked one trains in fp32 like the text tower."""
+    seen = []
+    original = LiTModel.image_tower_state_hash
+
+    def recording_hash(self):
+        seen.append((self.image_tower.patch_embed.weight.dtype, next(self.text_tower.parameters()).dtype))
+        return original(self)
+
+    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
+                             f"unlocked_blocks={unlocked}", images=True))
+    losses = _losses(tmp_path / "run")
+    assert not results["cached_features"] and all(math.isfinite(loss) for loss in losses.values())
+    if unlocked:
+        assert seen == []  # nothing to prove unchanged: its last block trains
+    else:  # the recipe's own check, at the start and the end, saw the tower in bf16 (and equal)
+        assert seen == [(torch.bfloat16, torch.float32)] * 2
