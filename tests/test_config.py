@@ -267,5 +267,6 @@ def test_compile_defaults_to_auto_and_takes_yaml_booleans(tmp_path, schema):
     path.write_text("compile: true\n")  # a YAML boolean, as the shipped ImageNet configs write it
     assert load_config(schema, path).compile == "true"
     assert load_config(schema, path, ["compile=False"]).compile == "false"
-    with pytest.raises(UserError, match=r"config key 'compile' is 'yes'; choose one of auto, true, false"):
-        load_config(schema, overrides=["compile=yes"])
+    assert load_config(schema, overrides=["compile=yes"]).compile == "true"  # YAML 1.1's yes is a boolean
+    with pytest.raises(UserError, match=r"config key 'compile' is 'maybe'; choose one of auto, true, false"):
+        load_config(schema, overrides=["compile=maybe"])
