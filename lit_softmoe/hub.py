@@ -37,6 +37,7 @@ from lit_softmoe.model_folders import (
     read_json,
     read_run_config,
 )
+from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel, upgrade_state_dict
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
@@ -300,7 +301,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", precis
         kind = "run"
     tokenizer = _pair_tokenizer(source)
     model.to(device)
-    model.image_tower.to(inference_dtype(precision, torch.device(device)))
+    prepare_for_inference(model.image_tower, dtype=inference_dtype(precision, torch.device(device)))
     model.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower_cfg, "preprocess": preprocess_spec,
                              "tokenizer": getattr(model.text_tower, "tokenizer_spec", None)}
@@ -344,7 +345,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
         model, facts = load_run_pair(source)
         tower, spec, sha, kind = model.image_tower, facts["preprocess"], facts["image_tower_sha256"], "run"
     device = torch.device(device)
-    tower = tower.to(device, inference_dtype(precision, device)).eval().requires_grad_(False)
+    tower = prepare_for_inference(tower.to(device), dtype=inference_dtype(precision, device))
     tower.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower.cfg.to_dict(), "preprocess": spec}
     return tower, make_preprocess(spec)

@@ -33,6 +33,7 @@ from lit_softmoe.evals.reports import summary_line, write_report
 from lit_softmoe.hub import load_pretrained
 from lit_softmoe.integrations.clip_benchmark import compare_with_clip_benchmark
 from lit_softmoe.model_folders import classify_folder
+from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.utils.device import inference_dtype, parse_device
 from lit_softmoe.utils.paths import check_writable
 
@@ -99,7 +100,7 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
     model, preprocess, tokenizer = model_bundle
     model.to(device).eval()
     # The locked tower in the dtype it runs in (bf16 on GPUs under precision auto), cast once.
-    model.image_tower.to(inference_dtype(cfg.precision, device))
+    prepare_for_inference(model.image_tower, dtype=inference_dtype(cfg.precision, device))
     cache_dir = (Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()) if use_cache else None
 
     results = []

@@ -77,8 +77,8 @@ class BatchedExperts(nn.Module):
         # already cast, and autocast casts as before.
         # bmm, then the bias: under torch.compile the first bias add fuses into the GELU kernel and the
         # second into the next pointwise op. baddbmm would broadcast-copy each bias into its whole
-        # (n, tokens, ·) output and have the GEMM read it back: in an H200 profile of the compiled
-        # B/16 layer, those copies were strided kernels of ~100 µs each.
+        # (n, tokens, ·) output and have the GEMM read it back as strided copies (profiled in
+        # docs/benchmarks.md, "What the changes bought").
         hidden = torch.bmm(x, self.w1.to(x.dtype)) + self.b1.to(x.dtype).unsqueeze(1)  # (n, tokens, hidden)
         hidden = F.gelu(hidden, approximate="tanh")  # flax's nn.gelu default is the tanh form
         return torch.bmm(hidden, self.w2.to(x.dtype)) + self.b2.to(x.dtype).unsqueeze(1)  # (n, tokens, d)

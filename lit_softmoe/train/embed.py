@@ -327,7 +327,7 @@ class _SourceShards(IterableDataset):
         super().__init__()
         self.shards, self.kind, self.transform = shards, kind, transform
         self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
-        self.defer = defer  # `gpu_jpeg.defer_to_gpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
+        self.defer = defer  # `gpu_jpeg.DeferToGpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()

@@ -34,6 +34,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.metadata import check_templates
+from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
@@ -266,7 +267,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # A locked tower only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast once
     # instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device) if model.image_tower_locked else torch.float32
-    model.image_tower.to(tower_dtype)
+    if model.image_tower_locked:
+        prepare_for_inference(model.image_tower, dtype=tower_dtype)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     optimizer = _setup_optimizer(cfg, model)
