@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig
+from lit_softmoe.utils.device import COMPILE_CHOICES
 
 T = TypeVar("T")
 
@@ -103,7 +104,7 @@ class PretrainConfig:
 _VALID_CHOICES = {
     "loss": ("softmax", "sigmoid"),
     "precision": ("auto", "fp32", "bf16"),
-    "compile": ("auto", "true", "false"),
+    "compile": COMPILE_CHOICES,
     "optim.schedule": ("cosine", "rsqrt", "constant"),
     "data.decode": ("full", "reduced"),
     "data.loader": ("auto", "memory", "stream"),
