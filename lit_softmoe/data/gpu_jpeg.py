@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 import PIL.Image
 import torch
 import torch.nn.functional as F
-from torchvision.transforms.v2 import functional as TF
 
 from lit_softmoe.data.images import exif_orientation
 
@@ -105,15 +104,70 @@ def dct_scale(height: int, width: int, min_side: int | None) -> int:
 
 
 def resize_center_crop(image: torch.Tensor, size: int, min_side: int | None = None) -> torch.Tensor:
-    """uint8 (C, H, W) → (C, size, size) as `transforms.eval_transform` makes it on the host: first reduced
-    as the host's DCT-scaled decode for `min_side` reduces it (a box average over the same factor, to the
-    same ceil(H / factor) × ceil(W / factor) uint8 pixels), then the shorter side resized to `size`
-    (bilinear, antialiased) and the center square taken."""
-    scale = dct_scale(*image.shape[-2:], min_side)
-    if scale > 1:
-        reduced = F.avg_pool2d(image[None].float(), scale, ceil_mode=True, count_include_pad=False)[0]
-        image = reduced.round_().to(torch.uint8)  # (C, ⌈H/s⌉, ⌈W/s⌉), as libjpeg's scaled output
-    return TF.center_crop(TF.resize(image, [size], antialias=True), [size, size])
+    """uint8 (C, H, W) → (C, size, size) as `transforms.eval_transform` makes it on the host (`ResizeCrop`,
+    one image)."""
+    resize = ResizeCrop(size, min_side, image.device, torch.float32)
+    return resize([image])[0]
+
+
+class ResizeCrop:
+    """uint8 images (C, H, W) of any sizes → one uint8 batch (N, C, size, size), each as
+    `transforms.eval_transform` makes it on the host: reduced first as the host's DCT-scaled decode for
+    `min_side` reduces it (a box average over the same factor, to ceil(H / factor) × ceil(W / factor)),
+    then the shorter side resized to `size` (bilinear, antialiased) and the center square taken.
+
+    All three steps are linear and act on rows and columns apart, so each image is two matrix products,
+    (size, H) @ image @ (W, size): a few kernels per image instead of one per step and dtype change, which
+    is what bounds resizing thousands of photos a second one at a time. A matrix depends on the image's
+    height and width only and is made once, by running the steps themselves on an identity (kept per
+    length: photos of a dataset come in few sizes). `dtype`: of the products (bf16 on a GPU: pixels
+    0-255 are exact, the result is rounded to uint8 as the host's is).
+    """
+
+    def __init__(self, size: int, min_side: int | None, device: torch.device, dtype: torch.dtype):
+        self.size, self.min_side, self.device, self.dtype = size, min_side, device, dtype
+        self._matrices: dict[tuple[int, int, int], tuple[torch.Tensor, slice]] = {}
+
+    def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty(len(images), images[0].shape[0] if images else 1, self.size, self.size,
+                          dtype=self.dtype, device=self.device)
+        for index, image in enumerate(images):
+            height, width = image.shape[-2:]
+            scale = dct_scale(height, width, self.min_side)
+            resized_h, resized_w = _resized_size(-(-height // scale), -(-width // scale), self.size)
+            rows, row_span = self._matrix(height, scale, resized_h)  # (size, H')
+            cols, col_span = self._matrix(width, scale, resized_w)  # (size, W')
+            pixels = image[:, row_span, col_span].to(self.dtype)  # (C, H', W'): what the crop can see
+            if pixels.shape[1] > pixels.shape[2]:  # the cheaper order: the longer side reduced first
+                torch.matmul(rows @ pixels, cols.T, out=out[index])
+            else:
+                torch.matmul(rows, pixels @ cols.T, out=out[index])
+        return out.round_().clamp_(0, 255).to(torch.uint8)  # (N, C, size, size)
+
+    def _matrix(self, length: int, scale: int, resized: int) -> tuple[torch.Tensor, slice]:
+        """(size, length') weights of the input pixels in each output pixel along one side, and the span of
+        the input (length' long) with any weight."""
+        key = (length, scale, resized)
+        if key not in self._matrices:
+            if len(self._matrices) >= 1024:  # a source of ever new sizes: start over rather than grow
+                self._matrices.clear()
+            basis = torch.eye(length, device=self.device)[None, None]  # column j: a delta at input pixel j
+            if scale > 1:
+                basis = F.avg_pool2d(basis, (scale, 1), ceil_mode=True)
+            basis = F.interpolate(basis, size=(resized, length), mode="bilinear", antialias=True, align_corners=False)
+            start = int(round((resized - self.size) / 2.0))  # transforms.v2's center crop
+            weights = basis[0, 0, start:start + self.size]  # (size, length)
+            used = weights.abs().sum(0).nonzero().flatten()
+            span = slice(int(used.min()), int(used.max()) + 1)
+            self._matrices[key] = (weights[:, span].to(self.dtype).contiguous(), span)
+        return self._matrices[key]
+
+
+def _resized_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """(height, width) after transforms.v2's resize of the shorter side to `size` (the longer one truncated)."""
+    if width <= height:
+        return int(size * height / width), size
+    return size, int(size * width / height)
 
 
 class JpegBatchDecoder:
@@ -123,7 +177,7 @@ class JpegBatchDecoder:
     The JPEGs are decoded together; if nvJPEG refuses the batch (a file it cannot read), each is tried
     alone, and one it refuses is decoded on the host by `host_decode` (bytes → uint8 (C, size, size)); one
     that fails there too is left out (`good` False) for the caller to count. `min_side`: the tower's
-    reduced decode (`resize_center_crop`), None for a full one.
+    reduced decode (`ResizeCrop`), None for a full one.
 
     Streams: torchvision allocates the decoded images on the current stream but writes them from its own,
     without waiting for the current stream. On the stream the tower runs on, that memory may be what the
@@ -139,6 +193,7 @@ class JpegBatchDecoder:
         self.device, self.size, self.channels, self.min_side = device, size, channels, min_side
         self.host_decode = host_decode
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.resize = ResizeCrop(size, min_side, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         self._in_use: dict | None = None
 
     def __call__(self, packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,14 +211,18 @@ class JpegBatchDecoder:
         encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
         decoded = self._decode(encoded, ImageReadMode.RGB if self.channels == 3 else ImageReadMode.GRAY)
         self._in_use = packed
+        positions, images = [], []
         for index, data, image in zip(on_gpu.nonzero().flatten().tolist(), encoded, decoded):
-            if image is None:  # nvJPEG cannot read it: the host decoder may (or counts it as broken)
-                try:
-                    batch[index] = self.host_decode(data.numpy().tobytes()).to(device)
-                except Exception:  # noqa: BLE001 — a broken file: counted by the caller, the run goes on
-                    good[index] = False
+            if image is not None:
+                positions.append(index)
+                images.append(image)
                 continue
-            batch[index] = resize_center_crop(image, self.size, self.min_side)
+            try:  # nvJPEG cannot read it: the host decoder may (or counts it as broken)
+                batch[index] = self.host_decode(data.numpy().tobytes()).to(device)
+            except Exception:  # noqa: BLE001 — a broken file: counted by the caller, the run goes on
+                good[index] = False
+        if images:
+            batch.index_copy_(0, torch.tensor(positions).to(device, non_blocking=True), self.resize(images))
         if not good.all():
             batch = batch.index_select(0, good.nonzero().flatten().to(device, non_blocking=True))
         return batch, good

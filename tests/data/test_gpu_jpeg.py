@@ -141,3 +141,29 @@ def test_a_reduced_decode_is_mimicked_after_the_full_one():
         mimicked = (resize_center_crop(full, size, min_side).int() - host.int()).abs().float().mean()
         unreduced = (resize_center_crop(full, size).int() - host.int()).abs().float().mean()
         assert mimicked < 0.5 and mimicked < 0.8 * unreduced, (mimicked, unreduced)
+
+
+def test_resize_crop_as_matrices_equals_the_steps_it_replaces():
+    """`ResizeCrop`'s two matrix products per image against the steps themselves (box average, antialiased
+    resize of the shorter side, center crop), for a batch of images of different sizes and orientations:
+    the same pixels up to the final rounding."""
+    import torch.nn.functional as F
+    from torchvision.transforms.v2 import functional as TF
+
+    from lit_softmoe.data.gpu_jpeg import ResizeCrop, dct_scale
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 130, 97), (3, 97, 130), (3, 400, 333), (3, 1000, 700), (3, 64, 64), (3, 400, 333)]
+    images = [torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8) for shape in shapes]
+    size, min_side = 48, 96
+    resize = ResizeCrop(size, min_side, torch.device("cpu"), torch.float32)
+    got = resize(images)
+    assert got.shape == (len(shapes), 3, size, size) and got.dtype == torch.uint8
+    for image, pixels in zip(images, got):
+        scale = dct_scale(*image.shape[-2:], min_side)
+        reduced = F.avg_pool2d(image[None].float(), scale, ceil_mode=True)[0]
+        want = TF.center_crop(TF.resize(reduced, [size], antialias=True), [size, size]).round().clamp(0, 255)
+        difference = (pixels.float() - want).abs()
+        assert difference.max() <= 1 and difference.mean() < 0.01, (image.shape, difference.max())
+    # One matrix per (side length, reduction, resized length): 130 x 97 and 97 x 130 share theirs, a square
+    # one needs one, the repeated 400 x 333 reuses its two.
+    assert len(resize._matrices) == 7
