@@ -9,6 +9,7 @@
 #   bash scripts/gpu_check.sh                     # results in ./gpu-results/
 #   OUT=/some/dir WHEELS=.whl bash scripts/gpu_check.sh
 #   BASELINE=.baseline KERNELS=layer LAYER_SHAPES=B/16 bash scripts/gpu_check.sh   # + an older embed; fewer kernels
+#   PRODUCT_ARGS="--only embed,tower --skip compile" KERNELS= bash scripts/gpu_check.sh  # some product rows only
 #
 # WHEELS: a folder of wheels to add first, for machines without network that lack some of the
 # peers (open_clip_torch, ftfy, wcwidth, soft-moe-pytorch), our own dependencies (webdataset,
@@ -41,7 +42,7 @@ export PYTHONUNBUFFERED=1
 # ---- product: the commands as users run them, default flags, against the peers (docs/benchmarks.md first)
 # BASELINE: a folder holding an older lit_softmoe/ (`git archive REV lit_softmoe | tar -x -C DIR`): its embed too.
 timeout $(( ${PRODUCT_BUDGET:-330} + 60 )) $PY scripts/bench_product.py --budget "${PRODUCT_BUDGET:-330}" \
-    ${BASELINE:+--baseline "$BASELINE"} --json "$OUT/product.json" --md "$OUT/product.md" > "$OUT/product.log" 2>&1
+    ${BASELINE:+--baseline "$BASELINE"} ${PRODUCT_ARGS:-} --json "$OUT/product.json" --md "$OUT/product.md" > "$OUT/product.log" 2>&1
 echo "bench_product exit $? after $(( $(date +%s) - t0 )) s"
 grep -E "^\s+\[|^embed:|ready in|Error" "$OUT/product.log" | tail -40
 

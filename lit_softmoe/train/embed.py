@@ -64,6 +64,7 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
+from lit_softmoe.data.device_prefetch import DevicePrefetcher
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
@@ -424,7 +425,8 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
 
     `dataset` yields uint8 pixels (or packed JPEGs, which `gpu_decoder` decodes on `device`); `normalize`
     (`_pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
-    One batch stays queued on the device while the previous one's features are written.
+    Batches are put on the device by a thread ahead of the tower (`DevicePrefetcher`); one stays queued
+    on the device while the previous one's features are written.
 
     `timing` gets "first_batch" (perf_counter once the first batch is embedded) and "later_images"
     (the images embedded after it): the steady rate, without the tower's loading and the workers' start.
@@ -458,8 +460,16 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         else:
             timing["first_batch"] = time.perf_counter()
 
+    def to_device(batch: dict) -> tuple[dict, torch.Tensor | None]:
+        """Metadata only, and the pixels on the device: the host's copy of the pixels is dropped here."""
+        if "done" in batch:
+            return batch, None
+        meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
+        pixels, meta["undecodable"] = _pixels_on_device(batch, device, gpu_decoder)
+        return meta, pixels
+
     in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
-    for batch in loader:
+    for batch, pixels in DevicePrefetcher(loader, to_device, device):
         index = batch["shard"]
         if "done" in batch:
             if in_flight is not None:  # it may be this shard's last batch
@@ -474,9 +484,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if error:
                 raise UserError(error)
             continue
-        # Metadata only: the pixels' last reference is dropped once they are on the device.
-        meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
-        pixels, undecodable = _pixels_on_device(batch, device, gpu_decoder)
+        meta, undecodable = batch, batch.pop("undecodable")
         if undecodable:  # JPEGs that neither nvJPEG nor the host decoder could read: skipped and counted
             bad = skipped.setdefault(index, {})
             bad["bad_image"] = bad.get("bad_image", 0) + len(undecodable)
