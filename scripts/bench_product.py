@@ -224,7 +224,7 @@ def ceiling_row(report: Report, args, device) -> None:
 
 def baseline_embed(report: Report, args, tower_dir: Path, work: Path) -> None:
     """The same command with an older checkout's code and defaults, in its own process."""
-    shards = make_shards(work / "baseline-data", args.baseline_images, max(1, args.baseline_images // 16), args.unique)
+    shards = make_shards(work / "baseline-data", args.baseline_images, args.per_shard, args.unique)
     code = (f"import json, sys; from lit_softmoe.train.embed import embed_shards; "
             f"s = embed_shards({str(tower_dir)!r}, {str(shards)!r}, {str(work / 'baseline-features')!r}, "
             f"batch_size={args.batch}); print(json.dumps(s))")
@@ -337,6 +337,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", default="embed,tower,lit", help="comma-separated sections")
     parser.add_argument("--tower", default=None, help="registered tower (default soft-b16-128e; --cpu soft-test-4e)")
     parser.add_argument("--images", type=int, default=None, help="JPEGs for embed (default 16384; --cpu 48)")
+    parser.add_argument("--per-shard", type=int, default=None,
+                        help="JPEGs per source shard (default 1024: webdataset shards hold thousands; --cpu 12)")
     parser.add_argument("--unique", type=int, default=512, help="distinct JPEGs made, repeated to --images")
     parser.add_argument("--batch", type=int, default=None, help="images per forward (default 256; --cpu 8)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per tower row (default 10; --cpu 2)")
@@ -356,6 +358,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tower_options = {"image_size": 35, "in_channels": 3} if args.cpu else {"image_size": 224}
     args.images = args.images or (48 if args.cpu else 16384)
     args.batch = args.batch or (8 if args.cpu else 256)
+    args.per_shard = args.per_shard or (12 if args.cpu else 1024)
     args.iters = args.iters or (2 if args.cpu else 10)
     args.lit_steps = args.lit_steps or (6 if args.cpu else 200)
     args.backend = "eager" if args.cpu else "inductor"
@@ -372,7 +375,7 @@ def main(argv=None) -> dict:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         tic = time.perf_counter()
-        shards = make_shards(work / "data", args.images, max(1, args.images // 64), args.unique)
+        shards = make_shards(work / "data", args.images, args.per_shard, args.unique)
         tower_dir = make_tower(work / "tower", args.tower, args.tower_options, device)
         report.meta["setup_seconds"] = round(time.perf_counter() - tic, 1)
         print(f"data and tower ready in {report.meta['setup_seconds']} s", flush=True)

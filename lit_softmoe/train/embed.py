@@ -50,6 +50,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -280,6 +281,7 @@ class _ToHost:
 
     def __init__(self, batch: dict, features: torch.Tensor):
         self.batch = batch
+        self.completes: dict | None = None  # its shard's report, when this is the shard's last batch
         self.features = features.to("cpu", non_blocking=True)  # pinned memory when from a GPU
         self.event = None
         if features.is_cuda:
@@ -468,36 +470,53 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         pixels, meta["undecodable"] = _pixels_on_device(batch, device, gpu_decoder)
         return meta, pixels
 
-    in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
-    for batch, pixels in DevicePrefetcher(loader, to_device, device):
-        index = batch["shard"]
-        if "done" in batch:
-            if in_flight is not None:  # it may be this shard's last batch
-                keep(in_flight)
-                in_flight = None
-            record = batch["done"]
+    # Feature shards are written by a thread of their own (tar, sha256, fsync), in the order they finish;
+    # the bad-sample check counts each shard once it is complete, before it is written.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-shard-writer") as writer:
+        writes: list[Future] = []
+        counted = list(finished)  # the killed run's shards, then each new one as it completes
+
+        def complete(index: int, record: dict) -> None:
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
-            finished.append(_write_feature_shard(work_dir, index, pending.pop(index, []), record))
-            progress.set_postfix(shards=f"{len(finished)}/{len(todo)}")
-            error = _bad_fraction_error(source, finished, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
+            counted.append(record)
+            writes.append(writer.submit(_write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
+            for write in writes:
+                if write.done():
+                    write.result()  # a failed write (a full disk) ends the run now, not at the end
+            progress.set_postfix(shards=f"{len(counted)}/{len(finished) + len(todo)}")
+            error = _bad_fraction_error(source, counted, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
             if error:
                 raise UserError(error)
-            continue
-        meta, undecodable = batch, batch.pop("undecodable")
-        if undecodable:  # JPEGs that neither nvJPEG nor the host decoder could read: skipped and counted
-            bad = skipped.setdefault(index, {})
-            bad["bad_image"] = bad.get("bad_image", 0) + len(undecodable)
-            for key in ("key", "caption", "cls"):
-                meta[key] = [value for position, value in enumerate(meta[key]) if position not in undecodable]
-            if not meta["key"]:
+
+        in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
+        for batch, pixels in DevicePrefetcher(loader, to_device, device):
+            index = batch["shard"]
+            if "done" in batch:
+                if in_flight is not None and in_flight.batch["shard"] == index:
+                    in_flight.completes = batch["done"]  # its last batch: complete once that is kept
+                else:
+                    complete(index, batch["done"])
                 continue
-        queued = _ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
+            meta, undecodable = batch, batch.pop("undecodable")
+            if undecodable:  # JPEGs that neither nvJPEG nor the host decoder could read: skipped and counted
+                bad = skipped.setdefault(index, {})
+                bad["bad_image"] = bad.get("bad_image", 0) + len(undecodable)
+                for key in ("key", "caption", "cls"):
+                    meta[key] = [value for position, value in enumerate(meta[key]) if position not in undecodable]
+                if not meta["key"]:
+                    continue
+            queued = _ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
+            if in_flight is not None:
+                keep(in_flight)  # the host's share of the previous batch, while the device computes this one
+                if in_flight.completes is not None:
+                    complete(in_flight.batch["shard"], in_flight.completes)
+            in_flight = queued
         if in_flight is not None:
-            keep(in_flight)  # the host's share of the previous batch, while the device computes this one
-        in_flight = queued
-    if in_flight is not None:
-        keep(in_flight)
+            keep(in_flight)
+            if in_flight.completes is not None:
+                complete(in_flight.batch["shard"], in_flight.completes)
+        finished.extend(write.result() for write in writes)
 
 
 def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
