@@ -13,13 +13,8 @@ import sys
 import warnings
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
-
-
-def _is_main_process() -> bool:
-    """False in the other processes of `torchrun` / `accelerate launch` (they set RANK), so the closing
-    line of a distributed run is printed once."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _cmd_data(args) -> None:
@@ -55,7 +50,7 @@ def _cmd_pretrain(args) -> None:
     from lit_softmoe.train.pretrain import pretrain
     cfg = load_config(PretrainConfig, args.config, args.overrides)
     results = pretrain(cfg)
-    if "test_top1" in results and _is_main_process():
+    if "test_top1" in results and is_main_process():
         fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
         print(f"test top-1 {results['test_top1']:.4f}" +
               (f", {cfg.fewshot_shots}-shot linear probe {results[fewshot_key]:.4f}" if fewshot_key in results else "")
@@ -72,7 +67,7 @@ def _cmd_train(args) -> None:
     if "zeroshot_top1" in results:
         probe = f", linear-probe ceiling {results['linear_probe_top1']:.4f}" if "linear_probe_top1" in results else ""
         scores = f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; "
-    if _is_main_process():
+    if is_main_process():
         print(f"{scores}model saved to {cfg.run_dir}/model")
 
 

@@ -35,7 +35,6 @@ import io
 import itertools
 import math
 import multiprocessing
-import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -56,6 +55,7 @@ from lit_softmoe.data.shards import (
 )
 from lit_softmoe.data.transforms import decode_min_side
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.distributed import rank_and_world_size
 
 SAMPLE_KINDS = ("image-caption", "image-class", "embedding-caption", "embedding-class")
 SHARD_REASONS = BadSampleCounter.SHARD_REASONS  # counted per shard, not per sample
@@ -449,10 +449,7 @@ def _node(cfg: ShardDataConfig) -> tuple[int, int]:
     Each on its own: a config setting only world_size took rank 0 on every process, which then all
     read the same shards.
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = rank_and_world_size()
     rank = cfg.rank if cfg.rank >= 0 else rank
     world_size = cfg.world_size if cfg.world_size > 0 else world_size
     if not 0 <= rank < world_size:

@@ -85,6 +85,7 @@ from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
+from lit_softmoe.utils.distributed import local_rank, rank_and_world_size
 from lit_softmoe.utils.hashing import file_sha256
 
 EMBED_FILE = "embed.json"
@@ -556,8 +557,9 @@ def _remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
 
 def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world size) of this process: given, else from the launcher (`torchrun`, `accelerate launch`)."""
-    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    rank = rank if rank is not None else int(os.environ.get("RANK", 0))
+    launched_rank, launched_world_size = rank_and_world_size()
+    world_size = world_size if world_size is not None else launched_world_size
+    rank = rank if rank is not None else launched_rank
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is not in [0, world size {world_size}); check RANK and WORLD_SIZE")
     return rank, world_size
@@ -567,7 +569,7 @@ def _default_device(world_size: int) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     # One GPU per process: the launcher's LOCAL_RANK picks it.
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cuda", local_rank() % torch.cuda.device_count())
 
 
 def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) -> list[dict]:

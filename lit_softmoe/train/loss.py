@@ -16,15 +16,14 @@ the last incomplete batch).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from lit_softmoe.utils.distributed import in_process_group, rank_and_world_size
 
 
 def _world() -> tuple[int, int]:
-    """(rank, world_size); (0, 1) without an initialized process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """(rank, world_size) of the process group the features are gathered over; (0, 1) without one."""
+    return rank_and_world_size() if in_process_group() else (0, 1)
 
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +19,7 @@ from lit_softmoe.train.logging import RunLogger
 from lit_softmoe.train.trackers import accelerator_trackers, check_trackers, start_trackers
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype
+from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
 
 _log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
     same command twice) is refused in one line instead of mixing its metrics, config and checkpoints
     with the first one's. Taken by the main process only (the other processes of a distributed run
     write nothing there); released when the block ends or the process dies."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_main_process():
         yield
         return
     run_dir = Path(run_dir)

@@ -1,0 +1,45 @@
+"""This process's place in a distributed run, read in one place for every layer: the initialized
+process group when there is one, else what the launcher set (`torchrun` and `accelerate launch` set
+RANK, WORLD_SIZE and LOCAL_RANK), else a single process."""
+from __future__ import annotations
+
+import os
+import sys
+
+from lit_softmoe.errors import UserError
+
+
+def in_process_group() -> bool:
+    """Whether a process group is initialized: collectives (all_gather) need one, the launcher's
+    variables alone are not enough. Without torch imported there is none (and `--help` stays fast)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) without a launcher. Not checked against each other:
+    a caller may replace either (a config's `data.world_size`) and checks the pair it uses."""
+    if in_process_group():
+        dist = sys.modules["torch.distributed"]
+        return dist.get_rank(), dist.get_world_size()
+    return _launcher_int("RANK", 0), _launcher_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """This process's index on its machine (which GPU it takes); 0 without a launcher."""
+    return _launcher_int("LOCAL_RANK", 0)
+
+
+def is_main_process() -> bool:
+    """True in one process of a run: the one that writes run folders and prints closing lines."""
+    return rank_and_world_size()[0] == 0
+
+
+def _launcher_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name}={value!r} is not a whole number; unset it or fix the launcher's settings") from None

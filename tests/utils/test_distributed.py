@@ -1,0 +1,50 @@
+"""lit_softmoe.utils.distributed: where every layer reads its rank, world size and local rank."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.distributed import in_process_group, is_main_process, local_rank, rank_and_world_size
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_without_a_launcher_one_process_of_one(no_launcher):
+    assert rank_and_world_size() == (0, 1) and local_rank() == 0 and is_main_process()
+
+
+def test_the_launchers_variables_are_read(no_launcher):
+    no_launcher.setenv("RANK", "3")
+    no_launcher.setenv("WORLD_SIZE", "8")
+    no_launcher.setenv("LOCAL_RANK", "1")
+    assert rank_and_world_size() == (3, 8) and local_rank() == 1 and not is_main_process()
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK"])
+def test_a_variable_that_is_not_a_number_is_one_line_naming_it(no_launcher, name):
+    no_launcher.setenv(name, "two")
+    with pytest.raises(UserError, match=f"^{name}='two' is not a whole number; unset it"):
+        rank_and_world_size() if name != "LOCAL_RANK" else local_rank()
+
+
+def test_an_initialized_process_group_wins_over_the_variables(no_launcher):
+    # The group is what collectives run over: a stale RANK in the environment must not override it.
+    no_launcher.setenv("RANK", "3")
+    no_launcher.setenv("WORLD_SIZE", "8")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert in_process_group() and rank_and_world_size() == (0, 1) and is_main_process()
+    finally:
+        dist.destroy_process_group()
+    assert not in_process_group() and rank_and_world_size() == (3, 8)
