@@ -1,9 +1,9 @@
 """JPEG decoding on the GPU, for jobs that run a locked tower over many images (`lit-softmoe embed`).
 
-Decoding is what keeps a GPU waiting: a host core decodes and resizes a 500-1,200 px photo in ~9 ms,
-so even 16 cores feed a fraction of what a B/16 tower embeds. nvJPEG decodes on the GPU instead
-(`torchvision.io.decode_jpeg(list, device="cuda")`, batched, on the hardware JPEG engines of A100/H100
-class GPUs), and the resize and center crop run there too. The host workers pass a share of the JPEGs on
+Decoding is what keeps a GPU waiting: host cores decode and resize large photos at a fraction of
+the rate a B/16 tower embeds them (docs/benchmarks.md). nvJPEG decodes on the GPU instead
+(`torchvision.io.decode_jpeg(list, device="cuda")`, batched), and the resize and center crop run
+there too (`ResizeCrop`). The host workers pass a share of the JPEGs on
 undecoded (`DeferToGpu`: their bytes, `EncodedJpeg`) and decode the rest as before, so that both decoders
 work; the process that owns the GPU decodes the deferred ones a batch at a time (`JpegBatchDecoder`).
 

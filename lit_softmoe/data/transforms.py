@@ -119,7 +119,7 @@ class _RandomAreaCropFlip:
     with probability 0.5; the resize to the tower's size follows on the tensor.
 
     Why not torchvision's own steps: its `get_params` makes a dozen one-element tensors per image
-    (0.3 ms, as much as the resize), so the draws here come from one `torch.rand` on torch's default
+    (costing about as much as the resize), so the draws here come from one `torch.rand` on torch's default
     generator (which the pipeline seeds per sample); and cropping and flipping the PIL image copies
     the crop alone, and a smaller tensor is made from it. `scripts/bench_pretrain_data.py` measures
     the loader against timm's. Tensors (C, H, W) are cropped and flipped alike.
@@ -317,8 +317,8 @@ def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] = 0.5,
     channels = images.shape[1]
     mean_t = torch.tensor(_per_channel(mean, channels, "mean"), dtype=dtype, device=images.device)
     std_t = torch.tensor(_per_channel(std, channels, "std"), dtype=dtype, device=images.device)
-    # Folded into x * (1 / (255 std)) - mean / std, in place on the cast copy: 1.5x faster on the CPU
-    # than one addcmul with its broadcast first operand. The cast also lays a channels-last batch (the
+    # Folded into x * (1 / (255 std)) - mean / std, in place on the cast copy: faster on the CPU than
+    # one addcmul with its broadcast first operand. The cast also lays a channels-last batch (the
     # stream's, `pipelines._ShardStream._collate`) out contiguously, where the per-channel broadcast is fast.
     scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1)
     shift = (mean_t / std_t).view(1, -1, 1, 1)

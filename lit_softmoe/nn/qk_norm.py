@@ -3,11 +3,10 @@ one Triton kernel launch each for q and k.
 
 Why a kernel: the paper's ViTs put a LayerNorm on every head's queries and keys, i.e. on rows only
 `head_dim` (64) wide, and PyTorch's LayerNorm kernel is slow on rows that narrow. q and k are also
-strided views into qkv, so `F.layer_norm` first copies each of them. In an H200 profile of our eager
-vit-b16 forward (bf16 weights, batch 256) the 24 qk LayerNorms took 16 of its 50 ms; timm's own
-ViT-B/16 slows from 24 to 42 ms with `qk_norm=True`. The op only moves memory: one read of q and k
-and one write of the result, which this kernel does, `BLOCK_ROWS` rows of `head_dim` per program,
-statistics in fp32.
+strided views into qkv, so `F.layer_norm` first copies each of them: in eager inference the qk
+LayerNorms take a large share of the forward (docs/benchmarks.md). The op only moves memory: one read
+of q and k and one write of the result, which this kernel does, `BLOCK_ROWS` rows of `head_dim` per
+program, statistics in fp32.
 
 Where it runs: CUDA tensors outside autograd (`torch.inference_mode()` / `no_grad`, or locked
 weights on an input that needs no grad) — the locked tower in LiT, `embed`, the eval suite, exports
