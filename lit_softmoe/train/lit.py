@@ -43,7 +43,7 @@ from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-from lit_softmoe.train.optim import check_optim_settings, long_warmup_warning, lr_at, set_lr
+from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
     check_same_run,
     check_training_length,
@@ -105,16 +105,8 @@ def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:
 
 
 def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
-    # no_weight_decay alone decides: it holds every vector and scalar but Soft MoE's `scale`, which
-    # unlocked tower blocks decay as pretraining does.
-    skip = set(model.no_weight_decay())
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if name in skip else decay).append(param)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as it does.
+    return create_optimizer(model, cfg.optim)
 
 
 def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
