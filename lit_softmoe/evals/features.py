@@ -47,7 +47,7 @@ def _collate(items: list[tuple]) -> tuple:
 
 
 @torch.inference_mode()
-def encode_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
+def encode_eval_images(model, data: EvalData, batch_size: int, workers: int, device: torch.device,
                   progress: bool = False, desc: str = "images",
                   precision: str = "auto") -> tuple[torch.Tensor, list, int]:
     """→ (features (N, width) float32 in dataset order, targets (N,), skipped bad images)."""
@@ -121,13 +121,13 @@ def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: Eva
                           device: torch.device, cache_dir: Path | None, progress: bool) -> tuple:
     """(features, targets, bad, "hit" | "miss" | "off"): from the cache when it holds this key."""
     if cache_dir is None:
-        return (*encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+        return (*encode_eval_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
                                cfg.precision), "off")
     folder = cache_dir / _cache_key(model, spec, data, device, cfg.precision)
     cached = _read_entry(folder) if (folder / "meta.json").is_file() else None
     if cached is not None:
         return (*cached, "hit")
-    features, targets, bad = encode_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
+    features, targets, bad = encode_eval_images(model, data, cfg.batch_size, cfg.workers, device, progress, spec.name,
                                            cfg.precision)
 
     def write(tmp: Path) -> None:

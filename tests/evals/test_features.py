@@ -11,7 +11,7 @@ from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbo
 from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.evals.features import _collate, _streamed_batches, encode_images
+from lit_softmoe.evals.features import _collate, _streamed_batches, encode_eval_images
 from lit_softmoe.evals.readers import read_benchmark
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
@@ -22,8 +22,8 @@ pytestmark = needs_foolbox
 def test_two_workers_give_the_same_features_in_the_same_order(fmnist):
     model, preprocess, _ = tiny_pair()
     data = read_benchmark("fashion-mnist", fmnist, "test", preprocess)
-    one, labels_one, _ = encode_images(model, data, 50, 0, torch.device("cpu"))
-    two, labels_two, _ = encode_images(model, data, 50, 2, torch.device("cpu"))
+    one, labels_one, _ = encode_eval_images(model, data, 50, 0, torch.device("cpu"))
+    two, labels_two, _ = encode_eval_images(model, data, 50, 2, torch.device("cpu"))
     assert labels_one == labels_two == [label for _, label in _tar_samples(fmnist / "test")]
     torch.testing.assert_close(one, two)
 
