@@ -17,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig
-from lit_softmoe.utils.device import COMPILE_CHOICES
+from lit_softmoe.utils.device import COMPILE_CHOICES, PRECISIONS
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ class PretrainConfig:
 
 _VALID_CHOICES = {
     "loss": ("softmax", "sigmoid"),
-    "precision": ("auto", "fp32", "bf16"),
+    "precision": PRECISIONS,
     "compile": COMPILE_CHOICES,
     "optim.schedule": ("cosine", "rsqrt", "constant"),
     "data.decode": ("full", "reduced"),

@@ -162,11 +162,7 @@ def _setup_memory_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: in
     _check_bad_fraction(cfg, "train", train_bad, len(train_labels))
     _check_bad_fraction(cfg, "test", test_bad, len(test_labels))
     _check_fits(cfg, tower_cfg, train_images)
-    if cfg.data.mean:
-        mean, std = list(cfg.data.mean), list(cfg.data.std)
-    else:
-        pixels = train_images[:STATS_IMAGES].float() / 255
-        mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+    mean, std = (list(cfg.data.mean), list(cfg.data.std)) if cfg.data.mean else _channel_stats(train_images)
     train = InMemoryClassBatches(train_images, train_labels, cfg.batch_size, cfg.seed, rank, world_size,
                                  augment=cfg.data.augment, crop_padding=cfg.data.crop_padding)
 
@@ -182,6 +178,13 @@ def _setup_memory_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: in
 
     return ClassData(train, classnames, mean, std, len(test_labels), test_batches, shots,
                      lambda: {"train": dict(train_bad), "test": dict(test_bad)}, streamed=False)
+
+
+def _channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std in [0, 1] of the first `STATS_IMAGES` of uint8 images (N, C, H, W): the
+    tower's normalization where the config gives none, however the split is read."""
+    pixels = images[:STATS_IMAGES].float() / 255
+    return pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
 
 
 def _fits(tower_cfg, images: torch.Tensor) -> bool:
@@ -206,9 +209,8 @@ def _setup_streamed_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: 
     else:  # each process reads the same first images, so all normalize alike
         batches, _ = split_batches(cfg.data.train, eval_pixels, 256, workers=0, num_classes=len(classnames),
                                    max_bad_fraction=1.0)
-        first = torch.cat([b.images for b in itertools.islice(batches, math.ceil(STATS_IMAGES / 256))])
-        pixels = first[:STATS_IMAGES].float() / 255
-        mean, std = pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
+        first = itertools.islice(batches, math.ceil(STATS_IMAGES / 256))
+        mean, std = _channel_stats(torch.cat([batch.images for batch in first]))
     if cfg.data.augment:
         crop = dict(crop_padding=cfg.data.crop_padding) if cfg.data.crop == "pad" else \
             dict(random_resized_crop=True, scale=tuple(cfg.data.crop_scale))
