@@ -36,9 +36,6 @@ from lit_softmoe.utils.paths import check_writable
 
 logger = logging.getLogger(__name__)
 
-# Pixel statistics of the 60k training images, in [0, 1] (for `normalize_batch` / transforms).
-FASHION_MNIST_MEAN = (0.2860,)
-FASHION_MNIST_STD = (0.3530,)
 # "the"/"my" instead of "a": several names start with a vowel or are plural ("an ankle boot",
 # "trousers"). Captions (training text) and zero-shot prompts (evaluation) are kept apart.
 CAPTION_TEMPLATES = (
