@@ -44,12 +44,13 @@ import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
+# Re-exported: train.embed imports it from here.
+from lit_softmoe.data.samples import IMAGE_EXTENSIONS as IMAGE_EXTENSIONS
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 NSHARDS_FILE = "nshards.txt"
 SIZES_FILE = "sizes.json"
 STATS_SUFFIX = "_stats.json"  # img2dataset's per-shard record: NNNNN.tar's is NNNNN_stats.json

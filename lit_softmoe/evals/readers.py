@@ -35,10 +35,11 @@ import torch
 import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from lit_softmoe.data.folders import SOURCE_IMAGE_SUFFIXES
 from lit_softmoe.data.images import decode
+from lit_softmoe.data.samples import class_index, image_extension
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
-    IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     BadSampleCounter,
     files_signature,
@@ -117,8 +118,8 @@ class _TarSamples(IterableDataset):
             else:
                 # No .cls is a bad sample (skipped and counted) like a .cls without a class index; as
                 # label -1 it failed the whole benchmark.
-                target = _class_index(sample["cls"]) if "cls" in sample else None
-            extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+                target = class_index(sample["cls"]) if "cls" in sample else None
+            extension = image_extension(sample)
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.
             image = None if extension is None or target is None else \
@@ -134,15 +135,6 @@ class _TarSamples(IterableDataset):
         for url in self.urls:
             counter.shard = url
             yield from wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}]))
-
-
-def _class_index(cls: bytes) -> int | None:
-    """The class index a `.cls` holds, or None when it holds no class index ("dog", "-1", bad bytes)."""
-    try:
-        label = int(cls.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return label if label >= 0 else None
 
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
@@ -172,9 +164,6 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
 
 
 # ---------------------------------------------------------------------------------- map-style readers
-
-_IMAGE_SUFFIXES = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}  # class folders' files
-
 
 class _Indexed(Dataset):
     """(index, transformed image, target) over a list of (load image, target) items."""
@@ -226,7 +215,7 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
         names = [f.name.replace("_", " ") for f in folders]
     # Regular files only: a FIFO among the images would block the reader forever.
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
-             if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
+             if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
     items = [((lambda p=path: _open_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})
@@ -435,7 +424,7 @@ def _holds_class_folders(root: Path) -> bool:
     hold one dataset folder (FashionMNIST/, oxford-iiit-pet/, dtd/ …) with its images further down."""
     found = 0
     for folder in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        found += any(f.suffix.lower() in _IMAGE_SUFFIXES for f in folder.iterdir())
+        found += any(f.suffix.lower() in SOURCE_IMAGE_SUFFIXES for f in folder.iterdir())
         if found >= 2:
             return True
     return False

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.samples import class_index
 from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
@@ -191,7 +192,8 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
         eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
         largest = int(eval_set["labels"].max())
     else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
-        labels = [int(cls) for cls in read_class_members(shard_urls(split)).values() if cls.isdigit()]
+        labels = [label for raw in read_class_members(shard_urls(split)).values()
+                  if (label := class_index(raw)) is not None]
         largest = max(labels, default=-1)
     if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
         raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
