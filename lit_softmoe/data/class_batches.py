@@ -33,7 +33,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, sample_decoder
-from lit_softmoe.data.samples import SampleSkip, decode_label
+from lit_softmoe.data.samples import SampleSkip, decode_label, is_class_member
 from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
@@ -154,17 +154,13 @@ def split_batches(urls: str, transform: Callable, batch_size: int, workers: int 
     return batches, loader
 
 
-def _class_members(name: str) -> bool:
-    return name.endswith(".cls")
-
-
 def split_labels(urls: str, num_classes: int = 0) -> torch.Tensor:
     """The class index of every sample of a split that has a valid one, in shard order, reading the
     `.cls` members alone (an image is never decoded: this is fast on any split)."""
     counter = BadSampleCounter()
     labels = []
     for url in shard_urls(urls):
-        for sample in tar_samples(url, counter, select_files=_class_members):
+        for sample in tar_samples(url, counter, select_files=is_class_member):
             try:
                 labels.append(decode_label(sample, num_classes))
             except SampleSkip:

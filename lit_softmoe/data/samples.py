@@ -31,6 +31,11 @@ def image_extension(sample: dict) -> str | None:
     return next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
 
 
+def is_class_member(name: str) -> bool:
+    """Whether a tar member is a sample's `.cls` (a `select_files` for reading labels alone)."""
+    return name.lower().endswith(".cls")
+
+
 def class_index(raw: bytes) -> int | None:
     """The class index a `.cls` member holds; None when it holds none ("dog", "-1", "+3", b"\\xff")."""
     digits = raw.strip(_ASCII_WHITESPACE)

@@ -46,6 +46,7 @@ from webdataset.tariterators import base_plus_ext
 
 # Re-exported: train.embed imports it from here.
 from lit_softmoe.data.samples import IMAGE_EXTENSIONS as IMAGE_EXTENSIONS
+from lit_softmoe.data.samples import is_class_member
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
 
@@ -464,11 +465,9 @@ def read_class_members(urls: list[str]) -> dict[str, bytes]:
     """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
     tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
     image decoding. A bad shard is passed over quietly (the main pass over the shards counts it)."""
-    pipeline = wds.DataPipeline(
-        wds.SimpleShardList(urls),
-        wds.tarfile_to_samples(handler=lambda exn: True, select_files=lambda name: name.endswith(".cls")),
-    )
-    return {sample["__key__"]: sample["cls"].strip() for sample in pipeline if "cls" in sample}
+    counter = _QuietCounter()
+    return {sample["__key__"]: sample["cls"].strip() for url in urls
+            for sample in tar_samples(url, counter, select_files=is_class_member) if "cls" in sample}
 
 
 def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]:
@@ -562,3 +561,10 @@ class BadSampleCounter:
 
     def __repr__(self) -> str:
         return f"BadSampleCounter({dict(self.counts)})"
+
+
+class _QuietCounter(BadSampleCounter):
+    """Counts and logs nothing: for a side pass whose shards the main pass counts."""
+
+    def skip(self, reason: str, detail: str, count: int = 1) -> None:
+        pass

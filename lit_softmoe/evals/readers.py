@@ -32,7 +32,6 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lit_softmoe.data.folders import SOURCE_IMAGE_SUFFIXES
@@ -47,6 +46,7 @@ from lit_softmoe.data.shards import (
     listed_sizes,
     read_lines,
     shard_urls,
+    tar_samples,
 )
 from lit_softmoe.data.transforms import decode_min_side, to_l_or_rgb
 from lit_softmoe.errors import UserError
@@ -127,14 +127,12 @@ class _TarSamples(IterableDataset):
             yield index, image, target
 
     def _samples(self) -> Iterator[dict]:
-        """Raw samples of every shard in turn. A truncated or unreadable tar is warned about (once per
-        shard) and the samples before the damage are kept, as the training pipeline does: it ended
-        the whole suite in a tarfile traceback. One tar stage per shard, so that a damaged shard's
-        last files never join the next shard's first sample."""
+        """Raw samples of every shard in turn, read as the training pipeline reads them (`shards.tar_samples`):
+        a truncated or unreadable tar is warned about (once per shard) and the samples before the
+        damage are kept; it ended the whole suite in a tarfile traceback."""
         counter = BadSampleCounter()
         for url in self.urls:
-            counter.shard = url
-            yield from wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}]))
+            yield from tar_samples(url, counter)
 
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:

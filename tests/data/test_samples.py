@@ -58,3 +58,13 @@ def test_every_reader_gives_the_same_labels(tmp_path):
     assert [label for label in eval_labels if label is not None] == expected
     suite = read_wds(tmp_path, "test", lambda image: image)
     assert [target for _, image, target in suite.dataset if image is not None] == expected
+
+
+def test_an_upper_case_cls_member_is_read_by_the_label_only_pass_too(tmp_path):
+    # Webdataset lowercases extensions: the decoding readers saw x.CLS as "cls", while the label-only
+    # pass selected members ending in ".cls" and lost it, shifting the positions shots are drawn at.
+    good = _png_bytes(np.zeros((8, 8), np.uint8))
+    write_split([{"png": good, "cls": b"1"}, {"png": good, "CLS": b"2"}, {"png": good, "cls": b"3"}], tmp_path, "t")
+    assert load_class_split(tmp_path / "t", cache=False)[1].tolist() == [1, 2, 3]
+    assert split_labels(str(tmp_path / "t")).tolist() == [1, 2, 3]
+    assert sorted(read_class_members(shard_urls(tmp_path / "t")).values()) == [b"1", b"2", b"3"]
