@@ -484,23 +484,58 @@ def num_samples(split_dir: str | Path) -> int:
 
 
 def read_lines(path: str | Path) -> list[str] | None:
-    """The stripped, non-empty lines of a text file (class names, templates…); None if it is absent."""
+    """The stripped, non-empty lines of a text file (templates, dataset_type.txt); None if it is absent.
+    Class names, where a line's place is its class, are read by `read_classnames_file`."""
+    lines = _stripped_lines(path)
+    return None if lines is None else [line for line in lines if line]
+
+
+def read_classnames_file(path: str | Path) -> list[str] | None:
+    """Class names, one per line in label order (line n names class n-1), stripped; None if the file
+    is absent. Every reader of class names (pretraining, LiT's eval set, the zero-shot suite, the
+    writers) reads them here, so all number the classes alike.
+
+    Blank lines at the end are dropped. A blank line before a name is a UserError: read as a class it
+    has no name, skipped it moves every later name onto the class before it."""
+    lines = _stripped_lines(path)
+    if lines is None:
+        return None
+    while lines and not lines[-1]:
+        lines.pop()
+    if "" in lines:
+        number = lines.index("") + 1
+        raise UserError(f"{path} line {number} is blank: class names go one per line in label order (line n names "
+                        f"class n-1); write class {number - 1}'s name on it, or delete it")
+    return lines
+
+
+def same_classnames(path: str | Path, classnames: list[str]) -> bool | None:
+    """Whether the class-names file `path` names `classnames` as its readers read it; None if there is
+    no such file. A file `read_classnames_file` refuses names other classes."""
+    try:
+        existing = read_classnames_file(path)
+    except (UserError, OSError, UnicodeDecodeError):
+        return False
+    return None if existing is None else existing == [name.strip() for name in classnames]
+
+
+def _stripped_lines(path: str | Path) -> list[str] | None:
     path = Path(path)
     if not path.is_file():
         return None
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 def read_classnames(dataset_dir: str | Path) -> list[str]:
-    """Class names, one per line of `classnames.txt`, in label order.
+    """The class names of a dataset folder's `classnames.txt` (`read_classnames_file`).
 
     A split folder is accepted too: its parent holds the file in the CLIP_benchmark layout.
     """
     dataset_dir = Path(dataset_dir)
     for folder in (dataset_dir, dataset_dir.parent):
-        path = folder / CLASSNAMES_FILE
-        if path.is_file():
-            return [line.strip() for line in path.read_text(encoding="utf-8").strip("\n").splitlines()]
+        names = read_classnames_file(folder / CLASSNAMES_FILE)
+        if names is not None:
+            return names
     raise UserError(f"no {CLASSNAMES_FILE} in {dataset_dir}: pass the dataset folder (the one holding "
                     "classnames.txt beside its split folders), or write one class name per line there")
 

@@ -44,6 +44,7 @@ from lit_softmoe.data.shards import (
     files_signature,
     is_split_folder,
     listed_sizes,
+    read_classnames_file,
     read_lines,
     shard_urls,
     tar_samples,
@@ -155,7 +156,7 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     task = task or ("retrieval" if kind == "retrieval" else "classification")
     listed = listed_sizes(urls)
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
-                    classnames=read_lines(root / CLASSNAMES_FILE),
+                    classnames=read_classnames_file(root / CLASSNAMES_FILE),
                     templates=read_lines(root / "zeroshot_classification_templates.txt"),
                     signature={"files": files_signature([Path(u) for u in urls])},
                     listed_samples=sum(listed.values()) if listed else None)

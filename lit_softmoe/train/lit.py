@@ -29,7 +29,14 @@ from tqdm.auto import tqdm
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
-from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
+from lit_softmoe.data.shards import (
+    dataset_dir,
+    is_local_url,
+    read_class_members,
+    read_classnames_file,
+    read_lines,
+    shard_urls,
+)
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
@@ -183,7 +190,7 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
-    eval_set = {"split": split, "classnames": read_lines(classnames), "templates": read_lines(templates),
+    eval_set = {"split": split, "classnames": read_classnames_file(classnames), "templates": read_lines(templates),
                 "features": None, "labels": None}
     if not eval_set["classnames"]:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
