@@ -32,7 +32,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from lit_softmoe.data.pipelines import ShardDataConfig, _decode_label, _Skip, create_shard_loader, sample_decoder
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, sample_decoder
+from lit_softmoe.data.samples import SampleSkip, decode_label, is_class_member
 from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
@@ -153,20 +154,16 @@ def split_batches(urls: str, transform: Callable, batch_size: int, workers: int 
     return batches, loader
 
 
-def _class_members(name: str) -> bool:
-    return name.endswith(".cls")
-
-
 def split_labels(urls: str, num_classes: int = 0) -> torch.Tensor:
     """The class index of every sample of a split that has a valid one, in shard order, reading the
     `.cls` members alone (an image is never decoded: this is fast on any split)."""
     counter = BadSampleCounter()
     labels = []
     for url in shard_urls(urls):
-        for sample in tar_samples(url, counter, select_files=_class_members):
+        for sample in tar_samples(url, counter, select_files=is_class_member):
             try:
-                labels.append(_decode_label(sample, num_classes))
-            except _Skip:
+                labels.append(decode_label(sample, num_classes))
+            except SampleSkip:
                 continue
     return torch.tensor(labels, dtype=torch.int64)
 
@@ -182,15 +179,15 @@ def read_samples(urls: str, positions: Sequence[int], transform: Callable,
     for url in shard_urls(urls):
         for sample in tar_samples(url, counter):
             try:
-                _decode_label(sample, num_classes)
-            except _Skip:
+                decode_label(sample, num_classes)
+            except SampleSkip:
                 continue
             if position in wanted:
                 passed += 1
                 try:
                     _, image, label = decode(sample)
                     found[wanted[position]] = (image, label)
-                except _Skip as skip:
+                except SampleSkip as skip:
                     counter.skip(skip.reason, f"{sample['__key__']} in {url}: {skip}")
             position += 1
             if passed == len(wanted):

@@ -17,9 +17,9 @@ import PIL.Image
 import torch
 
 from lit_softmoe.data.images import upright_l_or_rgb
+from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import (
     DECODED_CACHE_PREFIX,
-    IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     BadSampleCounter,
     file_identity,
@@ -46,20 +46,14 @@ class MixedSizesError(UserError):
 
 def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
     where = f"{sample['__key__']} in {sample.get('__url__')}"
-    image_key = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    image_key = image_extension(sample)
     if image_key is None:
         counter.skip("missing_image", where)
         return None
-    if "cls" not in sample:
-        counter.skip("missing_cls", where)
-        return None
     try:
-        label = int(sample["cls"].decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        counter.skip("bad_cls", f"{where}: {sample['cls'][:20]!r}")
-        return None
-    if label < 0:  # as the streaming pipelines do: no class index is negative
-        counter.skip("bad_cls", f"{where}: negative class {label}")
+        label = decode_label(sample)
+    except SampleSkip as skip:
+        counter.skip(skip.reason, f"{where}: {skip}" if str(skip) else where)
         return None
     try:
         image = PIL.Image.open(io.BytesIO(sample[image_key]))

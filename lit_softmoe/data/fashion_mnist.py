@@ -26,7 +26,14 @@ from tqdm import tqdm
 
 from lit_softmoe.data.captions import class_caption
 from lit_softmoe.data.class_split import cache_decoded_split
-from lit_softmoe.data.shards import CLASSNAMES_FILE, SIZES_FILE, TEMPLATES_FILE, read_lines, splits_beside, write_split
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    SIZES_FILE,
+    TEMPLATES_FILE,
+    same_classnames,
+    splits_beside,
+    write_split,
+)
 from lit_softmoe.data.writers import other_split_data
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
@@ -289,10 +296,9 @@ def _check_free(out_dir: Path, overwrite: bool) -> dict[str, str | None]:
 def _check_other_classnames(out_dir: Path) -> None:
     """Refuse to rename the classes of a split here that is not train/ or test/ (`data from-folder`
     refuses the same for its splits): classnames.txt beside the splits describes them all."""
-    existing = read_lines(out_dir / CLASSNAMES_FILE)
     others = splits_beside(out_dir, exclude=FASHION_MNIST_FILES)
-    if existing is not None and existing != list(FASHION_MNIST_CLASSNAMES) and others:
-        raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {len(existing)} other classes than Fashion-MNIST's for "
+    if same_classnames(out_dir / CLASSNAMES_FILE, list(FASHION_MNIST_CLASSNAMES)) is False and others:
+        raise UserError(f"{out_dir / CLASSNAMES_FILE} lists other classes than Fashion-MNIST's for "
                         f"the split(s) {', '.join(others)}; write Fashion-MNIST to another --out")
 
 

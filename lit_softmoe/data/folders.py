@@ -148,8 +148,11 @@ def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
 
 def _check_classnames(src: Path, classnames: list[str]) -> None:
     """classnames.txt holds one name per line: a folder name with a newline (or another control
-    character) would shift every later class onto another's name."""
+    character) would shift every later class onto another's name, and a blank one is refused by its readers."""
     for name in classnames:
+        if not name.strip():
+            raise UserError(f"class folder {name!r} in {src} has a blank name, which classnames.txt (one class name "
+                            "per line) cannot hold; rename the folder")
         if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
             raise UserError(f"class folder {name!r} in {src} has a control character or line break in its name, which "
                             "classnames.txt (one class name per line) cannot hold; rename the folder")

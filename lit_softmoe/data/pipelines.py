@@ -46,13 +46,8 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from torchvision.transforms.v2 import functional as TF
 
 from lit_softmoe.data.images import open_image
-from lit_softmoe.data.shards import (
-    IMAGE_EXTENSIONS,
-    BadSampleCounter,
-    listed_sizes,
-    shard_urls,
-    tar_samples,
-)
+from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
+from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
 from lit_softmoe.data.transforms import decode_min_side
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.distributed import rank_and_world_size
@@ -135,14 +130,6 @@ class _StreamCounter(BadSampleCounter):
         return report
 
 
-class _Skip(Exception):
-    """A sample that cannot be used, with the reason it is counted under."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail)
-        self.reason = reason
-
-
 # ---------------------------------------------------------------------------------- field decoders
 
 def _decode_image(sample: dict, transform: Callable | None, min_side: int | None = None,
@@ -151,15 +138,15 @@ def _decode_image(sample: dict, transform: Callable | None, min_side: int | None
     `seed`: the transform's random draws come from torch's generator seeded with it (and the
     caller's generator state is left as it was). `defer(key, bytes)`: what stands for an image that is
     decoded later, elsewhere (`gpu_jpeg.DeferToGpu`), or None to decode it here."""
-    extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    extension = image_extension(sample)
     if extension is None:
-        raise _Skip("missing_image")
+        raise SampleSkip("missing_image")
     if defer is not None and (deferred := defer(sample["__key__"], sample[extension])) is not None:
         return deferred
     try:
         image = open_image(sample[extension], min_side)  # decoded now: a truncated file fails here
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
-        raise _Skip("bad_image", f"{type(exn).__name__}: {exn}") from None
+        raise SampleSkip("bad_image", f"{type(exn).__name__}: {exn}") from None
     if transform is None:
         return TF.pil_to_tensor(image)  # (C, H, W) uint8
     try:
@@ -175,53 +162,39 @@ def _decode_image(sample: dict, transform: Callable | None, min_side: int | None
         finally:
             generator.set_state(state)
     except Exception as exn:  # counted apart from bad files: a transform that fails on everything is a bug
-        raise _Skip("bad_transform", f"{type(exn).__name__}: {exn}") from None
+        raise SampleSkip("bad_transform", f"{type(exn).__name__}: {exn}") from None
 
 
 def _decode_caption(sample: dict) -> str:
     if "txt" not in sample:
-        raise _Skip("missing_txt")
+        raise SampleSkip("missing_txt")
     try:
         caption = sample["txt"].decode("utf-8").strip()
     except UnicodeDecodeError as exn:
-        raise _Skip("bad_txt", f"not UTF-8: {exn}") from None
+        raise SampleSkip("bad_txt", f"not UTF-8: {exn}") from None
     if not caption:
-        raise _Skip("bad_txt", "empty caption")
+        raise SampleSkip("bad_txt", "empty caption")
     return caption
-
-
-def _decode_label(sample: dict, num_classes: int = 0) -> int:
-    if "cls" not in sample:
-        raise _Skip("missing_cls")
-    try:
-        label = int(sample["cls"].decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise _Skip("bad_cls", f"{sample['cls'][:20]!r} is not a class index") from None
-    if label < 0:
-        raise _Skip("bad_cls", f"negative class {label}")
-    if num_classes and label >= num_classes:
-        raise _Skip("bad_cls", f"class {label} is past the {num_classes} class names")
-    return label
 
 
 def _decode_embedding(sample: dict, expected_shape: list) -> torch.Tensor:
     if "npy" not in sample:
-        raise _Skip("missing_npy")
+        raise SampleSkip("missing_npy")
     try:
         array = np.load(io.BytesIO(sample["npy"]), allow_pickle=False)
     except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
         # numpy's message for an object array names allow_pickle: a pickle is never loaded from a shard.
         detail = "holds Python objects, which are never unpickled" if "allow_pickle" in str(exn) else exn
-        raise _Skip("bad_npy", f"{type(exn).__name__}: {detail}") from None
+        raise SampleSkip("bad_npy", f"{type(exn).__name__}: {detail}") from None
     if array.dtype.kind != "f" or array.ndim == 0:
-        raise _Skip("bad_npy", f"expected a float array, got {array.dtype} with shape {array.shape}")
+        raise SampleSkip("bad_npy", f"expected a float array, got {array.dtype} with shape {array.shape}")
     with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: checked below
         array = array.astype(np.float32, copy=False)
     # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a NaN.
     if not np.isfinite(array).all():
-        raise _Skip("bad_npy", "holds NaN or infinity (as float32)")
+        raise SampleSkip("bad_npy", "holds NaN or infinity (as float32)")
     if expected_shape and tuple(array.shape) != expected_shape[0]:
-        raise _Skip("bad_npy", f"shape {array.shape} differs from the stream's {expected_shape[0]}")
+        raise SampleSkip("bad_npy", f"shape {array.shape} differs from the stream's {expected_shape[0]}")
     expected_shape[:1] = [tuple(array.shape)]  # the first good embedding fixes the shape
     return torch.from_numpy(array)
 
@@ -233,7 +206,7 @@ def sample_seed(seed: int, epoch: int, key: str) -> int:
 
 def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callable[[str], int] | None = None,
                    num_classes: int = 0, defer: Callable[[str, bytes], Any] | None = None) -> Callable[[dict], tuple]:
-    """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `_Skip`.
+    """The decode stage of a `kind` stream: raw sample dict → (key, input, target), raising `SampleSkip`.
 
     The cheap target is checked first, so a sample missing its caption or class costs no image decode.
     `seed_of(key)`: the seed of the sample's random transform (`sample_seed`); None: torch's generator
@@ -251,7 +224,7 @@ def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callab
         return s["__key__"], image(s), caption
 
     def image_class(s: dict) -> tuple:
-        label = _decode_label(s, num_classes)
+        label = decode_label(s, num_classes)
         return s["__key__"], image(s), label
 
     shape: list = []  # filled by the first good embedding
@@ -261,7 +234,7 @@ def sample_decoder(kind: str, transform: Callable | None = None, seed_of: Callab
         return s["__key__"], _decode_embedding(s, shape), caption
 
     def embedding_class(s: dict) -> tuple:  # cached features of a class split (zero-shot eval)
-        label = _decode_label(s, num_classes)
+        label = decode_label(s, num_classes)
         return s["__key__"], _decode_embedding(s, shape), label
 
     return {"image-caption": image_caption, "image-class": image_class,
@@ -330,7 +303,7 @@ def _decode_stage(samples: Iterator[dict], decode: Callable[[dict], tuple], coun
         counter.read += 1
         try:
             decoded = decode(sample)
-        except _Skip as skip:
+        except SampleSkip as skip:
             detail = f": {skip}" if str(skip) else ""
             counter.skip(skip.reason, f"{sample.get('__key__')} in {sample.get('__url__')}{detail}")
             if give_up_without_good and counter.good == 0 and counter.read >= MIN_SAMPLES_BEFORE_CHECK:

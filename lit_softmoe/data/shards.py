@@ -44,12 +44,14 @@ import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
+# Re-exported: train.embed imports it from here.
+from lit_softmoe.data.samples import IMAGE_EXTENSIONS as IMAGE_EXTENSIONS
+from lit_softmoe.data.samples import is_class_member
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 NSHARDS_FILE = "nshards.txt"
 SIZES_FILE = "sizes.json"
 STATS_SUFFIX = "_stats.json"  # img2dataset's per-shard record: NNNNN.tar's is NNNNN_stats.json
@@ -463,11 +465,9 @@ def read_class_members(urls: list[str]) -> dict[str, bytes]:
     """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
     tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
     image decoding. A bad shard is passed over quietly (the main pass over the shards counts it)."""
-    pipeline = wds.DataPipeline(
-        wds.SimpleShardList(urls),
-        wds.tarfile_to_samples(handler=lambda exn: True, select_files=lambda name: name.endswith(".cls")),
-    )
-    return {sample["__key__"]: sample["cls"].strip() for sample in pipeline if "cls" in sample}
+    counter = _QuietCounter()
+    return {sample["__key__"]: sample["cls"].strip() for url in urls
+            for sample in tar_samples(url, counter, select_files=is_class_member) if "cls" in sample}
 
 
 def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]:
@@ -484,23 +484,58 @@ def num_samples(split_dir: str | Path) -> int:
 
 
 def read_lines(path: str | Path) -> list[str] | None:
-    """The stripped, non-empty lines of a text file (class names, templates…); None if it is absent."""
+    """The stripped, non-empty lines of a text file (templates, dataset_type.txt); None if it is absent.
+    Class names, where a line's place is its class, are read by `read_classnames_file`."""
+    lines = _stripped_lines(path)
+    return None if lines is None else [line for line in lines if line]
+
+
+def read_classnames_file(path: str | Path) -> list[str] | None:
+    """Class names, one per line in label order (line n names class n-1), stripped; None if the file
+    is absent. Every reader of class names (pretraining, LiT's eval set, the zero-shot suite, the
+    writers) reads them here, so all number the classes alike.
+
+    Blank lines at the end are dropped. A blank line before a name is a UserError: read as a class it
+    has no name, skipped it moves every later name onto the class before it."""
+    lines = _stripped_lines(path)
+    if lines is None:
+        return None
+    while lines and not lines[-1]:
+        lines.pop()
+    if "" in lines:
+        number = lines.index("") + 1
+        raise UserError(f"{path} line {number} is blank: class names go one per line in label order (line n names "
+                        f"class n-1); write class {number - 1}'s name on it, or delete it")
+    return lines
+
+
+def same_classnames(path: str | Path, classnames: list[str]) -> bool | None:
+    """Whether the class-names file `path` names `classnames` as its readers read it; None if there is
+    no such file. A file `read_classnames_file` refuses names other classes."""
+    try:
+        existing = read_classnames_file(path)
+    except (UserError, OSError, UnicodeDecodeError):
+        return False
+    return None if existing is None else existing == [name.strip() for name in classnames]
+
+
+def _stripped_lines(path: str | Path) -> list[str] | None:
     path = Path(path)
     if not path.is_file():
         return None
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 def read_classnames(dataset_dir: str | Path) -> list[str]:
-    """Class names, one per line of `classnames.txt`, in label order.
+    """The class names of a dataset folder's `classnames.txt` (`read_classnames_file`).
 
     A split folder is accepted too: its parent holds the file in the CLIP_benchmark layout.
     """
     dataset_dir = Path(dataset_dir)
     for folder in (dataset_dir, dataset_dir.parent):
-        path = folder / CLASSNAMES_FILE
-        if path.is_file():
-            return [line.strip() for line in path.read_text(encoding="utf-8").strip("\n").splitlines()]
+        names = read_classnames_file(folder / CLASSNAMES_FILE)
+        if names is not None:
+            return names
     raise UserError(f"no {CLASSNAMES_FILE} in {dataset_dir}: pass the dataset folder (the one holding "
                     "classnames.txt beside its split folders), or write one class name per line there")
 
@@ -561,3 +596,10 @@ class BadSampleCounter:
 
     def __repr__(self) -> str:
         return f"BadSampleCounter({dict(self.counts)})"
+
+
+class _QuietCounter(BadSampleCounter):
+    """Counts and logs nothing: for a side pass whose shards the main pass counts."""
+
+    def skip(self, reason: str, detail: str, count: int = 1) -> None:
+        pass

@@ -21,7 +21,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from lit_softmoe.data.shards import BadSampleCounter, read_lines
+from lit_softmoe.data.shards import BadSampleCounter, read_classnames_file
 from lit_softmoe.errors import UserError
 
 _WHOLE_NUMBER = re.compile(r"[+-]?\d+")
@@ -48,13 +48,13 @@ def class_cell(cell: Any) -> tuple[str | int | None, str | None]:
 
 
 def load_classnames_file(path: str | Path) -> list[str]:
-    """The class names of a `--classnames` file, one per line in label order (blank lines skipped)."""
+    """The class names of a `--classnames` file, one per line in label order (`shards.read_classnames_file`)."""
     path = Path(path)
     hint = "give a text file with one class name per line, in label order"
     if path.is_dir() or not path.exists():
         raise UserError(f"--classnames {path} is {'a folder' if path.is_dir() else 'not found'}; {hint}")
     try:
-        names = read_lines(path)
+        names = read_classnames_file(path)
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read --classnames {path} ({err}); {hint}") from None
     if not names:

@@ -63,6 +63,7 @@ from lit_softmoe.data.shards import (
     TEMPLATES_FILE,
     BadSampleCounter,
     read_lines,
+    same_classnames,
     splits_beside,
     write_split,
 )
@@ -471,7 +472,7 @@ def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
         if any((split_dir / name).stat().st_size != nbytes for name, nbytes in recorded["shard_bytes"].items()):
             return None
         classnames = manifest["classnames"]
-        if classnames is not None and _read_lines(split_dir.parent / CLASSNAMES_FILE) != classnames:
+        if classnames is not None and not same_classnames(split_dir.parent / CLASSNAMES_FILE, classnames):
             return None
         templates = manifest.get("caption_templates")
         if templates is not None and read_lines(split_dir.parent / TEMPLATES_FILE) != templates:
@@ -481,17 +482,13 @@ def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
         return None
 
 
-def _read_lines(path: Path) -> list[str] | None:
-    return path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
-
-
 def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None) -> None:
     """Refuse to give this split other class numbers than the dataset's other splits have."""
-    existing = _read_lines(out_dir / CLASSNAMES_FILE)
-    if classnames is None or existing is None or existing == classnames:
+    if classnames is None or same_classnames(out_dir / CLASSNAMES_FILE, classnames) is not False:
         return
     others = splits_beside(out_dir, exclude={split})
     if others:
-        raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {len(existing)} classes for the split(s) "
+        existing = len(read_lines(out_dir / CLASSNAMES_FILE) or [])
+        raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {existing} classes for the split(s) "
                         f"{', '.join(others)}, but this folder has {len(classnames)} other ones; give every "
                         "split the same class folders, or write to another --out")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lit_softmoe.config import BenchmarkConfig
-from lit_softmoe.data.shards import read_lines
+from lit_softmoe.data.shards import read_classnames_file, read_lines
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.metadata import BenchmarkInfo, benchmark_info, check_templates
@@ -23,7 +23,7 @@ def shipped_metadata(name: str) -> BenchmarkInfo | None:
 
 
 def _read_list(path: str, what: str) -> list[str]:
-    lines = read_lines(path)
+    lines = read_classnames_file(path) if what == "classnames" else read_lines(path)
     if lines is None:
         raise UserError(f"{what} file {path} does not exist; give one entry per line")
     return lines

@@ -32,20 +32,22 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from lit_softmoe.data.folders import SOURCE_IMAGE_SUFFIXES
 from lit_softmoe.data.images import decode
+from lit_softmoe.data.samples import class_index, image_extension
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
-    IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     BadSampleCounter,
     files_signature,
     is_split_folder,
     listed_sizes,
+    read_classnames_file,
     read_lines,
     shard_urls,
+    tar_samples,
 )
 from lit_softmoe.data.transforms import decode_min_side, to_l_or_rgb
 from lit_softmoe.errors import UserError
@@ -117,8 +119,8 @@ class _TarSamples(IterableDataset):
             else:
                 # No .cls is a bad sample (skipped and counted) like a .cls without a class index; as
                 # label -1 it failed the whole benchmark.
-                target = _class_index(sample["cls"]) if "cls" in sample else None
-            extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+                target = class_index(sample["cls"]) if "cls" in sample else None
+            extension = image_extension(sample)
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.
             image = None if extension is None or target is None else \
@@ -126,23 +128,12 @@ class _TarSamples(IterableDataset):
             yield index, image, target
 
     def _samples(self) -> Iterator[dict]:
-        """Raw samples of every shard in turn. A truncated or unreadable tar is warned about (once per
-        shard) and the samples before the damage are kept, as the training pipeline does: it ended
-        the whole suite in a tarfile traceback. One tar stage per shard, so that a damaged shard's
-        last files never join the next shard's first sample."""
+        """Raw samples of every shard in turn, read as the training pipeline reads them (`shards.tar_samples`):
+        a truncated or unreadable tar is warned about (once per shard) and the samples before the
+        damage are kept; it ended the whole suite in a tarfile traceback."""
         counter = BadSampleCounter()
         for url in self.urls:
-            counter.shard = url
-            yield from wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}]))
-
-
-def _class_index(cls: bytes) -> int | None:
-    """The class index a `.cls` holds, or None when it holds no class index ("dog", "-1", bad bytes)."""
-    try:
-        label = int(cls.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return label if label >= 0 else None
+            yield from tar_samples(url, counter)
 
 
 def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
@@ -165,16 +156,13 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
     task = task or ("retrieval" if kind == "retrieval" else "classification")
     listed = listed_sizes(urls)
     return EvalData(task, _TarSamples(urls, task, transform), "wds",
-                    classnames=read_lines(root / CLASSNAMES_FILE),
+                    classnames=read_classnames_file(root / CLASSNAMES_FILE),
                     templates=read_lines(root / "zeroshot_classification_templates.txt"),
                     signature={"files": files_signature([Path(u) for u in urls])},
                     listed_samples=sum(listed.values()) if listed else None)
 
 
 # ---------------------------------------------------------------------------------- map-style readers
-
-_IMAGE_SUFFIXES = {f".{e}" for e in IMAGE_EXTENSIONS} | {".bmp", ".tif", ".tiff", ".gif"}  # class folders' files
-
 
 class _Indexed(Dataset):
     """(index, transformed image, target) over a list of (load image, target) items."""
@@ -226,7 +214,7 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
         names = [f.name.replace("_", " ") for f in folders]
     # Regular files only: a FIFO among the images would block the reader forever.
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
-             if path.suffix.lower() in _IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
+             if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
     items = [((lambda p=path: _open_image(p)), label) for path, label in files]
     return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})
@@ -435,7 +423,7 @@ def _holds_class_folders(root: Path) -> bool:
     hold one dataset folder (FashionMNIST/, oxford-iiit-pet/, dtd/ …) with its images further down."""
     found = 0
     for folder in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        found += any(f.suffix.lower() in _IMAGE_SUFFIXES for f in folder.iterdir())
+        found += any(f.suffix.lower() in SOURCE_IMAGE_SUFFIXES for f in folder.iterdir())
         if found >= 2:
             return True
     return False

@@ -28,7 +28,15 @@ from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import dataset_dir, is_local_url, read_class_members, read_lines, shard_urls
+from lit_softmoe.data.samples import class_index
+from lit_softmoe.data.shards import (
+    dataset_dir,
+    is_local_url,
+    read_class_members,
+    read_classnames_file,
+    read_lines,
+    shard_urls,
+)
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
@@ -174,7 +182,7 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
-    eval_set = {"split": split, "classnames": read_lines(classnames), "templates": read_lines(templates),
+    eval_set = {"split": split, "classnames": read_classnames_file(classnames), "templates": read_lines(templates),
                 "features": None, "labels": None}
     if not eval_set["classnames"]:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
@@ -183,7 +191,8 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
         eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
         largest = int(eval_set["labels"].max())
     else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
-        labels = [int(cls) for cls in read_class_members(shard_urls(split)).values() if cls.isdigit()]
+        labels = [label for raw in read_class_members(shard_urls(split)).values()
+                  if (label := class_index(raw)) is not None]
         largest = max(labels, default=-1)
     if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
         raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "

@@ -360,3 +360,43 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
     only_labels = read(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert only_labels == by_webdataset(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert [set(sample) for sample in only_labels[0]] == [{"__key__", "cls"}] * 64
+
+
+def _dataset_with_classnames(root: Path, text: str) -> Path:
+    write_split([{"png": _png_bytes(np.zeros((8, 8), np.uint8)), "cls": b"0"}], root, "test")
+    (root / "classnames.txt").write_bytes(text.encode())
+    return root
+
+
+@pytest.mark.parametrize("text", ["cat\ndog", "cat\ndog\n", "cat\ndog\n  \n\n", "cat\r\ndog\r\n\r\n", " cat \n\tdog\n"])
+def test_pretraining_and_evaluation_read_the_same_class_names(tmp_path, text):
+    """Pretraining (`read_classnames`) kept a blank last line with spaces, or of a CRLF file, as a class
+    named "", which LiT's eval set and the zero-shot suite dropped."""
+    from lit_softmoe.evals.prompts import _read_list
+    from lit_softmoe.evals.readers import read_wds
+
+    root = _dataset_with_classnames(tmp_path, text)
+    assert read_classnames(root) == read_classnames(root / "test") == ["cat", "dog"]
+    assert shards.read_classnames_file(root / "classnames.txt") == ["cat", "dog"]  # LiT's eval set
+    assert read_wds(root, "test", lambda image: image).classnames == ["cat", "dog"]
+    assert _read_list(str(root / "classnames.txt"), "classnames") == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("text, line", [("cat\n\ndog\n", 2), ("cat\n   \ndog\n", 2), ("\ncat\ndog\n", 1)])
+def test_a_blank_line_before_a_class_name_is_refused_in_one_line(tmp_path, text, line):
+    """Pretraining read a blank line as a class named "" and LiT and the suite skipped it, so every
+    later class had another label in each; now every reader refuses the file, naming the line."""
+    from lit_softmoe.evals.readers import read_wds
+
+    root = _dataset_with_classnames(tmp_path, text)
+    for read in (lambda: read_classnames(root), lambda: read_wds(root, "test", lambda image: image)):
+        with pytest.raises(UserError, match=f"classnames.txt line {line} is blank: .*write class {line - 1}'s name"
+                           ) as refused:
+            read()
+        assert "\n" not in str(refused.value)
+
+
+def test_templates_and_other_metadata_files_skip_blank_lines(tmp_path):
+    (tmp_path / "t.txt").write_text("\na photo of a {c}.\n\n  a {c}  \n\n")
+    assert shards.read_lines(tmp_path / "t.txt") == ["a photo of a {c}.", "a {c}"]
+    assert shards.read_lines(tmp_path / "absent.txt") is None and shards.read_classnames_file(tmp_path / "x") is None
