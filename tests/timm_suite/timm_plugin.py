@@ -11,7 +11,8 @@ plugin, this module imports our registration before timm's test module parametri
   their features are tokens (B, N, C), not NCHW maps. Our names match no such pattern, so their
   items run that body under its own name.
 - everything else (features_only / forward_intermediates / TorchScript / FX / pretrained-weight
-  tests, and the tests of named timm models) is deselected; docs/interoperability.md ("timm tests that do not apply") says why for each.
+  tests, and the tests of named timm models) is deselected; docs/interoperability.md ("timm tests
+  that do not apply") says why for each.
 
 Towers above LIT_SOFTMOE_TIMM_MAX_PARAMS parameters (default 400M: dense H and the paper's Soft MoE
 towers, 922M to 54B) are deselected too: on a CPU machine they cost minutes each, and from
