@@ -8,18 +8,8 @@ has no such cache (its issue #99); this module is ours.
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
 zero-shot test split can be cached too, also without captions), runs `tower.forward_pooled` under
 inference mode (bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset
-layout, feature shard i for source shard i:
-
-    out_dir/
-        classnames.txt  zeroshot_classification_templates.txt  dataset_type.txt   (copied, if present)
-        train/  0.tar … N-1.tar  nshards.txt  sizes.json  embed.json
-
-Each sample keeps its source key and holds `.npy` (the pooled embedding, float16: half the bytes
-of float32, and well inside the rounding a contrastive loss ignores), `.txt` (the caption) and
-`.cls` (copied as-is) when the source had them; `create_shard_loader(…, "embedding-caption")`
-reads them back. `embed.json` lives in the split folder, so train and test caches can share one
-`out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
-fingerprint (sha256 of its weights, its config, its preprocessing).
+layout, feature shard i for source shard i, as `data.feature_cache` describes the cache (its
+folder, samples and embed.json).
 
 Keeping a GPU fed, by default: the tower runs in bf16 weights on GPUs (`prepare_for_inference`, cast once),
 one DataLoader worker per available core reads the shards, and JPEGs travel to the GPU undecoded, where
@@ -36,7 +26,7 @@ atomically into a work folder as soon as it is complete, so a killed run, rerun,
 shards it had not finished. When all are there, rank 0 puts the split folder in place whole (hard
 links, then one rename), so its presence means a finished cache: a rerun with the same tower and
 the same source files (each shard's path, size and modification time) is skipped, one with anything
-changed embeds again, and `check_feature_cache` refuses a cache made with another tower or
+changed embeds again, and `feature_cache.check_feature_cache` refuses a cache made with another tower or
 preprocessing, or one whose local source shards were rewritten since, instead of training on stale
 embeddings (a deleted source is fine: the features are what is left of it).
 """
@@ -66,123 +56,37 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.device_prefetch import DevicePrefetcher
+from lit_softmoe.data.feature_cache import (
+    EMBED_FILE,
+    cache_fingerprint,
+    copy_metadata,
+    damaged_shard,
+    read_embed_json,
+    refuse_other_metadata,
+    source_stats,
+)
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     SIZES_FILE,
     dataset_dir,
-    is_local_url,
     is_safe_key,
     listed_sizes,
     read_class_members,
     shard_urls,
-    splits_beside,
 )
 from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
 from lit_softmoe.utils.hashing import file_sha256
 
-EMBED_FILE = "embed.json"
-FORMAT_VERSION = 1
-# Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
-METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
-_FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
 # not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
-
-
-def cache_fingerprint(tower_dir: str | Path) -> dict:
-    """What a feature cache made with the tower in `tower_dir` is keyed by: the cache format and the
-    tower's fingerprint (weights' sha256, config, preprocessing)."""
-    return {"format": FORMAT_VERSION, **tower_fingerprint(tower_dir)}
-
-
-def _read_embed_json(split_dir: Path) -> dict | None:
-    try:
-        return json.loads((split_dir / EMBED_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _rerun_hint(tower_dir, source, split_dir: Path) -> str:
-    return (f"rerun `lit-softmoe embed --tower {tower_dir} --shards {source} --out {split_dir.parent} "
-            f"--split {split_dir.name}`")
-
-
-def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) -> dict:
-    """Raise UserError unless `feature_split_dir` was embedded by the tower in `tower_dir`.
-
-    Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
-    refused when embed.json is missing (not a cache, or a run that did not finish), when the
-    tower's weights, config or preprocessing differ from those it was made with, or when one of
-    its local source shards still exists with another size or modification time, or when one of its
-    own shards is not the file embed wrote (damaged, truncated or replaced since).
-    """
-    split_dir = Path(feature_split_dir)
-    info = _read_embed_json(split_dir)
-    if info is None:
-        raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
-                        f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
-    expected = cache_fingerprint(tower_dir)
-    if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
-        raise UserError(f"feature cache {split_dir} was made with another tower (sha "
-                        f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    changed = _changed_source_file(info.get("source_stats") or {})
-    if changed is not None:
-        raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
-                        f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    damaged = _damaged_shard(split_dir, info.get("shard_sha256"))
-    if damaged is not None:
-        raise UserError(f"feature cache {split_dir}: {damaged}; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    return info
-
-
-def _damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
-    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (caches
-    written before the hashes were recorded cannot be checked)."""
-    for name, sha256 in (recorded or {}).items():
-        path = split_dir / name
-        if not path.is_file():
-            return f"its shard {name} is missing"
-        if file_sha256(path) != sha256:
-            return f"its shard {name} is not the one embed wrote (damaged or replaced since)"
-    return None
-
-
-def _source_stats(urls: list[str]) -> dict:
-    """{resolved path: [size, mtime_ns]} of each local source shard, {url: None} of a remote one (it
-    cannot be stat'ed): what embed.json records, a rerun compares and `check_feature_cache` checks."""
-    stats = {}
-    for url in urls:
-        if is_local_url(url):
-            stat = os.stat(url)
-            stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
-        else:
-            stats[url] = None
-    return stats
-
-
-def _changed_source_file(source_stats: dict) -> str | None:
-    """A source shard rewritten since embedding, if any. Deleted sources are fine: dropping the images
-    once their features are cached is a reason to cache (and remote sources cannot be checked)."""
-    for path, recorded in source_stats.items():
-        if recorded is None:  # remote
-            continue
-        try:
-            stat = os.stat(path)
-        except OSError:
-            continue
-        if [stat.st_size, stat.st_mtime_ns] != recorded:
-            return path
-    return None
 
 
 # ---------------------------------------------------------------------------------- reading the source
@@ -218,7 +122,7 @@ def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> N
     `members`: those of the first sample (`_first_sample_members`)."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")
-    info = _read_embed_json(Path(first).parent) if local else None
+    info = read_embed_json(Path(first).parent) if local else None
     if info is None:
         if "npy" not in members or members & set(IMAGE_EXTENSIONS):
             return
@@ -519,33 +423,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         finished.extend(write.result() for write in writes)
 
 
-def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
-    """Copy classnames.txt & co. from beside the source split to beside the feature split."""
-    copied = []
-    for name in METADATA_FILES if source_dir is not None else ():
-        source = source_dir / name
-        if not source.is_file():
-            continue
-        text, target = source.read_text(encoding="utf-8"), out_dir / name
-        if not target.is_file() or target.read_text(encoding="utf-8") != text:
-            write_text_atomic(target, text)
-        copied.append(name)
-    return copied
-
-
-def _refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
-    """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
-    embedding a second dataset into the same --out would rename the first one's classes."""
-    others = splits_beside(out_dir, exclude={split})
-    for name in METADATA_FILES if source_dir is not None and others else ():
-        source, target = source_dir / name, out_dir / name
-        if (source.is_file() and target.is_file()
-                and source.read_text(encoding="utf-8") != target.read_text(encoding="utf-8")):
-            raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
-                            f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
-                            f"{target} to take the new one")
-
-
 def _remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
     # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
     # the work folder of a run of another tower or other sources, which will never be resumed.
@@ -683,18 +560,18 @@ def embed_shards(
     fingerprint = cache_fingerprint(tower_dir)
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
-    wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
+    wanted = {**fingerprint, "source": str(shards), "source_stats": source_stats(urls),
               "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder,
               **({"gpu_jpeg_share": gpu_jpeg_share} if decoder == "gpu" else {})}
 
     source_dir = dataset_dir(shards, urls)
-    _refuse_other_metadata(source_dir, out_dir, split)
+    refuse_other_metadata(source_dir, out_dir, split)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = _read_embed_json(split_dir)
+    done = read_embed_json(split_dir)
     # Anything else (another tower, other source files, a cache from before source_stats was
     # recorded) is embedded again; the new split replaces the old one atomically.
     if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
-            and _damaged_shard(split_dir, done.get("shard_sha256")) is None:
+            and damaged_shard(split_dir, done.get("shard_sha256")) is None:
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
@@ -704,7 +581,7 @@ def embed_shards(
     work_dir = out_dir / f".{split}.work-{work_key}"
     if rank == 0:
         _remove_leftovers(out_dir, split, keep=work_dir)
-        _copy_metadata(source_dir, out_dir)
+        copy_metadata(source_dir, out_dir)
     work_dir.mkdir(exist_ok=True)
     (work_dir / f".error-{rank}").unlink(missing_ok=True)
 

@@ -15,13 +15,14 @@ import webdataset as wds
 
 from lit_softmoe.cli import main
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.data.feature_cache import check_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls, write_split
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
-from lit_softmoe.train.embed import check_feature_cache, embed_shards
+from lit_softmoe.train.embed import embed_shards
 from shard_cuts import cut_before_sample
 
 LIMIT = 300
