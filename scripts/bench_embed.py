@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
+from lit_softmoe.data.feature_cache import feature_sample, npy_bytes  # noqa: E402
 from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
 from lit_softmoe.data.transforms import preprocess_transform  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
@@ -100,7 +101,7 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
         samples = pending.setdefault(item["shard"], [])
         for key, caption, embedding in zip(item["key"], item["caption"], embeddings):
             if np.isfinite(embedding).all() and is_safe_key(key):
-                samples.append(embed._feature_sample(key, embed._npy_bytes(embedding), caption, None))
+                samples.append(feature_sample(key, npy_bytes(embedding), caption, None))
         if first is None:
             first = time.perf_counter()
         else:

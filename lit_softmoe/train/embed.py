@@ -61,6 +61,8 @@ from lit_softmoe.data.feature_cache import (
     cache_fingerprint,
     copy_metadata,
     damaged_shard,
+    feature_sample,
+    npy_rows,
     read_embed_json,
     refuse_other_metadata,
     source_stats,
@@ -200,23 +202,6 @@ class _ToHost:
         return self.features.numpy()
 
 
-def _npy_bytes(embedding: np.ndarray) -> bytes:
-    # The `.npy` member of `pipelines.embedding_caption_sample`, in float16; its reader accepts
-    # any float dtype and returns float32.
-    buffer = io.BytesIO()
-    np.save(buffer, embedding, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _npy_rows(embeddings: np.ndarray) -> list[bytes]:
-    """`_npy_bytes` of each row of (B, width): np.save's header depends on the dtype and shape alone, so it is
-    made once a batch and each row's bytes appended (np.save row by row cost more than the rest of the loop)."""
-    row_bytes = embeddings.shape[1] * embeddings.itemsize
-    first = _npy_bytes(embeddings[0])
-    header = first[:len(first) - row_bytes]
-    return [header + row.tobytes() for row in embeddings]
-
-
 class _SourceShards(IterableDataset):
     """Decoded images of whole source shards, batch by batch; runs in each DataLoader worker.
 
@@ -262,15 +247,6 @@ class _SourceShards(IterableDataset):
         else:
             batch["packed"] = gpu_jpeg.pack(images)
         return batch
-
-
-def _feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None) -> dict:
-    sample = {"__key__": key, "npy": npy}
-    if caption is not None:
-        sample["txt"] = caption.encode("utf-8")
-    if cls is not None:
-        sample["cls"] = cls
-    return sample
 
 
 def _write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
@@ -353,13 +329,13 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x` from a
         # hostile source, never written into our shards. Checked over the whole batch at once.
         finite = np.isfinite(embeddings).all(axis=1)
-        for key, caption, cls, npy, good in zip(batch["key"], batch["caption"], batch["cls"], _npy_rows(embeddings),
+        for key, caption, cls, npy, good in zip(batch["key"], batch["caption"], batch["cls"], npy_rows(embeddings),
                                                 finite):
             reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
             if reason:
                 bad[reason] = bad.get(reason, 0) + 1
                 continue
-            samples.append(_feature_sample(key, npy, caption, cls))
+            samples.append(feature_sample(key, npy, caption, cls))
         progress.update(len(batch["key"]))
         if "first_batch" in timing:
             timing["later_images"] += len(batch["key"])

@@ -665,13 +665,6 @@ def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(
         assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
-@pytest.mark.parametrize("width", [1, 32, 768, 40_000])
-def test_npy_rows_are_np_save_of_each_row(width):
-    from lit_softmoe.train.embed import _npy_bytes, _npy_rows
-    rows = np.random.default_rng(width).standard_normal((3, width)).astype(np.float16)
-    assert _npy_rows(rows) == [_npy_bytes(row) for row in rows]
-
-
 # ---- the fast path: bf16 weights, workers, compile, JPEGs decoded on the GPU --------------------------
 
 def _photo_split(root, broken: bool = True):
