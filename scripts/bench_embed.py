@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
-from lit_softmoe.data.feature_cache import feature_sample, npy_bytes  # noqa: E402
+from lit_softmoe.data.feature_cache import feature_sample, npy_bytes, write_feature_shard  # noqa: E402
 from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
 from lit_softmoe.data.transforms import preprocess_transform  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
@@ -92,7 +92,7 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
     first, later = None, 0
     for item in loader:
         if "done" in item:
-            embed._write_feature_shard(out, item["shard"], pending.pop(item["shard"], []), item["done"])
+            write_feature_shard(out, item["shard"], pending.pop(item["shard"], []), item["done"])
             continue
         with torch.inference_mode(), torch.autocast(device.type, dtype=autocast or torch.float32,
                                                     enabled=autocast is not None):

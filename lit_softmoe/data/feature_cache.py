@@ -17,18 +17,29 @@ modification times, and each feature shard's sha256. Its presence marks a finish
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
+import webdataset as wds
 
-from lit_softmoe.data.shards import is_local_url, shard_urls, splits_beside
+from lit_softmoe.data.shards import (
+    NSHARDS_FILE,
+    SIZES_FILE,
+    BadSampleCounter,
+    is_local_url,
+    shard_urls,
+    splits_beside,
+)
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import tower_fingerprint
-from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.hashing import file_sha256
 
 EMBED_FILE = "embed.json"
@@ -245,3 +256,95 @@ def refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) ->
             raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
                             f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
                             f"{target} to take the new one")
+
+
+# ---------------------------------------------------------------------------------- writing a cache
+
+def finished_cache(split_dir: Path, wanted: dict) -> dict | None:
+    """The embed.json of the finished cache in `split_dir` when it holds every key of `wanted` with the same
+    value and its shards are the ones written, else None (another tower, other source files, a cache from
+    before source_stats was recorded, a damaged shard: all embedded again)."""
+    done = read_embed_json(split_dir)
+    if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
+            and damaged_shard(split_dir, done.get("shard_sha256")) is None:
+        return done
+    return None
+
+
+def work_folder(out_dir: Path, split: str, wanted: dict) -> Path:
+    """Where a split's feature shards are written until all are there, keyed by `wanted` (the tower and the
+    source files): a killed run's finished shards are kept there for a rerun of the same."""
+    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
+    return out_dir / f".{split}.work-{work_key}"
+
+
+def remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
+    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
+    # the work folder of a run of another tower or other sources, which will never be resumed.
+    for leftover in [*out_dir.glob(f".{split}.tmp-*"), *out_dir.glob(f".{split}.work-*")]:
+        if leftover != keep:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
+    """Write one feature shard and then its record ({index}.json: counts, bytes, sha256), each atomically.
+
+    The record is written last: a shard counts as finished (a rerun skips it) only once both exist.
+    The same samples give the same bytes (fixed mtime, owner and mode, as `shards.write_split`).
+    """
+    tar_path = work_dir / f"{index}.tar"
+    with replacing(tar_path) as temporary:
+        with open(temporary, "wb") as stream, wds.TarWriter(stream, user="lit-softmoe", group="lit-softmoe",
+                                                            mode=0o644, mtime=0) as writer:
+            for sample in samples:
+                writer.write(sample)
+    record = {**record, "num_samples": len(samples), "bytes": tar_path.stat().st_size,
+              "sha256": file_sha256(tar_path)}
+    write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
+    return record
+
+
+def finished_shard(work_dir: Path, index: int) -> dict | None:
+    """The record of a feature shard a killed run finished, or None when it must be embedded (again)."""
+    try:
+        record = json.loads((work_dir / f"{index}.json").read_text())
+        return record if (work_dir / f"{index}.tar").stat().st_size == record["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
+    """(samples read or lost, samples skipped, skips by reason) over shard records; as the loader counts:
+    a damaged shard and the samples it lost count as read."""
+    bad: dict[str, int] = {}
+    read = 0
+    for record in records:
+        read += record["read"]
+        for reason, count in record["bad"].items():
+            bad[reason] = bad.get(reason, 0) + count
+    lost = sum(bad.get(reason, 0) for reason in (*BadSampleCounter.SHARD_REASONS, "missing_samples"))
+    return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
+
+
+def write_feature_split(work_dir: Path, split_dir: Path, records: list[dict], info: dict) -> None:
+    """Put the split in place whole from the work folder's shards (`records`, shard by shard): the shards,
+    nshards.txt, sizes.json and `info` as embed.json, in one rename; then remove the work folder."""
+
+    def write(tmp_dir: Path) -> None:
+        for index in range(len(records)):  # hard links: the work folder stays whole until the split is in place
+            _link_or_copy(work_dir / f"{index}.tar", tmp_dir / f"{index}.tar")
+        write_text_atomic(tmp_dir / NSHARDS_FILE, f"{len(records)}\n")
+        sizes = {f"{index}.tar": record["num_samples"] for index, record in enumerate(records)}
+        write_text_atomic(tmp_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
+        # Last: inside the folder that is renamed into place, so it is never beside partial shards.
+        write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
+
+    write_folder_atomically(split_dir, write)
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)

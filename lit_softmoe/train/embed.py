@@ -33,11 +33,8 @@ embeddings (a deleted source is fine: the features are what is left of it).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import json
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +44,6 @@ from typing import Iterable, Iterator
 import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.transforms import v2
 from tqdm import tqdm
@@ -60,18 +56,22 @@ from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
     copy_metadata,
-    damaged_shard,
     feature_sample,
+    finished_cache,
+    finished_shard,
     npy_rows,
     read_embed_json,
     refuse_other_metadata,
+    remove_leftovers,
+    seen_and_bad,
     source_stats,
+    work_folder,
+    write_feature_shard,
+    write_feature_split,
 )
-from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
+from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, read_shard
 from lit_softmoe.data.shards import (
     IMAGE_EXTENSIONS,
-    NSHARDS_FILE,
-    SIZES_FILE,
     dataset_dir,
     is_safe_key,
     listed_sizes,
@@ -82,9 +82,8 @@ from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower
-from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
-from lit_softmoe.utils.hashing import file_sha256
 
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
 # not earned back (docs/benchmarks.md, "embed").
@@ -249,49 +248,9 @@ class _SourceShards(IterableDataset):
         return batch
 
 
-def _write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
-    """Write one feature shard and then its record ({index}.json: counts, bytes, sha256), each atomically.
-
-    The record is written last: a shard counts as finished (a rerun skips it) only once both exist.
-    The same samples give the same bytes (fixed mtime, owner and mode, as `shards.write_split`).
-    """
-    tar_path = work_dir / f"{index}.tar"
-    with replacing(tar_path) as temporary:
-        with open(temporary, "wb") as stream, wds.TarWriter(stream, user="lit-softmoe", group="lit-softmoe",
-                                                            mode=0o644, mtime=0) as writer:
-            for sample in samples:
-                writer.write(sample)
-    record = {**record, "num_samples": len(samples), "bytes": tar_path.stat().st_size,
-              "sha256": file_sha256(tar_path)}
-    write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
-    return record
-
-
-def _finished_shard(work_dir: Path, index: int) -> dict | None:
-    """The record of a feature shard a killed run finished, or None when it must be embedded (again)."""
-    try:
-        record = json.loads((work_dir / f"{index}.json").read_text())
-        return record if (work_dir / f"{index}.tar").stat().st_size == record["bytes"] else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
-    """(samples read or lost, samples skipped, skips by reason) over shard records; as the loader counts:
-    a damaged shard and the samples it lost count as read."""
-    bad: dict[str, int] = {}
-    read = 0
-    for record in records:
-        read += record["read"]
-        for reason, count in record["bad"].items():
-            bad[reason] = bad.get(reason, 0) + count
-    lost = sum(bad.get(reason, 0) for reason in (*SHARD_REASONS, "missing_samples"))
-    return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
-
-
 def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: float,
                         at_least: int = 0) -> str | None:
-    seen, bad, reasons = _seen_and_bad(records)
+    seen, bad, reasons = seen_and_bad(records)
     if seen < max(at_least, 1) or bad / seen <= max_bad_fraction:
         return None
     return (f"{bad} of {seen} samples of {source} were bad ({', '.join(f'{r}: {n}' for r, n in reasons.items())}), "
@@ -360,7 +319,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
             counted.append(record)
-            writes.append(writer.submit(_write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
+            writes.append(writer.submit(write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
             for write in writes:
                 if write.done():
                     write.result()  # a failed write (a full disk) ends the run now, not at the end
@@ -399,14 +358,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         finished.extend(write.result() for write in writes)
 
 
-def _remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
-    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
-    # the work folder of a run of another tower or other sources, which will never be resumed.
-    for leftover in [*out_dir.glob(f".{split}.tmp-*"), *out_dir.glob(f".{split}.work-*")]:
-        if leftover != keep:
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
 def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world size) of this process: given, else from the launcher (`torchrun`, `accelerate launch`)."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -433,7 +384,7 @@ def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) 
     records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
     while True:
         for index in range(num_shards):
-            if index not in records and (record := _finished_shard(work_dir, index)) is not None:
+            if index not in records and (record := finished_shard(work_dir, index)) is not None:
                 records[index] = record
         if len(records) == num_shards:
             return [records[index] for index in range(num_shards)]
@@ -543,20 +494,16 @@ def embed_shards(
     source_dir = dataset_dir(shards, urls)
     refuse_other_metadata(source_dir, out_dir, split)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = read_embed_json(split_dir)
-    # Anything else (another tower, other source files, a cache from before source_stats was
-    # recorded) is embedded again; the new split replaces the old one atomically.
-    if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
-            and damaged_shard(split_dir, done.get("shard_sha256")) is None:
+    done = finished_cache(split_dir, wanted)  # else embedded again: the new split replaces the old one atomically
+    if done is not None:
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
                 "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None}
     # The work folder of this tower and these sources: a killed run's finished shards are kept there.
-    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
-    work_dir = out_dir / f".{split}.work-{work_key}"
+    work_dir = work_folder(out_dir, split, wanted)
     if rank == 0:
-        _remove_leftovers(out_dir, split, keep=work_dir)
+        remove_leftovers(out_dir, split, keep=work_dir)
         copy_metadata(source_dir, out_dir)
     work_dir.mkdir(exist_ok=True)
     (work_dir / f".error-{rank}").unlink(missing_ok=True)
@@ -564,7 +511,7 @@ def embed_shards(
     tower, meta = load_tower(tower_dir, device=device)
     listed = listed_sizes(urls) or {}
     mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
-    kept = {index: _finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
+    kept = {index: finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
     finished = [record for record in kept.values() if record is not None]
     todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
@@ -610,10 +557,10 @@ def embed_shards(
             fresh = sum(record["num_samples"] for record in finished[resumed:])
             return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
                     "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
-                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": _seen_and_bad(finished)[2],
+                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": seen_and_bad(finished)[2],
                     "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
         records = _wait_for_shards(work_dir, len(urls), started, progress_bar) if world_size > 1 else \
-            [_finished_shard(work_dir, index) for index in range(len(urls))]
+            [finished_shard(work_dir, index) for index in range(len(urls))]
     except UserError as err:
         if world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
             write_text_atomic(work_dir / f".error-{rank}", f"{err}\n")
@@ -623,7 +570,7 @@ def embed_shards(
 
     # ---- rank 0: the whole split, checked, then put in place in one step
     num_samples = sum(record["num_samples"] for record in records)
-    _, _, bad = _seen_and_bad(records)
+    _, _, bad = seen_and_bad(records)
     if num_samples == 0:
         needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
         raise UserError(f"no sample of {shards} could be embedded (skipped: {bad or 'nothing'}); check that its "
@@ -638,17 +585,7 @@ def embed_shards(
             # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
             "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
 
-    def write(tmp_dir: Path) -> None:
-        for index in range(len(urls)):  # hard links: the work folder stays whole until the split is in place
-            _link_or_copy(work_dir / f"{index}.tar", tmp_dir / f"{index}.tar")
-        write_text_atomic(tmp_dir / NSHARDS_FILE, f"{len(urls)}\n")
-        sizes = {f"{index}.tar": record["num_samples"] for index, record in enumerate(records)}
-        write_text_atomic(tmp_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
-        # Last: inside the folder that is renamed into place, so it is never beside partial shards.
-        write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
-
-    write_folder_atomically(split_dir, write)
-    shutil.rmtree(work_dir, ignore_errors=True)
+    write_feature_split(work_dir, split_dir, records, info)
     rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
@@ -692,10 +629,3 @@ def _rates(start: float, timing: dict) -> dict:
     later = time.perf_counter() - timing["first_batch"]
     steady = round(timing["later_images"] / later, 1) if timing["later_images"] and later > 0 else None
     return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady}
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # a file system without hard links
-        shutil.copy2(source, target)
