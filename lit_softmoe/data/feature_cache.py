@@ -30,6 +30,7 @@ import torch
 import webdataset as wds
 
 from lit_softmoe.data.shards import (
+    IMAGE_EXTENSIONS,
     NSHARDS_FILE,
     SIZES_FILE,
     BadSampleCounter,
@@ -221,6 +222,19 @@ def is_feature_cache(split: str | Path) -> bool:
     """Feature shards (written by `lit-softmoe embed`): a split folder holding embed.json, or a
     pattern or `::` list of such splits."""
     return bool(feature_split_dirs(split))
+
+
+def feature_shards_info(urls: list[str], first_members: set[str]) -> dict | None:
+    """Whether shards are feature shards, given the members of their first sample: the embed.json beside
+    them, {} for `.npy` samples without an image and no embed.json; None for other shards."""
+    first = urls[0]
+    local = "://" not in first and not first.startswith("pipe:")
+    info = read_embed_json(Path(first).parent) if local else None
+    if info is None:
+        if "npy" not in first_members or first_members & set(IMAGE_EXTENSIONS):
+            return None
+        info = {}
+    return info
 
 
 def check_feature_caches(spec: str | Path, tower_dir) -> None:

@@ -17,7 +17,7 @@ nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); othe
 on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
 float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
 bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the GPU
-while the host turns the previous one into samples and shards (`_ToHost`). The choices are printed once
+while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
 at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
@@ -32,35 +32,32 @@ embeddings (a deleted source is fine: the features are what is left of it).
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import PIL.Image
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 from tqdm import tqdm
-from webdataset.gopen import gopen
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
-from lit_softmoe.data.device_prefetch import DevicePrefetcher
+from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
     copy_metadata,
     feature_sample,
+    feature_shards_info,
     finished_cache,
     finished_shard,
     npy_rows,
-    read_embed_json,
     refuse_other_metadata,
     remove_leftovers,
     seen_and_bad,
@@ -69,13 +66,12 @@ from lit_softmoe.data.feature_cache import (
     write_feature_shard,
     write_feature_split,
 )
-from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, read_shard
+from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
+from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
 from lit_softmoe.data.shards import (
-    IMAGE_EXTENSIONS,
     dataset_dir,
     is_safe_key,
     listed_sizes,
-    read_class_members,
     shard_urls,
 )
 from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
@@ -100,34 +96,13 @@ def _source_split_name(shards: str, urls: list[str]) -> str:
     return Path(os.path.dirname(urls[0])).name or "train"
 
 
-def _ignore(exn: Exception) -> bool:
-    return True  # webdataset handler: go on with the next shard
-
-
-def _first_sample_members(first_url: str) -> set[str]:
-    """The members ("cls", "txt", "png"…) of the first sample of the first shard (reads one sample)."""
-    # A broken first shard reads as no members: the main pass counts and reports it.
-    try:
-        stream = gopen(first_url)
-    except Exception:  # noqa: BLE001 — counted by the main pass
-        return set()
-    with contextlib.closing(stream):  # one sample read: the rest of the shard is left, its file closed now
-        files = tar_file_expander(iter([{"url": first_url, "stream": stream}]), handler=_ignore)
-        first = next(iter(group_by_keys(files, handler=_ignore)), None)
-    return {key for key in first if not key.startswith("__")} if first is not None else set()
-
-
 def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
     """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
     counted as missing_image and the bad-fraction message would send the user the wrong way.
-    `members`: those of the first sample (`_first_sample_members`)."""
-    first = urls[0]
-    local = "://" not in first and not first.startswith("pipe:")
-    info = read_embed_json(Path(first).parent) if local else None
+    `members`: those of the first sample (`first_sample_members`)."""
+    info = feature_shards_info(urls, members)
     if info is None:
-        if "npy" not in members or members & set(IMAGE_EXTENSIONS):
-            return
-        info = {}
+        return
     source = f" (these came from --shards {info['source']})" if info.get("source") else ""
     raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
                     f"image shards to embed{source}")
@@ -153,7 +128,7 @@ def _pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Com
 def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
                  pad_to: int | None = None) -> torch.Tensor:
     """uint8 pixels (B, C, H, W) on the tower's device → float16 pooled embeddings (B, width) there, queued
-    (on a GPU not waited for: `_ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
+    (on a GPU not waited for: `ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
     `prepare_for_inference`). `pad_to`: a compiled tower's batch size; a shard's last, smaller batch is
     padded to it with black images, so the compiled graph's static shapes hold (no recompilation)."""
     count = len(pixels)
@@ -176,78 +151,6 @@ def _pixels_on_device(batch: dict, device: torch.device,
     return pixels, (~good).nonzero().flatten().tolist()
 
 
-class _ToHost:
-    """A batch's features on their way to the host, with the batch's keys, captions and classes.
-
-    On a GPU the copy is asynchronous (into pinned memory, then a CUDA event), so the loop queues the next
-    batch on the GPU before it waits for this one: the GPU computes while the host writes samples and
-    shards, instead of each waiting for the other as with a `.cpu()` after every batch.
-    """
-
-    def __init__(self, batch: dict, features: torch.Tensor):
-        self.batch = batch
-        self.completes: dict | None = None  # its shard's report, when this is the shard's last batch
-        self.features = features.to("cpu", non_blocking=True)  # pinned memory when from a GPU
-        self.event = None
-        if features.is_cuda:
-            self.event = torch.cuda.Event()
-            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless set),
-            # which LOCAL_RANK's GPU need not be.
-            self.event.record(torch.cuda.current_stream(features.device))
-
-    def wait(self) -> np.ndarray:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.features.numpy()
-
-
-class _SourceShards(IterableDataset):
-    """Decoded images of whole source shards, batch by batch; runs in each DataLoader worker.
-
-    `transform` gives each image's uint8 pixels (`_pixels_and_normalization`): a batch is (B, C, H, W) uint8.
-
-    A worker takes every `num_workers`-th of the shards it is given and reads each to its end, in
-    the shard's own order: a batch never mixes two shards, and after a shard's last batch comes its
-    report {"shard": index, "done": {"read", "bad"}}. So a feature shard holds its source shard's
-    samples in their order whatever the numbers of workers and processes, and is complete when its
-    report arrives.
-    """
-
-    def __init__(self, shards: list[tuple[int, str]], kind: str, transform, batch_size: int,
-                 listed: dict[str, int], with_cls: bool, defer=None):
-        super().__init__()
-        self.shards, self.kind, self.transform = shards, kind, transform
-        self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
-        self.defer = defer  # `gpu_jpeg.DeferToGpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
-
-    def __iter__(self) -> Iterator[dict]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for index, url in self.shards[worker::num_workers]:
-            # The image-caption stream carries no class: `.cls` members are read apart, unextracted others skipped.
-            classes = read_class_members([url]) if self.with_cls else {}
-            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url), defer=self.defer)
-            batch: list[tuple] = []
-            for sample in samples:
-                batch.append(sample)
-                if len(batch) == self.batch_size:
-                    yield self._collate(index, batch, classes)
-                    batch = []
-            if batch:
-                yield self._collate(index, batch, classes)
-            yield {"shard": index, "done": {"read": counter.read, "bad": dict(counter.counts)}}
-
-    def _collate(self, index: int, samples: list[tuple], classes: dict[str, bytes]) -> dict:
-        keys, images, targets = zip(*samples)
-        captions = list(targets) if self.kind == "image-caption" else [None] * len(keys)
-        batch = {"shard": index, "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
-        if self.defer is None:
-            batch["image"] = torch.stack(images)  # (B, C, H, W)
-        else:
-            batch["packed"] = gpu_jpeg.pack(images)
-        return batch
-
-
 def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: float,
                         at_least: int = 0) -> str | None:
     seen, bad, reasons = seen_and_bad(records)
@@ -257,7 +160,7 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
             f"over max_bad_fraction={max_bad_fraction}; fix or rewrite the source shards")
 
 
-def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
+def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: ShardBatches, tower,
                                   normalize: v2.Compose, device, pad_to: int | None,
                                   gpu_decoder: gpu_jpeg.JpegBatchDecoder | None,
                                   workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
@@ -281,7 +184,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
 
-    def keep(embedded: _ToHost) -> None:
+    def keep(embedded: ToHost) -> None:
         """Wait for a batch's features and add its good samples to its shard's."""
         batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
         samples, bad = pending.setdefault(batch["shard"], []), skipped.setdefault(batch["shard"], {})
@@ -328,7 +231,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if error:
                 raise UserError(error)
 
-        in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
+        in_flight: ToHost | None = None  # the batch queued on the device, kept once the next one is queued
         for batch, pixels in DevicePrefetcher(loader, to_device, device):
             index = batch["shard"]
             if "done" in batch:
@@ -345,7 +248,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
                     meta[key] = [value for position, value in enumerate(meta[key]) if position not in undecodable]
                 if not meta["key"]:
                     continue
-            queued = _ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
+            queued = ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
             if in_flight is not None:
                 keep(in_flight)  # the host's share of the previous batch, while the device computes this one
                 if in_flight.completes is not None:
@@ -472,7 +375,7 @@ def embed_shards(
                         "give the parent folder as --out")
     rank, world_size = _process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
-    members = _first_sample_members(urls[0])  # one sample read: what kind of shards these are
+    members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
     _refuse_feature_shards(shards, urls, members)
     split = split or _source_split_name(shards, urls)
     split_dir = out_dir / split
@@ -546,7 +449,7 @@ def embed_shards(
     timing = {"later_images": 0}
     try:
         if todo:
-            dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
+            dataset = ShardBatches(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
                                     defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
             _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
                                           batch_size if compiled else None, gpu_decoder, workers, max_bad_fraction,
