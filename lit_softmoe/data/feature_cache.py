@@ -35,6 +35,7 @@ from lit_softmoe.data.shards import (
     SIZES_FILE,
     BadSampleCounter,
     is_local_url,
+    is_safe_key,
     shard_urls,
     splits_beside,
 )
@@ -167,6 +168,22 @@ def feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None)
     if cls is not None:
         sample["cls"] = cls
     return sample
+
+
+def feature_samples(keys: list[str], captions: list, classes: list, embeddings: np.ndarray,
+                    bad: dict[str, int]) -> list[dict]:
+    """A batch's feature samples (`embeddings`: (B, width), row i for keys[i]); a non-finite embedding
+    (fp16 overflow, a NaN from the tower) or an unsafe key (`../x`, `/abs/x` from a hostile source) is
+    never written: counted in `bad` by reason instead."""
+    finite = np.isfinite(embeddings).all(axis=1)  # checked over the whole batch at once
+    samples = []
+    for key, caption, cls, npy, good in zip(keys, captions, classes, npy_rows(embeddings), finite):
+        reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
+        if reason:
+            bad[reason] = bad.get(reason, 0) + 1
+            continue
+        samples.append(feature_sample(key, npy, caption, cls))
+    return samples
 
 
 def embedding_caption_sample(embedding: np.ndarray | torch.Tensor, caption: str) -> dict[str, bytes]:

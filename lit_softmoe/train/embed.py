@@ -16,7 +16,7 @@ one DataLoader worker per available core reads the shards, and JPEGs travel to t
 nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
 on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
 float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
-bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the GPU
+bitwise as the transform computes it (`pixels_and_normalization`). One batch stays queued on the GPU
 while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
 at the start.
 
@@ -40,7 +40,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
 import PIL.Image
 import torch
 from torch.utils.data import DataLoader
@@ -53,11 +52,10 @@ from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
     copy_metadata,
-    feature_sample,
+    feature_samples,
     feature_shards_info,
     finished_cache,
     finished_shard,
-    npy_rows,
     refuse_other_metadata,
     remove_leftovers,
     seen_and_bad,
@@ -68,13 +66,8 @@ from lit_softmoe.data.feature_cache import (
 )
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
 from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
-from lit_softmoe.data.shards import (
-    dataset_dir,
-    is_safe_key,
-    listed_sizes,
-    shard_urls,
-)
-from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
+from lit_softmoe.data.shards import dataset_dir, listed_sizes, shard_urls
+from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower
@@ -109,21 +102,6 @@ def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> N
 
 
 # ---------------------------------------------------------------------------------- embedding
-
-def _pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
-    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization).
-
-    The workers run the first part and send uint8 batches: a quarter of float32's bytes through shared
-    memory, pinning and the copy to the GPU (154 MB a batch of 256 at 224 px as float32), which the main
-    process paid batch after batch. The normalization (to float32, × 1/255, − mean, ÷ std) runs on the batch
-    where the tower runs; its ops are elementwise and exactly rounded on the CPU and the GPU alike, so the
-    tower sees bitwise the pixels the whole transform gives image by image (as eval and LiT see them).
-    """
-    steps = transform.transforms
-    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize):
-        raise ValueError(f"expected an eval transform ending in ToDtype and Normalize, got {transform}")
-    return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
-
 
 def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
                  pad_to: int | None = None) -> torch.Tensor:
@@ -168,7 +146,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
 
     `dataset` yields uint8 pixels (or packed JPEGs, which `gpu_decoder` decodes on `device`); `normalize`
-    (`_pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
+    (`pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
     Batches are put on the device by a thread ahead of the tower (`DevicePrefetcher`); one stays queued
     on the device while the previous one's features are written.
 
@@ -187,17 +165,8 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     def keep(embedded: ToHost) -> None:
         """Wait for a batch's features and add its good samples to its shard's."""
         batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
-        samples, bad = pending.setdefault(batch["shard"], []), skipped.setdefault(batch["shard"], {})
-        # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x` from a
-        # hostile source, never written into our shards. Checked over the whole batch at once.
-        finite = np.isfinite(embeddings).all(axis=1)
-        for key, caption, cls, npy, good in zip(batch["key"], batch["caption"], batch["cls"], npy_rows(embeddings),
-                                                finite):
-            reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
-            if reason:
-                bad[reason] = bad.get(reason, 0) + 1
-                continue
-            samples.append(feature_sample(key, npy, caption, cls))
+        pending.setdefault(batch["shard"], []).extend(feature_samples(
+            batch["key"], batch["caption"], batch["cls"], embeddings, skipped.setdefault(batch["shard"], {})))
         progress.update(len(batch["key"]))
         if "first_batch" in timing:
             timing["later_images"] += len(batch["key"])
@@ -425,7 +394,7 @@ def embed_shards(
     tower = prepare_for_inference(tower, dtype=weights, compile=compiled)
     preprocess = meta["preprocess"]
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
-    pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
+    pixels, normalize = pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
     workers = min(available_cpus(), len(todo)) if workers is None else min(workers, len(todo))
     gpu_decoder = None
     if decoder == "gpu":
