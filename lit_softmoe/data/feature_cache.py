@@ -14,6 +14,11 @@ reads them back. `embed.json` lives in the split folder, so train and test cache
 `out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
 fingerprint (sha256 of its weights, its config, its preprocessing), the source shards' sizes and
 modification times, and each feature shard's sha256. Its presence marks a finished cache.
+
+While embedding, feature shards are written into a work folder beside the split (`.SPLIT.work-<key>`,
+keyed by the tower and the sources): `{index}.tar` and then its record `{index}.json`, so a killed run's
+finished shards are kept; `.error-RANK` tells the other processes why one stopped. The split is put in
+place from there whole (`write_feature_split`).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -357,9 +363,44 @@ def seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
     return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
 
 
+def report_failure(work_dir: Path, rank: int, message: str) -> None:
+    """Leave `.error-RANK` in the work folder: it ends the other processes' `wait_for_shards` with `message`."""
+    write_text_atomic(work_dir / f".error-{rank}", f"{message}\n")
+
+
+def clear_failure(work_dir: Path, rank: int) -> None:
+    (work_dir / f".error-{rank}").unlink(missing_ok=True)
+
+
+def wait_for_shards(work_dir: Path, num_shards: int, started: float,
+                    waiting: Callable[[int], None] = lambda found: None) -> list[dict]:
+    """The records of all `num_shards` feature shards, once the other processes have written theirs.
+
+    Through the file system, not a collective: processes that finish their shards early would
+    otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
+    works. A process that stops on an error leaves `.error-RANK` (`report_failure`) after `started`
+    (time.time()), which ends the wait with its message. `waiting(found)` is called before each pause.
+    """
+    records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
+    while True:
+        for index in range(num_shards):
+            if index not in records and (record := finished_shard(work_dir, index)) is not None:
+                records[index] = record
+        if len(records) == num_shards:
+            return [records[index] for index in range(num_shards)]
+        for error in work_dir.glob(".error-*"):
+            if error.stat().st_mtime >= started:
+                raise UserError(f"another embed process stopped: {error.read_text().strip()}")
+        waiting(len(records))
+        time.sleep(1.0)
+
+
 def write_feature_split(work_dir: Path, split_dir: Path, records: list[dict], info: dict) -> None:
     """Put the split in place whole from the work folder's shards (`records`, shard by shard): the shards,
-    nshards.txt, sizes.json and `info` as embed.json, in one rename; then remove the work folder."""
+    nshards.txt, sizes.json and `info` with each shard's sha256 as embed.json, in one rename; then remove
+    the work folder."""
+    # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
+    info = {**info, "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
 
     def write(tmp_dir: Path) -> None:
         for index in range(len(records)):  # hard links: the work folder stays whole until the split is in place

@@ -459,6 +459,14 @@ def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
     return Path(first_url).resolve().parent.parent if is_local_url(first_url) else None
 
 
+def split_name(spec: str | Path, urls: list[str]) -> str:
+    """The split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar). `urls`: the
+    spec's `shard_urls`."""
+    if Path(str(spec)).is_dir():
+        return Path(str(spec)).resolve().name
+    return Path(os.path.dirname(urls[0])).name or "train"
+
+
 def read_class_members(urls: list[str]) -> dict[str, bytes]:
     """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
     tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no

@@ -23,12 +23,9 @@ at the start.
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder. Each feature shard is written
 atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
-shards it had not finished. When all are there, rank 0 puts the split folder in place whole (hard
-links, then one rename), so its presence means a finished cache: a rerun with the same tower and
-the same source files (each shard's path, size and modification time) is skipped, one with anything
-changed embeds again, and `feature_cache.check_feature_cache` refuses a cache made with another tower or
-preprocessing, or one whose local source shards were rewritten since, instead of training on stale
-embeddings (a deleted source is fine: the features are what is left of it).
+shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
+presence means a finished cache: a rerun with the same tower and source files is skipped, one with
+anything changed embeds again (`feature_cache.finished_cache`, `check_feature_cache`).
 """
 from __future__ import annotations
 
@@ -51,6 +48,7 @@ from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
+    clear_failure,
     copy_metadata,
     feature_samples,
     feature_shards_info,
@@ -58,20 +56,21 @@ from lit_softmoe.data.feature_cache import (
     finished_shard,
     refuse_other_metadata,
     remove_leftovers,
+    report_failure,
     seen_and_bad,
     source_stats,
+    wait_for_shards,
     work_folder,
     write_feature_shard,
     write_feature_split,
 )
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
 from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
-from lit_softmoe.data.shards import dataset_dir, listed_sizes, shard_urls
+from lit_softmoe.data.shards import dataset_dir, listed_sizes, shard_urls, split_name
 from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower
-from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
 
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
@@ -80,14 +79,6 @@ COMPILE_MIN_IMAGES = 1_000_000
 
 
 # ---------------------------------------------------------------------------------- reading the source
-
-def _source_split_name(shards: str, urls: list[str]) -> str:
-    """The source split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar)."""
-    spec = str(shards)
-    if Path(spec).is_dir():
-        return Path(spec).resolve().name
-    return Path(os.path.dirname(urls[0])).name or "train"
-
 
 def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
     """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
@@ -246,27 +237,6 @@ def _default_device(world_size: int) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
-def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) -> list[dict]:
-    """The records of all `num_shards` feature shards, once the other processes have written theirs.
-
-    Through the file system, not a collective: processes that finish their shards early would
-    otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
-    works. A process that stops on an error leaves `.error-RANK`, which ends the wait with its message.
-    """
-    records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
-    while True:
-        for index in range(num_shards):
-            if index not in records and (record := finished_shard(work_dir, index)) is not None:
-                records[index] = record
-        if len(records) == num_shards:
-            return [records[index] for index in range(num_shards)]
-        for error in work_dir.glob(".error-*"):
-            if error.stat().st_mtime >= started:
-                raise UserError(f"another embed process stopped: {error.read_text().strip()}")
-        progress.set_postfix(shards=f"{len(records)}/{num_shards} (all processes)")
-        time.sleep(1.0)
-
-
 def embed_shards(
     tower_dir: str | Path,
     shards: str,
@@ -346,7 +316,7 @@ def embed_shards(
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
     _refuse_feature_shards(shards, urls, members)
-    split = split or _source_split_name(shards, urls)
+    split = split or split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
     # for `--shards DATA/train` (the dataset folder, not a new one) replaced the images themselves.
@@ -378,7 +348,7 @@ def embed_shards(
         remove_leftovers(out_dir, split, keep=work_dir)
         copy_metadata(source_dir, out_dir)
     work_dir.mkdir(exist_ok=True)
-    (work_dir / f".error-{rank}").unlink(missing_ok=True)
+    clear_failure(work_dir, rank)
 
     tower, meta = load_tower(tower_dir, device=device)
     listed = listed_sizes(urls) or {}
@@ -419,7 +389,7 @@ def embed_shards(
     try:
         if todo:
             dataset = ShardBatches(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
-                                    defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
+                                   defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
             _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
                                           batch_size if compiled else None, gpu_decoder, workers, max_bad_fraction,
                                           str(shards), finished, progress_bar, timing)
@@ -431,11 +401,12 @@ def embed_shards(
                     "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
                     "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": seen_and_bad(finished)[2],
                     "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
-        records = _wait_for_shards(work_dir, len(urls), started, progress_bar) if world_size > 1 else \
+        records = wait_for_shards(work_dir, len(urls), started, lambda found: progress_bar.set_postfix(
+            shards=f"{found}/{len(urls)} (all processes)")) if world_size > 1 else \
             [finished_shard(work_dir, index) for index in range(len(urls))]
     except UserError as err:
         if world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
-            write_text_atomic(work_dir / f".error-{rank}", f"{err}\n")
+            report_failure(work_dir, rank, str(err))
         raise
     finally:
         progress_bar.close()
@@ -453,9 +424,7 @@ def embed_shards(
     seconds = round(time.perf_counter() - start, 3)
     info = {**wanted, "split": split, "num_samples": num_samples, "dim": tower.cfg.width, "dtype": "float16",
             "with_cls": "cls" in members, "with_txt": not class_only, "bad": bad, "seconds": seconds,
-            "processes": world_size,
-            # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
-            "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
+            "processes": world_size}
 
     write_feature_split(work_dir, split_dir, records, info)
     rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
