@@ -38,12 +38,13 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
+from lit_softmoe.data.feature_cache import feature_sample, npy_bytes, write_feature_shard  # noqa: E402
+from lit_softmoe.data.shard_batches import ShardBatches  # noqa: E402
 from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
-from lit_softmoe.data.transforms import preprocess_transform  # noqa: E402
+from lit_softmoe.data.transforms import pixels_and_normalization, preprocess_transform  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
-from lit_softmoe.train import embed  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
 from lit_softmoe.utils.device import autocast_dtype, inference_dtype  # noqa: E402
 
@@ -66,7 +67,7 @@ def _ceiling(tower, device: torch.device, batch: int, image_size: int, channels:
 def _normalization_matches(jpegs: list[bytes], preprocess: dict, channels: int, device: torch.device) -> bool:
     """Whether embed's uint8 batches normalized on `device` are bitwise the tower's whole transform on the CPU."""
     transform = preprocess_transform(preprocess, channels)
-    pixels, normalize = embed._pixels_and_normalization(transform)
+    pixels, normalize = pixels_and_normalization(transform)
     expected = torch.stack([transform(PIL.Image.open(io.BytesIO(data))) for data in jpegs])
     with torch.inference_mode():
         got = normalize(torch.stack([pixels(PIL.Image.open(io.BytesIO(data))) for data in jpegs]).to(device))
@@ -81,8 +82,8 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
     alone. Same shards, tower, workers, DataLoader and shard writing as embed; its shards go to `out`."""
     urls = shard_urls(shards)
     todo = list(enumerate(urls))
-    dataset = embed._SourceShards(todo, "image-caption", preprocess_transform(preprocess, channels), batch,
-                                  listed_sizes(urls) or {}, with_cls=False)
+    dataset = ShardBatches(todo, "image-caption", preprocess_transform(preprocess, channels), batch,
+                           listed_sizes(urls) or {}, with_cls=False)
     loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(todo)),
                         pin_memory=device.type == "cuda")
     autocast = autocast_dtype("auto", device)
@@ -91,7 +92,7 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
     first, later = None, 0
     for item in loader:
         if "done" in item:
-            embed._write_feature_shard(out, item["shard"], pending.pop(item["shard"], []), item["done"])
+            write_feature_shard(out, item["shard"], pending.pop(item["shard"], []), item["done"])
             continue
         with torch.inference_mode(), torch.autocast(device.type, dtype=autocast or torch.float32,
                                                     enabled=autocast is not None):
@@ -100,7 +101,7 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
         samples = pending.setdefault(item["shard"], [])
         for key, caption, embedding in zip(item["key"], item["caption"], embeddings):
             if np.isfinite(embedding).all() and is_safe_key(key):
-                samples.append(embed._feature_sample(key, embed._npy_bytes(embedding), caption, None))
+                samples.append(feature_sample(key, npy_bytes(embedding), caption, None))
         if first is None:
             first = time.perf_counter()
         else:

@@ -26,12 +26,11 @@ What differs from open_clip:
   `with_epoch`), because every process of a data-parallel run must take the same number of steps.
 
 Sample fields: an image (`.png`, `.jpg`, `.jpeg`, `.webp`), a caption (`.txt`, UTF-8), a class
-(`.cls`, ASCII digits) or an embedding (`.npy`, a float array; see `embedding_caption_sample`).
+(`.cls`, ASCII digits) or an embedding (`.npy`, a float array; see `feature_cache.read_npy`).
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import math
 import multiprocessing
@@ -39,12 +38,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torchvision.transforms.v2 import functional as TF
 
+from lit_softmoe.data.feature_cache import read_npy
 from lit_softmoe.data.images import open_image
 from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
@@ -83,20 +82,6 @@ class ShardDataConfig:
     # the same crop in an epoch whatever process, worker or pass reads it (exact resume, padding passes).
     seed_transforms: bool = False
     num_classes: int = 0  # class samples: a class index ≥ this is skipped as bad_cls; 0 checks nothing
-
-
-# ---------------------------------------------------------------------------------- sample format
-
-def embedding_caption_sample(embedding: np.ndarray | torch.Tensor, caption: str) -> dict[str, bytes]:
-    """One (embedding, caption) sample as shard members: `.npy` (float32 array) + `.txt` (UTF-8).
-
-    The format the embedding pipeline reads; pass these dicts to `shards.write_split`.
-    """
-    if isinstance(embedding, torch.Tensor):
-        embedding = embedding.detach().cpu().float().numpy()
-    buffer = io.BytesIO()
-    np.save(buffer, np.asarray(embedding, dtype=np.float32), allow_pickle=False)
-    return {"npy": buffer.getvalue(), "txt": caption.encode("utf-8")}
 
 
 # ---------------------------------------------------------------------------------- counting
@@ -181,18 +166,9 @@ def _decode_embedding(sample: dict, expected_shape: list) -> torch.Tensor:
     if "npy" not in sample:
         raise SampleSkip("missing_npy")
     try:
-        array = np.load(io.BytesIO(sample["npy"]), allow_pickle=False)
-    except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
-        # numpy's message for an object array names allow_pickle: a pickle is never loaded from a shard.
-        detail = "holds Python objects, which are never unpickled" if "allow_pickle" in str(exn) else exn
-        raise SampleSkip("bad_npy", f"{type(exn).__name__}: {detail}") from None
-    if array.dtype.kind != "f" or array.ndim == 0:
-        raise SampleSkip("bad_npy", f"expected a float array, got {array.dtype} with shape {array.shape}")
-    with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: checked below
-        array = array.astype(np.float32, copy=False)
-    # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a NaN.
-    if not np.isfinite(array).all():
-        raise SampleSkip("bad_npy", "holds NaN or infinity (as float32)")
+        array = read_npy(sample["npy"])
+    except ValueError as exn:
+        raise SampleSkip("bad_npy", str(exn)) from None
     if expected_shape and tuple(array.shape) != expected_shape[0]:
         raise SampleSkip("bad_npy", f"shape {array.shape} differs from the stream's {expected_shape[0]}")
     expected_shape[:1] = [tuple(array.shape)]  # the first good embedding fixes the shape

@@ -45,7 +45,6 @@ from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
 # Re-exported: train.embed imports it from here.
-from lit_softmoe.data.samples import IMAGE_EXTENSIONS as IMAGE_EXTENSIONS
 from lit_softmoe.data.samples import is_class_member
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
@@ -459,6 +458,14 @@ def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
         return Path(first).resolve().parent
     first_url = (urls or shard_urls(spec))[0]
     return Path(first_url).resolve().parent.parent if is_local_url(first_url) else None
+
+
+def split_name(spec: str | Path, urls: list[str]) -> str:
+    """The split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar). `urls`: the
+    spec's `shard_urls`."""
+    if Path(str(spec)).is_dir():
+        return Path(str(spec)).resolve().name
+    return Path(os.path.dirname(urls[0])).name or "train"
 
 
 def read_class_members(urls: list[str]) -> dict[str, bytes]:

@@ -204,6 +204,21 @@ def preprocess_transform(preprocess: dict, in_channels: int) -> v2.Compose:
                           decode=preprocess.get("decode", "full"))
 
 
+def pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
+    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization).
+
+    Loader workers can run the first part and send uint8 batches: a quarter of float32's bytes through
+    shared memory, pinning and the copy to the GPU. The normalization (to float32, × 1/255, − mean, ÷ std)
+    runs on the batch where the tower runs; its ops are elementwise and exactly rounded on the CPU and the
+    GPU alike, so the tower sees bitwise the pixels the whole transform gives image by image (as eval and
+    LiT see them).
+    """
+    steps = transform.transforms
+    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize):
+        raise ValueError(f"expected an eval transform ending in ToDtype and Normalize, got {transform}")
+    return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
+
+
 def train_transform(
     image_size: int,
     in_channels: int = 3,

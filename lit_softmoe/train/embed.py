@@ -8,222 +8,85 @@ has no such cache (its issue #99); this module is ours.
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
 zero-shot test split can be cached too, also without captions), runs `tower.forward_pooled` under
 inference mode (bf16 autocast on GPUs that have it) and writes feature shards in the same webdataset
-layout, feature shard i for source shard i:
-
-    out_dir/
-        classnames.txt  zeroshot_classification_templates.txt  dataset_type.txt   (copied, if present)
-        train/  0.tar … N-1.tar  nshards.txt  sizes.json  embed.json
-
-Each sample keeps its source key and holds `.npy` (the pooled embedding, float16: half the bytes
-of float32, and well inside the rounding a contrastive loss ignores), `.txt` (the caption) and
-`.cls` (copied as-is) when the source had them; `create_shard_loader(…, "embedding-caption")`
-reads them back. `embed.json` lives in the split folder, so train and test caches can share one
-`out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
-fingerprint (sha256 of its weights, its config, its preprocessing).
+layout, feature shard i for source shard i, as `data.feature_cache` describes the cache (its
+folder, samples and embed.json).
 
 Keeping a GPU fed, by default: the tower runs in bf16 weights on GPUs (`prepare_for_inference`, cast once),
 one DataLoader worker per available core reads the shards, and JPEGs travel to the GPU undecoded, where
 nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
 on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
 float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
-bitwise as the transform computes it (`_pixels_and_normalization`). One batch stays queued on the GPU
-while the host turns the previous one into samples and shards (`_ToHost`). The choices are printed once
+bitwise as the transform computes it (`pixels_and_normalization`). One batch stays queued on the GPU
+while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
 at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder. Each feature shard is written
 atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
-shards it had not finished. When all are there, rank 0 puts the split folder in place whole (hard
-links, then one rename), so its presence means a finished cache: a rerun with the same tower and
-the same source files (each shard's path, size and modification time) is skipped, one with anything
-changed embeds again, and `check_feature_cache` refuses a cache made with another tower or
-preprocessing, or one whose local source shards were rewritten since, instead of training on stale
-embeddings (a deleted source is fine: the features are what is left of it).
+shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
+presence means a finished cache: a rerun with the same tower and source files is skipped, one with
+anything changed embeds again (`feature_cache.finished_cache`, `check_feature_cache`).
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
-import json
-import os
-import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
-import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 from tqdm import tqdm
-from webdataset.gopen import gopen
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
-from lit_softmoe.data.device_prefetch import DevicePrefetcher
-from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK, SHARD_REASONS, read_shard
-from lit_softmoe.data.shards import (
-    IMAGE_EXTENSIONS,
-    NSHARDS_FILE,
-    SIZES_FILE,
-    dataset_dir,
-    is_local_url,
-    is_safe_key,
-    listed_sizes,
-    read_class_members,
-    shard_urls,
-    splits_beside,
+from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
+from lit_softmoe.data.feature_cache import (
+    EMBED_FILE,
+    cache_fingerprint,
+    clear_failure,
+    copy_metadata,
+    feature_samples,
+    feature_shards_info,
+    finished_cache,
+    finished_shard,
+    refuse_other_metadata,
+    remove_leftovers,
+    report_failure,
+    seen_and_bad,
+    source_stats,
+    wait_for_shards,
+    work_folder,
+    write_feature_shard,
+    write_feature_split,
 )
-from lit_softmoe.data.transforms import decode_min_side, preprocess_transform
+from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
+from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
+from lit_softmoe.data.shards import dataset_dir, listed_sizes, shard_urls, split_name
+from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
-from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
 from lit_softmoe.utils.distributed import local_rank, rank_and_world_size
-from lit_softmoe.utils.hashing import file_sha256
 
-EMBED_FILE = "embed.json"
-FORMAT_VERSION = 1
-# Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
-METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
-_FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
 # not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
 
 
-def cache_fingerprint(tower_dir: str | Path) -> dict:
-    """What a feature cache made with the tower in `tower_dir` is keyed by: the cache format and the
-    tower's fingerprint (weights' sha256, config, preprocessing)."""
-    return {"format": FORMAT_VERSION, **tower_fingerprint(tower_dir)}
-
-
-def _read_embed_json(split_dir: Path) -> dict | None:
-    try:
-        return json.loads((split_dir / EMBED_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _rerun_hint(tower_dir, source, split_dir: Path) -> str:
-    return (f"rerun `lit-softmoe embed --tower {tower_dir} --shards {source} --out {split_dir.parent} "
-            f"--split {split_dir.name}`")
-
-
-def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) -> dict:
-    """Raise UserError unless `feature_split_dir` was embedded by the tower in `tower_dir`.
-
-    Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
-    refused when embed.json is missing (not a cache, or a run that did not finish), when the
-    tower's weights, config or preprocessing differ from those it was made with, or when one of
-    its local source shards still exists with another size or modification time, or when one of its
-    own shards is not the file embed wrote (damaged, truncated or replaced since).
-    """
-    split_dir = Path(feature_split_dir)
-    info = _read_embed_json(split_dir)
-    if info is None:
-        raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
-                        f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
-    expected = cache_fingerprint(tower_dir)
-    if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
-        raise UserError(f"feature cache {split_dir} was made with another tower (sha "
-                        f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    changed = _changed_source_file(info.get("source_stats") or {})
-    if changed is not None:
-        raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
-                        f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    damaged = _damaged_shard(split_dir, info.get("shard_sha256"))
-    if damaged is not None:
-        raise UserError(f"feature cache {split_dir}: {damaged}; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
-    return info
-
-
-def _damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
-    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (caches
-    written before the hashes were recorded cannot be checked)."""
-    for name, sha256 in (recorded or {}).items():
-        path = split_dir / name
-        if not path.is_file():
-            return f"its shard {name} is missing"
-        if file_sha256(path) != sha256:
-            return f"its shard {name} is not the one embed wrote (damaged or replaced since)"
-    return None
-
-
-def _source_stats(urls: list[str]) -> dict:
-    """{resolved path: [size, mtime_ns]} of each local source shard, {url: None} of a remote one (it
-    cannot be stat'ed): what embed.json records, a rerun compares and `check_feature_cache` checks."""
-    stats = {}
-    for url in urls:
-        if is_local_url(url):
-            stat = os.stat(url)
-            stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
-        else:
-            stats[url] = None
-    return stats
-
-
-def _changed_source_file(source_stats: dict) -> str | None:
-    """A source shard rewritten since embedding, if any. Deleted sources are fine: dropping the images
-    once their features are cached is a reason to cache (and remote sources cannot be checked)."""
-    for path, recorded in source_stats.items():
-        if recorded is None:  # remote
-            continue
-        try:
-            stat = os.stat(path)
-        except OSError:
-            continue
-        if [stat.st_size, stat.st_mtime_ns] != recorded:
-            return path
-    return None
-
-
 # ---------------------------------------------------------------------------------- reading the source
-
-def _source_split_name(shards: str, urls: list[str]) -> str:
-    """The source split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar)."""
-    spec = str(shards)
-    if Path(spec).is_dir():
-        return Path(spec).resolve().name
-    return Path(os.path.dirname(urls[0])).name or "train"
-
-
-def _ignore(exn: Exception) -> bool:
-    return True  # webdataset handler: go on with the next shard
-
-
-def _first_sample_members(first_url: str) -> set[str]:
-    """The members ("cls", "txt", "png"…) of the first sample of the first shard (reads one sample)."""
-    # A broken first shard reads as no members: the main pass counts and reports it.
-    try:
-        stream = gopen(first_url)
-    except Exception:  # noqa: BLE001 — counted by the main pass
-        return set()
-    with contextlib.closing(stream):  # one sample read: the rest of the shard is left, its file closed now
-        files = tar_file_expander(iter([{"url": first_url, "stream": stream}]), handler=_ignore)
-        first = next(iter(group_by_keys(files, handler=_ignore)), None)
-    return {key for key in first if not key.startswith("__")} if first is not None else set()
-
 
 def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
     """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
     counted as missing_image and the bad-fraction message would send the user the wrong way.
-    `members`: those of the first sample (`_first_sample_members`)."""
-    first = urls[0]
-    local = "://" not in first and not first.startswith("pipe:")
-    info = _read_embed_json(Path(first).parent) if local else None
+    `members`: those of the first sample (`first_sample_members`)."""
+    info = feature_shards_info(urls, members)
     if info is None:
-        if "npy" not in members or members & set(IMAGE_EXTENSIONS):
-            return
-        info = {}
+        return
     source = f" (these came from --shards {info['source']})" if info.get("source") else ""
     raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
                     f"image shards to embed{source}")
@@ -231,25 +94,10 @@ def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> N
 
 # ---------------------------------------------------------------------------------- embedding
 
-def _pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
-    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization).
-
-    The workers run the first part and send uint8 batches: a quarter of float32's bytes through shared
-    memory, pinning and the copy to the GPU (154 MB a batch of 256 at 224 px as float32), which the main
-    process paid batch after batch. The normalization (to float32, × 1/255, − mean, ÷ std) runs on the batch
-    where the tower runs; its ops are elementwise and exactly rounded on the CPU and the GPU alike, so the
-    tower sees bitwise the pixels the whole transform gives image by image (as eval and LiT see them).
-    """
-    steps = transform.transforms
-    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize):
-        raise ValueError(f"expected an eval transform ending in ToDtype and Normalize, got {transform}")
-    return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
-
-
 def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
                  pad_to: int | None = None) -> torch.Tensor:
     """uint8 pixels (B, C, H, W) on the tower's device → float16 pooled embeddings (B, width) there, queued
-    (on a GPU not waited for: `_ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
+    (on a GPU not waited for: `ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
     `prepare_for_inference`). `pad_to`: a compiled tower's batch size; a shard's last, smaller batch is
     padded to it with black images, so the compiled graph's static shapes hold (no recompilation)."""
     count = len(pixels)
@@ -272,154 +120,16 @@ def _pixels_on_device(batch: dict, device: torch.device,
     return pixels, (~good).nonzero().flatten().tolist()
 
 
-class _ToHost:
-    """A batch's features on their way to the host, with the batch's keys, captions and classes.
-
-    On a GPU the copy is asynchronous (into pinned memory, then a CUDA event), so the loop queues the next
-    batch on the GPU before it waits for this one: the GPU computes while the host writes samples and
-    shards, instead of each waiting for the other as with a `.cpu()` after every batch.
-    """
-
-    def __init__(self, batch: dict, features: torch.Tensor):
-        self.batch = batch
-        self.completes: dict | None = None  # its shard's report, when this is the shard's last batch
-        self.features = features.to("cpu", non_blocking=True)  # pinned memory when from a GPU
-        self.event = None
-        if features.is_cuda:
-            self.event = torch.cuda.Event()
-            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless set),
-            # which LOCAL_RANK's GPU need not be.
-            self.event.record(torch.cuda.current_stream(features.device))
-
-    def wait(self) -> np.ndarray:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.features.numpy()
-
-
-def _npy_bytes(embedding: np.ndarray) -> bytes:
-    # The `.npy` member of `pipelines.embedding_caption_sample`, in float16; its reader accepts
-    # any float dtype and returns float32.
-    buffer = io.BytesIO()
-    np.save(buffer, embedding, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _npy_rows(embeddings: np.ndarray) -> list[bytes]:
-    """`_npy_bytes` of each row of (B, width): np.save's header depends on the dtype and shape alone, so it is
-    made once a batch and each row's bytes appended (np.save row by row cost more than the rest of the loop)."""
-    row_bytes = embeddings.shape[1] * embeddings.itemsize
-    first = _npy_bytes(embeddings[0])
-    header = first[:len(first) - row_bytes]
-    return [header + row.tobytes() for row in embeddings]
-
-
-class _SourceShards(IterableDataset):
-    """Decoded images of whole source shards, batch by batch; runs in each DataLoader worker.
-
-    `transform` gives each image's uint8 pixels (`_pixels_and_normalization`): a batch is (B, C, H, W) uint8.
-
-    A worker takes every `num_workers`-th of the shards it is given and reads each to its end, in
-    the shard's own order: a batch never mixes two shards, and after a shard's last batch comes its
-    report {"shard": index, "done": {"read", "bad"}}. So a feature shard holds its source shard's
-    samples in their order whatever the numbers of workers and processes, and is complete when its
-    report arrives.
-    """
-
-    def __init__(self, shards: list[tuple[int, str]], kind: str, transform, batch_size: int,
-                 listed: dict[str, int], with_cls: bool, defer=None):
-        super().__init__()
-        self.shards, self.kind, self.transform = shards, kind, transform
-        self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
-        self.defer = defer  # `gpu_jpeg.DeferToGpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
-
-    def __iter__(self) -> Iterator[dict]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for index, url in self.shards[worker::num_workers]:
-            # The image-caption stream carries no class: `.cls` members are read apart, unextracted others skipped.
-            classes = read_class_members([url]) if self.with_cls else {}
-            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url), defer=self.defer)
-            batch: list[tuple] = []
-            for sample in samples:
-                batch.append(sample)
-                if len(batch) == self.batch_size:
-                    yield self._collate(index, batch, classes)
-                    batch = []
-            if batch:
-                yield self._collate(index, batch, classes)
-            yield {"shard": index, "done": {"read": counter.read, "bad": dict(counter.counts)}}
-
-    def _collate(self, index: int, samples: list[tuple], classes: dict[str, bytes]) -> dict:
-        keys, images, targets = zip(*samples)
-        captions = list(targets) if self.kind == "image-caption" else [None] * len(keys)
-        batch = {"shard": index, "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
-        if self.defer is None:
-            batch["image"] = torch.stack(images)  # (B, C, H, W)
-        else:
-            batch["packed"] = gpu_jpeg.pack(images)
-        return batch
-
-
-def _feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None) -> dict:
-    sample = {"__key__": key, "npy": npy}
-    if caption is not None:
-        sample["txt"] = caption.encode("utf-8")
-    if cls is not None:
-        sample["cls"] = cls
-    return sample
-
-
-def _write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
-    """Write one feature shard and then its record ({index}.json: counts, bytes, sha256), each atomically.
-
-    The record is written last: a shard counts as finished (a rerun skips it) only once both exist.
-    The same samples give the same bytes (fixed mtime, owner and mode, as `shards.write_split`).
-    """
-    tar_path = work_dir / f"{index}.tar"
-    with replacing(tar_path) as temporary:
-        with open(temporary, "wb") as stream, wds.TarWriter(stream, user="lit-softmoe", group="lit-softmoe",
-                                                            mode=0o644, mtime=0) as writer:
-            for sample in samples:
-                writer.write(sample)
-    record = {**record, "num_samples": len(samples), "bytes": tar_path.stat().st_size,
-              "sha256": file_sha256(tar_path)}
-    write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
-    return record
-
-
-def _finished_shard(work_dir: Path, index: int) -> dict | None:
-    """The record of a feature shard a killed run finished, or None when it must be embedded (again)."""
-    try:
-        record = json.loads((work_dir / f"{index}.json").read_text())
-        return record if (work_dir / f"{index}.tar").stat().st_size == record["bytes"] else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
-    """(samples read or lost, samples skipped, skips by reason) over shard records; as the loader counts:
-    a damaged shard and the samples it lost count as read."""
-    bad: dict[str, int] = {}
-    read = 0
-    for record in records:
-        read += record["read"]
-        for reason, count in record["bad"].items():
-            bad[reason] = bad.get(reason, 0) + count
-    lost = sum(bad.get(reason, 0) for reason in (*SHARD_REASONS, "missing_samples"))
-    return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
-
-
 def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: float,
                         at_least: int = 0) -> str | None:
-    seen, bad, reasons = _seen_and_bad(records)
+    seen, bad, reasons = seen_and_bad(records)
     if seen < max(at_least, 1) or bad / seen <= max_bad_fraction:
         return None
     return (f"{bad} of {seen} samples of {source} were bad ({', '.join(f'{r}: {n}' for r, n in reasons.items())}), "
             f"over max_bad_fraction={max_bad_fraction}; fix or rewrite the source shards")
 
 
-def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: _SourceShards, tower,
+def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: ShardBatches, tower,
                                   normalize: v2.Compose, device, pad_to: int | None,
                                   gpu_decoder: gpu_jpeg.JpegBatchDecoder | None,
                                   workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
@@ -427,7 +137,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
 
     `dataset` yields uint8 pixels (or packed JPEGs, which `gpu_decoder` decodes on `device`); `normalize`
-    (`_pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
+    (`pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
     Batches are put on the device by a thread ahead of the tower (`DevicePrefetcher`); one stays queued
     on the device while the previous one's features are written.
 
@@ -443,20 +153,11 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
 
-    def keep(embedded: _ToHost) -> None:
+    def keep(embedded: ToHost) -> None:
         """Wait for a batch's features and add its good samples to its shard's."""
         batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
-        samples, bad = pending.setdefault(batch["shard"], []), skipped.setdefault(batch["shard"], {})
-        # fp16 overflow or a NaN from the tower (the reader would skip it anyway); `../x`, `/abs/x` from a
-        # hostile source, never written into our shards. Checked over the whole batch at once.
-        finite = np.isfinite(embeddings).all(axis=1)
-        for key, caption, cls, npy, good in zip(batch["key"], batch["caption"], batch["cls"], _npy_rows(embeddings),
-                                                finite):
-            reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
-            if reason:
-                bad[reason] = bad.get(reason, 0) + 1
-                continue
-            samples.append(_feature_sample(key, npy, caption, cls))
+        pending.setdefault(batch["shard"], []).extend(feature_samples(
+            batch["key"], batch["caption"], batch["cls"], embeddings, skipped.setdefault(batch["shard"], {})))
         progress.update(len(batch["key"]))
         if "first_batch" in timing:
             timing["later_images"] += len(batch["key"])
@@ -481,7 +182,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
             counted.append(record)
-            writes.append(writer.submit(_write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
+            writes.append(writer.submit(write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
             for write in writes:
                 if write.done():
                     write.result()  # a failed write (a full disk) ends the run now, not at the end
@@ -490,7 +191,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if error:
                 raise UserError(error)
 
-        in_flight: _ToHost | None = None  # the batch queued on the device, kept once the next one is queued
+        in_flight: ToHost | None = None  # the batch queued on the device, kept once the next one is queued
         for batch, pixels in DevicePrefetcher(loader, to_device, device):
             index = batch["shard"]
             if "done" in batch:
@@ -507,7 +208,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
                     meta[key] = [value for position, value in enumerate(meta[key]) if position not in undecodable]
                 if not meta["key"]:
                     continue
-            queued = _ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
+            queued = ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
             if in_flight is not None:
                 keep(in_flight)  # the host's share of the previous batch, while the device computes this one
                 if in_flight.completes is not None:
@@ -518,41 +219,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if in_flight.completes is not None:
                 complete(in_flight.batch["shard"], in_flight.completes)
         finished.extend(write.result() for write in writes)
-
-
-def _copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
-    """Copy classnames.txt & co. from beside the source split to beside the feature split."""
-    copied = []
-    for name in METADATA_FILES if source_dir is not None else ():
-        source = source_dir / name
-        if not source.is_file():
-            continue
-        text, target = source.read_text(encoding="utf-8"), out_dir / name
-        if not target.is_file() or target.read_text(encoding="utf-8") != text:
-            write_text_atomic(target, text)
-        copied.append(name)
-    return copied
-
-
-def _refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
-    """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
-    embedding a second dataset into the same --out would rename the first one's classes."""
-    others = splits_beside(out_dir, exclude={split})
-    for name in METADATA_FILES if source_dir is not None and others else ():
-        source, target = source_dir / name, out_dir / name
-        if (source.is_file() and target.is_file()
-                and source.read_text(encoding="utf-8") != target.read_text(encoding="utf-8")):
-            raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
-                            f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
-                            f"{target} to take the new one")
-
-
-def _remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
-    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
-    # the work folder of a run of another tower or other sources, which will never be resumed.
-    for leftover in [*out_dir.glob(f".{split}.tmp-*"), *out_dir.glob(f".{split}.work-*")]:
-        if leftover != keep:
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -570,27 +236,6 @@ def _default_device(world_size: int) -> torch.device:
         return torch.device("cpu")
     # One GPU per process: the launcher's LOCAL_RANK picks it.
     return torch.device("cuda", local_rank() % torch.cuda.device_count())
-
-
-def _wait_for_shards(work_dir: Path, num_shards: int, started: float, progress) -> list[dict]:
-    """The records of all `num_shards` feature shards, once the other processes have written theirs.
-
-    Through the file system, not a collective: processes that finish their shards early would
-    otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
-    works. A process that stops on an error leaves `.error-RANK`, which ends the wait with its message.
-    """
-    records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
-    while True:
-        for index in range(num_shards):
-            if index not in records and (record := _finished_shard(work_dir, index)) is not None:
-                records[index] = record
-        if len(records) == num_shards:
-            return [records[index] for index in range(num_shards)]
-        for error in work_dir.glob(".error-*"):
-            if error.stat().st_mtime >= started:
-                raise UserError(f"another embed process stopped: {error.read_text().strip()}")
-        progress.set_postfix(shards=f"{len(records)}/{num_shards} (all processes)")
-        time.sleep(1.0)
 
 
 def embed_shards(
@@ -670,9 +315,9 @@ def embed_shards(
                         "give the parent folder as --out")
     rank, world_size = _process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
-    members = _first_sample_members(urls[0])  # one sample read: what kind of shards these are
+    members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
     _refuse_feature_shards(shards, urls, members)
-    split = split or _source_split_name(shards, urls)
+    split = split or split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
     # for `--shards DATA/train` (the dataset folder, not a new one) replaced the images themselves.
@@ -685,35 +330,31 @@ def embed_shards(
     fingerprint = cache_fingerprint(tower_dir)
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
-    wanted = {**fingerprint, "source": str(shards), "source_stats": _source_stats(urls),
+    wanted = {**fingerprint, "source": str(shards), "source_stats": source_stats(urls),
               "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder,
               **({"gpu_jpeg_share": gpu_jpeg_share} if decoder == "gpu" else {})}
 
     source_dir = dataset_dir(shards, urls)
-    _refuse_other_metadata(source_dir, out_dir, split)
+    refuse_other_metadata(source_dir, out_dir, split)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = _read_embed_json(split_dir)
-    # Anything else (another tower, other source files, a cache from before source_stats was
-    # recorded) is embedded again; the new split replaces the old one atomically.
-    if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
-            and _damaged_shard(split_dir, done.get("shard_sha256")) is None:
+    done = finished_cache(split_dir, wanted)  # else embedded again: the new split replaces the old one atomically
+    if done is not None:
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
                 "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None}
     # The work folder of this tower and these sources: a killed run's finished shards are kept there.
-    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
-    work_dir = out_dir / f".{split}.work-{work_key}"
+    work_dir = work_folder(out_dir, split, wanted)
     if rank == 0:
-        _remove_leftovers(out_dir, split, keep=work_dir)
-        _copy_metadata(source_dir, out_dir)
+        remove_leftovers(out_dir, split, keep=work_dir)
+        copy_metadata(source_dir, out_dir)
     work_dir.mkdir(exist_ok=True)
-    (work_dir / f".error-{rank}").unlink(missing_ok=True)
+    clear_failure(work_dir, rank)
 
     tower, meta = load_tower(tower_dir, device=device)
     listed = listed_sizes(urls) or {}
     mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
-    kept = {index: _finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
+    kept = {index: finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
     finished = [record for record in kept.values() if record is not None]
     todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
@@ -724,7 +365,7 @@ def embed_shards(
     tower = prepare_for_inference(tower, dtype=weights, compile=compiled)
     preprocess = meta["preprocess"]
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
-    pixels, normalize = _pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
+    pixels, normalize = pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
     workers = min(available_cpus(), len(todo)) if workers is None else min(workers, len(todo))
     gpu_decoder = None
     if decoder == "gpu":
@@ -748,8 +389,8 @@ def embed_shards(
     timing = {"later_images": 0}
     try:
         if todo:
-            dataset = _SourceShards(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
-                                    defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
+            dataset = ShardBatches(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
+                                   defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
             _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
                                           batch_size if compiled else None, gpu_decoder, workers, max_bad_fraction,
                                           str(shards), finished, progress_bar, timing)
@@ -759,20 +400,21 @@ def embed_shards(
             fresh = sum(record["num_samples"] for record in finished[resumed:])
             return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
                     "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
-                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": _seen_and_bad(finished)[2],
+                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": seen_and_bad(finished)[2],
                     "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
-        records = _wait_for_shards(work_dir, len(urls), started, progress_bar) if world_size > 1 else \
-            [_finished_shard(work_dir, index) for index in range(len(urls))]
+        records = wait_for_shards(work_dir, len(urls), started, lambda found: progress_bar.set_postfix(
+            shards=f"{found}/{len(urls)} (all processes)")) if world_size > 1 else \
+            [finished_shard(work_dir, index) for index in range(len(urls))]
     except UserError as err:
         if world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
-            write_text_atomic(work_dir / f".error-{rank}", f"{err}\n")
+            report_failure(work_dir, rank, str(err))
         raise
     finally:
         progress_bar.close()
 
     # ---- rank 0: the whole split, checked, then put in place in one step
     num_samples = sum(record["num_samples"] for record in records)
-    _, _, bad = _seen_and_bad(records)
+    _, _, bad = seen_and_bad(records)
     if num_samples == 0:
         needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
         raise UserError(f"no sample of {shards} could be embedded (skipped: {bad or 'nothing'}); check that its "
@@ -783,21 +425,9 @@ def embed_shards(
     seconds = round(time.perf_counter() - start, 3)
     info = {**wanted, "split": split, "num_samples": num_samples, "dim": tower.cfg.width, "dtype": "float16",
             "with_cls": "cls" in members, "with_txt": not class_only, "bad": bad, "seconds": seconds,
-            "processes": world_size,
-            # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
-            "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
+            "processes": world_size}
 
-    def write(tmp_dir: Path) -> None:
-        for index in range(len(urls)):  # hard links: the work folder stays whole until the split is in place
-            _link_or_copy(work_dir / f"{index}.tar", tmp_dir / f"{index}.tar")
-        write_text_atomic(tmp_dir / NSHARDS_FILE, f"{len(urls)}\n")
-        sizes = {f"{index}.tar": record["num_samples"] for index, record in enumerate(records)}
-        write_text_atomic(tmp_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
-        # Last: inside the folder that is renamed into place, so it is never beside partial shards.
-        write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
-
-    write_folder_atomically(split_dir, write)
-    shutil.rmtree(work_dir, ignore_errors=True)
+    write_feature_split(work_dir, split_dir, records, info)
     rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
@@ -841,10 +471,3 @@ def _rates(start: float, timing: dict) -> dict:
     later = time.perf_counter() - timing["first_batch"]
     steady = round(timing["later_images"] / later, 1) if timing["later_images"] and later > 0 else None
     return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady}
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # a file system without hard links
-        shutil.copy2(source, target)

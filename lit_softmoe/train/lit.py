@@ -27,11 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig
+from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
 from lit_softmoe.data.shards import (
     dataset_dir,
-    is_local_url,
     read_class_members,
     read_classnames_file,
     read_lines,
@@ -48,7 +48,6 @@ from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
-from lit_softmoe.train.embed import EMBED_FILE, check_feature_cache
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
@@ -66,35 +65,6 @@ from lit_softmoe.utils.device import inference_dtype, resolve_compile
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
-
-
-def _feature_split_dirs(spec: str | Path) -> list[Path]:
-    """The split folders of feature shards (written by `lit-softmoe embed`, which leaves embed.json in
-    each) that `spec` names: a split folder, a brace pattern or several joined with `::`, as the
-    shard reader takes them; [] for image shards. Parts of both kinds cannot share one loader."""
-    if not str(spec).strip():
-        return []
-    if Path(spec).is_dir():
-        return [Path(spec)] if (Path(spec) / EMBED_FILE).is_file() else []
-    urls = shard_urls(str(spec))
-    folders = list(dict.fromkeys(Path(url).parent for url in urls if is_local_url(url)))
-    cached = [folder for folder in folders if (folder / EMBED_FILE).is_file()]
-    if cached and (len(cached) < len(folders) or not all(map(is_local_url, urls))):
-        raise UserError(f"{spec} mixes feature shards of `lit-softmoe embed` ({cached[0]}) with other shards; "
-                        "give only feature caches, or only image shards")
-    return cached
-
-
-def is_feature_cache(split: str | Path) -> bool:
-    """Feature shards (written by `lit-softmoe embed`): a split folder holding embed.json, or a
-    pattern or `::` list of such splits."""
-    return bool(_feature_split_dirs(split))
-
-
-def _check_feature_caches(spec: str | Path, tower_dir) -> None:
-    """check_feature_cache for every split `spec` names (a stale one in a `::` list is refused too)."""
-    for split_dir in _feature_split_dirs(spec):
-        check_feature_cache(split_dir, tower_dir)
 
 
 def _image_transform(meta: dict, in_channels: int):
@@ -136,7 +106,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
 def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
-        _check_feature_caches(split, cfg.image_tower)
+        check_feature_caches(split, cfg.image_tower)
         loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
@@ -285,7 +255,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if cached:
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        _check_feature_caches(cfg.data.train, cfg.image_tower)
+        check_feature_caches(cfg.data.train, cfg.image_tower)
     for split, key in ((cfg.eval.shards, "eval.shards"), (cfg.eval.probe_train, "eval.probe_train")):
         if cfg.unlocked_blocks and split and is_feature_cache(split):
             raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="

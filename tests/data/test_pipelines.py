@@ -20,7 +20,8 @@ from torchvision.transforms import v2
 from data_files import _copy_split, _cut_at_sample, _png_bytes
 from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, embedding_caption_sample
+from lit_softmoe.data.feature_cache import embedding_caption_sample
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import write_split
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError

@@ -15,13 +15,14 @@ import webdataset as wds
 
 from lit_softmoe.cli import main
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.data.feature_cache import check_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import shard_urls, write_split
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
-from lit_softmoe.train.embed import check_feature_cache, embed_shards
+from lit_softmoe.train.embed import embed_shards
 from shard_cuts import cut_before_sample
 
 LIMIT = 300
@@ -662,13 +663,6 @@ def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(
         got = np.stack([np.load(io.BytesIO(sample["npy"])) for sample in written])
         assert got.dtype == np.float16 and got.shape == expected.shape
         assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
-
-
-@pytest.mark.parametrize("width", [1, 32, 768, 40_000])
-def test_npy_rows_are_np_save_of_each_row(width):
-    from lit_softmoe.train.embed import _npy_bytes, _npy_rows
-    rows = np.random.default_rng(width).standard_normal((3, width)).astype(np.float16)
-    assert _npy_rows(rows) == [_npy_bytes(row) for row in rows]
 
 
 # ---- the fast path: bf16 weights, workers, compile, JPEGs decoded on the GPU --------------------------

@@ -25,6 +25,7 @@ from checkpoint_checks import _finite_checkpoints
 from lit_data import PREPROCESS, _lit
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
+from lit_softmoe.data.feature_cache import is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.shards import read_lines, shard_urls, write_split
 from lit_softmoe.data.transforms import eval_transform
@@ -38,7 +39,7 @@ from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train import lit as lit_recipe
 from lit_softmoe.train.embed import embed_shards
-from lit_softmoe.train.lit import is_feature_cache, train_lit
+from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
 from shard_cuts import cut_before_sample

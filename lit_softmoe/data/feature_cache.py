@@ -1,0 +1,422 @@
+"""The feature cache's format: what `train.embed` writes, LiT training reads and both check.
+
+A feature cache is a split folder of webdataset shards holding a locked image tower's pooled
+embeddings, feature shard i for source shard i, beside the source's dataset metadata:
+
+    out_dir/
+        classnames.txt  zeroshot_classification_templates.txt  dataset_type.txt   (copied, if present)
+        train/  0.tar … N-1.tar  nshards.txt  sizes.json  embed.json
+
+Each sample keeps its source key and holds `.npy` (the pooled embedding, float16: half the bytes
+of float32, and well inside the rounding a contrastive loss ignores), `.txt` (the caption) and
+`.cls` (copied as-is) when the source had them; `create_shard_loader(…, "embedding-caption")`
+reads them back. `embed.json` lives in the split folder, so train and test caches can share one
+`out_dir` (the CLIP_benchmark layout, class names beside the splits); it holds the tower's
+fingerprint (sha256 of its weights, its config, its preprocessing), the source shards' sizes and
+modification times, and each feature shard's sha256. Its presence marks a finished cache.
+
+While embedding, feature shards are written into a work folder beside the split (`.SPLIT.work-<key>`,
+keyed by the tower and the sources): `{index}.tar` and then its record `{index}.json`, so a killed run's
+finished shards are kept; `.error-RANK` tells the other processes why one stopped. The split is put in
+place from there whole (`write_feature_split`).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import webdataset as wds
+
+from lit_softmoe.data.samples import IMAGE_EXTENSIONS
+from lit_softmoe.data.shards import (
+    NSHARDS_FILE,
+    SIZES_FILE,
+    BadSampleCounter,
+    is_local_url,
+    is_safe_key,
+    shard_urls,
+    splits_beside,
+)
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.tower_folder import tower_fingerprint
+from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.hashing import file_sha256
+
+EMBED_FILE = "embed.json"
+FORMAT_VERSION = 1
+# Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
+METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
+_FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
+
+
+# ---------------------------------------------------------------------------------- fingerprint and checks
+
+def cache_fingerprint(tower_dir: str | Path) -> dict:
+    """What a feature cache made with the tower in `tower_dir` is keyed by: the cache format and the
+    tower's fingerprint (weights' sha256, config, preprocessing)."""
+    return {"format": FORMAT_VERSION, **tower_fingerprint(tower_dir)}
+
+
+def read_embed_json(split_dir: Path) -> dict | None:
+    """A split folder's embed.json, or None (none, or unreadable)."""
+    try:
+        return json.loads((split_dir / EMBED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rerun_hint(tower_dir, source, split_dir: Path) -> str:
+    return (f"rerun `lit-softmoe embed --tower {tower_dir} --shards {source} --out {split_dir.parent} "
+            f"--split {split_dir.name}`")
+
+
+def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) -> dict:
+    """Raise UserError unless `feature_split_dir` was embedded by the tower in `tower_dir`.
+
+    Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
+    refused when embed.json is missing (not a cache, or a run that did not finish), when the
+    tower's weights, config or preprocessing differ from those it was made with, or when one of
+    its local source shards still exists with another size or modification time, or when one of its
+    own shards is not the file embed wrote (damaged, truncated or replaced since).
+    """
+    split_dir = Path(feature_split_dir)
+    info = read_embed_json(split_dir)
+    if info is None:
+        raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
+                        f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
+    expected = cache_fingerprint(tower_dir)
+    if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
+        raise UserError(f"feature cache {split_dir} was made with another tower (sha "
+                        f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
+                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+    changed = _changed_source_file(info.get("source_stats") or {})
+    if changed is not None:
+        raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
+                        f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+    damaged = damaged_shard(split_dir, info.get("shard_sha256"))
+    if damaged is not None:
+        raise UserError(f"feature cache {split_dir}: {damaged}; "
+                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+    return info
+
+
+def damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
+    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (caches
+    written before the hashes were recorded cannot be checked)."""
+    for name, sha256 in (recorded or {}).items():
+        path = split_dir / name
+        if not path.is_file():
+            return f"its shard {name} is missing"
+        if file_sha256(path) != sha256:
+            return f"its shard {name} is not the one embed wrote (damaged or replaced since)"
+    return None
+
+
+def source_stats(urls: list[str]) -> dict:
+    """{resolved path: [size, mtime_ns]} of each local source shard, {url: None} of a remote one (it
+    cannot be stat'ed): what embed.json records, a rerun compares and `check_feature_cache` checks."""
+    stats = {}
+    for url in urls:
+        if is_local_url(url):
+            stat = os.stat(url)
+            stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
+        else:
+            stats[url] = None
+    return stats
+
+
+def _changed_source_file(source_stats: dict) -> str | None:
+    """A source shard rewritten since embedding, if any. Deleted sources are fine: dropping the images
+    once their features are cached is a reason to cache (and remote sources cannot be checked)."""
+    for path, recorded in source_stats.items():
+        if recorded is None:  # remote
+            continue
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        if [stat.st_size, stat.st_mtime_ns] != recorded:
+            return path
+    return None
+
+
+# ---------------------------------------------------------------------------------- samples
+
+def npy_bytes(embedding: np.ndarray) -> bytes:
+    """An embedding as a `.npy` member, in its own dtype (embed writes float16); `read_npy` reads it back."""
+    buffer = io.BytesIO()
+    np.save(buffer, embedding, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def npy_rows(embeddings: np.ndarray) -> list[bytes]:
+    """`npy_bytes` of each row of (B, width): np.save's header depends on the dtype and shape alone, so it is
+    made once a batch and each row's bytes appended (np.save row by row cost more than the rest of the loop)."""
+    row_bytes = embeddings.shape[1] * embeddings.itemsize
+    first = npy_bytes(embeddings[0])
+    header = first[:len(first) - row_bytes]
+    return [header + row.tobytes() for row in embeddings]
+
+
+def feature_sample(key: str, npy: bytes, caption: str | None, cls: bytes | None) -> dict:
+    """One feature-shard sample: its source key, `.npy`, and `.txt` / `.cls` where the source had them."""
+    sample = {"__key__": key, "npy": npy}
+    if caption is not None:
+        sample["txt"] = caption.encode("utf-8")
+    if cls is not None:
+        sample["cls"] = cls
+    return sample
+
+
+def feature_samples(keys: list[str], captions: list, classes: list, embeddings: np.ndarray,
+                    bad: dict[str, int]) -> list[dict]:
+    """A batch's feature samples (`embeddings`: (B, width), row i for keys[i]); a non-finite embedding
+    (fp16 overflow, a NaN from the tower) or an unsafe key (`../x`, `/abs/x` from a hostile source) is
+    never written: counted in `bad` by reason instead."""
+    finite = np.isfinite(embeddings).all(axis=1)  # checked over the whole batch at once
+    samples = []
+    for key, caption, cls, npy, good in zip(keys, captions, classes, npy_rows(embeddings), finite):
+        reason = "nonfinite_embedding" if not good else "unsafe_key" if not is_safe_key(key) else None
+        if reason:
+            bad[reason] = bad.get(reason, 0) + 1
+            continue
+        samples.append(feature_sample(key, npy, caption, cls))
+    return samples
+
+
+def embedding_caption_sample(embedding: np.ndarray | torch.Tensor, caption: str) -> dict[str, bytes]:
+    """One (embedding, caption) sample as shard members: `.npy` (float32 array) + `.txt` (UTF-8).
+
+    The format the embedding pipeline reads; pass these dicts to `shards.write_split`.
+    """
+    if isinstance(embedding, torch.Tensor):
+        embedding = embedding.detach().cpu().float().numpy()
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(embedding, dtype=np.float32), allow_pickle=False)
+    return {"npy": buffer.getvalue(), "txt": caption.encode("utf-8")}
+
+
+def read_npy(data: bytes) -> np.ndarray:
+    """A `.npy` member's embedding as float32; ValueError, saying why, for anything but a finite float array."""
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
+        # numpy's message for an object array names allow_pickle: a pickle is never loaded from a shard.
+        detail = "holds Python objects, which are never unpickled" if "allow_pickle" in str(exn) else exn
+        raise ValueError(f"{type(exn).__name__}: {detail}") from None
+    if array.dtype.kind != "f" or array.ndim == 0:
+        raise ValueError(f"expected a float array, got {array.dtype} with shape {array.shape}")
+    with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: checked below
+        array = array.astype(np.float32, copy=False)
+    # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a NaN.
+    if not np.isfinite(array).all():
+        raise ValueError("holds NaN or infinity (as float32)")
+    return array
+
+
+# ---------------------------------------------------------------------------------- detecting a cache
+
+def feature_split_dirs(spec: str | Path) -> list[Path]:
+    """The split folders of feature shards (written by `lit-softmoe embed`, which leaves embed.json in
+    each) that `spec` names: a split folder, a brace pattern or several joined with `::`, as the
+    shard reader takes them; [] for image shards. Parts of both kinds cannot share one loader."""
+    if not str(spec).strip():
+        return []
+    if Path(spec).is_dir():
+        return [Path(spec)] if (Path(spec) / EMBED_FILE).is_file() else []
+    urls = shard_urls(str(spec))
+    folders = list(dict.fromkeys(Path(url).parent for url in urls if is_local_url(url)))
+    cached = [folder for folder in folders if (folder / EMBED_FILE).is_file()]
+    if cached and (len(cached) < len(folders) or not all(map(is_local_url, urls))):
+        raise UserError(f"{spec} mixes feature shards of `lit-softmoe embed` ({cached[0]}) with other shards; "
+                        "give only feature caches, or only image shards")
+    return cached
+
+
+def is_feature_cache(split: str | Path) -> bool:
+    """Feature shards (written by `lit-softmoe embed`): a split folder holding embed.json, or a
+    pattern or `::` list of such splits."""
+    return bool(feature_split_dirs(split))
+
+
+def feature_shards_info(urls: list[str], first_members: set[str]) -> dict | None:
+    """Whether shards are feature shards, given the members of their first sample: the embed.json beside
+    them, {} for `.npy` samples without an image and no embed.json; None for other shards."""
+    first = urls[0]
+    local = "://" not in first and not first.startswith("pipe:")
+    info = read_embed_json(Path(first).parent) if local else None
+    if info is None:
+        if "npy" not in first_members or first_members & set(IMAGE_EXTENSIONS):
+            return None
+        info = {}
+    return info
+
+
+def check_feature_caches(spec: str | Path, tower_dir) -> None:
+    """check_feature_cache for every split `spec` names (a stale one in a `::` list is refused too)."""
+    for split_dir in feature_split_dirs(spec):
+        check_feature_cache(split_dir, tower_dir)
+
+
+# ---------------------------------------------------------------------------------- dataset metadata
+
+def copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
+    """Copy classnames.txt & co. from beside the source split to beside the feature split."""
+    copied = []
+    for name in METADATA_FILES if source_dir is not None else ():
+        source = source_dir / name
+        if not source.is_file():
+            continue
+        text, target = source.read_text(encoding="utf-8"), out_dir / name
+        if not target.is_file() or target.read_text(encoding="utf-8") != text:
+            write_text_atomic(target, text)
+        copied.append(name)
+    return copied
+
+
+def refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
+    """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
+    embedding a second dataset into the same --out would rename the first one's classes."""
+    others = splits_beside(out_dir, exclude={split})
+    for name in METADATA_FILES if source_dir is not None and others else ():
+        source, target = source_dir / name, out_dir / name
+        if (source.is_file() and target.is_file()
+                and source.read_text(encoding="utf-8") != target.read_text(encoding="utf-8")):
+            raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
+                            f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
+                            f"{target} to take the new one")
+
+
+# ---------------------------------------------------------------------------------- writing a cache
+
+def finished_cache(split_dir: Path, wanted: dict) -> dict | None:
+    """The embed.json of the finished cache in `split_dir` when it holds every key of `wanted` with the same
+    value and its shards are the ones written, else None (another tower, other source files, a cache from
+    before source_stats was recorded, a damaged shard: all embedded again)."""
+    done = read_embed_json(split_dir)
+    if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
+            and damaged_shard(split_dir, done.get("shard_sha256")) is None:
+        return done
+    return None
+
+
+def work_folder(out_dir: Path, split: str, wanted: dict) -> Path:
+    """Where a split's feature shards are written until all are there, keyed by `wanted` (the tower and the
+    source files): a killed run's finished shards are kept there for a rerun of the same."""
+    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
+    return out_dir / f".{split}.work-{work_key}"
+
+
+def remove_leftovers(out_dir: Path, split: str, keep: Path) -> None:
+    # A run killed mid-write leaves its temporary split folder (write_folder_atomically's naming), and
+    # the work folder of a run of another tower or other sources, which will never be resumed.
+    for leftover in [*out_dir.glob(f".{split}.tmp-*"), *out_dir.glob(f".{split}.work-*")]:
+        if leftover != keep:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_feature_shard(work_dir: Path, index: int, samples: list[dict], record: dict) -> dict:
+    """Write one feature shard and then its record ({index}.json: counts, bytes, sha256), each atomically.
+
+    The record is written last: a shard counts as finished (a rerun skips it) only once both exist.
+    The same samples give the same bytes (fixed mtime, owner and mode, as `shards.write_split`).
+    """
+    tar_path = work_dir / f"{index}.tar"
+    with replacing(tar_path) as temporary:
+        with open(temporary, "wb") as stream, wds.TarWriter(stream, user="lit-softmoe", group="lit-softmoe",
+                                                            mode=0o644, mtime=0) as writer:
+            for sample in samples:
+                writer.write(sample)
+    record = {**record, "num_samples": len(samples), "bytes": tar_path.stat().st_size,
+              "sha256": file_sha256(tar_path)}
+    write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
+    return record
+
+
+def finished_shard(work_dir: Path, index: int) -> dict | None:
+    """The record of a feature shard a killed run finished, or None when it must be embedded (again)."""
+    try:
+        record = json.loads((work_dir / f"{index}.json").read_text())
+        return record if (work_dir / f"{index}.tar").stat().st_size == record["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def seen_and_bad(records: Iterable[dict]) -> tuple[int, int, dict[str, int]]:
+    """(samples read or lost, samples skipped, skips by reason) over shard records; as the loader counts:
+    a damaged shard and the samples it lost count as read."""
+    bad: dict[str, int] = {}
+    read = 0
+    for record in records:
+        read += record["read"]
+        for reason, count in record["bad"].items():
+            bad[reason] = bad.get(reason, 0) + count
+    lost = sum(bad.get(reason, 0) for reason in (*BadSampleCounter.SHARD_REASONS, "missing_samples"))
+    return read + lost, sum(bad.values()), {reason: count for reason, count in sorted(bad.items()) if count}
+
+
+def report_failure(work_dir: Path, rank: int, message: str) -> None:
+    """Leave `.error-RANK` in the work folder: it ends the other processes' `wait_for_shards` with `message`."""
+    write_text_atomic(work_dir / f".error-{rank}", f"{message}\n")
+
+
+def clear_failure(work_dir: Path, rank: int) -> None:
+    (work_dir / f".error-{rank}").unlink(missing_ok=True)
+
+
+def wait_for_shards(work_dir: Path, num_shards: int, started: float,
+                    waiting: Callable[[int], None] = lambda found: None) -> list[dict]:
+    """The records of all `num_shards` feature shards, once the other processes have written theirs.
+
+    Through the file system, not a collective: processes that finish their shards early would
+    otherwise sit in a barrier until the process group's timeout (30 minutes) while a slower one
+    works. A process that stops on an error leaves `.error-RANK` (`report_failure`) after `started`
+    (time.time()), which ends the wait with its message. `waiting(found)` is called before each pause.
+    """
+    records: dict[int, dict] = {}  # found so far: a finished shard's record is read once, not every second
+    while True:
+        for index in range(num_shards):
+            if index not in records and (record := finished_shard(work_dir, index)) is not None:
+                records[index] = record
+        if len(records) == num_shards:
+            return [records[index] for index in range(num_shards)]
+        for error in work_dir.glob(".error-*"):
+            if error.stat().st_mtime >= started:
+                raise UserError(f"another embed process stopped: {error.read_text().strip()}")
+        waiting(len(records))
+        time.sleep(1.0)
+
+
+def write_feature_split(work_dir: Path, split_dir: Path, records: list[dict], info: dict) -> None:
+    """Put the split in place whole from the work folder's shards (`records`, shard by shard): the shards,
+    nshards.txt, sizes.json and `info` with each shard's sha256 as embed.json, in one rename; then remove
+    the work folder."""
+    # The cache's own bytes: a shard damaged or replaced since is refused, not trained on.
+    info = {**info, "shard_sha256": {f"{index}.tar": record["sha256"] for index, record in enumerate(records)}}
+
+    def write(tmp_dir: Path) -> None:
+        for index in range(len(records)):  # hard links: the work folder stays whole until the split is in place
+            _link_or_copy(work_dir / f"{index}.tar", tmp_dir / f"{index}.tar")
+        write_text_atomic(tmp_dir / NSHARDS_FILE, f"{len(records)}\n")
+        sizes = {f"{index}.tar": record["num_samples"] for index, record in enumerate(records)}
+        write_text_atomic(tmp_dir / SIZES_FILE, json.dumps(sizes, indent=1) + "\n")
+        # Last: inside the folder that is renamed into place, so it is never beside partial shards.
+        write_text_atomic(tmp_dir / EMBED_FILE, json.dumps(info, indent=1) + "\n")
+
+    write_folder_atomically(split_dir, write)
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)
