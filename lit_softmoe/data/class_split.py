@@ -161,9 +161,8 @@ def load_class_split(
 
     For small sets (Fashion-MNIST: 60k × 28×28 is 47 MB) that pretraining keeps in memory and
     augments per batch. Grayscale images give C=1; if any image is in color, all become RGB (C=3).
-    Decoding goes through Python's tarfile and PIL (about 0.3 ms a sample on a slow core), so a
-    split folder's full decode is cached beside its shards (`.decoded-<hash>.npz`, ~0.1 s to
-    load) unless `cache` is False.
+    Decoding goes through Python's tarfile and PIL, sample by sample, so a split folder's full decode
+    is cached beside its shards (`.decoded-<hash>.npz`, one array read) unless `cache` is False.
 
     Returns:
         images: (N, C, H, W) uint8; labels: (N,) int64; counts: skipped samples by reason.

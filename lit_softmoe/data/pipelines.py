@@ -138,7 +138,7 @@ def _decode_image(sample: dict, transform: Callable | None, min_side: int | None
         if seed is None:
             return transform(image)
         # torchvision's random transforms draw from torch's default CPU generator. Its own methods, not
-        # torch.manual_seed / fork_rng: those cost 0.25 ms a call (a stack trace each), more than a crop.
+        # torch.manual_seed / fork_rng: those take a stack trace each call, costing more than a crop.
         generator = torch.default_generator
         state = generator.get_state()
         generator.manual_seed(seed)
@@ -378,7 +378,7 @@ class _ShardStream(IterableDataset):
         if inputs[0].dim() == 3:
             # An image is (C, H, W) over PIL's (H, W, C) memory (kept by the crop, resize and casts):
             # stacked as (B, H, W, C) the batch is one plain copy, where stacking (C, H, W) moved every
-            # byte apart (0.14 ms a 224-px image). The batch is (B, C, H, W) in channels-last memory.
+            # byte apart. The batch is (B, C, H, W) in channels-last memory.
             stacked = default_collate([image.permute(1, 2, 0) for image in inputs]).permute(0, 3, 1, 2)
         else:
             stacked = default_collate(list(inputs))  # (B, D) embeddings

@@ -421,14 +421,13 @@ def _is_local_tar(url: str) -> bool:
 def _local_tar_files(url: str, handler: Callable[[Exception], bool],
                      select_files: Callable[[str], bool] | None = None) -> Iterator[dict]:
     """The regular files of a local uncompressed tar as webdataset's tar stage gives them
-    ({"fname", "data", "__url__"}, then {} at the end of the shard), read twice as fast.
+    ({"fname", "data", "__url__"}, then {} at the end of the shard), read faster (scripts/bench_data.py).
 
     Webdataset reads a tar as a stream (`tarfile` mode "r|*") and copies each member through an
-    extract-file object: about 0.4 ms a sample of three members, a seventh of decoding and cropping
-    a 224-px JPEG. A local file can be read in `tarfile`'s random-access mode instead, each member's
-    bytes taken at its offset. Headers are still parsed by `tarfile` (pax and GNU long names
-    included); a member cut short by the file's end, or a header that fails, goes to `handler` with
-    the files before it kept, as webdataset's reader does.
+    extract-file object, a cost of the order of decoding and cropping a small JPEG. A local file can be
+    read in `tarfile`'s random-access mode instead, each member's bytes taken at its offset. Headers are
+    still parsed by `tarfile` (pax and GNU long names included); a member cut short by the file's end,
+    or a header that fails, goes to `handler` with the files before it kept, as webdataset's reader does.
     """
     try:
         with open(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r:") as tar:

@@ -2,7 +2,7 @@
 
 LiT (Zhai et al., CVPR 2022, App. G) locks the image tower and uses no augmentation, so the
 tower's output for an image never changes during LiT training: computing it once and storing it
-raised their throughput from 17 to 2,409 img/s/core and the largest batch from 146 to 2,448. open_clip
+multiplies the training throughput and the largest batch that fits (the paper's App. G). open_clip
 has no such cache (its issue #99); this module is ours.
 
 `embed_shards` reads image + caption shards (and `.cls` where present, so class shards such as a
