@@ -52,7 +52,8 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
         (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
-    return write_folder_atomically(ckpt_dir, write)
+    # The run owns its checkpoints' names: a link there (even one that loops) is replaced, never followed.
+    return write_folder_atomically(ckpt_dir, write, through_link=False)
 
 
 class DamagedCheckpoint(Exception):

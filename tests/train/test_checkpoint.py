@@ -210,6 +210,26 @@ def test_every_checkpoint_damaged_is_one_user_error(tmp_path):
         resume_state(tmp_path, model, torch.optim.AdamW(model.parameters()), total_steps=10)
 
 
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_a_link_at_a_checkpoints_name_is_passed_over_then_replaced_by_the_checkpoint(tmp_path, link):
+    """`ln -s step_00000003 step_00000003`: the resume fell back to step 2, then saving step 3 raised
+    `RuntimeError: Symlink loop` on every rerun, so the run could never finish (a dangling link had the
+    checkpoint written wherever it pointed)."""
+    import shutil
+
+    from lit_softmoe.train.runtime import resume_state
+    _three_checkpoints(tmp_path)
+    shutil.rmtree(tmp_path / "step_00000003")
+    (tmp_path / "step_00000003").symlink_to("step_00000003" if link == "loop" else str(tmp_path / "gone" / "x"))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 2
+    save_training_state(tmp_path / "step_00000003", 3, model, opt)
+    assert not (tmp_path / "step_00000003").is_symlink() and not (tmp_path / "gone").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+    assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 3
+
+
 def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):
     from safetensors.torch import load_file, save_file
 
