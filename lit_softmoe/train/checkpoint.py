@@ -13,6 +13,7 @@ half-written checkpoint under the final name. (The image tower's own folder form
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -71,6 +72,10 @@ def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Ten
     step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
     if not step_ok or not isinstance(info.get("param_groups"), list):
         raise DamagedCheckpoint(f"{STATE_META} holds no step number and optimizer groups")
+    # The folder's name orders the checkpoints: one whose state is of another step is not what it claims.
+    named = re.fullmatch(r"step_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != step:
+        raise DamagedCheckpoint(f"{STATE_META} holds step {step}, the folder's name step {int(named.group(1))}")
     try:
         tensors = load_file(ckpt_dir / STATE_TENSORS)
     except (OSError, SafetensorError) as err:
