@@ -80,6 +80,33 @@ def recover(final: str | Path) -> None:
         _remove(path)
 
 
+# ---- full disks -----------------------------------------------------------------------------------
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk (or a quota) is full: an OSError's errno, or safetensors' and torch's
+    own words (they keep neither errno nor path)."""
+    if isinstance(err, OSError) and err.errno in _FULL:
+        return True
+    return "No space left on device" in str(err) or "os error 28" in str(err)
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | Path) -> Iterator[None]:
+    """A full disk met in the block by a write that names no path (a write() on an open file, safetensors,
+    torch) is raised as OSError(ENOSPC or EDQUOT, ..., `path`), chained to it: the CLI's one line names the
+    path. An error that names its own path, or another error, passes unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if getattr(err, "filename", None) or not disk_full(err):
+            raise
+        code = err.errno if isinstance(err, OSError) and err.errno in _FULL else errno.ENOSPC
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
 # ---- modes ----------------------------------------------------------------------------------------
 
 def _umask() -> int:
@@ -122,9 +149,10 @@ def replacing(path: str | Path) -> Iterator[Path]:
     temporary = Path(name)
     _in_flight.add(temporary)
     try:
-        yield temporary
-        _follow_umask(temporary)
-        os.replace(temporary, path)
+        with naming_full_disk(path):
+            yield temporary
+            _follow_umask(temporary)
+            os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)  # gone already after the rename
         _in_flight.discard(temporary)
@@ -187,7 +215,8 @@ def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], r
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-{os.getpid()}-", dir=final_dir.parent))
     _in_flight.add(tmp_dir)
     try:
-        write(tmp_dir)
+        with naming_full_disk(final_dir):
+            write(tmp_dir)
         _follow_umask(tmp_dir)
         if final_dir.is_symlink():  # not followed: the link goes, the new folder takes its name
             final_dir.unlink()

@@ -187,3 +187,53 @@ def test_a_link_followed_to_no_folder_is_one_user_error(tmp_path, how):
     assert str(caught.value) == f"{final} {problem}; remove the link (rm {final}) or write to another path"
     assert final.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "out"]
     assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ([] if how != "to a file" else ["file"])
+
+
+def _full(filename=None, code=None):
+    """A write that meets a full disk: an OSError with or without its path, or safetensors' own error."""
+    import os
+
+    from safetensors import SafetensorError
+
+    def write(tmp):
+        if code is None:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                  '"No space left on device" })')
+        raise OSError(code, os.strerror(code), *([filename] if filename else []))
+    return write
+
+
+@pytest.mark.parametrize("writer", ["folder", "file"])
+@pytest.mark.parametrize("how", ["ENOSPC without a path", "EDQUOT without a path", "in safetensors' words",
+                                 "ENOSPC with a path"])
+def test_a_full_disk_is_raised_with_the_path_being_written(tmp_path, writer, how):
+    """A write() on an open file, safetensors and torch report a full disk without the path: the CLI's
+    one line could not say where ("while writing PATH", as docs/reliability.md promises)."""
+    import errno
+
+    from lit_softmoe.utils.atomic import replacing
+    code = {"ENOSPC without a path": errno.ENOSPC, "EDQUOT without a path": errno.EDQUOT,
+            "ENOSPC with a path": errno.ENOSPC}.get(how)
+    own = str(tmp_path / "own-name") if how.endswith("with a path") else None
+    write = _full(own, code)
+    final = tmp_path / ("ckpt" if writer == "folder" else "results.json")
+    with pytest.raises(OSError) as caught:
+        if writer == "folder":
+            write_folder_atomically(final, write)
+        else:
+            with replacing(final) as temporary:
+                write(temporary)
+    assert caught.value.errno == (code or errno.ENOSPC)
+    assert caught.value.filename == (own or str(final))
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left
+
+
+def test_an_error_that_is_not_a_full_disk_passes_unchanged(tmp_path):
+    import errno
+
+    def write(tmp):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError) as caught:
+        write_folder_atomically(tmp_path / "ckpt", write)
+    assert (caught.value.errno, caught.value.filename) == (errno.EIO, None)
