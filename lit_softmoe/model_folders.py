@@ -14,6 +14,7 @@ suite's default output path all start from it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,24 @@ def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     return next(iter(checkpoints_newest_first(checkpoints_dir)), None)
 
 
+def _missing_checkpoint(path: Path) -> str | None:
+    """The line for a RUN/checkpoints/step_N that is not there while its run folder is (a training run
+    keeps only its newest `keep_checkpoints`, and deletes older ones as it goes); None for other paths."""
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    run_dir = path.parent.parent
+    if not named or path.parent.name != "checkpoints" or path.is_symlink() or not (run_dir / RUN_CONFIG).is_file():
+        return None
+    newest = latest_checkpoint(path.parent)
+    if newest is None:
+        return (f"{path} does not exist, and the run {run_dir} holds no checkpoint now; point to the run folder "
+                "once its training has finished")
+    newer = re.fullmatch(r"step_(\d+)", newest.name)
+    if newer and int(newer.group(1)) > int(named.group(1)):
+        return (f"{path} was removed by its run, which keeps only its newest checkpoints (keep_checkpoints); the "
+                f"newest is {newest}: point to that one, or to the run folder once its training has finished")
+    return f"{path} does not exist (not written yet?); the newest checkpoint of its run is {newest}"
+
+
 def is_export(path: Path) -> bool:
     try:
         return "format" in json.loads((path / EXPORT_CONFIG).read_text()) and (path / IMAGE_WEIGHTS).is_file()
@@ -83,7 +102,7 @@ def classify_folder(path: str | Path) -> ModelFolder:
     """Recognize a folder by the files in it; a run folder that has not finished says how to finish it."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{path} is not a folder; expected {_EXPECTED}")
+        raise UserError(_missing_checkpoint(path) or f"{path} is not a folder; expected {_EXPECTED}")
     config = path / EXPORT_CONFIG
     if config.is_file() and (path / IMAGE_WEIGHTS).is_file() and "format" in read_json(config):
         return ModelFolder("export", path)
