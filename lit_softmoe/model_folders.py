@@ -73,6 +73,8 @@ def _missing_checkpoint(path: Path) -> str | None:
     run_dir = path.parent.parent
     if not named or path.parent.name != "checkpoints" or path.is_symlink() or not (run_dir / RUN_CONFIG).is_file():
         return None
+    if "text" not in read_run_config(run_dir):  # a pretraining run's checkpoints are no model folder
+        return None
     newest = latest_checkpoint(path.parent)
     if newest is None:
         return (f"{path} does not exist, and the run {run_dir} holds no checkpoint now; point to the run folder "

@@ -63,3 +63,11 @@ def test_a_missing_checkpoint_of_a_run_that_keeps_none_or_only_older_ones(tmp_pa
         load_pretrained(tmp_path / "older" / "checkpoints" / "step_00000010")
     with pytest.raises(UserError, match="is not a folder; expected an export folder"):  # not in a run folder
         load_pretrained(tmp_path / "elsewhere" / "checkpoints" / "step_00000010")
+
+
+def test_a_missing_checkpoint_of_a_pretraining_run_is_not_pointed_to_its_siblings(tmp_path):
+    """A pretraining run's checkpoints are no model folder: the line does not send the user to another one."""
+    run = _run_with_checkpoints(tmp_path / "run", [20])
+    (run / "config.yaml").write_text("tower: {}\n")
+    with pytest.raises(UserError, match="is not a folder; expected an export folder"):
+        load_pretrained(run / "checkpoints" / "step_00000010")
