@@ -182,6 +182,7 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
 
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:
-    done = sorted(Path(checkpoints_dir).glob("step_*"))
+    # A link at a step's name is not one of the `keep` (the next save there replaces it).
+    done = sorted(p for p in Path(checkpoints_dir).glob("step_*") if not p.is_symlink())
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

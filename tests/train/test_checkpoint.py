@@ -152,6 +152,16 @@ def test_latest_and_prune(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000015", "step_00000020"]
 
 
+def test_a_link_at_a_steps_name_is_not_counted_among_the_checkpoints_kept(tmp_path):
+    """A looping link at step_00000020 counted as one of `keep`: keep=2 left one real checkpoint."""
+    for step in (10, 30):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "state.json").write_text("{}")
+    (tmp_path / "step_00000020").symlink_to("step_00000020")
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*") if not p.is_symlink()) == ["step_00000010", "step_00000030"]
+
+
 def _three_checkpoints(folder) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints at steps 1, 2, 3 of a tiny model trained one AdamW step between each; returns
     each step's parameters."""
