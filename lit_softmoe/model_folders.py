@@ -53,12 +53,20 @@ def read_run_config(run_dir: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def checkpoint_order(path: Path) -> tuple[int, str]:
+    """Sort key of `step_N` folders by N, so that a name not zero-padded (step_5, made by hand) takes its
+    step's place rather than its spelling's."""
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    return (int(named.group(1)) if named else -1, path.name)
+
+
 def checkpoints_newest_first(checkpoints_dir: str | Path) -> list[Path]:
     """The complete `step_*` folders, newest first (temporary folders start with '.' and are ignored)."""
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
-    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), reverse=True)
+    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), key=checkpoint_order,
+                  reverse=True)
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import STATE_META, STATE_TENSORS
+from lit_softmoe.model_folders import STATE_META, STATE_TENSORS, checkpoint_order
 from lit_softmoe.models.lit import RENAMED_KEYS, upgrade_state_dict
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
@@ -183,6 +183,6 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:
     # A link at a step's name is not one of the `keep` (the next save there replaces it).
-    done = sorted(p for p in Path(checkpoints_dir).glob("step_*") if not p.is_symlink())
+    done = sorted((p for p in Path(checkpoints_dir).glob("step_*") if not p.is_symlink()), key=checkpoint_order)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

@@ -162,6 +162,17 @@ def test_a_link_at_a_steps_name_is_not_counted_among_the_checkpoints_kept(tmp_pa
     assert sorted(p.name for p in tmp_path.glob("step_*") if not p.is_symlink()) == ["step_00000010", "step_00000030"]
 
 
+def test_a_step_name_not_zero_padded_takes_its_steps_place(tmp_path):
+    """Sorted by spelling, a hand-made step_5 was newer than step_00000020: resumed from, and pruning
+    deleted step_00000010 and kept it."""
+    for name in ("step_5", "step_00000010", "step_00000020"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step_00000020"
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010", "step_00000020"]
+
+
 def _three_checkpoints(folder) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints at steps 1, 2, 3 of a tiny model trained one AdamW step between each; returns
     each step's parameters."""
