@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import logging
 import os
 import sys
 import warnings
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import disk_full, naming_full_disk
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
 
 
 def _cmd_data(args) -> None:
+    with naming_full_disk(args.out):  # the shard writer's stream names no path when the disk fills
+        _write_data(args)
+
+
+def _write_data(args) -> None:
     if args.dataset == "fashion-mnist":
         from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
         summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit,
@@ -447,12 +452,11 @@ def _disk_full(err: BaseException) -> str | None:
     under a temporary name and renames at the end, so what was cut short leaves nothing a rerun
     would trust, and the rerun resumes."""
     for cause in (err, err.__cause__, err.__context__):
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            where = f" while writing {cause.filename}" if cause.filename else ""
-        elif cause is not None and ("No space left on device" in str(cause) or "os error 28" in str(cause)):
-            where = ""  # safetensors' and torch's writers say it in their own words, without the path
-        else:
+        if cause is None or not disk_full(cause):
             continue
+        # The writers say which path (utils.atomic.naming_full_disk); a path-less error of another is said without.
+        filename = getattr(cause, "filename", None)
+        where = f" while writing {filename}" if filename else ""
         return (f"no space left on the device{where}; free some space (or write to another disk) and rerun the "
                 "same command")
     return None

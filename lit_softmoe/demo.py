@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, config_path, load_config
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.atomic import naming_full_disk
 from lit_softmoe.utils.paths import check_writable
 
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
@@ -127,7 +128,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     _headline("1/7 Fashion-MNIST → webdataset shards")
     tic = time.perf_counter()
     with _step(f"lit-softmoe data fashion-mnist --out {shards}" + (f" --limit {FAST_LIMIT}" if fast else "")):
-        summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
+        with naming_full_disk(shards):  # the shard writer's stream names no path when the disk fills
+            summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
     counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
     print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic

@@ -14,6 +14,7 @@ suite's default output path all start from it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,17 +53,45 @@ def read_run_config(run_dir: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def checkpoint_order(path: Path) -> tuple[int, str]:
+    """Sort key of `step_N` folders by N, so that a name not zero-padded (step_5, made by hand) takes its
+    step's place rather than its spelling's."""
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    return (int(named.group(1)) if named else -1, path.name)
+
+
 def checkpoints_newest_first(checkpoints_dir: str | Path) -> list[Path]:
     """The complete `step_*` folders, newest first (temporary folders start with '.' and are ignored)."""
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
-    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), reverse=True)
+    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), key=checkpoint_order,
+                  reverse=True)
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     """The newest complete `step_*` folder, or None."""
     return next(iter(checkpoints_newest_first(checkpoints_dir)), None)
+
+
+def _missing_checkpoint(path: Path) -> str | None:
+    """The line for a RUN/checkpoints/step_N that is not there while its run folder is (a training run
+    keeps only its newest `keep_checkpoints`, and deletes older ones as it goes); None for other paths."""
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    run_dir = path.parent.parent
+    if not named or path.parent.name != "checkpoints" or path.is_symlink() or not (run_dir / RUN_CONFIG).is_file():
+        return None
+    if "text" not in read_run_config(run_dir):  # a pretraining run's checkpoints are no model folder
+        return None
+    newest = latest_checkpoint(path.parent)
+    if newest is None:
+        return (f"{path} does not exist, and the run {run_dir} holds no checkpoint now; point to the run folder "
+                "once its training has finished")
+    newer = re.fullmatch(r"step_(\d+)", newest.name)
+    if newer and int(newer.group(1)) > int(named.group(1)):
+        return (f"{path} was removed by its run, which keeps only its newest checkpoints (keep_checkpoints); the "
+                f"newest is {newest}: point to that one, or to the run folder once its training has finished")
+    return f"{path} does not exist (not written yet?); the newest checkpoint of its run is {newest}"
 
 
 def is_export(path: Path) -> bool:
@@ -83,7 +112,7 @@ def classify_folder(path: str | Path) -> ModelFolder:
     """Recognize a folder by the files in it; a run folder that has not finished says how to finish it."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{path} is not a folder; expected {_EXPECTED}")
+        raise UserError(_missing_checkpoint(path) or f"{path} is not a folder; expected {_EXPECTED}")
     config = path / EXPORT_CONFIG
     if config.is_file() and (path / IMAGE_WEIGHTS).is_file() and "format" in read_json(config):
         return ModelFolder("export", path)

@@ -175,21 +175,44 @@ def test_a_full_disk_while_data_writes_shards_is_one_line_and_the_rerun_complete
     assert json.loads((split / "sizes.json").read_text()) == {"0.tar": 2, "1.tar": 2, "2.tar": 1}
 
 
-def test_a_full_disk_in_safetensors_own_words_is_one_line(run, tmp_path, capsys, monkeypatch):
-    """safetensors reports a full disk in its own error, without errno or path."""
+@pytest.mark.parametrize("how", ["in safetensors' words", "ENOSPC without a path", "ENOSPC with a path"])
+def test_a_full_disk_while_exporting_is_one_line_naming_the_path(run, tmp_path, capsys, monkeypatch, how):
+    """safetensors reports a full disk in its own error, without errno or path, and a write() on an open
+    file without the path: the line said no path, though docs/reliability.md promises one."""
+    import errno
+
     from safetensors import SafetensorError
 
     from lit_softmoe.export import pair
+    own = tmp_path / "export-disk" / "image_encoder.safetensors"
 
     def full(*args, **kwargs):
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                              '"No space left on device" })')
+        if how == "in safetensors' words":
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                  '"No space left on device" })')
+        raise OSError(errno.ENOSPC, "No space left on device", *([str(own)] if how.endswith("with a path") else []))
 
     monkeypatch.setattr(pair, "save_file", full)
     line = _one_line_error(capsys, ["export", str(run), "--out", str(tmp_path / "export")])
-    assert line == ("lit-softmoe export: error: no space left on the device; free some space (or write to another "
-                    "disk) and rerun the same command")
+    where = own if how.endswith("with a path") else tmp_path / "export"
+    assert line == (f"lit-softmoe export: error: no space left on the device while writing {where}; free some space "
+                    "(or write to another disk) and rerun the same command")
     assert not (tmp_path / "export").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_without_a_path_while_data_writes_shards_names_the_dataset(tmp_path, capsys, monkeypatch):
+    """The tar stream's write() names no path: the line names the --out being written."""
+    import errno
+
+    def addfile(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tarfile.TarFile, "addfile", addfile)
+    src, out = _five_captioned_images(tmp_path / "src"), tmp_path / "out"
+    line = _one_line_error(capsys, ["data", "from-folder", str(src), "--out", str(out)])
+    assert line == (f"lit-softmoe data: error: no space left on the device while writing {out}; free some space "
+                    "(or write to another disk) and rerun the same command")
+    assert not (out / "train" / "sizes.json").exists()
 
 
 def test_data_from_folder_writes_captions_from_class_names(tmp_path, capsys):

@@ -25,3 +25,49 @@ def test_not_a_model_folder(tmp_path, capsys):
     assert "expected an export folder" in line
     with pytest.raises(UserError, match="is not a folder"):
         load_pretrained(tmp_path / "missing")
+
+
+def _run_with_checkpoints(run_dir, steps):
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("text: {}\n")
+    for step in steps:
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir()
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(f'{{"step": {step}}}')
+    return run_dir
+
+
+@pytest.mark.parametrize("command", ["export", "eval"])
+def test_a_checkpoint_the_run_pruned_is_said_so_with_the_newest_one(tmp_path, capsys, suite, command):
+    """A run keeps only its newest checkpoints: eval or export of one it just deleted said "is not a folder;
+    expected an export folder…", as if the path were wrong rather than gone."""
+    run = _run_with_checkpoints(tmp_path / "run", [20, 30])
+    pruned = run / "checkpoints" / "step_00000010"
+    argv = ["export", str(pruned), "--out", str(tmp_path / "out")] if command == "export" else \
+        ["eval", "--model", str(pruned), "--suite", suite, "--out", str(tmp_path / "e.json"), "--device", "cpu"]
+    line = _one_error_line(capsys, cli.main(argv))
+    assert line == (f"lit-softmoe {command}: error: {pruned} was removed by its run, which keeps only its newest "
+                    f"checkpoints (keep_checkpoints); the newest is {run / 'checkpoints' / 'step_00000030'}: point to "
+                    "that one, or to the run folder once its training has finished")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "e.json").exists()
+
+
+def test_a_missing_checkpoint_of_a_run_that_keeps_none_or_only_older_ones(tmp_path):
+    run = _run_with_checkpoints(tmp_path / "run", [])
+    with pytest.raises(UserError) as caught:
+        load_pretrained(run / "checkpoints" / "step_00000010")
+    assert str(caught.value) == (f"{run / 'checkpoints' / 'step_00000010'} does not exist, and the run {run} holds "
+                                 "no checkpoint now; point to the run folder once its training has finished")
+    _run_with_checkpoints(tmp_path / "older", [5])
+    with pytest.raises(UserError, match=r"step_00000010 does not exist \(not written yet\?\); the newest checkpoint "
+                                        r"of its run is .*older/checkpoints/step_00000005$"):
+        load_pretrained(tmp_path / "older" / "checkpoints" / "step_00000010")
+    with pytest.raises(UserError, match="is not a folder; expected an export folder"):  # not in a run folder
+        load_pretrained(tmp_path / "elsewhere" / "checkpoints" / "step_00000010")
+
+
+def test_a_missing_checkpoint_of_a_pretraining_run_is_not_pointed_to_its_siblings(tmp_path):
+    """A pretraining run's checkpoints are no model folder: the line does not send the user to another one."""
+    run = _run_with_checkpoints(tmp_path / "run", [20])
+    (run / "config.yaml").write_text("tower: {}\n")
+    with pytest.raises(UserError, match="is not a folder; expected an export folder"):
+        load_pretrained(run / "checkpoints" / "step_00000010")

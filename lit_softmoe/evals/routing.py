@@ -25,6 +25,7 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.nn.soft_moe import SoftMoE
+from lit_softmoe.utils.atomic import replacing, write_text_atomic
 from lit_softmoe.utils.paths import check_writable
 
 PANEL_PIXELS = 200  # each panel of the routing figure is 200×200 px (2 in at 100 dpi)
@@ -163,9 +164,8 @@ def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], 
                  fontsize=8)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - (HEADER_PIXELS + 25) / height,
                         wspace=0.05, hspace=0.3)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi)
+    with replacing(out_png) as temporary:  # never half a figure; a full disk names the path
+        fig.savefig(temporary, dpi=dpi, format=Path(out_png).suffix[1:].lower() or "png")
     return width, height
 
 
@@ -253,5 +253,5 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     size = plot_routing(seen, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
     report = {"tower": str(tower_dir), "image": str(image_path), "plotted": {"block": layer, "slots": slots,
               "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers}
-    Path(out_png).with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(Path(out_png).with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     return report

@@ -13,6 +13,7 @@ half-written checkpoint under the final name. (The image tower's own folder form
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import STATE_META, STATE_TENSORS
+from lit_softmoe.model_folders import STATE_META, STATE_TENSORS, checkpoint_order
 from lit_softmoe.models.lit import RENAMED_KEYS, upgrade_state_dict
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
@@ -52,7 +53,8 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
         (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
-    return write_folder_atomically(ckpt_dir, write)
+    # The run owns its checkpoints' names: a link there (even one that loops) is replaced, never followed.
+    return write_folder_atomically(ckpt_dir, write, through_link=False)
 
 
 class DamagedCheckpoint(Exception):
@@ -70,6 +72,10 @@ def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Ten
     step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
     if not step_ok or not isinstance(info.get("param_groups"), list):
         raise DamagedCheckpoint(f"{STATE_META} holds no step number and optimizer groups")
+    # The folder's name orders the checkpoints: one whose state is of another step is not what it claims.
+    named = re.fullmatch(r"step_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != step:
+        raise DamagedCheckpoint(f"{STATE_META} holds step {step}, the folder's name step {int(named.group(1))}")
     try:
         tensors = load_file(ckpt_dir / STATE_TENSORS)
     except (OSError, SafetensorError) as err:
@@ -176,6 +182,7 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
 
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:
-    done = sorted(Path(checkpoints_dir).glob("step_*"))
+    # A link at a step's name is not one of the `keep` (the next save there replaces it).
+    done = sorted((p for p in Path(checkpoints_dir).glob("step_*") if not p.is_symlink()), key=checkpoint_order)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

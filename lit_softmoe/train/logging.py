@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.utils.atomic import naming_full_disk, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class RunLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
+        with naming_full_disk(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.send_to_trackers(record)
 

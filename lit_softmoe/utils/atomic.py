@@ -20,6 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+from lit_softmoe.errors import UserError
+from lit_softmoe.utils.paths import broken_link
+
 T = TypeVar("T")
 
 _in_flight: set[Path] = set()  # temporary paths this process is writing right now (any thread)
@@ -77,6 +80,33 @@ def recover(final: str | Path) -> None:
         _remove(path)
 
 
+# ---- full disks -----------------------------------------------------------------------------------
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk (or a quota) is full: an OSError's errno, or safetensors' and torch's
+    own words (they keep neither errno nor path)."""
+    if isinstance(err, OSError) and err.errno in _FULL:
+        return True
+    return "No space left on device" in str(err) or "os error 28" in str(err)
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | Path) -> Iterator[None]:
+    """A full disk met in the block by a write that names no path (a write() on an open file, safetensors,
+    torch) is raised as OSError(ENOSPC or EDQUOT, ..., `path`), chained to it: the CLI's one line names the
+    path. An error that names its own path, or another error, passes unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if getattr(err, "filename", None) or not disk_full(err):
+            raise
+        code = err.errno if isinstance(err, OSError) and err.errno in _FULL else errno.ENOSPC
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
 # ---- modes ----------------------------------------------------------------------------------------
 
 def _umask() -> int:
@@ -119,9 +149,10 @@ def replacing(path: str | Path) -> Iterator[Path]:
     temporary = Path(name)
     _in_flight.add(temporary)
     try:
-        yield temporary
-        _follow_umask(temporary)
-        os.replace(temporary, path)
+        with naming_full_disk(path):
+            yield temporary
+            _follow_umask(temporary)
+            os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)  # gone already after the rename
         _in_flight.discard(temporary)
@@ -158,7 +189,8 @@ class FolderTakenError(FileExistsError):
     """`write_folder_atomically(..., replace=False)` found its folder filled by another writer."""
 
 
-def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], replace: bool = True) -> Path:
+def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], replace: bool = True,
+                            through_link: bool = True) -> Path:
     """Call `write(tmp_dir)`, then move tmp_dir to `final_dir` (replacing an older one).
 
     On Linux an older folder is swapped out in one atomic step, so a reader finds the old or the
@@ -167,17 +199,27 @@ def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], r
     `replace=False`: `final_dir` may only be absent or empty; one that another writer filled while
     `write` ran is kept and FolderTakenError raised. The last step is then one rename, which refuses
     a folder holding files, so no check made earlier can be raced.
+    A symbolic link at `final_dir`: with `through_link` (a user's --out) the folder it names takes the new
+    contents and the link stays; a link that loops, leads nowhere or to a file is refused (UserError).
+    `through_link=False` (a folder the caller owns, such as a checkpoint): the link itself is replaced, it
+    holds no data.
     """
     final_dir = Path(final_dir)
-    if final_dir.is_symlink():  # the folder the link names takes the new contents; the link stays
+    if final_dir.is_symlink() and through_link:
+        if not final_dir.is_dir():
+            problem = broken_link(final_dir) or f"is a symbolic link to {os.readlink(final_dir)}, not to a folder"
+            raise UserError(f"{final_dir} {problem}; remove the link (rm {final_dir}) or write to another path")
         final_dir = final_dir.resolve()
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     recover(final_dir)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-{os.getpid()}-", dir=final_dir.parent))
     _in_flight.add(tmp_dir)
     try:
-        write(tmp_dir)
+        with naming_full_disk(final_dir):
+            write(tmp_dir)
         _follow_umask(tmp_dir)
+        if final_dir.is_symlink():  # not followed: the link goes, the new folder takes its name
+            final_dir.unlink()
         if not replace:
             _rename_onto_empty(tmp_dir, final_dir)
         elif not final_dir.exists():

@@ -1,6 +1,8 @@
 """Checks of output paths, made before the work rather than after it."""
 from __future__ import annotations
 
+import errno
+import os
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,13 @@ from lit_softmoe.errors import UserError
 def check_writable(path: str | Path, flag: str, folder: bool) -> None:
     """Fail before the work, not after it, where `flag`'s path (a folder, or a file) cannot be written."""
     path = Path(path)
+    for part in (path, *path.parents):  # a link that leads nowhere, at the path or a folder on the way
+        if part.exists():
+            break
+        problem = broken_link(part)
+        if problem:
+            where = f"{flag} {path}" if part == path else f"{flag} {path}: {part}"
+            raise UserError(f"{where} {problem}; remove the link (rm {part}) or give another {flag}")
     if folder and path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a folder path")
     if not folder and path.is_dir():
@@ -24,3 +33,19 @@ def check_writable(path: str | Path, flag: str, folder: bool) -> None:
     except OSError as err:
         raise UserError(f"{flag} {path}: cannot write in {existing} ({err.strerror or err}); "
                         f"choose another {flag}") from None
+
+
+def broken_link(path: str | Path) -> str | None:
+    """What is wrong with a symbolic link at `path` that leads to nothing ("is a symbolic link that loops",
+    or to a missing target), for an error line; None for no link or one that leads to something."""
+    path = Path(path)
+    if not path.is_symlink():
+        return None
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symbolic link that loops"
+        missing = err.errno in (errno.ENOENT, errno.ENOTDIR)
+        return f"is a symbolic link to {os.readlink(path)}, which {'does not exist' if missing else err.strerror}"
+    return None

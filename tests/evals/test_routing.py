@@ -203,3 +203,23 @@ def test_pdf_and_svg_figures_still_work(tower_and_image, tmp_path, capsys):
         assert main(argv) == 0
         assert (tmp_path / name).stat().st_size > 0 and (tmp_path / "routing.json").is_file()
     capsys.readouterr()
+
+
+def test_a_full_disk_while_drawing_is_one_line_naming_the_figure(tower_and_image, tmp_path, capsys, monkeypatch):
+    """matplotlib's write() names no path; the figure was written in place, so a kill left half a PNG."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def savefig(self, fname, **kwargs):
+        open(fname, "wb").write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    tower, image = tower_and_image
+    out = tmp_path / "routing.png"
+    code = main(["inspect-routing", "--tower", str(tower), "--image", str(image), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"lit-softmoe inspect-routing: error: no space left on the device while writing "
+                                 f"{out}; free some space (or write to another disk) and rerun the same command"]
+    assert list(tmp_path.iterdir()) == []  # no half figure under its name

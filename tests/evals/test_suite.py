@@ -166,6 +166,29 @@ def test_two_runs_finishing_on_one_default_path_keep_both_results(tmp_path, monk
     assert report["paths"]["json"] == str(taken[0]) and "results" in json.loads(taken[0].read_text())
 
 
+@pytest.mark.parametrize("link", ["loop", "dangling", "loop on the way"])
+def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_elsewhere(tmp_path, link):
+    """A looping or dangling link as --out: its name was taken (O_EXCL), so the results silently went
+    to loop-2.json beside it."""
+    root = _wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    if link == "dangling":
+        out = part = tmp_path / "r.json"
+        part.symlink_to(tmp_path / "gone" / "r.json")
+        problem = f"is a symbolic link to {tmp_path / 'gone' / 'r.json'}, which does not exist"
+    else:
+        part = tmp_path / "loop.json" if link == "loop" else tmp_path / "loop"
+        part.symlink_to(part.name)
+        out = part if link == "loop" else part / "r.json"
+        problem = "is a symbolic link that loops"
+    with pytest.raises(UserError) as caught:
+        run_suite("m", cfg, out=out, model_bundle=tiny_pair(3, 32))
+    where = f"--out {out}" if out == part else f"--out {out}: {part}"
+    assert str(caught.value) == f"{where} {problem}; remove the link (rm {part}) or give another --out"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cifar10", part.name])  # nothing written elsewhere
+
+
 def test_out_naming_the_markdown_or_png_is_refused(tmp_path):
     # The Markdown and PNG go beside --out with its suffix swapped: --out r.md wrote the JSON, then
     # replaced it with the table.

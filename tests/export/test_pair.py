@@ -290,3 +290,15 @@ def test_overwrite_through_a_link_to_an_export_replaces_its_target_and_keeps_the
     model, _, _ = load_pretrained(link)
     for got, want in zip(_embed(model, tokenizer), _embed(reference, tokenizer), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_out_that_is_a_link_to_nothing_is_one_line_before_any_work(run, tmp_path, capsys, link):
+    """`export --out LOOP` ended in `RuntimeError: Symlink loop` after the whole export was written."""
+    out = tmp_path / "out"
+    out.symlink_to("out" if link == "loop" else tmp_path / "gone")
+    problem = "is a symbolic link that loops" if link == "loop" else \
+        f"is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
+    assert line == f"lit-softmoe export: error: --out {out} {problem}; remove the link (rm {out}) or give another --out"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and out.is_symlink()

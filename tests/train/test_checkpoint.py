@@ -152,6 +152,27 @@ def test_latest_and_prune(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000015", "step_00000020"]
 
 
+def test_a_link_at_a_steps_name_is_not_counted_among_the_checkpoints_kept(tmp_path):
+    """A looping link at step_00000020 counted as one of `keep`: keep=2 left one real checkpoint."""
+    for step in (10, 30):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "state.json").write_text("{}")
+    (tmp_path / "step_00000020").symlink_to("step_00000020")
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*") if not p.is_symlink()) == ["step_00000010", "step_00000030"]
+
+
+def test_a_step_name_not_zero_padded_takes_its_steps_place(tmp_path):
+    """Sorted by spelling, a hand-made step_5 was newer than step_00000020: resumed from, and pruning
+    deleted step_00000010 and kept it."""
+    for name in ("step_5", "step_00000010", "step_00000020"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step_00000020"
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010", "step_00000020"]
+
+
 def _three_checkpoints(folder) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints at steps 1, 2, 3 of a tiny model trained one AdamW step between each; returns
     each step's parameters."""
@@ -174,15 +195,16 @@ def _damage(ckpt, how: str) -> None:
         (ckpt / "state.safetensors").write_bytes(data[:len(data) // 2])
     elif how == "garbage json":
         (ckpt / "state.json").write_bytes(b"\x00\x17{not json")
-    else:  # a step of the wrong type
+    else:  # a step of the wrong type, or another step than the folder's name says
         info = json.loads((ckpt / "state.json").read_text())
-        (ckpt / "state.json").write_text(json.dumps({**info, "step": "ten"}))
+        (ckpt / "state.json").write_text(json.dumps({**info, "step": "ten" if how == "step not a number" else 1}))
 
 
-@pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number"])
+@pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number", "step not the folder's"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, caplog, how):
     """It crashed every rerun with a traceback (safetensors' or json's error, or comparing "ten" with
-    the run's length), so the intact checkpoints before it were never used."""
+    the run's length), so the intact checkpoints before it were never used. A step that is not the
+    folder's resumed the newest weights as an older step (pretraining's log then divided by zero)."""
     from lit_softmoe.train.runtime import resume_state
     saved = _three_checkpoints(tmp_path)
     _damage(tmp_path / "step_00000003", how)
@@ -208,6 +230,26 @@ def test_every_checkpoint_damaged_is_one_user_error(tmp_path):
     with pytest.raises(UserError, match=rf"every checkpoint in {tmp_path} is damaged \(the newest: "
                                         rf"{tmp_path / 'step_00000003'}\); restore them from a copy, or delete"):
         resume_state(tmp_path, model, torch.optim.AdamW(model.parameters()), total_steps=10)
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_a_link_at_a_checkpoints_name_is_passed_over_then_replaced_by_the_checkpoint(tmp_path, link):
+    """`ln -s step_00000003 step_00000003`: the resume fell back to step 2, then saving step 3 raised
+    `RuntimeError: Symlink loop` on every rerun, so the run could never finish (a dangling link had the
+    checkpoint written wherever it pointed)."""
+    import shutil
+
+    from lit_softmoe.train.runtime import resume_state
+    _three_checkpoints(tmp_path)
+    shutil.rmtree(tmp_path / "step_00000003")
+    (tmp_path / "step_00000003").symlink_to("step_00000003" if link == "loop" else str(tmp_path / "gone" / "x"))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 2
+    save_training_state(tmp_path / "step_00000003", 3, model, opt)
+    assert not (tmp_path / "step_00000003").is_symlink() and not (tmp_path / "gone").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+    assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 3
 
 
 def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):

@@ -47,3 +47,26 @@ def test_truncating_the_metrics_is_atomic(tmp_path, monkeypatch):
         RunLogger(tmp_path).truncate_after(10)
     monkeypatch.undo()
     assert read_metrics(tmp_path / "metrics.jsonl") == records
+
+
+def test_a_full_disk_while_logging_a_record_names_the_metrics_file(tmp_path, monkeypatch):
+    """The append's write() names no path: the CLI's one line could not say which file the disk refused."""
+    import errno
+
+    from lit_softmoe.train import logging as run_logging
+
+    class FullFile:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_logging, "open", lambda *args, **kwargs: FullFile(), raising=False)
+    logger = RunLogger(tmp_path)
+    with pytest.raises(OSError) as caught:
+        logger.log({"step": 1, "loss": 0.5})
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))

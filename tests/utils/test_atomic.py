@@ -135,3 +135,105 @@ def test_replacing_a_folder_through_a_symlink_keeps_the_link(tmp_path, monkeypat
     assert (tmp_path / "disk" / "target" / "v").read_text() == "2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"]
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["target"]  # no temporary folder left
+
+
+def _link(path, how: str, tmp_path):
+    """A symbolic link at `path`: looping, dangling, to a folder or to a file (the last two outside `path`'s folder)."""
+    (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    if how == "loop":
+        path.symlink_to(path.name)
+    elif how == "dangling":
+        path.symlink_to(tmp_path / "elsewhere" / "missing")
+    elif how == "to a folder":
+        (tmp_path / "elsewhere" / "folder").mkdir()
+        (tmp_path / "elsewhere" / "folder" / "v").write_text("theirs")
+        path.symlink_to(tmp_path / "elsewhere" / "folder", target_is_directory=True)
+    else:
+        (tmp_path / "elsewhere" / "file").write_text("theirs")
+        path.symlink_to(tmp_path / "elsewhere" / "file")
+
+
+@pytest.mark.parametrize("how", ["loop", "dangling", "to a folder", "to a file"])
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_a_link_at_a_folder_the_caller_owns_is_replaced_not_followed(tmp_path, monkeypatch, how, atomic_exchange):
+    """A looping link at a checkpoint's name ended every save in `RuntimeError: Symlink loop` (resolve()),
+    so the run could never finish; a dangling one had the checkpoint written where it pointed."""
+    from lit_softmoe.utils import atomic
+    if not atomic_exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    (tmp_path / "checkpoints").mkdir()
+    final = tmp_path / "checkpoints" / "step_00000030"
+    _link(final, how, tmp_path)
+    assert write_folder_atomically(final, lambda tmp: (tmp / "v").write_text("new"), through_link=False) == final
+    assert not final.is_symlink() and (final / "v").read_text() == "new"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000030"]  # no temporary folder left
+    # What the link pointed to is not the caller's: untouched.
+    assert sorted(str(p.relative_to(tmp_path / "elsewhere")) for p in (tmp_path / "elsewhere").rglob("*")) == \
+        {"loop": [], "dangling": [], "to a folder": ["folder", "folder/v"], "to a file": ["file"]}[how]
+
+
+@pytest.mark.parametrize("how", ["loop", "dangling", "to a file"])
+def test_a_link_followed_to_no_folder_is_one_user_error(tmp_path, how):
+    """Followed (a user's --out), a looping link was `RuntimeError: Symlink loop`, a dangling one was
+    followed to create its target, and one to a file had the file swapped for the folder."""
+    from lit_softmoe.errors import UserError
+    final = tmp_path / "out"
+    _link(final, how, tmp_path)
+    problem = {"loop": "is a symbolic link that loops",
+               "dangling": f"is a symbolic link to {tmp_path / 'elsewhere' / 'missing'}, which does not exist",
+               "to a file": f"is a symbolic link to {tmp_path / 'elsewhere' / 'file'}, not to a folder"}[how]
+    with pytest.raises(UserError) as caught:
+        write_folder_atomically(final, lambda tmp: (tmp / "v").write_text("new"))
+    assert str(caught.value) == f"{final} {problem}; remove the link (rm {final}) or write to another path"
+    assert final.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "out"]
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ([] if how != "to a file" else ["file"])
+
+
+def _full(filename=None, code=None):
+    """A write that meets a full disk: an OSError with or without its path, or safetensors' own error."""
+    import os
+
+    from safetensors import SafetensorError
+
+    def write(tmp):
+        if code is None:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                  '"No space left on device" })')
+        raise OSError(code, os.strerror(code), *([filename] if filename else []))
+    return write
+
+
+@pytest.mark.parametrize("writer", ["folder", "file"])
+@pytest.mark.parametrize("how", ["ENOSPC without a path", "EDQUOT without a path", "in safetensors' words",
+                                 "ENOSPC with a path"])
+def test_a_full_disk_is_raised_with_the_path_being_written(tmp_path, writer, how):
+    """A write() on an open file, safetensors and torch report a full disk without the path: the CLI's
+    one line could not say where ("while writing PATH", as docs/reliability.md promises)."""
+    import errno
+
+    from lit_softmoe.utils.atomic import replacing
+    code = {"ENOSPC without a path": errno.ENOSPC, "EDQUOT without a path": errno.EDQUOT,
+            "ENOSPC with a path": errno.ENOSPC}.get(how)
+    own = str(tmp_path / "own-name") if how.endswith("with a path") else None
+    write = _full(own, code)
+    final = tmp_path / ("ckpt" if writer == "folder" else "results.json")
+    with pytest.raises(OSError) as caught:
+        if writer == "folder":
+            write_folder_atomically(final, write)
+        else:
+            with replacing(final) as temporary:
+                write(temporary)
+    assert caught.value.errno == (code or errno.ENOSPC)
+    assert caught.value.filename == (own or str(final))
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left
+
+
+def test_an_error_that_is_not_a_full_disk_passes_unchanged(tmp_path):
+    import errno
+
+    def write(tmp):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError) as caught:
+        write_folder_atomically(tmp_path / "ckpt", write)
+    assert (caught.value.errno, caught.value.filename) == (errno.EIO, None)
