@@ -40,6 +40,7 @@ from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     SIZES_FILE,
     BadSampleCounter,
+    file_identity,
     is_local_url,
     is_safe_key,
     shard_urls,
@@ -121,13 +122,14 @@ def damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
 
 
 def source_stats(urls: list[str]) -> dict:
-    """{resolved path: [size, mtime_ns]} of each local source shard, {url: None} of a remote one (it
+    """{resolved path: [size, mtime_ns, ctime_ns]} of each local source shard (`shards.file_identity`:
+    a same-size edit whose mtime was put back still changes the ctime), {url: None} of a remote one (it
     cannot be stat'ed): what embed.json records, a rerun compares and `check_feature_cache` checks."""
     stats = {}
     for url in urls:
         if is_local_url(url):
-            stat = os.stat(url)
-            stats[str(Path(url).resolve())] = [stat.st_size, stat.st_mtime_ns]
+            path, *identity = file_identity(url)
+            stats[path] = identity
         else:
             stats[url] = None
     return stats
@@ -140,10 +142,10 @@ def _changed_source_file(source_stats: dict) -> str | None:
         if recorded is None:  # remote
             continue
         try:
-            stat = os.stat(path)
+            _, *identity = file_identity(path)
         except OSError:
             continue
-        if [stat.st_size, stat.st_mtime_ns] != recorded:
+        if identity != recorded:
             return path
     return None
 

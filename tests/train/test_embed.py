@@ -154,6 +154,34 @@ def test_a_rewritten_source_is_refused_and_a_deleted_one_is_not(cache, tmp_path)
     assert check_feature_cache(features, cache["root"] / "tower")["num_samples"] == LIMIT
 
 
+def test_a_same_size_edit_whose_mtime_was_put_back_is_embedded_again(cache, tmp_path):
+    """Tools that keep mtimes (`touch -r`, `os.utime`, some syncs) leave size and mtime as they were: the
+    cache keys each source by its ctime too, which any write changes."""
+    import tarfile
+    source = tmp_path / "fmnist" / "test"
+    shutil.copytree(cache["root"] / "fmnist" / "test", source)
+    embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64)
+    features = tmp_path / "features" / "test"
+
+    edited = sorted(source.glob("*.tar"))[0]
+    with tarfile.open(edited) as tar:
+        member = next(member for member in tar.getmembers() if member.name.endswith(".txt"))
+        key, caption = member.name[:-len(".txt")], tar.extractfile(member).read()
+    stat = edited.stat()
+    with open(edited, "r+b") as stream:  # one byte of one caption, in place: same size
+        stream.seek(member.offset_data)
+        stream.write(b"X")
+    os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (edited.stat().st_size, edited.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+
+    with pytest.raises(UserError, match=rf"is older than its source: .*{edited.name} changed since it was embedded"):
+        check_feature_cache(features, cache["root"] / "tower")
+    summary = embed_shards(cache["root"] / "tower", str(source), tmp_path / "features", batch_size=64)
+    assert not summary["skipped"] and summary["num_samples"] == LIMIT
+    assert _read_raw(features)[key]["txt"] == b"X" + caption[1:]  # the cache holds the edited caption
+    assert check_feature_cache(features, cache["root"] / "tower")["num_samples"] == LIMIT
+
+
 def test_a_folder_without_embed_json_is_refused(cache, tmp_path):
     with pytest.raises(UserError, match="has no embed.json"):
         check_feature_cache(cache["root"] / "fmnist" / "test", cache["root"] / "tower")
