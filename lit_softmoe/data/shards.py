@@ -239,7 +239,27 @@ def split_dir_urls(split_dir: Path) -> list[str]:
             f"{nshards_path} says {nshards} shards but {len(missing)} are missing (first: {missing[0]}); "
             "rewrite the split's shards"
         )
+    # Shards that sizes.json lists but nshards.txt leaves out would never be read, their samples never
+    # counted as missing: the split would pass for complete with part of it.
+    listed = _read_sizes_file(split_dir / SIZES_FILE) or {}
+    unread = sorted((name for name in listed if (match := _SHARD_NAME.match(name)) and int(match.group(1)) >= nshards),
+                    key=lambda name: int(_SHARD_NAME.match(name).group(1)))
+    if unread:
+        raise UserError(f"{split_dir / SIZES_FILE} lists {len(listed)} shards, {nshards_path} counts {nshards}: "
+                        f"{len(unread)} would not be read (first: {unread[0]}); rewrite the split's shards")
     return urls
+
+
+def _read_sizes_file(path: Path) -> dict | None:
+    """sizes.json as {shard name: samples}, None where there is none."""
+    if not path.is_file():
+        return None
+    try:
+        table = json.loads(path.read_text())
+    except ValueError:
+        raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
+                        "and set data.samples_per_epoch") from None
+    return table if isinstance(table, dict) else None
 
 
 _warned_unfinished: set[tuple[str, ...]] = set()
@@ -325,14 +345,9 @@ def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
     for url in urls:
         folder, name = os.path.split(url)
         if folder not in tables:
-            path = Path(folder) / SIZES_FILE
-            try:
-                tables[folder] = json.loads(path.read_text()) if path.is_file() else None
-            except ValueError:
-                raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
-                                "and set data.samples_per_epoch") from None
+            tables[folder] = _read_sizes_file(Path(folder) / SIZES_FILE)
         table = tables[folder]
-        if isinstance(table, dict) and name in table:
+        if table is not None and name in table:
             sizes[url] = int(table[name])
             continue
         listed = img2dataset_successes(url)

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -400,3 +401,17 @@ def test_templates_and_other_metadata_files_skip_blank_lines(tmp_path):
     (tmp_path / "t.txt").write_text("\na photo of a {c}.\n\n  a {c}  \n\n")
     assert shards.read_lines(tmp_path / "t.txt") == ["a photo of a {c}.", "a {c}"]
     assert shards.read_lines(tmp_path / "absent.txt") is None and shards.read_classnames_file(tmp_path / "x") is None
+
+
+def test_a_split_whose_nshards_counts_fewer_shards_than_sizes_lists_is_refused(fmnist_shards, tmp_path):
+    """`echo 2 > SPLIT/nshards.txt` on a 4-shard split: every reader took the first two shards as the whole
+    split (eval published top-1 on half the samples, unmarked). The shards that would not be read are named."""
+    split = tmp_path / "train"
+    shutil.copytree(fmnist_shards[0] / "train", split)
+    assert len(shard_urls(split)) == 4
+    (split / "nshards.txt").write_text("2\n")
+    with pytest.raises(UserError, match=r"sizes.json lists 4 shards, .*nshards.txt counts 2: 2 would not be read "
+                                        r"\(first: 2.tar\); rewrite the split's shards"):
+        shard_urls(split)
+    (split / "nshards.txt").write_text("4\n")
+    assert len(shard_urls(split)) == 4
