@@ -4,3 +4,10 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A problem the user can fix (bad path, unknown key, wrong checkpoint); the message names the fix."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (a library's may run to a page), or its type's name when it
+    has none: what a one-line error quotes of a cause."""
+    message = str(error).strip()
+    return message.splitlines()[0] if message else type(error).__name__

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_softmoe.data.images import exif_orientation
+from lit_softmoe.errors import first_line
 
 DECODERS = ("auto", "gpu", "cpu")
 _JPEG_START = b"\xff\xd8\xff"
@@ -269,5 +270,5 @@ def gpu_decoder_works(device: torch.device) -> str | None:
     try:
         decode_jpeg(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8), device=device)
     except (RuntimeError, NotImplementedError) as err:
-        return f"torchvision cannot decode on {device} ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        return f"torchvision cannot decode on {device} ({first_line(err)})"
     return None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import IMAGE_ONNX, TEXT_ONNX
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
@@ -99,7 +99,7 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
         ours = session.run(None, {input_name: check.numpy()})[0]  # (B, D)
     except Exception as err:  # noqa: BLE001
         raise UserError(f"onnxruntime cannot run the exported {what} ({type(err).__name__}: "
-                        f"{str(err).strip().splitlines()[0]}); export without --onnx") from None
+                        f"{first_line(err)}); export without --onnx") from None
     with torch.no_grad():
         reference = module(check)  # (B, D)
     difference = float((torch.from_numpy(ours) - reference).abs().max()) if ours.shape == reference.shape else math.inf

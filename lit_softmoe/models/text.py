@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.models.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
 
 TEXT_TOWER_KINDS = ("transformer", "hf")
@@ -165,9 +165,8 @@ class HFTextTower(TextTower):
             self.encoder = (AutoModel.from_pretrained(cfg.path, **_fp32_kwargs()) if pretrained_weights else
                             AutoModel.from_config(AutoConfig.from_pretrained(cfg.path)))
         except (OSError, ValueError) as exn:
-            first_line = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
             raise UserError(
-                f"cannot load the Hugging Face text model {cfg.path!r} ({first_line}); set text.path to a local "
+                f"cannot load the Hugging Face text model {cfg.path!r} ({first_line(exn)}); set text.path to a local "
                 "folder holding config.json and the weights (model.safetensors), or a hub id with network access"
             ) from None
         # BERT-like models come with a pooler (dense + tanh over [CLS]) that forward below never uses:

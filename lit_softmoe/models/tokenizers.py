@@ -23,7 +23,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, first_line
 
 LIT_CONTEXT_LENGTH = 16  # the LiT paper's text length
 OPENCLIP_BPE = "openclip-bpe"
@@ -84,9 +84,8 @@ class HFTokenizer:
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except (OSError, ValueError) as exn:
-            first_line = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
             raise UserError(
-                f"cannot load the Hugging Face tokenizer {name_or_path!r} ({first_line}); pass a local folder "
+                f"cannot load the Hugging Face tokenizer {name_or_path!r} ({first_line(exn)}); pass a local folder "
                 "holding tokenizer.json (or vocab.txt) and tokenizer_config.json, or a hub id with network access"
             ) from None
         if self._tokenizer.pad_token_id is None:

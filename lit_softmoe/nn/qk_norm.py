@@ -26,6 +26,8 @@ import warnings
 import torch
 from torch import nn
 
+from lit_softmoe.errors import first_line
+
 try:  # Triton ships with torch's CUDA wheels; without it everything runs in PyTorch.
     import triton
     import triton.language as tl
@@ -104,8 +106,7 @@ def fused_qk_norm(qkv: torch.Tensor, heads: int, q_norm: nn.LayerNorm, k_norm: n
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # the kernel's build or launch, not the inputs (can_fuse_qk_norm checked those)
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        _kernel_error = f"{type(err).__name__}: {first_line}"
+        _kernel_error = f"{type(err).__name__}: {first_line(err)}"
         warnings.warn(f"the Triton qk-norm kernel cannot run here ({_kernel_error}); using PyTorch's LayerNorm "
                       f"(set {ENV_SWITCH}=0 to skip the attempt)", RuntimeWarning, stacklevel=2)
         return None
