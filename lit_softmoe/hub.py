@@ -17,16 +17,14 @@ import torch
 from safetensors.torch import save
 from torch import nn
 
-from lit_softmoe.config import LiTConfig, load_config
 from lit_softmoe.data.images import jpeg_min_side
 from lit_softmoe.data.transforms import eval_transform
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
     IMAGE_WEIGHTS,
     MODEL_CARD,
-    RUN_CONFIG,
     STATE_META,
     STATE_TENSORS,
     TEXT_WEIGHTS,
@@ -35,7 +33,6 @@ from lit_softmoe.model_folders import (
     ModelFolder,
     classify_folder,
     read_json,
-    read_run_config,
 )
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel, upgrade_state_dict
@@ -103,30 +100,17 @@ def resolve_model_path(spec: str | Path) -> Path:
         raise UserError(f"{spec} could not be downloaded and is not in the Hugging Face cache "
                         f"({type(err).__name__}); check the network, or load an export folder by its path") from None
     except (HfHubHTTPError, HFValidationError) as err:
-        raise UserError(f"{spec} could not be downloaded ({type(err).__name__}: {_first_line(err)}); check the "
+        raise UserError(f"{spec} could not be downloaded ({type(err).__name__}: {first_line(err)}); check the "
                         "network and the name, or load an export folder by its path") from None
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0]
-
-
-def _find_tower(recorded: str, run_dir: Path | None) -> Path:
-    """The tower folder a run names. Relative paths in config.yaml are relative to where training was
-    launched, i.e. the folder that holds the run folder as config.yaml's run_dir spells it."""
-    candidates = [Path(recorded)]
-    if run_dir is not None and not Path(recorded).is_absolute():
-        written = Path(str(read_run_config(run_dir).get("run_dir", "")))
-        if written.parts and not written.is_absolute():
-            launch_dir = run_dir.resolve()
-            for _ in written.parts:
-                launch_dir = launch_dir.parent
-            candidates.append(launch_dir / recorded)
-    for candidate in candidates:
-        if (candidate / TOWER_CONFIG).is_file() and (candidate / TOWER_WEIGHTS).is_file():
-            return candidate
-    raise UserError(f"the image tower {recorded} the run was trained against is not there (looked in "
-                    f"{', '.join(str(c) for c in candidates)}); put the pretraining run's tower/ folder back there")
+def _find_tower(recorded: str) -> Path:
+    """The tower folder a pair's description names (resolved when the run recorded it)."""
+    tower_dir = Path(recorded)
+    if (tower_dir / TOWER_CONFIG).is_file() and (tower_dir / TOWER_WEIGHTS).is_file():
+        return tower_dir
+    raise UserError(f"the image tower {recorded} the run was trained against is not there; put the pretraining "
+                    "run's tower/ folder back there")
 
 
 def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
@@ -191,22 +175,19 @@ def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: 
 
 def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
+    # A model/ folder and a checkpoint carry the same description of the pair (`train.lit.model_description`).
     if source.kind == "checkpoint":
-        # Read for the towers it names; its data specs are never run here.
-        cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG, commands_from_file=True)
-        text_cfg, loss, image_head = cfg.text, cfg.loss, cfg.image_head
-        tower_dir = _find_tower(cfg.image_tower, source.run_dir)
         tensors = load_weights(source.path / STATE_TENSORS)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        info = read_json(source.path / STATE_META)  # its image_tower_sha256: checkpoints before it have none
-        step = info.get("step")
+        checkpoint = read_json(source.path / STATE_META)
+        info, step = checkpoint["model"], checkpoint.get("step")
     else:
         info = read_json(source.path / EXPORT_CONFIG)
-        text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
-        tower_dir = _find_tower(info["image_tower"], source.run_dir)
         state = load_weights(source.path / TOWER_WEIGHTS)
-        image_head = "image_head.weight" in state  # not in model/config.json; the weights tell
         step = (info.get("results") or {}).get("steps")
+    text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
+    tower_dir = _find_tower(info["image_tower"])
+    image_head = "image_head.weight" in state  # the weights tell
     state = upgrade_state_dict(state)  # a run saved before a rename (log_scale)
     tower, tower_meta = load_tower(tower_dir)
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
@@ -270,8 +251,8 @@ def _pair_tokenizer(source: ModelFolder):
         if config.get("kind") != "pair":
             raise UserError(f"{source.path} is an image-only export (no text tower, no tokenizer)")
         return _tokenizer_for(config["tokenizer"]["spec"], config["tokenizer"]["context_length"], source.path)
-    if source.kind == "checkpoint":  # its data specs are never run here
-        text_cfg = load_config(LiTConfig, source.run_dir / RUN_CONFIG, commands_from_file=True).text
+    if source.kind == "checkpoint":
+        text_cfg = TextTowerConfig.from_dict(read_json(source.path / STATE_META)["model"]["text"])
     else:
         text_cfg = TextTowerConfig.from_dict(read_json(source.path / EXPORT_CONFIG)["text"])
     spec = f"{HF_PREFIX}{text_cfg.path}" if text_cfg.kind == "hf" else text_cfg.tokenizer  # as the towers build it

@@ -127,10 +127,10 @@ def classify_folder(path: str | Path) -> ModelFolder:
         return ModelFolder("lit-model", path / "model", path)
     if (path / "tower" / TOWER_CONFIG).is_file() and (path / "tower" / TOWER_WEIGHTS).is_file():
         return ModelFolder("tower", path / "tower", path if (path / RUN_CONFIG).is_file() else None)
-    if (path / STATE_META).is_file() and (path / STATE_TENSORS).is_file() and path.parent.name == "checkpoints":
-        run_dir = path.parent.parent
-        if (run_dir / RUN_CONFIG).is_file() and "text" in read_run_config(run_dir):
-            return ModelFolder("checkpoint", path, run_dir)
+    # A LiT checkpoint describes the pair it holds (state.json's "model"); a pretraining one does not.
+    if (path / STATE_META).is_file() and (path / STATE_TENSORS).is_file() \
+            and isinstance(read_json(path / STATE_META).get("model"), dict):
+        return ModelFolder("checkpoint", path, path.parent.parent if path.parent.name == "checkpoints" else None)
     if (path / RUN_CONFIG).is_file():
         run_config = read_run_config(path)
         if "text" in run_config:

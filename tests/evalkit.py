@@ -80,14 +80,16 @@ def save_pair(root: Path, in_channels: int = 1, image_size: int = 28, seed: int 
     """A LiT run folder (tower + model/) around `tiny_pair`, written by the recipes' own writers,
     so `load_pretrained(run)` — and CLIP_benchmark through our loader — load it from disk."""
     from lit_softmoe.config import LiTConfig, load_config
-    from lit_softmoe.models.tower_folder import save_tower
-    from lit_softmoe.train.lit import _save_model
+    from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
+    from lit_softmoe.train.lit import model_description, save_model
     model, _, _ = tiny_pair(in_channels, image_size, seed)
     preprocess = {"image_size": image_size, "mean": [0.5] * in_channels, "std": [0.25] * in_channels}
     tower_dir = save_tower(root / "pretrain" / "tower", model.image_tower, extra={"preprocess": preprocess})
     cfg = load_config(LiTConfig, None, [f"run_dir={root / 'lit'}", f"image_tower={tower_dir}", "text.width=32",
                                         "text.layers=1", "text.heads=2", "text.context_length=16"])
-    _save_model(root / "lit", model, cfg, {"tower": model.image_tower.cfg.to_dict(), "preprocess": preprocess}, {})
+    meta = {"tower": model.image_tower.cfg.to_dict(), "preprocess": preprocess}
+    tower_sha = tower_fingerprint(tower_dir)["tower_sha256"]
+    save_model(root / "lit", model, model_description(cfg, meta, model, tower_sha), {})
     return root / "lit"
 
 

@@ -16,7 +16,7 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.checkpoint import save_training_state
-from lit_softmoe.train.lit import _save_model
+from lit_softmoe.train.lit import model_description, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "scripts" / "onnx_example.py"
@@ -28,7 +28,7 @@ PREPROCESS_RGB = {"image_size": 28, "mean": [0.485, 0.456, 0.406], "std": [0.229
 
 def _make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: bool = False) -> Path:
     """A tiny pretrained tower and a LiT run folder around a randomly 'trained' pair, written by the
-    recipe's own writers (save_tower, _save_model, save_training_state, config.yaml). `rgb`: a 3-channel
+    recipe's own writers (save_tower, save_model, save_training_state, config.yaml). `rgb`: a 3-channel
     tower (per-channel mean/std); `image_head`: a linear head on the image features."""
     torch.manual_seed(0)
     tower = create_image_tower("soft-test-4e", num_classes=3, in_channels=3 if rgb else 1)
@@ -52,11 +52,12 @@ def _make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: 
     (run / "config.yaml").write_text(to_yaml(cfg))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     tower_sha = tower_fingerprint(tower_dir)["tower_sha256"]
+    description = model_description(cfg, {"tower": tower.cfg.to_dict(), "preprocess": preprocess}, model, tower_sha)
     save_training_state(run / "checkpoints" / "step_00000010", 10, model, optimizer, skip_prefixes=("image_tower.",),
-                        meta={"image_tower_sha256": tower_sha})
+                        meta={"image_tower_sha256": tower_sha, "model": description})
     results = {"steps": 10, "train_seconds": 2.5, "cached_features": True, "zeroshot_top1": 0.4321,
                "linear_probe_top1": 0.6543}
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": preprocess}, results, tower_sha)
+    save_model(run, model, description, results)
     (run / "results.json").write_text(json.dumps(results))
     return run
 

@@ -73,6 +73,33 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_checkpoint_loads_from_its_own_description_without_the_training_config(run, tmp_path):
+    """A checkpoint's state.json describes the pair it holds (text tower, loss, image tower), as model/config.json
+    does: loading reads no training YAML, so a run folder without its config.yaml still loads."""
+    import json
+    import shutil
+
+    from lit_runs import CAPTIONS
+    from lit_softmoe.errors import UserError
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "config.yaml").unlink()
+    checkpoint = copy / "checkpoints" / "step_00000010"
+    model, _, tokenizer = load_pretrained(checkpoint)
+    reference, _, reference_tokenizer = load_pretrained(run / "checkpoints" / "step_00000010")
+    assert torch.equal(tokenizer(CAPTIONS), reference_tokenizer(CAPTIONS))
+    ids = tokenizer(CAPTIONS)
+    with torch.no_grad():
+        assert torch.equal(model.encode_text(ids), reference.encode_text(ids))
+    assert model.pretrained_info["image_tower_sha256"] == reference.pretrained_info["image_tower_sha256"]
+
+    state = json.loads((checkpoint / "state.json").read_text())
+    del state["model"]
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match=r"step_00000010 is not a model folder lit-softmoe knows"):
+        load_pretrained(checkpoint)  # a pretraining checkpoint, or another program's
+
+
 def test_an_export_copied_in_part_is_one_line(run, tmp_path):
     import shutil
 

@@ -187,19 +187,22 @@ def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
     return ("image_tower.",) if model.image_tower_locked else ()
 
 
-def _save_model(run_dir: Path, model: LiTModel, cfg: LiTConfig, meta: dict, results: dict,
-                tower_sha: str | None = None) -> Path:
-    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest.
-    `tower_sha`: the tower file's sha256 as the run read it (default: as it is now)."""
+def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
+    """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's state.json
+    ("model"): loading either needs no training config. `tower_sha`: the tower file's sha256 as the run
+    read it; exports and load_pretrained refuse a tower folder rewritten since (even with the same
+    architecture), which would pair this text tower with other image features."""
+    return {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
+            "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss}
+
+
+def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict) -> Path:
+    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest."""
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
              if not k.startswith(_frozen_prefixes(model))}
-    # The tower file's sha256: exports and load_pretrained refuse a tower folder rewritten since (even
-    # with the same architecture), which would pair this text tower with other image features.
-    info = {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
-            "image_tower_sha256": tower_sha or tower_fingerprint(cfg.image_tower)["tower_sha256"],
-            "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
-            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "results": results}
+    info = {**description, "results": results}
 
     def write(tmp: Path):
         save_file(state, tmp / "model.safetensors")
@@ -249,6 +252,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # The tower file's sha256, recorded in checkpoints and model/config.json: a resume or an export
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
+    description = model_description(cfg, meta, model, tower_sha)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
     cached = is_feature_cache(cfg.data.train)
@@ -366,7 +370,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                     data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
                     save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
                                         meta={"train_seconds": train_seconds, "data_counts": data_counts,
-                                              "image_tower_sha256": tower_sha},
+                                              "image_tower_sha256": tower_sha, "model": description},
                                         skip_prefixes=frozen)
                     prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
@@ -394,7 +398,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if probe_skipped:
             _log.warning(probe_skipped)
             results["probe_skipped"] = probe_skipped
-        _save_model(run_dir, model_module, cfg, meta, results, tower_sha)
+        save_model(run_dir, model_module, description, results)
         # Atomic: a kill mid-write must not leave half a JSON file for export's model card to choke on.
         write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         plot_curves(read_metrics(logger.path), run_dir / "curves.png", keys=("loss", "temperature", "zeroshot_top1"),

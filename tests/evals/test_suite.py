@@ -89,15 +89,18 @@ def test_default_results_go_to_the_run_and_survive_checkpoint_pruning(fmnist, tm
         "text.layers=1", "text.heads=2", "text.context_length=16"])))
     model, _, _ = tiny_pair()
     optimizer = torch.optim.AdamW([p for p in model.text_tower.parameters()])
+    # A checkpoint describes its pair as model/config.json does (the recipe's model_description).
+    description = {k: v for k, v in json.loads((run / "model" / "config.json").read_text()).items() if k != "results"}
     step = save_training_state(run / "checkpoints" / "step_00000006", 6, model, optimizer,
-                               skip_prefixes=("image_tower.",))
+                               meta={"model": description}, skip_prefixes=("image_tower.",))
     cfg = _suite(fmnist, tmp_path / "cache")
     from_step = run_suite(step, cfg)["paths"]["json"]
     from_model = run_suite(run / "model", cfg)["paths"]["json"]
     assert Path(from_step).parent == Path(from_model).parent == run / "eval"
     assert Path(from_step).name.startswith("t-step_00000006-") and Path(from_model).name.startswith("t-2")
     for s in (8, 10):  # training goes on and keeps 2 checkpoints: step 6 goes
-        save_training_state(run / "checkpoints" / f"step_{s:08d}", s, model, optimizer, skip_prefixes=("image_tower.",))
+        save_training_state(run / "checkpoints" / f"step_{s:08d}", s, model, optimizer, meta={"model": description},
+                            skip_prefixes=("image_tower.",))
     prune_checkpoints(run / "checkpoints", 2)
     assert not step.exists() and Path(from_step).is_file() and Path(from_model).is_file()
 

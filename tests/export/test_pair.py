@@ -22,7 +22,7 @@ from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
-from lit_softmoe.train.lit import _save_model
+from lit_softmoe.train.lit import model_description, save_model
 
 
 def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
@@ -148,7 +148,9 @@ def _hf_run(tmp_path, text_path, *overrides) -> Path:
     run = Path(cfg.run_dir)
     run.mkdir()
     (run / "config.yaml").write_text(to_yaml(cfg))
-    _save_model(run, model, cfg, {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}, {"steps": 0})
+    meta = {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}
+    save_model(run, model, model_description(cfg, meta, model, tower_fingerprint(tower_dir)["tower_sha256"]),
+               {"steps": 0})
     return run
 
 
