@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import pickle
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -32,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import PIL.Image
 import torch
-import webdataset as wds
+from webdataset.gopen import gopen
+from webdataset.tariterators import group_by_keys, tar_file_expander
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lit_softmoe.data.images import decode
@@ -133,7 +135,15 @@ class _TarSamples(IterableDataset):
         counter = BadSampleCounter()
         for url in self.urls:
             counter.shard = url
-            yield from wds.tarfile_to_samples(handler=counter.handler)(iter([{"url": url}]))
+            try:
+                stream = gopen(url)
+            except Exception as err:
+                counter.handler(err)
+                continue
+            # Opened and closed here: webdataset's url_opener leaves each shard's file open.
+            with closing(stream):
+                files = tar_file_expander(iter([{"url": url, "stream": stream}]), handler=counter.handler)
+                yield from group_by_keys(files, handler=counter.handler)
 
 
 def _class_index(cls: bytes) -> int | None:
