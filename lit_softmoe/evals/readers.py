@@ -33,9 +33,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import PIL.Image
 import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lit_softmoe.data.images import decode
 from lit_softmoe.data.shards import (
