@@ -117,8 +117,9 @@ _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides
     "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
     "data.shuffle_buffer": 0, "data.mixup": 0,
     "optim.cooldown_steps": 0,
-    "optim.lr": 0, "optim.weight_decay": 0,
+    "optim.lr": 0, "optim.weight_decay": 0, "optim.grad_clip": 0,  # grad_clip=0: no clipping
 }
+_MAXIMUMS = {"data.max_bad_fraction": 1}  # fractions
 _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
     "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
     "benchmarks.task": ("", "classification", "retrieval"),
@@ -305,6 +306,11 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
             raise UserError(f"config key {key!r} is {value}; it must be at least {minimum}: set {key}={minimum} "
                             "or more")
+    for key, maximum in _MAXIMUMS.items():
+        value = _select(merged, key)
+        if value is not None and OmegaConf.select(base, key, default=None) is not None and value > maximum:
+            raise UserError(f"config key {key!r} is {value}; it must be at most {maximum}: set {key}={maximum} "
+                            "or less")
     for key, choices in _VALID_LIST_CHOICES.items():
         list_key, item_key = key.split(".")
         for i, item in enumerate(OmegaConf.select(merged, list_key, default=None) or []):

@@ -2,6 +2,7 @@
 clear UserError that says where they were made."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,23 @@ def test_values_that_would_break_the_run_are_refused_up_front(schema, override):
     key = override.split("=")[0]
     with pytest.raises(UserError, match=rf"config key '{key}' is -?[\d.]+; it must be at least \d: set {key}="):
         load_config(schema, None, [override])
+
+
+@pytest.mark.parametrize("schema, override, bound", [
+    (PretrainConfig, "optim.grad_clip=-1", "at least 0: set optim.grad_clip=0 or more"),
+    (LiTConfig, "optim.grad_clip=-0.5", "at least 0: set optim.grad_clip=0 or more"),
+    (PretrainConfig, "data.max_bad_fraction=5", "at most 1: set data.max_bad_fraction=1 or less"),
+    (LiTConfig, "data.max_bad_fraction=1.5", "at most 1: set data.max_bad_fraction=1 or less")])
+def test_a_negative_grad_clip_and_a_fraction_over_one_are_refused(schema, override, bound):
+    """grad_clip=-1 switched clipping off (only 0 means off), and a bad-sample fraction of 5 was taken."""
+    key, value = override.split("=")
+    with pytest.raises(UserError, match=rf"^config key '{key}' is {re.escape(str(float(value)))}; it must be {bound}$"):
+        load_config(schema, None, [override])
+
+
+def test_grad_clip_zero_and_a_fraction_of_one_are_allowed():
+    cfg = load_config(PretrainConfig, None, ["optim.grad_clip=0", "data.max_bad_fraction=1"])
+    assert (cfg.optim.grad_clip, cfg.data.max_bad_fraction) == (0, 1)
 
 
 def test_an_unset_environment_variable_is_one_line(tmp_path):

@@ -119,6 +119,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         # From the images, not the listing of `src`: an excluded output folder is not a class.
         folders = sorted({image.parts[0] for image in images if len(image.parts) > 1})
         _check_classnames(src, folders)
+        _check_no_empty_class_folders(src, folders, exclude)
         found = imagenet_classnames(src, folders) if class_names == "auto" else None
         classnames, note = found if found is not None else (folders, None)
         candidates = _class_candidates(src, images, folders, classnames, counter)
@@ -148,7 +149,10 @@ def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
 
 def _check_classnames(src: Path, classnames: list[str]) -> None:
     """classnames.txt holds one name per line: a folder name with a newline (or another control
-    character) would shift every later class onto another's name, and a blank one is refused by its readers."""
+    character) would shift every later class onto another's name, and a blank one is refused by its
+    readers. Two names equal after Unicode NFC (`café` composed and decomposed) would be two classes of
+    one name, with identical prompts."""
+    seen: dict[str, str] = {}
     for name in classnames:
         if not name.strip():
             raise UserError(f"class folder {name!r} in {src} has a blank name, which classnames.txt (one class name "
@@ -156,6 +160,26 @@ def _check_classnames(src: Path, classnames: list[str]) -> None:
         if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
             raise UserError(f"class folder {name!r} in {src} has a control character or line break in its name, which "
                             "classnames.txt (one class name per line) cannot hold; rename the folder")
+        other = seen.setdefault(unicodedata.normalize("NFC", name), name)
+        if other != name:
+            raise UserError(f"class folders {ascii(other)} and {ascii(name)} in {src} are one name in two Unicode "
+                            f"forms ({name!r}), which would be two classes with the same prompts; merge them into one "
+                            "folder or rename one")
+
+
+def _check_no_empty_class_folders(src: Path, folders: list[str], exclude: Path | None) -> None:
+    """A folder without images is no class of the listing: dropped, it would renumber every later class
+    against the user's folder list. Refused, as torchvision's ImageFolder refuses it; but a folder of
+    shards (an earlier `--out` inside the source: `.tar` files in it or its splits) is not a class."""
+    real_src = src.resolve()
+    empty = sorted(entry.name for entry in os.scandir(src)
+                   if entry.is_dir() and not entry.name.startswith(".") and entry.name not in folders
+                   and Path(entry.path).resolve() not in (exclude, real_src)
+                   and not any(Path(entry.path).glob("*.tar")) and not any(Path(entry.path).glob("*/*.tar")))
+    if empty:
+        raise UserError(f"class folder{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} in {src} "
+                        f"hold{'' if len(empty) > 1 else 's'} no image files ({', '.join(SOURCE_IMAGE_SUFFIXES)}); "
+                        f"add images, or move {'them' if len(empty) > 1 else 'it'} out of {src}")
 
 
 def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[PurePosixPath, PurePosixPath],

@@ -2,10 +2,11 @@
 and the one-line summaries the CLI prints."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from lit_softmoe.utils.atomic import replacing, write_text_atomic
+from lit_softmoe.utils.atomic import replacing
 
 _COLUMNS = ("top1", "top5", "mean_per_class_recall", "image_to_text_R@1", "image_to_text_R@5",
             "text_to_image_R@1", "text_to_image_R@5")
@@ -80,8 +81,25 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """JSON, Markdown and PNG side by side, each written to a temporary file and renamed into place."""
-    write_text_atomic(out, json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out.with_suffix(".md"), markdown_table(report))
-    with replacing(out.with_suffix(".png")) as temporary:
-        plot_report(report, temporary)
+    """JSON, Markdown and PNG side by side, as one unit: all three are written to temporary files, then
+    renamed into place (the JSON last); on any failure the ones already renamed are removed, so the
+    set is at its final names whole or not at all."""
+    renamed: list[Path] = []
+
+    def mark(final: Path):  # runs after `final`'s rename, told whether it (and all before it) succeeded
+        return lambda exc_type, *_: renamed.append(final) if exc_type is None else None
+
+    try:
+        with contextlib.ExitStack() as stack:
+            temporaries = []
+            for final in (out, out.with_suffix(".md"), out.with_suffix(".png")):  # renamed in reverse order
+                stack.push(mark(final))
+                temporaries.append(stack.enter_context(replacing(final)))
+            results, table, chart = temporaries
+            table.write_text(markdown_table(report), encoding="utf-8")
+            plot_report(report, chart)
+            results.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    except BaseException:
+        for final in renamed:
+            final.unlink(missing_ok=True)
+        raise

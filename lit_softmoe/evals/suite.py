@@ -136,8 +136,14 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
     if evaluated == 0:  # nothing to report: no empty results files (and a rerun's --out stays free)
         report["paths"] = {}
         return report
-    out = out if overwrite else _claim(out)
-    write_report(report, out)
+    claimed = None if overwrite else _claim(out)
+    out = claimed or out
+    try:
+        write_report(report, out)
+    except BaseException:
+        if claimed is not None:  # the empty file that held the name: a rerun must find --out free
+            claimed.unlink(missing_ok=True)
+        raise
     report["paths"] = {"json": str(out), "markdown": str(out.with_suffix(".md")), "png": str(out.with_suffix(".png"))}
     return report
 

@@ -201,6 +201,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
             (tmp / OPEN_CLIP_CONFIG).write_text(json.dumps(open_clip_json, indent=2) + "\n")
         if onnx:
             config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
+        # Every weights file's sha256: `push` (dry run too) verifies them all before anything goes up.
+        config[WEIGHTS_SHA256] = {path.name: file_sha256(path) for path in sorted(tmp.iterdir())
+                                  if path.suffix in WEIGHTS_SUFFIXES}
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / MODEL_CARD).write_text(model_card(config, model, tower, facts, run_dir, results, out_dir))
 
@@ -212,6 +215,10 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         raise UserError(f"--out {out_dir} was written by another run while this export ran (it was absent "
                         "or empty when the export started), and is kept; pass --overwrite to replace it, or pick "
                         "another folder") from None
+
+
+WEIGHTS_SHA256 = "weights_sha256"  # config.json: {weights file name: its sha256}
+WEIGHTS_SUFFIXES = (".safetensors", ".onnx")
 
 
 class _Prefixed(nn.Module):

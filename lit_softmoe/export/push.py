@@ -16,6 +16,7 @@ from safetensors.torch import save
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS
+from lit_softmoe.export.pair import WEIGHTS_SHA256, WEIGHTS_SUFFIXES
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
@@ -68,6 +69,18 @@ def check_export(folder: str | Path) -> list[str]:
     if config.get("image_tower_sha256") not in _image_weights_keys(folder / IMAGE_WEIGHTS):
         raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "
                         "names (the weights were changed after the export); export it again")
+    recorded = config.get(WEIGHTS_SHA256)
+    if not isinstance(recorded, dict):
+        raise UserError(f"{folder / EXPORT_CONFIG} records no sha256 of its weights files (an export older than "
+                        "this check), so they cannot be verified; export it again")
+    on_disk = {p.name for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES}
+    for name in sorted(on_disk | set(weights) | set(recorded)):
+        if name not in recorded:
+            raise UserError(f"{folder / name} is not among the weights {EXPORT_CONFIG} records (added after the "
+                            "export); export it again")
+        if not (folder / name).is_file() or file_sha256(folder / name) != recorded[name]:
+            raise UserError(f"{folder / name} is not the file the export wrote (its sha256 differs from "
+                            f"{EXPORT_CONFIG}'s): it was changed or damaged since; export it again")
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
@@ -79,6 +92,13 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
     Returns {"files", "front_matter", "url" (None on a dry run)}; a dry run checks the export and
     touches no network.
     """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    try:  # before any work, dry run too
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise UserError(f"{repo_id!r} is not a Hub repository name ({' '.join(str(err).split())}); write ORG/NAME, "
+                        "e.g. my-org/soft-s16-lit") from None
     folder = Path(folder)
     files = check_export(folder)
     summary = {"files": files, "front_matter": read_front_matter((folder / MODEL_CARD).read_text()), "url": None}

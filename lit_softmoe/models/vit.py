@@ -194,6 +194,20 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _channels(count: int) -> str:
+    return {1: "1-channel (gray)", 3: "3-channel (RGB)"}.get(count, f"{count}-channel")
+
+
+def _channel_fix(wanted: int, given: int) -> str:
+    if wanted == 1 and given == 3:
+        return ("convert the images to gray first: PIL's image.convert('L'), timm's create_dataset(..., "
+                "input_img_mode='L'), or the tower's own preprocess (lit_softmoe.load_pretrained); open_clip's "
+                "RGB transforms need the export (lit-softmoe export)")
+    if wanted == 3 and given == 1:
+        return "convert the images to RGB first: PIL's image.convert('RGB'), or the tower's own preprocess"
+    return "give images of the tower's channel count"
+
+
 def _check_pool(global_pool: str) -> str:
     if global_pool not in GLOBAL_POOLS:
         raise ValueError(f"global_pool {global_pool!r} is not one of {GLOBAL_POOLS} (the tower has no class token)")
@@ -302,6 +316,9 @@ class VisionTransformer(nn.Module):
         """
         b, c, h, w = pixels.shape
         p = self.cfg.patch_size
+        if c != self.cfg.in_channels:  # else a matmul shape error that names neither count
+            raise ValueError(f"the tower takes {_channels(self.cfg.in_channels)} images, got {_channels(c)} ones "
+                             f"(pixels of shape {tuple(pixels.shape)}); {_channel_fix(self.cfg.in_channels, c)}")
         if h < p or w < p:  # no patch at all: F.interpolate would fail on an empty position grid
             raise ValueError(f"image of {h}x{w} pixels is smaller than one {p}x{p} patch; resize it to at least "
                              f"{p}x{p} (the tower was trained at {self.cfg.image_size}x{self.cfg.image_size})")

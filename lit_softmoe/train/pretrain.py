@@ -278,6 +278,22 @@ def _validate_tower(cfg: PretrainConfig):
         raise UserError(f"tower {cfg.tower.name!r} with options {dict(cfg.tower.options)}: {err}") from None
 
 
+def _check_normalization(cfg: PretrainConfig, tower_cfg) -> None:
+    """data.mean and data.std give one value per channel of the tower's input (3 for a gray tower
+    broadcast its pixels to RGB: a shape error at the first step), each std above 0."""
+    mean, std, channels = list(cfg.data.mean), list(cfg.data.std), tower_cfg.in_channels
+    if not mean and not std:
+        return
+    example = f"data.mean=[{','.join(['0.5'] * channels)}] data.std=[{','.join(['0.25'] * channels)}]"
+    if len(mean) != channels or len(std) != channels:
+        raise UserError(f"data.mean has {len(mean)} values and data.std {len(std)}, but tower {cfg.tower.name!r} takes "
+                        f"{channels}-channel images; give one value per channel (e.g. {example}), or set both to [] "
+                        "to compute them from the training images")
+    if min(std) <= 0:
+        raise UserError(f"data.std {std} holds a value ≤ 0 (pixels are divided by it); give positive values, or set "
+                        "data.mean=[] data.std=[] to compute them from the training images")
+
+
 def _check_settings(cfg: PretrainConfig) -> None:
     """Settings torch refuses only once training runs (a traceback after the data is read), checked first."""
     if not 0.0 <= cfg.label_smoothing <= 1.0:
@@ -370,6 +386,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     checkpoints_dir = run_dir / "checkpoints"
     resuming = bool(checkpoints_newest_first(checkpoints_dir))
     tower_cfg = _validate_tower(cfg)
+    _check_normalization(cfg, tower_cfg)
     source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
         if cfg.init_from else None  # a wrong folder is said before the data is read
     global_batch = cfg.batch_size

@@ -79,6 +79,53 @@ def test_a_class_folder_named_with_a_control_character_is_refused_in_one_line(tm
     assert read_classnames(tmp_path / "out") == ["cat tabby", "dog"]
 
 
+def test_class_folders_whose_names_differ_only_in_unicode_form_are_refused_in_one_line(tmp_path):
+    """`café` composed (NFC, as macOS and most keyboards write it) and decomposed (NFD) are two folders
+    on Linux: they became two classes whose prompts were identical."""
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    _gray_png(tmp_path / "src" / composed / "0.png", 10)
+    _gray_png(tmp_path / "src" / decomposed / "0.png", 100)
+    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    assert len(list((tmp_path / "src").iterdir())) == 3  # the file system keeps both
+    with pytest.raises(UserError) as raised:
+        write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert str(raised.value) == (
+        f"class folders 'cafe\\u0301' and 'caf\\xe9' in {tmp_path / 'src'} are one name in two Unicode forms "
+        f"({composed!r}), which would be two classes with the same prompts; merge them into one folder or rename one")
+    assert not (tmp_path / "out" / "train").exists()
+    for path in (tmp_path / "src" / decomposed).iterdir():  # merged, the folder is one class
+        path.rename(tmp_path / "src" / composed / "1.png")
+    (tmp_path / "src" / decomposed).rmdir()
+    write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert read_classnames(tmp_path / "out") == [composed, "dog"]
+
+
+@pytest.mark.parametrize("content", [None, "notes.txt"], ids=["empty", "no-images"])
+def test_a_class_folder_without_images_is_refused_as_imagefolder_refuses_it(tmp_path, content):
+    """An empty class folder was dropped without a word: the classes after it took labels one lower
+    than the user's folder list (and ImageFolder's, which raises FileNotFoundError for it)."""
+    _gray_png(tmp_path / "src" / "ant" / "0.png", 10)
+    (tmp_path / "src" / "bee").mkdir()
+    if content:
+        (tmp_path / "src" / "bee" / content).write_text("not an image")
+    _gray_png(tmp_path / "src" / "cat" / "0.png", 200)
+    with pytest.raises(FileNotFoundError, match="Found no valid file for the classes bee"):
+        torchvision.datasets.ImageFolder(str(tmp_path / "src"))
+    with pytest.raises(UserError) as raised:
+        write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert str(raised.value) == (
+        f"class folder 'bee' in {tmp_path / 'src'} holds no image files (.png, .jpg, .jpeg, .webp, .bmp, .gif, "
+        f".tif, .tiff); add images, or move it out of {tmp_path / 'src'}")
+    assert not (tmp_path / "out" / "train").exists()
+    _gray_png(tmp_path / "src" / "bee" / "0.png", 100)  # with an image, bee is label 1 as ImageFolder has it
+    write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert read_classnames(tmp_path / "out") == torchvision.datasets.ImageFolder(str(tmp_path / "src")).classes
+    assert sorted(label for _, label in iter_class_samples(tmp_path / "out" / "train")) == [0, 1, 2]
+    # Shards written inside the source earlier hold no images but are no class folder.
+    write_folder_shards(tmp_path / "src", tmp_path / "src" / "shards", layout="classes")
+    assert write_folder_shards(tmp_path / "src", tmp_path / "src" / "shards-2", layout="classes").samples == 3
+
+
 # ---- captions from class names (`--caption-templates`) -------------------------------------------
 
 def _fmnist_class_folders(src, per_class=3):

@@ -388,6 +388,37 @@ def test_a_truncated_shard_keeps_its_readable_samples_and_the_suite_runs(tmp_pat
     assert entry["status"] == "ok" and 10 < entry["num_samples"] < 20, entry
 
 
+def _png(size: int = 8) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.new("RGB", (size, size), (200, 30, 90)).save(buffer, "png")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("read", ["all", "one", "truncated"])
+def test_reading_a_webdataset_split_closes_its_shard_files(tmp_path, read):
+    """`eval` printed `ResourceWarning: unclosed file .../0.tar` per shard: webdataset's url_opener
+    leaves the file open. Read to the end, abandoned after one sample, or cut short by a damaged tar."""
+    import gc
+    import warnings
+    root = write_wds_benchmark(tmp_path / "b", [(_png(), "png", i % 2) for i in range(6)], ["a", "b"], per_shard=3)
+    if read == "truncated":
+        shard = root / "test" / "1.tar"
+        shard.write_bytes(shard.read_bytes()[:1700])
+    data = read_benchmark("b", root, "test", lambda image: torch.zeros(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        samples = iter(data.dataset)
+        got = [next(samples)] if read == "one" else list(samples)
+        del samples
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    read_back = [(index, target) for index, _, target in got]
+    if read == "truncated":  # the first shard whole, the second up to its damage
+        assert read_back[:3] == [(0, 0), (1, 1), (2, 0)] and len(read_back) < 6, read_back
+    else:
+        assert read_back == ([(i, i % 2) for i in range(6)] if read == "all" else [(0, 0)])
+
+
 def test_a_sample_without_cls_in_a_class_set_is_skipped_and_counted(tmp_path):
     # A sample with an image but no .cls got label -1, and the benchmark failed on "labels run from
     # -1 …": one bad sample lost the whole benchmark, where the docstring (and training's

@@ -192,6 +192,38 @@ def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_elsewhere(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cifar10", part.name])  # nothing written elsewhere
 
 
+@pytest.mark.parametrize("fails", ["writing the chart", "renaming the table"])
+def test_a_full_disk_leaves_no_part_of_the_results_and_the_rerun_writes_them(tmp_path, monkeypatch, fails):
+    """ENOSPC after the JSON left a complete r.json without r.md and r.png at their final names, and the
+    same command, rerun once there was space, refused: "r.json exists; pass --overwrite"."""
+    import errno
+    import os
+
+    from lit_softmoe.evals import reports
+    from lit_softmoe.utils import atomic
+    root = _wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    out = tmp_path / "results" / "r.json"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if fails == "writing the chart":
+        monkeypatch.setattr(reports, "plot_report", full)
+    else:
+        real_replace = os.replace
+        monkeypatch.setattr(atomic.os, "replace", lambda a, b: full() if str(b).endswith(".md") else real_replace(a, b))
+    with pytest.raises(OSError, match="No space left"):
+        run_suite("m", cfg, out=out, model_bundle=tiny_pair(3, 32))
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # no results, no temporaries, no claimed name
+    monkeypatch.undo()
+    report = run_suite("m", cfg, out=out, model_bundle=tiny_pair(3, 32))  # the same command, without --overwrite
+    assert report["paths"]["json"] == str(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.json", "r.md", "r.png"]
+    assert json.loads(out.read_text())["results"][0]["status"] == "ok"
+
+
 def test_out_naming_the_markdown_or_png_is_refused(tmp_path):
     # The Markdown and PNG go beside --out with its suffix swapped: --out r.md wrote the JSON, then
     # replaced it with the table.

@@ -118,3 +118,36 @@ def test_no_token_and_no_network_are_one_line(export, monkeypatch, capsys):
     Failing.error = ConnectionError("connection refused")
     line = _one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
     assert "could not reach the Hugging Face Hub to push org/name (ConnectionError)" in line, line
+
+
+@pytest.mark.parametrize("name", ["open_clip_model.safetensors", "text_encoder.safetensors"])
+def test_a_flipped_bit_in_any_weights_file_is_refused_by_a_dry_run(export, tmp_path, capsys, hf_api, name):
+    """Only the image weights were checked (against image_tower_sha256): a bit flipped in the text or the
+    open_clip weights still loaded and was pushed. The export records every weights file's sha256."""
+    import json
+
+    from lit_softmoe.export.push import check_export
+    from lit_softmoe.models.tower_folder import load_weights
+    from lit_softmoe.utils.hashing import file_sha256
+    flipped = tmp_path / "flipped"
+    shutil.copytree(export, flipped)
+    data = bytearray((flipped / name).read_bytes())
+    data[-5] ^= 0x01  # inside the last tensor: the file still loads
+    (flipped / name).write_bytes(bytes(data))
+    load_weights(flipped / name)
+    line = _one_error_line(capsys, cli.main(["push", str(flipped), "org/name", "--dry-run"]))
+    assert line == (f"lit-softmoe push: error: {flipped / name} is not the file the export wrote (its sha256 differs "
+                    "from config.json's): it was changed or damaged since; export it again")
+    assert hf_api.calls == []
+    recorded = json.loads((export / "config.json").read_text())["weights_sha256"]
+    assert recorded == {file: file_sha256(export / file) for file in FILES if file.endswith(".safetensors")}
+    assert len(check_export(export)) == len(FILES)  # the export itself verifies
+
+
+@pytest.mark.parametrize("repo_id", ["org/name/extra", "org//name", "org/na me", "org/name.git", "a" * 97])
+def test_an_invalid_repo_id_is_one_line_before_any_work(tmp_path, capsys, hf_api, repo_id):
+    """A dry run accepted `org/name/extra` and the like; the real push failed on it only at the Hub."""
+    line = _one_error_line(capsys, cli.main(["push", str(tmp_path / "no-export"), repo_id, "--dry-run"]))
+    assert line.startswith(f"lit-softmoe push: error: {repo_id!r} is not a Hub repository name (")
+    assert line.endswith("); write ORG/NAME, e.g. my-org/soft-s16-lit")
+    assert hf_api.calls == []

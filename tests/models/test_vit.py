@@ -114,6 +114,23 @@ def test_runs_at_another_resolution():
         assert (row.diff() >= 0).all() and row[0] == 0 and row[-1] == 3
 
 
+@pytest.mark.parametrize("in_channels, given, fix", [
+    (1, 3, "convert the images to gray first: PIL's image.convert('L'), timm's create_dataset(..., "
+           "input_img_mode='L')"),
+    (3, 1, "convert the images to RGB first: PIL's image.convert('RGB')"),
+    (1, 4, "give images of the tower's channel count")])
+def test_images_of_another_channel_count_are_named_with_the_fix(in_channels, given, fix):
+    """A gray tower fed timm's RGB transform's output failed in the patch matmul: `mat1 and mat2 shapes cannot
+    be multiplied (..x147 and 49x..)`, naming neither channel count."""
+    tower = tiny(in_channels=in_channels)
+    names = {1: "1-channel (gray)", 3: "3-channel (RGB)", 4: "4-channel"}
+    with pytest.raises(ValueError) as err:
+        tower(torch.zeros(2, given, 28, 28))
+    assert str(err.value).startswith(f"the tower takes {names[in_channels]} images, got {names[given]} ones "
+                                     f"(pixels of shape (2, {given}, 28, 28)); {fix}")
+    assert tower(torch.zeros(2, in_channels, 28, 28)).shape == (2, tower.cfg.width)
+
+
 @pytest.mark.parametrize("name", ["soft-s16-128e", "vit-b32"])
 def test_meta_forward_gives_shapes_without_memory(name):
     tower = meta_tower(name, num_classes=1000)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from checkpoint_checks import _finite_checkpoints
+from cli_errors import _one_line_error
 from data_files import _cut_at_sample
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
@@ -439,6 +440,25 @@ def test_label_smoothing_with_the_sigmoid_loss_is_refused(data, tmp_path):
             f"run_dir={tmp_path / 'run'}", "tower.name=soft-test-4e", "batch_size=50", "steps=2", "fewshot_shots=0",
             "loss=sigmoid", "label_smoothing=0.1"]))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stats, expected", [
+    (["data.mean=[0.485,0.456,0.406]", "data.std=[0.229,0.224,0.225]"],
+     "data.mean has 3 values and data.std 3, but tower 'soft-test-4e' takes 1-channel images; give one value per "
+     "channel (e.g. data.mean=[0.5] data.std=[0.25]), or set both to [] to compute them from the training images"),
+    (["data.mean=[0.5]", "data.std=[]"], "data.mean has 1 values and data.std 0, but tower 'soft-test-4e' takes"),
+    (["data.mean=[0.5]", "data.std=[0]"], "data.std [0.0] holds a value ≤ 0 (pixels are divided by it)")])
+def test_normalization_statistics_that_do_not_fit_the_towers_channels_are_one_line(data, tmp_path, capsys, stats,
+                                                                                  expected):
+    """An RGB config's mean/std on a gray tower broadcast its pixels to 3 channels: the first step ended
+    in `mat1 and mat2 shapes cannot be multiplied (..x147 and 49x..)`; a zero std divided by zero."""
+    line = _one_line_error(capsys, [
+        "pretrain", "--config", "pretrain/soft-s16-128e-imagenet1k", "tower.name=soft-test-4e",
+        f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", "data.loader=memory",
+        "data.augment=false", "data.randaugment=[]", "data.mixup=0", f"run_dir={tmp_path / 'run'}",
+        "batch_size=50", "steps=1", "fewshot_shots=0", "log_with=[]", "compile=false", "precision=fp32", *stats])
+    assert line == f"lit-softmoe pretrain: error: {expected}" if expected.endswith("images") else expected in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint(data, tmp_path):
