@@ -576,13 +576,14 @@ class BadSampleCounter:
 
     SHARD_REASONS = ("bad_shard", "unreadable_shard", "truncated_shard")
 
-    def __init__(self) -> None:
+    def __init__(self, log: bool = True) -> None:
+        self.log = log  # False in all but one of several readers of the same shards (each would warn alike)
         self.counts: collections.Counter[str] = collections.Counter()
         self.shard: str | None = None  # the shard being read, set by `tar_samples`
         self._bad_shards: set[tuple[str, str | None]] = set()
 
     def skip(self, reason: str, detail: str, count: int = 1) -> None:
-        if self.counts[reason] == 0:
+        if self.counts[reason] == 0 and self.log:
             logger.warning("skipping %s: %s (further ones are counted, not logged)", reason, detail)
         self.counts[reason] += count
 

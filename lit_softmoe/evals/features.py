@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, IterableDataset
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio class calls iter() on the loader twice, starting the workers twice
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.readers import EvalData

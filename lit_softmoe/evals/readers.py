@@ -109,7 +109,7 @@ class _TarSamples(IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for index, sample in enumerate(self._samples()):
+        for index, sample in enumerate(self._samples(log=worker == 0)):
             if index % workers != worker:
                 continue
             if self.task == "retrieval":
@@ -127,11 +127,11 @@ class _TarSamples(IterableDataset):
                 _transformed(lambda: _open_image(sample[extension]), self.transform)
             yield index, image, target
 
-    def _samples(self) -> Iterator[dict]:
+    def _samples(self, log: bool) -> Iterator[dict]:
         """Raw samples of every shard in turn, read as the training pipeline reads them (`shards.tar_samples`):
         a truncated or unreadable tar is warned about (once per shard) and the samples before the
         damage are kept; it ended the whole suite in a tarfile traceback."""
-        counter = BadSampleCounter()
+        counter = BadSampleCounter(log=log)  # every worker reads every tar: one of them warns
         for url in self.urls:
             yield from tar_samples(url, counter)
 

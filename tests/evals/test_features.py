@@ -196,3 +196,40 @@ def test_a_full_disk_while_caching_features_still_returns_the_result(fmnist, tmp
     assert entry["status"] == "ok" and entry["image_cache"] == "off" and entry["metrics"] == fresh["metrics"]
     assert "image features of fashion-mnist not cached" in caplog.text and "No space left" in caplog.text
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no half entry left
+
+
+def test_the_images_are_read_once(fmnist, monkeypatch):
+    """tqdm.auto's class calls iter() on what it wraps in its constructor and again when iterated: the
+    DataLoader started its workers (or read its first samples) twice for every benchmark."""
+    from lit_softmoe.evals import readers
+    model, preprocess, _ = tiny_pair()
+    data = read_benchmark("fashion-mnist", fmnist, "test", preprocess)
+    calls = []
+    real_iter = type(data.dataset).__iter__
+    monkeypatch.setattr(type(data.dataset), "__iter__", lambda self: calls.append(1) or real_iter(self))
+    features, labels, _ = encode_eval_images(model, data, 50, 0, torch.device("cpu"), progress=True)
+    assert len(calls) == 1 and len(labels) == features.shape[0] > 0
+    assert isinstance(data.dataset, readers._TarSamples)
+
+
+def test_a_damaged_shard_is_warned_about_by_one_of_the_workers(tmp_path, monkeypatch, caplog):
+    """Every worker reads every tar of a webdataset split (each decodes its share): each warned about the
+    same damaged shard, once per worker."""
+    import tarfile
+    import types
+
+    from lit_softmoe.evals import readers
+    root = _wds_set(tmp_path / "cifar10")
+    tar = root / "test" / "0.tar"
+    with tarfile.open(tar) as archive:
+        cut = archive.getmembers()[4].offset_data + 10
+    tar.write_bytes(tar.read_bytes()[:cut])  # cut inside a member's data
+    data = read_benchmark("cifar10", root, "test", eval_transform(32, 3))
+    warned = {}
+    for worker in (0, 1):
+        monkeypatch.setattr(readers, "get_worker_info", lambda worker=worker: types.SimpleNamespace(id=worker,
+                                                                                                  num_workers=2))
+        caplog.clear()
+        list(data.dataset)
+        warned[worker] = [r.getMessage() for r in caplog.records if "bad_shard" in r.getMessage()]
+    assert len(warned[0]) == 1 and str(tar) in warned[0][0] and warned[1] == []
