@@ -7,7 +7,7 @@ import torch
 
 from data_files import LIMIT
 from lit_data import write_lit_data
-from lit_runs import _make_run
+from lit_runs import make_run
 from lit_softmoe import cli
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 
@@ -60,7 +60,7 @@ def six_shard_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run(tmp_path_factory) -> Path:
-    return _make_run(tmp_path_factory.mktemp("export"))
+    return make_run(tmp_path_factory.mktemp("export"))
 
 
 @pytest.fixture(scope="session")

@@ -16,41 +16,41 @@ from lock_holders import in_thread
 LIMIT = 200
 
 
-def _rng_image(seed, size=(12, 8), mode="RGB"):
+def rng_image(seed, size=(12, 8), mode="RGB"):
     rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4, "L": None, "LA": 2}[mode]
     shape = (size[1], size[0]) if channels is None else (size[1], size[0], channels)
     return PIL.Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
 
 
-def _encode(image, pil_format="PNG", **settings):
+def encode_image(image, pil_format="PNG", **settings):
     buffer = io.BytesIO()
     image.save(buffer, format=pil_format, **settings)
     return buffer.getvalue()
 
 
-def _pixels(data):
+def pixels_of(data):
     return np.asarray(PIL.Image.open(io.BytesIO(data)))
 
 
-def _png_bytes(array):
+def png_bytes(array):
     buffer = io.BytesIO()
     PIL.Image.fromarray(array).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _png(seed):
+def seeded_png(seed):
     buffer = io.BytesIO()
     PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 255, (8, 8), dtype=np.uint8)).save(buffer, "PNG")
     return buffer.getvalue()
 
 
-def _gray_png(path, value: int) -> None:
+def gray_png(path, value: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     PIL.Image.new("L", (8, 8), value).save(path)
 
 
-def _read_split(split_dir):
+def read_split(split_dir):
     """{key: {extension: bytes}} over every shard of a split, in shard order."""
     samples = {}
     for url in shard_urls(split_dir):
@@ -70,12 +70,12 @@ ROWS = [  # image, caption, an extra column; the third names no file, the fourth
 ]
 
 
-def _write_table(folder, kind):
+def write_table(folder, kind):
     (folder / "images").mkdir(parents=True)
-    (folder / "images/a.png").write_bytes(_encode(_rng_image(20)))
-    (folder / "images/b.jpg").write_bytes(_encode(_rng_image(21), "JPEG"))
-    (folder / "images/c.png").write_bytes(_encode(_rng_image(22)))
-    (folder / "images/d.png").write_bytes(_encode(_rng_image(23)))
+    (folder / "images/a.png").write_bytes(encode_image(rng_image(20)))
+    (folder / "images/b.jpg").write_bytes(encode_image(rng_image(21), "JPEG"))
+    (folder / "images/c.png").write_bytes(encode_image(rng_image(22)))
+    (folder / "images/d.png").write_bytes(encode_image(rng_image(23)))
     header = ("filepath", "title", "score")
     table = folder / f"table.{kind}"
     if kind in ("csv", "tsv"):
@@ -90,7 +90,7 @@ def _write_table(folder, kind):
     return table
 
 
-def _cut_at_sample(tar_path, index: int, into: int = 0) -> int:
+def cut_at_sample(tar_path, index: int, into: int = 0) -> int:
     """Cut a tar shard just before the first member of its `index`-th sample (0-based): what is left is
     a complete, valid archive of the first `index` samples, as a copy or a download cut short at a
     member boundary leaves it. `into` > 0 keeps that many bytes of the sample (a cut inside a member:
@@ -111,7 +111,7 @@ def _cut_at_sample(tar_path, index: int, into: int = 0) -> int:
     return offset + into
 
 
-def _copy_split(split_dir, target):
+def copy_split(split_dir, target):
     """A copy of a split folder (its shards, nshards.txt and sizes.json; no decoded cache)."""
     target.mkdir(parents=True)
     for path in split_dir.iterdir():
@@ -120,7 +120,7 @@ def _copy_split(split_dir, target):
     return target
 
 
-def _run_past_fifos(fifos, target, *args, timeout: float = 20, **kwargs):
+def run_past_fifos(fifos, target, *args, timeout: float = 20, **kwargs):
     """`target(*args, **kwargs)`, run in a thread so that a reader blocked on one of `fifos` (a FIFO's
     open waits for a writer forever) fails the test instead of hanging it: past `timeout` seconds each
     FIFO is opened for writing and closed, which lets the reader go on, and the test fails."""

@@ -93,7 +93,7 @@ def save_pair(root: Path, in_channels: int = 1, image_size: int = 28, seed: int 
     return root / "lit"
 
 
-def _tar_samples(split_dir):
+def raw_tar_samples(split_dir):
     """Every (PIL image, label) of a split, read with tarfile alone: the independent reference."""
     samples = {}
     for shard in sorted(split_dir.glob("*.tar"), key=lambda p: int(p.stem)):
@@ -104,7 +104,7 @@ def _tar_samples(split_dir):
     return [(PIL.Image.open(io.BytesIO(s["png"])), int(s["cls"])) for _, s in sorted(samples.items())]
 
 
-def _suite(root, cache_dir, name="fashion-mnist", **kwargs) -> EvalSuiteConfig:
+def suite_config(root, cache_dir, name="fashion-mnist", **kwargs) -> EvalSuiteConfig:
     return EvalSuiteConfig(name="t", benchmarks=[BenchmarkConfig(name=name, root=str(root), **kwargs)],
                            batch_size=64, workers=0, cache_dir=str(cache_dir))
 
@@ -118,7 +118,7 @@ def _class_folders(root, names, per_class=1):
     return root
 
 
-def _wds_set(root):
+def wds_set(root):
     images = foolbox_images("cifar10")[:6]
     return write_wds_benchmark(root, [(p.read_bytes(), "png", label) for p, label in images],
                                classnames=list(benchmark_info("cifar10").classnames), templates=["a photo of a {c}."])

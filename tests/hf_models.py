@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 
-def _tiny_bert(folder, dtype: torch.dtype):
+def tiny_bert(folder, dtype: torch.dtype):
     """A randomly initialized 1-layer BERT + its tokenizer, saved in `dtype` as a local HF model folder."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 

@@ -25,7 +25,7 @@ def write_lit_data(root: Path, **embed_options) -> Path:
     return root
 
 
-def _lit(data, run_dir, *extra) -> LiTConfig:
+def lit_config(data, run_dir, *extra) -> LiTConfig:
     return load_config(LiTConfig, None, [
         f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
         f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50", "log_every=1",

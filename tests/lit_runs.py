@@ -26,7 +26,7 @@ PREPROCESS = {"image_size": 28, "mean": [0.2860], "std": [0.3530]}
 PREPROCESS_RGB = {"image_size": 28, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
-def _make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: bool = False) -> Path:
+def make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: bool = False) -> Path:
     """A tiny pretrained tower and a LiT run folder around a randomly 'trained' pair, written by the
     recipe's own writers (save_tower, save_model, save_training_state, config.yaml). `rgb`: a 3-channel
     tower (per-channel mean/std); `image_head`: a linear head on the image features."""
@@ -62,28 +62,22 @@ def _make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: 
     return run
 
 
-def _inputs(batch: int = 3, seed: int = 0) -> torch.Tensor:
+def pair_inputs(batch: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(seed))
 
 
-def _embed(model, tokenizer, pixels=None, captions=CAPTIONS):
+def embed_pair(model, tokenizer, pixels=None, captions=CAPTIONS):
     with torch.no_grad():
-        return model.encode_image(_inputs() if pixels is None else pixels), model.encode_text(tokenizer(captions))
+        return model.encode_image(pair_inputs() if pixels is None else pixels), model.encode_text(tokenizer(captions))
 
 
-def _run_cli(*args) -> tuple[int, str, str]:
+def run_cli(*args) -> tuple[int, str, str]:
     result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *map(str, args)], capture_output=True,
                             text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return result.returncode, result.stdout, result.stderr
 
 
-def _snapshot(folder: Path) -> dict:
+def snapshot_files(folder: Path) -> dict:
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _one_error_line(capsys, code: int) -> str:
-    captured = capsys.readouterr()
-    assert code == 2
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import PIL.Image
 import pytest
 
-from cli_errors import _one_line_error
+from cli_errors import one_line_error
 from lit_softmoe.cli import main
 
 
@@ -78,7 +78,7 @@ def test_eval_benchmarks_that_name_nothing_are_refused(tmp_path, capsys, monkeyp
     monkeypatch.setattr(suite_module, "run_suite", lambda *a, **k: pytest.fail("the suite ran"))
     suite = tmp_path / "suite.yaml"
     suite.write_text("name: s\n")
-    line = _one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
+    line = one_line_error(capsys, ["eval", "--model", str(tmp_path), "--suite", str(suite), "--benchmarks", value])
     assert line == (f"lit-softmoe eval: error: --benchmarks {value!r} names no benchmark; give a comma-separated "
                     "list such as fashion-mnist,cifar10, or leave it out for the whole suite")
 
@@ -162,7 +162,7 @@ def test_a_full_disk_while_data_writes_shards_is_one_line_and_the_rerun_complete
     monkeypatch.setattr(tarfile.TarFile, "addfile", addfile)
     src, out = _five_captioned_images(tmp_path / "src"), tmp_path / "out"
     argv = ["data", "from-folder", str(src), "--out", str(out), "--samples-per-shard", "2"]
-    line = _one_line_error(capsys, argv)
+    line = one_line_error(capsys, argv)
     assert [Path(p).name for p in failed_on] == [f".1.tar.{os.getpid()}.partial"]
     assert line == (f"lit-softmoe data: error: no space left on the device while writing {failed_on[0]}; free some "
                     "space (or write to another disk) and rerun the same command")
@@ -193,7 +193,7 @@ def test_a_full_disk_while_exporting_is_one_line_naming_the_path(run, tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device", *([str(own)] if how.endswith("with a path") else []))
 
     monkeypatch.setattr(pair, "save_file", full)
-    line = _one_line_error(capsys, ["export", str(run), "--out", str(tmp_path / "export")])
+    line = one_line_error(capsys, ["export", str(run), "--out", str(tmp_path / "export")])
     where = own if how.endswith("with a path") else tmp_path / "export"
     assert line == (f"lit-softmoe export: error: no space left on the device while writing {where}; free some space "
                     "(or write to another disk) and rerun the same command")
@@ -209,7 +209,7 @@ def test_a_full_disk_without_a_path_while_data_writes_shards_names_the_dataset(t
 
     monkeypatch.setattr(tarfile.TarFile, "addfile", addfile)
     src, out = _five_captioned_images(tmp_path / "src"), tmp_path / "out"
-    line = _one_line_error(capsys, ["data", "from-folder", str(src), "--out", str(out)])
+    line = one_line_error(capsys, ["data", "from-folder", str(src), "--out", str(out)])
     assert line == (f"lit-softmoe data: error: no space left on the device while writing {out}; free some space "
                     "(or write to another disk) and rerun the same command")
     assert not (out / "train" / "sizes.json").exists()
@@ -245,7 +245,7 @@ def test_data_from_folder_caption_template_mistakes_are_one_line(tmp_path, capsy
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "src" / "cat").mkdir(parents=True)
     PIL.Image.new("L", (8, 8), 7).save(tmp_path / "src" / "cat" / "0.png")
-    line = _one_line_error(capsys, ["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+    line = one_line_error(capsys, ["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
                                     "--layout", layout, "--caption-templates", templates])
     assert line.startswith("lit-softmoe data: error: " + message.format(tmp=tmp_path, c="{c}"))
     assert not (tmp_path / "out").exists()

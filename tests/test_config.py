@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_errors import _one_line_error
+from cli_errors import one_line_error
 from evalkit import needs_foolbox, tiny_pair
 from lit_softmoe.config import EvalSuiteConfig, LiTConfig, PretrainConfig, load_config
 from lit_softmoe.errors import UserError
@@ -146,7 +146,7 @@ def test_errors_say_where_a_config_file_or_an_unknown_key_came_from(tmp_path):
     ("train", "log_every=0"), ("train", "checkpoint_every=0")])
 def test_zero_periods_and_batches_in_the_config(tmp_path, capsys, command, override):
     (tmp_path / "c.yaml").write_text("{}\n")
-    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), override])
+    line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), override])
     key = override.split("=")[0]
     assert f"config key '{key}' is 0; it must be at least 1: set {key}=1 or more" in line
 
@@ -259,7 +259,7 @@ def test_a_shell_command_in_a_config_file_given_to_train_is_one_line(tmp_path, c
     monkeypatch.delenv("LIT_SOFTMOE_ALLOW_PIPE", raising=False)
     marker = tmp_path / "ran"
     (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\ndata:\n  train: 'pipe:touch {marker}'\n")
-    line = _one_line_error(capsys, ["train", "--config", str(tmp_path / "c.yaml")])
+    line = one_line_error(capsys, ["train", "--config", str(tmp_path / "c.yaml")])
     assert "sets data.train to a shell command" in line and "LIT_SOFTMOE_ALLOW_PIPE=1" in line
     assert not marker.exists() and not (tmp_path / "run").exists()
 

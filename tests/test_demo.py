@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_errors import _one_line_error
+from cli_errors import one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"shards": 1.2, "pretrain": 30.4}
@@ -77,7 +77,7 @@ def test_demo_folders_that_cannot_be_written_are_refused_before_any_stage(tmp_pa
     # --data was reported as "--out …/fashion-mnist" by the first stage, and --runs only at its first write.
     (tmp_path / "file").write_text("x")
     folders = {"--data": str(tmp_path / "data"), "--runs": str(tmp_path / "runs"), flag: str(tmp_path / "file")}
-    line = _one_line_error(capsys, ["demo", "--fast", *[x for item in folders.items() for x in item]])
+    line = one_line_error(capsys, ["demo", "--fast", *[x for item in folders.items() for x in item]])
     assert line == f"lit-softmoe demo: error: {flag} {tmp_path / 'file'} is a file; give a folder path"
 
 
@@ -92,7 +92,7 @@ def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys
     monkeypatch.setattr(sources, "write_fashion_mnist_shards", refuse)
     shards = tmp_path / "data" / "fashion-mnist-10k"
     argv = ["demo", "--fast", "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")]
-    line = _one_line_error(capsys, argv)
+    line = one_line_error(capsys, argv)
     assert line == (f"lit-softmoe demo: error: {shards}/train already holds other shards; pass --overwrite to replace "
                     f"it with Fashion-MNIST, or choose another --out (the demo ran this step as `lit-softmoe data "
                     f"fashion-mnist --out {shards} --limit 10000`; or give the demo another --data or --runs)")

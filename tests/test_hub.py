@@ -7,7 +7,8 @@ import PIL.Image
 import pytest
 import torch
 
-from lit_runs import _make_run, _one_error_line
+from cli_errors import one_error_line
+from lit_runs import make_run
 from lit_softmoe import cli
 from lit_softmoe.hub import load_pretrained
 
@@ -25,13 +26,13 @@ def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
     from lit_softmoe.errors import UserError
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import save_tower
-    run = _make_run(tmp_path)
+    run = make_run(tmp_path)
     tower_dir = tmp_path / "pre" / "tower"
     meta = json.loads((tower_dir / "config.json").read_text())
     # Same width (the pair still builds), other architecture: a dense tower saved over the Soft MoE one.
     save_tower(tower_dir, create_image_tower("vit-test", num_classes=3),
                extra={k: v for k, v in meta.items() if k != "tower"})
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
     assert "not the one the run was trained against" in line and "moe_layers" in line, line
     with pytest.raises(UserError, match="not the one the run was trained against"):
         load_pretrained(run)
@@ -39,7 +40,7 @@ def test_a_tower_rewritten_since_training_is_refused(tmp_path, capsys):
     save_tower(tower_dir, create_image_tower("soft-test-4e", num_classes=3),
                extra={**{k: v for k, v in meta.items() if k != "tower"},
                       "preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
     assert "differs in preprocess" in line, line
     assert not (tmp_path / "out").exists()
 
@@ -53,7 +54,7 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
     from lit_softmoe.errors import UserError
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import save_tower
-    run = _make_run(tmp_path)
+    run = make_run(tmp_path)
     assert json.loads((run / "model" / "config.json").read_text())["image_tower_sha256"]
     load_pretrained(run)  # the tower the run recorded: accepted
     tower_dir = tmp_path / "pre" / "tower"
@@ -62,12 +63,12 @@ def test_a_retrained_tower_of_the_same_architecture_is_refused(tmp_path, capsys)
     torch.manual_seed(1)
     save_tower(tower_dir, create_image_tower("soft-test-4e", num_classes=3),
                extra={k: v for k, v in meta.items() if k != "tower"})
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out")]))
     assert "not the one the run was trained against (it differs in its weights)" in line, line
     with pytest.raises(UserError, match="differs in its weights"):
         load_pretrained(run)
     # A training checkpoint records the tower's sha256 too.
-    line = _one_error_line(capsys, cli.main(["export", str(run / "checkpoints" / "step_00000010"),
+    line = one_error_line(capsys, cli.main(["export", str(run / "checkpoints" / "step_00000010"),
                                              "--out", str(tmp_path / "out")]))
     assert "not the one the run was trained against (it differs in its weights)" in line, line
     assert not (tmp_path / "out").exists()
@@ -124,7 +125,7 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
 
 def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path, monkeypatch):
     from hf_hub_cache import cache_repo, offline_hf_cache
-    from lit_runs import _embed, _inputs
+    from lit_runs import embed_pair, pair_inputs
     from lit_softmoe.hub import load_image_tower, resolve_model_path
     cache = offline_hf_cache(monkeypatch, tmp_path / "hf")
     snapshot = cache_repo(cache, "org/name", hub_export)
@@ -133,16 +134,16 @@ def test_hf_hub_spec_loads_the_cached_export_as_its_folder(hub_export, tmp_path,
     assert resolve_model_path(hub_export) == hub_export  # a path stays a path
 
     reference, _, tokenizer = load_pretrained(hub_export)
-    image, text = _embed(reference, tokenizer)
+    image, text = embed_pair(reference, tokenizer)
     for spec in ("hf-hub:org/name", "hf-hub:org/name@v1"):
         model, preprocess, tok = load_pretrained(spec)
-        got_image, got_text = _embed(model, tok)
+        got_image, got_text = embed_pair(model, tok)
         assert torch.equal(got_image, image) and torch.equal(got_text, text), spec
         assert model.pretrained_info["source"] == spec and model.pretrained_info["kind"] == "export"
     tower, _ = load_image_tower("hf-hub:org/name")
     reference_tower, _ = load_image_tower(hub_export)
     with torch.no_grad():
-        assert torch.equal(tower.forward_pooled(_inputs()), reference_tower.forward_pooled(_inputs()))
+        assert torch.equal(tower.forward_pooled(pair_inputs()), reference_tower.forward_pooled(pair_inputs()))
 
 
 def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch):
@@ -176,9 +177,9 @@ def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_pa
     import json
     import shutil
 
-    from lit_runs import _embed
+    from lit_runs import embed_pair
     reference, _, tokenizer = load_pretrained(hub_export)
-    expected = _embed(reference, tokenizer)
+    expected = embed_pair(reference, tokenizer)
     old_export, old_run = tmp_path / "export", tmp_path / "run"
     shutil.copytree(hub_export, old_export)
     _rename_key(old_export / "text_encoder.safetensors", "logit_scale", "log_scale")
@@ -192,7 +193,7 @@ def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_pa
         model, _, tok = load_pretrained(source)
         scale = model.logit_scale.detach()
         assert scale == reference.logit_scale.detach() and float(scale) == pytest.approx(2.7)
-        got = _embed(model, tok)
+        got = embed_pair(model, tok)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source
 
 
@@ -201,7 +202,7 @@ def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_pa
 def test_create_model_from_pretrained_and_get_tokenizer_give_load_pretrained(run, hub_export, tmp_path, monkeypatch):
     import lit_softmoe
     from hf_hub_cache import cache_repo, offline_hf_cache
-    from lit_runs import CAPTIONS, _embed
+    from lit_runs import CAPTIONS, embed_pair
     cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/name", hub_export)
     checkpoint = run / "checkpoints" / "step_00000010"
     for source in (hub_export, "hf-hub:org/name", run, run / "model", checkpoint):
@@ -209,7 +210,7 @@ def test_create_model_from_pretrained_and_get_tokenizer_give_load_pretrained(run
         model, preprocess = lit_softmoe.create_model_from_pretrained(source)
         tokenizer = lit_softmoe.get_tokenizer(source)
         assert torch.equal(tokenizer(CAPTIONS), reference_tokenizer(CAPTIONS)), source
-        got, expected = _embed(model, tokenizer), _embed(reference, reference_tokenizer)
+        got, expected = embed_pair(model, tokenizer), embed_pair(reference, reference_tokenizer)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source
         image = PIL.Image.fromarray(np.random.RandomState(0).randint(0, 256, (40, 60, 3), dtype=np.uint8))
         assert torch.equal(preprocess(image), reference_preprocess(image))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from lit_runs import _one_error_line
+from cli_errors import one_error_line
 from lit_softmoe import cli
 from lit_softmoe.errors import UserError
 from lit_softmoe.hub import load_pretrained
@@ -13,7 +13,7 @@ def test_unfinished_run_is_refused_with_the_resume_command(run, tmp_path, capsys
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((run / "config.yaml").read_text())
-    line = _one_error_line(capsys, cli.main(["export", str(unfinished), "--out", str(tmp_path / "out")]))
+    line = one_error_line(capsys, cli.main(["export", str(unfinished), "--out", str(tmp_path / "out")]))
     assert "training has not finished" in line and f"lit-softmoe train --config {unfinished / 'config.yaml'}" in line
     assert not (tmp_path / "out").exists()
     with pytest.raises(UserError, match="training has not finished"):
@@ -21,7 +21,7 @@ def test_unfinished_run_is_refused_with_the_resume_command(run, tmp_path, capsys
 
 
 def test_not_a_model_folder(tmp_path, capsys):
-    line = _one_error_line(capsys, cli.main(["export", str(tmp_path), "--out", str(tmp_path / "out")]))
+    line = one_error_line(capsys, cli.main(["export", str(tmp_path), "--out", str(tmp_path / "out")]))
     assert "expected an export folder" in line
     with pytest.raises(UserError, match="is not a folder"):
         load_pretrained(tmp_path / "missing")
@@ -44,7 +44,7 @@ def test_a_checkpoint_the_run_pruned_is_said_so_with_the_newest_one(tmp_path, ca
     pruned = run / "checkpoints" / "step_00000010"
     argv = ["export", str(pruned), "--out", str(tmp_path / "out")] if command == "export" else \
         ["eval", "--model", str(pruned), "--suite", suite, "--out", str(tmp_path / "e.json"), "--device", "cpu"]
-    line = _one_error_line(capsys, cli.main(argv))
+    line = one_error_line(capsys, cli.main(argv))
     assert line == (f"lit-softmoe {command}: error: {pruned} was removed by its run, which keeps only its newest "
                     f"checkpoints (keep_checkpoints); the newest is {run / 'checkpoints' / 'step_00000030'}: point to "
                     "that one, or to the run folder once its training has finished")

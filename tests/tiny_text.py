@@ -11,7 +11,7 @@ TINY_TEXT = TextTowerConfig(kind="transformer", width=32, layers=2, heads=2, con
 EOT = 49407  # CLIP BPE's <end_of_text>, the largest id
 
 
-def _ids(batch: int = 4, length: int = 16, seed: int = 0) -> torch.Tensor:
+def token_ids(batch: int = 4, length: int = 16, seed: int = 0) -> torch.Tensor:
     """Random texts of different lengths: <start> tokens... <end> then zero padding."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.zeros(batch, length, dtype=torch.long)

@@ -16,7 +16,7 @@ import PIL.Image
 import pytest
 import torch
 
-from data_files import _copy_split, _cut_at_sample, _png_bytes
+from data_files import copy_split, cut_at_sample, png_bytes
 from lit_softmoe.data.class_split import iter_class_samples, load_class_split
 from lit_softmoe.data.shards import BadSampleCounter, shard_urls, write_split
 from lit_softmoe.utils import atomic
@@ -33,7 +33,7 @@ def test_decoded_cache_matches_decoding(fmnist_shards):
 
 
 def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):
-    good = _png_bytes(np.arange(64, dtype=np.uint8).reshape(8, 8))
+    good = png_bytes(np.arange(64, dtype=np.uint8).reshape(8, 8))
     samples = [
         {"png": good, "cls": "3"},
         {"png": b"\x89PNG\r\n\x1a\n not really a png", "cls": "1"},  # undecodable image
@@ -66,7 +66,7 @@ def test_bad_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplo
 
 
 def test_negative_class_index_is_a_bad_sample(tmp_path):
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
+    good = png_bytes(np.zeros((8, 8), np.uint8))
     write_split([{"png": good, "cls": "1"}, {"png": good, "cls": "-1"}, {"png": good, "cls": "0"}], tmp_path, "a")
     images, labels, counts = load_class_split(tmp_path / "a", cache=False)
     assert labels.tolist() == [1, 0] and dict(counts) == {"bad_cls": 1}
@@ -75,7 +75,7 @@ def test_negative_class_index_is_a_bad_sample(tmp_path):
 def test_first_n_samples_count_only_their_own_bad_samples_cached_or_not(tmp_path):
     """`max_samples` from the decoded cache counts the bad samples among the first N, as decoding
     the first N does, not the whole split's."""
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
+    good = png_bytes(np.zeros((8, 8), np.uint8))
     # 100 samples: bad at reading positions 3 (image), 50 (image), 70 (no .cls) and 99 (image, last).
     samples = [{"png": b"not a png" if i in (3, 50, 99) else good, **({} if i == 70 else {"cls": str(i % 5)})}
                for i in range(100)]
@@ -97,7 +97,7 @@ def test_first_n_samples_count_only_their_own_bad_samples_cached_or_not(tmp_path
 def test_a_stale_decoded_cache_in_a_read_only_split_does_not_stop_the_load(tmp_path, monkeypatch):
     # A split cached by an older version (another cache name), then mounted read-only: removing the
     # stale cache raised PermissionError outside the "not writable" guard, after the whole decode.
-    write_split([{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(i)} for i in range(3)], tmp_path, "a")
+    write_split([{"png": png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(i)} for i in range(3)], tmp_path, "a")
     stale = tmp_path / "a" / ".decoded-0123456789abcdef.npz"
     stale.write_bytes(b"an older version's cache")
 
@@ -118,8 +118,8 @@ def test_a_shard_cut_at_a_sample_boundary_is_counted_as_truncated(fmnist_shards,
     """A tar cut at a member boundary is a valid, shorter archive: the 44 samples lost from shard 1
     went uncounted, and pretraining trained on what was left as if it were the whole split."""
     out, _, source = fmnist_shards
-    split = _copy_split(out / "train", tmp_path / "train")  # 64 + 64 + 64 + 8 samples
-    _cut_at_sample(split / "1.tar", 20)
+    split = copy_split(out / "train", tmp_path / "train")  # 64 + 64 + 64 + 8 samples
+    cut_at_sample(split / "1.tar", 20)
     kept = np.r_[0:64 + 20, 128:200]  # the source positions the cut shards still hold
     source_images, source_labels = source["train"]
 
@@ -141,8 +141,8 @@ def test_a_shard_cut_inside_a_sample_is_one_bad_shard_and_its_lost_samples(fmnis
     well): the 6th sample, read in part, is a bad sample, and the 2 its sizes.json lists after it are
     counted as missing: 3 lost, 3 counted."""
     out, _, source = fmnist_shards
-    split = _copy_split(out / "train", tmp_path / "train")
-    _cut_at_sample(split / "3.tar", 5, into=600)  # 5 of the last shard's 8 samples, then a cut inside a member
+    split = copy_split(out / "train", tmp_path / "train")
+    cut_at_sample(split / "3.tar", 5, into=600)  # 5 of the last shard's 8 samples, then a cut inside a member
     _, labels, counts = load_class_split(split, cache=False)
     assert labels.tolist() == source["train"][1][:192 + 5].tolist()
     assert dict(counts) == {"bad_shard": 1, "missing_image": 1, "missing_samples": 2}
@@ -154,7 +154,7 @@ def test_a_shard_cut_inside_a_sample_is_one_bad_shard_and_its_lost_samples(fmnis
 def _labelled_split(root, name, labels):
     """Sample i an 8×8 image of value i (whatever the labels) with class `labels[i]`, 4 a shard: splits
     of equal length and one-digit labels have shards of equal sizes."""
-    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(label)} for i, label in enumerate(labels)]
+    samples = [{"png": png_bytes(np.full((8, 8), i, np.uint8)), "cls": str(label)} for i, label in enumerate(labels)]
     write_split(samples, root, name, samples_per_shard=4)
     return root / name
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_files import LIMIT, _gray_png, _read_split
+from data_files import LIMIT, gray_png, read_split
 from lit_softmoe.cli import main
 from lit_softmoe.data import fashion_mnist as sources
 from lit_softmoe.data.class_split import load_class_split
@@ -155,7 +155,7 @@ def test_fashion_mnist_does_not_rename_the_classes_of_another_split(tmp_path, ca
     # `data fashion-mnist` wrote its classnames.txt over that of a class split already in --out, so
     # val's ant/bee samples read as t-shirt/trousers (the other way round was already refused).
     for classname in ("ant", "bee"):
-        _gray_png(tmp_path / "src" / classname / "0.png", 0)
+        gray_png(tmp_path / "src" / classname / "0.png", 0)
     assert main(["data", "from-folder", str(tmp_path / "src"), "--layout", "classes", "--split", "val",
                  "--out", str(tmp_path / "out")]) == 0
     fmnist = str(find_fashion_mnist(allow_download=False))
@@ -180,4 +180,4 @@ def test_a_second_fashion_mnist_writer_waits_for_the_folders_lock(tmp_path):
     thread.join(60)
     assert not thread.is_alive() and "error" not in outcome
     assert outcome["result"]["samples"] == {"train": 20, "test": 20}
-    assert len(_read_split(out / "train")) == 20
+    assert len(read_split(out / "train")) == 20

@@ -11,7 +11,7 @@ import PIL.Image
 import pytest
 import torchvision
 
-from data_files import _encode, _gray_png, _read_split, _rng_image
+from data_files import encode_image, gray_png, read_split, rng_image
 from evalkit import foolbox_images, needs_foolbox
 from lit_softmoe.cli import main
 from lit_softmoe.data.captions import load_caption_templates
@@ -28,7 +28,7 @@ def test_folder_mistakes_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="not found"):
         list_folder(tmp_path / "nowhere")
     (tmp_path / "flat").mkdir()
-    (tmp_path / "flat/a.png").write_bytes(_encode(_rng_image(0)))
+    (tmp_path / "flat/a.png").write_bytes(encode_image(rng_image(0)))
     with pytest.raises(UserError, match="no .txt caption beside any"):
         list_folder(tmp_path / "flat")
     (tmp_path / "empty").mkdir()
@@ -44,8 +44,8 @@ def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):
     # A class folder is often a link into a bigger dataset; os.walk did not enter it, so its images
     # were dropped without a count and the remaining classes were numbered differently from ImageFolder.
     for index in range(3):
-        _gray_png(tmp_path / "elsewhere" / "cat" / f"{index}.png", 10 * index)
-    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+        gray_png(tmp_path / "elsewhere" / "cat" / f"{index}.png", 10 * index)
+    gray_png(tmp_path / "src" / "dog" / "0.png", 200)
     os.symlink(tmp_path / "elsewhere" / "cat", tmp_path / "src" / "cat")
     imagefolder = torchvision.datasets.ImageFolder(str(tmp_path / "src"))
     os.symlink(tmp_path / "src", tmp_path / "src" / "dog" / "loop")  # a link back up must not loop
@@ -63,8 +63,8 @@ def test_linked_class_folders_are_read_and_numbered_like_imagefolder(tmp_path):
 def test_a_class_folder_named_with_a_control_character_is_refused_in_one_line(tmp_path, mark):
     """classnames.txt holds a class name a line: a folder `cat<newline>tabby` gave it one line more than
     there are classes, and every class after it read the name of the one before."""
-    _gray_png(tmp_path / "src" / f"cat{mark}tabby" / "0.png", 10)
-    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    gray_png(tmp_path / "src" / f"cat{mark}tabby" / "0.png", 10)
+    gray_png(tmp_path / "src" / "dog" / "0.png", 200)
     with pytest.raises(UserError) as raised:
         write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
     message = str(raised.value)
@@ -83,9 +83,9 @@ def test_class_folders_whose_names_differ_only_in_unicode_form_are_refused_in_on
     """`café` composed (NFC, as macOS and most keyboards write it) and decomposed (NFD) are two folders
     on Linux: they became two classes whose prompts were identical."""
     composed, decomposed = "caf\u00e9", "cafe\u0301"
-    _gray_png(tmp_path / "src" / composed / "0.png", 10)
-    _gray_png(tmp_path / "src" / decomposed / "0.png", 100)
-    _gray_png(tmp_path / "src" / "dog" / "0.png", 200)
+    gray_png(tmp_path / "src" / composed / "0.png", 10)
+    gray_png(tmp_path / "src" / decomposed / "0.png", 100)
+    gray_png(tmp_path / "src" / "dog" / "0.png", 200)
     assert len(list((tmp_path / "src").iterdir())) == 3  # the file system keeps both
     with pytest.raises(UserError) as raised:
         write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
@@ -104,11 +104,11 @@ def test_class_folders_whose_names_differ_only_in_unicode_form_are_refused_in_on
 def test_a_class_folder_without_images_is_refused_as_imagefolder_refuses_it(tmp_path, content):
     """An empty class folder was dropped without a word: the classes after it took labels one lower
     than the user's folder list (and ImageFolder's, which raises FileNotFoundError for it)."""
-    _gray_png(tmp_path / "src" / "ant" / "0.png", 10)
+    gray_png(tmp_path / "src" / "ant" / "0.png", 10)
     (tmp_path / "src" / "bee").mkdir()
     if content:
         (tmp_path / "src" / "bee" / content).write_text("not an image")
-    _gray_png(tmp_path / "src" / "cat" / "0.png", 200)
+    gray_png(tmp_path / "src" / "cat" / "0.png", 200)
     with pytest.raises(FileNotFoundError, match="Found no valid file for the classes bee"):
         torchvision.datasets.ImageFolder(str(tmp_path / "src"))
     with pytest.raises(UserError) as raised:
@@ -117,7 +117,7 @@ def test_a_class_folder_without_images_is_refused_as_imagefolder_refuses_it(tmp_
         f"class folder 'bee' in {tmp_path / 'src'} holds no image files (.png, .jpg, .jpeg, .webp, .bmp, .gif, "
         f".tif, .tiff); add images, or move it out of {tmp_path / 'src'}")
     assert not (tmp_path / "out" / "train").exists()
-    _gray_png(tmp_path / "src" / "bee" / "0.png", 100)  # with an image, bee is label 1 as ImageFolder has it
+    gray_png(tmp_path / "src" / "bee" / "0.png", 100)  # with an image, bee is label 1 as ImageFolder has it
     write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
     assert read_classnames(tmp_path / "out") == torchvision.datasets.ImageFolder(str(tmp_path / "src")).classes
     assert sorted(label for _, label in iter_class_samples(tmp_path / "out" / "train")) == [0, 1, 2]
@@ -142,7 +142,7 @@ def _fmnist_class_folders(src, per_class=3):
 
 
 def _captions_in_write_order(split_dir):
-    samples = _read_split(split_dir)
+    samples = read_split(split_dir)
     return [(json.loads(sample["json"])["path"], sample["txt"].decode(), int(sample["cls"]))
             for sample in samples.values()]
 
@@ -185,7 +185,7 @@ def test_a_templates_file_gives_the_captions_and_other_templates_rewrite_the_spl
     src, out, file = tmp_path / "src", tmp_path / "out", tmp_path / "templates.txt"
     for name in ("cat", "dog"):
         for index in range(3):
-            _gray_png(src / name / f"{index}.png", 40 * index)
+            gray_png(src / name / f"{index}.png", 40 * index)
     file.write_text("a photo of my {c}.\n\n  {c}, seen from above  \n")  # blank lines and spaces go
     write_folder_shards(src, out, caption_templates=load_caption_templates(file))  # auto: class folders
     found = {path: caption for path, caption, _ in _captions_in_write_order(out / "train")}
@@ -202,7 +202,7 @@ def test_a_templates_file_gives_the_captions_and_other_templates_rewrite_the_spl
     assert read_lines(out / "zeroshot_classification_templates.txt") == ["a drawing of a {c}"]
     # Without templates the classes layout writes no captions, as before.
     plain = write_folder_shards(src, tmp_path / "plain")
-    assert all("txt" not in sample for sample in _read_split(tmp_path / "plain" / "train").values())
+    assert all("txt" not in sample for sample in read_split(tmp_path / "plain" / "train").values())
     assert plain.samples == 6 and not (tmp_path / "plain" / "zeroshot_classification_templates.txt").exists()
 
 
@@ -231,9 +231,9 @@ def test_bad_templates_files_are_one_line_user_errors(tmp_path, content, message
 
 
 def test_caption_templates_refuse_the_captions_layout(tmp_path):
-    _gray_png(tmp_path / "src" / "a.png", 10)
+    gray_png(tmp_path / "src" / "a.png", 10)
     (tmp_path / "src" / "a.txt").write_text("a gray square")
-    _gray_png(tmp_path / "src" / "cat" / "0.png", 10)
+    gray_png(tmp_path / "src" / "cat" / "0.png", 10)
     for layout, found in (("captions", ""), ("auto", r" \(found .txt captions beside its images\)")):
         with pytest.raises(UserError, match=rf"read in the captions layout{found}; pass --layout classes, or drop "
                                             "--caption-templates"):
@@ -261,7 +261,7 @@ def _wnid_folders(src):
 def _classes_written(split_dir):
     """{image path: (.cls, .json's class)} of a written split."""
     return {json.loads(sample["json"])["path"]: (int(sample["cls"]), json.loads(sample["json"])["class"])
-            for sample in _read_split(split_dir).values()}
+            for sample in read_split(split_dir).values()}
 
 
 @needs_foolbox
@@ -303,7 +303,7 @@ def test_wnid_folders_caption_with_the_class_names_and_folders_keeps_the_ids(tmp
 def test_all_1000_wnid_folders_give_the_standard_imagenet_labels(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     wnids = imagenet_wnids()
-    image = _encode(_rng_image(7, size=(4, 4)))
+    image = encode_image(rng_image(7, size=(4, 4)))
     for wnid in reversed(wnids):  # made in another order: the folders' names, not their ages, give the order
         (src / wnid).mkdir(parents=True)
         (src / wnid / "0.png").write_bytes(image)
@@ -324,7 +324,7 @@ def test_all_1000_wnid_folders_give_the_standard_imagenet_labels(tmp_path):
 def test_unknown_wnid_folders_among_imagenet_ones_are_one_error_line(tmp_path, capsys):
     src = tmp_path / "src"
     for index, wnid in enumerate(("n01440764", "n01443537", "n99999999")):  # tench, goldfish, no ImageNet-1k class
-        _gray_png(src / wnid / "0.png", 60 * index)
+        gray_png(src / wnid / "0.png", 60 * index)
     command = ["data", "from-folder", str(src), "--layout", "classes", "--out", str(tmp_path / "out")]
 
     assert main(command) == 2
@@ -343,7 +343,7 @@ def test_unknown_wnid_folders_among_imagenet_ones_are_one_error_line(tmp_path, c
                          ids=["a folder of another name", "no ImageNet-1k wnid", "not a wnid"])
 def test_folders_not_all_imagenet_wnids_keep_their_names(tmp_path, folders):
     for index, folder in enumerate(folders):
-        _gray_png(tmp_path / "src" / folder / "0.png", 60 * index)
+        gray_png(tmp_path / "src" / folder / "0.png", 60 * index)
     summary = write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
     assert summary.classnames_note is None and read_classnames(tmp_path / "out") == sorted(folders)
 

@@ -13,7 +13,7 @@ import PIL.Image
 import pytest
 import torch
 
-from data_files import _encode, _pixels, _rng_image
+from data_files import encode_image, pixels_of, rng_image
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.images import REDUCED_DECODE_FACTOR, jpeg_min_side, open_image, prepare_image
 from lit_softmoe.data.shards import write_split
@@ -32,7 +32,7 @@ RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (1
 def _rotated_by_exif():
     exif = PIL.Image.Exif()
     exif[0x0112] = 6  # "rotate 90° clockwise to display"
-    return _encode(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1], RAMP8.T[:12, :12].repeat(2, 1)[:, :16]], -1)),
+    return encode_image(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1], RAMP8.T[:12, :12].repeat(2, 1)[:, :16]], -1)),
                    exif=exif.tobytes())
 
 
@@ -40,18 +40,18 @@ def _transparent_color():  # transparent black around an opaque red square, half
     rgba = np.zeros((12, 16, 4), np.uint8)
     rgba[3:9, 4:12] = (200, 30, 30, 255)
     rgba[0, 0] = (0, 0, 0, 128)
-    return _encode(PIL.Image.fromarray(rgba, "RGBA"))
+    return encode_image(PIL.Image.fromarray(rgba, "RGBA"))
 
 
 def _transparent_palette():
     palette = PIL.Image.fromarray(np.arange(12 * 16).reshape(12, 16).astype(np.uint8) % 4, "P")
     palette.putpalette([0, 0, 0, 200, 100, 50, 10, 200, 10, 0, 0, 255] + [0] * 756)
-    return _encode(palette, transparency=0)  # index 0 (black) transparent
+    return encode_image(palette, transparency=0)  # index 0 (black) transparent
 
 
 RAW = {
-    "16bit": _encode(PIL.Image.fromarray(RAMP8.astype(np.uint16) * 257)),  # the ramp at 16 bits
-    "gray_alpha": _encode(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1]], -1), "LA")),
+    "16bit": encode_image(PIL.Image.fromarray(RAMP8.astype(np.uint16) * 257)),  # the ramp at 16 bits
+    "gray_alpha": encode_image(PIL.Image.fromarray(np.stack([RAMP8, RAMP8[::-1]], -1), "LA")),
     "alpha": _transparent_color(),
     "palette_alpha": _transparent_palette(),
     "exif_rotated": _rotated_by_exif(),
@@ -117,43 +117,43 @@ def test_in_memory_split_decodes_like_the_pipeline(tmp_path):
 
 
 def test_prepare_image_keeps_the_file_bytes_when_nothing_changes():
-    png = _encode(_rng_image(0))
+    png = encode_image(rng_image(0))
     prepared = prepare_image(png)
     assert (prepared.extension, prepared.data, prepared.reencoded, prepared.changes) == ("png", png, False, ())
-    jpeg = _encode(_rng_image(1), "JPEG", quality=80)
+    jpeg = encode_image(rng_image(1), "JPEG", quality=80)
     assert prepare_image(jpeg, "jpg").data == jpeg and prepare_image(jpeg).extension == "jpg"
 
 
 def test_prepare_image_normalizes_modes_exactly():
     rgba = PIL.Image.fromarray(np.array([[[0, 0, 255, 255], [255, 0, 0, 0], [0, 0, 0, 128]]], np.uint8), "RGBA")
-    prepared = prepare_image(_encode(rgba))
+    prepared = prepare_image(encode_image(rgba))
     # Opaque stays, transparent becomes white, half-transparent black becomes the mid gray on white.
     assert prepared.changes == ("alpha",) and prepared.extension == "png"
-    assert _pixels(prepared.data).tolist() == [[[0, 0, 255], [255, 255, 255], [127, 127, 127]]]
+    assert pixels_of(prepared.data).tolist() == [[[0, 0, 255], [255, 255, 255], [127, 127, 127]]]
 
     sixteen = PIL.Image.fromarray(np.array([[0, 257, 65535, 32896]], np.uint16))
     assert sixteen.mode == "I;16"
-    prepared = prepare_image(_encode(sixteen))
-    assert prepared.changes == ("16bit",) and _pixels(prepared.data).tolist() == [[0, 1, 255, 128]]
+    prepared = prepare_image(encode_image(sixteen))
+    assert prepared.changes == ("16bit",) and pixels_of(prepared.data).tolist() == [[0, 1, 255, 128]]
 
-    palette = _rng_image(2).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
-    prepared = prepare_image(_encode(palette))
+    palette = rng_image(2).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
+    prepared = prepare_image(encode_image(palette))
     assert prepared.changes == ("palette",)
-    assert np.array_equal(_pixels(prepared.data), np.asarray(palette.convert("RGB")))
+    assert np.array_equal(pixels_of(prepared.data), np.asarray(palette.convert("RGB")))
 
     gray_alpha = PIL.Image.fromarray(np.array([[[10, 255], [10, 0]]], np.uint8), "LA")
-    prepared = prepare_image(_encode(gray_alpha))
-    assert prepared.changes == ("alpha",) and _pixels(prepared.data).tolist() == [[10, 255]]  # stays gray (L)
+    prepared = prepare_image(encode_image(gray_alpha))
+    assert prepared.changes == ("alpha",) and pixels_of(prepared.data).tolist() == [[10, 255]]  # stays gray (L)
 
     cmyk = PIL.Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # pure red in CMYK
-    prepared = prepare_image(_encode(cmyk, "JPEG", quality=100))
+    prepared = prepare_image(encode_image(cmyk, "JPEG", quality=100))
     assert prepared.changes == ("cmyk",) and prepared.extension == "jpg"
-    assert np.abs(_pixels(prepared.data).astype(int) - [255, 0, 0]).max() <= 3
+    assert np.abs(pixels_of(prepared.data).astype(int) - [255, 0, 0]).max() <= 3
 
 
 def test_prepare_image_converts_formats_and_shrinks_large_images():
-    image = _rng_image(3, size=(100, 40))
-    png = _encode(image)
+    image = rng_image(3, size=(100, 40))
+    png = encode_image(image)
     as_webp = prepare_image(png, "webp")
     assert as_webp.extension == "webp" and as_webp.reencoded
     assert PIL.Image.open(io.BytesIO(as_webp.data)).format == "WEBP"
@@ -161,8 +161,8 @@ def test_prepare_image_converts_formats_and_shrinks_large_images():
     assert as_jpg.changes == ("resized",) and as_jpg.source_size == (100, 40)
     assert PIL.Image.open(io.BytesIO(as_jpg.data)).size == (50, 20)
     # Lossless and not too large: re-encoding a BMP to PNG keeps every pixel.
-    from_bmp = prepare_image(_encode(image, "BMP"))
-    assert from_bmp.extension == "png" and np.array_equal(_pixels(from_bmp.data), np.asarray(image))
+    from_bmp = prepare_image(encode_image(image, "BMP"))
+    assert from_bmp.extension == "png" and np.array_equal(pixels_of(from_bmp.data), np.asarray(image))
     assert prepare_image(png, "png", max_size=100).data == png  # not larger than max_size: untouched
     # Encoding is deterministic: the same input gives the same bytes.
     assert prepare_image(png, "jpg", max_size=50).data == as_jpg.data
@@ -171,7 +171,7 @@ def test_prepare_image_converts_formats_and_shrinks_large_images():
 def test_prepare_image_applies_exif_orientation():
     exif = PIL.Image.Exif()
     exif[0x0112] = 6  # "rotate 90° clockwise to display"
-    prepared = prepare_image(_encode(_rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
+    prepared = prepare_image(encode_image(rng_image(4, size=(12, 8)), "JPEG", exif=exif.tobytes()))
     assert prepared.changes == ("exif_rotated",) and prepared.source_size == (12, 8)
     assert PIL.Image.open(io.BytesIO(prepared.data)).size == (8, 12)
 
@@ -215,7 +215,7 @@ def _large_jpeg(size=(1100, 900), mode="RGB", **settings) -> bytes:
         noise = np.random.default_rng(0).normal(0, 12, (size[1], size[0], 3))
         base = np.stack([x / size[0] * 255, y / size[1] * 255, 128 + 100 * np.sin(x / 37) * np.cos(y / 23)], -1)
         image = PIL.Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
-    return _encode(image.convert(mode), "JPEG", quality=90, **settings)
+    return encode_image(image.convert(mode), "JPEG", quality=90, **settings)
 
 
 def test_jpeg_min_side_of_each_decode_setting():
@@ -237,7 +237,7 @@ def test_a_large_jpeg_is_decoded_at_the_smallest_dct_scale_keeping_the_shorter_s
 
 def test_small_jpegs_and_other_formats_decode_exactly_as_in_full():
     small = _large_jpeg((400, 300))  # shorter side under 2 × 224: no DCT scale would keep it ≥ 224
-    png = _encode(PIL.Image.open(io.BytesIO(_large_jpeg())), "PNG")
+    png = encode_image(PIL.Image.open(io.BytesIO(_large_jpeg())), "PNG")
     for data in (small, png, RAW["alpha"], RAW["exif_rotated"]):
         assert np.array_equal(np.asarray(open_image(data, 224)), np.asarray(open_image(data)))
     assert open_image(png, 224).size == (1100, 900)

@@ -5,7 +5,7 @@ import unicodedata
 import numpy as np
 import PIL.Image
 
-from data_files import _png
+from data_files import seeded_png
 from lit_softmoe.data.listing import sample_key
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.writers import write_folder_shards
@@ -23,7 +23,7 @@ def test_non_ascii_file_names_keep_their_own_samples(tmp_path):
     src.mkdir()
     names = ["日本語", "中文", "한국어", "café", "naïve", "cafe\u0301x"]  # the last one decomposed (macOS)
     for seed, name in enumerate(names):
-        (src / f"{name}.png").write_bytes(_png(seed))
+        (src / f"{name}.png").write_bytes(seeded_png(seed))
         (src / f"{name}.txt").write_text(f"caption of {name}", encoding="utf-8")
     summary = write_folder_shards(src, tmp_path / "out")
     assert summary.samples == len(names) and not summary.skipped
@@ -33,7 +33,7 @@ def test_non_ascii_file_names_keep_their_own_samples(tmp_path):
     batch = next(iter(loader))
     assert len(set(batch["key"])) == len(names)
     # Each image with its own caption (captions are stored NFC-normalized).
-    expected = {unicodedata.normalize("NFC", name): _png(seed) for seed, name in enumerate(names)}
+    expected = {unicodedata.normalize("NFC", name): seeded_png(seed) for seed, name in enumerate(names)}
     for key, caption, image in zip(batch["key"], batch["caption"], batch["image"]):
         name = caption.removeprefix("caption of ")
         assert key == name
@@ -44,6 +44,6 @@ def test_non_ascii_class_folders_keep_every_image(tmp_path):
     src = tmp_path / "classes"
     for label, classname in enumerate(["猫", "犬"]):
         (src / classname).mkdir(parents=True)
-        (src / classname / "1.png").write_bytes(_png(label))
+        (src / classname / "1.png").write_bytes(seeded_png(label))
     summary = write_folder_shards(src, tmp_path / "out", layout="classes")
     assert summary.samples == 2 and not summary.skipped

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torchvision.transforms import v2
 
-from data_files import _copy_split, _cut_at_sample, _png_bytes
+from data_files import copy_split, cut_at_sample, png_bytes
 from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.feature_cache import embedding_caption_sample
@@ -267,8 +267,8 @@ def test_a_shard_cut_at_a_sample_boundary_is_counted_and_stops_the_run(fmnist, t
     """A tar cut at a member boundary reads as a complete, shorter archive: an epoch of 160 of the 200
     samples went by without a count, and training went on with a fifth of the split gone."""
     out, _, labels = fmnist
-    split = _copy_split(out / "test", tmp_path / "test")  # 4 shards of 50
-    _cut_at_sample(split / "2.tar", 10)
+    split = copy_split(out / "test", tmp_path / "test")  # 4 shards of 50
+    cut_at_sample(split / "2.tar", 10)
     kept = [*range(100 + 10), *range(150, 200)]
     cfg = ShardDataConfig(urls=str(split), batch_size=16, workers=2, exact_epoch=True, max_bad_fraction=0.5)
     loader = create_shard_loader(cfg, "image-class")
@@ -389,7 +389,7 @@ def test_embedding_caption_shards_round_trip(tmp_path):
 
 def test_world_size_set_alone_takes_the_rank_from_the_launcher(tmp_path, monkeypatch):
     # Setting data.world_size without data.rank gave rank 0 to every process: all read the same shards.
-    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "txt": f"caption {i}".encode()} for i in range(8)]
+    samples = [{"png": png_bytes(np.full((8, 8), i, np.uint8)), "txt": f"caption {i}".encode()} for i in range(8)]
     write_split(samples, tmp_path, "a", samples_per_shard=2)
     keys = {}
     for rank in (0, 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_files import _png_bytes
+from data_files import png_bytes
 from lit_softmoe.data.class_batches import split_labels
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.samples import SampleSkip, class_index, decode_label, image_extension
@@ -47,7 +47,7 @@ def test_image_extension_takes_the_first_known_member():
 def test_every_reader_gives_the_same_labels(tmp_path):
     """The streamed split, the split read whole, LiT's eval labels and the zero-shot suite keep the
     same samples with the same classes: "+2", "-0" and "1_0" were class 2, 0 and 10 to three of them."""
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
+    good = png_bytes(np.zeros((8, 8), np.uint8))
     classes = ["1", "+2", " 3\n", "1_0", "-0", "007", "-1"]
     write_split([{"png": good, "cls": cls} for cls in classes], tmp_path, "test")
     (tmp_path / "classnames.txt").write_text("".join(f"c{i}\n" for i in range(8)))
@@ -63,7 +63,7 @@ def test_every_reader_gives_the_same_labels(tmp_path):
 def test_an_upper_case_cls_member_is_read_by_the_label_only_pass_too(tmp_path):
     # Webdataset lowercases extensions: the decoding readers saw x.CLS as "cls", while the label-only
     # pass selected members ending in ".cls" and lost it, shifting the positions shots are drawn at.
-    good = _png_bytes(np.zeros((8, 8), np.uint8))
+    good = png_bytes(np.zeros((8, 8), np.uint8))
     write_split([{"png": good, "cls": b"1"}, {"png": good, "CLS": b"2"}, {"png": good, "cls": b"3"}], tmp_path, "t")
     assert load_class_split(tmp_path / "t", cache=False)[1].tolist() == [1, 2, 3]
     assert split_labels(str(tmp_path / "t")).tolist() == [1, 2, 3]

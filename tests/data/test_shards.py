@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_files import LIMIT, _copy_split, _cut_at_sample, _png, _png_bytes, _read_split
+from data_files import LIMIT, copy_split, cut_at_sample, png_bytes, read_split, seeded_png
 from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.data import shards
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
@@ -50,7 +50,7 @@ def test_nshards_sizes_and_urls(fmnist_shards):
 
 
 def test_write_split_rolls_over_by_count_and_bytes(tmp_path):
-    samples = [{"png": _png_bytes(np.full((8, 8), i, np.uint8)), "cls": i} for i in range(7)]
+    samples = [{"png": png_bytes(np.full((8, 8), i, np.uint8)), "cls": i} for i in range(7)]
     assert write_split(samples, tmp_path, "train", samples_per_shard=3) == {"0.tar": 3, "1.tar": 3, "2.tar": 1}
     # Byte cap checked before each sample: every shard takes one 2 kB sample, then rolls over.
     big = [{"bin": bytes(2000), "cls": i} for i in range(3)]
@@ -97,7 +97,7 @@ def test_missing_shards_name_the_path_and_the_fix(tmp_path):
 
 def test_write_split_keep_keys_rejects_unusable_keys(tmp_path):
     assert write_split([{"__key__": "a/b", "cls": b"1"}], tmp_path, "ok", keep_keys=True) == {"0.tar": 1}
-    assert list(_read_split(tmp_path / "ok")) == ["a/b"]
+    assert list(read_split(tmp_path / "ok")) == ["a/b"]
     for keys in (["x.y"], ["a", "a"]):
         with pytest.raises(ValueError):
             write_split([{"__key__": key, "cls": b"1"} for key in keys], tmp_path, "bad", keep_keys=True)
@@ -114,7 +114,7 @@ def test_split_folders_joined_with_double_colon(tmp_path):
     # epoch length from both sizes.json; it used to end in "shards not found: DIR/train".
     from lit_softmoe.data.shards import shard_urls, write_split
     for name, count in (("a", 5), ("b", 7)):
-        write_split([{"png": _png(i), "txt": f"{name} {i}".encode()} for i in range(count)], tmp_path / name,
+        write_split([{"png": seeded_png(i), "txt": f"{name} {i}".encode()} for i in range(count)], tmp_path / name,
                     "train", samples_per_shard=3)
     spec = f"{tmp_path / 'a' / 'train'}::{tmp_path / 'b' / 'train'}"
     assert len(shard_urls(spec)) == 2 + 3
@@ -133,7 +133,7 @@ def test_split_folders_joined_with_double_colon(tmp_path):
 def test_split_folder_with_padded_shard_names(tmp_path, width):
     # img2dataset names its shards 00000.tar (5 digits), webdataset's ShardWriter 000000.tar (6).
     from lit_softmoe.data.shards import shard_urls, write_split
-    write_split([{"png": _png(i), "txt": b"x"} for i in range(4)], tmp_path, "train", samples_per_shard=2)
+    write_split([{"png": seeded_png(i), "txt": b"x"} for i in range(4)], tmp_path, "train", samples_per_shard=2)
     split = tmp_path / "train"
     for index in range(2):
         (split / f"{index}.tar").rename(split / f"{index:0{width}d}.tar")
@@ -157,8 +157,8 @@ def test_tar_samples_counts_what_a_shard_cut_at_a_sample_boundary_lost(fmnist_sh
     """Python's tarfile reads a tar cut at a member boundary as a complete archive without a word: only
     the count its sizes.json lists tells the 44 missing samples."""
     out, _, _ = fmnist_shards
-    split = _copy_split(out / "train", tmp_path / "train")
-    _cut_at_sample(split / "1.tar", 20)
+    split = copy_split(out / "train", tmp_path / "train")
+    cut_at_sample(split / "1.tar", 20)
     with tarfile.open(split / "1.tar") as tar:  # a valid tar of 20 samples
         assert len({name.rsplit(".", 1)[0] for name in tar.getnames()}) == 20
     urls = shard_urls(split)
@@ -229,7 +229,7 @@ def test_a_tar_shorter_than_its_stats_is_truncated(tmp_path):
     """"successes" is what the tar should hold: a tar cut at a sample boundary reads as a clean, shorter
     archive, and only the count its _stats.json gives tells the loss (as sizes.json does for ours)."""
     out = write_img2dataset_output(tmp_path / "laion", rows=40, rows_per_shard=20, failed_every=0)
-    _cut_at_sample(out.shards[1], 12)
+    cut_at_sample(out.shards[1], 12)
     urls = shard_urls(out.folder)
     listed = listed_sizes(urls)
     assert listed == {urls[0]: 20, urls[1]: 20}  # from the stats, not a count of the cut tar (12)
@@ -331,7 +331,7 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
         meta.size = 2
         tar.addfile(meta, io.BytesIO(b"{}"))
         for index in range(3):
-            for extension, payload in (("png", _png(index)), ("cls", str(index).encode())):
+            for extension, payload in (("png", seeded_png(index)), ("cls", str(index).encode())):
                 info = tarfile.TarInfo(f"{'deep/' * 30}{index:03d}.{extension}")
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
@@ -364,7 +364,7 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
 
 
 def _dataset_with_classnames(root: Path, text: str) -> Path:
-    write_split([{"png": _png_bytes(np.zeros((8, 8), np.uint8)), "cls": b"0"}], root, "test")
+    write_split([{"png": png_bytes(np.zeros((8, 8), np.uint8)), "cls": b"0"}], root, "test")
     (root / "classnames.txt").write_bytes(text.encode())
     return root
 

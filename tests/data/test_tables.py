@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from data_files import ROWS, _encode, _read_split, _rng_image, _run_past_fifos, _write_table
+from data_files import ROWS, encode_image, read_split, rng_image, run_past_fifos, write_table
 from evalkit import foolbox_images, needs_foolbox
 from lit_softmoe.cli import main
 from lit_softmoe.data.class_split import load_class_split
@@ -20,10 +20,10 @@ from lit_softmoe.metadata import benchmark_info
 
 @pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
 def test_tables_round_trip(tmp_path, kind):
-    table = _write_table(tmp_path, kind)
+    table = write_table(tmp_path, kind)
     summary = write_table_shards(table, tmp_path / "out", "filepath", "title")
     assert summary.samples == 3 and summary.skipped == {"empty_caption": 1, "missing_image": 1}
-    samples = _read_split(tmp_path / "out/train")
+    samples = read_split(tmp_path / "out/train")
     assert list(samples) == ["images/a", "images/b", "images/d"]
     for key, (name, caption, score) in zip(samples, [ROWS[0], ROWS[1], ROWS[4]]):
         extension = "jpg" if name.endswith(".jpg") else "png"
@@ -34,7 +34,7 @@ def test_tables_round_trip(tmp_path, kind):
 
 
 def test_table_bad_rows_are_counted(tmp_path):
-    table = _write_table(tmp_path, "csv")
+    table = write_table(tmp_path, "csv")
     with open(table, "ab") as file:
         file.write(b"images/a.png,caf\xe9 in latin-1,6\n")  # not UTF-8
         file.write(b"images/a.png,too,many,fields\n")
@@ -62,13 +62,13 @@ def test_table_bad_rows_are_counted(tmp_path):
 def test_parquet_with_embedded_image_bytes(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    images = [_encode(_rng_image(30 + index)) for index in range(3)]
+    images = [encode_image(rng_image(30 + index)) for index in range(3)]
     column = [{"bytes": images[0], "path": "x/0.png"}, {"bytes": images[1], "path": None},
               {"bytes": None, "path": None}]
     pq.write_table(pa.table({"image": column, "caption": ["zero", "one", "two"]}), tmp_path / "hf.parquet")
     summary = write_table_shards(tmp_path / "hf.parquet", tmp_path / "out", "image", "caption")
     assert summary.samples == 2 and summary.skipped == {"missing_image": 1}
-    samples = _read_split(tmp_path / "out/train")
+    samples = read_split(tmp_path / "out/train")
     assert samples["x/0"]["png"] == images[0] and samples["row0000001"]["png"] == images[1]
 
 
@@ -99,14 +99,14 @@ def test_rows_naming_a_device_or_a_fifo_are_counted_never_read(tmp_path):
     """A row naming /dev/zero was read until memory ran out (MemoryError), and one naming a FIFO blocked
     forever: only regular files are read."""
     (tmp_path / "images").mkdir()
-    (tmp_path / "images" / "a.png").write_bytes(_encode(_rng_image(0)))
+    (tmp_path / "images" / "a.png").write_bytes(encode_image(rng_image(0)))
     os.mkfifo(tmp_path / "images" / "pipe.png")
     table = _csv(tmp_path / "t.csv", [("images/a.png", "a picture"), ("/dev/zero", "endless zeros"),
                                       ("images/pipe.png", "a pipe"), ("images", "a folder")])
-    summary = _run_past_fifos([tmp_path / "images" / "pipe.png"], write_table_shards, table, tmp_path / "out",
+    summary = run_past_fifos([tmp_path / "images" / "pipe.png"], write_table_shards, table, tmp_path / "out",
                               "filepath", "title")
     assert summary.samples == 1 and summary.skipped == {"not_a_regular_file": 3}
-    samples = _read_split(tmp_path / "out" / "train")
+    samples = read_split(tmp_path / "out" / "train")
     assert list(samples) == ["images/a"] and samples["images/a"]["png"] == (tmp_path / "images/a.png").read_bytes()
 
 
@@ -116,8 +116,8 @@ def _table_beside_an_outside_file(tmp_path):
     root, outside = tmp_path / "tab", tmp_path / "outside"
     (root / "images").mkdir(parents=True)
     outside.mkdir()
-    (root / "images" / "a.png").write_bytes(_encode(_rng_image(1)))
-    (outside / "secret.png").write_bytes(_encode(_rng_image(2)))
+    (root / "images" / "a.png").write_bytes(encode_image(rng_image(1)))
+    (outside / "secret.png").write_bytes(encode_image(rng_image(2)))
     os.symlink(outside / "secret.png", root / "images" / "link.png")
     os.symlink(root / "images" / "a.png", root / "images" / "inner.png")
     rows = [("images/a.png", "inside"), ("images/inner.png", "inside, through a link"),
@@ -132,7 +132,7 @@ def test_root_confines_a_tables_rows_to_a_folder(tmp_path, capsys):
     table, root = _table_beside_an_outside_file(tmp_path)
     summary = write_table_shards(table, tmp_path / "out", "filepath", "title", root=root)
     assert summary.samples == 2 and summary.skipped == {"outside_root": 4}
-    samples = _read_split(tmp_path / "out" / "train")
+    samples = read_split(tmp_path / "out" / "train")
     assert list(samples) == ["images/a", "images/inner"]
     assert [samples[key]["txt"].decode() for key in samples] == ["inside", "inside, through a link"]
     assert all(sample["png"] == (root / "images" / "a.png").read_bytes() for sample in samples.values())
@@ -140,7 +140,7 @@ def test_root_confines_a_tables_rows_to_a_folder(tmp_path, capsys):
     # The command line's --root; and without it, all six rows are read.
     assert main(["data", "from-table", str(table), "--image-col", "filepath", "--caption-col", "title",
                  "--root", str(root), "--out", str(tmp_path / "cli")]) == 0
-    assert list(_read_split(tmp_path / "cli" / "train")) == ["images/a", "images/inner"]
+    assert list(read_split(tmp_path / "cli" / "train")) == ["images/a", "images/inner"]
     everything = write_table_shards(table, tmp_path / "all", "filepath", "title")
     assert everything.samples == 6 and not everything.skipped
     with pytest.raises(UserError, match="--root .* is not a folder"):
@@ -175,7 +175,7 @@ def _class_table(folder, kind="csv", cell=lambda label: CIFAR10[label], extra_ro
 def _labels_written(split_dir):
     """{path: (.cls, .json's class, has a .txt)} of a written split."""
     out = {}
-    for sample in _read_split(split_dir).values():
+    for sample in read_split(split_dir).values():
         meta = json.loads(sample["json"])
         out[meta["path"]] = (int(sample["cls"]), meta["class"], "txt" in sample)
     return out
@@ -197,7 +197,7 @@ def test_a_class_column_of_names_writes_class_shards_that_pretraining_and_eval_r
     assert classnames == ["airplane", "automobile", "cat", "dog", "frog", "horse", "ship", "truck"]  # no bird, deer
     assert _labels_written(out / "train") == {path: (classnames.index(CIFAR10[label]), CIFAR10[label], False)
                                               for path, label in written}
-    metas = [json.loads(sample["json"]) for sample in _read_split(out / "train").values()]  # in write order
+    metas = [json.loads(sample["json"]) for sample in read_split(out / "train").values()]  # in write order
     notes = {path: f"note {row}" for row, (path, _) in enumerate(written)}
     assert [meta["extra"] for meta in metas] == [{"note": notes[meta["path"]]} for meta in metas]
     # Pretraining's class-split reader and zero-shot evaluation's webdataset reader read it as written.
@@ -224,7 +224,7 @@ def test_class_indices_with_a_classnames_file_are_the_cls(tmp_path, kind, cell):
     assert _labels_written(tmp_path / "out" / "train") == {path: (label, CIFAR10[label], False)
                                                            for path, label in written}
     labels_of = dict(written)
-    in_write_order = [json.loads(sample["json"])["path"] for sample in _read_split(tmp_path / "out" / "train").values()]
+    in_write_order = [json.loads(sample["json"])["path"] for sample in read_split(tmp_path / "out" / "train").values()]
     assert load_class_split(tmp_path / "out" / "train")[1].tolist() == [labels_of[path] for path in in_write_order]
     # Tables are often sorted by class: rows are written in a seeded shuffled order (see test_folders).
     assert sorted(in_write_order) == sorted(labels_of) and in_write_order != [path for path, _ in written]
@@ -262,7 +262,7 @@ def test_names_with_a_classnames_file_take_its_order_and_unknown_names_are_count
 def test_bad_class_cells_are_skipped_and_counted(tmp_path):
     (tmp_path / "images").mkdir()
     for index in range(6):
-        (tmp_path / "images" / f"{index}.png").write_bytes(_encode(_rng_image(40 + index)))
+        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(40 + index)))
     cells = ["cat", None, ["cat"], "two\nlines", 2.5, 3.0]  # 3.0: an integer column with a null, from pandas
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"path": f"images/{i}.png", "label": cell}) + "\n"
                                               for i, cell in enumerate(cells)))
@@ -286,7 +286,7 @@ def test_bad_class_cells_are_skipped_and_counted(tmp_path):
         "empty classnames file"])
 def test_class_column_mistakes_are_one_error_line(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "a.png").write_bytes(_encode(_rng_image(1)))
+    (tmp_path / "a.png").write_bytes(encode_image(rng_image(1)))
     table = _csv(tmp_path / "t.csv", [("a.png", "cat")])
     table.write_text(table.read_text().replace("filepath,title", "path,label"))
     (tmp_path / "names.txt").write_text("cat\n")

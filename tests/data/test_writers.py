@@ -20,7 +20,7 @@ import PIL.Image
 import pytest
 import webdataset.writer
 
-from data_files import _encode, _gray_png, _pixels, _png, _read_split, _rng_image, _run_past_fifos, _write_table
+from data_files import encode_image, gray_png, pixels_of, read_split, rng_image, run_past_fifos, seeded_png, write_table
 from lit_softmoe.cli import build_parser, main
 from lit_softmoe.data import writers
 from lit_softmoe.data.class_split import load_class_split
@@ -53,7 +53,7 @@ def _captioned_folder(root, count=5):
         folder = root / f"{index // 3:05d}"
         folder.mkdir(parents=True, exist_ok=True)
         stem = f"{index:09d}"
-        (folder / f"{stem}.png").write_bytes(_encode(_rng_image(index)))
+        (folder / f"{stem}.png").write_bytes(encode_image(rng_image(index)))
         caption = f"picture number {index}, café"
         (folder / f"{stem}.txt").write_text(f"  {caption}\n", encoding="utf-8")
         made[stem] = (folder / f"{stem}.png", caption)
@@ -67,7 +67,7 @@ def test_captions_folder_round_trips_with_rollover(tmp_path):
     assert (tmp_path / "out/train/nshards.txt").read_text() == "3\n"
     assert json.loads((tmp_path / "out/train/sizes.json").read_text()) == summary.sizes
     assert summary.line() == f"written 5 samples in 3 shards to {tmp_path / 'out/train'}; skipped 0"
-    samples = _read_split(tmp_path / "out/train")
+    samples = read_split(tmp_path / "out/train")
     assert list(samples) == sorted(made)
     for stem, (path, caption) in made.items():
         sample = samples[stem]
@@ -97,20 +97,20 @@ def test_every_bad_input_is_skipped_or_normalized_and_counted(tmp_path):
         if caption is not None:
             (bad / name).with_suffix(".txt").write_bytes(caption)
 
-    jpeg = _encode(_rng_image(4, size=(64, 64)), "JPEG", quality=90)
+    jpeg = encode_image(rng_image(4, size=(64, 64)), "JPEG", quality=90)
     planted("truncated.jpg", jpeg[: len(jpeg) // 2])
     planted("not_an_image.png", b"hello, I am text")
-    planted("no_caption.png", _encode(_rng_image(5)), caption=None)
+    planted("no_caption.png", encode_image(rng_image(5)), caption=None)
     (bad / "orphan.txt").write_text("a caption without its image")
-    planted("empty.png", _encode(_rng_image(6)), caption=b" \n\t ")
-    planted("latin1.png", _encode(_rng_image(7)), caption="caf\xe9".encode("latin-1"))
+    planted("empty.png", encode_image(rng_image(6)), caption=b" \n\t ")
+    planted("latin1.png", encode_image(rng_image(7)), caption="caf\xe9".encode("latin-1"))
     (bad / "sub").mkdir()
-    planted("sub/000000001.png", _encode(_rng_image(8)))  # the stem of good/00000/000000001.png again
-    planted("rgba.png", _encode(_rng_image(9, mode="RGBA")))
-    planted("palette.png", _encode(_rng_image(10).convert("P", palette=PIL.Image.Palette.ADAPTIVE)))
-    planted("sixteen.png", _encode(PIL.Image.fromarray(np.full((5, 5), 40000, np.uint16))))
-    planted("cmyk.jpg", _encode(PIL.Image.new("CMYK", (6, 6), (10, 20, 30, 40)), "JPEG"))
-    planted("big.png", _encode(_rng_image(11, size=(90, 30))))
+    planted("sub/000000001.png", encode_image(rng_image(8)))  # the stem of good/00000/000000001.png again
+    planted("rgba.png", encode_image(rng_image(9, mode="RGBA")))
+    planted("palette.png", encode_image(rng_image(10).convert("P", palette=PIL.Image.Palette.ADAPTIVE)))
+    planted("sixteen.png", encode_image(PIL.Image.fromarray(np.full((5, 5), 40000, np.uint16))))
+    planted("cmyk.jpg", encode_image(PIL.Image.new("CMYK", (6, 6), (10, 20, 30, 40)), "JPEG"))
+    planted("big.png", encode_image(rng_image(11, size=(90, 30))))
     (src / "notes.json").write_text("{}")  # neither image nor caption: not a sample
     (src / ".hidden.png").write_bytes(b"never read")
 
@@ -122,10 +122,10 @@ def test_every_bad_input_is_skipped_or_normalized_and_counted(tmp_path):
     assert summary.line().endswith(
         "; 5 images re-encoded (16bit 1, alpha 1, cmyk 1, palette 1, resized 1); skipped 7 (bad_image 2, "
         "duplicate_key 1, empty_caption 1, missing_caption 1, missing_image 1, non_utf8_text 1)")
-    samples = _read_split(tmp_path / "out/train")
+    samples = read_split(tmp_path / "out/train")
     kept = ["000000000", "000000001", "000000002", "rgba", "palette", "sixteen", "cmyk", "big"]
     assert sorted(samples) == sorted(kept)
-    assert _pixels(samples["sixteen"]["png"]).tolist() == [[156] * 5] * 5  # round(40000 * 255 / 65535)
+    assert pixels_of(samples["sixteen"]["png"]).tolist() == [[156] * 5] * 5  # round(40000 * 255 / 65535)
     assert PIL.Image.open(io.BytesIO(samples["big"]["png"])).size == (45, 15)
     assert PIL.Image.open(io.BytesIO(samples["cmyk"]["jpg"])).mode == "RGB"
     # The first of the two 000000001 in path order (bad/ before good/) is the one kept.
@@ -139,7 +139,7 @@ def _hashes(split_dir):
 def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
     src = tmp_path / "src"
     _captioned_folder(src, count=4)
-    (src / "rgba.png").write_bytes(_encode(_rng_image(1, mode="RGBA")))
+    (src / "rgba.png").write_bytes(encode_image(rng_image(1, mode="RGBA")))
     (src / "rgba.txt").write_text("see-through")
     options = WriteOptions(samples_per_shard=3, image_format="jpg")
     first = write_folder_shards(src, tmp_path / "out", options)
@@ -176,7 +176,7 @@ def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
     (src / "rgba.txt").write_text("see-through, changed")
     changed = write_folder_shards(src, tmp_path / "out", options)
     assert not changed.already_complete
-    assert _read_split(tmp_path / "out/train")["rgba"]["txt"] == b"see-through, changed"
+    assert read_split(tmp_path / "out/train")["rgba"]["txt"] == b"see-through, changed"
 
 
 def test_an_output_folder_inside_the_source_is_not_read(tmp_path):
@@ -191,28 +191,28 @@ def test_class_folders_round_trip_like_imagefolder(tmp_path):
     sources = {}
     for label, name in enumerate(["cat", "dog"]):
         for index in range(3):
-            image = _rng_image(10 * label + index, size=(8, 8), mode="L")
+            image = rng_image(10 * label + index, size=(8, 8), mode="L")
             (src / name).mkdir(parents=True, exist_ok=True)
-            (src / name / f"{index}.png").write_bytes(_encode(image))  # the same names in both classes
+            (src / name / f"{index}.png").write_bytes(encode_image(image))  # the same names in both classes
             sources[f"{name}/{index}"] = (np.asarray(image), label)
-    (src / "stray.png").write_bytes(_encode(_rng_image(0, size=(8, 8), mode="L")))
+    (src / "stray.png").write_bytes(encode_image(rng_image(0, size=(8, 8), mode="L")))
 
     summary = write_folder_shards(src, tmp_path / "out", WriteOptions(split="test"))
     assert summary.samples == 6 and summary.skipped == {"outside_class_folder": 1}
     assert read_classnames(tmp_path / "out") == ["cat", "dog"]
     images, labels, counts = load_class_split(tmp_path / "out/test", cache=False)
     assert sum(counts.values()) == 0
-    written = list(_read_split(tmp_path / "out/test"))  # the keys in write order (shuffled: see in_shuffled_order)
+    written = list(read_split(tmp_path / "out/test"))  # the keys in write order (shuffled: see in_shuffled_order)
     assert sorted(written) == sorted(sources)
     expected = [sources[key] for key in written]
     assert np.array_equal(images[:, 0].numpy(), np.stack([pixels for pixels, _ in expected]))
     assert labels.tolist() == [label for _, label in expected]
-    samples = _read_split(tmp_path / "out/test")
+    samples = read_split(tmp_path / "out/test")
     assert json.loads(samples["dog/2"]["json"])["class"] == "dog" and samples["dog/2"]["cls"] == b"1"
 
     # Another split with other classes would renumber them: refused.
     (src / "bird").mkdir()
-    (src / "bird/0.png").write_bytes(_encode(_rng_image(1, size=(8, 8), mode="L")))
+    (src / "bird/0.png").write_bytes(encode_image(rng_image(1, size=(8, 8), mode="L")))
     with pytest.raises(UserError, match="classnames.txt lists 2 classes"):
         write_folder_shards(src, tmp_path / "out", WriteOptions(split="train"))
 
@@ -223,13 +223,13 @@ def test_cli_writes_and_prints_the_summary(tmp_path, capsys):
                  "--image-format", "webp", "--max-shard-bytes", "1M"]) == 0
     out = capsys.readouterr().out
     assert out == (f"written 2 samples in 1 shard to {tmp_path / 'out/val'}; 2 images re-encoded; skipped 0\n")
-    assert sorted(_read_split(tmp_path / "out/val")["000000000"]) == ["json", "txt", "webp"]
+    assert sorted(read_split(tmp_path / "out/val")["000000000"]) == ["json", "txt", "webp"]
     args = build_parser().parse_args(["data", "fashion-mnist", "--out", "d", "--limit", "5"])
     assert (args.dataset, args.out, args.limit, args.source) == ("fashion-mnist", "d", 5, None)
 
 
 def test_cli_mistakes_are_one_line_with_exit_code_2(tmp_path, capsys):
-    table = _write_table(tmp_path, "csv")
+    table = write_table(tmp_path, "csv")
     out = ["--out", str(tmp_path / "o")]
     cases = {  # the text the one line must hold → the command
         f"source folder {tmp_path / 'nowhere'} not found":
@@ -251,7 +251,7 @@ def _class_folder(root, classes=("cat", "dog"), count=2):
     for label, name in enumerate(classes):
         (root / name).mkdir(parents=True, exist_ok=True)
         for index in range(count):
-            (root / name / f"{index}.png").write_bytes(_encode(_rng_image(10 * label + index, mode="L")))
+            (root / name / f"{index}.png").write_bytes(encode_image(rng_image(10 * label + index, mode="L")))
     return root
 
 
@@ -266,7 +266,7 @@ def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys
     assert main(["data", "from-folder", str(_class_folder(tmp_path / "labelled")), "--layout", "classes",
                  "--out", str(out)]) == 0
     _captioned_folder(tmp_path / "photos", count=3)
-    table = _write_table(tmp_path / "tab", "csv")
+    table = write_table(tmp_path / "tab", "csv")
     before = _tree(out)
     for argv in (["from-folder", str(tmp_path / "photos")],
                  ["from-table", str(table), "--image-col", "filepath", "--caption-col", "title"]):
@@ -287,8 +287,8 @@ def test_a_split_holding_other_data_is_refused_unless_overwrite(tmp_path, capsys
     assert sorted(p.name for p in out.iterdir()) == [".lit-softmoe.lock", "train"]  # the writers' lock file
     assert sorted(p.name for p in (out / "train").iterdir()) == ["0.tar", "manifest.json", "nshards.txt",
                                                                  "sizes.json"]
-    assert all("cls" not in sample for sample in _read_split(out / "train").values())
-    assert len(_read_split(out / "train")) == 3
+    assert all("cls" not in sample for sample in read_split(out / "train").values())
+    assert len(read_split(out / "train")) == 3
 
 
 def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
@@ -303,14 +303,14 @@ def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
     assert _tree(out) == before
     # Replacing train keeps test and the class list it still uses; no shard of the old train is left.
     write_folder_shards(tmp_path / "photos", out, overwrite=True)
-    assert sorted(p.name for p in (out / "train").glob("*.tar")) == ["0.tar"] and len(_read_split(out / "train")) == 3
+    assert sorted(p.name for p in (out / "train").glob("*.tar")) == ["0.tar"] and len(read_split(out / "train")) == 3
     assert read_classnames(out) == list(FASHION_MNIST_CLASSNAMES) and (out / "test" / "2.tar").is_file()
     # Fashion-MNIST back over the folder's split: refused, then replaced whole with --overwrite.
     with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 3 samples of "
                                         rf"{re.escape(str((tmp_path / 'photos').resolve()))}; pass --overwrite"):
         write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
     assert main(["data", "fashion-mnist", "--out", str(out), "--limit", "20", "--overwrite"]) == 0
-    assert len(_read_split(out / "train")) == 20 and not (out / "train" / "manifest.json").exists()
+    assert len(read_split(out / "train")) == 20 and not (out / "train" / "manifest.json").exists()
 
 
 def _foolbox_data():
@@ -341,7 +341,7 @@ def test_foolbox_images_through_from_folder(tmp_path):
     assert summary.sizes == {"0.tar": 40, "1.tar": 40, "2.tar": 20} and summary.skipped == {}
     assert summary.reencoded == 0
     assert summary.line() == f"written 100 samples in 3 shards to {tmp_path / 'out/train'}; skipped 0"
-    samples = _read_split(tmp_path / "out/train")
+    samples = read_split(tmp_path / "out/train")
     for path in files:
         sample = samples[path.stem]
         assert sample[path.suffix[1:]] == path.read_bytes()
@@ -353,7 +353,7 @@ def test_foolbox_images_through_from_folder(tmp_path):
     images, labels, _ = load_class_split(tmp_path / "out/cifar10", cache=False)
     assert images.shape == (20, 3, 32, 32)
     classnames = read_classnames(tmp_path / "out")
-    written = list(_read_split(tmp_path / "out/cifar10"))  # keys in write order: class/stem
+    written = list(read_split(tmp_path / "out/cifar10"))  # keys in write order: class/stem
     assert sorted(written) == sorted(f"{path.parent.name}/{path.stem}" for path in by_class.glob("*/*.png"))
     assert [classnames[label] for label in labels.tolist()] == [key.split("/")[0] for key in written]
 
@@ -364,7 +364,7 @@ def test_out_equal_to_the_source_is_not_read_back(tmp_path):
     src = tmp_path / "photos"
     src.mkdir()
     for seed in range(3):
-        (src / f"{seed}.png").write_bytes(_png(seed))
+        (src / f"{seed}.png").write_bytes(seeded_png(seed))
         (src / f"{seed}.txt").write_text(f"caption {seed}")
     first = write_folder_shards(src, src)
     again = write_folder_shards(src, src)
@@ -374,7 +374,7 @@ def test_out_equal_to_the_source_is_not_read_back(tmp_path):
 
 def test_a_file_where_the_split_folder_goes_is_one_line(tmp_path, capsys):
     # mkdir raised FileExistsError: a traceback instead of exit code 2.
-    _gray_png(tmp_path / "src" / "x.png", 0)
+    gray_png(tmp_path / "src" / "x.png", 0)
     (tmp_path / "src" / "x.txt").write_text("a photo")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "train").write_text("not a folder")
@@ -495,10 +495,10 @@ def test_a_fifo_among_the_images_or_captions_is_counted_never_read(tmp_path):
     for fifo in fifos:
         os.mkfifo(fifo)
     (bucket / "fifo.txt").write_text("a pipe, not a picture")
-    (bucket / "z.png").write_bytes(_encode(_rng_image(9)))  # its caption is the FIFO
-    summary = _run_past_fifos(fifos, writers.write_folder_shards, tmp_path / "src", tmp_path / "out")
+    (bucket / "z.png").write_bytes(encode_image(rng_image(9)))  # its caption is the FIFO
+    summary = run_past_fifos(fifos, writers.write_folder_shards, tmp_path / "src", tmp_path / "out")
     assert summary.samples == 3 and summary.skipped == {"not_a_regular_file": 2}
-    samples = _read_split(tmp_path / "out" / "train")
+    samples = read_split(tmp_path / "out" / "train")
     assert sorted(samples) == sorted(made)  # the three real pairs, nothing of the FIFOs' samples
     assert all(samples[stem]["png"] == image.read_bytes() for stem, (image, _) in made.items())
 
@@ -507,7 +507,7 @@ def test_files_over_the_input_cap_are_counted_as_too_large(tmp_path, monkeypatch
     """Nothing bounded a read: a disk image or a huge file among the photos was read whole into memory."""
     made = _captioned_folder(tmp_path / "src", count=4)
     big_image = made["000000001"][0]
-    big_image.write_bytes(_encode(_rng_image(1, size=(64, 64))))
+    big_image.write_bytes(encode_image(rng_image(1, size=(64, 64))))
     big_caption = made["000000002"][0].with_suffix(".txt")
     big_caption.write_text("a long caption " * 400)
     small = max(path.stat().st_size for stem, (image, _) in made.items() if stem in ("000000000", "000000003")
@@ -517,4 +517,4 @@ def test_files_over_the_input_cap_are_counted_as_too_large(tmp_path, monkeypatch
     monkeypatch.setattr(writers, "MAX_INPUT_BYTES", cap, raising=False)  # (the old code had no cap)
     summary = writers.write_folder_shards(tmp_path / "src", tmp_path / "out")
     assert summary.samples == 2 and summary.skipped == {"too_large": 2}
-    assert sorted(_read_split(tmp_path / "out" / "train")) == ["000000000", "000000003"]
+    assert sorted(read_split(tmp_path / "out" / "train")) == ["000000000", "000000003"]

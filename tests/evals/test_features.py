@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from evalkit import _suite, _tar_samples, _wds_set, foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
+from evalkit import (
+    foolbox_images,
+    needs_foolbox,
+    raw_tar_samples,
+    suite_config,
+    tiny_pair,
+    wds_set,
+    write_wds_benchmark,
+)
 from img2dataset_shards import write_img2dataset_output
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.transforms import eval_transform
@@ -24,7 +32,7 @@ def test_two_workers_give_the_same_features_in_the_same_order(fmnist):
     data = read_benchmark("fashion-mnist", fmnist, "test", preprocess)
     one, labels_one, _ = encode_eval_images(model, data, 50, 0, torch.device("cpu"))
     two, labels_two, _ = encode_eval_images(model, data, 50, 2, torch.device("cpu"))
-    assert labels_one == labels_two == [label for _, label in _tar_samples(fmnist / "test")]
+    assert labels_one == labels_two == [label for _, label in raw_tar_samples(fmnist / "test")]
     torch.testing.assert_close(one, two)
 
 
@@ -41,7 +49,7 @@ def test_the_progress_total_of_streamed_shards_is_the_batches_their_workers_yiel
 
 
 def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     first = tiny_pair(seed=0)
     cold = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=first)["results"][0]
     # A new text tower against the same locked image tower: images come from the cache.
@@ -59,7 +67,7 @@ def test_image_cache_reencodes_only_text(fmnist, tmp_path, monkeypatch):
 
 
 def test_cache_misses_when_the_tower_or_preprocessing_changes(fmnist, tmp_path):
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     model, preprocess, tokenizer = tiny_pair()
     run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
     with torch.no_grad():
@@ -78,7 +86,7 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path):
     samples = [(p.read_bytes(), "png", label) for p, label in images]
     samples[2] = (samples[2][0][:60], "png", samples[2][2])  # truncated PNG
     root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
-    report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
+    report = run_suite("m", suite_config(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
                        model_bundle=tiny_pair(in_channels=3, image_size=32))
     entry = report["results"][0]
     assert entry["num_samples"] == 4 and entry["bad_samples"] == 1
@@ -87,8 +95,8 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path):
 
 def test_bf16_is_cached_apart_and_stays_close(fmnist, tmp_path):
     bundle = tiny_pair()
-    fp32 = run_suite("m", _suite(fmnist, tmp_path / "cache"), out=tmp_path / "a.json", model_bundle=bundle)
-    cfg = _suite(fmnist, tmp_path / "cache")
+    fp32 = run_suite("m", suite_config(fmnist, tmp_path / "cache"), out=tmp_path / "a.json", model_bundle=bundle)
+    cfg = suite_config(fmnist, tmp_path / "cache")
     cfg.precision = "bf16"
     bf16 = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)
     assert bf16["results"][0]["image_cache"] == "miss"  # other numbers, other cache entry
@@ -96,7 +104,7 @@ def test_bf16_is_cached_apart_and_stays_close(fmnist, tmp_path):
 
 
 def test_a_handed_in_model_is_keyed_by_its_weights_not_its_recorded_hash(fmnist, tmp_path):
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     model, preprocess, tokenizer = tiny_pair()
     model.pretrained_info = {"image_tower_sha256": "recorded", "preprocess": {}}
     run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
@@ -112,15 +120,17 @@ def test_the_cache_is_keyed_by_task(fmnist, tmp_path):
     bundle = tiny_pair()
     for first, second in (("classification", "retrieval"), ("retrieval", "classification")):
         cache = tmp_path / f"cache-{first}"
-        a = run_suite("m", _suite(fmnist, cache, task=first), out=tmp_path / f"{first}-a.json", model_bundle=bundle)
-        b = run_suite("m", _suite(fmnist, cache, task=second), out=tmp_path / f"{first}-b.json", model_bundle=bundle)
+        a = run_suite("m", suite_config(fmnist, cache, task=first), out=tmp_path / f"{first}-a.json",
+                      model_bundle=bundle)
+        b = run_suite("m", suite_config(fmnist, cache, task=second), out=tmp_path / f"{first}-b.json",
+                      model_bundle=bundle)
         assert [e["task"] for e in (a["results"][0], b["results"][0])] == [first, second]
         assert b["results"][0]["status"] == "ok" and b["results"][0]["image_cache"] == "miss"
 
 
 def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_path):
     # No pretrained_info, so no recorded preprocessing: the transform the images went through decides.
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     model, preprocess, tokenizer = tiny_pair()
     run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=(model, preprocess, tokenizer))
     same = run_suite(
@@ -133,7 +143,7 @@ def test_the_cache_is_keyed_by_the_transform_of_a_handed_in_model(fmnist, tmp_pa
 
 def test_a_cache_that_cannot_be_written_does_not_end_the_suite(tmp_path, caplog):
     # A read-only ~/.cache (containers) or a cache_dir that is a file raised after every image was encoded.
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     blocker = tmp_path / "cache-is-a-file"
     blocker.write_text("")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(blocker),
@@ -159,7 +169,7 @@ def _truncate(entry) -> None:
 def test_a_damaged_cache_entry_is_said_and_encoded_again_to_a_fresh_evals_numbers(fmnist, tmp_path, caplog, damage):
     """A truncated entry crashed every later eval of its benchmark; one holding other numbers was a
     silent "hit" with wrong metrics."""
-    cfg, bundle = _suite(fmnist, tmp_path / "cache"), tiny_pair()
+    cfg, bundle = suite_config(fmnist, tmp_path / "cache"), tiny_pair()
     run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle)
     [entry] = [p.parent for p in (tmp_path / "cache").glob("*/features.safetensors")]
     damage(entry)
@@ -189,7 +199,7 @@ def test_a_full_disk_while_caching_features_still_returns_the_result(fmnist, tmp
                                   '"No space left on device" })')
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    cfg, bundle = _suite(fmnist, tmp_path / "cache"), tiny_pair()
+    cfg, bundle = suite_config(fmnist, tmp_path / "cache"), tiny_pair()
     fresh = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle, use_cache=False)["results"][0]
     monkeypatch.setattr(features, "save_file", full)
     entry = run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=bundle)["results"][0]
@@ -219,7 +229,7 @@ def test_a_damaged_shard_is_warned_about_by_one_of_the_workers(tmp_path, monkeyp
     import types
 
     from lit_softmoe.evals import readers
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     tar = root / "test" / "0.tar"
     with tarfile.open(tar) as archive:
         cut = archive.getmembers()[4].offset_data + 10

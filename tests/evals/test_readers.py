@@ -17,12 +17,12 @@ import torch
 
 from evalkit import (
     _class_folders,
-    _suite,
-    _tar_samples,
-    _wds_set,
     foolbox_images,
     needs_foolbox,
+    raw_tar_samples,
+    suite_config,
     tiny_pair,
+    wds_set,
     write_wds_benchmark,
 )
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
@@ -118,7 +118,7 @@ def test_a_cls_that_is_no_class_index_is_skipped_and_counted(tmp_path):
     samples[1] = (samples[1][0], "png", "dog")
     samples[3] = (samples[3][0], "png", -1)
     root = write_wds_benchmark(tmp_path / "c10", samples, classnames=list(benchmark_info("cifar10").classnames))
-    report = run_suite("m", _suite(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
+    report = run_suite("m", suite_config(root, tmp_path / "cache", name="cifar10"), out=tmp_path / "r.json",
                        model_bundle=tiny_pair(in_channels=3, image_size=32))
     entry = report["results"][0]
     assert entry["status"] == "ok" and entry["num_samples"] == 3 and entry["bad_samples"] == 2
@@ -200,7 +200,7 @@ def test_torchvision_reader_on_real_fashion_mnist_files(tmp_path, fmnist):
     data = read_benchmark("fashion-mnist", tmp_path, "test", lambda im: torch.from_numpy(np.asarray(im).copy()),
                           format="torchvision")
     assert data.format == "torchvision" and len(data.dataset) == 10_000
-    first = [label for _, label in _tar_samples(fmnist / "test")][:300]
+    first = [label for _, label in raw_tar_samples(fmnist / "test")][:300]
     assert [data.dataset.items[i][1] for i in range(300)] == first  # same labels, same order as our shards
 
 
@@ -270,7 +270,7 @@ def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):
     # (clip-benchmark/wds_imagenet1k) calls the same images test. The skip said "class folders (found
     # only test/ …)"; it now names the split to set.
     from lit_softmoe.evals.readers import MissingData
-    root = _wds_set(tmp_path / "imagenet1k")
+    root = wds_set(tmp_path / "imagenet1k")
     for format in ("auto", "wds"):
         with pytest.raises(MissingData, match="webdataset split here: test; set split: test"):
             read_benchmark("imagenet1k", root, "val", lambda im: im, format=format)

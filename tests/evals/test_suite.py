@@ -12,13 +12,13 @@ import torch
 
 from evalkit import (
     _class_folders,
-    _suite,
-    _tar_samples,
-    _wds_set,
     foolbox_images,
     needs_foolbox,
+    raw_tar_samples,
     save_pair,
+    suite_config,
     tiny_pair,
+    wds_set,
     write_wds_benchmark,
 )
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
@@ -32,9 +32,9 @@ pytestmark = needs_foolbox
 def test_suite_equals_a_direct_computation(fmnist, tmp_path):
     bundle = tiny_pair()
     model, preprocess, tokenizer = bundle
-    report = run_suite("tiny", _suite(fmnist, tmp_path / "cache"), out=tmp_path / "r.json", model_bundle=bundle)
+    report = run_suite("tiny", suite_config(fmnist, tmp_path / "cache"), out=tmp_path / "r.json", model_bundle=bundle)
     entry = report["results"][0]
-    samples = _tar_samples(fmnist / "test")
+    samples = raw_tar_samples(fmnist / "test")
     with torch.no_grad():
         images = model.encode_image(torch.stack([preprocess(im) for im, _ in samples]))
         classifier = build_zeroshot_classifier(model.encode_text, tokenizer,
@@ -53,7 +53,7 @@ def test_suite_equals_a_direct_computation(fmnist, tmp_path):
 
 
 def test_absent_benchmark_is_skipped_with_its_path_and_the_rest_run(fmnist, tmp_path):
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     cfg.benchmarks.insert(0, BenchmarkConfig(name="cifar100", root=str(tmp_path / "nowhere")))
     report = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair())
     skipped, ran = report["results"]
@@ -65,7 +65,7 @@ def test_absent_benchmark_is_skipped_with_its_path_and_the_rest_run(fmnist, tmp_
 
 
 def test_results_are_never_overwritten_silently(fmnist, tmp_path):
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     out = tmp_path / "r.json"
     out.write_text("{}")
     with pytest.raises(UserError, match="exists; choose another --out or pass --overwrite"):
@@ -93,7 +93,7 @@ def test_default_results_go_to_the_run_and_survive_checkpoint_pruning(fmnist, tm
     description = {k: v for k, v in json.loads((run / "model" / "config.json").read_text()).items() if k != "results"}
     step = save_training_state(run / "checkpoints" / "step_00000006", 6, model, optimizer,
                                meta={"model": description}, skip_prefixes=("image_tower.",))
-    cfg = _suite(fmnist, tmp_path / "cache")
+    cfg = suite_config(fmnist, tmp_path / "cache")
     from_step = run_suite(step, cfg)["paths"]["json"]
     from_model = run_suite(run / "model", cfg)["paths"]["json"]
     assert Path(from_step).parent == Path(from_model).parent == run / "eval"
@@ -143,7 +143,7 @@ def test_a_benchmark_without_root_or_name_is_refused(tmp_path, monkeypatch):
 def test_two_runs_finishing_on_one_default_path_keep_both_results(tmp_path, monkeypatch):
     # Two evals of one suite started in the same second (e.g. --benchmarks a and b on two GPUs) got the
     # same default name; both passed the check at the start and the second overwrote the first.
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     taken = [tmp_path / "eval" / "s-20260101-000000.json"]  # the path the other run writes
@@ -173,7 +173,7 @@ def test_two_runs_finishing_on_one_default_path_keep_both_results(tmp_path, monk
 def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_elsewhere(tmp_path, link):
     """A looping or dangling link as --out: its name was taken (O_EXCL), so the results silently went
     to loop-2.json beside it."""
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     if link == "dangling":
@@ -201,7 +201,7 @@ def test_a_full_disk_leaves_no_part_of_the_results_and_the_rerun_writes_them(tmp
 
     from lit_softmoe.evals import reports
     from lit_softmoe.utils import atomic
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     out = tmp_path / "results" / "r.json"
@@ -227,7 +227,7 @@ def test_a_full_disk_leaves_no_part_of_the_results_and_the_rerun_writes_them(tmp
 def test_out_naming_the_markdown_or_png_is_refused(tmp_path):
     # The Markdown and PNG go beside --out with its suffix swapped: --out r.md wrote the JSON, then
     # replaced it with the table.
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     for name in ("r.md", "r.PNG"):
@@ -245,7 +245,7 @@ def test_a_failing_benchmark_loses_none_of_the_others_results(tmp_path, capsys):
                                                        for i, (p, _) in enumerate(images)], retrieval=True)
     (captions / "dataset_type.txt").unlink()
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
-                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(_wds_set(tmp_path / "cifar10"))),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(wds_set(tmp_path / "cifar10"))),
                                       BenchmarkConfig(name="my-captions", root=str(captions))])
     report = run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
     written = json.loads((tmp_path / "o.json").read_text())["results"]
@@ -271,7 +271,7 @@ def test_a_failing_benchmark_loses_none_of_the_others_results(tmp_path, capsys):
 @pytest.mark.parametrize("ks", [[0], [-1, 5], []])
 def test_recall_k_below_one_is_refused(tmp_path, ks):
     # recall_k=[0] scored R@0 = 0 and [-1] ranked "all but the last" (a slice), both silently.
-    root = _wds_set(tmp_path / "cifar10")
+    root = wds_set(tmp_path / "cifar10")
     cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"), recall_k=ks,
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     with pytest.raises(UserError, match="recall_k"):

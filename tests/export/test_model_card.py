@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import time
 
-from lit_runs import _make_run
+from lit_runs import make_run
 from lit_softmoe.export import export_pair
 
 
 def test_model_card_shows_the_newest_eval_json(tmp_path):
-    run = _make_run(tmp_path)
+    run = make_run(tmp_path)
     card = (export_pair(run, tmp_path / "no-eval") / "README.md").read_text()
     assert "| zeroshot_top1 | 43.21 |" in card and "| linear_probe_top1 | 65.43 |" in card  # results.json, no eval/
     assert "soft-test-4e" in card and "data/feats/train" in card and "10 steps in 2.5 s" in card
@@ -42,7 +42,7 @@ def test_model_card_shows_the_newest_eval_json(tmp_path):
 def test_model_card_table_of_an_eval_where_nothing_ran(tmp_path):
     """An eval report whose benchmarks were all skipped (written by older versions): no metric
     columns, and every row has as many cells as the header."""
-    run = _make_run(tmp_path)
+    run = make_run(tmp_path)
     (run / "eval").mkdir()
     (run / "eval" / "s.json").write_text(json.dumps({"model": str(run), "suite": "lit-paper", "results": [
         {"benchmark": "imagenet1k", "task": "classification", "status": "skipped",
@@ -69,7 +69,7 @@ def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     import shutil
 
     from lit_softmoe.export import export_pair
-    run = _make_run(tmp_path)  # finished at step 10; results.json and model/ are the final model's
+    run = make_run(tmp_path)  # finished at step 10; results.json and model/ are the final model's
     early = run / "checkpoints" / "step_00000005"
     shutil.copytree(run / "checkpoints" / "step_00000010", early)
     meta = json.loads((early / "state.json").read_text())
@@ -97,7 +97,7 @@ def test_model_card_opens_with_the_hubs_front_matter(tmp_path):
     import yaml
 
     from lit_softmoe.export.model_card import read_front_matter
-    run = _make_run(tmp_path)
+    run = make_run(tmp_path)
     card = (export_pair(run, tmp_path / "pair") / "README.md").read_text()
     assert card.startswith("---\n")
     _, front, body = card.split("---\n", 2)

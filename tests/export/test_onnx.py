@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lit_runs import CAPTIONS, _embed, _inputs, _one_error_line, _run_cli, _snapshot
+from cli_errors import one_error_line
+from lit_runs import CAPTIONS, embed_pair, pair_inputs, run_cli, snapshot_files
 from lit_softmoe import cli
 from lit_softmoe.hub import load_pretrained
 
@@ -24,8 +25,8 @@ def test_onnx_matches_torch_with_a_dynamic_batch(run, onnx_export):
     image_session = ort.InferenceSession(str(onnx_export / "image_encoder.onnx"))
     text_session = ort.InferenceSession(str(onnx_export / "text_encoder.onnx"))
     for batch in (1, 3):
-        pixels, ids = _inputs(batch, seed=batch), tokenizer(CAPTIONS[:batch])
-        image, text = _embed(model, tokenizer, pixels, CAPTIONS[:batch])
+        pixels, ids = pair_inputs(batch, seed=batch), tokenizer(CAPTIONS[:batch])
+        image, text = embed_pair(model, tokenizer, pixels, CAPTIONS[:batch])
         onnx_image = image_session.run(None, {"pixels": pixels.numpy()})[0]
         onnx_text = text_session.run(None, {"ids": ids.numpy()})[0]
         assert onnx_image.shape == (batch, 32) and onnx_text.shape == (batch, 32)
@@ -42,9 +43,9 @@ def test_onnx_failure_is_one_line_and_leaves_nothing(run, tmp_path, capsys, monk
         raise RuntimeError("unsupported operator aten::soft_moe_magic\nlong traceback text")
 
     monkeypatch.setattr(torch.onnx, "export", broken_export)
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--onnx", "--overwrite"]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--onnx", "--overwrite"]))
     assert "ONNX export of the image tower failed" in line and "aten::soft_moe_magic" in line
-    assert _snapshot(out) == {Path("keep.txt"): b"mine"}
+    assert snapshot_files(out) == {Path("keep.txt"): b"mine"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -60,7 +61,7 @@ def test_onnx_mismatch_is_refused_with_the_difference(run, tmp_path, capsys, mon
             return [out + 0.01 for out in self.session.run(*args, **kwargs)]
 
     monkeypatch.setattr(onnxruntime, "InferenceSession", Off)
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out"), "--onnx"]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(tmp_path / "out"), "--onnx"]))
     assert "differs from PyTorch by 0.01" in line
     assert not any(tmp_path.iterdir())
 
@@ -75,7 +76,7 @@ def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
     # one prints its whole graph from C++ on the way (past sys.stdout).
     save_tower(tmp_path / "tower", create_image_tower("tc-test-4e-k1", num_classes=3),
                extra={"preprocess": {"image_size": 28, "mean": [0.3], "std": [0.35]}})
-    code, stdout, stderr = _run_cli("export", tmp_path / "tower", "--out", tmp_path / "out", "--onnx")
+    code, stdout, stderr = run_cli("export", tmp_path / "tower", "--out", tmp_path / "out", "--onnx")
     if code == 0:
         pytest.skip("this torch exports Tokens Choice towers to ONNX")
     assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, (stdout[:500], stderr[:500])

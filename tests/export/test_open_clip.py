@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_runs import CAPTIONS, _make_run
+from lit_runs import CAPTIONS, make_run
 from lit_softmoe.export import export_pair
 from lit_softmoe.hub import load_pretrained
 
@@ -27,7 +27,7 @@ def _open_clip_pair(export):
 
 @pytest.mark.parametrize("loss, rgb, image_head", [("softmax", False, False), ("sigmoid", True, True)])
 def test_open_clip_builds_the_export_and_embeds_as_ours(tmp_path, loss, rgb, image_head):
-    out = export_pair(_make_run(tmp_path / "run", loss, rgb=rgb, image_head=image_head), tmp_path / "export")
+    out = export_pair(make_run(tmp_path / "run", loss, rgb=rgb, image_head=image_head), tmp_path / "export")
     config = json.loads((out / "config.json").read_text())
     assert config["open_clip"]["config"] == "open_clip_config.json"
     ours, our_preprocess, our_tokenizer = load_pretrained(out)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_models import _tiny_bert
-from lit_runs import CAPTIONS, PREPROCESS, _embed, _inputs, _make_run, _one_error_line, _run_cli, _snapshot
+from cli_errors import one_error_line
+from hf_models import tiny_bert
+from lit_runs import CAPTIONS, PREPROCESS, embed_pair, make_run, pair_inputs, run_cli, snapshot_files
 from lit_softmoe import cli
 from lit_softmoe.config import LiTConfig, load_config, to_yaml
 from lit_softmoe.errors import UserError
@@ -27,7 +28,7 @@ from lit_softmoe.train.lit import model_description, save_model
 
 def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     reference, _, tokenizer = load_pretrained(run)
-    image, text = _embed(reference, tokenizer)
+    image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")
     names = sorted(p.name for p in out.iterdir())
     assert names == ["README.md", "config.json", "image_encoder.safetensors", "open_clip_config.json",
@@ -41,7 +42,7 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     for path, kind in [(out, "export"), (run, "run"), (run / "model", "run"), (checkpoint, "run")]:
         model, preprocess, tok = load_pretrained(path)
         assert not model.training and isinstance(model, LiTModel)
-        got_image, got_text = _embed(model, tok)
+        got_image, got_text = embed_pair(model, tok)
         assert torch.equal(got_image, image) and torch.equal(got_text, text), path
         info = model.pretrained_info
         assert info["kind"] == kind and info["source"] == str(path)
@@ -62,13 +63,13 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
 
 def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
     reference, _, tokenizer = load_pretrained(run)
-    image, text = _embed(reference, tokenizer)
+    image, text = embed_pair(reference, tokenizer)
     fp32 = export_pair(run, tmp_path / "fp32")
     out = export_pair(run, tmp_path / "bf16", dtype="bf16")
     assert all(v.dtype == torch.bfloat16 for v in load_file(out / "image_encoder.safetensors").values())
     assert (out / "text_encoder.safetensors").stat().st_size < 0.55 * (fp32 / "text_encoder.safetensors").stat().st_size
     model, _, tok = load_pretrained(out)
-    got_image, got_text = _embed(model, tok)
+    got_image, got_text = embed_pair(model, tok)
     assert next(model.parameters()).dtype == torch.float32  # upcast on load
     torch.testing.assert_close(got_image, image, atol=2e-2, rtol=0)
     torch.testing.assert_close(got_text, text, atol=2e-2, rtol=0)
@@ -81,7 +82,7 @@ def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
 
 
 def test_sigmoid_loss_bias_travels(tmp_path):
-    run = _make_run(tmp_path, loss="sigmoid")
+    run = make_run(tmp_path, loss="sigmoid")
     out = export_pair(run, tmp_path / "export")
     model, _, _ = load_pretrained(out)
     assert model.loss == "sigmoid" and float(model.logit_bias.detach()) == -10.0
@@ -99,7 +100,7 @@ def test_tower_only_export(run, tmp_path):
     assert config["kind"] == "image" and config["classnames"] == ["a", "b", "c"]
     reference, _ = load_image_tower(pretrain_run / "tower")
     tower, preprocess = load_image_tower(out)
-    pixels = _inputs()
+    pixels = pair_inputs()
     with torch.no_grad():
         features = reference.forward_pooled(pixels)  # (3, 32)
         assert torch.equal(tower.forward_pooled(pixels), features)
@@ -119,9 +120,9 @@ def test_existing_out_needs_overwrite_and_then_replaces_it(run, tmp_path, capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, stdout, stderr = _run_cli("export", run, "--out", out)  # the installed entry point's exit code
+    code, stdout, stderr = run_cli("export", run, "--out", out)  # the installed entry point's exit code
     assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1 and "--overwrite" in stderr
-    assert _snapshot(out) == {Path("keep.txt"): b"mine"}
+    assert snapshot_files(out) == {Path("keep.txt"): b"mine"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
     assert cli.main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
@@ -133,7 +134,7 @@ def test_existing_out_needs_overwrite_and_then_replaces_it(run, tmp_path, capsys
     (tmp_path / "empty").mkdir()
     assert cli.main(["export", str(run), "--out", str(tmp_path / "empty")]) == 0
     capsys.readouterr()
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(run), "--overwrite"]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(run), "--overwrite"]))
     assert "holds the model being exported" in line and (run / "model" / "model.safetensors").is_file()
 
 
@@ -159,7 +160,7 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = _hf_run(tmp_path, minilm.get_model_path())
     reference, _, tokenizer = load_pretrained(run)
-    image, text = _embed(reference, tokenizer)
+    image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export", onnx=True)
     onnx = json.loads((out / "config.json").read_text())["onnx"]
     assert onnx["image"]["max_abs_diff"] < 1e-4 and onnx["text"]["max_abs_diff"] < 1e-4
@@ -170,7 +171,7 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     assert f"Not loadable with open_clip: {skipped}" in (out / "README.md").read_text()
     assert (out / "tokenizer" / "config.json").is_file() and not list((out / "tokenizer").glob("*.safetensors"))
     loaded, _, tok = load_pretrained(out)
-    got_image, got_text = _embed(loaded, tok)
+    got_image, got_text = embed_pair(loaded, tok)
     assert torch.equal(got_image, image) and torch.equal(got_text, text)
     from tokenizers import Tokenizer
     fast = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -179,9 +180,9 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
 
 def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run = _hf_run(tmp_path, _tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
+    run = _hf_run(tmp_path, tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
     reference, _, tokenizer = load_pretrained(run)
-    image, text = _embed(reference, tokenizer)
+    image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")
     architecture = out / "tokenizer" / "config.json"
     assert json.loads(architecture.read_text())["dtype"] == "float32"
@@ -189,24 +190,24 @@ def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeyp
     architecture.write_text(json.dumps({**json.loads(architecture.read_text()), "dtype": "float16"}))
     loaded, _, tok = load_pretrained(out)
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
-    got_image, got_text = _embed(loaded, tok)
+    got_image, got_text = embed_pair(loaded, tok)
     assert torch.equal(got_image, image) and torch.equal(got_text, text)
 
 
 def test_overwrite_refuses_the_image_tower_and_its_pretraining_run(run, capsys):
     pre = run.parent / "pre"
-    before = _snapshot(pre)
+    before = snapshot_files(pre)
     for out in (pre, pre / "tower"):
-        line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
+        line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
         assert "holds the model being exported" in line and str(pre / "tower") in line, line
-    assert _snapshot(pre) == before
+    assert snapshot_files(pre) == before
 
 
 def test_overwrite_refuses_a_folder_of_the_run_that_is_not_an_export(run, tmp_path, capsys):
-    before = _snapshot(run)
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]))
+    before = snapshot_files(run)
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]))
     assert "--overwrite would delete" in line and "pick another folder" in line, line
-    assert _snapshot(run) == before
+    assert snapshot_files(run) == before
     # A new folder inside the run is fine, and an earlier export there may be replaced.
     inside = run / "export"
     try:
@@ -222,7 +223,7 @@ def test_overwrite_refuses_a_folder_of_the_run_that_is_not_an_export(run, tmp_pa
 def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(blocker / "sub")]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(blocker / "sub")]))
     assert "--out" in line and "is a file" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
@@ -244,7 +245,7 @@ def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def lit_run(tmp_path_factory) -> Path:
-    return _make_run(tmp_path_factory.mktemp("racing-export"))
+    return make_run(tmp_path_factory.mktemp("racing-export"))
 
 
 def test_an_out_filled_by_another_export_meanwhile_is_kept(lit_run, tmp_path, monkeypatch, capsys):
@@ -290,7 +291,7 @@ def test_overwrite_through_a_link_to_an_export_replaces_its_target_and_keeps_the
     assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["v1"]  # no temporary folder left
     reference, _, tokenizer = load_pretrained(run)
     model, _, _ = load_pretrained(link)
-    for got, want in zip(_embed(model, tokenizer), _embed(reference, tokenizer), strict=True):
+    for got, want in zip(embed_pair(model, tokenizer), embed_pair(reference, tokenizer), strict=True):
         assert torch.equal(got, want)
 
 
@@ -301,6 +302,6 @@ def test_out_that_is_a_link_to_nothing_is_one_line_before_any_work(run, tmp_path
     out.symlink_to("out" if link == "loop" else tmp_path / "gone")
     problem = "is a symbolic link that loops" if link == "loop" else \
         f"is a symbolic link to {tmp_path / 'gone'}, which does not exist"
-    line = _one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
+    line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
     assert line == f"lit-softmoe export: error: --out {out} {problem}; remove the link (rm {out}) or give another --out"
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and out.is_symlink()

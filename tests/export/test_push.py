@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from lit_runs import _one_error_line
+from cli_errors import one_error_line
 from lit_softmoe import cli
 from lit_softmoe.export import export_pair
 
@@ -80,24 +80,24 @@ def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path,
     missing, edited, truncated = tmp_path / "missing", tmp_path / "edited", tmp_path / "truncated"
     shutil.copytree(export, missing)
     shutil.rmtree(missing / "tokenizer")
-    line = _one_error_line(capsys, cli.main(["push", str(missing), "org/name", "--dry-run"]))
+    line = one_error_line(capsys, cli.main(["push", str(missing), "org/name", "--dry-run"]))
     assert f"{missing} is incomplete (no tokenizer); export it again" in line, line
     shutil.copytree(export, truncated)
     with open(truncated / "text_encoder.safetensors", "r+b") as file:
         file.truncate(1000)
-    line = _one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
     assert "text_encoder.safetensors" in line and "incomplete or damaged" in line, line
     shutil.copy(export / "text_encoder.safetensors", truncated / "text_encoder.safetensors")
     (truncated / "open_clip_model.safetensors").write_bytes(b"")  # open_clip's copy too, when config.json lists it
-    line = _one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
     assert "open_clip_model.safetensors" in line and "incomplete or damaged" in line, line
     shutil.copytree(export, edited)
     state = load_file(edited / "image_encoder.safetensors")
     state[next(iter(state))] += 1
     save_file(state, edited / "image_encoder.safetensors")
-    line = _one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
     assert "is not the image tower config.json's image_tower_sha256 names" in line, line
-    line = _one_error_line(capsys, cli.main(["push", str(tmp_path), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(tmp_path), "org/name"]))
     assert "is not a model folder" in line, line
     assert hf_api.calls == []
 
@@ -113,10 +113,10 @@ def test_no_token_and_no_network_are_one_line(export, monkeypatch, capsys):
             raise self.error
     monkeypatch.setattr(huggingface_hub, "HfApi", Failing)
     Failing.error = LocalTokenNotFoundError("Token is required")
-    line = _one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
     assert "no Hugging Face token to push org/name" in line and "hf auth login" in line and "HF_TOKEN" in line
     Failing.error = ConnectionError("connection refused")
-    line = _one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
+    line = one_error_line(capsys, cli.main(["push", str(export), "org/name"]))
     assert "could not reach the Hugging Face Hub to push org/name (ConnectionError)" in line, line
 
 
@@ -135,7 +135,7 @@ def test_a_flipped_bit_in_any_weights_file_is_refused_by_a_dry_run(export, tmp_p
     data[-5] ^= 0x01  # inside the last tensor: the file still loads
     (flipped / name).write_bytes(bytes(data))
     load_weights(flipped / name)
-    line = _one_error_line(capsys, cli.main(["push", str(flipped), "org/name", "--dry-run"]))
+    line = one_error_line(capsys, cli.main(["push", str(flipped), "org/name", "--dry-run"]))
     assert line == (f"lit-softmoe push: error: {flipped / name} is not the file the export wrote (its sha256 differs "
                     "from config.json's): it was changed or damaged since; export it again")
     assert hf_api.calls == []
@@ -147,7 +147,7 @@ def test_a_flipped_bit_in_any_weights_file_is_refused_by_a_dry_run(export, tmp_p
 @pytest.mark.parametrize("repo_id", ["org/name/extra", "org//name", "org/na me", "org/name.git", "a" * 97])
 def test_an_invalid_repo_id_is_one_line_before_any_work(tmp_path, capsys, hf_api, repo_id):
     """A dry run accepted `org/name/extra` and the like; the real push failed on it only at the Hub."""
-    line = _one_error_line(capsys, cli.main(["push", str(tmp_path / "no-export"), repo_id, "--dry-run"]))
+    line = one_error_line(capsys, cli.main(["push", str(tmp_path / "no-export"), repo_id, "--dry-run"]))
     assert line.startswith(f"lit-softmoe push: error: {repo_id!r} is not a Hub repository name (")
     assert line.endswith("); write ORG/NAME, e.g. my-org/soft-s16-lit")
     assert hf_api.calls == []

@@ -94,9 +94,9 @@ def test_stock_clip_benchmark_scores_the_open_clip_export_as_our_eval(tmp_path, 
     export's open_clip files, against our eval of the same export, on 5,000 Fashion-MNIST test images.
     The gray tower: open_clip's RGB pixels reach it through the luma-widened patch embedding."""
     pytest.importorskip("timm")
-    from lit_runs import _make_run
+    from lit_runs import make_run
     from lit_softmoe.export import export_pair
-    export = export_pair(_make_run(tmp_path / "run"), tmp_path / "export")
+    export = export_pair(make_run(tmp_path / "run"), tmp_path / "export")
     root = fashion_mnist_5000
     cfg = EvalSuiteConfig(name="peer", workers=0, batch_size=64, cache_dir=str(tmp_path / "cache"),
                           benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(root))])

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from lit_data import _lit
+from lit_data import lit_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-from tiny_text import TINY_TEXT, _ids
+from tiny_text import TINY_TEXT, token_ids
 
 ONE_LAYER_TEXT = TextTowerConfig(kind="transformer", width=32, layers=1, heads=2, context_length=16)
 
@@ -35,7 +35,7 @@ def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     assert model.training and model.text_tower.training and not model.image_tower.training
     assert not any(p.requires_grad for p in model.image_tower.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # every parameter handed in
-    sigmoid_loss(*model(_pixels(), _ids())).backward()
+    sigmoid_loss(*model(_pixels(), token_ids())).backward()
     assert all(p.grad is None for p in model.image_tower.parameters())
     assert model.logit_scale.grad is not None and model.logit_bias.grad is not None
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
@@ -56,18 +56,18 @@ def test_one_unlocked_block_trains_only_the_last_block_and_norm():
     model = _model(unlocked_blocks=1)
     model.train()
     assert not model.image_tower.training
-    contrastive_loss(*model(_pixels(), _ids())).backward()
+    contrastive_loss(*model(_pixels(), token_ids())).backward()
     last = len(model.image_tower.blocks) - 1
     for name, param in model.image_tower.named_parameters():
         trains = name.startswith(f"blocks.{last}.") or name.startswith("norm.")
         assert (param.grad is not None) == trains, name
     with pytest.raises(UserError, match="unlocked_blocks"):
-        model(image_features=torch.randn(4, model.image_tower.embed_dim), text=_ids())
+        model(image_features=torch.randn(4, model.image_tower.embed_dim), text=token_ids())
 
 
 def test_image_head_trains_on_locked_features():
     model = _model(image_head=True)
-    contrastive_loss(*model(image=_pixels(), text=_ids())).backward()
+    contrastive_loss(*model(image=_pixels(), text=token_ids())).backward()
     assert model.image_head.weight.grad is not None and model.image_head.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in model.image_tower.parameters())
 
@@ -81,7 +81,7 @@ def test_encode_image_is_unit_norm_and_matches_cached_features():
     with torch.no_grad():
         cached = model.image_tower.forward_pooled(pixels)
     torch.testing.assert_close(model.encode_image_features(cached), zimg, rtol=0, atol=0)
-    ztxt = model.encode_text(_ids())
+    ztxt = model.encode_text(token_ids())
     torch.testing.assert_close(ztxt.norm(dim=-1), torch.ones(4))
 
 
@@ -90,7 +90,7 @@ def test_normalize_false_gives_the_embeddings_before_the_l2_norm():
     projections, whose L2 normalization is what the default (normalize=True) returns."""
     model = _model(image_head=True).eval()
     with torch.no_grad():
-        for encode, inputs in ((model.encode_image, _pixels()), (model.encode_text, _ids())):
+        for encode, inputs in ((model.encode_image, _pixels()), (model.encode_text, token_ids())):
             raw, unit = encode(inputs, normalize=False), encode(inputs)
             assert not torch.allclose(raw.norm(dim=-1), torch.ones(4), atol=1e-3), encode.__name__
             torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=-1), unit, rtol=0, atol=1e-7)
@@ -101,7 +101,7 @@ def test_either_tower_may_be_left_out_of_forward():
     """`model(text=ids)` alone, as open_clip allows (its helpers call it so): the features of the
     tower given, None for the other, and the same values as the encoders."""
     model = _model().eval()
-    pixels, ids = _pixels(), _ids()
+    pixels, ids = _pixels(), token_ids()
     with torch.no_grad():
         zimg, ztxt, scale = model(pixels, ids)
         text_only, image_only = model(text=ids), model(image=pixels)
@@ -115,24 +115,24 @@ def test_either_tower_may_be_left_out_of_forward():
 
 def test_forward_returns_open_clips_tuple_with_the_capped_scale():
     model = _model(loss="softmax")
-    outputs = model(image_features=torch.randn(4, model.image_tower.embed_dim), text=_ids())
+    outputs = model(image_features=torch.randn(4, model.image_tower.embed_dim), text=token_ids())
     assert len(outputs) == 3 and outputs[2].item() == pytest.approx(10.0)  # (zimg, ztxt, logit_scale.exp())
     with torch.no_grad():
         model.logit_scale.fill_(10.0)  # e^10 > 100: clamped
-    assert model(image_features=torch.randn(4, 32), text=_ids())[2].item() == pytest.approx(100.0)
+    assert model(image_features=torch.randn(4, 32), text=token_ids())[2].item() == pytest.approx(100.0)
     sig = _model(loss="sigmoid")
-    outputs = sig(image_features=torch.randn(4, 32), text=_ids())
+    outputs = sig(image_features=torch.randn(4, 32), text=token_ids())
     assert len(outputs) == 4 and outputs[3].item() == pytest.approx(-10.0)  # + logit_bias, as open_clip's
     with pytest.raises(ValueError, match="at most one"):
         model(_pixels(), image_features=torch.randn(4, 32))
     with pytest.raises(ValueError, match="at most one"):
-        model(_ids(), image_features=torch.randn(4, 32))  # the old (text_ids, ...) order is refused, not misread
+        model(token_ids(), image_features=torch.randn(4, 32))  # the old (text_ids, ...) order is refused, not misread
 
 
 def test_features_only_model_without_an_image_tower():
     text = create_text_tower(TINY_TEXT, embed_dim=32)
     model = LiTModel(None, text, loss="sigmoid")
-    zimg, ztxt, _, _ = model(image_features=torch.randn(4, 32), text=_ids())
+    zimg, ztxt, _, _ = model(image_features=torch.randn(4, 32), text=token_ids())
     assert zimg.shape == ztxt.shape == (4, 32)
     with pytest.raises(ValueError, match="no image tower"):
         model.encode_image(_pixels())
@@ -196,7 +196,7 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     unlocked_blocks the LiT optimizer trained it without weight decay."""
     from lit_softmoe.train import lit as lit_recipe
 
-    cfg = _lit(data, tmp_path / "run", "unlocked_blocks=1", "optim.weight_decay=0.1")
+    cfg = lit_config(data, tmp_path / "run", "unlocked_blocks=1", "optim.weight_decay=0.1")
     model, _ = lit_recipe._setup_model(cfg)
     optimizer = lit_recipe._setup_optimizer(cfg, model)
     names = {id(param): name for name, param in model.named_parameters()}

@@ -5,22 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import _tiny_bert
+from hf_models import tiny_bert
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
-from tiny_text import EOT, TINY_TEXT, _ids
+from tiny_text import EOT, TINY_TEXT, token_ids
 
 
 def test_transformer_text_tower_shape_and_spec():
     tower = create_text_tower(TINY_TEXT, embed_dim=24)
-    assert tower(_ids()).shape == (4, 24)
+    assert tower(token_ids()).shape == (4, 24)
     assert (tower.tokenizer_spec, tower.context_length, tower.embed_dim) == ("openclip-bpe", 16, 24)
 
 
 def test_transformer_text_tower_pools_at_end_of_text():
     tower = create_text_tower(TINY_TEXT, embed_dim=24).eval()
-    ids = _ids()
+    ids = token_ids()
     changed = ids.clone()
     end = int((ids[0] == EOT).nonzero())
     changed[0, end + 1:] = 123  # overwrite the padding after <end_of_text>
@@ -76,7 +76,7 @@ def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monke
     from lit_softmoe.models.tokenizers import create_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", dtype),
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=tiny_bert(tmp_path / "bert", dtype),
                                               context_length=16), embed_dim=8)
     assert {p.dtype for p in tower.parameters()} == {torch.float32}  # the optimizer's master weights
     out = tower(create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "a dog"]))
@@ -90,7 +90,7 @@ def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch,
     from lit_softmoe.models.tokenizers import create_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tower = create_text_tower(TextTowerConfig(kind="hf", path=_tiny_bert(tmp_path / "bert", torch.float32),
+    tower = create_text_tower(TextTowerConfig(kind="hf", path=tiny_bert(tmp_path / "bert", torch.float32),
                                               pooling=pooling, context_length=16), embed_dim=8).eval()
     ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "dog"])
     lengths = (ids != tower.pad_id).sum(dim=1).tolist()
@@ -175,7 +175,7 @@ def test_an_hf_tower_without_pretrained_weights_reads_only_its_config(tmp_path, 
     """What an export's loader builds: the encoder from config.json alone (its weights come from the
     export), without swapping transformers' AutoModel.from_pretrained for the whole process."""
     import transformers
-    bert = _tiny_bert(tmp_path / "bert", torch.float32)
+    bert = tiny_bert(tmp_path / "bert", torch.float32)
     cfg = TextTowerConfig(kind="hf", path=str(bert), context_length=16)
     pretrained = create_text_tower(cfg, embed_dim=8)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cli_errors import _one_line_error
+from cli_errors import one_line_error
 from lit_softmoe.cli import main
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
@@ -407,7 +407,7 @@ def dense_tower_dir(tmp_path):
 
 def test_upcycle_seed_out_of_range_is_one_line(tmp_path, capsys, dense_tower_dir):
     # It was torch's "Overflow when unpacking long long" traceback, after reading the checkpoint.
-    line = _one_line_error(capsys, ["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e",
+    line = one_line_error(capsys, ["upcycle", "--from", str(dense_tower_dir), "--to", "soft-test-4e",
                                     "--out", str(tmp_path / "up"), "--seed", str(2**64)])
     assert line == (f"lit-softmoe upcycle: error: --seed {2**64} is out of range; give an integer such as 0 "
                     "(|seed| < 2**63)")
@@ -423,7 +423,7 @@ def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, con
     # torch's weights-only error ran over several lines (and suggested weights_only=False).
     source = tmp_path / "dense.pth"
     source.write_bytes(content)
-    line = _one_line_error(capsys, ["upcycle", "--from", str(source), "--to", "soft-test-4e",
+    line = one_line_error(capsys, ["upcycle", "--from", str(source), "--to", "soft-test-4e",
                                     "--out", str(tmp_path / "up")])
     assert line == (f"lit-softmoe upcycle: error: cannot read {source} as a state dict ({reason}); "
                     "give a .safetensors file or a .pth/.bin holding only tensors")

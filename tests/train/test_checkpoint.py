@@ -257,7 +257,7 @@ def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):
 
     from lit_softmoe.models.lit import LiTModel
     from lit_softmoe.models.text import create_text_tower
-    from tiny_text import TINY_TEXT, _ids
+    from tiny_text import TINY_TEXT, token_ids
 
     def lit():
         torch.manual_seed(0)
@@ -266,7 +266,7 @@ def test_a_lit_checkpoint_saved_under_the_old_log_scale_name_resumes(tmp_path):
 
     model = lit()
     opt = create_optimizer(model, OptimConfig(lr=1e-2))
-    zimg, ztxt, logit_scale = model(image_features=torch.randn(4, 32), text=_ids())
+    zimg, ztxt, logit_scale = model(image_features=torch.randn(4, 32), text=token_ids())
     (logit_scale * zimg @ ztxt.T).logsumexp(-1).mean().backward()
     opt.step()
     ckpt = save_training_state(tmp_path / "step_00000001", 1, model, opt, skip_prefixes=("image_tower.",))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from img2dataset_shards import write_img2dataset_output
-from lit_data import PREPROCESS, _lit
+from lit_data import PREPROCESS, lit_config
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.evals.suite import run_suite
@@ -30,7 +30,7 @@ from lit_softmoe.train.logging import read_metrics
 # 240 rows in shards of 80, every 7th a failed download: 69 + 69 + 68 samples; plus a fourth shard of
 # 10 rows whose tar has no _stats.json yet (left out everywhere).
 ROWS, ROWS_PER_SHARD, SAMPLES = 240, 80, 206
-EMBED_BATCH, LIT_BATCH, EVAL_BATCH = 64, 50, 64  # _lit's batch_size is 50
+EMBED_BATCH, LIT_BATCH, EVAL_BATCH = 64, 50, 64  # lit_config's batch_size is 50
 
 
 def _bar_totals(text: str, desc: str) -> list[tuple[int, int]]:
@@ -69,7 +69,7 @@ def _train(root, name: str, train: str) -> tuple[dict, str]:
     """One epoch of LiT on `train`, no eval set; (results, what its progress bar printed)."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        results = train_lit(_lit(root, root / name, "epochs=1", f"data.train={train}", "eval.shards=''"))
+        results = train_lit(lit_config(root, root / name, "epochs=1", f"data.train={train}", "eval.shards=''"))
     return results, stderr.getvalue()
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint_checks import _finite_checkpoints
-from lit_data import PREPROCESS, _lit
+from checkpoint_checks import finite_checkpoints
+from lit_data import PREPROCESS, lit_config
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
 from lit_softmoe.data.feature_cache import is_feature_cache
@@ -326,7 +326,7 @@ def test_hf_text_tower_trains_a_few_steps(pretrained, tmp_path, monkeypatch):
 def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, tmp_path):
     images = data / "fmnist"
     run = tmp_path / "run"
-    results = train_lit(_lit(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup=1",
+    results = train_lit(lit_config(data, run, "unlocked_blocks=1", "steps=4", "optim.lr=1e-2", "optim.warmup=1",
                              f"data.train={images / 'train'}", f"eval.shards={images / 'test'}", "eval.every=2"))
     assert (run / "model" / "model.safetensors").is_file() and json.loads((run / "results.json").read_text())
 
@@ -364,7 +364,7 @@ def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, t
 def test_unlocked_blocks_refuse_cached_eval_features_before_training(data, tmp_path):
     # The cached eval features come from the initial tower: they cannot score a tower that trains.
     with pytest.raises(UserError, match="eval.shards holds cached features"):
-        train_lit(_lit(data, tmp_path / "run", "unlocked_blocks=1", "steps=2",
+        train_lit(lit_config(data, tmp_path / "run", "unlocked_blocks=1", "steps=2",
                        f"data.train={data / 'fmnist' / 'train'}"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -375,11 +375,11 @@ def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(
     test = data / "fmnist" / "test"  # six shards of 50 images
     scores = []
     for spec in (str(test), str(test / "{0..5}.tar"), f"{test / '0.tar'}::{test / '{1..5}.tar'}"):
-        scores.append(train_lit(_lit(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
+        scores.append(train_lit(lit_config(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
                       ["zeroshot_top1"])
     assert scores[0] == scores[1] == scores[2]
     with pytest.raises(UserError, match="set eval.classnames"):
-        train_lit(_lit(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
+        train_lit(lit_config(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
 
 
 def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_path):
@@ -387,10 +387,10 @@ def test_a_batch_larger_than_a_data_stream_is_refused_before_training(data, tmp_
     images = data / "fmnist" / "train"  # 300 samples in 6 shards of 50
     with pytest.raises(UserError, match=r"read as 1 process\(es\) × 1 data worker\(s\), and one of them holds only "
                                         r"300 samples, fewer than its batch of 400"):
-        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", "batch_size=400", "eval.shards=''"))
     with pytest.raises(UserError, match=r"× 2 data worker\(s\), and one of them holds only 150 samples, fewer "
                                         r"than its batch of 200"):
-        train_lit(_lit(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", "batch_size=200", "data.workers=2", "eval.shards=''",
                        f"data.train={images}"))
     assert not (tmp_path / "run").exists()
     # Each of two workers holds three shards (150 samples): a batch of 150 never repeats one.
@@ -407,14 +407,14 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
     run = tmp_path / "run"
     # Image shards: a feature cache would be refused as another tower's before the checkpoint is read.
     common = [f"image_tower={tower}", f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
-    train_lit(_lit(data, run, "steps=2", *common))
+    train_lit(lit_config(data, run, "steps=2", *common))
     assert json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())["image_tower_sha256"]
     meta = json.loads((tower / "config.json").read_text())
     torch.manual_seed(1)  # same name, config and preprocessing; other weights
     save_tower(tower, create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={k: v for k, v in meta.items() if k != "tower"})
     with pytest.raises(UserError, match=r"the image tower at .*tower was rewritten after .*step_00000002 was saved"):
-        train_lit(_lit(data, run, "steps=4", *common))
+        train_lit(lit_config(data, run, "steps=4", *common))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
 
 
@@ -423,8 +423,8 @@ def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path
     # replacement, which the error suggests (data.resampled, a LiT config key).
     one_shard = f"data.train={data / 'features' / 'train' / '0.tar'}"
     with pytest.raises(UserError, match=r"1 shards cannot feed 1 processes × 2 workers .* set data.resampled=true"):
-        train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''", one_shard))
-    results = train_lit(_lit(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
+        train_lit(lit_config(data, tmp_path / "run", "steps=4", "data.workers=2", "eval.shards=''", one_shard))
+    results = train_lit(lit_config(data, tmp_path / "run", "steps=4", "data.workers=2", "data.resampled=true",
                              "eval.shards=''", one_shard))
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert results["steps"] == 4 and len(losses) == 4 and all(np.isfinite(losses))
@@ -439,7 +439,7 @@ def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
                 tmp_path / "data", "train", samples_per_shard=50)
     common = [f"data.train={tmp_path / 'data' / 'train'}", "eval.shards=''", "data.max_bad_fraction=0.2",
               "steps=12", "checkpoint_every=2", "keep_checkpoints=10"]
-    straight = train_lit(_lit(data, tmp_path / "straight", *common))
+    straight = train_lit(lit_config(data, tmp_path / "straight", *common))
     assert straight["bad_samples"]["bad_txt"] >= 30  # 10 in each pass over the shards, 3 epochs
 
     def data_records(run):
@@ -453,7 +453,7 @@ def test_resumed_run_reports_the_bad_samples_of_the_whole_run(data, tmp_path):
         for checkpoint in (run / "checkpoints").glob("step_*"):
             if int(checkpoint.name.split("_")[1]) > killed_after:
                 shutil.rmtree(checkpoint)
-        resumed = train_lit(_lit(data, run, *common))
+        resumed = train_lit(lit_config(data, run, *common))
         assert resumed["bad_samples"] == straight["bad_samples"], killed_after
         assert data_records(run) == data_records(tmp_path / "straight"), killed_after
 
@@ -463,7 +463,7 @@ def test_a_bad_template_is_refused_before_training(data, tmp_path, template):
     templates = tmp_path / "templates.txt"
     templates.write_text(f"a photo of a {{c}}.\n{template}\n")
     with pytest.raises(UserError) as err:
-        train_lit(_lit(data, tmp_path / "run", "steps=2", f"eval.templates={templates}"))
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", f"eval.templates={templates}"))
     message = str(err.value)
     assert str(templates) in message and repr(template) in message and "{c}" in message
     assert "\n" not in message
@@ -472,12 +472,12 @@ def test_a_bad_template_is_refused_before_training(data, tmp_path, template):
 
 def test_a_run_killed_while_logging_resumes(data, tmp_path):
     run = tmp_path / "run"
-    train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    train_lit(lit_config(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
     shutil.rmtree(run / "model")
     shutil.rmtree(run / "checkpoints" / "step_00000004")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 4.2')
-    results = train_lit(_lit(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
+    results = train_lit(lit_config(data, run, "steps=4", "checkpoint_every=2", "keep_checkpoints=5", "eval.shards=''"))
     assert results["steps"] == 4 and (run / "model").is_dir()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
 
@@ -563,7 +563,7 @@ def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(six_sh
 def test_lit_refuses_optimizer_settings_before_any_work(data, tmp_path, overrides, expected):
     """torch's ValueError from AdamW was a traceback after the towers were built (pretrain refused it)."""
     with pytest.raises(UserError) as err:
-        train_lit(_lit(data, tmp_path / "run", "steps=2", *overrides))
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", *overrides))
     assert expected in str(err.value) and "optim.beta1" in str(err.value)
     assert not (tmp_path / "run").exists()
 
@@ -572,7 +572,7 @@ def test_lit_run_dir_that_is_a_file_is_one_line(data, tmp_path):
     """It trained nothing and ended in NotADirectoryError from the metrics log (pretrain refused it)."""
     (tmp_path / "a-file").write_text("not a folder\n")
     with pytest.raises(UserError, match=f"run_dir {tmp_path / 'a-file'} is a file; give a folder path"):
-        train_lit(_lit(data, tmp_path / "a-file", "steps=2"))
+        train_lit(lit_config(data, tmp_path / "a-file", "steps=2"))
     assert (tmp_path / "a-file").read_text() == "not a folder\n"
 
 
@@ -580,10 +580,10 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(data
     """The embedding table had rows for ids below 1000 only: the first batch's ids (up to 49407, the
     end token every caption has) ended the run in an IndexError at step 1."""
     with pytest.raises(UserError, match="text.vocab_size 1000 is smaller than"):
-        train_lit(_lit(data, tmp_path / "run", "steps=2", "text.vocab_size=1000"))
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", "text.vocab_size=1000"))
     assert not (tmp_path / "run").exists()
     # The default, and any larger table (unused rows), still train.
-    results = train_lit(_lit(data, tmp_path / "larger", "steps=2", "text.vocab_size=49500", "eval.shards="))
+    results = train_lit(lit_config(data, tmp_path / "larger", "steps=2", "text.vocab_size=49500", "eval.shards="))
     assert results["steps"] == 2
 
 
@@ -591,10 +591,10 @@ def test_lit_rerun_with_fewer_steps_than_its_checkpoint_is_refused(data, tmp_pat
     """steps may change on a rerun, to extend a run. Fewer steps than the newest checkpoint's
     resumed the 4-step model and saved it as a 2-step run (results.json: "steps": 2)."""
     run = tmp_path / "run"
-    train_lit(_lit(data, run, "steps=4", "eval.shards="))
+    train_lit(lit_config(data, run, "steps=4", "eval.shards="))
     model_before = (run / "model" / "model.safetensors").read_bytes()
     with pytest.raises(UserError) as err:
-        train_lit(_lit(data, run, "steps=2", "eval.shards="))
+        train_lit(lit_config(data, run, "steps=2", "eval.shards="))
     assert str(err.value) == (f"{run} holds a checkpoint at step 4, past the 2 steps this config trains; set steps "
                               "(or epochs) to at least that, or start this run with another run_dir=...")
     assert json.loads((run / "results.json").read_text())["steps"] == 4
@@ -611,7 +611,7 @@ def test_eval_classnames_fewer_than_the_eval_classes_are_refused_before_training
     source = data / ("fmnist" if unlocked else "features")
     extra = ["unlocked_blocks=1"] if unlocked else []
     with pytest.raises(UserError) as err:
-        train_lit(_lit(data, tmp_path / "run", "steps=2", f"data.train={source / 'train'}",
+        train_lit(lit_config(data, tmp_path / "run", "steps=2", f"data.train={source / 'train'}",
                        f"eval.shards={source / 'test'}", f"eval.classnames={names}", *extra))
     assert str(err.value) == (f"eval.shards {source / 'test'} holds class 9, but {names} names 3 classes; set "
                               "eval.classnames to a file naming every class of the split, one per line in class order")
@@ -631,9 +631,9 @@ def test_lit_that_diverges_between_log_records_saves_no_diverged_checkpoint(data
     monkeypatch.setattr(lit_recipe, "contrastive_loss", diverging_loss)
     run = tmp_path / "run"
     with pytest.raises(UserError, match=r"training diverged: loss is nan at step 4;"):
-        train_lit(_lit(data, run, "steps=6", "log_every=100", "checkpoint_every=2", "keep_checkpoints=10",
+        train_lit(lit_config(data, run, "steps=6", "log_every=100", "checkpoint_every=2", "keep_checkpoints=10",
                        "eval.shards="))
-    assert _finite_checkpoints(run) == {2: True}
+    assert finite_checkpoints(run) == {2: True}
 
 
 def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(data, tmp_path, caplog):
@@ -644,13 +644,13 @@ def test_a_probe_set_without_an_eval_set_is_skipped_with_a_warning_and_recorded(
     with caplog.at_level("WARNING", logger="lit_softmoe.train.lit"):
         probe = f"eval.probe_train={data / 'features' / 'train'}"
         # (a fraction as warmup: a 100-step warmup in a 2-step run would add its own warning)
-        results = train_lit(_lit(data, run, "steps=2", "optim.warmup=0.5", "eval.shards=", probe))
+        results = train_lit(lit_config(data, run, "steps=2", "optim.warmup=0.5", "eval.shards=", probe))
     assert results["steps"] == 2 and "linear_probe_top1" not in results
     assert results["probe_skipped"] == SKIPPED
     assert json.loads((run / "results.json").read_text())["probe_skipped"] == SKIPPED
     assert [r.getMessage() for r in caplog.records if r.name == "lit_softmoe.train.lit"] == [SKIPPED, SKIPPED]
     # With an eval set the probe runs, and nothing is said to be skipped.
-    results = train_lit(_lit(data, tmp_path / "with-eval", "steps=2", probe))
+    results = train_lit(lit_config(data, tmp_path / "with-eval", "steps=2", probe))
     assert 0.0 <= results["linear_probe_top1"] <= 1.0 and "probe_skipped" not in results
 
 
@@ -670,7 +670,7 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
     (one / "classnames.txt").write_text((data / "fmnist" / "classnames.txt").read_text())
     embed_shards(data / "tower", str(one / "train"), tmp_path / "one-features", batch_size=10)
     run = tmp_path / "run"
-    results = train_lit(_lit(data, run, "steps=2", f"eval.probe_train={tmp_path / 'one-features' / 'train'}"))
+    results = train_lit(lit_config(data, run, "steps=2", f"eval.probe_train={tmp_path / 'one-features' / 'train'}"))
     assert "linear_probe_top1" not in results and 0.0 <= results["zeroshot_top1"] <= 1.0
     assert results["probe_skipped"] == (f"the linear probe is skipped: eval.probe_train "
                                         f"{tmp_path / 'one-features' / 'train'} holds 1 sample(s), "
@@ -680,11 +680,11 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
 
 def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
     run = tmp_path / "run"
-    first = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    first = train_lit(lit_config(data, run, "steps=4", "eval.every=2"))
     records = read_metrics(run / "metrics.jsonl")
     assert [(r["step"], "zeroshot_top1" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False),
                                                                     (4, False), (4, True)]
-    again = train_lit(_lit(data, run, "steps=4", "eval.every=2"))
+    again = train_lit(lit_config(data, run, "steps=4", "eval.every=2"))
     assert read_metrics(run / "metrics.jsonl") == records
     assert again["zeroshot_top1"] == first["zeroshot_top1"] == records[-1]["zeroshot_top1"]
 
@@ -694,11 +694,11 @@ def test_lit_on_pipe_shards_takes_its_epoch_length_from_data_samples_per_epoch(d
     data.samples_per_epoch, a key LiT's config did not have."""
     spec = f"pipe:cat {data / 'fmnist' / 'train'}/{{0..1}}.tar"  # 2 shards of 50 images, through `cat`
     with pytest.raises(UserError, match=r"the epoch length of pipe:cat .* is unknown .*; set data.samples_per_epoch"):
-        train_lit(_lit(data, tmp_path / "unknown", "epochs=1", f"data.train={spec}", "eval.shards=''"))
-    results = train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={spec}", "data.samples_per_epoch=100",
-                             "eval.shards=''"))
+        train_lit(lit_config(data, tmp_path / "unknown", "epochs=1", f"data.train={spec}", "eval.shards=''"))
+    results = train_lit(lit_config(data, tmp_path / "run", "epochs=1", f"data.train={spec}",
+                                   "data.samples_per_epoch=100", "eval.shards=''"))
     losses = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
-    # 100 samples an epoch in batches of 50 (_lit's batch_size): one epoch is 2 steps.
+    # 100 samples an epoch in batches of 50 (lit_config's batch_size): one epoch is 2 steps.
     assert results["steps"] == 2 and [r["step"] for r in losses] == [1, 2] and losses[-1]["epoch"] == 1
 
 
@@ -709,7 +709,7 @@ def test_lit_on_image_shards_truncated_at_a_sample_boundary_stops_naming_the_mis
     shutil.copytree(data / "fmnist" / "train", train)
     cut_before_sample(train / "3.tar", 10)  # 40 of its 50 samples gone
     with pytest.raises(UserError) as refused:
-        train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''"))
+        train_lit(lit_config(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''"))
     # The epoch (300 samples, from sizes.json) reads the 260 left and starts over: each pass over
     # shard 3 misses its 40; the shard is counted once.
     match = re.fullmatch(r"(\d+) of (\d+) samples were bad \(missing_samples: (\d+), truncated_shard: 1\), over "
@@ -717,7 +717,7 @@ def test_lit_on_image_shards_truncated_at_a_sample_boundary_stops_naming_the_mis
     assert match, str(refused.value)
     bad, seen, missing = map(int, match.groups())
     assert missing % 40 == 0 and bad == missing + 1 and seen > 300 and bad / seen > 0.01
-    results = train_lit(_lit(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''",
+    results = train_lit(lit_config(data, tmp_path / "run", "epochs=1", f"data.train={train}", "eval.shards=''",
                              "data.max_bad_fraction=0.3"))
     counts = results["bad_samples"]
     assert results["steps"] == 6 and counts["truncated_shard"] == 1 and counts["missing_samples"] in (40, 80)
@@ -729,13 +729,13 @@ def test_lit_rerun_over_a_garbage_newest_checkpoint_resumes_from_the_one_before(
     checkpoint and, resuming being exact, saves the model the uninterrupted run saved."""
     run = tmp_path / "run"
     cfg = ["steps=4", "checkpoint_every=2", "keep_checkpoints=10", "eval.shards=''"]
-    train_lit(_lit(data, run, *cfg))
+    train_lit(lit_config(data, run, *cfg))
     first = load_file(run / "model" / "model.safetensors")
     (run / "checkpoints" / "step_00000004" / "state.json").write_text('{"step": 4, "param_gr')
     shutil.rmtree(run / "model")
     (run / "results.json").unlink()
     with caplog.at_level("WARNING"):
-        again = train_lit(_lit(data, run, *cfg))
+        again = train_lit(lit_config(data, run, *cfg))
     assert again["steps"] == 4
     assert any(f"{run / 'checkpoints' / 'step_00000004'} is damaged" in r.getMessage() for r in caplog.records)
     second = load_file(run / "model" / "model.safetensors")

@@ -7,7 +7,7 @@ import math
 import PIL.Image
 import torch
 
-from lit_data import PREPROCESS, _lit
+from lit_data import PREPROCESS, lit_config
 from lit_softmoe.data.captions import load_caption_templates
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist
 from lit_softmoe.data.shards import read_lines
@@ -44,7 +44,7 @@ def test_class_folder_caption_shards_train_a_text_tower(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lit_recipe, "build_zeroshot_classifier", build)
 
-    results = lit_recipe.train_lit(_lit(tmp_path, tmp_path / "run", "steps=6"))
+    results = lit_recipe.train_lit(lit_config(tmp_path, tmp_path / "run", "steps=6"))
 
     assert results["steps"] == 6 and 0 <= results["zeroshot_top1"] <= 1
     assert read_lines(tmp_path / "features" / "zeroshot_classification_templates.txt") == templates

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_checks import _finite_checkpoints
-from cli_errors import _one_line_error
-from data_files import _cut_at_sample
+from checkpoint_checks import finite_checkpoints
+from cli_errors import one_line_error
+from data_files import cut_at_sample
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
@@ -257,7 +257,7 @@ def test_a_train_shard_cut_at_a_sample_boundary_stops_the_run(tmp_path):
     """A tar cut at a member boundary is a valid, shorter archive: pretraining trained on the 100 samples
     left of 300 without a word. The 200 that sizes.json lists but the shard lost are bad samples."""
     write_fashion_mnist_shards(tmp_path / "data", samples_per_shard=300, limit=300, allow_download=False)
-    _cut_at_sample(tmp_path / "data" / "train" / "0.tar", 100)
+    cut_at_sample(tmp_path / "data" / "train" / "0.tar", 100)
     with pytest.raises(UserError) as raised:
         pretrain(_cfg(tmp_path / "data", tmp_path / "run", "steps=3", "fewshot_shots=0"))
     assert str(raised.value) == ("201 of 301 train samples were bad (missing_samples 200, truncated_shard 1), over "
@@ -452,7 +452,7 @@ def test_normalization_statistics_that_do_not_fit_the_towers_channels_are_one_li
                                                                                   expected):
     """An RGB config's mean/std on a gray tower broadcast its pixels to 3 channels: the first step ended
     in `mat1 and mat2 shapes cannot be multiplied (..x147 and 49x..)`; a zero std divided by zero."""
-    line = _one_line_error(capsys, [
+    line = one_line_error(capsys, [
         "pretrain", "--config", "pretrain/soft-s16-128e-imagenet1k", "tower.name=soft-test-4e",
         f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", "data.loader=memory",
         "data.augment=false", "data.randaugment=[]", "data.mixup=0", f"run_dir={tmp_path / 'run'}",
@@ -471,7 +471,7 @@ def test_pretrain_that_diverges_between_log_records_saves_no_diverged_checkpoint
             "tower.name=soft-test-4e", "batch_size=50", "steps=6", "fewshot_shots=0", "precision=fp32",
             "log_every=100", "checkpoint_every=2", "keep_checkpoints=10", "optim.lr=1e9", "optim.warmup=0",
             "optim.grad_clip=0"]))
-    assert _finite_checkpoints(run) == {2: True}
+    assert finite_checkpoints(run) == {2: True}
 
 
 def _pretrain_cfg(data, run, *extra):

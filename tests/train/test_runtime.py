@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cli_errors import _one_line_error
+from cli_errors import one_line_error
 from lit_runs import ROOT
 from lit_softmoe.config import load_config
 from lit_softmoe.errors import UserError
@@ -47,7 +47,7 @@ def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):
 def test_a_run_of_zero_steps_and_zero_epochs_is_refused(tmp_path, capsys, command):
     # It trained nothing and saved an untrained model without a word.
     (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
-    line = _one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), "steps=0", "epochs=0"])
+    line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), "steps=0", "epochs=0"])
     assert "steps=0 and epochs=0 train nothing; set steps=N or epochs=E" in line
     assert not (tmp_path / "run").exists()
 
@@ -71,14 +71,14 @@ def test_a_run_folder_in_use_by_a_live_process_is_refused_until_it_dies(tmp_path
         argv = [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none' / 'train'}"]
         if command == "train":
             argv.append(f"image_tower={tmp_path / 'no-tower'}")
-        line = _one_line_error(capsys, argv)
+        line = one_line_error(capsys, argv)
         assert f"{run} is in use by process {holder.pid}; wait for that run to end, or start this one with " \
                "another run_dir=..." in line
         assert sorted(p.name for p in run.iterdir()) == [".lit-softmoe.lock"]  # nothing written beside it
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    line = _one_line_error(capsys, argv)  # past the lock: the next mistake of this config is told
+    line = one_line_error(capsys, argv)  # past the lock: the next mistake of this config is told
     expected = "shards not found: " if command == "pretrain" else "no-tower is not a tower checkpoint"
     assert expected in line, line
 

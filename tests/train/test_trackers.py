@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from accelerate.utils import LoggerType
 
-from cli_errors import _one_line_error
-from lit_data import _lit
+from cli_errors import one_line_error
+from lit_data import lit_config
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.train import trackers
@@ -72,10 +72,10 @@ def test_pretrain_tensorboard_holds_the_metrics_also_after_a_resume(data, tmp_pa
 
 
 def test_lit_tensorboard_holds_the_metrics_and_no_tracker_writes_none(data, tmp_path):
-    train_lit(_lit(data, tmp_path / "lit", "steps=3"))
+    train_lit(lit_config(data, tmp_path / "lit", "steps=3"))
     _assert_tensorboard_holds_the_metrics(tmp_path / "lit")
     assert {"loss", "temperature", "zeroshot_top1"} <= set(_tensorboard_scalars(tmp_path / "lit" / "tensorboard"))
-    train_lit(_lit(data, tmp_path / "plain", "steps=2", "log_with=[]"))
+    train_lit(lit_config(data, tmp_path / "plain", "steps=2", "log_with=[]"))
     assert not (tmp_path / "plain" / "tensorboard").exists()
     assert [r["step"] for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in r] == [1, 2]
 
@@ -112,7 +112,7 @@ def test_a_tracker_mistake_stops_the_command_before_any_work(tmp_path, capsys, m
     empty.write_text("{}\n")
     run = tmp_path / "run"
     # The data paths do not exist: the tracker check comes first.
-    line = _one_line_error(capsys, [command, "--config", str(empty), f"run_dir={run}", "data.train=nowhere",
+    line = one_line_error(capsys, [command, "--config", str(empty), f"run_dir={run}", "data.train=nowhere",
                                     "log_with=[wandb]"])
     assert "pip install 'lit-softmoe[wandb]'" in line
     assert not run.exists()

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from cli_errors import _one_line_error
-from data_files import _png
+from cli_errors import one_line_error
+from data_files import seeded_png
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
@@ -12,21 +12,21 @@ from lit_softmoe.errors import UserError
 
 def test_embed_out_that_is_a_file(tmp_path, capsys):
     (tmp_path / "f.yaml").write_text("x")
-    line = _one_line_error(capsys, ["embed", "--tower", str(tmp_path / "tower"), "--shards", str(tmp_path),
+    line = one_line_error(capsys, ["embed", "--tower", str(tmp_path / "tower"), "--shards", str(tmp_path),
                                     "--out", str(tmp_path / "f.yaml")])
     assert f"--out {tmp_path / 'f.yaml'} is a file; give a folder path" in line
 
 
 def test_eval_out_that_cannot_be_written(tmp_path, capsys, suite):
     (tmp_path / "file").write_text("x")
-    line = _one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
+    line = one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
                                     "--out", str(tmp_path / "file" / "sub" / "e.json"), "--device", "cpu"])
     assert f"{tmp_path / 'file'} is a file, not a folder; choose another --out" in line
-    line = _one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
+    line = one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
                                     "--out", str(tmp_path), "--device", "cpu"])
     assert "is a folder; give a file path" in line
     if os.path.isdir("/proc/self"):  # Linux: nobody, root included, creates files in /proc
-        line = _one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
+        line = one_line_error(capsys, ["eval", "--model", str(tmp_path / "run"), "--suite", suite,
                                         "--out", "/proc/e.json", "--device", "cpu"])
         assert "cannot write in /proc" in line
 
@@ -34,7 +34,7 @@ def test_eval_out_that_cannot_be_written(tmp_path, capsys, suite):
 def test_out_that_is_a_file_is_a_user_error(tmp_path):
     src = tmp_path / "photos"
     src.mkdir()
-    (src / "a.png").write_bytes(_png(0))
+    (src / "a.png").write_bytes(seeded_png(0))
     (src / "a.txt").write_text("a caption")
     out = tmp_path / "out"
     out.write_text("I am a file")
