@@ -386,24 +386,48 @@ def count_samples(url: str) -> int:
         identity = file_identity(url)
     except OSError:  # gone or unreadable: the reading pass counts it as a bad shard
         return 0
-    return _count_tar_samples(identity)
+    return _walk_tar(identity)[0]
+
+
+def is_damaged_tar(url: str) -> bool:
+    """Whether a local tar ends inside a member or a header (cut short, or garbage after its members): its
+    readers lose what follows the damage. Read from the member headers alone, as `count_samples`
+    (the same walk, remembered per file identity); a file that cannot be read counts as damaged."""
+    try:
+        identity = file_identity(url)
+    except OSError:
+        return True
+    return _walk_tar(identity)[1]
 
 
 @functools.lru_cache(maxsize=4096)
-def _count_tar_samples(identity: tuple[str, int, int, int]) -> int:
-    logger.info("counting the samples of %s (no %s or %s lists them)", identity[0], SIZES_FILE, STATS_SUFFIX)
-    count, previous = 0, None
+def _walk_tar(identity: tuple[str, int, int, int]) -> tuple[int, bool]:
+    """(samples, damaged) of a local tar, from its member headers."""
+    path, size = identity[0], identity[1]
+    count, previous, end = 0, None, 0
     try:
-        with tarfile.open(identity[0], "r:*") as tar:  # a random-access tar skips each member's data
+        with tarfile.open(path, "r:*") as tar:  # a random-access tar skips each member's data
             for member in tar:
+                end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 if not member.isreg() or _WDS_META_MEMBER.match(member.name):
                     continue
                 key, _ = base_plus_ext(member.name)  # webdataset's own split: its samples are counted
                 if key is not None and key != previous:
                     count, previous = count + 1, key
     except (tarfile.TarError, OSError, EOFError):
-        pass  # the samples before the damage; the reading pass counts the damaged shard
-    return count
+        return count, True  # the samples before the damage
+    # tarfile takes a file cut inside a member's data, or inside the next header, for the archive's end.
+    return count, end > size or _has_data_after(path, end)
+
+
+def _has_data_after(path: str, offset: int) -> bool:
+    """Whether anything but the end-of-archive zero blocks follows `offset` (a header cut short)."""
+    with open(path, "rb") as stream:
+        stream.seek(offset)
+        while chunk := stream.read(1 << 20):
+            if chunk.strip(b"\0"):
+                return True
+    return False
 
 
 def tar_samples(url: str, counter: BadSampleCounter, listed: int | None = None,

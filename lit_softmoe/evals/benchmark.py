@@ -105,7 +105,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
             result.update(metrics=retrieval_metrics(images, texts_emb, owner.to(device), ks=tuple(cfg.recall_k)),
                           num_captions=len(texts), images_without_captions=uncaptioned,
                           empty_captions=empty_captions, templates=None)
-    result.update(num_samples=len(targets), bad_samples=bad, image_cache=cache, format=data.format,
+    result.update(num_samples=len(targets), bad_samples=bad, bad_shards=len(data.damaged_shards),
+                  image_cache=cache, format=data.format,
                   root=str(spec.root), split=spec.split, seconds=round(time.perf_counter() - tic, 2), status="ok")
     if partial:
         result["partial"] = partial
@@ -116,10 +117,16 @@ def _partial_read(spec: BenchmarkConfig, data: EvalData, read: int) -> str | Non
     """Why the metrics cover only part of the split (its shards hold fewer samples than their
     sizes.json lists: truncated; img2dataset's _stats.json serves as one), or None. A cut at a sample
     boundary reads as a shorter, clean tar."""
-    if data.listed_samples is None or read >= data.listed_samples:
+    reasons = []
+    if data.listed_samples is not None and read < data.listed_samples:
+        reasons.append(f"{read} of the {data.listed_samples} samples that the sizes.json of {spec.root}/{spec.split} "
+                       "lists were read: its shards are truncated")
+    if data.damaged_shards:
+        reasons.append(f"{len(data.damaged_shards)} shard(s) end inside a sample (first: {data.damaged_shards[0]}) "
+                       "and were read up to the damage")
+    if not reasons:
         return None
-    partial = (f"{read} of the {data.listed_samples} samples that the sizes.json of {spec.root}/{spec.split} lists "
-               "were read: its shards are truncated, and the metrics cover the samples read only")
+    partial = f"{'; '.join(reasons)}, and the metrics cover the samples read only"
     logger.warning("%s: %s", spec.name, partial)
     return partial
 

@@ -42,6 +42,8 @@ from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     BadSampleCounter,
     files_signature,
+    is_damaged_tar,
+    is_local_url,
     is_split_folder,
     listed_sizes,
     read_classnames_file,
@@ -76,6 +78,9 @@ class EvalData:
     # _stats.json, or a count): reading fewer than listed means truncated shards, and metrics over a part
     # of the split; it also sizes the progress bar. None for remote shards.
     listed_samples: int | None = None
+    # Local shards that end inside a member or a header (`shards.is_damaged_tar`): read up to the damage,
+    # so the metrics cover part of the split.
+    damaged_shards: list[str] = field(default_factory=list)
 
 
 def _open_image(data: bytes | str | Path) -> PIL.Image.Image:
@@ -159,7 +164,8 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
                     classnames=read_classnames_file(root / CLASSNAMES_FILE),
                     templates=read_lines(root / "zeroshot_classification_templates.txt"),
                     signature={"files": files_signature([Path(u) for u in urls])},
-                    listed_samples=sum(listed.values()) if listed else None)
+                    listed_samples=sum(listed.values()) if listed else None,
+                    damaged_shards=[url for url in urls if is_local_url(url) and is_damaged_tar(url)])
 
 
 # ---------------------------------------------------------------------------------- map-style readers

@@ -415,3 +415,26 @@ def test_a_split_whose_nshards_counts_fewer_shards_than_sizes_lists_is_refused(f
         shard_urls(split)
     (split / "nshards.txt").write_text("4\n")
     assert len(shard_urls(split)) == 4
+
+
+def test_a_tar_cut_inside_a_member_or_a_header_is_damaged(fmnist_shards, tmp_path):
+    """tarfile takes a file cut inside a member's data, or inside the next header, for the end of the archive;
+    its samples count stops there, and `is_damaged_tar` says the tar lost what followed."""
+    import tarfile
+
+    from lit_softmoe.data.shards import count_samples, is_damaged_tar
+    whole = sorted((fmnist_shards[0] / "train").glob("*.tar"))[0]
+    with tarfile.open(whole) as archive:
+        members = archive.getmembers()
+    data = whole.read_bytes()
+    cuts = {"inside a member's data": members[5].offset_data + 10,
+            "inside a header": members[5].offset + 100,
+            "at a sample's end, padding and all": members[4].offset_data + -(-members[4].size // 512) * 512}
+    keys = [member.name.split(".")[0] for member in members]
+    assert not is_damaged_tar(str(whole))
+    for name, cut in cuts.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.tar"
+        path.write_bytes(data[:cut])
+        headers_read = 6 if name == "inside a member's data" else 5  # a whole header of the cut member is read
+        assert count_samples(str(path)) == len(set(keys[:headers_read])), name
+        assert is_damaged_tar(str(path)) == (name != "at a sample's end, padding and all"), name

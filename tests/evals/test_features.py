@@ -243,3 +243,21 @@ def test_a_damaged_shard_is_warned_about_by_one_of_the_workers(tmp_path, monkeyp
         list(data.dataset)
         warned[worker] = [r.getMessage() for r in caplog.records if "bad_shard" in r.getMessage()]
     assert len(warned[0]) == 1 and str(tar) in warned[0][0] and warned[1] == []
+
+
+def test_a_shard_cut_inside_a_sample_marks_the_result_partial(tmp_path):
+    """Without a sizes.json the samples of a cut tar are counted up to the cut, so reading fewer than listed
+    never showed: the result was published as whole, the damaged shard in no count."""
+    import tarfile
+    root = wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    whole = run_suite("m", cfg, out=tmp_path / "whole.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert whole["bad_shards"] == 0 and "partial" not in whole
+    tar = root / "test" / "0.tar"
+    with tarfile.open(tar) as archive:
+        cut = archive.getmembers()[4].offset_data + 10
+    tar.write_bytes(tar.read_bytes()[:cut])
+    entry = run_suite("m", cfg, out=tmp_path / "cut.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and entry["bad_shards"] == 1 and entry["num_samples"] < whole["num_samples"]
+    assert entry["partial"].startswith(f"1 shard(s) end inside a sample (first: {tar})")
