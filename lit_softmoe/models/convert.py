@@ -37,6 +37,7 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import image_tower_config
+from lit_softmoe.models.tower_folder import key_problems
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 
 
@@ -155,11 +156,7 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, to
                             "patch, image size and number of experts")
         state[name] = torch.from_numpy(np.ascontiguousarray(value)).to(torch.float32)
     unused = sorted(set(arrays) - used)
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
-    if unused:
-        problems.append(f"{len(unused)} keys left unused (e.g. {', '.join(unused[:3])})")
+    problems = key_problems(missing, unused=unused)
     if problems:
         raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the --to tower the "
                         "checkpoint was trained as (GAP, qk-norm, learned position embeddings), or check the "

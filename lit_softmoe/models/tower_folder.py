@@ -64,16 +64,18 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     unexpected = sorted(set(state) - set(expected))
     mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
                   for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+    problems = key_problems(missing, unexpected=unexpected)
     if mismatched:
         problems.append(f"{len(mismatched)} shapes differ, checkpoint vs tower (e.g. {'; '.join(mismatched[:2])})")
     if problems:
         raise UserError(f"{source} does not fit the tower: {'; '.join(problems)}; "
                         "use the tower name and options the checkpoint was trained with")
+
+
+def key_problems(missing: list[str], unexpected: list[str] = (), unused: list[str] = ()) -> list[str]:
+    """What a checkpoint and a model disagree on, in words: how many keys of each kind, and the first few."""
+    kinds = (("missing {} keys", missing), ("unexpected {} keys", unexpected), ("{} keys left unused", unused))
+    return [f"{words.format(len(keys))} (e.g. {', '.join(keys[:3])})" for words, keys in kinds if keys]
 
 
 def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
