@@ -40,7 +40,8 @@ from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
 from lit_softmoe.data.feature_cache import feature_sample, npy_bytes, write_feature_shard  # noqa: E402
 from lit_softmoe.data.shard_batches import ShardBatches  # noqa: E402
-from lit_softmoe.data.shards import is_safe_key, listed_sizes, shard_urls, write_split  # noqa: E402
+from lit_softmoe.data.shards import is_safe_key, shard_urls, write_split  # noqa: E402
+from lit_softmoe.data.tar_reading import listed_sizes
 from lit_softmoe.data.transforms import pixels_and_normalization, preprocess_transform  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402

@@ -34,7 +34,8 @@ import torch
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, sample_decoder
 from lit_softmoe.data.samples import SampleSkip, decode_label, is_class_member
-from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
+from lit_softmoe.data.shards import shard_urls
+from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
 from lit_softmoe.data.transforms import batch_augment
 from lit_softmoe.errors import UserError
 

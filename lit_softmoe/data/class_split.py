@@ -21,14 +21,12 @@ from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import (
     DECODED_CACHE_PREFIX,
     NSHARDS_FILE,
-    BadSampleCounter,
     file_identity,
     is_local_url,
-    listed_sizes,
     shard_urls,
     split_dir_urls,
-    tar_samples,
 )
+from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import replacing
 
@@ -75,7 +73,7 @@ def iter_class_samples(
 
     A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
     a damaged or unreadable tar is counted and reading goes on with the next shard, and a shard that
-    holds fewer samples than its sizes.json lists is counted as truncated (`shards.tar_samples`).
+    holds fewer samples than its sizes.json lists is counted as truncated (`tar_reading.tar_samples`).
     """
     counter = counter if counter is not None else BadSampleCounter()
     shards = shard_urls(urls)

@@ -39,13 +39,13 @@ from lit_softmoe.data.samples import IMAGE_EXTENSIONS
 from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     SIZES_FILE,
-    BadSampleCounter,
     file_identity,
     is_local_url,
     is_safe_key,
     shard_urls,
     splits_beside,
 )
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import tower_fingerprint
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic

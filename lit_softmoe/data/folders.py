@@ -26,7 +26,7 @@ from lit_softmoe.data.listing import (
     in_shuffled_order,
     sample_key,
 )
-from lit_softmoe.data.shards import BadSampleCounter
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import check_templates
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
-from lit_softmoe.data.shards import BadSampleCounter
+from lit_softmoe.data.tar_reading import BadSampleCounter
 
 # \w is Unicode-aware: 日本語.jpg keeps its own key (ASCII-only keys turned every such name into "_").
 _UNSAFE_KEY_CHARACTERS = re.compile(r"[^\w-]+")

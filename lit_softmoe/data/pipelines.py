@@ -19,7 +19,7 @@ What differs from open_clip:
   process with the batches, where the first of each reason is logged once, the totals go into the
   run's metrics (`ShardLoader.metrics()`), and `max_bad_fraction` stops the run with one line
   instead of letting it train on garbage.
-- The epoch length is the sum of the shards' sizes (`shards.listed_sizes`): our sizes.json,
+- The epoch length is the sum of the shards' sizes (`tar_reading.listed_sizes`): our sizes.json,
   img2dataset's `_stats.json`, or one count of each tar's samples.
 - `exact_epoch` reads every sample exactly once per epoch (for embedding and evaluation); otherwise
   every worker yields the same number of full batches, rolling over its shards (open_clip's
@@ -46,7 +46,8 @@ from torchvision.transforms.v2 import functional as TF
 from lit_softmoe.data.feature_cache import read_npy
 from lit_softmoe.data.images import open_image
 from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
-from lit_softmoe.data.shards import BadSampleCounter, listed_sizes, shard_urls, tar_samples
+from lit_softmoe.data.shards import shard_urls
+from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
 from lit_softmoe.data.transforms import decode_min_side
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.distributed import rank_and_world_size
@@ -72,7 +73,7 @@ class ShardDataConfig:
     shuffle_buffer: int = 5000  # samples (still encoded) held by the sample shuffle; 0 or 1: shard order only
     seed: int = 0  # shard order is a function of (seed, epoch); the sample shuffle of (seed, epoch, node, worker)
     resampled: bool = False  # draw shards with replacement: an endless stream, cut into epochs
-    samples_per_epoch: int = 0  # all processes together; 0: the shards' sizes (`shards.listed_sizes`)
+    samples_per_epoch: int = 0  # all processes together; 0: the shards' sizes (`tar_reading.listed_sizes`)
     exact_epoch: bool = False  # every sample exactly once per epoch, partial last batches (embedding, evaluation)
     max_bad_fraction: float = 0.01  # more skipped samples than this fraction stops the run
     rank: int = -1  # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
@@ -259,7 +260,7 @@ def _open_tars(urls: Iterator[str], counter: _StreamCounter, listed: dict[str, i
     """Tar stage: raw samples ({"__key__", "__url__", extension: bytes}) from each shard in turn.
 
     A shard that fails to open or read is counted and skipped, one that holds fewer samples than
-    `listed` (its sizes.json) is counted as truncated (`shards.tar_samples`). For an endless shard
+    `listed` (its sizes.json) is counted as truncated (`tar_reading.tar_samples`). For an endless shard
     stream, `patience` shards opened without a single sample read stops the stream (`counter.fatal`)
     instead of spinning forever on unreadable or empty shards.
     """

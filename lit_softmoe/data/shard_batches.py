@@ -13,7 +13,7 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.pipelines import read_shard
-from lit_softmoe.data.shards import read_class_members
+from lit_softmoe.data.tar_reading import read_class_members
 
 
 def _ignore(exn: Exception) -> bool:

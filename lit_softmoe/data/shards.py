@@ -1,4 +1,4 @@
-"""Webdataset shards: write a split, list its tars, and count what cannot be read.
+"""Webdataset shards: write a split, list its tars, and the metadata files beside them.
 
 The on-disk layout is CLIP_benchmark's (clip_benchmark/datasets/builder.py, `build_wds_dataset`),
 so its evaluator and ours read the same folders:
@@ -23,29 +23,22 @@ failed download is a row of the `.parquet` and no sample of the tar. There is no
 sizes.json: `NNNNN_stats.json` marks a finished shard (img2dataset writes it after closing the tar)
 and its "successes" is the number of samples the tar holds.
 
-Reading (`data.pipelines` streams, `data.class_split` reads a class split whole) follows open_clip's
-`get_wds_dataset`: explicit webdataset stages, and a handler that skips and counts a bad shard instead
-of ending the run (`BadSampleCounter`); a bad *sample* is skipped and counted too.
+Reading the tars, and counting what is bad in them, is `data.tar_reading`'s.
 """
 from __future__ import annotations
 
-import collections
-import functools
 import hashlib
 import json
 import logging
 import os
 import re
-import tarfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
 import webdataset as wds
 from webdataset.shardlists import expand_urls
-from webdataset.tariterators import base_plus_ext
 
 # Re-exported: train.embed imports it from here.
-from lit_softmoe.data.samples import is_class_member
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import process_alive, write_text_atomic
 
@@ -58,8 +51,6 @@ CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 _SHARD_NAME = re.compile(r"^(\d+)\.tar$")
 _STATS_NAME = re.compile(r"^(\d+)_stats\.json$")
-# The tar members webdataset skips (tariterators.tar_file_iterator's `skip_meta` and `meta_prefix`).
-_WDS_META_MEMBER = re.compile(r"__[^/]*__($|/)")
 _PARTIAL_SUFFIX = ".partial"
 DECODED_CACHE_PREFIX = ".decoded-"
 _LAYOUT_HINT = (
@@ -241,7 +232,7 @@ def split_dir_urls(split_dir: Path) -> list[str]:
         )
     # Shards that sizes.json lists but nshards.txt leaves out would never be read, their samples never
     # counted as missing: the split would pass for complete with part of it.
-    listed = _read_sizes_file(split_dir / SIZES_FILE) or {}
+    listed = read_sizes_file(split_dir / SIZES_FILE) or {}
     unread = sorted((name for name in listed if (match := _SHARD_NAME.match(name)) and int(match.group(1)) >= nshards),
                     key=lambda name: int(_SHARD_NAME.match(name).group(1)))
     if unread:
@@ -250,7 +241,7 @@ def split_dir_urls(split_dir: Path) -> list[str]:
     return urls
 
 
-def _read_sizes_file(path: Path) -> dict | None:
+def read_sizes_file(path: Path) -> dict | None:
     """sizes.json as {shard name: samples}, None where there is none."""
     if not path.is_file():
         return None
@@ -328,165 +319,6 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
     return urls
 
 
-def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
-    """{url: samples} of local shards; None if any shard is remote (it cannot be stat'ed or counted
-    without streaming it whole).
-
-    Each shard's count comes from the first of: the sizes.json beside it (ours); img2dataset's
-    `NNNNN_stats.json` beside `NNNNN.tar` ("successes": the samples the tar holds, failed downloads
-    being rows of the .parquet only); else one count of the tar's samples (`count_samples`). The
-    listed counts also say when a tar holds fewer samples than it should (`tar_samples`).
-    """
-    urls = list(urls)
-    if not all(is_local_url(url) for url in urls):
-        return None
-    tables: dict[str, dict | None] = {}
-    sizes = {}
-    for url in urls:
-        folder, name = os.path.split(url)
-        if folder not in tables:
-            tables[folder] = _read_sizes_file(Path(folder) / SIZES_FILE)
-        table = tables[folder]
-        if table is not None and name in table:
-            sizes[url] = int(table[name])
-            continue
-        listed = img2dataset_successes(url)
-        sizes[url] = listed if listed is not None else count_samples(url)
-    return sizes
-
-
-def img2dataset_successes(url: str) -> int | None:
-    """"successes" of the `NNNNN_stats.json` img2dataset wrote beside `NNNNN.tar`: the samples of the
-    tar. None where there is none, or it does not hold a count (then the tar is counted instead)."""
-    if not url.endswith(".tar"):
-        return None
-    path = Path(url[: -len(".tar")] + STATS_SUFFIX)
-    if not path.is_file():
-        return None
-    try:
-        successes = json.loads(path.read_text()).get("successes")
-    except (OSError, ValueError, AttributeError):
-        successes = None
-    if isinstance(successes, int) and not isinstance(successes, bool) and successes >= 0:
-        return successes
-    logger.warning("%s holds no \"successes\" count; counting the samples of %s instead", path, url)
-    return None
-
-
-def count_samples(url: str) -> int:
-    """The samples of a local tar as webdataset groups them (consecutive members sharing a key), read
-    from its member headers alone (no member's data); those before the damage of a damaged tar.
-
-    Remembered per file identity (path, size, mtime, ctime) for the life of the process: the train
-    loader, the eval set and a progress bar each ask, and a rewritten tar is counted again. Not
-    written to disk: it is a fallback for tars that list no count (img2dataset writes its
-    _stats.json, `write_split` its sizes.json), and their folder may be read-only or shared.
-    """
-    try:
-        identity = file_identity(url)
-    except OSError:  # gone or unreadable: the reading pass counts it as a bad shard
-        return 0
-    return _walk_tar(identity)[0]
-
-
-def is_damaged_tar(url: str) -> bool:
-    """Whether a local tar ends inside a member or a header (cut short, or garbage after its members): its
-    readers lose what follows the damage. Read from the member headers alone, as `count_samples`
-    (the same walk, remembered per file identity); a file that cannot be read counts as damaged."""
-    try:
-        identity = file_identity(url)
-    except OSError:
-        return True
-    return _walk_tar(identity)[1]
-
-
-@functools.lru_cache(maxsize=4096)
-def _walk_tar(identity: tuple[str, int, int, int]) -> tuple[int, bool]:
-    """(samples, damaged) of a local tar, from its member headers."""
-    path, size = identity[0], identity[1]
-    count, previous, end = 0, None, 0
-    try:
-        with tarfile.open(path, "r:*") as tar:  # a random-access tar skips each member's data
-            for member in tar:
-                end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                if not member.isreg() or _WDS_META_MEMBER.match(member.name):
-                    continue
-                key, _ = base_plus_ext(member.name)  # webdataset's own split: its samples are counted
-                if key is not None and key != previous:
-                    count, previous = count + 1, key
-    except (tarfile.TarError, OSError, EOFError):
-        return count, True  # the samples before the damage
-    # tarfile takes a file cut inside a member's data, or inside the next header, for the archive's end.
-    return count, end > size or _has_data_after(path, end)
-
-
-def _has_data_after(path: str, offset: int) -> bool:
-    """Whether anything but the end-of-archive zero blocks follows `offset` (a header cut short)."""
-    with open(path, "rb") as stream:
-        stream.seek(offset)
-        while chunk := stream.read(1 << 20):
-            if chunk.strip(b"\0"):
-                return True
-    return False
-
-
-def tar_samples(url: str, counter: BadSampleCounter, listed: int | None = None,
-                select_files: Callable[[str], bool] | None = None) -> Iterator[dict]:
-    """The raw samples ({"__key__", "__url__", extension: bytes}) of one tar shard.
-
-    A shard that fails to open or read is counted by `counter.handler` and its samples before the
-    damage are kept; one that ends before the `listed` samples of its sizes.json is counted as
-    truncated (`BadSampleCounter.shard_ended`). One webdataset tar stage per shard: webdataset ends a
-    shard's last sample at an end-of-shard marker that a damaged shard never sends, and the next
-    shard's first files would join that sample.
-    """
-    counter.shard = url  # for the handler's message
-    read = 0
-    if _is_local_tar(url):
-        files = _local_tar_files(url, counter.handler, select_files)
-        samples = wds.tariterators.group_by_keys(files, handler=counter.handler)  # webdataset's own grouping
-    else:  # pipe:, http(s), compressed tars: webdataset's opener and stream reader
-        samples = wds.tarfile_to_samples(handler=counter.handler, select_files=select_files)(iter([{"url": url}]))
-    for sample in samples:
-        read += 1
-        yield sample
-    counter.shard_ended(url, read, listed)
-
-
-def _is_local_tar(url: str) -> bool:
-    return url.endswith(".tar") and "://" not in url and not url.startswith("pipe:")
-
-
-def _local_tar_files(url: str, handler: Callable[[Exception], bool],
-                     select_files: Callable[[str], bool] | None = None) -> Iterator[dict]:
-    """The regular files of a local uncompressed tar as webdataset's tar stage gives them
-    ({"fname", "data", "__url__"}, then {} at the end of the shard), read faster (scripts/bench_data.py).
-
-    Webdataset reads a tar as a stream (`tarfile` mode "r|*") and copies each member through an
-    extract-file object, a cost of the order of decoding and cropping a small JPEG. A local file can be
-    read in `tarfile`'s random-access mode instead, each member's bytes taken at its offset. Headers are
-    still parsed by `tarfile` (pax and GNU long names included); a member cut short by the file's end,
-    or a header that fails, goes to `handler` with the files before it kept, as webdataset's reader does.
-    """
-    try:
-        with open(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
-            while (member := tar.next()) is not None:
-                tar.members.clear()  # a TarFile keeps every header read; a shard can hold 100,000
-                name = member.name
-                if not member.isreg() or _WDS_META_MEMBER.match(name):
-                    continue
-                if select_files is not None and not select_files(name):
-                    continue
-                stream.seek(member.offset_data)
-                data = stream.read(member.size)
-                if len(data) < member.size:
-                    raise tarfile.ReadError(f"unexpected end of data in {name}")
-                yield {"fname": name, "data": data, "__url__": url}
-    except (tarfile.TarError, OSError, EOFError) as exn:
-        handler(exn)
-    yield {}  # the end of the shard: its last sample is complete
-
-
 def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
     """The local folder holding a split folder, where classnames.txt and the templates lie: DATA/x for
     DATA/x/train, for a pattern DATA/x/train/{0..9}.tar, and for the first part of a '::' list of
@@ -506,26 +338,11 @@ def split_name(spec: str | Path, urls: list[str]) -> str:
     return Path(os.path.dirname(urls[0])).name or "train"
 
 
-def read_class_members(urls: list[str]) -> dict[str, bytes]:
-    """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
-    tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
-    image decoding. A bad shard is passed over quietly (the main pass over the shards counts it)."""
-    counter = _QuietCounter()
-    return {sample["__key__"]: sample["cls"].strip() for url in urls
-            for sample in tar_samples(url, counter, select_files=is_class_member) if "cls" in sample}
-
-
 def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]:
     """The split folders (holding nshards.txt) in `out_dir` but `exclude`, sorted: the splits that
     classnames.txt & co. beside them describe, which a writer of another split must not rename."""
     return sorted(path.parent.name for path in Path(out_dir).glob(f"*/{NSHARDS_FILE}")
                   if path.parent.name not in exclude)
-
-
-def num_samples(split_dir: str | Path) -> int:
-    """Number of samples in a split folder: from its sizes.json (`write_split`), img2dataset's
-    _stats.json, or a count of its tars (`listed_sizes`)."""
-    return sum(listed_sizes(split_dir_urls(Path(split_dir))).values())
 
 
 def read_lines(path: str | Path) -> list[str] | None:
@@ -585,67 +402,5 @@ def read_classnames(dataset_dir: str | Path) -> list[str]:
                     "classnames.txt beside its split folders), or write one class name per line there")
 
 
-# ---------------------------------------------------------------------------------------- reading
-
-class BadSampleCounter:
-    """Counts skipped samples and shards by reason; logs the first of each reason only.
-
-    `counts` is a Counter (a reason never seen reads 0). Sample reasons: "missing_image",
-    "missing_cls", "bad_image", "bad_cls"…, and "missing_samples": the samples a shard's sizes.json
-    lists that the shard no longer holds. Shard reasons (`SHARD_REASONS`), counted once per shard:
-    "bad_shard" (a corrupt tar, or one cut inside a member; the samples before the damage are kept),
-    "unreadable_shard" (the file cannot be opened) and "truncated_shard" (a tar that ends cleanly
-    before the samples its sizes.json lists: cut at a sample boundary).
-    """
-
-    SHARD_REASONS = ("bad_shard", "unreadable_shard", "truncated_shard")
-
-    def __init__(self, log: bool = True) -> None:
-        self.log = log  # False in all but one of several readers of the same shards (each would warn alike)
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.shard: str | None = None  # the shard being read, set by `tar_samples`
-        self._bad_shards: set[tuple[str, str | None]] = set()
-
-    def skip(self, reason: str, detail: str, count: int = 1) -> None:
-        if self.counts[reason] == 0 and self.log:
-            logger.warning("skipping %s: %s (further ones are counted, not logged)", reason, detail)
-        self.counts[reason] += count
-
-    def handler(self, exn: Exception) -> bool:
-        """Webdataset handler for a shard that fails to open or read: count it, go on.
-
-        Webdataset may report one truncated tar twice (once per member read, once from the
-        stream), so a shard is counted once per reason.
-        """
-        reason = "unreadable_shard" if isinstance(exn, OSError) else "bad_shard"
-        if (reason, self.shard) not in self._bad_shards:
-            self._bad_shards.add((reason, self.shard))
-            first_arg = exn.args[0] if exn.args else ""
-            self.skip(reason, f"{self.shard}: {type(exn).__name__}: {first_arg}")
-        return True
-
-    def shard_ended(self, url: str, read: int, listed: int | None) -> None:
-        """A shard read to its end gave `read` samples where its sizes.json lists `listed`: count what
-        is missing. A tar cut at a sample boundary reads as a complete, shorter archive; without this,
-        a third of a split read as the whole of it."""
-        if listed is None or read >= listed:
-            return
-        where = f"{url}: {read} of the {listed} samples its {SIZES_FILE} lists"
-        if not any(shard == url for _, shard in self._bad_shards):  # a damaged tar is counted once
-            self._bad_shards.add(("truncated_shard", url))
-            self.skip("truncated_shard", where)
-        self.skip("missing_samples", where, count=listed - read)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def __repr__(self) -> str:
-        return f"BadSampleCounter({dict(self.counts)})"
 
 
-class _QuietCounter(BadSampleCounter):
-    """Counts and logs nothing: for a side pass whose shards the main pass counts."""
-
-    def skip(self, reason: str, detail: str, count: int = 1) -> None:
-        pass

@@ -21,7 +21,8 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from lit_softmoe.data.shards import BadSampleCounter, read_classnames_file
+from lit_softmoe.data.shards import read_classnames_file
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 
 _WHOLE_NUMBER = re.compile(r"[+-]?\d+")

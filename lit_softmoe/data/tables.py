@@ -20,8 +20,8 @@ from lit_softmoe.data.listing import (
     is_utf8_text,
     sample_key,
 )
-from lit_softmoe.data.shards import BadSampleCounter
 from lit_softmoe.data.table_classes import class_cell, load_classnames_file, resolve_classes
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 
 TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",

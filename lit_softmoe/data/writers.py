@@ -61,13 +61,13 @@ from lit_softmoe.data.shards import (
     NSHARDS_FILE,
     SIZES_FILE,
     TEMPLATES_FILE,
-    BadSampleCounter,
     read_lines,
     same_classnames,
     splits_beside,
     write_split,
 )
 from lit_softmoe.data.tables import list_table
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock

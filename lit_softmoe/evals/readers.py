@@ -40,17 +40,14 @@ from lit_softmoe.data.samples import class_index, image_extension
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     NSHARDS_FILE,
-    BadSampleCounter,
     files_signature,
-    is_damaged_tar,
     is_local_url,
     is_split_folder,
-    listed_sizes,
     read_classnames_file,
     read_lines,
     shard_urls,
-    tar_samples,
 )
+from lit_softmoe.data.tar_reading import BadSampleCounter, is_damaged_tar, listed_sizes, tar_samples
 from lit_softmoe.data.transforms import decode_min_side, to_l_or_rgb
 from lit_softmoe.errors import UserError
 
@@ -74,11 +71,11 @@ class EvalData:
     classnames: list[str] | None = None  # from the dataset's own files, when it ships them
     templates: list[str] | None = None
     signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
-    # The samples of a webdataset split (`shards.listed_sizes`: lit-softmoe's sizes.json, img2dataset's
+    # The samples of a webdataset split (`tar_reading.listed_sizes`: lit-softmoe's sizes.json, img2dataset's
     # _stats.json, or a count): reading fewer than listed means truncated shards, and metrics over a part
     # of the split; it also sizes the progress bar. None for remote shards.
     listed_samples: int | None = None
-    # Local shards that end inside a member or a header (`shards.is_damaged_tar`): read up to the damage,
+    # Local shards that end inside a member or a header (`tar_reading.is_damaged_tar`): read up to the damage,
     # so the metrics cover part of the split.
     damaged_shards: list[str] = field(default_factory=list)
 
@@ -133,7 +130,7 @@ class _TarSamples(IterableDataset):
             yield index, image, target
 
     def _samples(self, log: bool) -> Iterator[dict]:
-        """Raw samples of every shard in turn, read as the training pipeline reads them (`shards.tar_samples`):
+        """Raw samples of every shard in turn, read as the training pipeline reads them (`tar_reading.tar_samples`):
         a truncated or unreadable tar is warned about (once per shard) and the samples before the
         damage are kept; it ended the whole suite in a tarfile traceback."""
         counter = BadSampleCounter(log=log)  # every worker reads every tar: one of them warns

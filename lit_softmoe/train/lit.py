@@ -30,13 +30,8 @@ from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
-from lit_softmoe.data.shards import (
-    dataset_dir,
-    read_class_members,
-    read_classnames_file,
-    read_lines,
-    shard_urls,
-)
+from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
+from lit_softmoe.data.tar_reading import read_class_members
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics

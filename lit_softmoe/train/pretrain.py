@@ -47,7 +47,8 @@ from lit_softmoe.data.class_batches import (
     split_labels,
 )
 from lit_softmoe.data.class_split import MixedSizesError, load_class_split
-from lit_softmoe.data.shards import dataset_dir, listed_sizes, read_classnames, shard_urls
+from lit_softmoe.data.shards import dataset_dir, read_classnames, shard_urls
+from lit_softmoe.data.tar_reading import listed_sizes
 from lit_softmoe.data.transforms import eval_transform, train_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.probes import fewshot_probe, sample_shots

@@ -18,7 +18,8 @@ import torch
 
 from data_files import copy_split, cut_at_sample, png_bytes
 from lit_softmoe.data.class_split import iter_class_samples, load_class_split
-from lit_softmoe.data.shards import BadSampleCounter, shard_urls, write_split
+from lit_softmoe.data.shards import shard_urls, write_split
+from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.utils import atomic
 
 

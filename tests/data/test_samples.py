@@ -9,7 +9,8 @@ from data_files import png_bytes
 from lit_softmoe.data.class_batches import split_labels
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.samples import SampleSkip, class_index, decode_label, image_extension
-from lit_softmoe.data.shards import read_class_members, shard_urls, write_split
+from lit_softmoe.data.shards import shard_urls, write_split
+from lit_softmoe.data.tar_reading import read_class_members
 from lit_softmoe.evals.readers import read_wds
 
 

@@ -18,19 +18,10 @@ import pytest
 
 from data_files import LIMIT, copy_split, cut_at_sample, png_bytes, read_split, seeded_png
 from img2dataset_shards import write_img2dataset_output
-from lit_softmoe.data import shards
+from lit_softmoe.data import shards, tar_reading
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.shards import (
-    BadSampleCounter,
-    count_samples,
-    is_safe_key,
-    listed_sizes,
-    num_samples,
-    read_classnames,
-    shard_urls,
-    tar_samples,
-    write_split,
-)
+from lit_softmoe.data.shards import is_safe_key, read_classnames, shard_urls, write_split
+from lit_softmoe.data.tar_reading import BadSampleCounter, count_samples, listed_sizes, num_samples, tar_samples
 from lit_softmoe.errors import UserError
 
 
@@ -283,8 +274,8 @@ def test_a_tar_listed_nowhere_is_counted_once_as_webdataset_groups_it(tmp_path, 
     read = [sample["__key__"] for sample in tar_samples(str(tar_path), counter)]
     assert read == ["a", "b", "dir/c", "d"] and not counter.counts
     opened = []
-    real_open = shards.tarfile.open
-    monkeypatch.setattr(shards.tarfile, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    real_open = tar_reading.tarfile.open
+    monkeypatch.setattr(tar_reading.tarfile, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
     assert listed_sizes([str(tar_path)]) == {str(tar_path): 4}
     assert count_samples(str(tar_path)) == 4 and len(opened) == 1  # counted once
     with real_open(tar_path, "a") as tar:  # rewritten: counted again
@@ -320,7 +311,7 @@ def _damaged_copies(source, folder):
 
 
 def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, tmp_path, monkeypatch):
-    """Local .tar shards are read in tarfile's random-access mode (`shards._local_tar_files`), others by
+    """Local .tar shards are read in tarfile's random-access mode (`tar_reading._local_tar_files`), others by
     webdataset's stream reader: the same samples, bytes and bad-shard counts on whole and damaged tars,
     long (pax) member names and a select_files filter included."""
     out, _, _ = fmnist_shards
@@ -345,7 +336,7 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
 
     def by_webdataset(url, select_files=None):  # the same shard through webdataset's opener and stream reader
         with monkeypatch.context() as patch:
-            patch.setattr(shards, "_is_local_tar", lambda url: False)
+            patch.setattr(tar_reading, "_is_local_tar", lambda url: False)
             return read(url, select_files)
 
     for name, path in paths.items():
@@ -422,7 +413,7 @@ def test_a_tar_cut_inside_a_member_or_a_header_is_damaged(fmnist_shards, tmp_pat
     its samples count stops there, and `is_damaged_tar` says the tar lost what followed."""
     import tarfile
 
-    from lit_softmoe.data.shards import count_samples, is_damaged_tar
+    from lit_softmoe.data.tar_reading import count_samples, is_damaged_tar
     whole = sorted((fmnist_shards[0] / "train").glob("*.tar"))[0]
     with tarfile.open(whole) as archive:
         members = archive.getmembers()

@@ -20,7 +20,8 @@ import torch
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.class_batches import StreamedClassBatches
 from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist, write_fashion_mnist_shards
-from lit_softmoe.data.shards import BadSampleCounter, shard_urls, tar_samples, write_split
+from lit_softmoe.data.shards import shard_urls, write_split
+from lit_softmoe.data.tar_reading import BadSampleCounter, tar_samples
 from lit_softmoe.data.transforms import train_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
