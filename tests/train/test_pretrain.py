@@ -314,16 +314,17 @@ def test_class_names_are_found_beside_a_pattern_or_a_list_of_splits(shards, tmp_
     # A brace pattern or a '::' list as data.train looked for classnames.txt in the wrong folder and
     # silently named the classes "0" ... "9".
     from lit_softmoe.data.shards import dataset_dir
-    from lit_softmoe.train.pretrain import _setup_data, _validate_tower
+    from lit_softmoe.train.class_data import setup_class_data
+    from lit_softmoe.train.pretrain import _validate_tower
     for spec in (f"{shards}/train", f"{shards}/train/{{0..0}}.tar", f"{shards}/train::{shards}/test",
                  f"{shards}/train/0.tar::{shards}/test/0.tar"):
         assert dataset_dir(spec) == shards, spec
     names = (shards / "classnames.txt").read_text().splitlines()
     cfg = _cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar", "data.max_train_samples=100",
                "data.max_test_samples=100")
-    data = _setup_data(cfg, _validate_tower(cfg), 0, 1)
+    data = setup_class_data(cfg, _validate_tower(cfg), 0, 1)
     assert data.classnames == names and len(names) == 10 and names[0] != "0"
-    streamed = _setup_data(_cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar",
+    streamed = setup_class_data(_cfg(shards, tmp_path / "run", f"data.train={shards}/train/{{0..0}}.tar",
                                 "data.loader=stream", "data.mean=[0.3]", "data.std=[0.3]"), _validate_tower(cfg), 0, 1)
     assert streamed.streamed and streamed.classnames == names
 

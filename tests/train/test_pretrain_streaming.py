@@ -26,8 +26,9 @@ from lit_softmoe.data.transforms import train_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.train.class_data import memory_class_data, streamed_class_data
 from lit_softmoe.train.logging import read_metrics
-from lit_softmoe.train.pretrain import _embed, _setup_memory_data, _setup_streamed_data, _validate_tower, pretrain
+from lit_softmoe.train.pretrain import _embed, _validate_tower, pretrain
 
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
                "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
@@ -172,8 +173,8 @@ def test_streamed_and_in_memory_evaluations_agree(mixed, tmp_path):
     cfg = load_config(PretrainConfig, None, [f"data.train={data_dir / 'train'}", f"data.test={data_dir / 'test'}",
                                              *SMALL_TOWER, "batch_size=50"])
     tower_cfg = _validate_tower(cfg)
-    memory = _setup_memory_data(cfg, tower_cfg, 0, 1, fall_back=False)
-    streamed = _setup_streamed_data(cfg, tower_cfg, 0, 1)
+    memory = memory_class_data(cfg, tower_cfg, 0, 1, fall_back=False)
+    streamed = streamed_class_data(cfg, tower_cfg, 0, 1)
     assert memory.mean == pytest.approx(streamed.mean, abs=1e-6) and memory.std == pytest.approx(streamed.std, abs=1e-6)
     torch.manual_seed(0)
     tower = create_image_tower(cfg.tower.name, num_classes=10, **cfg.tower.options)
