@@ -32,7 +32,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader, sample_decoder
+from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
+from lit_softmoe.data.sample_decoding import sample_decoder
 from lit_softmoe.data.samples import SampleSkip, decode_label, is_class_member
 from lit_softmoe.data.shards import shard_urls
 from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
