@@ -105,7 +105,6 @@ class ToHost:
 
     def __init__(self, batch: dict, features: torch.Tensor):
         self.batch = batch
-        self.completes: dict | None = None  # its shard's report, when this is the shard's last batch
         self.features = features.to("cpu", non_blocking=True)  # pinned memory when from a GPU
         self.event = None
         if features.is_cuda:

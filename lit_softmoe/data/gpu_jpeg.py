@@ -104,13 +104,6 @@ def dct_scale(height: int, width: int, min_side: int | None) -> int:
     return next(scale for scale in (8, 4, 2, 1) if fit >= scale)
 
 
-def resize_center_crop(image: torch.Tensor, size: int, min_side: int | None = None) -> torch.Tensor:
-    """uint8 (C, H, W) → (C, size, size) as `transforms.eval_transform` makes it on the host (`ResizeCrop`,
-    one image)."""
-    resize = ResizeCrop(size, min_side, image.device, torch.float32)
-    return resize([image])[0]
-
-
 class ResizeCrop:
     """uint8 images (C, H, W) of any sizes → one uint8 batch (N, C, size, size), each as
     `transforms.eval_transform` makes it on the host: reduced first as the host's DCT-scaled decode for

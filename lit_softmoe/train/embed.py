@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import sys
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -153,9 +154,12 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
                         pin_memory=device.type == "cuda")
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
+    # The report of a shard whose last batch is still on the device: the shard completes once it is kept.
+    reported: dict[int, dict] = {}
 
     def keep(embedded: ToHost) -> None:
-        """Wait for a batch's features and add its good samples to its shard's."""
+        """Wait for a batch's features and add its good samples to its shard's; complete the shard after its
+        last batch."""
         batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
         pending.setdefault(batch["shard"], []).extend(feature_samples(
             batch["key"], batch["caption"], batch["cls"], embeddings, skipped.setdefault(batch["shard"], {})))
@@ -164,6 +168,8 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             timing["later_images"] += len(batch["key"])
         else:
             timing["first_batch"] = time.perf_counter()
+        if batch["shard"] in reported:
+            complete(batch["shard"], reported.pop(batch["shard"]))
 
     def to_device(batch: dict) -> tuple[dict, torch.Tensor | None]:
         """Metadata only, and the pixels on the device: the host's copy of the pixels is dropped here."""
@@ -176,28 +182,32 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     # Feature shards are written by a thread of their own (tar, sha256, fsync), in the order they finish;
     # the bad-sample check counts each shard once it is complete, before it is written.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-shard-writer") as writer:
-        writes: list[Future] = []
+        writes: deque[Future] = deque()  # shards handed to the writer, oldest first, not yet in `finished`
         counted = list(finished)  # the killed run's shards, then each new one as it completes
+
+        def collect(wait: bool) -> None:
+            """Move written shards' records to `finished`; a failed write (a full disk) raises here."""
+            while writes and (wait or writes[0].done()):
+                finished.append(writes.popleft().result())
 
         def complete(index: int, record: dict) -> None:
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
             counted.append(record)
             writes.append(writer.submit(write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
-            for write in writes:
-                if write.done():
-                    write.result()  # a failed write (a full disk) ends the run now, not at the end
-            progress.set_postfix(shards=f"{len(counted)}/{len(finished) + len(todo)}")
+            collect(wait=False)  # a failed write ends the run now, not at the end
+            progress.set_postfix(shards=f"{len(counted)}/{total_shards}")
             error = _bad_fraction_error(source, counted, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
             if error:
                 raise UserError(error)
 
+        total_shards = len(finished) + len(todo)
         in_flight: ToHost | None = None  # the batch queued on the device, kept once the next one is queued
         for batch, pixels in DevicePrefetcher(loader, to_device, device):
             index = batch["shard"]
             if "done" in batch:
                 if in_flight is not None and in_flight.batch["shard"] == index:
-                    in_flight.completes = batch["done"]  # its last batch: complete once that is kept
+                    reported[index] = batch["done"]  # its last batch is on the device
                 else:
                     complete(index, batch["done"])
                 continue
@@ -212,14 +222,10 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             queued = ToHost(meta, _embed_batch(tower, pixels, normalize, pad_to))
             if in_flight is not None:
                 keep(in_flight)  # the host's share of the previous batch, while the device computes this one
-                if in_flight.completes is not None:
-                    complete(in_flight.batch["shard"], in_flight.completes)
             in_flight = queued
         if in_flight is not None:
             keep(in_flight)
-            if in_flight.completes is not None:
-                complete(in_flight.batch["shard"], in_flight.completes)
-        finished.extend(write.result() for write in writes)
+        collect(wait=True)
 
 
 def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -129,7 +129,7 @@ def test_a_reduced_decode_is_mimicked_after_the_full_one():
     skipping the reduction leaves them visibly apart."""
     from torchvision.io import decode_jpeg
 
-    from lit_softmoe.data.gpu_jpeg import dct_scale, resize_center_crop
+    from lit_softmoe.data.gpu_jpeg import ResizeCrop, dct_scale
     from lit_softmoe.data.images import jpeg_min_side
     size = 48
     min_side = jpeg_min_side("reduced", size)  # 96: a 512 px photo decodes at 1/4 on the host
@@ -138,8 +138,9 @@ def test_a_reduced_decode_is_mimicked_after_the_full_one():
         data = _jpeg(photo)
         host = eval_transform(size, 3, decode="reduced", normalize=False)(PIL.Image.open(io.BytesIO(data)))
         full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        mimicked = (resize_center_crop(full, size, min_side).int() - host.int()).abs().float().mean()
-        unreduced = (resize_center_crop(full, size).int() - host.int()).abs().float().mean()
+        reduce_first, full_size = (ResizeCrop(size, side, full.device, torch.float32) for side in (min_side, None))
+        mimicked = (reduce_first([full])[0].int() - host.int()).abs().float().mean()
+        unreduced = (full_size([full])[0].int() - host.int()).abs().float().mean()
         assert mimicked < 0.5 and mimicked < 0.8 * unreduced, (mimicked, unreduced)
 
 
