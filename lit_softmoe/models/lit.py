@@ -177,6 +177,13 @@ class LiTModel(nn.Module):
             return zimg, ztxt, scale, self.logit_bias
         return zimg, ztxt, scale
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the activations of each block in the backward pass: the text tower's and an unlocked
+        image tower's (a locked one keeps none)."""
+        self.text_tower.set_grad_checkpointing(enable)
+        if self.image_tower is not None:
+            self.image_tower.set_grad_checkpointing(enable)
+
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
         """Cap the log-scale parameter at log(max_temperature); call after each optimizer step

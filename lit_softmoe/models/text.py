@@ -104,6 +104,10 @@ class TextTower(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return set()
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each layer's activations in the backward pass instead of keeping them (timm's name)."""
+        raise NotImplementedError
+
 
 class OpenClipTextTower(TextTower):
     """CLIP's text transformer from open_clip, randomly initialized, pooled at <end_of_text>."""
@@ -128,6 +132,9 @@ class OpenClipTextTower(TextTower):
             raise ValueError(f"text ids of length {ids.shape[1]} exceed the tower's context_length "
                              f"{self.context_length}; build the tokenizer with the tower's context_length")
         return self.transformer(ids)  # (B, embed_dim)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.transformer.set_grad_checkpointing(enable)  # per residual block, non-reentrant
 
     def no_weight_decay(self) -> set[str]:
         return {f"transformer.{n}" for n in self.transformer.no_weight_decay()}
@@ -199,6 +206,19 @@ class HFTextTower(TextTower):
             weights = mask.unsqueeze(-1).to(tokens.dtype)  # (B, L, 1)
             pooled = (tokens * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)  # (B, width)
         return self.proj(pooled)  # (B, embed_dim)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        # Per layer, non-reentrant as our towers; transformers applies it in train mode only. Its newer
+        # activation_checkpointing_* names where they exist (the old ones warn), else the old ones.
+        new_names = hasattr(self.encoder, "activation_checkpointing_enable")
+        if enable and new_names:
+            self.encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif enable:
+            self.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif new_names:
+            self.encoder.activation_checkpointing_disable()
+        else:
+            self.encoder.gradient_checkpointing_disable()
 
     def no_weight_decay(self) -> set[str]:
         # Pretrained position / token-type embeddings are tables, not kernels: keep them undecayed.

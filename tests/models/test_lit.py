@@ -222,3 +222,12 @@ def test_a_state_dict_saved_under_the_old_log_scale_name_loads():
     model.load_state_dict(old)  # strict: nothing missing, nothing unexpected
     assert float(model.logit_scale) == pytest.approx(3.1)
     assert upgrade_state_dict(old).keys() == source.state_dict().keys()
+
+
+def test_grad_checkpointing_reaches_the_text_tower_and_an_unlocked_image_tower():
+    model = _model(unlocked_blocks=1)
+    model.set_grad_checkpointing()
+    assert model.text_tower.transformer.transformer.grad_checkpointing and model.image_tower.grad_checkpointing
+    model.set_grad_checkpointing(False)
+    assert not model.text_tower.transformer.transformer.grad_checkpointing
+    assert not model.image_tower.grad_checkpointing

@@ -188,3 +188,39 @@ def test_an_hf_tower_without_pretrained_weights_reads_only_its_config(tmp_path, 
     assert {k: v.shape for k, v in bare_state.items()} == {k: v.shape for k, v in pretrained_state.items()}
     assert not torch.equal(bare_state["embeddings.word_embeddings.weight"],
                            pretrained_state["embeddings.word_embeddings.weight"])
+
+
+def _saved_bytes_and_grads(tower, ids) -> tuple[int, dict]:
+    """Bytes autograd keeps for the backward pass of one forward, and the gradients it then gives."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    tower.zero_grad()
+    torch.manual_seed(1)  # the same dropout masks in every call (checkpointing replays them in its recompute)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = tower(ids)
+    out.square().sum().backward()
+    return sum(saved), {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["transformer", "hf"])
+def test_grad_checkpointing_keeps_less_and_changes_no_gradient(kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    cfg = TINY_TEXT if kind == "transformer" else \
+        TextTowerConfig(kind="hf", path=tiny_bert(tmp_path / "bert", torch.float32), context_length=16)
+    tower = create_text_tower(cfg, embed_dim=8).train()  # transformers checkpoints in train mode only
+    ids = token_ids(4) if kind == "transformer" else \
+        create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a cat", "a dog", "cat", "a photo of a dog"])
+    kept, want = _saved_bytes_and_grads(tower, ids)
+    tower.set_grad_checkpointing()
+    kept_checkpointed, got = _saved_bytes_and_grads(tower, ids)
+    assert kept_checkpointed < kept  # a no-op switch would keep as much
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
+    tower.set_grad_checkpointing(False)
+    assert _saved_bytes_and_grads(tower, ids)[0] == kept
