@@ -85,7 +85,7 @@ class PretrainConfig:
     batch_size: int = 128  # global batch, split over processes
     epochs: float = 1.0  # training length; `steps` wins when > 0
     steps: int = 0
-    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
     compile: str = "auto"  # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
     seed: int = 0
     log_every: int = 50
@@ -403,6 +403,6 @@ class EvalSuiteConfig:
     text_batch_size: int = 1024  # prompts or captions per text-tower forward
     workers: int = 2  # image-decoding worker processes
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16 | fp16
     # The image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval.
     cache_dir: str = ""

@@ -24,7 +24,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio class calls iter() on the lo
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
-from lit_softmoe.utils.device import autocast_context, autocast_dtype
+from lit_softmoe.utils.device import autocast_context, autocast_dtype, precision_name
 from lit_softmoe.utils.hashing import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
-                "data": data.signature, "precision": "bf16" if autocast_dtype(precision, device) else "fp32"}
+                "data": data.signature, "precision": precision_name(autocast_dtype(precision, device))}
     if data.task == "retrieval":  # the cached captions are the raw text now (blank lines kept, to be counted);
         identity["captions"] = "raw"  # caches of stripped text would undercount them. Classification keeps its key.
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]

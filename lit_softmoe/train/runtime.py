@@ -18,7 +18,7 @@ from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
 from lit_softmoe.train.logging import RunLogger
 from lit_softmoe.train.trackers import accelerator_trackers, check_trackers, start_trackers
 from lit_softmoe.utils.atomic import write_text_atomic
-from lit_softmoe.utils.device import autocast_dtype
+from lit_softmoe.utils.device import autocast_dtype, precision_name
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
 
@@ -51,18 +51,37 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
 
 
 def create_accelerator(precision: str = "auto", threads: int = 0, log_with=(), run_dir=None) -> Accelerator:
-    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16. `log_with`: the
-    experiment trackers (checked here, before any work), writing under `run_dir`; `open_run_folder` starts them."""
+    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16 | fp16 (autocast with a
+    loss scaler: `accelerator.backward` scales the loss, `clip_grad_norm_` unscales the gradients and a step
+    whose gradients overflowed is skipped). `log_with`: the experiment trackers (checked here, before any
+    work), writing under `run_dir`; `open_run_folder` starts them."""
     check_trackers(log_with)
     if threads > 0:
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mixed_precision = "bf16" if autocast_dtype(precision, device) is not None else "no"
+    mixed_precision = precision_name(autocast_dtype(precision, device)).replace("fp32", "no")
     # cpu=True on GPU-less machines: accelerate only forms a multi-process (gloo) group on the CPU
     # when told so, e.g. under `torchrun --nproc_per_node 2`.
     trackers = accelerator_trackers(log_with, run_dir)
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
-                       log_with=trackers or None, project_dir=None if run_dir is None else str(run_dir))
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                              log_with=trackers or None, project_dir=None if run_dir is None else str(run_dir))
+    if mixed_precision == "fp16" and accelerator.scaler is None:
+        # accelerate keeps fp16 autocast and loss scaling to accelerators; torch has both on the CPU too, so
+        # fp16 runs the same step everywhere (slowly on a CPU: it is for GPUs without bf16).
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler(device.type)
+    return accelerator
+
+
+def loss_scaler_state(accelerator: Accelerator) -> dict | None:
+    """The fp16 loss scaler's state (its scale and growth counter) for a checkpoint; None without one."""
+    return accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+
+
+def restore_loss_scaler(accelerator: Accelerator, state: dict | None) -> None:
+    """Put a checkpoint's loss-scaler state back, so a resumed fp16 run scales as the uninterrupted one."""
+    if accelerator.scaler is not None and state:
+        accelerator.scaler.load_state_dict(state)
 
 
 def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -8,23 +8,29 @@ import torch
 
 from lit_softmoe.errors import UserError
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 or None (fp32) for `precision`: auto means bf16 on GPUs that support it, fp32 elsewhere
-    (bf16 matmuls on CPUs are slow and change the numbers)."""
+    """The autocast dtype for `precision`, None for fp32: auto means bf16 on GPUs that support it, fp32
+    elsewhere (bf16 matmuls on CPUs are slow and change the numbers). fp16 is asked for by name: for GPUs
+    without bf16 (V100, T4), where training needs a loss scaler (`create_accelerator` sets one up)."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else None
-    return torch.bfloat16 if precision == "bf16" else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    """An autocast dtype (None: none) as the precision names it: fp32, bf16 or fp16."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def inference_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The weight dtype of a tower that only runs forward (locked): bf16 where `precision` runs bf16
-    (auto: on GPUs that support it), else fp32. Cast once, it halves the bytes read per batch and spares
+    """The weight dtype of a tower that only runs forward (locked): bf16 or fp16 where `precision` runs in
+    it (auto: bf16 on GPUs that support it), else fp32. Cast once, it halves the bytes read per batch and spares
     autocast a cast of every weight at every call."""
     return autocast_dtype(precision, device) or torch.float32
 
@@ -73,6 +79,6 @@ def parse_device(name: str | None) -> torch.device:
 
 
 def autocast_context(device: torch.device, precision: str) -> torch.autocast:
-    """`torch.autocast` for `precision` on `device`: bf16 where `autocast_dtype` says so, else off."""
+    """`torch.autocast` for `precision` on `device`: in the dtype `autocast_dtype` gives, or off."""
     dtype = autocast_dtype(precision, device)
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)

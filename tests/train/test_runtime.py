@@ -5,11 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cli_errors import one_line_error
 from lit_runs import ROOT
 from lit_softmoe.config import load_config
 from lit_softmoe.errors import UserError
+from lit_softmoe.train.runtime import create_accelerator, loss_scaler_state, restore_loss_scaler
 
 
 def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):
@@ -120,3 +122,63 @@ def test_a_lock_whose_file_was_removed_meanwhile_is_not_trusted(tmp_path, monkey
     with pytest.raises(UserError, match=rf"^{run} is in use by another process; wait for that run to end"):
         with run_folder_lock(run):
             pytest.fail("ran on a lock of a removed file")
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state: an accelerator of another precision made earlier in this
+    process would refuse a new one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_fp16_scales_the_loss_skips_an_overflowing_step_and_resumes_its_scale(fresh_accelerator_state):
+    """precision=fp16 on the CPU runs the GPU's fp16 step (torch's autocast and loss scaler): the loss is
+    scaled for backward, an overflow skips the step and halves the scale, and the scale is checkpointed."""
+    accelerator = create_accelerator("fp16")
+    assert accelerator.scaler is not None
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    scale = accelerator.scaler.get_scale()
+    computed_in = []
+    model.register_forward_pre_hook(lambda module, args: computed_in.append(torch.get_autocast_dtype("cpu")
+                                                                            if torch.is_autocast_enabled("cpu")
+                                                                            else None))
+
+    with accelerator.autocast():
+        loss = model(x).float().square().mean()
+    assert computed_in == [torch.float16]
+    accelerator.backward(loss)
+    assert model.weight.grad.abs().max() > 100  # the scaled loss's gradient (scale 65536) ...
+    accelerator.clip_grad_norm_(model.parameters(), 1e9)  # ... unscaled here, before clipping
+    half = torch.nn.functional.linear(x.half().float(), model.weight.detach().half().float().requires_grad_(),
+                                      model.bias.detach().half().float())
+    expected = torch.autograd.grad(half.square().mean(), half)[0]  # d loss / d out
+    torch.testing.assert_close(model.weight.grad, expected.T @ x.half().float(), atol=1e-2, rtol=1e-2)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not optimizer.step_was_skipped and not torch.equal(model.weight, before)
+
+    with accelerator.autocast():
+        loss = model(x).float().sum() * float("inf")
+    accelerator.backward(loss)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert optimizer.step_was_skipped and torch.equal(model.weight, before)
+    assert accelerator.scaler.get_scale() == scale / 2
+
+    state = loss_scaler_state(accelerator)
+    accelerator.scaler.update(new_scale=7.0)
+    restore_loss_scaler(accelerator, state)
+    assert accelerator.scaler.get_scale() == scale / 2
+
+
+def test_fp32_has_no_loss_scaler(fresh_accelerator_state):
+    assert loss_scaler_state(create_accelerator("fp32")) is None

@@ -27,6 +27,7 @@ from lit_softmoe.utils.device import available_cpus, inference_dtype, resolve_co
     ("auto", True, "cpu", torch.float32),      # the CPU: fp32 (bf16 matmuls are slow there)
     ("bf16", False, "cpu", torch.bfloat16),    # asked for
     ("fp32", True, "cuda", torch.float32),
+    ("fp16", False, "cuda", torch.float16),    # asked for, on a GPU without bf16
 ])
 def test_inference_dtype_follows_precision_and_the_device(monkeypatch, precision, bf16_gpu, device, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_gpu)
