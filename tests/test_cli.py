@@ -111,8 +111,8 @@ def test_other_libraries_warnings_show_with_verbose_only(tmp_path, monkeypatch):
     lit-softmoe's own warnings always show."""
     import warnings
 
-    from lit_softmoe.data import writers
-    real = writers.prepare_image
+    from lit_softmoe.data import sample_encoding
+    real = sample_encoding.prepare_image
 
     def noisy(*args, **kwargs):
         warnings.warn_explicit("a library's notice", UserWarning, "PIL/Image.py", 1, module="PIL.Image")
@@ -120,7 +120,7 @@ def test_other_libraries_warnings_show_with_verbose_only(tmp_path, monkeypatch):
                                module="lit_softmoe.data.writers")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(writers, "prepare_image", noisy)
+    monkeypatch.setattr(sample_encoding, "prepare_image", noisy)
     src = tmp_path / "src"
     src.mkdir()
     PIL.Image.new("L", (8, 8), 7).save(src / "a.png")

@@ -11,7 +11,7 @@ Decoding (`decode`) is shared the same way: the pipeline, the eval readers and a
 lazily opened file all call it, so a preprocessing's `decode` setting ("full" or "reduced", see
 `jpeg_min_side`) gives the same pixels for the same bytes everywhere.
 
-Only numpy and PIL here: `writers` imports this without torch.
+Only numpy and PIL here: `writers` and `sample_encoding` import this without torch.
 """
 from __future__ import annotations
 

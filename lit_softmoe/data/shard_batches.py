@@ -12,7 +12,7 @@ from webdataset.gopen import gopen
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
-from lit_softmoe.data.pipelines import read_shard
+from lit_softmoe.data.shard_stream import read_shard
 from lit_softmoe.data.tar_reading import read_class_members
 
 

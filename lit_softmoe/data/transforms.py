@@ -334,7 +334,7 @@ def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] = 0.5,
     std_t = torch.tensor(_per_channel(std, channels, "std"), dtype=dtype, device=images.device)
     # Folded into x * (1 / (255 std)) - mean / std, in place on the cast copy: faster on the CPU than
     # one addcmul with its broadcast first operand. The cast also lays a channels-last batch (the
-    # stream's, `pipelines._ShardStream._collate`) out contiguously, where the per-channel broadcast is fast.
+    # stream's, `shard_stream.ShardStream._collate`) out contiguously, where the per-channel broadcast is fast.
     scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1)
     shift = (mean_t / std_t).view(1, -1, 1, 1)
     return images.to(dtype, memory_format=torch.contiguous_format).mul_(scale).sub_(shift)

@@ -19,43 +19,42 @@ shards, fixed tar headers): `DIR/{split}/0.tar … N-1.tar`, `nshards.txt`, `siz
 keeps its source's key (a file stem, as img2dataset's keys are) and holds the image, `.txt` and/or
 `.cls`, and `.json` {"key", "path", "width", "height", "file_bytes", ["class"], ["extra"]}.
 
-Bad input never ends a run (open_clip's log-and-continue handlers): a sample with a missing or
-broken image, an empty or non-UTF-8 caption or a key already taken is skipped and counted by
-reason; an image in RGBA, LA, P, 16-bit, CMYK or another mode is normalized to L or RGB and
-counted. An image file's own bytes are kept when they are already in the requested format and need
-no change; otherwise they are re-encoded with fixed settings and no metadata, so equal inputs give
-byte-identical shards. A `manifest.json` in the split folder records the arguments, a fingerprint
-of the inputs (name, size and mtime of every file read) and, written last, the summary: rerunning a
-finished command writes nothing, and rerunning an interrupted one rewrites the same bytes. A split
-that holds anything else (another source's shards, Fashion-MNIST) is refused unless `overwrite`.
+Bad input never ends a run (open_clip's log-and-continue handlers; `sample_encoding` reads and
+checks each sample's files): a sample with a missing or broken image, an empty or non-UTF-8 caption
+or a key already taken is skipped and counted by reason; an image in RGBA, LA, P, 16-bit, CMYK or
+another mode is normalized to L or RGB and counted. An image file's own bytes are kept when they are
+already in the requested format and need no change; otherwise they are re-encoded with fixed
+settings and no metadata, so equal inputs give byte-identical shards. A `manifest.json` in the split
+folder records the arguments, a fingerprint of the inputs (name, size and mtime of every file read)
+and, written last, the summary: rerunning a finished command writes nothing, and rerunning an
+interrupted one rewrites the same bytes. A split that holds anything else (another source's shards,
+Fashion-MNIST) is refused unless `overwrite`.
 
 Reasons a sample is skipped: missing_image, unreadable_file, not_a_regular_file (a FIFO, a device:
-never read), too_large (over MAX_INPUT_BYTES), bad_image (does not decode), remote_image (a URL in a
-table), outside_root (a table path outside --root), missing_caption, empty_caption, non_utf8_text,
-bad_caption (not a string), bad_row (a malformed table line), empty_class, bad_class, unknown_class
-(a table's class cell: `data.table_classes`), duplicate_key, missing_key, outside_class_folder.
+never read), too_large (over `sample_encoding.MAX_INPUT_BYTES`), bad_image (does not decode),
+remote_image (a URL in a table), outside_root (a table path outside --root), missing_caption,
+empty_caption, non_utf8_text, bad_caption (not a string), bad_row (a malformed table line),
+empty_class, bad_class, unknown_class (a table's class cell: `data.table_classes`), duplicate_key,
+missing_key, outside_class_folder.
 Changes counted among the re-encoded images: see `images.normalize_image`.
 """
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import re
 import time
-import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from stat import S_ISREG
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Callable, Sequence
 
-import numpy as np
 import PIL.Image
 from tqdm import tqdm
 
 from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.images import IMAGE_FORMATS, BadImageError, prepare_image
-from lit_softmoe.data.listing import Candidate, Listing, is_utf8_text
+from lit_softmoe.data.images import IMAGE_FORMATS
+from lit_softmoe.data.listing import Listing
+from lit_softmoe.data.sample_encoding import ImageTally, encoded_samples
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     NSHARDS_FILE,
@@ -67,7 +66,6 @@ from lit_softmoe.data.shards import (
     write_split,
 )
 from lit_softmoe.data.tables import list_table
-from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock
@@ -164,119 +162,6 @@ def _reasons(counts: dict[str, int]) -> str:
     return f" ({listed})" if listed else ""
 
 
-# ---------------------------------------------------------------------------------------- samples
-
-# An input file larger than this is not read (a table row naming /dev/zero, a disk image among
-# photos): counted as too_large. 256 MiB is far above any photo or caption.
-MAX_INPUT_BYTES = 256 << 20
-
-
-def _read_file(path: Path, missing: str) -> tuple[bytes | None, str | None]:
-    """(the file's bytes, None) or (None, the reason to skip it). Only regular files are read: a FIFO
-    would block forever and a device (/dev/zero) never end."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None, missing
-    except OSError:  # no permission, a loop of links, an I/O error
-        return None, "unreadable_file"
-    if not S_ISREG(stat.st_mode):
-        return None, "not_a_regular_file"
-    if stat.st_size > MAX_INPUT_BYTES:
-        return None, "too_large"
-    try:
-        with open(path, "rb") as file:
-            return file.read(MAX_INPUT_BYTES + 1), None
-    except OSError:
-        return None, "unreadable_file"
-
-
-def _read_caption(caption: Path | str) -> tuple[str | None, str | None]:
-    """(caption text, None) or (None, the reason to skip the sample)."""
-    if isinstance(caption, Path):
-        raw, problem = _read_file(caption, "missing_caption")
-        if problem:
-            return None, problem
-        try:
-            caption = raw.decode("utf-8-sig")
-        except UnicodeDecodeError:
-            return None, "non_utf8_text"
-    elif not is_utf8_text(caption):  # a lone surrogate from a JSON escape or a CSV byte
-        return None, "non_utf8_text"
-    # NFC: the same words typed on two systems tokenize the same; \r\n from Windows editors goes.
-    text = unicodedata.normalize("NFC", caption.replace("\r\n", "\n")).strip()
-    return (text, None) if text else (None, "empty_caption")
-
-
-def _read_image_file(image: Path | bytes) -> tuple[bytes | None, str | None]:
-    if isinstance(image, bytes):
-        return image, None
-    return _read_file(image, "missing_image")
-
-
-def _jsonable(value: Any) -> Any:
-    """Extra column values as JSON: bytes (an embedded blob) are summarized, not copied."""
-    if isinstance(value, (bytes, bytearray)):
-        return f"<{len(value)} bytes>"
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not np.isfinite(value):
-        return None  # JSON has no NaN
-    return value
-
-
-@dataclass
-class _ImageTally:
-    changes: collections.Counter = field(default_factory=collections.Counter)  # {change: images}
-    reencoded: int = 0
-
-
-def _encoded_samples(candidates: Iterable[Candidate], options: WriteOptions, counter: BadSampleCounter,
-                     tally: _ImageTally) -> Iterator[dict[str, Any]]:
-    for candidate in candidates:
-        sample = _encode_sample(candidate, options, counter, tally)
-        if sample is not None:
-            yield sample
-
-
-def _encode_sample(candidate: Candidate, options: WriteOptions, counter: BadSampleCounter,
-                   tally: _ImageTally) -> dict[str, Any] | None:
-    """The sample to write for `candidate`, or None after counting why it is skipped."""
-    caption = None
-    if candidate.caption is not None:
-        caption, problem = _read_caption(candidate.caption)
-        if problem:
-            counter.skip(problem, candidate.source)
-            return None
-    data, problem = _read_image_file(candidate.image)
-    if problem:
-        counter.skip(problem, candidate.source)
-        return None
-    try:
-        prepared = prepare_image(data, options.image_format, options.max_size)
-    except BadImageError as exn:
-        counter.skip("bad_image", f"{candidate.source}: {exn}")
-        return None
-    tally.changes.update(prepared.changes)
-    tally.reencoded += prepared.reencoded
-    width, height = prepared.source_size
-    meta = {"key": candidate.key, "path": candidate.source, "width": width, "height": height,
-            "file_bytes": len(data), **_jsonable(candidate.meta)}
-    sample = {
-        "__key__": candidate.key,
-        prepared.extension: prepared.data,
-        # ASCII-escaped: a lone surrogate in an extra column cannot break the UTF-8 encoding.
-        "json": json.dumps(meta, sort_keys=True, default=str).encode("ascii"),
-    }
-    if caption is not None:
-        sample["txt"] = caption.encode("utf-8")
-    if candidate.label is not None:
-        sample["cls"] = str(candidate.label).encode("ascii")
-    return sample
-
-
 # ---------------------------------------------------------------------------------------- writing
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
@@ -366,7 +251,7 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             return finished
         other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames,
                                                 overwrite)
-        counter, tally = listing.counter, _ImageTally()
+        counter, tally = listing.counter, ImageTally()
 
         def write(target: Path) -> WriteSummary:
             target.mkdir(parents=True, exist_ok=True)
@@ -374,9 +259,9 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             # is rewritten, not refused). Without its "summary" it does not mark the split complete.
             write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
             candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
-            sizes = write_split(_encoded_samples(candidates, options, counter, tally), target.parent, target.name,
-                                samples_per_shard=options.samples_per_shard, max_bytes=options.max_shard_bytes,
-                                keep_keys=True)
+            samples = encoded_samples(candidates, options.image_format, options.max_size, counter, tally)
+            sizes = write_split(samples, target.parent, target.name, samples_per_shard=options.samples_per_shard,
+                                max_bytes=options.max_shard_bytes, keep_keys=True)
             skipped = dict(sorted(counter.counts.items()))
             if sum(sizes.values()) == 0:
                 raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"

@@ -16,10 +16,11 @@ import torch
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.classifier import build_zeroshot_classifier
+from lit_softmoe.evals.eval_data import EvalData, MissingData
 from lit_softmoe.evals.features import cached_image_features
 from lit_softmoe.evals.metrics import retrieval_metrics, zeroshot_metrics
 from lit_softmoe.evals.prompts import resolve_prompts, shipped_metadata
-from lit_softmoe.evals.readers import EvalData, MissingData, read_benchmark
+from lit_softmoe.evals.readers import read_benchmark
 from lit_softmoe.utils.device import autocast_context
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm  # not tqdm.auto: its asyncio class calls iter() on the loader twice, starting the workers twice
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
-from lit_softmoe.evals.readers import EvalData
+from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import autocast_context, autocast_dtype, precision_name
 from lit_softmoe.utils.hashing import file_sha256

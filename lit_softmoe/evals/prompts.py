@@ -10,7 +10,7 @@ from pathlib import Path
 from lit_softmoe.config import BenchmarkConfig
 from lit_softmoe.data.shards import read_classnames_file, read_lines
 from lit_softmoe.errors import UserError
-from lit_softmoe.evals.readers import EvalData
+from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.metadata import BenchmarkInfo, benchmark_info, check_templates
 
 

@@ -1,6 +1,6 @@
 """Readers for zero-shot benchmarks, all offline: whatever the files look like on disk, a reader
-returns an `EvalData` whose dataset yields `(index, image tensor, target)` — target a class index
-(classification) or the image's captions joined by newlines (retrieval).
+returns an `EvalData` (`evals.eval_data`) whose dataset yields `(index, image tensor, target)` —
+target a class index (classification) or the image's captions joined by newlines (retrieval).
 
 Layouts read (the network is never used; a benchmark whose files are absent raises `MissingData`
 naming the path looked for, and the suite reports it as skipped):
@@ -21,21 +21,17 @@ naming the path looked for, and the suite reports it as skipped):
 from __future__ import annotations
 
 import inspect
-import io
 import json
 import logging
 import pickle
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
-import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_softmoe.data.folders import SOURCE_IMAGE_SUFFIXES
-from lit_softmoe.data.images import decode
 from lit_softmoe.data.samples import class_index, image_extension
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
@@ -48,52 +44,11 @@ from lit_softmoe.data.shards import (
     shard_urls,
 )
 from lit_softmoe.data.tar_reading import BadSampleCounter, is_damaged_tar, listed_sizes, tar_samples
-from lit_softmoe.data.transforms import decode_min_side, to_l_or_rgb
+from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals.eval_data import EvalData, IndexedImages, MissingData, open_undecoded, transformed_image
 
 logger = logging.getLogger(__name__)
-
-
-class MissingData(Exception):
-    """The benchmark's files are not where the suite says: the benchmark is skipped, not failed."""
-
-    def __init__(self, path: str | Path, what: str):
-        super().__init__(f"{what} not found at {path}")
-        self.path = str(path)
-
-
-@dataclass
-class EvalData:
-    """One benchmark split, ready to encode."""
-    task: str  # "classification" | "retrieval"
-    dataset: Dataset | IterableDataset  # yields (index, image (C, H, W) or None if unreadable, target)
-    format: str
-    classnames: list[str] | None = None  # from the dataset's own files, when it ships them
-    templates: list[str] | None = None
-    signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
-    # The samples of a webdataset split (`tar_reading.listed_sizes`: lit-softmoe's sizes.json, img2dataset's
-    # _stats.json, or a count): reading fewer than listed means truncated shards, and metrics over a part
-    # of the split; it also sizes the progress bar. None for remote shards.
-    listed_samples: int | None = None
-    # Local shards that end inside a member or a header (`tar_reading.is_damaged_tar`): read up to the damage,
-    # so the metrics cover part of the split.
-    damaged_shards: list[str] = field(default_factory=list)
-
-
-def _open_image(data: bytes | str | Path) -> PIL.Image.Image:
-    """The file opened, not decoded: `_transformed` decodes it at the scale the transform asks for."""
-    if not isinstance(data, bytes) and not Path(data).is_file():  # a FIFO would block, a device never end
-        raise ValueError(f"{data} is not a regular file")
-    return PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
-
-
-def _transformed(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor | None:
-    """`load()`'s image decoded as the training pipeline decodes it for `transform` (full, or JPEGs at
-    the reduced scale of the tower's preprocessing), then transformed; None for a broken image."""
-    try:
-        return transform(decode(load(), decode_min_side(transform)))
-    except Exception:  # a broken image is skipped and counted by the encoder, never fatal
-        return None
 
 
 # ---------------------------------------------------------------------------------- wds
@@ -126,7 +81,7 @@ class _TarSamples(IterableDataset):
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.
             image = None if extension is None or target is None else \
-                _transformed(lambda: _open_image(sample[extension]), self.transform)
+                transformed_image(lambda: open_undecoded(sample[extension]), self.transform)
             yield index, image, target
 
     def _samples(self, log: bool) -> Iterator[dict]:
@@ -167,20 +122,6 @@ def read_wds(root: Path, split: str, transform, task: str = "") -> EvalData:
 
 # ---------------------------------------------------------------------------------- map-style readers
 
-class _Indexed(Dataset):
-    """(index, transformed image, target) over a list of (load image, target) items."""
-
-    def __init__(self, items: list[tuple[Callable[[], PIL.Image.Image], int | str]], transform):
-        self.items, self.transform = items, transform
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> tuple:
-        load, target = self.items[index]
-        return index, _transformed(load, self.transform), target
-
-
 def read_image_folder(root: Path, split: str, transform, classnames: list[str] | None = None,
                       wnids: list[str] | None = None, folder_aliases: dict[str, str] | None = None) -> EvalData:
     """ROOT/SPLIT/CLASS/img (or ROOT/CLASS/img). Folders named by wnids map onto `wnids`' order
@@ -218,8 +159,8 @@ def read_image_folder(root: Path, split: str, transform, classnames: list[str] |
     # Regular files only: a FIFO among the images would block the reader forever.
     files = [(path, labels[f.name]) for f in folders for path in sorted(f.rglob("*"))
              if path.suffix.lower() in SOURCE_IMAGE_SUFFIXES and not path.name.startswith(".") and path.is_file()]
-    items = [((lambda p=path: _open_image(p)), label) for path, label in files]
-    return EvalData("classification", _Indexed(items, transform), "imagefolder", classnames=names,
+    items = [((lambda p=path: open_undecoded(p)), label) for path, label in files]
+    return EvalData("classification", IndexedImages(items, transform), "imagefolder", classnames=names,
                     signature={"files": files_signature([p for p, _ in files])})
 
 
@@ -290,7 +231,7 @@ def read_cifar(root: Path, split: str, transform, variant: str) -> EvalData:
         names = [n.decode() if isinstance(n, bytes) else n for n in _unpickle(base / meta)[names_key]]
         names = [n.replace("_", " ") for n in names]
     items = [((lambda i=i: PIL.Image.fromarray(pixels[i])), label) for i, label in enumerate(labels)]
-    return EvalData("classification", _Indexed(items, transform), "cifar", classnames=names,
+    return EvalData("classification", IndexedImages(items, transform), "cifar", classnames=names,
                     signature={"files": files_signature(paths)})
 
 
@@ -363,7 +304,7 @@ def read_torchvision(name: str, root: Path, transform, split: str = "test") -> E
         relabel = _TORCHVISION_RELABEL.get(name)
         items = [((lambda i=i: load(i)), relabel[int(t)] if relabel else int(t)) for i, t in enumerate(targets)]
     files = sorted(p for p in root.rglob("*") if p.is_file())[:10_000]
-    return EvalData("classification", _Indexed(items, transform), "torchvision",
+    return EvalData("classification", IndexedImages(items, transform), "torchvision",
                     # The split's kwargs too: caches written when the split was ignored (the test set
                     # under a split: train key) are not met again. "labels": caches of FER2013 and
                     # Caltech101 written with torchvision's label order hold other targets.
@@ -391,7 +332,7 @@ def _caltech101_items(root: Path) -> list[tuple[Callable[[], PIL.Image.Image], i
     torchvision's reader drops that folder, so its labels were one below the shipped names' (every
     image scored against the previous class's prompt) and the background images went unread."""
     folders = sorted(p for p in (root / "101_ObjectCategories").iterdir() if p.is_dir())
-    return [((lambda p=path: _open_image(p)), label)
+    return [((lambda p=path: open_undecoded(p)), label)
             for label, folder in enumerate(folders) for path in sorted(folder.glob("*.jpg"))]
 
 
@@ -412,11 +353,11 @@ def read_karpathy(root: Path, split: str, transform, annotations: str = "") -> E
         # One line per sentence, each ended by a newline: an empty sentence stays an (empty) line that
         # the suite counts, also when it is the image's only one ("\n".join([""]) would be no line).
         captions = "".join(f"{s['raw'].strip()}\n" for s in im["sentences"])
-        items.append(((lambda p=path: _open_image(p)), captions))
+        items.append(((lambda p=path: open_undecoded(p)), captions))
         paths.append(path)
     if not items or not paths[0].is_file():
         raise MissingData(paths[0] if paths else root, f"{split} images of {ann.name}")
-    return EvalData("retrieval", _Indexed(items, transform), "karpathy",
+    return EvalData("retrieval", IndexedImages(items, transform), "karpathy",
                     signature={"files": files_signature([ann] + [p for p in paths if p.is_file()]),
                                "images": len(items)})
 

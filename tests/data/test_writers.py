@@ -22,7 +22,7 @@ import webdataset.writer
 
 from data_files import encode_image, gray_png, pixels_of, read_split, rng_image, run_past_fifos, seeded_png, write_table
 from lit_softmoe.cli import build_parser, main
-from lit_softmoe.data import writers
+from lit_softmoe.data import sample_encoding, writers
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist
 from lit_softmoe.data.shards import read_classnames
@@ -154,8 +154,7 @@ def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
 
     # A run killed after its first shard leaves a manifest without a summary (not complete, but
     # naming its source): the rerun writes everything again, to the same bytes.
-    from lit_softmoe.data import writers
-    calls, prepare = [], writers.prepare_image
+    calls, prepare = [], sample_encoding.prepare_image
 
     def killed_at_the_fifth_image(*args, **kwargs):
         calls.append(1)
@@ -163,7 +162,7 @@ def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(writers, "prepare_image", killed_at_the_fifth_image)
+    monkeypatch.setattr(sample_encoding, "prepare_image", killed_at_the_fifth_image)
     (tmp_path / "out/train/1.tar").unlink()  # no longer complete: not skipped
     with pytest.raises(KeyboardInterrupt):
         write_folder_shards(src, tmp_path / "out", options)
@@ -458,7 +457,7 @@ def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close
     """A writer's temporary shard carries its pid (a second writer's start deletes none of the first's),
     and a writer that fails deletes its own, even when a full disk fails closing the tar as well."""
     source = _class_folder(tmp_path / "src", count=3)
-    real_read, real_close = writers._read_file, webdataset.writer.TarWriter.close
+    real_read, real_close = sample_encoding._read_file, webdataset.writer.TarWriter.close
     disk_full, read = [], []
 
     def read_until_the_disk_is_full(path, missing):
@@ -475,7 +474,7 @@ def test_a_write_that_fails_leaves_no_partial_shard(tmp_path, monkeypatch, close
         if disk_full and close_fails:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writers, "_read_file", read_until_the_disk_is_full)
+    monkeypatch.setattr(sample_encoding, "_read_file", read_until_the_disk_is_full)
     monkeypatch.setattr(webdataset.writer.TarWriter, "close", close)
     with pytest.raises(OSError, match="No space left"):
         writers.write_folder_shards(source, tmp_path / "out", WriteOptions(samples_per_shard=2), layout="classes")
@@ -514,7 +513,7 @@ def test_files_over_the_input_cap_are_counted_as_too_large(tmp_path, monkeypatch
                 for path in (image, image.with_suffix(".txt")))
     cap = small + 100
     assert big_image.stat().st_size > cap and big_caption.stat().st_size > cap
-    monkeypatch.setattr(writers, "MAX_INPUT_BYTES", cap, raising=False)  # (the old code had no cap)
+    monkeypatch.setattr(sample_encoding, "MAX_INPUT_BYTES", cap, raising=False)  # (the old code had no cap)
     summary = writers.write_folder_shards(tmp_path / "src", tmp_path / "out")
     assert summary.samples == 2 and summary.skipped == {"too_large": 2}
     assert sorted(read_split(tmp_path / "out" / "train")) == ["000000000", "000000003"]

@@ -15,8 +15,8 @@ from lit_softmoe.cli import main
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import suite as suite_module
+from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.evals.prompts import resolve_prompts
-from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.evals.suite import run_suite
 from shard_cuts import cut_before_sample
 

@@ -6,8 +6,8 @@ import pytest
 from evalkit import foolbox_images, needs_foolbox, tiny_pair, write_wds_benchmark
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.errors import UserError
+from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.evals.prompts import resolve_prompts
-from lit_softmoe.evals.readers import EvalData
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
 

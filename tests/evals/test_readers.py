@@ -138,7 +138,8 @@ def test_numeric_class_folders_are_their_labels(tmp_path):
 
 @needs_foolbox
 def test_torchvision_roots_are_not_taken_for_class_folders(tmp_path):
-    from lit_softmoe.evals.readers import MissingData, detect_format
+    from lit_softmoe.evals.eval_data import MissingData
+    from lit_softmoe.evals.readers import detect_format
     (tmp_path / "oxford-iiit-pet" / "images").mkdir(parents=True)  # torchvision's layout, files absent
     assert detect_format(tmp_path, "test", "pets") == "torchvision"
     with pytest.raises(MissingData):
@@ -269,7 +270,7 @@ def test_a_webdataset_export_under_another_split_name_says_which(tmp_path):
     # The shipped suites read imagenet1k's split val (ImageFolder's name); CLIP_benchmark's export
     # (clip-benchmark/wds_imagenet1k) calls the same images test. The skip said "class folders (found
     # only test/ …)"; it now names the split to set.
-    from lit_softmoe.evals.readers import MissingData
+    from lit_softmoe.evals.eval_data import MissingData
     root = wds_set(tmp_path / "imagenet1k")
     for format in ("auto", "wds"):
         with pytest.raises(MissingData, match="webdataset split here: test; set split: test"):
