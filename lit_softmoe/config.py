@@ -87,6 +87,7 @@ class PretrainConfig:
     steps: int = 0
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
     compile: str = "auto"  # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
+    sharding: str = "none"  # none: DDP, each process holds the whole tower | fsdp: FSDP2, each holds 1/N of it
     seed: int = 0
     log_every: int = 50
     # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
@@ -105,6 +106,7 @@ _VALID_CHOICES = {
     "loss": ("softmax", "sigmoid"),
     "precision": PRECISIONS,
     "compile": COMPILE_CHOICES,
+    "sharding": ("none", "fsdp"),
     "optim.schedule": ("cosine", "rsqrt", "constant"),
     "data.decode": ("full", "reduced"),
     "data.loader": ("auto", "memory", "stream"),

@@ -61,8 +61,9 @@ class DamagedCheckpoint(Exception):
     """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type)."""
 
 
-def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(state.json, the tensors) of a checkpoint folder, read whole; DamagedCheckpoint says what is wrong."""
+def read_state_meta(ckpt_dir: str | Path) -> dict:
+    """A checkpoint folder's state.json, checked (a step, optimizer groups, the step its folder's name
+    says); DamagedCheckpoint says what is wrong. Sharded checkpoints have the same one."""
     ckpt_dir = Path(ckpt_dir)
     try:
         info = json.loads((ckpt_dir / STATE_META).read_text())
@@ -76,6 +77,13 @@ def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Ten
     named = re.fullmatch(r"step_(\d+)", ckpt_dir.name)
     if named and int(named.group(1)) != step:
         raise DamagedCheckpoint(f"{STATE_META} holds step {step}, the folder's name step {int(named.group(1))}")
+    return info
+
+
+def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(state.json, the tensors) of a checkpoint folder, read whole; DamagedCheckpoint says what is wrong."""
+    ckpt_dir = Path(ckpt_dir)
+    info = read_state_meta(ckpt_dir)
     try:
         tensors = load_file(ckpt_dir / STATE_TENSORS)
     except (OSError, SafetensorError) as err:

@@ -46,7 +46,7 @@ from lit_softmoe.model_folders import checkpoints_newest_first
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
-from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
+from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.class_data import ClassData, fewshot_skip_reason, setup_class_data
 from lit_softmoe.train.init_from import check_unchanged, head_decision, load_init_weights, read_init_source
 from lit_softmoe.train.logging import plot_curves, read_metrics
@@ -60,6 +60,8 @@ from lit_softmoe.train.runtime import (
     resume_state,
     run_folder_lock,
 )
+from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
+from lit_softmoe.train.sharding import check_sharding, gather_tower, shard_tower
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import resolve_compile
 from lit_softmoe.utils.paths import check_writable
@@ -181,6 +183,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     _check_settings(cfg)
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
+    check_sharding(cfg.sharding, accelerator.num_processes)
+    sharded = cfg.sharding == "fsdp"
 
     # ---- data, tower, optimizer
     checkpoints_dir = run_dir / "checkpoints"
@@ -206,6 +210,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head {source['head']} ({why}); "
                           "inputs normalized with its preprocess mean and std")
     num_params = sum(p.numel() for p in tower.parameters())
+    if sharded:  # before the optimizer, which then holds (and updates) the shards
+        shard_tower(tower, accelerator.device)
     optimizer = create_optimizer(tower, cfg.optim)
 
     steps_per_epoch = data.train.steps_per_epoch
@@ -214,7 +220,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
     # ---- resume from the newest complete checkpoint in the run folder
-    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps)
+    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps,
+                                                 load=load_sharded_state if sharded else load_training_state)
     if latest is not None:  # what the run started from, as its checkpoint recorded it (also if the folder is gone)
         check_unchanged(checkpoint_meta.get("init_from"), source)
         source = checkpoint_meta.get("init_from")
@@ -230,7 +237,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
-    tower, optimizer = accelerator.prepare(tower, optimizer)
+    if not sharded:  # a sharded tower is FSDP's already: DDP would wrap it again
+        tower, optimizer = accelerator.prepare(tower, optimizer)
     compiled = resolve_compile(cfg.compile, accelerator.device)
     if compiled:
         tower = torch.compile(tower)  # shares parameters with the module we save
@@ -299,24 +307,29 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                 window_dropped.zero_()
             logger.log(record)
             progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
-        if is_main and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
             # The main process alone, on the plain module (no collective): the others' score went
             # unlogged, so their pass over the whole test set was wasted; they wait for it at the
-            # next step's gradient all-reduce instead.
-            logger.log({"step": step, "test_top1": _test_top1(tower_module, data, mean, std, cfg, accelerator)})
+            # next step's gradient all-reduce instead. A sharded tower is gathered first (a collective)
+            # into a plain copy there.
+            eval_tower = gather_tower(tower_module, accelerator.device) if sharded else tower_module
+            if is_main:
+                logger.log({"step": step, "test_top1": _test_top1(eval_tower, data, mean, std, cfg, accelerator)})
         if step % cfg.checkpoint_every == 0 or step == total_steps:
             # Also between log records (a log step checked it already): a diverged model is never
             # saved, or a rerun would resume it.
             if step % cfg.log_every and step != total_steps:
                 global_loss(accelerator, loss, step)
             accelerator.wait_for_everyone()
+            meta = {"train_seconds": train_seconds, "dropped_steps": dropped_steps,
+                    **({"init_from": init_record} if init_record else {}), "dropped_total": dropped_total,
+                    "log_window": {"step": last_log_step, "seconds": last_log_seconds,
+                                   "aux": float(window_aux), "dropped": float(window_dropped)}}
+            if sharded:  # every process writes its shards
+                save_sharded_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer, meta=meta)
+            elif is_main:
+                save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer, meta=meta)
             if is_main:
-                save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer,
-                                    meta={"train_seconds": train_seconds, "dropped_steps": dropped_steps,
-                                          **({"init_from": init_record} if init_record else {}),
-                                          "dropped_total": dropped_total,
-                                          "log_window": {"step": last_log_step, "seconds": last_log_seconds,
-                                                         "aux": float(window_aux), "dropped": float(window_dropped)}})
                 prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
     batches.close()  # a stream's loader workers stop reading
@@ -328,6 +341,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                "train_seconds": round(train_seconds, 1)}
     if init_record:
         results["init_from"] = {k: init_record[k] for k in ("path", "tower_sha256", "head")}
+    if sharded:  # the main process saves and evaluates a plain tower with the full weights
+        tower_module = gather_tower(tower_module, accelerator.device)
     if is_main:
         pretrain_meta = {"config": str(run_dir / "config.yaml"), **results}
         save_tower(run_dir / "tower", tower_module, extra={

@@ -85,9 +85,11 @@ def restore_loss_scaler(accelerator: Accelerator, state: dict | None) -> None:
 
 
 def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 total_steps: int, skip_prefixes: tuple[str, ...] = ()) -> tuple[int, dict, object]:
+                 total_steps: int, skip_prefixes: tuple[str, ...] = (),
+                 load=load_training_state) -> tuple[int, dict, object]:
     """(step, the checkpoint's JSON metadata, the checkpoint) from the newest complete checkpoint,
-    restored into `model` and `optimizer`; (0, {}, None) when there is none.
+    restored into `model` and `optimizer` by `load` (`sharded_checkpoint.load_sharded_state` for a
+    sharded run); (0, {}, None) when there is none.
 
     A checkpoint past `total_steps` is refused: steps/epochs may change on a rerun to extend a run,
     but a shorter rerun would save the longer run's model as the shorter one (and its learning
@@ -95,7 +97,7 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
     checkpoints = checkpoints_newest_first(checkpoints_dir)
     for latest in checkpoints:
         try:
-            meta = load_training_state(latest, model, optimizer, skip_prefixes=skip_prefixes)
+            meta = load(latest, model, optimizer, skip_prefixes=skip_prefixes)
             break
         except DamagedCheckpoint as damage:  # a disk filled or a copy cut short: the one before still holds
             _log.warning("%s is damaged (%s); resuming from the checkpoint before it", latest, damage)

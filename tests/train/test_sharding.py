@@ -1,0 +1,246 @@
+"""lit_softmoe.train.sharding and sharded_checkpoint (`sharding: fsdp`): FSDP2 pretraining on two gloo
+processes (torchrun) equals one process on the same global batches, a kill -9 mid-epoch then a rerun
+equals the uninterrupted sharded run, and the tower folder loads in one process with the weights the
+processes held. The checkpoint's own checks run in-process, on a one-process gloo group."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from cli_errors import one_line_error
+from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.errors import UserError
+from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.train.checkpoint import DamagedCheckpoint
+from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.optim import create_optimizer
+from lit_softmoe.train.pretrain import pretrain
+from lit_softmoe.train.runtime import resume_state
+from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
+from lit_softmoe.train.sharding import gather_tower, shard_tower
+
+# The narrow Soft MoE tower of test_pretrain.py: seconds per run.
+SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
+               "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
+# 1000 images in batches of 64 make 15 steps an epoch: the run crosses an epoch, and its checkpoints
+# at steps 4, 8 and 12 fall mid-epoch. Evaluated at step 10: the sharded tower is gathered mid-run.
+RUN = ["batch_size=64", "optim.warmup=5", "optim.lr=3e-3", "steps=20", "log_every=1", "checkpoint_every=4",
+       "keep_checkpoints=10", "eval_every=10", "fewshot_shots=0", "data.max_train_samples=1000",
+       "data.max_test_samples=200", "precision=fp32", "log_with=[]", *SMALL_TOWER]
+
+
+def _overrides(shards, run_dir, *extra) -> list[str]:
+    return [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", *RUN, *extra]
+
+
+def _torchrun(shards, run_dir, port: int) -> subprocess.Popen:
+    """The sharded run on two gloo processes, launched as a user launches it, in a session of its own
+    (a kill -9 then takes the launcher and both processes at once)."""
+    empty = run_dir.parent / "empty.yaml"
+    empty.write_text("{}\n")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={port}", "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
+                             *_overrides(shards, run_dir, "sharding=fsdp")],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def _tower_state(run_dir) -> dict[str, torch.Tensor]:
+    tower, _ = load_tower(run_dir / "tower")  # in this one process, as LiT, embed and eval load it
+    return tower.state_dict()
+
+
+def _assert_same_run(a, b) -> None:
+    """Two runs that logged the same losses, step for step, and saved the same tower, to the bit."""
+    assert _losses(a) == _losses(b)
+    for (name, p), q in zip(_tower_state(a).items(), _tower_state(b).values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fmnist")
+    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_run(shards, tmp_path_factory):
+    """The uninterrupted sharded run (two processes), every checkpoint kept."""
+    run_dir = tmp_path_factory.mktemp("sharded") / "run"
+    _finish(_torchrun(shards, run_dir, 29581))
+    return run_dir
+
+
+# ---- two processes (torchrun, gloo) ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_fsdp_pretraining_equals_one_process_on_the_same_global_batches(shards, sharded_run, tmp_path):
+    """In-memory batches give process r the samples r::2 of the global batch, and FSDP averages the
+    gradients as DDP does: one unsharded process on the same global batches follows the same curve."""
+    one = tmp_path / "one"
+    pretrain(load_config(PretrainConfig, None, _overrides(shards, one)))
+    a, b = _losses(one), _losses(sharded_run)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert a[20] < 0.9 * a[1]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-4), step
+    for (name, p), q in zip(_tower_state(one).items(), _tower_state(sharded_run).values(), strict=True):
+        assert (p - q).abs().max() <= 1e-4, name
+    assert [r["step"] for r in read_metrics(sharded_run / "metrics.jsonl") if "test_top1" in r] == [10, 20]
+
+
+@pytest.mark.slow
+def test_the_tower_folder_holds_the_weights_the_processes_held(sharded_run):
+    """The final checkpoint's two files, put together along dim 0 (FSDP's shards), are the tower that
+    one process loads from the folder, to the bit; Soft MoE's `scale` is 0-d again there."""
+    final = sharded_run / "checkpoints" / "step_00000020"
+    pieces = [load_file(final / shard_file(rank, 2)) for rank in range(2)]
+    tower = _tower_state(sharded_run)
+    for name, value in tower.items():
+        held = torch.cat([piece[f"model.{name}"] for piece in pieces])
+        assert torch.equal(held.reshape(value.shape), value), name
+    assert tower["blocks.2.mlp.scale"].shape == ()
+    assert json.loads((final / "state.json").read_text())["processes"] == 2
+
+
+@pytest.mark.slow
+def test_killed_sharded_run_resumes_exactly(shards, sharded_run, tmp_path):
+    killed = tmp_path / "killed"
+    proc = _torchrun(shards, killed, 29585)
+    deadline = time.time() + 300
+    while not list((killed / "checkpoints").glob("step_*")) and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both processes, mid-epoch
+    proc.wait()
+    assert not (killed / "tower").exists(), "the run finished before it could be killed"
+    resumed_from = max(int(p.name.split("_")[1]) for p in (killed / "checkpoints").glob("step_*"))
+    assert 4 <= resumed_from < 20
+    _finish(_torchrun(shards, killed, 29587))
+    _assert_same_run(sharded_run, killed)
+
+
+@pytest.mark.slow
+def test_a_shard_damaged_on_one_process_makes_both_resume_from_the_checkpoint_before(shards, sharded_run, tmp_path):
+    """Process 1's file of the newest checkpoint cut short (a disk that filled while it was copied):
+    both processes pass over that checkpoint together, resume at step 4, and end as the uninterrupted run."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(sharded_run / name, run / name)
+    for step in (4, 8):
+        shutil.copytree(sharded_run / "checkpoints" / f"step_{step:08d}", run / "checkpoints" / f"step_{step:08d}")
+    damaged = run / "checkpoints" / "step_00000008" / shard_file(1, 2)
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    proc = _torchrun(shards, run, 29589)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "step_00000008 is damaged" in err and "resuming from" in err
+    _assert_same_run(sharded_run, run)
+
+
+# ---- the checkpoint and the gathered tower, on one in-process gloo process -------------------------
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _trained_sharded_tower(seed: int = 0):
+    """A sharded soft-test-4e tower and its AdamW, one step trained."""
+    torch.manual_seed(seed)
+    tower = shard_tower(create_image_tower("soft-test-4e", num_classes=10), torch.device("cpu"))
+    optimizer = create_optimizer(tower, load_config(PretrainConfig).optim)
+    F.cross_entropy(tower(torch.randn(4, 1, 28, 28)), torch.arange(4)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return tower, optimizer
+
+
+def test_sharded_state_restores_weights_moments_and_rng(one_process_group, tmp_path):
+    tower, optimizer = _trained_sharded_tower()
+    rng = torch.get_rng_state()
+    save_sharded_state(tmp_path / "step_00000001", 1, tower, optimizer, meta={"train_seconds": 1.5})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no temporary folder left
+    other, other_optimizer = _trained_sharded_tower(seed=1)
+    torch.manual_seed(7)
+    info = load_sharded_state(tmp_path / "step_00000001", other, other_optimizer)
+    assert info["step"] == 1 and info["train_seconds"] == 1.5 and info["processes"] == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    for (name, p), q in zip(tower.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    for p, q in zip(tower.parameters(), other.parameters()):
+        for moment in ("exp_avg", "exp_avg_sq", "step"):
+            a, b = optimizer.state[p][moment], other_optimizer.state[q][moment]
+            assert torch.equal(getattr(a, "full_tensor", a.clone)(), getattr(b, "full_tensor", b.clone)()), moment
+
+
+def test_gathered_tower_is_a_plain_tower_with_the_full_weights(one_process_group):
+    tower, _ = _trained_sharded_tower()
+    plain = gather_tower(tower, torch.device("cpu"))
+    assert type(plain).__name__ == "VisionTransformer"  # no FSDP hooks: the main process runs it alone
+    assert plain.blocks[1].mlp.scale.shape == ()  # held as (1,) while sharded
+    for (name, p), q in zip(tower.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p.full_tensor().reshape(q.shape), q), name
+    pixels = torch.randn(2, 1, 28, 28)
+    assert torch.allclose(plain(pixels), tower(pixels), atol=1e-6)
+
+
+def test_damaged_shard_is_passed_over_for_the_checkpoint_before(one_process_group, tmp_path, caplog):
+    tower, optimizer = _trained_sharded_tower()
+    for step in (1, 2):
+        save_sharded_state(tmp_path / f"step_{step:08d}", step, tower, optimizer)
+    shard = tmp_path / "step_00000002" / shard_file(0, 1)
+    shard.write_bytes(shard.read_bytes()[:500])
+    with pytest.raises(DamagedCheckpoint, match="state.rank0-of-1.safetensors"):
+        load_sharded_state(tmp_path / "step_00000002", tower, optimizer)
+    with caplog.at_level("WARNING"):
+        step, _, latest = resume_state(tmp_path, tower, optimizer, 10, load=load_sharded_state)
+    assert (step, latest.name) == (1, "step_00000001")
+    assert any("step_00000002 is damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoint_of_another_number_of_processes_is_refused(one_process_group, tmp_path):
+    tower, optimizer = _trained_sharded_tower()
+    ckpt = save_sharded_state(tmp_path / "step_00000001", 1, tower, optimizer)
+    info = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**info, "processes": 2}))
+    with pytest.raises(UserError, match="written by 2 processes and this run has 1; resume it with 2"):
+        load_sharded_state(ckpt, tower, optimizer)
+
+
+def test_fsdp_on_one_process_is_one_line_before_any_work(shards, tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    line = one_line_error(capsys, ["pretrain", "--config", str(empty),
+                                   *_overrides(shards, tmp_path / "run", "sharding=fsdp")])
+    assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
+    assert "torchrun --nproc_per_node N" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    line = one_line_error(capsys, ["pretrain", "--config", str(empty),
+                                   *_overrides(shards, tmp_path / "run", "sharding=zero")])
+    assert "sharding" in line and "fsdp" in line, line
