@@ -16,7 +16,7 @@ one DataLoader worker per available core reads the shards, and JPEGs travel to t
 nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
 on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
 float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
-bitwise as the transform computes it (`pixels_and_normalization`). One batch stays queued on the GPU
+bitwise as the transform computes it (`transforms.normalize_batch`). One batch stays queued on the GPU
 while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
 at the start.
 
@@ -35,12 +35,11 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import PIL.Image
 import torch
 from torch.utils.data import DataLoader
-from torchvision.transforms import v2
 from tqdm import tqdm
 
 from lit_softmoe.data import gpu_jpeg
@@ -96,7 +95,7 @@ def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> N
 
 # ---------------------------------------------------------------------------------- embedding
 
-def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
+def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor],
                  pad_to: int | None = None) -> torch.Tensor:
     """uint8 pixels (B, C, H, W) on the tower's device → float16 pooled embeddings (B, width) there, queued
     (on a GPU not waited for: `ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
@@ -132,7 +131,7 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: ShardBatches, tower,
-                                  normalize: v2.Compose, device, pad_to: int | None,
+                                  normalize: Callable[[torch.Tensor], torch.Tensor], device, pad_to: int | None,
                                   gpu_decoder: gpu_jpeg.JpegBatchDecoder | None,
                                   workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
                                   timing: dict) -> None:
