@@ -249,17 +249,21 @@ def is_feature_cache(split: str | Path) -> bool:
     return bool(feature_split_dirs(split))
 
 
-def feature_shards_info(urls: list[str], first_members: set[str]) -> dict | None:
-    """Whether shards are feature shards, given the members of their first sample: the embed.json beside
-    them, {} for `.npy` samples without an image and no embed.json; None for other shards."""
+def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str]) -> None:
+    """UserError where the shards `spec` names are feature shards (our own output) given as a source of
+    images: the embed.json beside them, or `.npy` samples without an image (`first_members`: those of
+    the first sample, `shard_batches.first_sample_members`). Every sample would be counted as
+    missing_image, and the bad-fraction message would send the user the wrong way."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")
     info = read_embed_json(Path(first).parent) if local else None
     if info is None:
         if "npy" not in first_members or first_members & set(IMAGE_EXTENSIONS):
-            return None
+            return
         info = {}
-    return info
+    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
+    raise UserError(f"{spec} holds feature shards written by `lit-softmoe embed`, not images; pass the "
+                    f"image shards to embed{source}")
 
 
 def check_feature_caches(spec: str | Path, tower_dir) -> None:

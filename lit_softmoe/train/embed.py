@@ -50,9 +50,9 @@ from lit_softmoe.data.feature_cache import (
     clear_failure,
     copy_metadata,
     feature_samples,
-    feature_shards_info,
     finished_cache,
     finished_shard,
+    refuse_feature_shards,
     refuse_other_metadata,
     remove_leftovers,
     report_failure,
@@ -71,26 +71,12 @@ from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalizatio
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower
-from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
-from lit_softmoe.utils.distributed import local_rank, rank_and_world_size
+from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
+from lit_softmoe.utils.distributed import process_rank
 
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
 # not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
-
-
-# ---------------------------------------------------------------------------------- reading the source
-
-def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
-    """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
-    counted as missing_image and the bad-fraction message would send the user the wrong way.
-    `members`: those of the first sample (`first_sample_members`)."""
-    info = feature_shards_info(urls, members)
-    if info is None:
-        return
-    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
-    raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
-                    f"image shards to embed{source}")
 
 
 # ---------------------------------------------------------------------------------- embedding
@@ -227,23 +213,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         collect(wait=True)
 
 
-def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size) of this process: given, else from the launcher (`torchrun`, `accelerate launch`)."""
-    launched_rank, launched_world_size = rank_and_world_size()
-    world_size = world_size if world_size is not None else launched_world_size
-    rank = rank if rank is not None else launched_rank
-    if not 0 <= rank < world_size:
-        raise UserError(f"rank {rank} is not in [0, world size {world_size}); check RANK and WORLD_SIZE")
-    return rank, world_size
-
-
-def _default_device(world_size: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # One GPU per process: the launcher's LOCAL_RANK picks it.
-    return torch.device("cuda", local_rank() % torch.cuda.device_count())
-
-
 def embed_shards(
     tower_dir: str | Path,
     shards: str,
@@ -319,10 +288,10 @@ def embed_shards(
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
-    rank, world_size = _process_rank(rank, world_size)
+    rank, world_size = process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
-    _refuse_feature_shards(shards, urls, members)
+    refuse_feature_shards(shards, urls, members)
     split = split or split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
@@ -330,9 +299,9 @@ def embed_shards(
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
         raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
-    device = parse_device(str(device)) if device is not None else _default_device(world_size)
+    device = parse_device(str(device)) if device is not None else process_device()
     weights = inference_dtype(precision, device)
-    decoder, decoder_why = _choose_jpeg_decoder(jpeg_decoder, device)
+    decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device)
     fingerprint = cache_fingerprint(tower_dir)
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
@@ -387,7 +356,8 @@ def embed_shards(
         print(f"embed: tower {tower_dir} on {device}, "
               f"{'bf16' if weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded {_decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})", file=sys.stderr, flush=True)
+              f"JPEGs decoded {gpu_jpeg.decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})",
+              file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
@@ -438,24 +408,6 @@ def embed_shards(
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
             "world_size": world_size, **rates}
-
-
-def _choose_jpeg_decoder(setting: str, device: torch.device) -> tuple[str, str]:
-    """("gpu" | "cpu", why) for `--jpeg-decoder`: auto takes the GPU where torchvision can decode there."""
-    if setting == "cpu":
-        return "cpu", "--jpeg-decoder cpu"
-    problem = gpu_jpeg.gpu_decoder_works(device)
-    if setting == "gpu":
-        if problem is not None:
-            raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
-        return "gpu", "--jpeg-decoder gpu"
-    return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
-
-
-def _decoder_words(decoder: str, share: float) -> str:
-    if decoder == "cpu":
-        return "on the CPU"
-    return "on the GPU" if share == 1.0 else f"on the GPU ({share:.0%}) and by the workers"
 
 
 def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:
