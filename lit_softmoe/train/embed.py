@@ -32,8 +32,6 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -46,6 +44,7 @@ from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
+    FeatureShardWriter,
     cache_fingerprint,
     clear_failure,
     copy_metadata,
@@ -60,7 +59,6 @@ from lit_softmoe.data.feature_cache import (
     source_stats,
     wait_for_shards,
     work_folder,
-    write_feature_shard,
     write_feature_split,
 )
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
@@ -164,23 +162,16 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         pixels, meta["undecodable"] = _pixels_on_device(batch, device, gpu_decoder)
         return meta, pixels
 
-    # Feature shards are written by a thread of their own (tar, sha256, fsync), in the order they finish;
-    # the bad-sample check counts each shard once it is complete, before it is written.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-shard-writer") as writer:
-        writes: deque[Future] = deque()  # shards handed to the writer, oldest first, not yet in `finished`
+    # Feature shards are written by a thread of their own, in the order they finish; the bad-sample check
+    # counts each shard once it is complete, before it is written.
+    with FeatureShardWriter(work_dir, finished) as writer:
         counted = list(finished)  # the killed run's shards, then each new one as it completes
-
-        def collect(wait: bool) -> None:
-            """Move written shards' records to `finished`; a failed write (a full disk) raises here."""
-            while writes and (wait or writes[0].done()):
-                finished.append(writes.popleft().result())
 
         def complete(index: int, record: dict) -> None:
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
             counted.append(record)
-            writes.append(writer.submit(write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
-            collect(wait=False)  # a failed write ends the run now, not at the end
+            writer.write(index, pending.pop(index, []), dict(record))
             progress.set_postfix(shards=f"{len(counted)}/{total_shards}")
             error = _bad_fraction_error(source, counted, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
             if error:
@@ -210,7 +201,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             in_flight = queued
         if in_flight is not None:
             keep(in_flight)
-        collect(wait=True)
 
 
 def embed_shards(
