@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import logging
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +17,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from lit_softmoe.data.images import upright_l_or_rgb
+from lit_softmoe.data.images import upright_l_or_rgb, upright_shape
 from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import (
     DECODED_CACHE_PREFIX,
@@ -42,7 +43,8 @@ class MixedSizesError(UserError):
     """A split whose images differ in size (it cannot be held as one array; the stream resizes them)."""
 
 
-def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.Image.Image, int] | None:
+def _decode_class_sample(sample: dict, counter: BadSampleCounter,
+                         decode: bool = True) -> tuple[PIL.Image.Image, int] | None:
     where = f"{sample['__key__']} in {sample.get('__url__')}"
     image_key = image_extension(sample)
     if image_key is None:
@@ -55,7 +57,8 @@ def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.I
         return None
     try:
         image = PIL.Image.open(io.BytesIO(sample[image_key]))
-        image.load()
+        if decode:
+            image.load()
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
         counter.skip("bad_image", f"{where}: {type(exn).__name__}: {exn}")
         return None
@@ -63,13 +66,15 @@ def _decode_class_sample(sample: dict, counter: BadSampleCounter) -> tuple[PIL.I
 
 
 def iter_class_samples(
-    urls: str | Path | list[str], counter: BadSampleCounter | None = None
+    urls: str | Path | list[str], counter: BadSampleCounter | None = None, decode: bool = True
 ) -> Iterator[tuple[PIL.Image.Image, int]]:
     """Yield (PIL image, class index) from image + `.cls` shards, in shard order.
 
     Args:
         urls: anything `shard_urls` accepts (a split folder, a brace pattern, a list).
         counter: receives the counts of skipped samples and shards; pass one to read them after.
+        decode: False yields each image opened, not decoded: its header (size, mode) read, its pixels not
+            (an image whose pixels turn out broken is then not skipped).
 
     A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
     a damaged or unreadable tar is counted and reading goes on with the next shard, and a shard that
@@ -80,7 +85,7 @@ def iter_class_samples(
     listed = listed_sizes(shards) or {}
     for url in shards:
         for sample in tar_samples(url, counter, listed.get(url)):
-            decoded = _decode_class_sample(sample, counter)
+            decoded = _decode_class_sample(sample, counter, decode)
             if decoded is not None:
                 yield decoded
 
@@ -146,6 +151,41 @@ def _read_decoded_cache(path: Path) -> tuple[torch.Tensor, torch.Tensor, list] |
     except Exception as err:  # noqa: BLE001 — a damaged zip, a missing array, other bytes: never trusted
         logger.warning("ignoring the decoded cache %s (%s: %s); decoding the shards again", path,
                        type(err).__name__, err)
+        return None
+
+
+def holds_images_of(split_dir: str | Path, channels: int, size: int, max_samples: int | None = None) -> bool:
+    """Whether `load_class_split(split_dir, max_samples)` would give (N, `channels`, `size`, `size`) images,
+    found without decoding a pixel: from the decoded cache's array header where there is one, else from
+    each image's header (`images.upright_shape`: size, mode, EXIF orientation), stopping at the first image
+    that rules it out (another size; color for a gray `channels`). True also where no image is readable:
+    the load then says so. What `data.loader=auto` decides by before a split is decoded."""
+    cache_path = _decoded_cache_path(split_dir)
+    shape = _cached_images_shape(cache_path) if cache_path is not None and cache_path.is_file() else None
+    if shape is not None:
+        return tuple(shape[1:]) == (channels, size, size)
+    color, count = False, 0
+    for image, _ in iter_class_samples(split_dir, decode=False):
+        image_channels, height, width = upright_shape(image)
+        color = color or image_channels == 3  # one color image makes the split RGB, as the load reads it
+        if (height, width) != (size, size) or (color and channels != 3):
+            return False
+        count += 1
+        if max_samples is not None and count >= max_samples:
+            break
+    return count == 0 or (3 if color else 1) == channels
+
+
+def _cached_images_shape(path: Path) -> tuple[int, ...] | None:
+    """The shape of a decoded cache's images array, from its .npy header (the array is not read); None
+    where the file cannot say (the load then decodes or reads it as before)."""
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open("images.npy") as stream:
+            version = np.lib.format.read_magic(stream)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            return tuple(read_header(stream)[0]) if read_header is not None else None
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         return None
 
 

@@ -16,7 +16,8 @@ fingerprint (sha256 of its weights, its config, its preprocessing), the source s
 modification times, and each feature shard's sha256. Its presence marks a finished cache.
 
 While embedding, feature shards are written into a work folder beside the split (`.SPLIT.work-<key>`,
-keyed by the tower and the sources): `{index}.tar` and then its record `{index}.json`, so a killed run's
+keyed by the tower and the sources; by a thread of their own, `FeatureShardWriter`): `{index}.tar` and
+then its record `{index}.json`, so a killed run's
 finished shards are kept; `.error-RANK` tells the other processes why one stopped. The split is put in
 place from there whole (`write_feature_split`).
 """
@@ -28,6 +29,8 @@ import json
 import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -249,17 +252,21 @@ def is_feature_cache(split: str | Path) -> bool:
     return bool(feature_split_dirs(split))
 
 
-def feature_shards_info(urls: list[str], first_members: set[str]) -> dict | None:
-    """Whether shards are feature shards, given the members of their first sample: the embed.json beside
-    them, {} for `.npy` samples without an image and no embed.json; None for other shards."""
+def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str]) -> None:
+    """UserError where the shards `spec` names are feature shards (our own output) given as a source of
+    images: the embed.json beside them, or `.npy` samples without an image (`first_members`: those of
+    the first sample, `shard_batches.first_sample_members`). Every sample would be counted as
+    missing_image, and the bad-fraction message would send the user the wrong way."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")
     info = read_embed_json(Path(first).parent) if local else None
     if info is None:
         if "npy" not in first_members or first_members & set(IMAGE_EXTENSIONS):
-            return None
+            return
         info = {}
-    return info
+    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
+    raise UserError(f"{spec} holds feature shards written by `lit-softmoe embed`, not images; pass the "
+                    f"image shards to embed{source}")
 
 
 def check_feature_caches(spec: str | Path, tower_dir) -> None:
@@ -341,6 +348,36 @@ def write_feature_shard(work_dir: Path, index: int, samples: list[dict], record:
               "sha256": file_sha256(tar_path)}
     write_text_atomic(work_dir / f"{index}.json", json.dumps(record) + "\n")
     return record
+
+
+class FeatureShardWriter:
+    """Feature shards written by a thread of their own (`write_feature_shard`: tar, sha256, fsync) while the
+    caller goes on embedding, in the order they are handed over; each written shard's record is appended to
+    `finished`, oldest first. A failed write (a full disk) is raised by the next `write`, or on leaving the
+    `with` block, which waits for every write; leaving it on an error waits too, keeping no record."""
+
+    def __init__(self, work_dir: Path, finished: list[dict]):
+        self.work_dir, self.finished = work_dir, finished
+        self._writes: deque[Future] = deque()  # handed to the thread, oldest first, not yet in `finished`
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-shard-writer")
+
+    def write(self, index: int, samples: list[dict], record: dict) -> None:
+        self._writes.append(self._thread.submit(write_feature_shard, self.work_dir, index, samples, record))
+        self._collect(wait=False)  # a failed write ends the run now, not at the end
+
+    def _collect(self, wait: bool) -> None:
+        while self._writes and (wait or self._writes[0].done()):
+            self.finished.append(self._writes.popleft().result())
+
+    def __enter__(self) -> FeatureShardWriter:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        try:
+            if error_type is None:
+                self._collect(wait=True)
+        finally:
+            self._thread.shutdown(wait=True)
 
 
 def finished_shard(work_dir: Path, index: int) -> dict | None:

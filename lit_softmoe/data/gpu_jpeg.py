@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_softmoe.data.images import exif_orientation
-from lit_softmoe.errors import first_line
+from lit_softmoe.errors import UserError, first_line
 
 DECODERS = ("auto", "gpu", "cpu")
 _JPEG_START = b"\xff\xd8\xff"
@@ -265,3 +265,24 @@ def gpu_decoder_works(device: torch.device) -> str | None:
     except (RuntimeError, NotImplementedError) as err:
         return f"torchvision cannot decode on {device} ({first_line(err)})"
     return None
+
+
+def choose_decoder(setting: str, device: torch.device) -> tuple[str, str]:
+    """("gpu" | "cpu", why) for `--jpeg-decoder` (one of `DECODERS`): auto takes the GPU where torchvision
+    can decode there (`gpu_decoder_works`); gpu where it cannot is a UserError."""
+    if setting == "cpu":
+        return "cpu", "--jpeg-decoder cpu"
+    problem = gpu_decoder_works(device)
+    if setting == "gpu":
+        if problem is not None:
+            raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
+        return "gpu", "--jpeg-decoder gpu"
+    return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
+
+
+def decoder_words(decoder: str, share: float) -> str:
+    """Where the JPEGs are decoded, in words ("on the GPU (50%) and by the workers"): `share` is the
+    fraction the GPU decodes (`DeferToGpu`)."""
+    if decoder == "cpu":
+        return "on the CPU"
+    return "on the GPU" if share == 1.0 else f"on the GPU ({share:.0%}) and by the workers"

@@ -58,14 +58,34 @@ def l_or_rgb(image: PIL.Image.Image) -> tuple[PIL.Image.Image, str | None]:
     if image.has_transparency_data:
         white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
         flat = PIL.Image.alpha_composite(white, image.convert("RGBA"))
-        return flat.convert("L" if mode in ("L", "LA", "La") else "RGB"), "alpha"
+        return flat.convert(l_or_rgb_mode(image)), "alpha"
     if mode in ("L", "RGB"):
         return image, None
     if mode == "P":
         return image.convert("RGB"), "palette"
     if mode == "CMYK":
         return image.convert("RGB"), "cmyk"
-    return image.convert("L" if mode in ("1", "F") else "RGB"), "other_mode"
+    return image.convert(l_or_rgb_mode(image)), "other_mode"
+
+
+def l_or_rgb_mode(image: PIL.Image.Image) -> str:
+    """The mode, "L" or "RGB", that `l_or_rgb` gives `image`: known from its header (mode, transparency),
+    before any pixel is decoded."""
+    mode = image.mode
+    if mode.startswith("I;16") or mode == "I":
+        return "L"
+    if image.has_transparency_data:
+        return "L" if mode in ("L", "LA", "La") else "RGB"
+    return "L" if mode in ("L", "1", "F") else "RGB"
+
+
+def upright_shape(image: PIL.Image.Image) -> tuple[int, int, int]:
+    """(channels, height, width) of `upright_l_or_rgb(image)`, from an opened file's header alone (size, mode,
+    transparency, EXIF orientation): nothing is decoded."""
+    width, height = image.size
+    if exif_orientation(image) in (5, 6, 7, 8):  # transposed or turned a quarter: the sides swap
+        width, height = height, width
+    return (1 if l_or_rgb_mode(image) == "L" else 3), height, width
 
 
 def upright_l_or_rgb(image: PIL.Image.Image) -> PIL.Image.Image:

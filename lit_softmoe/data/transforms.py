@@ -8,12 +8,15 @@ and, for tiny 28×28 sets, the CIFAR-style "pad and random crop" instead of a ra
 Per-batch (`batch_augment`, `normalize_batch`): pretraining keeps a small set such as
 Fashion-MNIST in memory as uint8 (N, C, H, W) and augments a whole batch with one gather, drawing
 its randomness from a torch.Generator so a run is repeatable — per-image transforms in Python
-would cost more than the tiny model's step on 2 CPU cores.
+would cost more than the tiny model's step on 2 CPU cores. `normalize_batch` is the one
+normalization of uint8 batches (pretraining, embed, the benchmarks), where the tower runs, bitwise
+the transforms' own last two steps.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import PIL.Image
 import torch
@@ -204,19 +207,21 @@ def preprocess_transform(preprocess: dict, in_channels: int) -> v2.Compose:
                           decode=preprocess.get("decode", "full"))
 
 
-def pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, v2.Compose]:
-    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization).
+def pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, Callable[[torch.Tensor], torch.Tensor]]:
+    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization
+    of a uint8 batch: `normalize_batch` with the transform's mean and std).
 
     Loader workers can run the first part and send uint8 batches: a quarter of float32's bytes through
-    shared memory, pinning and the copy to the GPU. The normalization (to float32, × 1/255, − mean, ÷ std)
-    runs on the batch where the tower runs; its ops are elementwise and exactly rounded on the CPU and the
-    GPU alike, so the tower sees bitwise the pixels the whole transform gives image by image (as eval and
-    LiT see them).
+    shared memory, pinning and the copy to the GPU. The normalization runs on the batch where the tower
+    runs, bitwise as the transform's own steps (`normalize_batch`), so the tower sees the pixels the whole
+    transform gives image by image (as eval and LiT see them).
     """
     steps = transform.transforms
-    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize):
-        raise ValueError(f"expected an eval transform ending in ToDtype and Normalize, got {transform}")
-    return v2.Compose(steps[:-2]), v2.Compose(steps[-2:])
+    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize) \
+            or steps[-2].dtype != torch.float32 or not steps[-2].scale:
+        raise ValueError(f"expected an eval transform ending in ToDtype(float32, scale=True) and Normalize, "
+                         f"got {transform}")
+    return v2.Compose(steps[:-2]), partial(normalize_batch, mean=steps[-1].mean, std=steps[-1].std)
 
 
 def train_transform(
@@ -320,21 +325,38 @@ def match_channels(images: torch.Tensor, in_channels: int) -> torch.Tensor:
     raise ValueError(f"cannot turn {channels} channels into {in_channels}")
 
 
-def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] = 0.5,
-                    std: float | Sequence[float] = 0.5, in_channels: int | None = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 (N, C, H, W) → float (N, C', H, W): (x / 255 - mean) / std, per channel.
+def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] | torch.Tensor = 0.5,
+                    std: float | Sequence[float] | torch.Tensor = 0.5, in_channels: int | None = None) -> torch.Tensor:
+    """uint8 (N, C, H, W) → float32 (N, C', H, W), contiguous: (x × (1/255) − mean) / std per channel, on the
+    batch's device.
 
-    `in_channels` (if given) converts the channels first, as the per-image transforms do.
+    Bitwise what a transform's last two steps (`v2.ToDtype(float32, scale=True)`, `v2.Normalize`) give image
+    by image: the same float32 operations in the same order, each exactly rounded on the CPU and the GPU
+    alike. So pretraining normalizes its batches as the saved tower's `preprocess` does at evaluation, and
+    embed's batches hold the pixels eval and LiT on the fly feed the tower. (`x / 255` is not the same: on
+    the CPU a true division rounds otherwise than the multiplication by 1/255 in float32.)
+
+    Args:
+        images: uint8 (N, C, H, W), in any memory format: a streamed batch is channels-last
+            (`shard_stream.ShardStream._collate`), an in-memory one is not; the cast lays both out
+            contiguously, where the per-channel broadcast is fast and the tower's input is alike.
+        mean, std: one value, or one per channel (a 1-channel batch with three broadcasts to three
+            channels); a float32 tensor of them already on the batch's device ((C,) or (C, 1, 1)) is
+            used as is, with no copy to the device per batch.
+        in_channels: if given, the channels are converted first (`match_channels`), as the per-image
+            transforms do.
     """
+    if images.dtype != torch.uint8:
+        raise ValueError(f"normalize_batch takes uint8 pixels, got {images.dtype}")
     if in_channels is not None:
         images = match_channels(images, in_channels)
-    channels = images.shape[1]
-    mean_t = torch.tensor(_per_channel(mean, channels, "mean"), dtype=dtype, device=images.device)
-    std_t = torch.tensor(_per_channel(std, channels, "std"), dtype=dtype, device=images.device)
-    # Folded into x * (1 / (255 std)) - mean / std, in place on the cast copy: faster on the CPU than
-    # one addcmul with its broadcast first operand. The cast also lays a channels-last batch (the
-    # stream's, `shard_stream.ShardStream._collate`) out contiguously, where the per-channel broadcast is fast.
-    scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1)
-    shift = (mean_t / std_t).view(1, -1, 1, 1)
-    return images.to(dtype, memory_format=torch.contiguous_format).mul_(scale).sub_(shift)
+    mean, std = _channel_values(mean, images.device), _channel_values(std, images.device)
+    # In place on the cast copy but for a mean that broadcasts the channels (a gray batch, an RGB tower).
+    pixels = images.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)  # v2.ToDtype's
+    pixels = pixels.sub_(mean) if len(mean) in (1, pixels.shape[1]) else pixels.sub(mean)  # v2.Normalize's
+    return pixels.div_(std)
+
+
+def _channel_values(values: float | Sequence[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float32 (C, 1, 1) on `device` (as v2.Normalize holds its mean and std); a tensor already there is a view."""
+    return torch.as_tensor(values, dtype=torch.float32, device=device).reshape(-1, 1, 1)

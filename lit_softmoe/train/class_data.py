@@ -20,7 +20,7 @@ from lit_softmoe.data.class_batches import (
     split_batches,
     split_labels,
 )
-from lit_softmoe.data.class_split import MixedSizesError, load_class_split
+from lit_softmoe.data.class_split import holds_images_of, load_class_split
 from lit_softmoe.data.shards import dataset_dir, read_classnames, shard_urls
 from lit_softmoe.data.tar_reading import listed_sizes
 from lit_softmoe.data.transforms import eval_transform, train_transform
@@ -62,8 +62,11 @@ def _drop_unnamed_classes(split: str, images, labels, bad, classnames: list[str]
     return images[~unnamed], labels[~unnamed]
 
 
-def _loader_kind(cfg: PretrainConfig) -> str:
-    """memory or stream, for data.loader=auto: memory for small splits whose augmentation it has."""
+def _loader_kind(cfg: PretrainConfig, tower_cfg) -> str:
+    """memory or stream, decided once, before any image is decoded. data.loader=auto: memory for small
+    splits whose augmentation the in-memory batches have and whose images all have the tower's size and
+    channels (found from the images' headers or the decoded cache's, `class_split.holds_images_of`), which
+    the stream would otherwise resize and convert."""
     if cfg.data.loader != "auto":
         return cfg.data.loader
     if cfg.data.augment and (cfg.data.crop != "pad" or cfg.data.randaugment):
@@ -72,15 +75,20 @@ def _loader_kind(cfg: PretrainConfig) -> str:
         size = sum(Path(url).stat().st_size for url in shard_urls(cfg.data.train))
     except OSError:  # remote shards (or a name that is not a file): never loaded whole
         return "stream"
-    return "memory" if size <= AUTO_MEMORY_BYTES else "stream"
+    if size > AUTO_MEMORY_BYTES:
+        return "stream"
+    splits = ((cfg.data.train, cfg.data.max_train_samples), (cfg.data.test, cfg.data.max_test_samples))
+    if all(holds_images_of(split, tower_cfg.in_channels, tower_cfg.image_size, limit or None)
+           for split, limit in splits):
+        return "memory"
+    _log.info("data.loader=auto: the images are not all %d×%d px with %d channels: streaming them",
+              tower_cfg.image_size, tower_cfg.image_size, tower_cfg.in_channels)
+    return "stream"
 
 
 def setup_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int) -> ClassData:
-    kind = _loader_kind(cfg)
-    if kind == "memory":
-        data = memory_class_data(cfg, tower_cfg, rank, world_size, fall_back=cfg.data.loader == "auto")
-        if data is not None:
-            return data
+    if _loader_kind(cfg, tower_cfg) == "memory":
+        return memory_class_data(cfg, tower_cfg, rank, world_size)
     return streamed_class_data(cfg, tower_cfg, rank, world_size)
 
 
@@ -92,22 +100,11 @@ def _check_bad_fraction(cfg: PretrainConfig, split: str, bad: dict, good: int) -
                         f"data.max_bad_fraction={cfg.data.max_bad_fraction}; fix the shards or raise it")
 
 
-def memory_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int,
-                       fall_back: bool) -> ClassData | None:
-    """The splits decoded into memory; None (with `fall_back`) where the images do not all have the
-    tower's size and channels, which the stream then resizes and converts."""
-    try:
-        train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
-        test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
-        fits = _fits(tower_cfg, train_images) and _fits(tower_cfg, test_images)
-    except MixedSizesError:
-        if not fall_back:
-            raise
-        fits = False
-    if fall_back and not fits:
-        _log.info("data.loader=auto: the images are not all %d×%d px with %d channels: streaming them",
-                  tower_cfg.image_size, tower_cfg.image_size, tower_cfg.in_channels)
-        return None
+def memory_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int) -> ClassData:
+    """The splits decoded into memory (images of mixed sizes, or of another size than the tower's, are a
+    UserError naming data.loader=stream)."""
+    train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
+    test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
     classnames_dir = dataset_dir(cfg.data.train)  # beside the split, for a pattern or a '::' list too
     has_names = classnames_dir is not None and (classnames_dir / "classnames.txt").exists()
     classnames = read_classnames(classnames_dir) if has_names else [str(i) for i in range(int(train_labels.max()) + 1)]
@@ -139,10 +136,6 @@ def _channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
     tower's normalization where the config gives none, however the split is read."""
     pixels = images[:STATS_IMAGES].float() / 255
     return pixels.mean(dim=(0, 2, 3)).tolist(), pixels.std(dim=(0, 2, 3)).tolist()
-
-
-def _fits(tower_cfg, images: torch.Tensor) -> bool:
-    return images.shape[1] == tower_cfg.in_channels and images.shape[2] == images.shape[3] == tower_cfg.image_size
 
 
 def streamed_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int) -> ClassData:

@@ -16,7 +16,7 @@ one DataLoader worker per available core reads the shards, and JPEGs travel to t
 nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
 on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
 float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
-bitwise as the transform computes it (`pixels_and_normalization`). One batch stays queued on the GPU
+bitwise as the transform computes it (`transforms.normalize_batch`). One batch stays queued on the GPU
 while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
 at the start.
 
@@ -32,28 +32,26 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import PIL.Image
 import torch
 from torch.utils.data import DataLoader
-from torchvision.transforms import v2
 from tqdm import tqdm
 
 from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
+    FeatureShardWriter,
     cache_fingerprint,
     clear_failure,
     copy_metadata,
     feature_samples,
-    feature_shards_info,
     finished_cache,
     finished_shard,
+    refuse_feature_shards,
     refuse_other_metadata,
     remove_leftovers,
     report_failure,
@@ -61,7 +59,6 @@ from lit_softmoe.data.feature_cache import (
     source_stats,
     wait_for_shards,
     work_folder,
-    write_feature_shard,
     write_feature_split,
 )
 from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
@@ -72,31 +69,17 @@ from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalizatio
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower
-from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, resolve_compile
-from lit_softmoe.utils.distributed import local_rank, rank_and_world_size
+from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
+from lit_softmoe.utils.distributed import process_rank
 
 # `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
 # not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
 
 
-# ---------------------------------------------------------------------------------- reading the source
-
-def _refuse_feature_shards(shards: str, urls: list[str], members: set[str]) -> None:
-    """Feature shards (our own output) hold `.npy` embeddings and no image: every sample would be
-    counted as missing_image and the bad-fraction message would send the user the wrong way.
-    `members`: those of the first sample (`first_sample_members`)."""
-    info = feature_shards_info(urls, members)
-    if info is None:
-        return
-    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
-    raise UserError(f"{shards} holds feature shards written by `lit-softmoe embed`, not images; pass the "
-                    f"image shards to embed{source}")
-
-
 # ---------------------------------------------------------------------------------- embedding
 
-def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: v2.Compose,
+def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor],
                  pad_to: int | None = None) -> torch.Tensor:
     """uint8 pixels (B, C, H, W) on the tower's device → float16 pooled embeddings (B, width) there, queued
     (on a GPU not waited for: `ToHost` fetches them). The tower runs in its weights' dtype (bf16 on GPUs,
@@ -132,7 +115,7 @@ def _bad_fraction_error(source: str, records: Iterable[dict], max_bad_fraction: 
 
 
 def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, dataset: ShardBatches, tower,
-                                  normalize: v2.Compose, device, pad_to: int | None,
+                                  normalize: Callable[[torch.Tensor], torch.Tensor], device, pad_to: int | None,
                                   gpu_decoder: gpu_jpeg.JpegBatchDecoder | None,
                                   workers: int, max_bad_fraction: float, source: str, finished: list[dict], progress,
                                   timing: dict) -> None:
@@ -179,23 +162,16 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         pixels, meta["undecodable"] = _pixels_on_device(batch, device, gpu_decoder)
         return meta, pixels
 
-    # Feature shards are written by a thread of their own (tar, sha256, fsync), in the order they finish;
-    # the bad-sample check counts each shard once it is complete, before it is written.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-shard-writer") as writer:
-        writes: deque[Future] = deque()  # shards handed to the writer, oldest first, not yet in `finished`
+    # Feature shards are written by a thread of their own, in the order they finish; the bad-sample check
+    # counts each shard once it is complete, before it is written.
+    with FeatureShardWriter(work_dir, finished) as writer:
         counted = list(finished)  # the killed run's shards, then each new one as it completes
-
-        def collect(wait: bool) -> None:
-            """Move written shards' records to `finished`; a failed write (a full disk) raises here."""
-            while writes and (wait or writes[0].done()):
-                finished.append(writes.popleft().result())
 
         def complete(index: int, record: dict) -> None:
             for reason, count in skipped.pop(index, {}).items():
                 record["bad"][reason] = record["bad"].get(reason, 0) + count
             counted.append(record)
-            writes.append(writer.submit(write_feature_shard, work_dir, index, pending.pop(index, []), dict(record)))
-            collect(wait=False)  # a failed write ends the run now, not at the end
+            writer.write(index, pending.pop(index, []), dict(record))
             progress.set_postfix(shards=f"{len(counted)}/{total_shards}")
             error = _bad_fraction_error(source, counted, max_bad_fraction, at_least=MIN_SAMPLES_BEFORE_CHECK)
             if error:
@@ -225,24 +201,6 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             in_flight = queued
         if in_flight is not None:
             keep(in_flight)
-        collect(wait=True)
-
-
-def _process_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size) of this process: given, else from the launcher (`torchrun`, `accelerate launch`)."""
-    launched_rank, launched_world_size = rank_and_world_size()
-    world_size = world_size if world_size is not None else launched_world_size
-    rank = rank if rank is not None else launched_rank
-    if not 0 <= rank < world_size:
-        raise UserError(f"rank {rank} is not in [0, world size {world_size}); check RANK and WORLD_SIZE")
-    return rank, world_size
-
-
-def _default_device(world_size: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # One GPU per process: the launcher's LOCAL_RANK picks it.
-    return torch.device("cuda", local_rank() % torch.cuda.device_count())
 
 
 def embed_shards(
@@ -320,10 +278,10 @@ def embed_shards(
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
-    rank, world_size = _process_rank(rank, world_size)
+    rank, world_size = process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
-    _refuse_feature_shards(shards, urls, members)
+    refuse_feature_shards(shards, urls, members)
     split = split or split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
@@ -331,9 +289,9 @@ def embed_shards(
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
         raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
-    device = parse_device(str(device)) if device is not None else _default_device(world_size)
+    device = parse_device(str(device)) if device is not None else process_device()
     weights = inference_dtype(precision, device)
-    decoder, decoder_why = _choose_jpeg_decoder(jpeg_decoder, device)
+    decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device)
     fingerprint = cache_fingerprint(tower_dir)
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
@@ -388,7 +346,8 @@ def embed_shards(
         print(f"embed: tower {tower_dir} on {device}, "
               f"{'bf16' if weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded {_decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})", file=sys.stderr, flush=True)
+              f"JPEGs decoded {gpu_jpeg.decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})",
+              file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
@@ -439,24 +398,6 @@ def embed_shards(
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
             "world_size": world_size, **rates}
-
-
-def _choose_jpeg_decoder(setting: str, device: torch.device) -> tuple[str, str]:
-    """("gpu" | "cpu", why) for `--jpeg-decoder`: auto takes the GPU where torchvision can decode there."""
-    if setting == "cpu":
-        return "cpu", "--jpeg-decoder cpu"
-    problem = gpu_jpeg.gpu_decoder_works(device)
-    if setting == "gpu":
-        if problem is not None:
-            raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
-        return "gpu", "--jpeg-decoder gpu"
-    return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
-
-
-def _decoder_words(decoder: str, share: float) -> str:
-    if decoder == "cpu":
-        return "on the CPU"
-    return "on the GPU" if share == 1.0 else f"on the GPU ({share:.0%}) and by the workers"
 
 
 def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:

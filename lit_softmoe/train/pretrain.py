@@ -40,6 +40,7 @@ from lit_softmoe.data.class_batches import (
     InMemoryClassBatches,
     StreamedClassBatches,
 )
+from lit_softmoe.data.transforms import normalize_batch
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.probes import fewshot_probe
 from lit_softmoe.model_folders import checkpoints_newest_first
@@ -67,12 +68,6 @@ from lit_softmoe.utils.device import resolve_compile
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
-
-
-def _normalize(images_uint8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    # A streamed batch is channels-last in memory (`pipelines._ShardStream._collate`): laid out
-    # contiguously by the cast, as an in-memory batch is.
-    return (images_uint8.to(torch.float32, memory_format=torch.contiguous_format) / 255 - mean) / std  # (B, C, H, W)
 
 
 def _validate_tower(cfg: PretrainConfig):
@@ -134,7 +129,7 @@ def _embed(tower, batches, mean, std, accelerator, with_logits=True):
     tower.eval()
     features, logits, labels, dropped, count = [], [], [], 0.0, 0
     for images, batch_labels in batches:
-        pixels = _normalize(images.to(accelerator.device), mean, std)
+        pixels = normalize_batch(images.to(accelerator.device), mean, std)
         with accelerator.autocast():
             tokens = tower.forward_features(pixels)  # (b, m, d)
             features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())  # pooled (b, d)
@@ -228,8 +223,9 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if source is not None:  # normalized as the source tower was trained (and the saved tower records)
         data.mean, data.std = source["preprocess"]["mean"], source["preprocess"]["std"]
     init_record = None if source is None else {k: v for k, v in source.items() if k != "classnames"}
-    mean = torch.tensor(data.mean, device=accelerator.device)[:, None, None]
-    std = torch.tensor(data.std, device=accelerator.device)[:, None, None]
+    # On the device once, not copied there with every batch (`normalize_batch`).
+    mean = torch.tensor(data.mean, dtype=torch.float32, device=accelerator.device)[:, None, None]
+    std = torch.tensor(data.std, dtype=torch.float32, device=accelerator.device)[:, None, None]
     warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
     if warning and is_main:
         _log.warning(warning)
@@ -267,7 +263,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     while step < total_steps:
         tic = time.perf_counter()
         batch = next(batches)  # uint8 (local_batch, C, H, W), as the uninterrupted run's batch of this step
-        pixels = _normalize(batch.images.to(accelerator.device, non_blocking=True), mean, std)
+        pixels = normalize_batch(batch.images.to(accelerator.device, non_blocking=True), mean, std)
         labels = batch.labels.to(accelerator.device)
         if cfg.data.mixup:
             pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), step, accelerator.process_index)

@@ -7,6 +7,7 @@ import os
 import torch
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.utils.distributed import local_rank
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -76,6 +77,14 @@ def parse_device(name: str | None) -> torch.device:
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {name}: torch finds no Apple GPU here; leave --device out or give cpu")
     return device
+
+
+def process_device() -> torch.device:
+    """Where this process runs a model when no `--device` is given: its own GPU (the launcher's LOCAL_RANK
+    picks it, one GPU per process) when there is one, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank() % torch.cuda.device_count())
 
 
 def autocast_context(device: torch.device, precision: str) -> torch.autocast:

@@ -25,6 +25,17 @@ def rank_and_world_size() -> tuple[int, int]:
     return _launcher_int("RANK", 0), _launcher_int("WORLD_SIZE", 1)
 
 
+def process_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size) of this process: each given, else the launcher's (`rank_and_world_size`);
+    a rank outside [0, world size) is a UserError naming the variables."""
+    launched_rank, launched_world_size = rank_and_world_size()
+    world_size = world_size if world_size is not None else launched_world_size
+    rank = rank if rank is not None else launched_rank
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is not in [0, world size {world_size}); check RANK and WORLD_SIZE")
+    return rank, world_size
+
+
 def local_rank() -> int:
     """This process's index on its machine (which GPU it takes); 0 without a launcher."""
     return _launcher_int("LOCAL_RANK", 0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from data_files import copy_split, cut_at_sample, png_bytes
-from lit_softmoe.data.class_split import iter_class_samples, load_class_split
+from lit_softmoe.data.class_split import MixedSizesError, iter_class_samples, load_class_split
 from lit_softmoe.data.shards import shard_urls, write_split
 from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.utils import atomic
@@ -218,3 +218,46 @@ def test_a_damaged_decoded_cache_is_named_in_a_warning_and_rebuilt(tmp_path, cap
     assert torch.equal(images, fresh_images) and torch.equal(labels, fresh_labels) and not caplog.records
     with np.load(cache) as cached:
         assert cached["labels"].tolist() == fresh_labels.tolist()
+
+
+def test_holds_images_of_answers_as_the_load_would_without_decoding_a_pixel(tmp_path, monkeypatch):
+    """What data.loader=auto decides by before decoding: the (channels, size) the in-memory load would give,
+    from the images' headers (stopping at the first image that rules it out), or from the decoded cache's
+    array header once there is one."""
+    import PIL.PngImagePlugin
+
+    from lit_softmoe.data import class_split
+    from lit_softmoe.data.class_split import holds_images_of
+    gray, wide = png_bytes(np.full((8, 8), 7, np.uint8)), png_bytes(np.full((8, 10), 7, np.uint8))
+    color = png_bytes(np.full((8, 8, 3), 9, np.uint8))
+    splits = {"gray": [gray] * 4, "gray_then_color": [gray, gray, color], "gray_then_wide": [gray, wide, gray]}
+    for name, images in splits.items():
+        write_split([{"png": image, "cls": "0"} for image in images], tmp_path, name)
+    questions = [(name, channels, size, limit) for name in splits for channels in (1, 3) for size in (8, 10)
+                 for limit in (None, 1, 2)]
+
+    def loaded_shape(name, limit):  # (C, H, W) of the load, None where it refuses mixed sizes
+        try:
+            return tuple(load_class_split(tmp_path / name, limit, cache=False)[0].shape[1:])
+        except MixedSizesError:
+            return None
+
+    loaded = {(name, limit): loaded_shape(name, limit) for name in splits for limit in (None, 1, 2)}
+    expected = [loaded[name, limit] == (channels, size, size) for name, channels, size, limit in questions]
+    assert expected.count(True) == 7 and not list(tmp_path.glob("*/.decoded-*.npz"))
+
+    def no_decoding(self, *args):
+        raise AssertionError("a pixel was decoded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(PIL.PngImagePlugin.PngImageFile, "load", no_decoding)
+        assert [holds_images_of(tmp_path / name, channels, size, limit)
+                for name, channels, size, limit in questions] == expected
+
+    for name in ("gray", "gray_then_color"):
+        load_class_split(tmp_path / name)  # the full decode writes the cache
+    monkeypatch.setattr(class_split, "iter_class_samples", lambda *args, **kwargs: iter(()))  # not read again
+    full = [(name, channels, size, limit) for name, channels, size, limit in questions
+            if limit is None and name != "gray_then_wide"]
+    assert [holds_images_of(tmp_path / name, channels, size) for name, channels, size, _ in full] == \
+        [loaded[name, None] == (channels, size, size) for name, channels, size, _ in full]

@@ -15,7 +15,15 @@ import torch
 
 from data_files import encode_image, pixels_of, rng_image
 from lit_softmoe.data.class_split import load_class_split
-from lit_softmoe.data.images import REDUCED_DECODE_FACTOR, jpeg_min_side, open_image, prepare_image
+from lit_softmoe.data.images import (
+    REDUCED_DECODE_FACTOR,
+    jpeg_min_side,
+    l_or_rgb_mode,
+    open_image,
+    prepare_image,
+    upright_l_or_rgb,
+    upright_shape,
+)
 from lit_softmoe.data.shards import write_split
 from lit_softmoe.data.transforms import (
     decode_min_side,
@@ -104,6 +112,46 @@ def test_training_eval_and_onnx_example_decode_a_raw_image_alike(tmp_path, name)
         assert np.asarray(inferred)[0, 4].tolist() == [255, 255, 255]  # transparent → white, not black
     if name == "exif_rotated":
         assert inferred.size == (12, 16)  # upright
+
+
+def _exif_rotated_jpeg():
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 8  # "rotate 90° counterclockwise to display"
+    return encode_image(PIL.Image.new("L", (20, 10), 90), "JPEG", exif=exif.tobytes())
+
+
+def _one_bit_with_transparency():
+    one_bit = PIL.Image.fromarray(np.arange(12 * 16).reshape(12, 16) % 2 == 0).convert("1")
+    return encode_image(one_bit, transparency=0)
+
+
+HEADER_CASES = {
+    **RAW,
+    "gray_jpeg": encode_image(PIL.Image.new("L", (16, 12), 120), "JPEG"),
+    "rgb_jpeg": encode_image(PIL.Image.new("RGB", (16, 12), (10, 200, 30)), "JPEG"),
+    "cmyk_jpeg": encode_image(PIL.Image.new("CMYK", (16, 12), (10, 20, 30, 40)), "JPEG"),
+    "exif_rotated_jpeg": _exif_rotated_jpeg(),
+    "palette": encode_image(PIL.Image.new("P", (16, 12), 3)),
+    "one_bit": encode_image(PIL.Image.new("1", (16, 12), 1)),
+    "one_bit_alpha": _one_bit_with_transparency(),
+    "gray_transparent_color": encode_image(PIL.Image.new("L", (16, 12), 7), transparency=7),
+    "gif": encode_image(PIL.Image.new("L", (16, 12), 50), "GIF"),
+    "webp": encode_image(PIL.Image.new("RGBA", (16, 12), (1, 2, 3, 100)), "WEBP"),
+}
+
+
+@pytest.mark.parametrize("name", HEADER_CASES)
+def test_upright_shape_is_the_decoded_shape_read_from_the_header_alone(name, monkeypatch):
+    """What data.loader=auto decides by before decoding a split (`class_split.holds_images_of`): the
+    channels, height and width `upright_l_or_rgb` gives, from an opened file whose pixels are not read."""
+    opened = PIL.Image.open(io.BytesIO(HEADER_CASES[name]))
+    loads = []
+    monkeypatch.setattr(type(opened), "load", lambda self, *args: loads.append(self))
+    shape, mode = upright_shape(opened), l_or_rgb_mode(opened)
+    assert loads == [], "the header alone was read"
+    monkeypatch.undo()
+    decoded = upright_l_or_rgb(_open(HEADER_CASES[name]))
+    assert mode == decoded.mode and shape == (len(decoded.getbands()), decoded.height, decoded.width)
 
 
 def test_in_memory_split_decodes_like_the_pipeline(tmp_path):

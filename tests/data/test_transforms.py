@@ -6,7 +6,14 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from lit_softmoe.data.transforms import batch_augment, eval_transform, match_channels, normalize_batch, train_transform
+from lit_softmoe.data.transforms import (
+    batch_augment,
+    eval_transform,
+    match_channels,
+    normalize_batch,
+    pixels_and_normalization,
+    train_transform,
+)
 
 
 def test_eval_transform_shapes_values_and_channels():
@@ -77,6 +84,51 @@ def test_normalize_batch_values_and_channels():
     color = torch.tensor([255, 0, 0], dtype=torch.uint8).view(1, 3, 1, 1)
     assert match_channels(color, 1).item() == round(0.299 * 255)
 
+
+
+def test_normalize_batch_is_the_hand_computation_in_float32():
+    """Each value is (x × float32(1/255) − mean) / std, every step rounded to float32: checked against numpy's
+    float32 arithmetic, step by step, for every uint8 value and per-channel mean and std."""
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    values = np.arange(256, dtype=np.uint8)
+    images = torch.from_numpy(np.stack([values, values[::-1], values]).reshape(1, 3, 16, 16).copy())
+    out = normalize_batch(images, mean, std)
+    assert out.dtype == torch.float32 and out.shape == (1, 3, 16, 16) and out.is_contiguous()
+    for channel in range(3):
+        x = images[0, channel].numpy().astype(np.float32)
+        scaled = x * np.float32(1 / 255)
+        expected = (scaled - np.float32(mean[channel])) / np.float32(std[channel])
+        assert np.array_equal(out[0, channel].numpy(), expected), channel
+    # 51 / 255 = 0.2: the one value a hand checks in decimal.
+    assert abs(normalize_batch(torch.full((1, 1, 1, 1), 51, dtype=torch.uint8), 0.2, 0.5).item()) < 1e-7
+
+
+def test_normalize_batch_is_bitwise_the_transforms_last_two_steps_in_any_memory_format():
+    """What pretraining, embed and the benchmarks normalize with: bitwise the eval transform's ToDtype and
+    Normalize image by image (what eval and LiT on the fly feed the tower), on a channels-last batch (a
+    streamed one) as on a contiguous one, with mean and std given as values or as (C, 1, 1) tensors."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 20, 20), dtype=torch.uint8, generator=generator)
+    transform = eval_transform(20, 3, mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3))
+    pixels, normalize = pixels_and_normalization(transform)
+    expected = torch.stack([transform(image) for image in images])
+    assert torch.equal(pixels(images[0]), images[0])  # the cut keeps the uint8 steps
+    channels_last = images.contiguous(memory_format=torch.channels_last)
+    as_tensors = (torch.tensor([0.3, 0.4, 0.5])[:, None, None], torch.tensor([0.2, 0.25, 0.3])[:, None, None])
+    for got in (normalize(images), normalize(channels_last), normalize_batch(channels_last, *as_tensors)):
+        assert torch.equal(got, expected) and got.is_contiguous()
+    assert torch.equal(channels_last, images)  # the input is left as it was
+    with pytest.raises(ValueError, match="uint8"):
+        normalize_batch(images.float())
+
+
+def test_normalize_batch_broadcasts_a_gray_batch_to_three_channels():
+    """A gray split and an RGB tower: one channel, three means and stds, as pretraining normalizes them."""
+    gray = torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 1, 1, 3)
+    out = normalize_batch(gray, mean=(0.2, 0.0, 0.2), std=(0.5, 1.0, 0.5))
+    assert out.shape == (1, 3, 1, 3)
+    assert torch.equal(out, normalize_batch(gray.expand(-1, 3, -1, -1), (0.2, 0.0, 0.2), (0.5, 1.0, 0.5)))
+    assert torch.allclose(out[0, 1].flatten(), torch.tensor([0.0, 0.2, 1.0]), atol=1e-6)
 
 
 def test_palette_and_alpha_images_become_rgb_not_indices():

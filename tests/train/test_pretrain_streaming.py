@@ -96,6 +96,26 @@ def test_streamed_pretraining_learns_mixed_size_jpegs_and_auto_streams_them(mixe
     assert 0.15 < meta["preprocess"]["mean"][0] < 0.45 and 0.2 < meta["preprocess"]["std"][0] < 0.5
 
 
+def test_auto_streams_images_of_other_sizes_without_decoding_a_split_into_memory_first(mixed, tmp_path, monkeypatch,
+                                                                                        caplog):
+    """data.loader=auto decides before any split is decoded (from the images' headers): a small split of
+    other sizes was decoded whole into memory, then thrown away for the stream."""
+    from lit_softmoe.train import class_data
+
+    def no_memory_decode(*args, **kwargs):
+        raise AssertionError("a split was decoded into memory")
+
+    monkeypatch.setattr(class_data, "load_class_split", no_memory_decode)
+    cfg = _cfg(mixed, tmp_path / "run", "data.loader=auto", "data.mean=[0.3]", "data.std=[0.3]")
+    tower_cfg = _validate_tower(cfg)
+    with caplog.at_level("INFO", logger=class_data.__name__):
+        data = class_data.setup_class_data(cfg, tower_cfg, 0, 1)
+    assert data.streamed and data.train.steps_per_epoch == 768 // 64
+    size = tower_cfg.image_size
+    assert caplog.messages == [f"data.loader=auto: the images are not all {size}×{size} px with "
+                               f"{tower_cfg.in_channels} channels: streaming them"]
+
+
 def test_in_memory_loading_of_mixed_sizes_is_one_line_naming_the_stream(mixed, tmp_path):
     with pytest.raises(UserError, match="different sizes .* set data.loader=stream"):
         pretrain(_cfg(mixed, tmp_path / "run", "steps=2", "data.loader=memory"))
@@ -173,7 +193,7 @@ def test_streamed_and_in_memory_evaluations_agree(mixed, tmp_path):
     cfg = load_config(PretrainConfig, None, [f"data.train={data_dir / 'train'}", f"data.test={data_dir / 'test'}",
                                              *SMALL_TOWER, "batch_size=50"])
     tower_cfg = _validate_tower(cfg)
-    memory = memory_class_data(cfg, tower_cfg, 0, 1, fall_back=False)
+    memory = memory_class_data(cfg, tower_cfg, 0, 1)
     streamed = streamed_class_data(cfg, tower_cfg, 0, 1)
     assert memory.mean == pytest.approx(streamed.mean, abs=1e-6) and memory.std == pytest.approx(streamed.std, abs=1e-6)
     torch.manual_seed(0)

@@ -7,7 +7,13 @@ import pytest
 import torch.distributed as dist
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.distributed import in_process_group, is_main_process, local_rank, rank_and_world_size
+from lit_softmoe.utils.distributed import (
+    in_process_group,
+    is_main_process,
+    local_rank,
+    process_rank,
+    rank_and_world_size,
+)
 
 
 @pytest.fixture
@@ -26,6 +32,16 @@ def test_the_launchers_variables_are_read(no_launcher):
     no_launcher.setenv("WORLD_SIZE", "8")
     no_launcher.setenv("LOCAL_RANK", "1")
     assert rank_and_world_size() == (3, 8) and local_rank() == 1 and not is_main_process()
+
+
+def test_process_rank_takes_each_value_given_else_the_launchers_and_refuses_a_rank_outside(no_launcher):
+    no_launcher.setenv("RANK", "1")
+    no_launcher.setenv("WORLD_SIZE", "4")
+    assert process_rank() == (1, 4) and process_rank(rank=3) == (3, 4) and process_rank(0, 1) == (0, 1)
+    with pytest.raises(UserError, match=r"^rank 4 is not in \[0, world size 4\); check RANK and WORLD_SIZE$"):
+        process_rank(rank=4)
+    with pytest.raises(UserError, match=r"^rank 1 is not in \[0, world size 1\)"):
+        process_rank(world_size=1)
 
 
 @pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK"])
