@@ -61,8 +61,8 @@ from lit_softmoe.data.feature_cache import (
     work_folder,
     write_feature_split,
 )
-from lit_softmoe.data.pipelines import MIN_SAMPLES_BEFORE_CHECK
 from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
+from lit_softmoe.data.shard_stream import MIN_SAMPLES_BEFORE_CHECK
 from lit_softmoe.data.shards import dataset_dir, shard_urls, split_name
 from lit_softmoe.data.tar_reading import listed_sizes
 from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
