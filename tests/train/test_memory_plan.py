@@ -1,7 +1,7 @@
 """The memory plan (`train.memory_plan`, `train.activation_count`): the meta-device count of what backward keeps
 equals a real forward's, byte for byte but for what the GPU's attention kernel keeps beyond the CPU's; states are
 16 bytes a parameter, divided under FSDP; the levers change the plan as they should; the paper's B/16 config does
-not fit one 80 GB GPU and the verdict names the levers. A GPU check compares the count
+not fit one 80 GB GPU and the verdict names the levers; `--plan` prints and exits 0. A GPU check compares the count
 with what CUDA holds (skipped without one)."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cli_errors import one_line_error
+from lit_softmoe.cli import main
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
@@ -171,6 +173,30 @@ def test_on_8_gpus_the_b16_config_fits_with_fsdp():
     fitting = levers_that_fit(count, cfg.batch_size, 8, 80 * GIB, Levers())
     assert fitting[0] == Levers(sharding="fsdp")
     assert plan_memory(count, cfg.batch_size, 8, fitting[0]).total < GPU_FILL * 80 * GIB
+
+
+def test_plan_prints_and_exits_0(capsys):
+    assert main(["pretrain", "--config", "pretrain/soft-s16-128e-imagenet1k", "--plan", "--plan-gpus", "8",
+                 "--plan-gpu", "80GB"]) == 0
+    out = capsys.readouterr().out
+    for row in ("weights", "gradients", "optimizer (AdamW)", "activations", "total", "GPU memory"):
+        assert f"\n  {row}" in out or f"\n{row}" in out, row
+    assert "batch 4,096 on 8 GPUs: micro-batch 512 per GPU, bf16" in out
+    assert out.splitlines()[-2].split() == ["fits", "yes"]
+
+
+def test_train_plan_prints_and_exits_0(tmp_path, capsys):
+    save_tower(tmp_path / "tower", tiny("soft-tiny-p7-16e"),
+               extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    assert main(["train", "--config", "lit/fmnist-tiny", "--plan", f"image_tower={tmp_path / 'tower'}"]) == 0
+    out = capsys.readouterr().out
+    assert "loss logits" in out and "batch 256 on 1 GPU: micro-batch 256 per GPU" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_plan_flags_without_plan_are_refused(capsys):
+    line = one_line_error(capsys, ["pretrain", "--config", "pretrain/fmnist-soft-tiny", "--plan-gpus", "8"])
+    assert "--plan-gpus and --plan-gpu go with --plan" in line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
