@@ -360,8 +360,8 @@ def plan_report(cfg: PretrainConfig | LiTConfig, gpus: int, gpu_bytes: int) -> t
     lines.append(f"{'fits':<24}{'yes' if fits else 'no':>8}")
     if not fits:
         lines.append(f"does not fit: {_verdict(count, cfg.batch_size, gpus, gpu_bytes, levers)}")
-    lines.append("An estimate: activations counted on the meta device (eager, the GPU's fused attention), states "
-                 "from the parameter count; docs/training.md, \"Scaling up\".")
+    lines.append("an estimate: activations counted on the meta device, eager, with the GPU's fused attention "
+                 "(docs/training.md, \"Scaling up\")")
     return "\n".join(lines), fits
 
 
