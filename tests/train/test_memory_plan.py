@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from cli_errors import one_line_error
 from lit_softmoe.cli import main
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
 from lit_softmoe.train.activation_count import count_pair_bytes, count_saved_bytes
@@ -173,6 +174,23 @@ def test_on_8_gpus_the_b16_config_fits_with_fsdp():
     fitting = levers_that_fit(count, cfg.batch_size, 8, 80 * GIB, Levers())
     assert fitting[0] == Levers(sharding="fsdp")
     assert plan_memory(count, cfg.batch_size, 8, fitting[0]).total < GPU_FILL * 80 * GIB
+
+
+def test_a_run_whose_plan_does_not_fit_this_gpu_is_refused_in_one_line(monkeypatch):
+    import lit_softmoe.train.memory_plan as memory_plan
+    cfg = load_config(PretrainConfig, "pretrain/soft-b16-128e-imagenet1k")
+    if not torch.cuda.is_available():
+        memory_plan.check_plan_fits(cfg)  # no GPU here: nothing to check against
+    monkeypatch.setattr(memory_plan, "visible_gpu_bytes", lambda: 80 * GIB)  # as on an 80 GB GPU
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    refusal = (r"^this run needs about 110\.\d GiB per GPU, more than 90% of this GPU's 80\.0 GiB: set sharding=fsdp "
+               r"\(44\.\d GiB per GPU\) \(`lit-softmoe pretrain --plan` shows the plan; LIT_SOFTMOE_IGNORE_PLAN=1 runs "
+               r"it anyway\)$")
+    with pytest.raises(UserError, match=refusal):
+        memory_plan.check_plan_fits(cfg)
+    memory_plan.check_plan_fits(load_config(PretrainConfig, "pretrain/soft-b16-128e-imagenet1k", ["sharding=fsdp"]))
+    monkeypatch.setenv("LIT_SOFTMOE_IGNORE_PLAN", "1")
+    memory_plan.check_plan_fits(cfg)
 
 
 def test_plan_prints_and_exits_0(capsys):
