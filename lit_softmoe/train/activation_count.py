@@ -76,9 +76,6 @@ class SavedBytes:
             inside = sum(blocks)
         return self.stem.at(batch) + inside + self.head.at(batch)
 
-    def largest_block(self, batch: int) -> int:
-        return max((block.per_sample * batch for block in self.blocks), default=0)
-
 
 @dataclass(frozen=True)
 class PairBytes:
