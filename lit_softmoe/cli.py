@@ -50,10 +50,31 @@ def _write_data(args) -> None:
     print(summary.line())
 
 
+def _print_plan(args, cfg) -> None:
+    """`--plan`: the memory per GPU of the run `cfg` describes, and whether it fits; no work done."""
+    from lit_softmoe.train.memory_plan import plan_report, visible_gpu_bytes
+    from lit_softmoe.utils.distributed import rank_and_world_size
+    gpus = args.plan_gpus if args.plan_gpus is not None else rank_and_world_size()[1]
+    gpu_bytes = args.plan_gpu if args.plan_gpu is not None else visible_gpu_bytes() or 80 << 30
+    if gpus < 1 or gpu_bytes < 1:
+        raise UserError(f"--plan-gpus {gpus} and --plan-gpu {gpu_bytes}: give at least 1 GPU of some memory")
+    report, _ = plan_report(cfg, gpus, gpu_bytes)
+    if is_main_process():
+        print(report)
+
+
+def _check_plan_flags(args) -> None:
+    if not args.plan and (args.plan_gpus is not None or args.plan_gpu is not None):
+        raise UserError("--plan-gpus and --plan-gpu go with --plan (which prints the memory plan and trains nothing)")
+
+
 def _cmd_pretrain(args) -> None:
     from lit_softmoe.config import PretrainConfig, load_config
-    from lit_softmoe.train.pretrain import pretrain
+    _check_plan_flags(args)
     cfg = load_config(PretrainConfig, args.config, args.overrides)
+    if args.plan:
+        return _print_plan(args, cfg)
+    from lit_softmoe.train.pretrain import pretrain
     results = pretrain(cfg)
     if "test_top1" in results and is_main_process():
         fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
@@ -65,8 +86,11 @@ def _cmd_pretrain(args) -> None:
 
 def _cmd_train(args) -> None:
     from lit_softmoe.config import LiTConfig, load_config
-    from lit_softmoe.train.lit import train_lit
+    _check_plan_flags(args)
     cfg = load_config(LiTConfig, args.config, args.overrides)
+    if args.plan:
+        return _print_plan(args, cfg)
+    from lit_softmoe.train.lit import train_lit
     results = train_lit(cfg)
     scores = ""
     if "zeroshot_top1" in results:
@@ -211,6 +235,18 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory per GPU (weights, gradients, AdamW, activations counted at the "
+                             "configured batch) and whether it fits, naming the levers that would make it fit; "
+                             "train nothing")
+    parser.add_argument("--plan-gpus", type=int, default=None, metavar="N",
+                        help="with --plan: the GPUs the run would use (default: the launcher's WORLD_SIZE, else 1)")
+    parser.add_argument("--plan-gpu", type=_byte_size, default=None, metavar="SIZE",
+                        help="with --plan: the memory of one GPU, e.g. 80GB or 24G (binary units: 80GB = 80 GiB; "
+                             "default: this machine's GPU, else 80GB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-softmoe", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)  # options every command takes
@@ -279,11 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", required=True,
                      help="a YAML file, or a shipped config by name, e.g. pretrain/fmnist-soft-tiny")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
+    _add_plan_arguments(pre)
     pre.set_defaults(func=_cmd_pretrain)
 
     train = command(sub, "train", "LiT: train a text tower against a locked image tower")
     train.add_argument("--config", required=True, help="a YAML file, or a shipped config by name, e.g. lit/fmnist-tiny")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
+    _add_plan_arguments(train)
     train.set_defaults(func=_cmd_train)
 
     embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards "

@@ -20,6 +20,7 @@ from lit_softmoe.models.text import TextTowerConfig
 from lit_softmoe.utils.device import COMPILE_CHOICES, PRECISIONS
 
 T = TypeVar("T")
+SHARDINGS = ("none", "fsdp")
 
 
 @dataclass
@@ -87,7 +88,11 @@ class PretrainConfig:
     steps: int = 0
     precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
     compile: str = "auto"  # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
-    sharding: str = "none"  # none: DDP, each process holds the whole tower | fsdp: FSDP2, each holds 1/N of it
+    # Memory levers; `lit-softmoe pretrain --plan` says which a run needs. sharding: none (every process holds the
+    # whole tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
+    sharding: str = "none"
+    grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
+    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
     seed: int = 0
     log_every: int = 50
     # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
@@ -106,7 +111,7 @@ _VALID_CHOICES = {
     "loss": ("softmax", "sigmoid"),
     "precision": PRECISIONS,
     "compile": COMPILE_CHOICES,
-    "sharding": ("none", "fsdp"),
+    "sharding": SHARDINGS,
     "optim.schedule": ("cosine", "rsqrt", "constant"),
     "data.decode": ("full", "reduced"),
     "data.loader": ("auto", "memory", "stream"),
@@ -118,7 +123,7 @@ _MINIMUMS = {  # numbers that a smaller value would break (a zero period divides
     "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
     "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
     "data.shuffle_buffer": 0, "data.mixup": 0,
-    "optim.cooldown_steps": 0,
+    "optim.cooldown_steps": 0, "accum_steps": 1,
     "optim.lr": 0, "optim.weight_decay": 0, "optim.grad_clip": 0,  # grad_clip=0: no clipping
 }
 _MAXIMUMS = {"data.max_bad_fraction": 1}  # fractions
@@ -308,6 +313,10 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
             raise UserError(f"config key {key!r} is {value}; it must be at least {minimum}: set {key}={minimum} "
                             "or more")
+    accum_steps, batch_size = _select(merged, "accum_steps"), _select(merged, "batch_size")
+    if isinstance(accum_steps, int) and isinstance(batch_size, int) and batch_size % accum_steps:
+        raise UserError(f"config key 'accum_steps' is {accum_steps}, which does not divide batch_size {batch_size}; "
+                        "choose a divisor of the batch (of each process's share of it, under a launcher)")
     for key, maximum in _MAXIMUMS.items():
         value = _select(merged, key)
         if value is not None and OmegaConf.select(base, key, default=None) is not None and value > maximum:
@@ -323,6 +332,31 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:  # e.g. ${oc.env:VAR} with VAR unset and no default
         raise UserError(f"cannot resolve config{f' {path}' if path else ''}: {str(err).splitlines()[0]}") from None
+
+
+def micro_batch_size(batch_size: int, processes: int, accum_steps: int = 1) -> int:
+    """Samples per forward: the global `batch_size` split over `processes`, each share into `accum_steps`
+    micro-batches. A split that does not come out even is one UserError line naming the keys."""
+    if batch_size % processes:
+        raise UserError(f"batch_size {batch_size} does not split over {processes} processes; give a multiple of "
+                        f"{processes}")
+    local = batch_size // processes
+    if local % accum_steps:
+        raise UserError(f"accum_steps {accum_steps} does not divide the {local} samples of each of {processes} "
+                        f"processes (batch_size {batch_size}); choose a divisor of {local}")
+    return local // accum_steps
+
+
+def check_levers_implemented(cfg: "PretrainConfig | LiTConfig") -> None:
+    """A memory lever the recipes do not implement yet is refused, not ignored: a run would otherwise go on
+    without the memory it was told to save. (`--plan` takes them all, to say which a run needs.)"""
+    defaults = {"sharding": "none", "grad_checkpointing": False, "accum_steps": 1}
+    changed = {key: getattr(cfg, key) for key, default in defaults.items() if getattr(cfg, key) != default}
+    if changed:
+        them = "it" if len(changed) == 1 else "them"
+        raise UserError(f"{' '.join(f'{k}={str(v).lower()}' for k, v in changed.items())}: not implemented yet by the "
+                        f"training recipes (only --plan reads {them}); leave {them} at the default "
+                        f"({' '.join(f'{k}={str(defaults[k]).lower()}' for k in changed)})")
 
 
 def to_yaml(config) -> str:
@@ -374,6 +408,11 @@ class LiTConfig:
     epochs: float = 1.0
     steps: int = 0  # wins over epochs when > 0
     precision: str = "auto"
+    # Memory levers; `lit-softmoe train --plan` says which a run needs. sharding: none (every process holds the
+    # whole text tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
+    sharding: str = "none"
+    grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
+    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
     seed: int = 0
     log_every: int = 20
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # as PretrainConfig's

@@ -11,7 +11,14 @@ import pytest
 
 from cli_errors import one_line_error
 from evalkit import needs_foolbox, tiny_pair
-from lit_softmoe.config import EvalSuiteConfig, LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import (
+    EvalSuiteConfig,
+    LiTConfig,
+    PretrainConfig,
+    check_levers_implemented,
+    load_config,
+    micro_batch_size,
+)
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info
@@ -288,3 +295,29 @@ def test_compile_defaults_to_auto_and_takes_yaml_booleans(tmp_path, schema):
     assert load_config(schema, overrides=["compile=yes"]).compile == "true"  # YAML 1.1's yes is a boolean
     with pytest.raises(UserError, match=r"config key 'compile' is 'maybe'; choose one of auto, true, false"):
         load_config(schema, overrides=["compile=maybe"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sharding=zero3", "config key 'sharding' is 'zero3'; choose one of none, fsdp"),
+    ("accum_steps=0", "config key 'accum_steps' is 0; it must be at least 1"),
+    ("accum_steps=3", "config key 'accum_steps' is 3, which does not divide batch_size 128"),
+])
+def test_lever_values_are_checked_at_load(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config(PretrainConfig, "pretrain/fmnist-soft-tiny", [override])
+
+
+def test_micro_batch_size_names_what_does_not_divide():
+    assert micro_batch_size(4096, 8, 4) == 128
+    with pytest.raises(UserError, match="batch_size 100 does not split over 8 processes"):
+        micro_batch_size(100, 8)
+    with pytest.raises(UserError, match="accum_steps 3 does not divide the 512 samples of each of 8 processes"):
+        micro_batch_size(4096, 8, 3)
+
+
+def test_levers_the_recipes_lack_are_refused_not_ignored():
+    check_levers_implemented(load_config(PretrainConfig, "pretrain/fmnist-soft-tiny"))
+    cfg = load_config(LiTConfig, None, ["sharding=fsdp", "accum_steps=2"])
+    with pytest.raises(UserError, match=r"^sharding=fsdp accum_steps=2: not implemented yet .* \(sharding=none "
+                                        r"accum_steps=1\)$"):
+        check_levers_implemented(cfg)
