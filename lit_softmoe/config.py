@@ -347,18 +347,6 @@ def micro_batch_size(batch_size: int, processes: int, accum_steps: int = 1) -> i
     return local // accum_steps
 
 
-def check_levers_implemented(cfg: "PretrainConfig | LiTConfig") -> None:
-    """A memory lever the recipes do not implement yet is refused, not ignored: a run would otherwise go on
-    without the memory it was told to save. (`--plan` takes them all, to say which a run needs.)"""
-    defaults = {"sharding": "none", "grad_checkpointing": False, "accum_steps": 1}
-    changed = {key: getattr(cfg, key) for key, default in defaults.items() if getattr(cfg, key) != default}
-    if changed:
-        them = "it" if len(changed) == 1 else "them"
-        raise UserError(f"{' '.join(f'{k}={str(v).lower()}' for k, v in changed.items())}: not implemented yet by the "
-                        f"training recipes (only --plan reads {them}); leave {them} at the default "
-                        f"({' '.join(f'{k}={str(defaults[k]).lower()}' for k in changed)})")
-
-
 def to_yaml(config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 

@@ -26,6 +26,16 @@ def _keep_torch_threads():
 
 # ---- Fashion-MNIST shards -------------------------------------------------------------------------
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one mixed-precision setting per process; a test of another one resets it around itself
+    (as accelerate's own tests do)."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
 @pytest.fixture(scope="session")
 def fmnist(tmp_path_factory):
     """Fashion-MNIST as the eval suites read it: 300 samples a split, 128 a shard."""

@@ -15,7 +15,6 @@ from lit_softmoe.config import (
     EvalSuiteConfig,
     LiTConfig,
     PretrainConfig,
-    check_levers_implemented,
     load_config,
     micro_batch_size,
 )
@@ -314,10 +313,3 @@ def test_micro_batch_size_names_what_does_not_divide():
     with pytest.raises(UserError, match="accum_steps 3 does not divide the 512 samples of each of 8 processes"):
         micro_batch_size(4096, 8, 3)
 
-
-def test_levers_the_recipes_lack_are_refused_not_ignored():
-    check_levers_implemented(load_config(PretrainConfig, "pretrain/fmnist-soft-tiny"))
-    cfg = load_config(LiTConfig, None, ["sharding=fsdp", "accum_steps=2"])
-    with pytest.raises(UserError, match=r"^sharding=fsdp accum_steps=2: not implemented yet .* \(sharding=none "
-                                        r"accum_steps=1\)$"):
-        check_levers_implemented(cfg)

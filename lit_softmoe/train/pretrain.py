@@ -24,6 +24,7 @@ earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
-from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config import PretrainConfig, micro_batch_size
 from lit_softmoe.data.class_batches import (
     InMemoryClassBatches,
     StreamedClassBatches,
@@ -47,17 +48,21 @@ from lit_softmoe.model_folders import checkpoints_newest_first
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.train.accumulation import split_batch
 from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.class_data import ClassData, fewshot_skip_reason, setup_class_data
 from lit_softmoe.train.init_from import check_unchanged, head_decision, load_init_weights, read_init_source
 from lit_softmoe.train.logging import plot_curves, read_metrics
+from lit_softmoe.train.memory_plan import check_plan_fits
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
     check_same_run,
     check_training_length,
     create_accelerator,
     global_loss,
+    loss_scaler_state,
     open_run_folder,
+    restore_loss_scaler,
     resume_state,
     run_folder_lock,
 )
@@ -176,9 +181,10 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     _check_settings(cfg)
+    check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
-    check_sharding(cfg.sharding, accelerator.num_processes)
+    check_sharding(cfg.sharding, accelerator.num_processes, cfg.precision)
     sharded = cfg.sharding == "fsdp"
 
     # ---- data, tower, optimizer
@@ -189,8 +195,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
         if cfg.init_from else None  # a wrong folder is said before the data is read
     global_batch = cfg.batch_size
-    if global_batch % accelerator.num_processes:
-        raise UserError(f"batch_size {global_batch} does not split over {accelerator.num_processes} processes")
+    micro_batch_size(global_batch, accelerator.num_processes, cfg.accum_steps)  # splits evenly, or one line
     data = setup_class_data(cfg, tower_cfg, accelerator.process_index, accelerator.num_processes)
     if not data.streamed:  # said now, so that a user who wants the probe need not wait for the end
         fewshot_skipped = fewshot_skip_reason(cfg.fewshot_shots, data.train.labels, data.classnames)
@@ -205,6 +210,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head {source['head']} ({why}); "
                           "inputs normalized with its preprocess mean and std")
     num_params = sum(p.numel() for p in tower.parameters())
+    tower.set_grad_checkpointing(cfg.grad_checkpointing)
     if sharded:  # before the optimizer, which then holds (and updates) the shards
         shard_tower(tower, accelerator.device)
     optimizer = create_optimizer(tower, cfg.optim)
@@ -230,6 +236,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if warning and is_main:
         _log.warning(warning)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
+    restore_loss_scaler(accelerator, checkpoint_meta.get("loss_scaler"))  # fp16: the scale it had reached
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
     tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
@@ -270,14 +277,23 @@ def _pretrain(cfg: PretrainConfig) -> dict:
 
         lr = lr_at(step, total_steps, cfg.optim)
         set_lr(optimizer, lr)
-        with accelerator.autocast():
-            loss = _loss_fn(cfg, tower(pixels), labels)
-            # The sparse layers' balancing losses from this forward (a zero tensor for other towers).
-            aux_loss = tower_module.moe_aux_loss()
-            loss = loss + cfg.aux_loss_weight * aux_loss
-        window_aux += aux_loss.detach()
-        window_dropped += tower_module.moe_dropped_fraction()  # tensors: no device sync per step
-        accelerator.backward(loss)
+        # accum_steps micro-batches, each loss / accum_steps: their gradients add up to the whole batch's
+        # (mixup above mixed the whole batch, as without them). DDP syncs the gradients after the last only;
+        # FSDP reduce-scatters after each, so that no process ever holds a whole gradient.
+        loss = 0.0
+        micro_batches = split_batch((pixels, labels), cfg.accum_steps)
+        for index, (micro_pixels, micro_labels) in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last or sharded else accelerator.no_sync(tower):
+                with accelerator.autocast():
+                    micro_loss = _loss_fn(cfg, tower(micro_pixels), micro_labels)
+                    # The sparse layers' balancing losses from this forward (a zero tensor for other towers).
+                    aux_loss = tower_module.moe_aux_loss()
+                    micro_loss = (micro_loss + cfg.aux_loss_weight * aux_loss) / cfg.accum_steps
+                accelerator.backward(micro_loss)
+            loss = loss + micro_loss.detach()
+            window_aux += aux_loss.detach() / cfg.accum_steps
+            window_dropped += tower_module.moe_dropped_fraction() / cfg.accum_steps  # tensors: no device sync
         grad_norm = accelerator.clip_grad_norm_(tower.parameters(), cfg.optim.grad_clip) \
             if cfg.optim.grad_clip > 0 else None
         optimizer.step()
@@ -318,6 +334,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                 global_loss(accelerator, loss, step)
             accelerator.wait_for_everyone()
             meta = {"train_seconds": train_seconds, "dropped_steps": dropped_steps,
+                    "loss_scaler": loss_scaler_state(accelerator),
                     **({"init_from": init_record} if init_record else {}), "dropped_total": dropped_total,
                     "log_window": {"step": last_log_step, "seconds": last_log_seconds,
                                    "aux": float(window_aux), "dropped": float(window_dropped)}}

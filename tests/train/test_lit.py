@@ -742,16 +742,6 @@ def test_lit_rerun_over_a_garbage_newest_checkpoint_resumes_from_the_one_before(
     assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    """accelerate keeps one mixed-precision setting per process; a test of another one resets it around itself
-    (as accelerate's own tests do)."""
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
-
-
 @pytest.mark.parametrize("unlocked", [0, 1])
 def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tmp_path, monkeypatch, unlocked,
                                                                    fresh_accelerate_state):

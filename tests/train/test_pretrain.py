@@ -646,3 +646,32 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_rerun_resumes
     trained = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert trained == [1, 2, 3, 4, 5, 6]  # steps 1-3 once, then 4-6 after the resume
     assert (run_dir / "tower").is_dir()
+
+
+def _tower_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(load_tower(run_dir / "tower")[0].state_dict())
+
+
+def test_accumulation_and_grad_checkpointing_follow_the_plain_run(shards, tmp_path):
+    """accum_steps=4 (four micro-batches of 16) with grad_checkpointing: the losses and the final weights of
+    the plain batch-64 run, to 1e-4."""
+    common = ("steps=8", "log_every=1", "fewshot_shots=0")
+    pretrain(_cfg(shards, tmp_path / "plain", *common))
+    pretrain(_cfg(shards, tmp_path / "levers", *common, "accum_steps=4", "grad_checkpointing=true"))
+    losses = [[r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r]
+              for run in ("plain", "levers")]
+    assert len(losses[0]) == 8 and losses[0] == pytest.approx(losses[1], abs=1e-4)
+    plain, levers = _tower_weights(tmp_path / "plain"), _tower_weights(tmp_path / "levers")
+    assert plain.keys() == levers.keys()
+    for name in plain:
+        torch.testing.assert_close(levers[name], plain[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_fp16_pretrain_trains_and_its_checkpoint_keeps_the_loss_scale(shards, tmp_path, fresh_accelerate_state):
+    """precision=fp16 (torch's fp16 autocast and loss scaler on the CPU, slow there: a short run)."""
+    results = pretrain(_cfg(shards, tmp_path / "run", "steps=10", "precision=fp16", "optim.lr=3e-3",
+                            "optim.warmup=2", "checkpoint_every=10", "fewshot_shots=0", "data.max_test_samples=256"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < 0.9 * losses[0] and results["test_top1"] > 0.2  # 10 classes: chance is 0.1
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000010" / "state.json").read_text())
+    assert state["loss_scaler"]["scale"] >= 1.0  # torch's GradScaler state, resumed with the run

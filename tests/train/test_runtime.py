@@ -124,18 +124,7 @@ def test_a_lock_whose_file_was_removed_meanwhile_is_not_trusted(tmp_path, monkey
             pytest.fail("ran on a lock of a removed file")
 
 
-@pytest.fixture
-def fresh_accelerator_state():
-    """accelerate keeps one process-wide state: an accelerator of another precision made earlier in this
-    process would refuse a new one."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
-
-
-def test_fp16_scales_the_loss_skips_an_overflowing_step_and_resumes_its_scale(fresh_accelerator_state):
+def test_fp16_scales_the_loss_skips_an_overflowing_step_and_resumes_its_scale(fresh_accelerate_state):
     """precision=fp16 on the CPU runs the GPU's fp16 step (torch's autocast and loss scaler): the loss is
     scaled for backward, an overflow skips the step and halves the scale, and the scale is checkpointed."""
     accelerator = create_accelerator("fp16")
@@ -180,5 +169,5 @@ def test_fp16_scales_the_loss_skips_an_overflowing_step_and_resumes_its_scale(fr
     assert accelerator.scaler.get_scale() == scale / 2
 
 
-def test_fp32_has_no_loss_scaler(fresh_accelerator_state):
+def test_fp32_has_no_loss_scaler(fresh_accelerate_state):
     assert loss_scaler_state(create_accelerator("fp32")) is None
