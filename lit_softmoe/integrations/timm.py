@@ -6,7 +6,8 @@ with a default cfg (mean/std, input size, crop) from the tower's preprocessing, 
 model files do (`timm/models/vision_transformer.py`: `default_cfgs`, `register_model`,
 `build_model_with_cfg`). timm's kwargs map onto the tower config: `num_classes`, `in_chans`,
 `img_size` (square), `global_pool` ("avg" or ""), plus any `ViTConfig` field (what a tower folder's
-"model_args" carries for `timm.create_model("local-dir:TOWER")`). `pretrained=True` with
+"model_args" carries for `timm.create_model("local-dir:TOWER")`); `features_only=True` with
+`out_indices` (default: the last 3 blocks) gives the blocks' feature maps, as for timm's ViTs. `pretrained=True` with
 `pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights. A name
 with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
 
@@ -58,7 +59,11 @@ def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     if fields is not None:
         kwargs = {**fields, **kwargs}
         kwargs["pretrained_cfg"] = timm_pretrained_cfg(image_tower_config(_OURS[name], **fields))
-    return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name], **kwargs)
+    # `features_only=True` as for timm's ViTs: its FeatureGetterNet calls the tower's forward_intermediates
+    # and prunes the blocks after the last index; by default the last 3 blocks' (B, D, H/p, W/p) maps.
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name],
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
 
 
 default_cfgs = generate_default_cfgs({n: timm_pretrained_cfg(image_tower_config(ours)) for n, ours in _OURS.items()})

@@ -111,3 +111,27 @@ def test_a_config_tag_builds_any_tower_config():
     assert timm.create_model(name, num_classes=7, in_chans=1).cfg == replace(wanted, num_classes=7, in_channels=1)
     with pytest.raises(ValueError, match="no lit-softmoe config tag"):
         timm.create_model("soft_moe_test_4e.cfg-%%%")
+
+
+def test_features_only_gives_the_block_maps_of_forward_intermediates():
+    """`features_only=True` as for timm's ViTs: its FeatureGetterNet over our forward_intermediates, blocks
+    after the last index pruned; by default the last 3 blocks."""
+    ours = tiny("soft-tiny-p7-16e")  # 6 blocks, 28 px in patches of 7: 4x4 maps
+    x = images(ours.cfg)
+    with torch.no_grad():
+        taps = ours.forward_intermediates(x, intermediates_only=True)
+    for out_indices, blocks in ((None, [3, 4, 5]), ((0, -2), [0, 4])):
+        kwargs = {} if out_indices is None else dict(out_indices=out_indices)
+        features = timm.create_model("soft_moe_tiny_p7_16e", features_only=True, **kwargs).eval()
+        kept = features.model.state_dict()  # pruned: no blocks after the last index, no final norm
+        features.model.load_state_dict({k: v for k, v in ours.state_dict().items() if k in kept})
+        assert type(features).__name__ == "FeatureGetterNet" and len(features.model.blocks) == blocks[-1] + 1
+        assert features.feature_info.module_name() == [f"blocks.{i}" for i in blocks]
+        assert features.feature_info.channels() == [ours.cfg.width] * len(blocks)
+        assert features.feature_info.reduction() == [ours.cfg.patch_size] * len(blocks)
+        with torch.no_grad():
+            maps = features(x)
+        assert len(maps) == len(blocks)
+        for got, i in zip(maps, blocks):
+            assert got.shape == (3, ours.cfg.width, 4, 4)
+            torch.testing.assert_close(got, taps[i], rtol=0, atol=0)
