@@ -52,6 +52,18 @@ def _tower(registry_name: str, num_classes: int | None = None, in_chans: int | N
     return VisionTransformer(cfg, device=device, dtype=dtype, global_pool=global_pool)
 
 
+EXPORT_PREFIX = "image_tower."  # an export's image_encoder.safetensors names the tower's weights so
+
+
+def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:
+    """A checkpoint's weights in the tower's names, its source recognized by its keys as timm's filters do:
+    an export's image weights (`image_tower.*`) lose the prefix, and a pair's `image_head.*` (LiT's
+    projection, no part of the tower) stays out; a tower folder's weights are the tower's own."""
+    if any(k.startswith(EXPORT_PREFIX) for k in state_dict):
+        return {k[len(EXPORT_PREFIX):]: v for k, v in state_dict.items() if k.startswith(EXPORT_PREFIX)}
+    return state_dict
+
+
 def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     # `name.cfg-...` (an export's open_clip config names such towers): the tag's fields over the
     # registered config; kwargs given explicitly still win. timm's pretrained cfg then describes them.
@@ -63,6 +75,7 @@ def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     # and prunes the blocks after the last index; by default the last 3 blocks' (B, D, H/p, W/p) maps.
     out_indices = kwargs.pop("out_indices", 3)
     return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name],
+                                pretrained_filter_fn=checkpoint_filter_fn,
                                 feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
 
 
