@@ -12,9 +12,10 @@ plugin, this module imports our registration before timm's test module parametri
   items run that body under its own name.
 - the feature tests (FEATURES: features_only, forward_intermediates, prune_intermediate_layers), on
   towers of 3 blocks or more: timm's tests want at least 3 feature levels, and features_only takes the
-  last 3 blocks by default. All but test_model_forward_features take the models of the modules named
-  in timm's FEAT_INTER_FILTERS; timm files ours under module "timm" (`lit_softmoe.integrations.timm`),
-  so `pytest_generate_tests` adds our names to their `model_name` parametrization.
+  last 3 blocks by default; the prune contract on towers up to PRUNE_MAX_PARAMS. All but
+  test_model_forward_features take the models of the modules named in timm's FEAT_INTER_FILTERS; timm
+  files ours under module "timm" (`lit_softmoe.integrations.timm`), so `pytest_generate_tests` adds our
+  names to their `model_name` parametrization.
 - everything else (TorchScript / FX / pretrained-weight tests, and the tests of named timm models) is
   deselected; docs/interoperability.md ("timm tests that do not apply") says why for each.
 
@@ -34,20 +35,33 @@ from lit_softmoe.models.registry import create_image_tower, image_tower_config
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
 AS_NON_STD = "test_model_default_cfgs"
-BY_MODULE = {"test_model_forward_intermediates", "test_model_forward_intermediates_features",
-             "test_prune_intermediate_layers_contract"}
+PRUNE_CONTRACT = "test_prune_intermediate_layers_contract"
+BY_MODULE = {"test_model_forward_intermediates", "test_model_forward_intermediates_features", PRUNE_CONTRACT}
 FEATURES = BY_MODULE | {"test_model_forward_features"}
 MIN_FEATURE_BLOCKS = 3
 MAX_PARAMS = int(float(os.environ.get("LIT_SOFTMOE_TIMM_MAX_PARAMS", "4e8")))
+# The prune contract copies the tower twice per block (timm keeps it out of its CI for that): above
+# 30M parameters (B and L) it costs minutes a tower on a CPU; it runs on the Ti, S and tiny towers.
+PRUNE_MAX_PARAMS = 30_000_000
 
 
-def _small_enough(name: str) -> bool:
-    tower = create_image_tower(_OURS[name], device="meta")
-    return sum(p.numel() for p in tower.parameters()) <= MAX_PARAMS
+def _params(name: str) -> int:
+    return sum(p.numel() for p in create_image_tower(_OURS[name], device="meta").parameters())
 
 
-OURS = {n for n in timm_model_names() if _small_enough(n)}
+PARAMS = {n: _params(n) for n in timm_model_names()}
+OURS = {n for n in timm_model_names() if PARAMS[n] <= MAX_PARAMS}
 WITH_FEATURES = {n for n in OURS if image_tower_config(_OURS[n]).depth >= MIN_FEATURE_BLOCKS}
+PRUNED = {n for n in WITH_FEATURES if PARAMS[n] <= PRUNE_MAX_PARAMS}
+
+
+def _applies(name: str | None, test: str) -> bool:
+    """Whether timm's `test` is kept for our tower `name` (None: not one of ours, or no model test)."""
+    if test == PRUNE_CONTRACT:
+        return name in PRUNED
+    if test in FEATURES:
+        return name in WITH_FEATURES
+    return name in OURS and test in APPLY
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -76,7 +90,7 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("model_name") if callspec else None
-        if name in OURS and item.originalname in APPLY or name in WITH_FEATURES and item.originalname in FEATURES:
+        if _applies(name, item.originalname):
             keep.append(item)
         elif name in OURS and item.originalname == AS_NON_STD:
             keep.append(_as_non_std(item))
