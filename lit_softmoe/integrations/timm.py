@@ -6,10 +6,10 @@ with a default cfg (mean/std, input size, crop) from the tower's preprocessing, 
 model files do (`timm/models/vision_transformer.py`: `default_cfgs`, `register_model`,
 `build_model_with_cfg`). timm's kwargs map onto the tower config: `num_classes`, `in_chans`,
 `img_size` (square), `global_pool` ("avg" or ""), plus any `ViTConfig` field (what a tower folder's
-"model_args" carries for `timm.create_model("local-dir:TOWER")`); `features_only=True` with
-`out_indices` (default: the last 3 blocks) gives the blocks' feature maps, as for timm's ViTs. `pretrained=True` with
-`pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights. A name
-with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
+"model_args" carries for `timm.create_model("local-dir:TOWER")`, or an image-only export's); `features_only=True`
+with `out_indices` (default: the last 3 blocks) gives the blocks' feature maps, as for timm's ViTs.
+`pretrained=True` with `pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower
+folder's weights. A name with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
 
 Tokens Choice towers are refused: timm's training loop knows no `moe_aux_loss()` and would drop
 their balancing loss silently. Importing timm costs seconds, which is why `import lit_softmoe` does
@@ -52,7 +52,7 @@ def _tower(registry_name: str, num_classes: int | None = None, in_chans: int | N
     return VisionTransformer(cfg, device=device, dtype=dtype, global_pool=global_pool)
 
 
-EXPORT_PREFIX = "image_tower."  # an export's image_encoder.safetensors names the tower's weights so
+EXPORT_PREFIX = "image_tower."  # an export's image_encoder.safetensors: the tower under LiTModel's names
 
 
 def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:
