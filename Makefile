@@ -42,7 +42,7 @@ test: $(INSTALLED) fashion-mnist lint timm-tests
 
 # timm's own model tests (tests/test_models.py of the installed timm's sdist, downloaded once into
 # TIMM_SDIST_DIR) on our registered towers: tests/timm_suite/timm_plugin.py registers them first and
-# keeps the tests that apply (docs/interoperability.md, "timm tests that do not apply"). Slow: 11 min on 2 busy CPU cores (54 tests; collecting timm's
+# keeps the tests that apply (docs/interoperability.md, "timm tests that do not apply"). Slow: 13 min on 2 busy CPU cores (112 tests; collecting timm's
 # 18,000 items alone takes ~1 min).
 TIMM_SDIST_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lit-softmoe/timm-sdist
 timm-tests: $(INSTALLED)

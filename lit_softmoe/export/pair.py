@@ -21,7 +21,8 @@ loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_so
         text_encoder.onnx           with --onnx: ids (B, L) int64 → text_embedding (B, D)
         README.md                   model card: towers, data, training, zero-shot table
 
-An image-only export (from a pretraining tower) has config.json (kind "image"), image_encoder.safetensors,
+An image-only export (from a pretraining tower) has config.json (kind "image", plus timm's hub keys as a
+tower folder's: `timm.create_model("local-dir:DIR")` builds it), image_encoder.safetensors,
 image_encoder.onnx (pixels → image_features (B, width), the pooled features, unnormalized: what linear
 probes and `lit-softmoe embed` use) and the model card; load it with `load_image_tower`.
 
@@ -70,6 +71,7 @@ from lit_softmoe.model_folders import (
     is_export,
     read_json,
 )
+from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.models.vit import VisionTransformer
@@ -173,6 +175,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                          "step": results.get("steps", facts.get("step"))}}
     if model is None:
         config["classnames"] = facts["tower_meta"].get("classnames")
+        # timm's hub keys, as a tower folder has them: timm's `local-dir:` / `hf-hub:` build the tower
+        # (its weights keep the export's `image_tower.` names; our timm integration strips the prefix).
+        config.update(timm_hub_keys(tower.cfg, facts["preprocess"], weights_file=IMAGE_WEIGHTS))
     else:
         config.update({"text": facts["text"], "loss": facts["loss"], "image_head": facts["image_head"],
                        "temperature": float(model.logit_scale.detach().exp().clamp(max=model.max_temperature)),

@@ -6,9 +6,10 @@ with a default cfg (mean/std, input size, crop) from the tower's preprocessing, 
 model files do (`timm/models/vision_transformer.py`: `default_cfgs`, `register_model`,
 `build_model_with_cfg`). timm's kwargs map onto the tower config: `num_classes`, `in_chans`,
 `img_size` (square), `global_pool` ("avg" or ""), plus any `ViTConfig` field (what a tower folder's
-"model_args" carries for `timm.create_model("local-dir:TOWER")`). `pretrained=True` with
-`pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower folder's weights. A name
-with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
+"model_args" carries for `timm.create_model("local-dir:TOWER")`, or an image-only export's); `features_only=True`
+with `out_indices` (default: the last 3 blocks) gives the blocks' feature maps, as for timm's ViTs.
+`pretrained=True` with `pretrained_cfg_overlay=dict(file="TOWER/model.safetensors")` loads a tower
+folder's weights. A name with a config tag (`models.timm_config.timm_model_spec`) builds a tower of any config.
 
 Tokens Choice towers are refused: timm's training loop knows no `moe_aux_loss()` and would drop
 their balancing loss silently. Importing timm costs seconds, which is why `import lit_softmoe` does
@@ -51,6 +52,18 @@ def _tower(registry_name: str, num_classes: int | None = None, in_chans: int | N
     return VisionTransformer(cfg, device=device, dtype=dtype, global_pool=global_pool)
 
 
+EXPORT_PREFIX = "image_tower."  # an export's image_encoder.safetensors: the tower under LiTModel's names
+
+
+def checkpoint_filter_fn(state_dict: dict, model: VisionTransformer) -> dict:
+    """A checkpoint's weights in the tower's names, its source recognized by its keys as timm's filters do:
+    an export's image weights (`image_tower.*`) lose the prefix, and a pair's `image_head.*` (LiT's
+    projection, no part of the tower) stays out; a tower folder's weights are the tower's own."""
+    if any(k.startswith(EXPORT_PREFIX) for k in state_dict):
+        return {k[len(EXPORT_PREFIX):]: v for k, v in state_dict.items() if k.startswith(EXPORT_PREFIX)}
+    return state_dict
+
+
 def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     # `name.cfg-...` (an export's open_clip config names such towers): the tag's fields over the
     # registered config; kwargs given explicitly still win. timm's pretrained cfg then describes them.
@@ -58,7 +71,12 @@ def _create(name: str, pretrained: bool = False, **kwargs) -> VisionTransformer:
     if fields is not None:
         kwargs = {**fields, **kwargs}
         kwargs["pretrained_cfg"] = timm_pretrained_cfg(image_tower_config(_OURS[name], **fields))
-    return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name], **kwargs)
+    # `features_only=True` as for timm's ViTs: its FeatureGetterNet calls the tower's forward_intermediates
+    # and prunes the blocks after the last index; by default the last 3 blocks' (B, D, H/p, W/p) maps.
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(_tower, name, pretrained, registry_name=_OURS[name],
+                                pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
 
 
 default_cfgs = generate_default_cfgs({n: timm_pretrained_cfg(image_tower_config(ours)) for n, ours in _OURS.items()})

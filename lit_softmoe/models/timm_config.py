@@ -1,7 +1,7 @@
 """What timm knows of our towers, as plain data (no timm import): names, pretrained cfgs, hub keys.
 
-`lit_softmoe.integrations.timm` registers the towers with timm from these; the tower folder writes
-`timm_hub_keys` into its config.json so that `timm.create_model("local-dir:TOWER")` builds it
+`lit_softmoe.integrations.timm` registers the towers with timm from these; the tower folder (and an
+image-only export) writes `timm_hub_keys` into its config.json so that `timm.create_model("local-dir:TOWER")` builds it
 (timm's `_hub.py` reads "architecture", "num_classes", "pretrained_cfg" and "model_args").
 
 A tower whose config is no registered one's is named by a registered name plus a *config tag*:
@@ -51,16 +51,21 @@ def timm_pretrained_cfg(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
                 license="apache-2.0")
 
 
-def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
+def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None, weights_file: str | None = None) -> dict:
     """The keys of timm's hub config.json for a tower folder, beside ours. "model_args" carries the whole
-    tower config (timm's names for classes, channels and size), so the architecture is a label."""
+    tower config (timm's names for classes, channels and size), so the architecture is a label.
+    `weights_file`: the weights' file name where it is not timm's model.safetensors (timm's `hf-hub:`
+    loader reads the pretrained cfg's "hf_hub_filename"; `local-dir:` takes a folder's one safetensors)."""
     same = [n for n, c in _registered().items() if c == replace(cfg, num_classes=0)]
     architecture = same[0] if same else ("soft_moe_s16_128e" if cfg.moe_layers else "lit_softmoe_vit_b16")
     args = cfg.to_dict()
     model_args = {"in_chans": args.pop("in_channels"), "img_size": args.pop("image_size"), **args}
     model_args.pop("num_classes")
+    pretrained_cfg = timm_pretrained_cfg(cfg, preprocess)
+    if weights_file is not None:
+        pretrained_cfg["hf_hub_filename"] = weights_file
     return {"architecture": architecture, "num_classes": cfg.num_classes, "num_features": cfg.width,
-            "pretrained_cfg": timm_pretrained_cfg(cfg, preprocess), "model_args": model_args}
+            "pretrained_cfg": pretrained_cfg, "model_args": model_args}
 
 
 def _registered() -> dict[str, ViTConfig]:

@@ -8,8 +8,10 @@ The paper's sparse baselines (Tokens Choice, Experts Choice) sit in the same blo
 `tc-*` / `ec-*` towers differ from `soft-*` ones only in the MoE layer (`moe_type`).
 The methods follow timm's contract (`timm/models/vision_transformer.py`): `forward_features` → tokens
 `(B, N, C)` after the final norm, `forward_head(x, pre_logits=True)` → pooled `(B, C)`, plus
-`reset_classifier`, `get_classifier`, `num_features`, `group_matcher` and `set_grad_checkpointing`;
-`forward_pooled` is the pooled embedding that embedding, LiT and the evals call.
+`reset_classifier`, `get_classifier`, `num_features`, `group_matcher` and `set_grad_checkpointing`, and
+for timm's `features_only` wrapper (`FeatureGetterNet`) `feature_info`, `forward_intermediates` (block
+outputs as `(B, C, H, W)` maps) and `prune_intermediate_layers`; `forward_pooled` is the pooled
+embedding that embedding, LiT and the evals call.
 
 Read bottom-up: Attention → Mlp → Block → VisionTransformer.
 """
@@ -29,6 +31,7 @@ from lit_softmoe.nn.soft_moe import SoftMoE
 
 MOE_TYPES = ("soft", "tokens_choice", "experts_choice")
 GLOBAL_POOLS = ("avg", "")  # timm's: "" = no pooling, forward returns the tokens
+OUTPUT_FMTS = ("NCHW", "NLC")  # forward_intermediates: maps (b, d, rows, cols) or tokens (b, m, d)
 
 
 def _is_int(value) -> bool:
@@ -208,6 +211,23 @@ def _channel_fix(wanted: int, given: int) -> str:
     return "give images of the tower's channel count"
 
 
+def _take_indices(depth: int, indices: int | list[int] | tuple[int, ...] | None) -> tuple[list[int], int]:
+    """Which blocks' outputs to take, as timm's `feature_take_indices`: None → all, an int n → the last
+    n, a sequence → those indices (negative ones count from the end). Returns (indices, the largest)."""
+    if indices is None:
+        indices = depth
+    if _is_int(indices):
+        if not 0 < indices <= depth:
+            raise ValueError(f"indices={indices} asks for the last {indices} blocks of a tower of {depth}")
+        take = list(range(depth - indices, depth))
+    else:
+        take = [i + depth if i < 0 else i for i in indices]
+        bad = [i for i, t in zip(indices, take) if not 0 <= t < depth]
+        if bad or not take:
+            raise ValueError(f"indices {list(indices)} are no block indices of a tower of {depth} blocks")
+    return take, max(take)
+
+
 def _check_pool(global_pool: str) -> str:
     if global_pool not in GLOBAL_POOLS:
         raise ValueError(f"global_pool {global_pool!r} is not one of {GLOBAL_POOLS} (the tower has no class token)")
@@ -228,6 +248,9 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches, cfg.width, **factory))
         self.blocks = nn.ModuleList(
             Block(cfg, use_moe=i in cfg.moe_layers, **factory) for i in range(cfg.depth))
+        # timm's feature metadata: each block's output is a feature level, a (d, h/p, w/p) map.
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=cfg.width, reduction=cfg.patch_size)
+                             for i in range(cfg.depth)]
         self.norm = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
         self.head = nn.Linear(cfg.width, cfg.num_classes, **factory) if cfg.num_classes else nn.Identity()
         self.reset_parameters()
@@ -365,20 +388,75 @@ class VisionTransformer(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
-    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling (timm's contract)."""
+    def _embed(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """pixels (b, c, h, w) → tokens with their position embeddings (b, m, d), and the (rows, cols) grid."""
         p = self.cfg.patch_size
         # A tower held in bf16 for inference takes the float32 pixels every transform gives (a no-op in
         # fp32, and under autocast the matmul casts anyway).
         pixels = pixels.to(self.patch_embed.weight.dtype)
+        grid = (pixels.shape[-2] // p, pixels.shape[-1] // p)
         x = self.embed_patches(pixels)  # (b, m, d), m = rows · cols
-        x = x + self._pos_embed(x.shape[1], (pixels.shape[-2] // p, pixels.shape[-1] // p))
+        return x + self._pos_embed(x.shape[1], grid), grid
+
+    def _block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (b, c, h, w) → normalized tokens (b, m, d) before pooling (timm's contract)."""
+        x, _ = self._embed(pixels)
         for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = self._block(block, x)
         return self.norm(x)
+
+    def forward_intermediates(self, pixels: torch.Tensor, indices: int | list[int] | None = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False,
+                              ) -> tuple[torch.Tensor, list[torch.Tensor]] | list[torch.Tensor]:
+        """timm's ViT contract: the outputs of the blocks `indices` picks, and the final tokens.
+
+        Args:
+            pixels: images (b, c, h, w).
+            indices: None → every block, an int n → the last n, a list → those blocks (negative from the end).
+            return_prefix_tokens: timm's flag, accepted for its callers; the towers have no prefix tokens
+                (no class token: they pool by the mean), so it changes nothing.
+            norm: pass each intermediate through the final LayerNorm.
+            stop_early: run no block after the last one taken (the final tokens are then that block's, normed).
+            output_fmt: "NCHW" → maps (b, d, rows, cols); "NLC" → tokens (b, m, d).
+            intermediates_only: return the list alone.
+
+        Returns (forward_features' tokens (b, m, d), [intermediates]) or, with `intermediates_only`, the list.
+        """
+        if output_fmt not in OUTPUT_FMTS:
+            raise ValueError(f"output_fmt {output_fmt!r} is not one of {OUTPUT_FMTS}")
+        take, last = _take_indices(len(self.blocks), indices)
+        x, (rows, cols) = self._embed(pixels)
+        intermediates = []
+        for i, block in enumerate(self.blocks[:last + 1] if stop_early else self.blocks):
+            x = self._block(block, x)
+            if i in take:
+                intermediates.append(self.norm(x) if norm else x)  # (b, m, d)
+        if output_fmt == "NCHW":  # tokens are row-major over the patch grid (embed_patches)
+            intermediates = [y.reshape(y.shape[0], rows, cols, -1).permute(0, 3, 1, 2).contiguous()
+                             for y in intermediates]  # each (b, d, rows, cols)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """Drop the blocks after the last of `indices` (and the final norm, the head), as timm's ViT does
+        for its `features_only` wrapper; returns the absolute block indices to take."""
+        take, last = _take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:last + 1]
+        # cfg describes the blocks the tower has, so that a pruned tower saved with its cfg loads back.
+        self.cfg = replace(self.cfg, depth=last + 1, moe_layers=tuple(i for i in self.cfg.moe_layers if i <= last))
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """tokens (b, m, d) → logits (b, num_classes), or the pooled embedding (b, d) with `pre_logits`

@@ -22,7 +22,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interoperability.md"
 EXAMPLE = re.compile(r"^(?P<indent> *)<!-- example: (?P<name>[\w-]+) -->\n(?P=indent)```(?P<lang>\w+)\n"
                      r"(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
 # The examples the tests below run, by the name that marks them on the page.
-RUN_HERE = {"open-clip-zero-shot", "open-clip-export", "clip-benchmark", "timm", "hf-hub", "onnx", "trackers"}
+RUN_HERE = {"open-clip-zero-shot", "open-clip-export", "clip-benchmark", "timm", "timm-features", "timm-export",
+            "hf-hub", "onnx", "trackers"}
 
 
 def _examples() -> dict[str, str]:
@@ -126,6 +127,40 @@ def test_timm_example_builds_a_registered_tower_and_a_tower_folder(run):
     x = images(ours.cfg, b=2)
     with torch.no_grad():
         assert torch.equal(tower.forward_features(x), ours.forward_features(x))  # the folder's weights
+
+
+def test_timm_features_example_gives_the_block_maps():
+    code = _example("timm-features")
+    scope = _run(code)
+    tower, tokens, maps, backbone, last_two = (scope[k] for k in ("tower", "tokens", "maps", "backbone", "last_two"))
+    d = tower.cfg.width
+    assert tower.cfg.depth == 6 and tokens.shape == (2, 16, d) and "6 maps (2, D, 4, 4)" in code
+    assert len(maps) == 6 and all(m.shape == (2, d, 4, 4) for m in maps)
+    assert backbone.feature_info.module_name() == ["blocks.4", "blocks.5"] and len(backbone.model.blocks) == 6
+    assert len(last_two) == 2 and all(m.shape == (2, d, 4, 4) for m in last_two)
+    # The same tower's blocks give the same maps through both doors.
+    kept = backbone.model.state_dict()
+    backbone.model.load_state_dict({k: v for k, v in tower.state_dict().items() if k in kept})
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        for got, want in zip(backbone(x), tower.forward_intermediates(x, intermediates_only=True)[-2:]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_timm_export_example_builds_the_image_only_export_as_our_loader(run, tmp_path):
+    from lit_softmoe.export import export_pair
+    from towers import images
+    export = export_pair(run.parent / "pre", tmp_path / "tower-export", onnx=False)  # soft-test-4e, as the demo's
+    code = _example("timm-export", **{"exports/my-tower": export})
+    scope = _run(code)
+    tower, ours, pooled = scope["tower"], scope["ours"], scope["pooled"]
+    assert type(tower).__name__ == "VisionTransformer" and tower.cfg == ours.cfg and not tower.training
+    assert pooled.shape == (2, ours.cfg.width) and "# (2, D)" in code
+    x = images(ours.cfg, b=2)
+    with torch.no_grad():  # the export's weights, in timm's tower as in ours
+        torch.testing.assert_close(tower.forward_features(x), ours.forward_features(x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(tower.forward_head(tower.forward_features(x), pre_logits=True),
+                                   ours.forward_pooled(x), rtol=0, atol=1e-5)
 
 
 # ---- Hugging Face -------------------------------------------------------------------------------

@@ -111,3 +111,57 @@ def test_a_config_tag_builds_any_tower_config():
     assert timm.create_model(name, num_classes=7, in_chans=1).cfg == replace(wanted, num_classes=7, in_channels=1)
     with pytest.raises(ValueError, match="no lit-softmoe config tag"):
         timm.create_model("soft_moe_test_4e.cfg-%%%")
+
+
+def test_features_only_gives_the_block_maps_of_forward_intermediates():
+    """`features_only=True` as for timm's ViTs: its FeatureGetterNet over our forward_intermediates, blocks
+    after the last index pruned; by default the last 3 blocks."""
+    ours = tiny("soft-tiny-p7-16e")  # 6 blocks, 28 px in patches of 7: 4x4 maps
+    x = images(ours.cfg)
+    with torch.no_grad():
+        taps = ours.forward_intermediates(x, intermediates_only=True)
+    for out_indices, blocks in ((None, [3, 4, 5]), ((0, -2), [0, 4])):
+        kwargs = {} if out_indices is None else dict(out_indices=out_indices)
+        features = timm.create_model("soft_moe_tiny_p7_16e", features_only=True, **kwargs).eval()
+        kept = features.model.state_dict()  # pruned: no blocks after the last index, no final norm
+        features.model.load_state_dict({k: v for k, v in ours.state_dict().items() if k in kept})
+        assert type(features).__name__ == "FeatureGetterNet" and len(features.model.blocks) == blocks[-1] + 1
+        assert features.feature_info.module_name() == [f"blocks.{i}" for i in blocks]
+        assert features.feature_info.channels() == [ours.cfg.width] * len(blocks)
+        assert features.feature_info.reduction() == [ours.cfg.patch_size] * len(blocks)
+        with torch.no_grad():
+            maps = features(x)
+        assert len(maps) == len(blocks)
+        for got, i in zip(maps, blocks):
+            assert got.shape == (3, ours.cfg.width, 4, 4)
+            torch.testing.assert_close(got, taps[i], rtol=0, atol=0)
+
+
+def test_an_image_only_export_loads_through_local_dir_and_hf_hub(run, tmp_path, monkeypatch):
+    """An image-only export's config.json carries timm's hub keys: timm builds the tower with the export's
+    weights (`image_tower.*`, the prefix stripped by our filter) from the folder and from a Hub cache."""
+    from hf_hub_cache import cache_repo, offline_hf_cache
+    from lit_softmoe.export import export_pair
+    from lit_softmoe.hub import load_image_tower
+    out = export_pair(run.parent / "pre", tmp_path / "tower-export", onnx=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["kind"] == "image" and config["architecture"] == "soft_moe_test_4e"
+    assert config["pretrained_cfg"]["hf_hub_filename"] == "image_encoder.safetensors"
+    ours, _ = load_image_tower(out)
+    x = images(ours.cfg)
+    cache_repo(offline_hf_cache(monkeypatch, tmp_path / "hf"), "org/tower", out)
+    for spec in (f"local-dir:{out}", "hf-hub:org/tower"):
+        theirs = timm.create_model(spec, pretrained=True).eval()
+        assert theirs.cfg == ours.cfg and tuple(theirs.pretrained_cfg["mean"]) == (0.286,), spec
+        with torch.no_grad():
+            torch.testing.assert_close(theirs.forward_features(x), ours.forward_features(x), rtol=0, atol=1e-5)
+            torch.testing.assert_close(theirs(x), ours(x), rtol=0, atol=1e-5)  # the pretraining head too
+
+
+def test_checkpoint_filter_fn_takes_an_exports_tower_weights():
+    from lit_softmoe.integrations.timm import checkpoint_filter_fn
+    tower = tiny()
+    state = tower.state_dict()
+    assert checkpoint_filter_fn(state, tower) is state  # a tower folder's: the tower's own names
+    export = {**{f"image_tower.{k}": v for k, v in state.items()}, "image_head.weight": torch.zeros(2, 2)}
+    assert checkpoint_filter_fn(export, tower).keys() == state.keys()

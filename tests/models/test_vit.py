@@ -3,6 +3,7 @@ initializations as vmoe's flax modules make them, config checks, and the forward
 block-by-block reference."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -446,3 +447,65 @@ def test_an_image_smaller_than_one_patch_is_one_clear_error(height, width):
     assert str(info.value) == (f"image of {height}x{width} pixels is smaller than one 7x7 patch; "
                                "resize it to at least 7x7 (the tower was trained at 28x28)")
     assert tower(torch.randn(1, 1, 7, 14)).shape == (1, 32)  # one row of two patches still works
+
+
+def test_forward_intermediates_are_the_block_outputs_and_end_at_forward_features():
+    """timm's ViT contract: intermediates are block outputs as (b, d, rows, cols) maps, the final norm
+    only with `norm=True`; the last one normed, as tokens, is forward_features."""
+    tower = tiny("soft-tiny-p7-16e", num_classes=3)  # 6 blocks, Soft MoE in 3-5, 28 px in patches of 7
+    x = images(tower.cfg, b=2)
+    rows = cols = tower.cfg.image_size // tower.cfg.patch_size
+    blocks, h = [], tower.embed_patches(x) + tower.pos_embed
+    for block in tower.blocks:  # by hand: every block's output (b, m, d)
+        h = block(h)
+        blocks.append(h)
+    with torch.no_grad():
+        final, maps = tower.forward_intermediates(x)
+        assert torch.equal(final, tower.forward_features(x))
+        assert len(maps) == len(tower.feature_info) == tower.cfg.depth == 6
+        assert all(m.shape == (2, tower.cfg.width, rows, cols) for m in maps)
+        for got, want in zip(maps, blocks):
+            torch.testing.assert_close(got, want.transpose(1, 2).reshape(2, -1, rows, cols), rtol=0, atol=0)
+        normed = tower.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)
+        tokens = tower.forward_features(x)  # (b, m, d) → (b, d, rows, cols)
+        torch.testing.assert_close(normed[0], tokens.transpose(1, 2).reshape(2, -1, rows, cols), rtol=0, atol=0)
+        for indices, picked in ((2, [4, 5]), ([0, -1], [0, 5]), ([1, 3], [1, 3]), (None, list(range(6)))):
+            got = tower.forward_intermediates(x, indices=indices, output_fmt="NLC", intermediates_only=True)
+            assert len(got) == len(picked), indices
+            for g, i in zip(got, picked):
+                torch.testing.assert_close(g, blocks[i], rtol=0, atol=0, msg=f"{indices}: block {i}")
+        early, (tap,) = tower.forward_intermediates(x, indices=[2], stop_early=True)
+        torch.testing.assert_close(early, tower.norm(blocks[2]), rtol=0, atol=0)  # no block after the tap ran
+    assert [f["module"] for f in tower.feature_info] == [f"blocks.{i}" for i in range(6)]
+    assert {(f["num_chs"], f["reduction"]) for f in tower.feature_info} == {(tower.cfg.width, tower.cfg.patch_size)}
+    for bad in (dict(indices=7), dict(indices=[6]), dict(indices=[-7]), dict(output_fmt="NHWC")):
+        with pytest.raises(ValueError):
+            tower.forward_intermediates(x, **bad)
+
+
+def test_prune_intermediate_layers_keeps_the_blocks_needed_and_their_outputs():
+    tower = tiny("soft-tiny-p7-16e", num_classes=3)
+    x = images(tower.cfg, b=2)
+    with torch.no_grad():
+        taps = tower.forward_intermediates(x, intermediates_only=True)
+        logits = tower(x)
+        same = copy.deepcopy(tower)
+        assert same.prune_intermediate_layers([5], prune_head=False) == [5]
+        torch.testing.assert_close(same(x), logits, rtol=0, atol=0)  # nothing after the last block to drop
+        pruned = copy.deepcopy(tower)
+        assert pruned.prune_intermediate_layers([1, -3]) == [1, 3]
+        assert len(pruned.blocks) == pruned.cfg.depth == 4 and pruned.cfg.moe_layers == (3,)
+        assert pruned.num_classes == 0 and pruned.global_pool == ""  # timm's: the head goes
+        got = pruned.forward_intermediates(x, indices=[1, 3], intermediates_only=True)
+        for g, want in zip(got, (taps[1], taps[3])):
+            torch.testing.assert_close(g, want, rtol=0, atol=0)
+        bare = copy.deepcopy(tower)
+        bare.prune_intermediate_layers(2, prune_norm=True)  # the last two: nothing to drop but the norm
+        assert isinstance(bare.norm, nn.Identity) and len(bare.blocks) == 6
+        torch.testing.assert_close(bare.forward_features(x).transpose(1, 2).reshape(taps[5].shape), taps[5],
+                                   rtol=0, atol=0)
+    # The pruned tower trains: every parameter it kept gets a gradient (the final norm through the tokens).
+    pruned.train()
+    final, got = pruned.forward_intermediates(x, indices=[1, 3])
+    sum(t.sum() for t in [final, *got]).backward()
+    assert not [n for n, p in pruned.named_parameters() if p.grad is None]

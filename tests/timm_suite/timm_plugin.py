@@ -10,9 +10,14 @@ plugin, this module imports our registration before timm's test module parametri
   NON_STD_FILTERS) run `test_model_default_cfgs_non_std`, whose body takes the same arguments, since
   their features are tokens (B, N, C), not NCHW maps. Our names match no such pattern, so their
   items run that body under its own name.
-- everything else (features_only / forward_intermediates / TorchScript / FX / pretrained-weight
-  tests, and the tests of named timm models) is deselected; docs/interoperability.md ("timm tests
-  that do not apply") says why for each.
+- the feature tests (FEATURES: features_only, forward_intermediates, prune_intermediate_layers), on
+  towers of 3 blocks or more: timm's tests want at least 3 feature levels, and features_only takes the
+  last 3 blocks by default; the prune contract on towers up to PRUNE_MAX_PARAMS. All but
+  test_model_forward_features take the models of the modules named in timm's FEAT_INTER_FILTERS; timm
+  files ours under module "timm" (`lit_softmoe.integrations.timm`), so `pytest_generate_tests` adds our
+  names to their `model_name` parametrization.
+- everything else (TorchScript / FX / pretrained-weight tests, and the tests of named timm models) is
+  deselected; docs/interoperability.md ("timm tests that do not apply") says why for each.
 
 Towers above LIT_SOFTMOE_TIMM_MAX_PARAMS parameters (default 400M: dense H and the paper's Soft MoE
 towers, 922M to 54B) are deselected too: on a CPU machine they cost minutes each, and from
@@ -26,19 +31,50 @@ import pytest
 import torch
 
 from lit_softmoe.integrations.timm import _OURS, timm_model_names
-from lit_softmoe.models.registry import create_image_tower
+from lit_softmoe.models.registry import create_image_tower, image_tower_config
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
 AS_NON_STD = "test_model_default_cfgs"
+PRUNE_CONTRACT = "test_prune_intermediate_layers_contract"
+BY_MODULE = {"test_model_forward_intermediates", "test_model_forward_intermediates_features", PRUNE_CONTRACT}
+FEATURES = BY_MODULE | {"test_model_forward_features"}
+MIN_FEATURE_BLOCKS = 3
 MAX_PARAMS = int(float(os.environ.get("LIT_SOFTMOE_TIMM_MAX_PARAMS", "4e8")))
+# The prune contract copies the tower twice per block (timm keeps it out of its CI for that): above
+# 30M parameters (B and L) it costs minutes a tower on a CPU; it runs on the Ti, S and tiny towers.
+PRUNE_MAX_PARAMS = 30_000_000
 
 
-def _small_enough(name: str) -> bool:
-    tower = create_image_tower(_OURS[name], device="meta")
-    return sum(p.numel() for p in tower.parameters()) <= MAX_PARAMS
+def _params(name: str) -> int:
+    return sum(p.numel() for p in create_image_tower(_OURS[name], device="meta").parameters())
 
 
-OURS = {n for n in timm_model_names() if _small_enough(n)}
+PARAMS = {n: _params(n) for n in timm_model_names()}
+OURS = {n for n in timm_model_names() if PARAMS[n] <= MAX_PARAMS}
+WITH_FEATURES = {n for n in OURS if image_tower_config(_OURS[n]).depth >= MIN_FEATURE_BLOCKS}
+PRUNED = {n for n in WITH_FEATURES if PARAMS[n] <= PRUNE_MAX_PARAMS}
+
+
+def _applies(name: str | None, test: str) -> bool:
+    """Whether timm's `test` is kept for our tower `name` (None: not one of ours, or no model test)."""
+    if test == PRUNE_CONTRACT:
+        return name in PRUNED
+    if test in FEATURES:
+        return name in WITH_FEATURES
+    return name in OURS and test in APPLY
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc):
+    """Our names into the `model_name` list of the feature tests timm selects by module, before pytest's
+    own hook parametrizes from the markers (replaced on this test's definition only)."""
+    if metafunc.function.__name__ not in BY_MODULE:
+        return
+    markers = metafunc.definition.own_markers
+    for i, mark in enumerate(markers):
+        if mark.name == "parametrize" and mark.args[0] == "model_name":
+            markers[i] = pytest.mark.parametrize(
+                "model_name", [*mark.args[1], *sorted(WITH_FEATURES)], **mark.kwargs).mark
 
 
 def _as_non_std(item: pytest.Function) -> pytest.Function:
@@ -54,7 +90,7 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("model_name") if callspec else None
-        if name in OURS and item.originalname in APPLY:
+        if _applies(name, item.originalname):
             keep.append(item)
         elif name in OURS and item.originalname == AS_NON_STD:
             keep.append(_as_non_std(item))
