@@ -1,7 +1,7 @@
 """Gradient accumulation: `accum_steps` micro-batches give the gradient of one batch that many times larger.
 
 - A classification loss is a mean over independent examples, so each micro-batch's loss, divided by the
-  number of micro-batches, is backpropagated on its own and the gradients add up (`mean_loss_accumulation`).
+  number of micro-batches, is backpropagated on its own and the gradients add up (the pretraining loop).
 - A contrastive loss is not: every example's loss depends on the whole batch (its negatives). As open_clip's
   `--accum-freq` (`open_clip_train/train.py`) does, the embeddings of every micro-batch are computed first
   without a graph; then each micro-batch is embedded again with one, put in its place among the others,
@@ -61,20 +61,6 @@ def _no_sync_unless_last(no_sync: Callable[[], ContextManager] | None, index: in
     return no_sync() if no_sync is not None and index < count - 1 else contextlib.nullcontext()
 
 
-def mean_loss_accumulation(loss_of: Callable[[Any], torch.Tensor], micro_batches: Sequence,
-                           backward: Callable[[torch.Tensor], None],
-                           no_sync: Callable[[], ContextManager] | None = None) -> torch.Tensor:
-    """Backpropagate a per-example mean loss over `micro_batches` of equal size; → the whole batch's loss
-    (detached). `loss_of(micro_batch)` → its mean loss; `backward(loss)` (e.g. `accelerator.backward`)."""
-    count, total = len(micro_batches), 0.0
-    for index, micro_batch in enumerate(micro_batches):
-        with _no_sync_unless_last(no_sync, index, count):
-            loss = loss_of(micro_batch) / count
-            backward(loss)
-        total = total + loss.detach()
-    return total
-
-
 def contrastive_accumulation(embed: Callable[[Any], tuple], loss_fn: Callable[..., torch.Tensor],
                              micro_batches: Sequence, backward: Callable[[torch.Tensor], None],
                              no_sync: Callable[[], ContextManager] | None = None) -> tuple[torch.Tensor, tuple]:
@@ -85,6 +71,11 @@ def contrastive_accumulation(embed: Callable[[Any], tuple], loss_fn: Callable[..
     extras are the logit scale and bias, shared by every micro-batch); `loss_fn(zimg, ztxt, *extras)` → the
     loss over the rows given. Run both under the autocast of the step.
     """
+    if len(micro_batches) == 1:  # the whole batch at once: no first pass needed
+        outputs = embed(micro_batches[0])
+        loss = loss_fn(*outputs)
+        backward(loss)
+        return loss.detach(), outputs
     states, first_pass = [], []  # [(zimg (b, D), ztxt (b, D))]
     with torch.no_grad():
         for micro_batch in micro_batches:

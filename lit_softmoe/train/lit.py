@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from lit_softmoe.config import LiTConfig
+from lit_softmoe.config import LiTConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
@@ -42,16 +42,20 @@ from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
+from lit_softmoe.train.memory_plan import check_plan_fits
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
 from lit_softmoe.train.runtime import (
     check_same_run,
     check_training_length,
     create_accelerator,
     global_loss,
+    loss_scaler_state,
     open_run_folder,
+    restore_loss_scaler,
     resume_state,
     run_folder_lock,
 )
@@ -218,6 +222,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
+    if cfg.sharding != "none":
+        raise UserError(f"sharding={cfg.sharding} shards pretraining only: LiT's processes each hold the text tower "
+                        "whole (DDP); set sharding=none, and save memory with grad_checkpointing=true or accum_steps")
+    check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
@@ -238,6 +246,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     tower_dtype = inference_dtype(cfg.precision, accelerator.device) if model.image_tower_locked else torch.float32
     if model.image_tower_locked:
         prepare_for_inference(model.image_tower, dtype=tower_dtype)
+    model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     optimizer = _setup_optimizer(cfg, model)
@@ -259,8 +268,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if cfg.unlocked_blocks and split and is_feature_cache(split):
             raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
                             f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
-    if cfg.batch_size % accelerator.num_processes:
-        raise UserError(f"batch_size {cfg.batch_size} does not split over {accelerator.num_processes} processes")
+    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)  # splits evenly, or one line
     local_batch = cfg.batch_size // accelerator.num_processes
     loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
                            transform=None if cached else transform, tokenizer=tokenizer,
@@ -286,6 +294,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
                                                 skip_prefixes=frozen)
     train_seconds = checkpoint_meta.get("train_seconds", 0.0)
+    restore_loss_scaler(accelerator, checkpoint_meta.get("loss_scaler"))  # fp16: the scale it had reached
     if checkpoint_meta.get("image_tower_sha256", tower_sha) != tower_sha:  # checkpoints before it: none
         raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
                         "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
@@ -323,14 +332,23 @@ def _train_lit(cfg: LiTConfig) -> dict:
             text = batch["text"].to(accelerator.device, non_blocking=True)
             lr = lr_at(step, total_steps, cfg.optim)
             set_lr(optimizer, lr)
-            with accelerator.autocast():
-                if cached:  # → (zimg, ztxt, logit_scale) and, for the sigmoid loss, logit_bias
-                    outputs = model(image_features=batch["embedding"].to(accelerator.device, non_blocking=True),
-                                    text=text)
-                else:
-                    outputs = model(batch["image"].to(accelerator.device, non_blocking=True), text)
-                loss = (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
-            accelerator.backward(loss)
+            images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
+
+            def embed(micro_batch):  # → (zimg, ztxt, logit_scale) and, for the sigmoid loss, logit_bias
+                micro_images, micro_text = micro_batch
+                with accelerator.autocast():
+                    if cached:
+                        return model(image_features=micro_images, text=micro_text)
+                    return model(micro_images, micro_text)
+
+            def loss_fn(*outputs):
+                with accelerator.autocast():
+                    return (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
+
+            # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's recompute scheme).
+            loss, outputs = contrastive_accumulation(embed, loss_fn, split_batch((images, text), cfg.accum_steps),
+                                                     backward=accelerator.backward,
+                                                     no_sync=lambda: accelerator.no_sync(model))
             if cfg.optim.grad_clip > 0:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
@@ -365,6 +383,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                     data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
                     save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
                                         meta={"train_seconds": train_seconds, "data_counts": data_counts,
+                                          "loss_scaler": loss_scaler_state(accelerator),
                                               "image_tower_sha256": tower_sha, "model": description},
                                         skip_prefixes=frozen)
                     prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)

@@ -763,3 +763,34 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
         assert seen == []  # nothing to prove unchanged: its last block trains
     else:  # the recipe's own check, at the start and the end, saw the tower in bf16 (and equal)
         assert seen == [(torch.bfloat16, torch.float32)] * 2
+
+
+@pytest.mark.parametrize("loss, images", [("softmax", False), ("sigmoid", False), ("softmax", True)])
+def test_accumulation_and_grad_checkpointing_follow_the_whole_batch(pretrained, tmp_path, loss, images):
+    """accum_steps=4 (open_clip's recompute scheme) with grad_checkpointing: the losses and the trained model
+    of the plain batch-64 run, to 1e-4, for both losses, from cached features and from images."""
+    common = ("steps=6", f"loss={loss}", "eval.shards=''", "eval.probe_train=''")
+    train_lit(_cfg(pretrained, tmp_path / "plain", *common, images=images))
+    train_lit(_cfg(pretrained, tmp_path / "levers", *common, "accum_steps=4", "grad_checkpointing=true",
+                   images=images))
+    losses = [[r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r]
+              for run in ("plain", "levers")]
+    assert len(losses[0]) == 6 and losses[0] == pytest.approx(losses[1], abs=1e-4)
+    plain, levers = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("plain", "levers"))
+    assert plain.keys() == levers.keys()
+    for name in plain:
+        if name.endswith("attn.in_proj_bias"):
+            # Its key third gets no gradient in exact arithmetic (q·b_k adds one value to a whole row of
+            # attention logits, which softmax ignores): AdamW turns each run's rounding noise there into
+            # steps of up to lr, so the two agree only in staying within lr × steps of their zero start.
+            width = len(plain[name]) // 3
+            for weights in (plain[name], levers[name]):
+                assert weights[width:2 * width].abs().max() <= 3e-3 * 6
+            plain[name], levers[name] = plain[name][[*range(width), *range(2 * width, 3 * width)]], \
+                levers[name][[*range(width), *range(2 * width, 3 * width)]]
+        torch.testing.assert_close(levers[name], plain[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_sharding_is_refused_in_one_line(pretrained, tmp_path):
+    with pytest.raises(UserError, match=r"^sharding=fsdp shards pretraining only: .* set sharding=none"):
+        train_lit(_cfg(pretrained, tmp_path / "run", "sharding=fsdp"))
