@@ -9,12 +9,10 @@ tower was trained with, and the pair with its tokenizer. Nothing here needs the 
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 from torch import nn
 
 from lit_softmoe.data.images import jpeg_min_side
@@ -48,6 +46,7 @@ from lit_softmoe.models.tower_folder import (
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.device import inference_dtype
+from lit_softmoe.utils.hashing import weights_sha256
 
 HF_HUB_PREFIX = "hf-hub:"
 # What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
@@ -152,10 +151,6 @@ def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str)
     model.load_state_dict(state, strict=not skip)
 
 
-def _state_sha256(state: dict[str, torch.Tensor]) -> str:
-    return hashlib.sha256(save({k: v.contiguous() for k, v in state.items()})).hexdigest()
-
-
 def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: Path) -> None:
     """model/config.json records the tower's config, preprocessing and weights' sha256 the text tower
     was trained against; a tower folder rewritten since (another tower, other preprocessing, retrained
@@ -193,9 +188,9 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
     _load_weights(model, state, str(source.path))
-    tower_state = {k: v for k, v in state.items() if k.startswith("image_tower.")}
-    # A partly unlocked run changed the tower: its weights are the run's, not the tower file's.
-    sha = _state_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
+    tower_state = {k[len("image_tower."):]: v for k, v in state.items() if k.startswith("image_tower.")}
+    # A partly unlocked run changed the tower: its weights are the run's, not the tower folder's.
+    sha = weights_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
     facts = {"text": text_cfg.to_dict(), "image_tower": tower.cfg.to_dict(), "embed_dim": model.text_tower.embed_dim,
              "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
              "tower_meta": tower_meta, "step": step,

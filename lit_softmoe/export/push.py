@@ -8,10 +8,7 @@ lie under the old key). `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_s
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-
-from safetensors.torch import save
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import read_front_matter
@@ -29,19 +26,9 @@ from lit_softmoe.model_folders import (
     read_json,
 )
 from lit_softmoe.models.tower_folder import load_weights
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import file_sha256, safetensors_weights_sha256
 
 _LOGIN = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with write access"
-
-
-def _image_weights_keys(path: Path) -> set[str]:
-    """The sha256s `image_tower_sha256` may be for these image weights: the file's own (bf16/fp16 exports),
-    the tower file's that an fp32 export copies (the same tensors without the `image_tower.` prefix), or
-    the run's tensors under their own names (a partly unlocked run; lit_softmoe.hub.load_run_pair)."""
-    state = load_weights(path)
-    tower = {k: v for k, v in state.items() if k.startswith("image_tower.")}
-    unprefixed = {k[len("image_tower."):]: v for k, v in tower.items()}
-    return {file_sha256(path), *(hashlib.sha256(save(s)).hexdigest() for s in (unprefixed, tower))}
 
 
 def check_export(folder: str | Path) -> list[str]:
@@ -66,7 +53,8 @@ def check_export(folder: str | Path) -> list[str]:
         raise UserError(f"{folder} is incomplete (no {', '.join(missing)}); export it again")
     for name in weights:
         load_weights(folder / name)  # a truncated or damaged file: one line naming it
-    if config.get("image_tower_sha256") not in _image_weights_keys(folder / IMAGE_WEIGHTS):
+    # The weights' identity (utils.hashing.weights_sha256) of the `image_tower.*` tensors, as the export computed it.
+    if safetensors_weights_sha256(folder / IMAGE_WEIGHTS, prefix="image_tower.") != config.get("image_tower_sha256"):
         raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "
                         "names (the weights were changed after the export); export it again")
     recorded = config.get(WEIGHTS_SHA256)

@@ -184,9 +184,9 @@ def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
 
 def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
     """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's state.json
-    ("model"): loading either needs no training config. `tower_sha`: the tower file's sha256 as the run
-    read it; exports and load_pretrained refuse a tower folder rewritten since (even with the same
-    architecture), which would pair this text tower with other image features."""
+    ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
+    (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
+    (even with the same architecture), which would pair this text tower with other image features."""
     return {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
             "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
             "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss}
@@ -243,8 +243,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
     optimizer = _setup_optimizer(cfg, model)
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
-    tower_hash = model.image_tower_state_hash() if model.image_tower_locked else None
-    # The tower file's sha256, recorded in checkpoints and model/config.json: a resume or an export
+    tower_hash = model.image_tower_sha256() if model.image_tower_locked else None
+    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
@@ -374,7 +374,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
                "bad_samples": dict(loader.bad.counts)}
-    if tower_hash is not None and model_module.image_tower_state_hash() != tower_hash:
+    if tower_hash is not None and model_module.image_tower_sha256() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
     if is_main:
         if eval_set is not None:

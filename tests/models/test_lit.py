@@ -30,7 +30,7 @@ def _pixels(batch: int = 4) -> torch.Tensor:
 
 def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     model = _model(loss="sigmoid")
-    before = model.image_tower_state_hash()
+    before = model.image_tower_sha256()
     model.train()
     assert model.training and model.text_tower.training and not model.image_tower.training
     assert not any(p.requires_grad for p in model.image_tower.parameters())
@@ -40,16 +40,16 @@ def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     assert model.logit_scale.grad is not None and model.logit_bias.grad is not None
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
     optimizer.step()
-    assert model.image_tower_state_hash() == before
+    assert model.image_tower_sha256() == before
 
 
 def test_state_hash_sees_a_one_bit_change():
     model = _model()
-    before = model.image_tower_state_hash()
+    before = model.image_tower_sha256()
     with torch.no_grad():
         weight = model.image_tower.blocks[0].attn.qkv.weight
         weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0))
-    assert model.image_tower_state_hash() != before
+    assert model.image_tower_sha256() != before
 
 
 def test_one_unlocked_block_trains_only_the_last_block_and_norm():

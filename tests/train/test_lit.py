@@ -176,15 +176,15 @@ def test_locked_tower_ends_bit_for_bit_unchanged(pretrained, tmp_path, monkeypat
     before = _sha256(weights)
     tower, _ = load_tower(pretrained / "pre" / "tower")
     reference = LiTModel(tower, create_text_tower(TextTowerConfig(width=64, layers=1, heads=2),
-                                                  embed_dim=tower.embed_dim)).image_tower_state_hash()
+                                                  embed_dim=tower.embed_dim)).image_tower_sha256()
     hashes = []
-    original = LiTModel.image_tower_state_hash
+    original = LiTModel.image_tower_sha256
 
     def recording_hash(self):
         hashes.append(original(self))
         return hashes[-1]
 
-    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    monkeypatch.setattr(LiTModel, "image_tower_sha256", recording_hash)
     # Image shards, so the tower runs forward on every step.
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=30", "eval.shards=''", "optim.lr=1e-2", images=True))
     assert not results["cached_features"]
@@ -758,13 +758,13 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
     """precision=bf16 (what auto picks on GPUs with bf16): a fully locked tower's weights are cast to bf16 once
     and stay bit-identical through training; a partly unlocked one trains in fp32 like the text tower."""
     seen = []
-    original = LiTModel.image_tower_state_hash
+    original = LiTModel.image_tower_sha256
 
     def recording_hash(self):
         seen.append((self.image_tower.patch_embed.weight.dtype, next(self.text_tower.parameters()).dtype))
         return original(self)
 
-    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    monkeypatch.setattr(LiTModel, "image_tower_sha256", recording_hash)
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
                              f"unlocked_blocks={unlocked}", images=True))
     losses = _losses(tmp_path / "run")
