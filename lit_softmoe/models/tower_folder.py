@@ -113,7 +113,7 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
     meta = read_tower_meta(path)
     try:
         cfg = ViTConfig.from_dict(meta["tower"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, UserError) as err:
         raise UserError(f"{path / TOWER_CONFIG} has no valid tower config: {err}") from None
     tower = VisionTransformer(cfg, device="meta")
     state = load_weights(path / TOWER_WEIGHTS, device)
