@@ -29,9 +29,7 @@ from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4  # 2: the key names the task and the image transform too; 3: a webdataset sample without
-# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit);
-# 4: each entry records its features file's sha256, and file identities include the ctime
+CACHE_FORMAT = 4  # part of every key: a change to what an entry holds bumps it, so no entry of another is read
 FEATURES_FILE = "features.safetensors"
 
 
@@ -112,8 +110,6 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
                 "data": data.signature, "precision": precision_name(autocast_dtype(precision, device))}
-    if data.task == "retrieval":  # the cached captions are the raw text now (blank lines kept, to be counted);
-        identity["captions"] = "raw"  # caches of stripped text would undercount them. Classification keeps its key.
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
