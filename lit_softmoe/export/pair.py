@@ -70,6 +70,7 @@ from lit_softmoe.model_folders import (
     classify_folder,
     is_export,
     read_json,
+    require_keys,
 )
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower
@@ -149,9 +150,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     if source.kind == "checkpoint":
         # The run's results.json describes its final model, not this checkpoint: keep only what the
         # whole run shares, and take the step and training time from the checkpoint itself.
-        state_meta = read_json(source.path / STATE_META)
-        seconds = state_meta.get("train_seconds")
-        results = {"steps": state_meta.get("step"), "train_seconds": round(seconds, 1) if seconds is not None else "?",
+        state_meta = require_keys(read_json(source.path / STATE_META), ("step", "train_seconds"),
+                                  source.path / STATE_META, "train the run again with this version")
+        results = {"steps": state_meta["step"], "train_seconds": round(state_meta["train_seconds"], 1),
                    **({"cached_features": results["cached_features"]} if "cached_features" in results else {})}
 
     # The state to write, in the export's dtype; the model then takes these exact (rounded) values

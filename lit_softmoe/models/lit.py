@@ -25,17 +25,6 @@ from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.hashing import weights_sha256
 
 LOSSES = ("softmax", "sigmoid")
-# Parameters renamed since a state dict could be written: old name → today's. `log_scale` took open_clip's
-# name `logit_scale` with the same meaning (the *log* of the scale, used as `logit_scale.exp()`).
-RENAMED_KEYS = {"log_scale": "logit_scale"}
-
-
-def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A LiTModel state dict (a run's model, a checkpoint, an export) under older names → today's names.
-
-    Pure, like timm's `checkpoint_filter_fn`; loaders call it before checking the keys, and
-    `LiTModel.load_state_dict` applies it too, so weights saved before a rename keep loading."""
-    return {RENAMED_KEYS.get(key, key): value for key, value in state.items()}
 
 
 class LiTModel(nn.Module):
@@ -114,13 +103,6 @@ class LiTModel(nn.Module):
         if self.image_tower is None:
             raise ValueError("this LiTModel has no image tower (it trains from cached features)")
         return weights_sha256(self.image_tower.state_dict())
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Old names → today's (RENAMED_KEYS), so `load_state_dict` takes state dicts written before a rename.
-        for old, new in RENAMED_KEYS.items():
-            if prefix + old in state_dict and prefix + new not in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- encoders -----------------------------------------------------------------------------
 

@@ -210,20 +210,6 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
 
 
-def test_a_state_dict_saved_under_the_old_log_scale_name_loads():
-    """`log_scale` is now open_clip's `logit_scale` (the same log of the scale): old state dicts still load."""
-    from lit_softmoe.models.lit import upgrade_state_dict
-    source = _model()
-    with torch.no_grad():
-        source.logit_scale.fill_(3.1)
-    old = {("log_scale" if k == "logit_scale" else k): v for k, v in source.state_dict().items()}
-    assert "logit_scale" not in old
-    model = _model()
-    model.load_state_dict(old)  # strict: nothing missing, nothing unexpected
-    assert float(model.logit_scale) == pytest.approx(3.1)
-    assert upgrade_state_dict(old).keys() == source.state_dict().keys()
-
-
 def test_grad_checkpointing_reaches_the_text_tower_and_an_unlocked_image_tower():
     model = _model(unlocked_blocks=1)
     model.set_grad_checkpointing()
