@@ -37,6 +37,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.metadata import check_templates
+from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
@@ -171,11 +172,10 @@ def _data_counts(loader) -> dict:
     return {"samples_read": loader.samples_read, "bad": dict(loader.bad.counts)}
 
 
-def _restore_data_counts(loader, counts: dict | None) -> None:
-    """Put a checkpoint's counts back into a fresh loader (None: a checkpoint from before they were saved)."""
-    if counts is not None:
-        loader.samples_read = counts["samples_read"]
-        loader.bad.counts.update(counts["bad"])
+def _restore_data_counts(loader, counts: dict) -> None:
+    """Put a checkpoint's counts back into a fresh loader."""
+    loader.samples_read = counts["samples_read"]
+    loader.bad.counts.update(counts["bad"])
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
@@ -285,8 +285,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     checkpoints_dir = run_dir / "checkpoints"
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
                                                 skip_prefixes=frozen)
-    train_seconds = checkpoint_meta.get("train_seconds", 0.0)
-    if checkpoint_meta.get("image_tower_sha256", tower_sha) != tower_sha:  # checkpoints before it: none
+    if latest is not None:
+        require_keys(checkpoint_meta, ("train_seconds", "data_counts", "image_tower_sha256"), latest / STATE_META,
+                     "the run cannot be resumed from it; start this one with another run_dir=...")
+    train_seconds = checkpoint_meta.get("train_seconds", 0.0)  # 0 for a run that starts now
+    if latest is not None and checkpoint_meta["image_tower_sha256"] != tower_sha:
         raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
                         "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
     warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
@@ -295,7 +298,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
-            _restore_data_counts(loader, checkpoint_meta.get("data_counts"))
+            _restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)

@@ -418,6 +418,22 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
 
 
+def test_a_resume_from_a_checkpoint_lacking_what_this_version_records_is_refused_naming_it(data, tmp_path):
+    """A checkpoint's data counts and tower identity are what a resume checks and restores: one without them
+    is refused, not resumed with a guess (counts from zero, the tower unchecked)."""
+    run = tmp_path / "run"
+    common = [f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
+    train_lit(lit_config(data, run, "steps=2", *common))
+    state = run / "checkpoints" / "step_00000002" / "state.json"
+    info = json.loads(state.read_text())
+    del info["data_counts"], info["image_tower_sha256"]
+    state.write_text(json.dumps(info))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(state))} has no data_counts, image_tower_sha256 \(written "
+                                        r"by another version of lit-softmoe\); the run cannot be resumed from it; "
+                                        r"start this one with another run_dir=\.\.\.$"):
+        train_lit(lit_config(data, run, "steps=4", *common))
+
+
 def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path):
     # One feature shard: two workers each need one of their own, unless shards are drawn with
     # replacement, which the error suggests (data.resampled, a LiT config key).
