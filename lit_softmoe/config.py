@@ -133,29 +133,6 @@ _VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
 }
 
 
-# Keys renamed since: the config.yaml of a run saved before (and a command written for it) still loads.
-_RENAMED_KEYS = {"optim.warmup_steps": "optim.warmup"}
-
-
-def _rename_old_keys(layer) -> None:
-    """Move each old key of `layer` (a YAML file's or the command line's) to its new name, in place."""
-    for old, new in _RENAMED_KEYS.items():
-        section, old_name = old.rsplit(".", 1)
-        node = OmegaConf.select(layer, section, default=None) if OmegaConf.is_dict(layer) else None
-        if OmegaConf.is_dict(node) and old_name in node:
-            new_name = new.rsplit(".", 1)[1]
-            if new_name not in node:
-                node[new_name] = node[old_name]
-            del node[old_name]
-
-
-def read_yaml(path: str | Path):
-    """A config YAML file as OmegaConf reads it, old key names renamed (see `_RENAMED_KEYS`)."""
-    layer = OmegaConf.load(path)
-    _rename_old_keys(layer)
-    return layer
-
-
 def _all_keys(node, prefix="") -> list[str]:
     keys = []
     # Unresolved: an interpolation that does not resolve (an unset ${oc.env:VAR}) is not a key's
@@ -273,7 +250,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     if path is not None:
         path = config_path(schema, path)
         try:
-            layers.append((read_yaml(path), f" in {path}"))
+            layers.append((OmegaConf.load(path), f" in {path}"))
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
             raise UserError(f"cannot parse {path}: {' '.join(str(err).split())}") from None
     for item in overrides:
@@ -281,7 +258,6 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
             raise UserError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
     # `key=` means the empty string (a shell eats the quotes of `key=''`); OmegaConf would read None.
     command_line = OmegaConf.from_dotlist([item + "''" if item.endswith("=") else item for item in overrides])
-    _rename_old_keys(command_line)
     layers.append((command_line, " on the command line"))
     if path is not None and not commands_from_file:
         _refuse_commands_from_file(layers[0][0], command_line, path)

@@ -9,12 +9,10 @@ tower was trained with, and the pair with its tokenizer. Nothing here needs the 
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 from torch import nn
 
 from lit_softmoe.data.images import jpeg_min_side
@@ -22,7 +20,6 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
-    EXPORT_FORMAT,
     IMAGE_WEIGHTS,
     MODEL_CARD,
     STATE_META,
@@ -32,10 +29,12 @@ from lit_softmoe.model_folders import (
     TOKENIZER_JSON,
     ModelFolder,
     classify_folder,
+    read_export_config,
     read_json,
+    require_keys,
 )
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.lit import LiTModel, upgrade_state_dict
+from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import (
@@ -48,6 +47,7 @@ from lit_softmoe.models.tower_folder import (
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.device import inference_dtype
+from lit_softmoe.utils.hashing import weights_sha256
 
 HF_HUB_PREFIX = "hf-hub:"
 # What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
@@ -124,7 +124,8 @@ def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
         values = [float(values)] if isinstance(values, (int, float)) else [float(v) for v in values]
         return values * channels if len(values) == 1 else values
 
-    decode = preprocess.get("decode", "full")  # written before the setting: full
+    # Optional: pretraining records the decode it trained with; a tower without one (`convert`'s) decodes in full.
+    decode = preprocess.get("decode", "full")
     return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
             # reduced: PIL's image.draft(image.mode, (jpeg_min_side,) * 2) on an opened JPEG whose shorter
             # side is at least 2 × jpeg_min_side, before anything loads it (libjpeg's DCT scaling).
@@ -141,8 +142,7 @@ def make_preprocess(spec: dict):
     With "decode": "reduced", a JPEG given as opened by `PIL.Image.open` (not yet loaded) is decoded at a
     reduced scale, as embed and eval decoded it; an image already loaded is taken as it is.
     """
-    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"],
-                          decode=spec.get("decode", "full"))
+    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"], decode=spec["decode"])
 
 
 def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -152,50 +152,55 @@ def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str)
     model.load_state_dict(state, strict=not skip)
 
 
-def _state_sha256(state: dict[str, torch.Tensor]) -> str:
-    return hashlib.sha256(save({k: v.contiguous() for k, v in state.items()})).hexdigest()
+# What `train.lit.model_description` writes and loading reads (model/config.json, a checkpoint's "model").
+_DESCRIPTION_KEYS = ("image_tower", "image_tower_config", "image_tower_sha256", "preprocess", "text", "loss")
 
 
 def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: Path) -> None:
     """model/config.json records the tower's config, preprocessing and weights' sha256 the text tower
     was trained against; a tower folder rewritten since (another tower, other preprocessing, retrained
     weights) would be paired with that text tower without a word, and every embedding would be wrong."""
-    recorded_cfg, recorded_pre = info.get("image_tower_config"), info.get("preprocess")
-    # Keys both know only: a run saved by an older version may lack a key added since.
-    changed = [key for key in (recorded_cfg or {}) if key in tower_cfg and recorded_cfg[key] != tower_cfg[key]]
-    if recorded_pre and recorded_pre != tower_meta.get("preprocess"):
+    recorded_cfg = ViTConfig.from_dict(info["image_tower_config"]).to_dict()  # its defaults filled in, as tower_cfg's
+    changed = [key for key in tower_cfg if recorded_cfg[key] != tower_cfg[key]]
+    if info["preprocess"] != tower_meta.get("preprocess"):
         changed.append("preprocess")
-    recorded_sha = info.get("image_tower_sha256")  # runs saved before it was recorded have none
-    if recorded_sha and recorded_sha != tower_fingerprint(tower_dir)["tower_sha256"]:
+    if info["image_tower_sha256"] != tower_fingerprint(tower_dir)["tower_sha256"]:
         changed.append("its weights")
     if changed:
         raise UserError(f"the image tower at {tower_dir} is not the one the run was trained against (it differs in "
                         f"{', '.join(changed)}); put that tower back there, or train the text tower against this one")
 
 
+def _run_description(source: ModelFolder) -> tuple[dict, int | None]:
+    """(the pair's description, the step it was saved at) of a LiT run's model/ folder or a training checkpoint:
+    both carry the same description (`train.lit.model_description`)."""
+    if source.kind == "checkpoint":
+        checkpoint = read_json(source.path / STATE_META)
+        info, step, described = checkpoint["model"], checkpoint.get("step"), f"{source.path / STATE_META}'s \"model\""
+    else:
+        info = read_json(source.path / EXPORT_CONFIG)
+        step, described = (info.get("results") or {}).get("steps"), source.path / EXPORT_CONFIG
+    return require_keys(info, _DESCRIPTION_KEYS, described, "train the run again with this version"), step
+
+
 def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
-    # A model/ folder and a checkpoint carry the same description of the pair (`train.lit.model_description`).
+    info, step = _run_description(source)
     if source.kind == "checkpoint":
         tensors = load_weights(source.path / STATE_TENSORS)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        checkpoint = read_json(source.path / STATE_META)
-        info, step = checkpoint["model"], checkpoint.get("step")
     else:
-        info = read_json(source.path / EXPORT_CONFIG)
         state = load_weights(source.path / TOWER_WEIGHTS)
-        step = (info.get("results") or {}).get("steps")
     text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
     tower_dir = _find_tower(info["image_tower"])
     image_head = "image_head.weight" in state  # the weights tell
-    state = upgrade_state_dict(state)  # a run saved before a rename (log_scale)
     tower, tower_meta = load_tower(tower_dir)
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
     _load_weights(model, state, str(source.path))
-    tower_state = {k: v for k, v in state.items() if k.startswith("image_tower.")}
-    # A partly unlocked run changed the tower: its weights are the run's, not the tower file's.
-    sha = _state_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
+    tower_state = {k[len("image_tower."):]: v for k, v in state.items() if k.startswith("image_tower.")}
+    # A partly unlocked run changed the tower: its weights are the run's, not the tower folder's.
+    sha = weights_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
     facts = {"text": text_cfg.to_dict(), "image_tower": tower.cfg.to_dict(), "embed_dim": model.text_tower.embed_dim,
              "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
              "tower_meta": tower_meta, "step": step,
@@ -209,9 +214,6 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     if config.get("kind") != "pair":
         raise UserError(f"{path} is an image-only export (no text tower); load it with "
                         "lit_softmoe.load_image_tower(path)")
-    if config.get("format", 0) > EXPORT_FORMAT:
-        raise UserError(f"{path} has export format {config['format']}, newer than this lit-softmoe reads "
-                        f"({EXPORT_FORMAT}); upgrade lit-softmoe")
     tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
     text_cfg = TextTowerConfig.from_dict(config["text"])
     hf = text_cfg.kind == "hf"
@@ -223,7 +225,6 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
     state = {k: v.float() if v.is_floating_point() else v
              for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_weights(path / name).items()}
-    state = upgrade_state_dict(state)  # format 1 held `log_scale`
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     model.lock_image_tower()
@@ -247,14 +248,11 @@ def _pair_folder(path: str | Path) -> ModelFolder:
 def _pair_tokenizer(source: ModelFolder):
     """The tokenizer the pair in `source` was trained with, read from its config alone (no weights)."""
     if source.kind == "export":
-        config = read_json(source.path / EXPORT_CONFIG)
+        config = read_export_config(source.path)
         if config.get("kind") != "pair":
             raise UserError(f"{source.path} is an image-only export (no text tower, no tokenizer)")
         return _tokenizer_for(config["tokenizer"]["spec"], config["tokenizer"]["context_length"], source.path)
-    if source.kind == "checkpoint":
-        text_cfg = TextTowerConfig.from_dict(read_json(source.path / STATE_META)["model"]["text"])
-    else:
-        text_cfg = TextTowerConfig.from_dict(read_json(source.path / EXPORT_CONFIG)["text"])
+    text_cfg = TextTowerConfig.from_dict(_run_description(source)[0]["text"])
     spec = f"{HF_PREFIX}{text_cfg.path}" if text_cfg.kind == "hf" else text_cfg.tokenizer  # as the towers build it
     return _tokenizer_for(spec, text_cfg.context_length)
 
@@ -272,7 +270,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", precis
     """
     source = _pair_folder(path)
     if source.kind == "export":
-        config = read_json(source.path / EXPORT_CONFIG)
+        config = read_export_config(source.path)
         model = _load_export_pair(source.path, config)
         preprocess_spec, sha, tower_cfg = config["preprocess"], config["image_tower_sha256"], config["image_tower"]
         kind = "export"
@@ -311,7 +309,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
     """
     source = classify_folder(resolve_model_path(path))
     if source.kind == "export":
-        config = read_json(source.path / EXPORT_CONFIG)
+        config = read_export_config(source.path)
         tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
         state = {k[len("image_tower."):]: v.float() if v.is_floating_point() else v
                  for k, v in load_weights(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}

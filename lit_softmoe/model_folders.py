@@ -22,7 +22,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
 
 # An export folder's files.
-EXPORT_FORMAT = 2  # 2: the pair's log-scale is `logit_scale` (1: `log_scale`, still read)
+EXPORT_FORMAT = 2  # config.json's "format": the one this version writes and reads
 EXPORT_CONFIG, MODEL_CARD = "config.json", "README.md"
 IMAGE_WEIGHTS, TEXT_WEIGHTS = "image_encoder.safetensors", "text_encoder.safetensors"
 IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
@@ -41,6 +41,28 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {path} ({err}); is it a complete folder?") from None
+
+
+def require_keys(record: dict, keys, source: Path | str, fix: str) -> dict:
+    """`record` (what `source` holds) if it has every one of `keys`, else one UserError line naming those it
+    lacks and `fix`: this version writes them all, so a file without one was written by another version."""
+    missing = [key for key in keys if key not in record]
+    if missing:
+        raise UserError(f"{source} has no {', '.join(missing)} (written by another version of lit-softmoe); {fix}")
+    return record
+
+
+def read_export_config(folder: Path) -> dict:
+    """An export's config.json, or one UserError line when it is of an export format this version does not read."""
+    config = read_json(folder / EXPORT_CONFIG)
+    found = config.get("format")
+    if isinstance(found, int) and not isinstance(found, bool) and found > EXPORT_FORMAT:
+        raise UserError(f"{folder} has export format {found}, newer than this lit-softmoe reads ({EXPORT_FORMAT}); "
+                        "upgrade lit-softmoe")
+    if found != EXPORT_FORMAT:
+        raise UserError(f"{folder} has export format {found}, which this lit-softmoe does not read (it reads "
+                        f"{EXPORT_FORMAT}); export the run again with this version")
+    return config
 
 
 def read_run_config(run_dir: Path) -> dict:

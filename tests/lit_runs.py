@@ -54,7 +54,8 @@ def make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: b
     tower_sha = tower_fingerprint(tower_dir)["tower_sha256"]
     description = model_description(cfg, {"tower": tower.cfg.to_dict(), "preprocess": preprocess}, model, tower_sha)
     save_training_state(run / "checkpoints" / "step_00000010", 10, model, optimizer, skip_prefixes=("image_tower.",),
-                        meta={"image_tower_sha256": tower_sha, "model": description})
+                        meta={"train_seconds": 2.5, "data_counts": {"samples_read": 40, "bad": {}},
+                              "image_tower_sha256": tower_sha, "model": description})
     results = {"steps": 10, "train_seconds": 2.5, "cached_features": True, "zeroshot_top1": 0.4321,
                "linear_probe_top1": 0.6543}
     save_model(run, model, description, results)

@@ -227,15 +227,16 @@ def test_shipped_configs_and_suites_load_by_short_name_from_anywhere(tmp_path, m
         load_config(PretrainConfig, "fmnist-nope")
 
 
-def test_the_earlier_warmup_steps_key_is_read_as_warmup(tmp_path):
-    """Configs, commands and the config.yaml of runs written with optim.warmup_steps still load (a saved
-    run resumes and its checkpoints load)."""
-    assert load_config(PretrainConfig, None, ["optim.warmup_steps=25"]).optim.warmup == 25
-    old = tmp_path / "old.yaml"
-    old.write_text("optim:\n  lr: 0.002\n  warmup_steps: 300\n")
-    cfg = load_config(PretrainConfig, old)
-    assert cfg.optim.warmup == 300 and cfg.optim.lr == 0.002
-    assert load_config(PretrainConfig, old, ["optim.warmup=0.05"]).optim.warmup == 0.05  # the command line wins
+def test_warmup_steps_is_an_unknown_key_that_names_warmup(tmp_path):
+    """optim.warmup is the one warmup key: warmup_steps, on the command line or in a file, is refused in one
+    line that names it."""
+    with pytest.raises(UserError, match=r"unknown config key 'optim.warmup_steps' on the command line \(did you "
+                                        r"mean 'optim.warmup'\?\)"):
+        load_config(PretrainConfig, None, ["optim.warmup_steps=25"])
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.002\n  warmup_steps: 300\n")
+    with pytest.raises(UserError, match=rf"unknown config key 'optim.warmup_steps' in {path} \(did you mean"):
+        load_config(PretrainConfig, path)
 
 
 @pytest.mark.parametrize("override", ["epochs=nan", "epochs=inf", "data.max_bad_fraction=nan", "optim.lr=-inf"])

@@ -2,11 +2,14 @@
 not the one the run was trained against, or is damaged, is one UserError."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 
+import lit_softmoe
 from cli_errors import one_error_line
 from lit_runs import make_run
 from lit_softmoe import cli
@@ -164,7 +167,7 @@ def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch)
             load_pretrained(bad)
 
 
-# ---- weights written before `log_scale` became open_clip's `logit_scale` still load --------------
+# ---- what another version wrote is refused in one line that names what it lacks ------------------
 
 def _rename_key(file, old: str, new: str) -> None:
     from safetensors.torch import load_file, save_file
@@ -173,28 +176,66 @@ def _rename_key(file, old: str, new: str) -> None:
     save_file(state, file)
 
 
-def test_weights_saved_under_the_old_log_scale_name_load(run, hub_export, tmp_path):
+def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, tmp_path):
+    """`logit_scale` is the one name of the log-scale: weights holding it under another are refused, from an
+    export, a run's model/ or a checkpoint, before anything loads."""
+    import shutil
+
+    from lit_softmoe.errors import UserError
+    export, other_run = tmp_path / "export", tmp_path / "run"
+    shutil.copytree(hub_export, export)
+    _rename_key(export / "text_encoder.safetensors", "logit_scale", "log_scale")
+    shutil.copytree(run, other_run)  # its model/config.json names the tower by absolute path: still found
+    _rename_key(other_run / "model" / "model.safetensors", "logit_scale", "log_scale")
+    checkpoint = other_run / "checkpoints" / "step_00000010"
+    _rename_key(checkpoint / "state.safetensors", "model.logit_scale", "model.log_scale")
+    for source in (export, other_run, other_run / "model", checkpoint):
+        with pytest.raises(UserError, match=r"does not fit the tower: missing 1 keys \(e\.g\. logit_scale\); "
+                                            r"unexpected 1 keys \(e\.g\. log_scale\)"):
+            load_pretrained(source)
+
+
+def test_an_export_of_another_format_is_refused_by_every_reader(hub_export, tmp_path):
     import json
     import shutil
 
-    from lit_runs import embed_pair
-    reference, _, tokenizer = load_pretrained(hub_export)
-    expected = embed_pair(reference, tokenizer)
-    old_export, old_run = tmp_path / "export", tmp_path / "run"
-    shutil.copytree(hub_export, old_export)
-    _rename_key(old_export / "text_encoder.safetensors", "logit_scale", "log_scale")
-    config = json.loads((old_export / "config.json").read_text())
-    (old_export / "config.json").write_text(json.dumps({**config, "format": 1}))
-    shutil.copytree(run, old_run)  # its config.yaml names the tower by absolute path: still found
-    _rename_key(old_run / "model" / "model.safetensors", "logit_scale", "log_scale")
-    checkpoint = old_run / "checkpoints" / "step_00000010"
-    _rename_key(checkpoint / "state.safetensors", "model.logit_scale", "model.log_scale")
-    for source in (old_export, old_run, old_run / "model", checkpoint):
-        model, _, tok = load_pretrained(source)
-        scale = model.logit_scale.detach()
-        assert scale == reference.logit_scale.detach() and float(scale) == pytest.approx(2.7)
-        got = embed_pair(model, tok)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), source
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.export.push import check_export
+    for found, fix in ((1, r"which this lit-softmoe does not read \(it reads 2\); export the run again with this "
+                           r"version"), (3, r"newer than this lit-softmoe reads \(2\); upgrade lit-softmoe")):
+        export = tmp_path / f"format-{found}"
+        shutil.copytree(hub_export, export)
+        config = json.loads((export / "config.json").read_text())
+        (export / "config.json").write_text(json.dumps({**config, "format": found}))
+        for read in (load_pretrained, lit_softmoe.load_image_tower, lit_softmoe.get_tokenizer, check_export):
+            with pytest.raises(UserError, match=rf"^{re.escape(str(export))} has export format {found}, {fix}$"):
+                read(export)
+
+
+@pytest.mark.parametrize("key", ["image_tower_sha256", "image_tower_config", "preprocess"])
+def test_a_run_whose_description_lacks_a_key_is_refused_naming_it(run, tmp_path, key):
+    """model/config.json and a checkpoint's state.json describe the pair; this version writes every key, and
+    reads none with a guess (no tower check skipped for want of a recorded sha256)."""
+    import json
+    import shutil
+
+    from lit_softmoe.errors import UserError
+    other = tmp_path / "run"
+    shutil.copytree(run, other)
+    config = json.loads((other / "model" / "config.json").read_text())
+    del config[key]
+    (other / "model" / "config.json").write_text(json.dumps(config))
+    checkpoint = other / "checkpoints" / "step_00000010"
+    state = json.loads((checkpoint / "state.json").read_text())
+    del state["model"][key]
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    fix = r" \(written by another version of lit-softmoe\); train the run again with this version$"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(other / 'model' / 'config.json'))} has no {key}{fix}"):
+        load_pretrained(other)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(checkpoint / 'state.json'))}'s \"model\" has no {key}{fix}"):
+        load_pretrained(checkpoint)
+    with pytest.raises(UserError, match=rf"has no {key}"):
+        lit_softmoe.get_tokenizer(other)
 
 
 # ---- open_clip's habits: create_model_from_pretrained + get_tokenizer, and its helpers on our model ----

@@ -150,11 +150,11 @@ def _missing_data_fix(spec: BenchmarkConfig) -> str:
         return (f"{raw} holds raw *-ubyte.gz files, which the suites do not read: convert them with "
                 f"`lit-softmoe data fashion-mnist --source {raw} --out data/fashion-mnist` and leave "
                 f"{BENCHMARKS_ENV} unset (or set it to the folder holding fashion-mnist/)")
-    legacy = os.environ.get(RAW_DATA_ENV)
-    if legacy and root.name == spec.name and (Path(legacy) / spec.name).is_dir():
-        # Suites once read LIT_SOFTMOE_DATA: a benchmark folder found there names the new variable.
-        return (f"{Path(legacy) / spec.name} exists, but the suites read {BENCHMARKS_ENV}, not {RAW_DATA_ENV}; "
-                f"set {BENCHMARKS_ENV}={legacy}")
+    raw_root = os.environ.get(RAW_DATA_ENV)
+    if raw_root and root.name == spec.name and (Path(raw_root) / spec.name).is_dir():
+        # The benchmark's folder is under the raw downloads' variable: name the one the suites read.
+        return (f"{Path(raw_root) / spec.name} exists, but the suites read {BENCHMARKS_ENV}, not {RAW_DATA_ENV}; "
+                f"set {BENCHMARKS_ENV}={raw_root}")
     if spec.name == "fashion-mnist":
         return f"write it with `lit-softmoe data fashion-mnist --out {root}`"
     if root.name == spec.name:

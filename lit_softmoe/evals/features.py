@@ -1,9 +1,9 @@
 """The image-feature cache of the eval suite: each benchmark's images are encoded by the locked tower
 once, and kept on disk keyed by everything the features depend on.
 
-The key is the image tower's weights (sha256 of the state), its config, the preprocessing and the
-data files, so a new text tower against a locked image tower re-encodes only text (CLIP_benchmark
-re-encodes every image every time). The cache holds the tower's pooled `forward_pooled` (before
+The key is the image tower's weights (`utils.hashing.weights_sha256` of its state), its config, the
+preprocessing and the data files, so a new text tower against a locked image tower re-encodes only
+text (CLIP_benchmark re-encodes every image every time). The cache holds the tower's pooled `forward_pooled` (before
 any trainable image head), so it stays valid for every text tower and head trained against the
 same locked tower.
 """
@@ -25,13 +25,11 @@ from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import autocast_context, autocast_dtype, precision_name
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4  # 2: the key names the task and the image transform too; 3: a webdataset sample without
-# .cls is skipped (cached as label -1 before, which failed its benchmark on every cache hit);
-# 4: each entry records its features file's sha256, and file identities include the ctime
+CACHE_FORMAT = 4  # part of every key: a change to what an entry holds bumps it, so no entry of another is read
 FEATURES_FILE = "features.safetensors"
 
 
@@ -83,22 +81,22 @@ def _streamed_batches(data: EvalData, batch_size: int, workers: int) -> int | No
 
 
 def _tower_hash(model) -> str:
-    """The tower's state hash, computed once per state: every benchmark of a suite needs it, and a
+    """`weights_sha256` of the tower's state, computed once per state: every benchmark of a suite needs it, and a
     3.7B-parameter tower takes seconds to hash. A tensor written in place bumps its version counter
     and a replaced one has a new address, so either change recomputes it."""
     stamp = tuple((t.data_ptr(), t._version) for t in model.image_tower.state_dict().values())
     cached = getattr(model, "_eval_tower_hash", None)
     if cached is None or cached[0] != stamp:
-        cached = (stamp, model.image_tower_state_hash())
+        cached = (stamp, weights_sha256(model.image_tower.state_dict()))
         model._eval_tower_hash = cached
     return cached[1]
 
 
 def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.device, precision: str) -> str:
-    """What the cached features and targets depend on. The tower is identified by its weights
-    themselves (sha256 of the state), not by a recorded file hash: the same weights give the same key
-    whether they came from a run, an export or memory, and a tower changed in memory never meets its
-    old features.
+    """What the cached features and targets depend on. The tower is identified by its weights as they
+    are in memory (`weights_sha256` of its state), not by a recorded `image_tower_sha256`: the same
+    weights give the same key whether they came from a run, an export or memory, and a tower changed
+    in memory never meets its old features.
 
     The task is part of the key because the cache holds the targets as well as the features: class
     indices for classification, captions for retrieval, read from the same files (a webdataset's task
@@ -112,8 +110,6 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
                 "data": data.signature, "precision": precision_name(autocast_dtype(precision, device))}
-    if data.task == "retrieval":  # the cached captions are the raw text now (blank lines kept, to be counted);
-        identity["captions"] = "raw"  # caches of stripped text would undercount them. Classification keeps its key.
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

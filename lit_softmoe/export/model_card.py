@@ -117,12 +117,16 @@ def front_matter_text(meta: dict) -> str:
 
 
 def read_front_matter(card: str) -> dict | None:
-    """A model card's front matter as a dict, or None when it has none (an export from before it was written)."""
+    """A model card's front matter as a dict; None when it has none (or it holds no mapping), ValueError
+    when it is not YAML (a hand edit gone wrong)."""
     import yaml
     match = re.match(r"---\n(.*?\n)---\n", card, re.DOTALL)
     if match is None:
         return None
-    loaded = yaml.safe_load(match.group(1))
+    try:
+        loaded = yaml.safe_load(match.group(1))
+    except yaml.YAMLError as err:
+        raise ValueError(f"its front matter is not YAML ({' '.join(str(err).split())})") from None
     return loaded if isinstance(loaded, dict) else None
 
 

@@ -27,9 +27,10 @@ image_encoder.onnx (pixels → image_features (B, width), the pooled features, u
 probes and `lit-softmoe embed` use) and the model card; load it with `load_image_tower`.
 
 Decisions:
-- `image_tower_sha256` keys the image tower's weights (caches of its embeddings use it): a run's tower
-  file's sha256 (`tower_fingerprint`), copied into an fp32 export so the same weights keep the same key;
-  for bf16/fp16 exports, the sha256 of the written image_encoder.safetensors (other weights, other key).
+- `image_tower_sha256` keys the image tower's weights (caches of its embeddings use it): the
+  `utils.hashing.weights_sha256` of the `image_tower.*` tensors image_encoder.safetensors holds, under
+  the tower's own names. An fp32 export thus has the run's key (its tower folder's `tower_sha256`, or a
+  partly unlocked run's trained tower); a bf16/fp16 export holds other tensors and has another key.
 - bf16/fp16 halve the safetensors; `load_pretrained` always returns an fp32 model (the half-precision
   weights upcast exactly; `.to(torch.bfloat16)` it if you like). ONNX graphs are always fp32, built from
   those same upcast weights: onnxruntime's CPU provider has no bf16 kernels for most ops, and the
@@ -70,13 +71,14 @@ from lit_softmoe.model_folders import (
     classify_folder,
     is_export,
     read_json,
+    require_keys,
 )
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
-from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 from lit_softmoe.utils.paths import check_writable
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +141,6 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         tower, tower_meta = load_tower(source.path)
         model = None
         facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
-                 "image_tower_sha256": tower_fingerprint(source.path)["tower_sha256"],
                  "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
         tower.eval().requires_grad_(False)
     else:
@@ -151,9 +152,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     if source.kind == "checkpoint":
         # The run's results.json describes its final model, not this checkpoint: keep only what the
         # whole run shares, and take the step and training time from the checkpoint itself.
-        state_meta = read_json(source.path / STATE_META)
-        seconds = state_meta.get("train_seconds")
-        results = {"steps": state_meta.get("step"), "train_seconds": round(seconds, 1) if seconds is not None else "?",
+        state_meta = require_keys(read_json(source.path / STATE_META), ("step", "train_seconds"),
+                                  source.path / STATE_META, "train the run again with this version")
+        results = {"steps": state_meta["step"], "train_seconds": round(state_meta["train_seconds"], 1),
                    **({"cached_features": results["cached_features"]} if "cached_features" in results else {})}
 
     # The state to write, in the export's dtype; the model then takes these exact (rounded) values
@@ -162,6 +163,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     full = {f"image_tower.{k}": v for k, v in tower.state_dict().items()} if model is None else model.state_dict()
     state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous().clone() for k, v in full.items()}
     image_state = {k: v for k, v in state.items() if k.startswith(("image_tower.", "image_head."))}
+    # The key of the tower weights written (see the module docstring): in fp32 the run's own.
+    image_tower_sha256 = weights_sha256({k[len("image_tower."):]: v for k, v in image_state.items()
+                                         if k.startswith("image_tower.")})
     text_state = {k: v for k, v in state.items() if k not in image_state}
     if dtype != "fp32":
         upcast = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -170,7 +174,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     config = {"format": EXPORT_FORMAT, "kind": "pair" if model is not None else "image",
               "lit_softmoe_version": _version(), "dtype": dtype, "image_tower": facts["image_tower"],
               "embed_dim": model.text_tower.embed_dim if model is not None else tower.embed_dim,
-              "preprocess": facts["preprocess"], "image_tower_sha256": facts["image_tower_sha256"],
+              "preprocess": facts["preprocess"], "image_tower_sha256": image_tower_sha256,
               "source": {"path": str(Path(run).resolve()), "tower": facts.get("tower_dir", str(source.path)),
                          "step": results.get("steps", facts.get("step"))}}
     if model is None:
@@ -191,8 +195,6 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
 
     def write(tmp: Path) -> None:
         save_file(image_state, tmp / IMAGE_WEIGHTS)
-        if dtype != "fp32":  # other weights, other key (see the module docstring)
-            config["image_tower_sha256"] = file_sha256(tmp / IMAGE_WEIGHTS)
         if model is not None:
             save_file(text_state, tmp / TEXT_WEIGHTS)
             config["tokenizer"] = write_tokenizer(tmp, model.text_tower.tokenizer_spec,

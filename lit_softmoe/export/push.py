@@ -8,10 +8,7 @@ lie under the old key). `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_s
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-
-from safetensors.torch import save
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import read_front_matter
@@ -19,29 +16,30 @@ from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS
 from lit_softmoe.export.pair import WEIGHTS_SHA256, WEIGHTS_SUFFIXES
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
-    EXPORT_FORMAT,
     IMAGE_WEIGHTS,
     MODEL_CARD,
     TEXT_WEIGHTS,
     TOKENIZER_DIR,
     TOKENIZER_JSON,
     classify_folder,
-    read_json,
+    read_export_config,
 )
 from lit_softmoe.models.tower_folder import load_weights
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import file_sha256, safetensors_weights_sha256
 
 _LOGIN = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with write access"
 
 
-def _image_weights_keys(path: Path) -> set[str]:
-    """The sha256s `image_tower_sha256` may be for these image weights: the file's own (bf16/fp16 exports),
-    the tower file's that an fp32 export copies (the same tensors without the `image_tower.` prefix), or
-    the run's tensors under their own names (a partly unlocked run; lit_softmoe.hub.load_run_pair)."""
-    state = load_weights(path)
-    tower = {k: v for k, v in state.items() if k.startswith("image_tower.")}
-    unprefixed = {k[len("image_tower."):]: v for k, v in tower.items()}
-    return {file_sha256(path), *(hashlib.sha256(save(s)).hexdigest() for s in (unprefixed, tower))}
+def _front_matter(folder: Path) -> dict:
+    """The model card's front matter: what the Hub indexes the model by (library, pipeline, license, tags)."""
+    try:
+        front = read_front_matter((folder / MODEL_CARD).read_text())
+    except ValueError as err:
+        raise UserError(f"{folder / MODEL_CARD}: {err}; fix it, or export the run again") from None
+    if front is None:
+        raise UserError(f"{folder / MODEL_CARD} has no front matter (the `---`-fenced YAML the Hub indexes a model "
+                        "by); export the run again, or put it back at the top of the card")
+    return front
 
 
 def check_export(folder: str | Path) -> list[str]:
@@ -49,10 +47,7 @@ def check_export(folder: str | Path) -> list[str]:
     folder = Path(folder)
     if classify_folder(folder).kind != "export":
         raise UserError(f"{folder} is not an export; write one with `lit-softmoe export RUN --out {folder}`")
-    config = read_json(folder / EXPORT_CONFIG)
-    if config.get("format", 0) > EXPORT_FORMAT:
-        raise UserError(f"{folder} has export format {config['format']}, newer than this lit-softmoe reads "
-                        f"({EXPORT_FORMAT}); upgrade lit-softmoe")
+    config = read_export_config(folder)
     needed = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS]
     weights = [IMAGE_WEIGHTS]
     if config.get("kind") == "pair":
@@ -66,13 +61,14 @@ def check_export(folder: str | Path) -> list[str]:
         raise UserError(f"{folder} is incomplete (no {', '.join(missing)}); export it again")
     for name in weights:
         load_weights(folder / name)  # a truncated or damaged file: one line naming it
-    if config.get("image_tower_sha256") not in _image_weights_keys(folder / IMAGE_WEIGHTS):
+    # The weights' identity (utils.hashing.weights_sha256) of the `image_tower.*` tensors, as the export computed it.
+    if safetensors_weights_sha256(folder / IMAGE_WEIGHTS, prefix="image_tower.") != config.get("image_tower_sha256"):
         raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "
                         "names (the weights were changed after the export); export it again")
     recorded = config.get(WEIGHTS_SHA256)
     if not isinstance(recorded, dict):
-        raise UserError(f"{folder / EXPORT_CONFIG} records no sha256 of its weights files (an export older than "
-                        "this check), so they cannot be verified; export it again")
+        raise UserError(f"{folder / EXPORT_CONFIG} has no {WEIGHTS_SHA256} (the sha256 of each weights file), so "
+                        "its weights cannot be verified; export it again with this version")
     on_disk = {p.name for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES}
     for name in sorted(on_disk | set(weights) | set(recorded)):
         if name not in recorded:
@@ -81,6 +77,7 @@ def check_export(folder: str | Path) -> list[str]:
         if not (folder / name).is_file() or file_sha256(folder / name) != recorded[name]:
             raise UserError(f"{folder / name} is not the file the export wrote (its sha256 differs from "
                             f"{EXPORT_CONFIG}'s): it was changed or damaged since; export it again")
+    _front_matter(folder)
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
@@ -101,7 +98,7 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
                         "e.g. my-org/soft-s16-lit") from None
     folder = Path(folder)
     files = check_export(folder)
-    summary = {"files": files, "front_matter": read_front_matter((folder / MODEL_CARD).read_text()), "url": None}
+    summary = {"files": files, "front_matter": _front_matter(folder), "url": None}
     if dry_run:
         return summary
     from huggingface_hub import HfApi

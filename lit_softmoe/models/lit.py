@@ -13,7 +13,6 @@ t = log 10, b = -10 (SigLIP, Zhai et al., ICCV 2023).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -23,19 +22,9 @@ from torch import nn
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTower
 from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.utils.hashing import weights_sha256
 
 LOSSES = ("softmax", "sigmoid")
-# Parameters renamed since a state dict could be written: old name → today's. `log_scale` took open_clip's
-# name `logit_scale` with the same meaning (the *log* of the scale, used as `logit_scale.exp()`).
-RENAMED_KEYS = {"log_scale": "logit_scale"}
-
-
-def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A LiTModel state dict (a run's model, a checkpoint, an export) under older names → today's names.
-
-    Pure, like timm's `checkpoint_filter_fn`; loaders call it before checking the keys, and
-    `LiTModel.load_state_dict` applies it too, so weights saved before a rename keep loading."""
-    return {RENAMED_KEYS.get(key, key): value for key, value in state.items()}
 
 
 class LiTModel(nn.Module):
@@ -107,23 +96,13 @@ class LiTModel(nn.Module):
             self.image_tower.eval()  # deterministic features, always (see the module docstring)
         return self
 
-    def image_tower_state_hash(self) -> str:
-        """sha256 over the tower's state_dict (names, dtypes, shapes, bytes): proves it never changed."""
+    def image_tower_sha256(self) -> str:
+        """The tower's weights as they are now, by `utils.hashing.weights_sha256` (names, dtypes, shapes,
+        bytes): the recipe proves with it that a locked tower never changed. In the tower folder's dtype
+        it is the folder's `tower_sha256`; a tower cast to bf16 has another."""
         if self.image_tower is None:
             raise ValueError("this LiTModel has no image tower (it trains from cached features)")
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.image_tower.state_dict().items()):
-            tensor = tensor.detach().cpu().contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # raw bytes, any dtype
-        return digest.hexdigest()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Old names → today's (RENAMED_KEYS), so `load_state_dict` takes state dicts written before a rename.
-        for old, new in RENAMED_KEYS.items():
-            if prefix + old in state_dict and prefix + new not in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        return weights_sha256(self.image_tower.state_dict())
 
     # ---- encoders -----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from lit_softmoe.errors import UserError, first_line
+from lit_softmoe.errors import UserError, check_known_keys, first_line
 from lit_softmoe.models.tokenizers import HF_PREFIX, LIT_CONTEXT_LENGTH, OPENCLIP_BPE, create_tokenizer
 
 TEXT_TOWER_KINDS = ("transformer", "hf")
@@ -87,10 +87,8 @@ class TextTowerConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TextTowerConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"unknown text tower config keys {unknown}; known keys: {sorted(known)}")
+        """The config `to_dict` wrote; a key it lacks takes the field's default, an unknown key is a UserError."""
+        check_known_keys(d, {f.name for f in fields(cls)}, "text tower config")
         return cls(**d)
 
 
@@ -178,7 +176,7 @@ class HFTextTower(TextTower):
             ) from None
         # BERT-like models come with a pooler (dense + tanh over [CLS]) that forward below never uses:
         # frozen, so no parameter goes without a gradient, which DDP (several processes) refuses
-        # at the second step. Kept in the state dict, so runs and exports saved with it still load.
+        # at the second step. Kept in the state dict, which stays the Hugging Face model's own.
         if getattr(self.encoder, "pooler", None) is not None:
             self.encoder.pooler.requires_grad_(False)
         max_positions = getattr(self.encoder.config, "max_position_embeddings", None)

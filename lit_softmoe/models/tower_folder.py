@@ -25,7 +25,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import safetensors_weights_sha256
 from lit_softmoe.utils.paths import check_writable
 
 TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
@@ -113,7 +113,7 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
     meta = read_tower_meta(path)
     try:
         cfg = ViTConfig.from_dict(meta["tower"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, UserError) as err:
         raise UserError(f"{path / TOWER_CONFIG} has no valid tower config: {err}") from None
     tower = VisionTransformer(cfg, device="meta")
     state = load_weights(path / TOWER_WEIGHTS, device)
@@ -125,7 +125,8 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]
 def tower_fingerprint(tower_dir: str | Path) -> dict:
     """What a tower's outputs depend on: its weights, its config and its preprocessing.
 
-    Returns {"tower_sha256", "tower", "preprocess"} (caches of its embeddings are keyed by it);
+    Returns {"tower_sha256", "tower", "preprocess"} (caches of its embeddings are keyed by it), where
+    "tower_sha256" is the weights' identity (`utils.hashing.weights_sha256` of its model.safetensors);
     raises UserError if `tower_dir` is not a tower folder or its config.json has no preprocessing
     (a cache would not know how the images were resized and normalized).
     """
@@ -135,7 +136,7 @@ def tower_fingerprint(tower_dir: str | Path) -> dict:
     if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
         raise UserError(f"{tower_dir / TOWER_CONFIG} has no \"preprocess\" with image_size, mean and std; save the "
                         "tower with save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
-    return {"tower_sha256": file_sha256(tower_dir / TOWER_WEIGHTS), "tower": meta.get("tower"),
+    return {"tower_sha256": safetensors_weights_sha256(tower_dir / TOWER_WEIGHTS), "tower": meta.get("tower"),
             "preprocess": preprocess}
 
 

@@ -297,7 +297,7 @@ def target_config(dense_state: dict[str, torch.Tensor], target_name: str,
         raise UserError("the dense tower has qk-norm (LayerNorm on queries and keys) and qk_norm=False would drop "
                         "its trained norms, changing every attention map; leave qk_norm unset to follow the dense "
                         "tower (or pass qk_norm=True)")
-    # A dense qk-norm with biases (timm's, or our towers saved before they lost them) keeps them.
+    # A dense qk-norm with biases (timm's, or a tower built with qk_norm_bias) keeps them.
     has_qk_bias = any(k.endswith(".attn.q_norm.bias") for k in dense_state)
     return image_tower_config(target_name, num_classes=0 if head is None else head.shape[0],
                               qk_norm=has_qk_norm if qk_norm is None else qk_norm, qk_norm_bias=has_qk_bias)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lit_softmoe.errors import check_known_keys
 from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, fused_qk_norm
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
@@ -56,7 +57,6 @@ class ViTConfig:
     qk_norm: bool = True
     # flax's qk LayerNorm (vmoe's towers) has a scale and no bias. A bias on k is dead weight (it adds
     # the same score to every key of a query) and one on q adds a per-key logit the paper's model lacks.
-    # Towers saved before this key existed had both biases: `from_dict` reads them as True.
     qk_norm_bias: bool = False
     # Which MoE layer: "soft" (Soft MoE), or the paper's sparse baselines "tokens_choice" / "experts_choice".
     # The fields below are read by the sparse layers only (defaults: the paper's sparse baselines).
@@ -105,11 +105,10 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ViTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown tower config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**{"qk_norm_bias": True, **d})  # saved before the key existed: with the biases
+        """The config `to_dict` wrote; a key it lacks takes the field's default, an unknown key is a UserError
+        (an impossible value stays a ValueError, as from the constructor)."""
+        check_known_keys(d, {f.name for f in fields(cls)}, "tower config")
+        return cls(**d)
 
 
 class Attention(nn.Module):

@@ -22,8 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import STATE_META, STATE_TENSORS, checkpoint_order
-from lit_softmoe.models.lit import RENAMED_KEYS, upgrade_state_dict
+from lit_softmoe.model_folders import STATE_META, STATE_TENSORS, checkpoint_order, require_keys
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
 
@@ -99,8 +98,7 @@ def load_training_state(ckpt_dir: str | Path, model: torch.nn.Module,
     A damaged checkpoint raises DamagedCheckpoint before anything is restored."""
     ckpt_dir = Path(ckpt_dir)
     info, tensors = read_training_state(ckpt_dir)
-    # upgrade_state_dict: a LiT checkpoint written before a rename (log_scale) resumes; towers have no such keys.
-    model_state = upgrade_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     check_state_dict(model, model_state, str(ckpt_dir), skip_prefixes)
     model.load_state_dict(model_state, strict=not skip_prefixes)
     opt_state: dict[int, dict] = {}
@@ -121,57 +119,24 @@ def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def _legacy_groupings(model: torch.nn.Module, now: list[list[str]]):
-    """Candidate (decay, no-decay) name groups of a checkpoint written before names were saved, each
-    in the model's parameter order as the optimizers were built: the groups as now; with the HF text
-    towers' pooler, frozen since, still trained (its weight decayed, its bias not); and either of
-    those with every scalar and vector undecayed, as LiT's groups were before Soft MoE's `scale` of
-    unlocked blocks was decayed."""
-    params = dict(model.named_parameters())
-    order = {name: index for index, name in enumerate(params)}
-    pooler = [name for name, param in params.items() if ".pooler." in name and not param.requires_grad]
-    for extra in ([], pooler):
-        for vectors_apart in (False, True):
-            decayed = set(now[0]) | {name for name in extra if params[name].ndim >= 2}
-            if vectors_apart:
-                decayed = {name for name in decayed if params[name].ndim >= 2}
-            names = sorted(now[0] + now[1] + extra, key=order.get)
-            yield [[name for name in names if name in decayed], [name for name in names if name not in decayed]]
-
-
-def _fits(saved_groups: list[dict], names: list[list[str]], opt_state: dict[int, dict],
-          params: dict[str, torch.Tensor]) -> bool:
-    """Whether `names` can be the checkpoint's groups: the same sizes, and each moment of its parameter's shape."""
-    if [len(group["params"]) for group in saved_groups] != [len(group) for group in names]:
-        return False
-    return all(tuple(moment.shape) == tuple(params[name].shape)
-               for group, group_names in zip(saved_groups, names)
-               for param_id, name in zip(group["params"], group_names)
-               for key, moment in opt_state.get(param_id, {}).items() if key.startswith("exp_avg"))
-
-
 def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, dict], model: torch.nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict:
     """The checkpoint's optimizer state renumbered for `optimizer`, matching parameters by name.
 
-    Moments of parameters the model no longer trains are dropped (e.g. the HF text towers' pooler,
-    frozen since: it never gets a gradient). A checkpoint from before names were saved is read with
-    the first of `_legacy_groupings` that fits it. A trained parameter the checkpoint lacks means
-    another model: refused."""
+    Moments of parameters the model does not train are dropped (a frozen parameter never gets a
+    gradient). A trained parameter the checkpoint lacks means another model: refused."""
     now = _optimizer_param_names(model, optimizer)
     saved_groups = info["param_groups"]
-    saved = info.get("param_names")
-    if saved is None and len(saved_groups) == len(now) == 2:  # written before names were saved
-        params = dict(model.named_parameters())
-        saved = next((names for names in _legacy_groupings(model, now)
-                      if _fits(saved_groups, names, opt_state, params)), None)
-    if saved is None or len(saved_groups) != len(now) or \
+    saved = require_keys(info, ("param_names",), ckpt_dir / STATE_META,
+                         "its optimizer state cannot be matched to the parameters by name; start this run with "
+                         "another run_dir=...")["param_names"]
+    if len(saved_groups) != len(now) or \
             [len(g["params"]) for g in saved_groups] != [len(names) for names in saved]:
         raise UserError(f"{ckpt_dir} holds the optimizer of another model "
                         f"({sum(len(g['params']) for g in saved_groups)} trained "
                         f"tensors, this one trains {sum(map(len, now))}); resume with the run's own settings, "
                         "or start a new run_dir")
-    saved_ids = {RENAMED_KEYS.get(name, name): param_id for group, names in zip(saved_groups, saved)
+    saved_ids = {name: param_id for group, names in zip(saved_groups, saved)
                  for param_id, name in zip(group["params"], names)}
     missing = [name for names in now for name in names if name not in saved_ids]
     if missing:

@@ -84,7 +84,7 @@ def read_init_source(path: str, run_dir: str, tower_name: str, tower_options: di
     fingerprint = tower_fingerprint(folder)
     try:
         folder_cfg = ViTConfig.from_dict(fingerprint["tower"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, UserError) as err:
         raise UserError(f"{folder / TOWER_CONFIG} has no valid tower config: {err}") from None
     _same_architecture(folder, folder_cfg, tower_name, tower_options, tower_cfg)
     classnames = read_tower_meta(folder).get("classnames")

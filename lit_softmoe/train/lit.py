@@ -37,6 +37,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.metadata import check_templates
+from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
@@ -175,11 +176,10 @@ def _data_counts(loader) -> dict:
     return {"samples_read": loader.samples_read, "bad": dict(loader.bad.counts)}
 
 
-def _restore_data_counts(loader, counts: dict | None) -> None:
-    """Put a checkpoint's counts back into a fresh loader (None: a checkpoint from before they were saved)."""
-    if counts is not None:
-        loader.samples_read = counts["samples_read"]
-        loader.bad.counts.update(counts["bad"])
+def _restore_data_counts(loader, counts: dict) -> None:
+    """Put a checkpoint's counts back into a fresh loader."""
+    loader.samples_read = counts["samples_read"]
+    loader.bad.counts.update(counts["bad"])
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
@@ -188,9 +188,9 @@ def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
 
 def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
     """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's state.json
-    ("model"): loading either needs no training config. `tower_sha`: the tower file's sha256 as the run
-    read it; exports and load_pretrained refuse a tower folder rewritten since (even with the same
-    architecture), which would pair this text tower with other image features."""
+    ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
+    (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
+    (even with the same architecture), which would pair this text tower with other image features."""
     return {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
             "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
             "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss}
@@ -252,8 +252,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
     optimizer = _setup_optimizer(cfg, model)
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
-    tower_hash = model.image_tower_state_hash() if model.image_tower_locked else None
-    # The tower file's sha256, recorded in checkpoints and model/config.json: a resume or an export
+    tower_hash = model.image_tower_sha256() if model.image_tower_locked else None
+    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
@@ -293,9 +293,12 @@ def _train_lit(cfg: LiTConfig) -> dict:
     checkpoints_dir = run_dir / "checkpoints"
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
                                                 skip_prefixes=frozen)
-    train_seconds = checkpoint_meta.get("train_seconds", 0.0)
+    if latest is not None:
+        require_keys(checkpoint_meta, ("train_seconds", "data_counts", "image_tower_sha256"), latest / STATE_META,
+                     "the run cannot be resumed from it; start this one with another run_dir=...")
+    train_seconds = checkpoint_meta.get("train_seconds", 0.0)  # 0 for a run that starts now
     restore_loss_scaler(accelerator, checkpoint_meta.get("loss_scaler"))  # fp16: the scale it had reached
-    if checkpoint_meta.get("image_tower_sha256", tower_sha) != tower_sha:  # checkpoints before it: none
+    if latest is not None and checkpoint_meta["image_tower_sha256"] != tower_sha:
         raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
                         "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
     warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
@@ -304,7 +307,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if latest is not None:
         accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
-            _restore_data_counts(loader, checkpoint_meta.get("data_counts"))
+            _restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
     model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
@@ -393,7 +396,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
                "bad_samples": dict(loader.bad.counts)}
-    if tower_hash is not None and model_module.image_tower_state_hash() != tower_hash:
+    if tower_hash is not None and model_module.image_tower_sha256() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
     if is_main:
         if eval_set is not None:

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from lit_softmoe.config import read_yaml, to_yaml
+from lit_softmoe.config import to_yaml
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import RUN_CONFIG, checkpoints_newest_first, latest_checkpoint
 from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
@@ -165,18 +165,23 @@ def check_same_run(run_dir, config) -> None:
     if not saved_file.is_file() or not holds_run:
         return  # nothing to resume or replace: a run killed before its first checkpoint starts afresh
     try:
-        saved = _flatten(OmegaConf.to_container(read_yaml(saved_file)) or {})
+        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)) or {})
     except Exception as err:
         raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); pass a new run_dir=...") from None
     new = _flatten(OmegaConf.to_container(OmegaConf.structured(config)))
-    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(type(config))))
+    # Every key of the schema is in a config.yaml this version saved; free-form mappings (tower.options)
+    # hold what the run was given, so a key one side lacks there is a difference like any other.
+    schema = _flatten(OmegaConf.to_container(OmegaConf.structured(type(config))))
+    lacking = sorted(key for key in schema.keys() - saved.keys() if key not in RESUMABLE_KEYS)
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise UserError(f"{saved_file} has no {', '.join(lacking[:3])}{more} (saved by another version of "
+                        "lit-softmoe), so the run there cannot be resumed; start this one with another run_dir=...")
     changed = []
     for key in sorted(saved.keys() | new.keys()):
         if key in RESUMABLE_KEYS:
             continue
         old, value = saved.get(key, _UNSET), new.get(key, _UNSET)
-        if old is _UNSET and key in defaults and value == defaults[key]:
-            continue  # a key added to the config since the run was saved, at its default
         if old != value:
             changed.append(f"{key}: {_show(old)} → {_show(value)}")
     if changed:

@@ -47,7 +47,7 @@ def _stale_leftovers(final: Path) -> list[re.Match]:
     process's pid but is not being written by it: a job rerun in a fresh container often gets the
     same small pid. (Paths on a disk that several machines share are only judged by this machine's
     processes.)"""
-    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)(-.*)?$")
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)-.*$")
     stale = []
     for path in final.parent.iterdir() if final.parent.is_dir() else []:
         match = pattern.match(path.name)
@@ -72,9 +72,7 @@ def recover(final: str | Path) -> None:
     final = Path(final)
     for match in _stale_leftovers(final):
         kind, path = match.group(1), final.parent / match.string
-        # An "old" holder keeps the previous version at holder/NAME; the pid-only name that
-        # earlier versions used is the previous version itself.
-        previous = path / final.name if match.group(3) else path
+        previous = path / final.name  # an "old" holder keeps the previous version at holder/NAME
         if kind == "old" and not final.exists() and previous.is_dir():
             os.replace(previous, final)
         _remove(path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from lit_runs import make_run
 from lit_softmoe.export import export_pair
 
@@ -123,3 +125,5 @@ def test_model_card_opens_with_the_hubs_front_matter(tmp_path):
     assert meta["pipeline_tag"] == "image-feature-extraction" and "lit" not in meta["tags"]
     assert meta["datasets"] == ["zalando-datasets/fashion_mnist"]
     assert read_front_matter("# a card without front matter\n") is None
+    with pytest.raises(ValueError, match=r"^its front matter is not YAML \("):
+        read_front_matter("---\nlibrary_name: [\n---\n# a card\n")

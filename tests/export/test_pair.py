@@ -74,11 +74,37 @@ def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
     torch.testing.assert_close(got_image, image, atol=2e-2, rtol=0)
     torch.testing.assert_close(got_text, text, atol=2e-2, rtol=0)
     assert not torch.equal(got_text, text)
-    # Other weights, other key: the sha256 of the bf16 file.
-    import hashlib
+    # Other weights, other key: the identity of the bf16 tower tensors the export holds.
+    from lit_softmoe.utils.hashing import weights_sha256
     sha = json.loads((out / "config.json").read_text())["image_tower_sha256"]
-    assert sha == hashlib.sha256((out / "image_encoder.safetensors").read_bytes()).hexdigest()
+    bf16_tower = {k[len("image_tower."):]: v for k, v in load_file(out / "image_encoder.safetensors").items()
+                  if k.startswith("image_tower.")}
+    assert sha == weights_sha256(bf16_tower) != json.loads((fp32 / "config.json").read_text())["image_tower_sha256"]
     assert model.pretrained_info["image_tower_sha256"] == sha
+
+
+def test_a_partly_unlocked_runs_key_is_its_own_tower_weights_in_every_dtype(tmp_path):
+    """A run that trained the tower's last blocks saves the tower in model.safetensors: those weights, not
+    the tower folder's, are the pair's `image_tower_sha256`, and each export records the key of the tower
+    tensors it holds (push verifies it from the file)."""
+    from safetensors.torch import save_file
+
+    from lit_softmoe.export.push import check_export
+    from lit_softmoe.utils.hashing import weights_sha256
+    run = make_run(tmp_path)
+    tower_dir = tmp_path / "pre" / "tower"
+    trained = {k: v + 0.01 for k, v in load_file(tower_dir / "model.safetensors").items()}
+    weights = run / "model" / "model.safetensors"
+    save_file({**load_file(weights), **{f"image_tower.{k}": v for k, v in trained.items()}}, weights)
+    model, _, _ = load_pretrained(run)
+    key = weights_sha256(trained)
+    assert model.pretrained_info["image_tower_sha256"] == key != tower_fingerprint(tower_dir)["tower_sha256"]
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out = export_pair(run, tmp_path / dtype, dtype=dtype, open_clip=False)
+        recorded = json.loads((out / "config.json").read_text())["image_tower_sha256"]
+        assert recorded == weights_sha256({k: v.to(torch_dtype) for k, v in trained.items()}), dtype
+        assert (recorded == key) == (dtype == "fp32")
+        check_export(out)
 
 
 def test_sigmoid_loss_bias_travels(tmp_path):

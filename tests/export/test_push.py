@@ -102,6 +102,32 @@ def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path,
     assert hf_api.calls == []
 
 
+def test_an_export_without_its_card_front_matter_or_weights_sha256_is_refused_in_one_line(export, tmp_path, capsys,
+                                                                                           hf_api):
+    """The Hub indexes a model by its card's front matter, and push verifies every weights file against
+    config.json's weights_sha256: an export without either is refused, not pushed half-described."""
+    import json
+    bare, broken, unverified = tmp_path / "bare", tmp_path / "broken", tmp_path / "unverified"
+    for folder in (bare, broken, unverified):
+        shutil.copytree(export, folder)
+    card = (export / "README.md").read_text()
+    (bare / "README.md").write_text(card.split("---\n", 2)[2])
+    line = one_error_line(capsys, cli.main(["push", str(bare), "org/name", "--dry-run"]))
+    assert line.endswith(f"{bare / 'README.md'} has no front matter (the `---`-fenced YAML the Hub indexes a model "
+                         "by); export the run again, or put it back at the top of the card"), line
+    (broken / "README.md").write_text(card.replace("library_name:", "library_name: [", 1))
+    line = one_error_line(capsys, cli.main(["push", str(broken), "org/name", "--dry-run"]))
+    assert f"{broken / 'README.md'}: its front matter is not YAML (" in line and line.endswith(
+        "); fix it, or export the run again"), line
+    config = json.loads((unverified / "config.json").read_text())
+    del config["weights_sha256"]
+    (unverified / "config.json").write_text(json.dumps(config))
+    line = one_error_line(capsys, cli.main(["push", str(unverified), "org/name"]))
+    assert line.endswith(f"{unverified / 'config.json'} has no weights_sha256 (the sha256 of each weights file), so "
+                         "its weights cannot be verified; export it again with this version"), line
+    assert hf_api.calls == []
+
+
 def test_no_token_and_no_network_are_one_line(export, monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub.errors import LocalTokenNotFoundError

@@ -30,7 +30,7 @@ def _pixels(batch: int = 4) -> torch.Tensor:
 
 def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     model = _model(loss="sigmoid")
-    before = model.image_tower_state_hash()
+    before = model.image_tower_sha256()
     model.train()
     assert model.training and model.text_tower.training and not model.image_tower.training
     assert not any(p.requires_grad for p in model.image_tower.parameters())
@@ -40,16 +40,16 @@ def test_locked_tower_gets_no_gradient_stays_in_eval_and_never_changes():
     assert model.logit_scale.grad is not None and model.logit_bias.grad is not None
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.text_tower.parameters())
     optimizer.step()
-    assert model.image_tower_state_hash() == before
+    assert model.image_tower_sha256() == before
 
 
 def test_state_hash_sees_a_one_bit_change():
     model = _model()
-    before = model.image_tower_state_hash()
+    before = model.image_tower_sha256()
     with torch.no_grad():
         weight = model.image_tower.blocks[0].attn.qkv.weight
         weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0))
-    assert model.image_tower_state_hash() != before
+    assert model.image_tower_sha256() != before
 
 
 def test_one_unlocked_block_trains_only_the_last_block_and_norm():
@@ -208,20 +208,6 @@ def test_unlocked_soft_moe_blocks_decay_their_scale_as_pretraining_does(data, tm
     assert decay_of["text_tower.transformer.positional_embedding"] == 0.0 and decay_of["logit_scale"] == 0.0
     assert "image_tower.blocks.0.mlp.fc1.weight" not in decay_of  # locked
     assert "image_tower.blocks.1.mlp.scale" not in model.no_weight_decay()
-
-
-def test_a_state_dict_saved_under_the_old_log_scale_name_loads():
-    """`log_scale` is now open_clip's `logit_scale` (the same log of the scale): old state dicts still load."""
-    from lit_softmoe.models.lit import upgrade_state_dict
-    source = _model()
-    with torch.no_grad():
-        source.logit_scale.fill_(3.1)
-    old = {("log_scale" if k == "logit_scale" else k): v for k, v in source.state_dict().items()}
-    assert "logit_scale" not in old
-    model = _model()
-    model.load_state_dict(old)  # strict: nothing missing, nothing unexpected
-    assert float(model.logit_scale) == pytest.approx(3.1)
-    assert upgrade_state_dict(old).keys() == source.state_dict().keys()
 
 
 def test_grad_checkpointing_reaches_the_text_tower_and_an_unlocked_image_tower():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.models.vit import Mlp, ViTConfig
@@ -151,7 +152,7 @@ def test_invalid_configs_raise():
 def test_config_round_trips_through_a_dict():
     cfg = image_tower_config("soft-s16-128e", num_classes=10)
     assert ViTConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(UserError, match=r"^unknown tower config keys \['widht'\]; known keys: \['batch_priority', "):
         ViTConfig.from_dict({**cfg.to_dict(), "widht": 3})
 
 
@@ -281,11 +282,11 @@ def test_tower_sums_aux_losses_and_averages_dropped_fractions():
     assert dense.moe_aux_loss().item() == 0 and dense.moe_dropped_fraction().item() == 0
 
 
-def test_old_tower_configs_load_as_soft_moe_and_sparse_towers_round_trip(tmp_path):
-    old = image_tower_config("soft-test-4e").to_dict()
+def test_a_tower_config_without_the_moe_keys_is_soft_moe_and_sparse_towers_round_trip(tmp_path):
+    short = image_tower_config("soft-test-4e").to_dict()
     for key in ("moe_type", "num_selected_experts", "capacity_factor", "batch_priority", "router_noise"):
-        old.pop(key)
-    assert ViTConfig.from_dict(old) == image_tower_config("soft-test-4e")  # a checkpoint from before
+        short.pop(key)
+    assert ViTConfig.from_dict(short) == image_tower_config("soft-test-4e")  # the fields' defaults
     with pytest.raises(ValueError, match="moe_type"):
         image_tower_config("soft-test-4e", moe_type="hash")
     torch.manual_seed(0)
@@ -369,30 +370,35 @@ def test_layernorm_eps_gelu_form_no_dropout_and_gap_after_the_final_norm():
         torch.testing.assert_close(tower.forward_pooled(pixels), tower.forward_features(pixels).mean(1))
 
 
-def test_qk_norm_has_no_bias_as_flax_and_old_towers_keep_theirs(tmp_path):
-    # flax's qk LayerNorm (use_bias=False) has a scale only; ours had a bias on q and k. A bias on k
-    # adds one score to every key of a query (dead weight); one on q adds a per-key logit.
+def test_qk_norm_has_no_bias_as_flax_unless_asked_and_its_config_says_which(tmp_path):
+    # flax's qk LayerNorm (use_bias=False) has a scale only. A bias on k adds one score to every key of
+    # a query (dead weight); one on q adds a per-key logit.
     import json
 
+    from lit_softmoe.errors import UserError
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import load_tower, save_tower
     from lit_softmoe.models.vit import ViTConfig
     tower = create_image_tower("soft-test-4e")
     assert tower.blocks[0].attn.q_norm.bias is None and tower.blocks[0].attn.k_norm.bias is None
     assert not [k for k in tower.state_dict() if k.endswith(("q_norm.bias", "k_norm.bias"))]
-    # A tower saved before the key existed (its config.json lacks it) loads with its biases, exactly.
+    # With qk_norm_bias, saved and loaded: its biases, exactly.
     torch.manual_seed(0)
-    old = create_image_tower("soft-test-4e", qk_norm_bias=True).eval()
+    biased = create_image_tower("soft-test-4e", qk_norm_bias=True).eval()
     with torch.no_grad():
-        old.blocks[0].attn.q_norm.bias.normal_()
-    save_tower(tmp_path / "old", old)
-    meta = json.loads((tmp_path / "old" / "config.json").read_text())
-    del meta["tower"]["qk_norm_bias"]
-    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
-    loaded, _ = load_tower(tmp_path / "old")
+        biased.blocks[0].attn.q_norm.bias.normal_()
+    save_tower(tmp_path / "biased", biased)
+    loaded, _ = load_tower(tmp_path / "biased")
     x = torch.randn(2, 1, 28, 28)
-    assert loaded.cfg.qk_norm_bias and torch.equal(loaded.eval()(x), old(x))
-    assert ViTConfig.from_dict(create_image_tower("vit-test").cfg.to_dict()).qk_norm_bias is False
+    assert loaded.cfg.qk_norm_bias and torch.equal(loaded.eval()(x), biased(x))
+    # A config.json without the key means the field's default, no bias: biases in the weights are refused.
+    meta = json.loads((tmp_path / "biased" / "config.json").read_text())
+    del meta["tower"]["qk_norm_bias"]
+    (tmp_path / "biased" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"model.safetensors does not fit the tower: unexpected 4 keys \(e\.g\. "
+                                        r"blocks\.0\.attn\.k_norm\.bias"):
+        load_tower(tmp_path / "biased")
+    assert ViTConfig.from_dict({}).qk_norm_bias is False
 
 
 def test_non_square_image_gets_a_position_grid_of_its_own_rows_and_columns():

@@ -176,15 +176,15 @@ def test_locked_tower_ends_bit_for_bit_unchanged(pretrained, tmp_path, monkeypat
     before = _sha256(weights)
     tower, _ = load_tower(pretrained / "pre" / "tower")
     reference = LiTModel(tower, create_text_tower(TextTowerConfig(width=64, layers=1, heads=2),
-                                                  embed_dim=tower.embed_dim)).image_tower_state_hash()
+                                                  embed_dim=tower.embed_dim)).image_tower_sha256()
     hashes = []
-    original = LiTModel.image_tower_state_hash
+    original = LiTModel.image_tower_sha256
 
     def recording_hash(self):
         hashes.append(original(self))
         return hashes[-1]
 
-    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    monkeypatch.setattr(LiTModel, "image_tower_sha256", recording_hash)
     # Image shards, so the tower runs forward on every step.
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=30", "eval.shards=''", "optim.lr=1e-2", images=True))
     assert not results["cached_features"]
@@ -416,6 +416,22 @@ def test_a_resume_against_a_tower_rewritten_since_its_checkpoint_is_refused(data
     with pytest.raises(UserError, match=r"the image tower at .*tower was rewritten after .*step_00000002 was saved"):
         train_lit(lit_config(data, run, "steps=4", *common))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_resume_from_a_checkpoint_lacking_what_this_version_records_is_refused_naming_it(data, tmp_path):
+    """A checkpoint's data counts and tower identity are what a resume checks and restores: one without them
+    is refused, not resumed with a guess (counts from zero, the tower unchecked)."""
+    run = tmp_path / "run"
+    common = [f"data.train={data / 'fmnist' / 'train'}", "checkpoint_every=2", "eval.shards=''"]
+    train_lit(lit_config(data, run, "steps=2", *common))
+    state = run / "checkpoints" / "step_00000002" / "state.json"
+    info = json.loads(state.read_text())
+    del info["data_counts"], info["image_tower_sha256"]
+    state.write_text(json.dumps(info))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(state))} has no data_counts, image_tower_sha256 \(written "
+                                        r"by another version of lit-softmoe\); the run cannot be resumed from it; "
+                                        r"start this one with another run_dir=\.\.\.$"):
+        train_lit(lit_config(data, run, "steps=4", *common))
 
 
 def test_resampled_shards_feed_more_workers_than_there_are_shards(data, tmp_path):
@@ -748,13 +764,13 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
     """precision=bf16 (what auto picks on GPUs with bf16): a fully locked tower's weights are cast to bf16 once
     and stay bit-identical through training; a partly unlocked one trains in fp32 like the text tower."""
     seen = []
-    original = LiTModel.image_tower_state_hash
+    original = LiTModel.image_tower_sha256
 
     def recording_hash(self):
         seen.append((self.image_tower.patch_embed.weight.dtype, next(self.text_tower.parameters()).dtype))
         return original(self)
 
-    monkeypatch.setattr(LiTModel, "image_tower_state_hash", recording_hash)
+    monkeypatch.setattr(LiTModel, "image_tower_sha256", recording_hash)
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
                              f"unlocked_blocks={unlocked}", images=True))
     losses = _losses(tmp_path / "run")

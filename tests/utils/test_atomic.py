@@ -70,11 +70,11 @@ def _dead_pid() -> int:
 
 
 def test_leftovers_of_killed_writes_are_removed_even_with_this_pid(tmp_path):
-    """A run killed mid-replace leaves `.NAME.old-PID` / `.NAME.tmp-PID-…`; a rerun in a fresh
+    """A run killed mid-replace leaves `.NAME.old-PID-…` / `.NAME.tmp-PID-…`; a rerun in a fresh
     container often has the same pid. The next write removes them instead of failing on them."""
     import os
     write_folder_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "v").write_text("1"))
-    for leftover in (f".ckpt.old-{os.getpid()}", f".ckpt.tmp-{os.getpid()}-abc", f".ckpt.old-{_dead_pid()}-xyz"):
+    for leftover in (f".ckpt.old-{os.getpid()}-uvw", f".ckpt.tmp-{os.getpid()}-abc", f".ckpt.old-{_dead_pid()}-xyz"):
         (tmp_path / leftover).mkdir()
         (tmp_path / leftover / "v").write_text("stale")
     alive = tmp_path / f".ckpt.tmp-{os.getppid()}-def"  # another live process may be writing this one
