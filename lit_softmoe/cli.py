@@ -63,17 +63,23 @@ def _print_plan(args, cfg) -> None:
         print(report)
 
 
-def _check_plan_flags(args) -> None:
+def _recipe_config(args, config_class):
+    """The training command's config; None once `--plan` has printed its memory plan (no work then)."""
+    from lit_softmoe.config import load_config
     if not args.plan and (args.plan_gpus is not None or args.plan_gpu is not None):
         raise UserError("--plan-gpus and --plan-gpu go with --plan (which prints the memory plan and trains nothing)")
+    cfg = load_config(config_class, args.config, args.overrides)
+    if args.plan:
+        _print_plan(args, cfg)
+        return None
+    return cfg
 
 
 def _cmd_pretrain(args) -> None:
-    from lit_softmoe.config import PretrainConfig, load_config
-    _check_plan_flags(args)
-    cfg = load_config(PretrainConfig, args.config, args.overrides)
-    if args.plan:
-        return _print_plan(args, cfg)
+    from lit_softmoe.config import PretrainConfig
+    cfg = _recipe_config(args, PretrainConfig)
+    if cfg is None:
+        return
     from lit_softmoe.train.pretrain import pretrain
     results = pretrain(cfg)
     if "test_top1" in results and is_main_process():
@@ -85,11 +91,10 @@ def _cmd_pretrain(args) -> None:
 
 
 def _cmd_train(args) -> None:
-    from lit_softmoe.config import LiTConfig, load_config
-    _check_plan_flags(args)
-    cfg = load_config(LiTConfig, args.config, args.overrides)
-    if args.plan:
-        return _print_plan(args, cfg)
+    from lit_softmoe.config import LiTConfig
+    cfg = _recipe_config(args, LiTConfig)
+    if cfg is None:
+        return
     from lit_softmoe.train.lit import train_lit
     results = train_lit(cfg)
     scores = ""
