@@ -5,6 +5,7 @@ not fit one 80 GB GPU and the verdict names the levers; `--plan` prints and exit
 with what CUDA holds (skipped without one)."""
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -242,3 +243,18 @@ def test_the_count_matches_what_cuda_holds(name):
           f"({(planned - peak) / peak:+.1%})")
     assert abs(counted - held) < 0.05 * held
     assert planned >= peak
+
+
+def test_the_lit_paper_scale_config_plans_to_fit_8_80gb_gpus(tmp_path):
+    """lit/soft-b16-128e-cc12m as shipped, against a soft-b16-128e tower: the plan reads the tower folder's
+    config.json only, so a folder with its config and no weights stands in for the pretrained one."""
+    tower_dir = tmp_path / "tower"
+    tower_dir.mkdir()
+    tower = create_image_tower("soft-b16-128e", device="meta")
+    (tower_dir / "config.json").write_text(json.dumps({"tower": tower.cfg.to_dict()}))
+    (tower_dir / "model.safetensors").touch()
+    cfg = load_config(LiTConfig, "lit/soft-b16-128e-cc12m", [f"image_tower={tower_dir}"])
+    assert (cfg.batch_size, cfg.text.width, cfg.text.layers, cfg.steps) == (16384, 768, 12, 12000)
+    report, fits = plan_report(cfg, 8, 80 << 30)
+    assert fits, report
+    assert not plan_report(cfg, 1, 80 << 30)[1]  # the same run on one GPU does not fit

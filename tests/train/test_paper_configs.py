@@ -18,6 +18,7 @@ from lit_softmoe.config import SHIPPED_CONFIGS, PretrainConfig, load_config
 from lit_softmoe.metadata import imagenet_wnids
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.memory_plan import plan_report
 from lit_softmoe.train.optim import lr_at
 from lit_softmoe.train.pretrain import pretrain
 from towers import JFT_CLASSES, count_params, meta_tower
@@ -73,6 +74,17 @@ def test_config_tower_has_the_papers_parameter_count(name):
     assert abs(without_head - documented) / documented < 0.005, f"{without_head:,} vs docs/towers.md {documented:,.0f}"
 
 
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_config_plans_to_fit_eight_80gb_gpus(name):
+    """As shipped (its levers set), the memory plan fits 8 × 80 GB; the B/16 ones only with sharding."""
+    cfg = load_config(PretrainConfig, f"pretrain/{name}")
+    report, fits = plan_report(cfg, 8, 80 << 30)
+    assert fits, report
+    if "b16" in name:
+        assert cfg.sharding == "fsdp"
+        assert not plan_report(load_config(PretrainConfig, f"pretrain/{name}", ["sharding=none"]), 8, 80 << 30)[1]
+
+
 @pytest.fixture(scope="module")
 def imagenet_standin(tmp_path_factory):
     """foolbox's 20 ImageNet images, cropped to 64×64 squares, in their classes' WordNet-id folders, written
@@ -101,7 +113,7 @@ def test_recipe_runs_with_the_tower_shrunk(name, imagenet_standin, tmp_path):
     cfg = load_config(PretrainConfig, f"pretrain/{name}", [
         *SHRINK, f"data.train={imagenet_standin / 'train'}", f"data.test={imagenet_standin / 'test'}",
         f"run_dir={run_dir}", "batch_size=8", f"steps={STEPS}", "log_every=1", "compile=false", "log_with=[]",
-        "data.workers=1"])
+        "data.workers=1", "sharding=none"])  # one process here: tests/train/test_sharding.py runs fsdp on two
     shipped = load_config(PretrainConfig, f"pretrain/{name}")
     assert (cfg.optim, cfg.loss, cfg.label_smoothing) == (shipped.optim, shipped.loss, shipped.label_smoothing)
     recipe = ("loader", "augment", "crop", "crop_scale", "randaugment", "mixup", "mean", "std")
