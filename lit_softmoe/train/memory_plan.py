@@ -169,7 +169,7 @@ def fewest_gpus(count: ModelCount, batch_size: int, gpu_bytes: int, current: Lev
 
 def compute_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype the run will compute in (None: fp32). `auto` is bf16 here unless this machine's GPU
-    lacks it: a plan made without a GPU is for the GPUs these runs are for (A100, H100: bf16)."""
+    lacks it: a plan made without a GPU is for the GPUs these runs are for (bf16: compute capability 8.0 or more)."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "auto":

@@ -37,7 +37,7 @@ def check_sharding(sharding: str, num_processes: int, precision: str = "auto") -
     fp16's loss scaler is applied by the optimizer accelerate prepares; a sharded tower's optimizer is not prepared."""
     if sharding == "fsdp" and precision == "fp16":
         raise UserError("sharding=fsdp runs in bf16 or fp32, not fp16 (its loss scaler is not wired to sharded "
-                        "gradients); set precision=bf16 (A100, H100) or precision=fp32")
+                        "gradients); set precision=bf16 (GPUs of compute capability 8.0 or more) or precision=fp32")
     if sharding == "fsdp" and num_processes < 2:
         raise UserError("sharding=fsdp shards the tower over the processes of a distributed launch, but this run is "
                         "one process; launch it with `accelerate launch --num_processes N -m lit_softmoe.cli pretrain "

@@ -15,7 +15,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for `precision`, None for fp32: auto means bf16 on GPUs that support it, fp32
     elsewhere (bf16 matmuls on CPUs are slow and change the numbers). fp16 is asked for by name: for GPUs
-    without bf16 (V100, T4), where training needs a loss scaler (`create_accelerator` sets one up)."""
+    without bf16 (compute capability below 8.0), where training needs a loss scaler (`create_accelerator`
+    sets one up)."""
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "auto":
