@@ -165,6 +165,7 @@ def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
     from lit_softmoe.evals.reports import markdown_table, summary_line
     from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
+    from lit_softmoe.utils.device import parse_device
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
     benchmarks = None  # the whole suite
     if args.benchmarks is not None:
@@ -172,6 +173,7 @@ def _cmd_eval(args) -> None:
         if not benchmarks:  # an empty subset silently ran the whole suite
             raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark; give a comma-separated list "
                             "such as fashion-mnist,cifar10, or leave it out for the whole suite")
+    parse_device(args.device, "--device")  # run_suite checks it too, but its message names the parameter
     report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
                        use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
     nothing = nothing_evaluated(report)  # every benchmark skipped: no results were written
