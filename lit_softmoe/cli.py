@@ -127,14 +127,17 @@ def _cmd_embed(args) -> None:
 
 def _cmd_upcycle(args) -> None:
     from lit_softmoe.models.upcycle import upcycle_checkpoint
-    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite)
+    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite,
+                              source_setting="--from", out_setting="--out", seed_setting="--seed",
+                              overwrite_setting="--overwrite")
     print(f"{args.source} upcycled into {args.to} (Soft MoE blocks {info['moe_blocks']}) at {args.out}; "
           f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
 
 
 def _cmd_convert(args) -> None:
     from lit_softmoe.models.convert import convert_vmoe_checkpoint
-    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite)
+    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite,
+                                    tower_setting="--to", out_setting="--out", overwrite_setting="--overwrite")
     params = sum(p.numel() for p in tower.parameters())
     print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
 
