@@ -127,14 +127,17 @@ def _cmd_embed(args) -> None:
 
 def _cmd_upcycle(args) -> None:
     from lit_softmoe.models.upcycle import upcycle_checkpoint
-    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite)
+    info = upcycle_checkpoint(args.source, args.to, args.out, seed=args.seed, overwrite=args.overwrite,
+                              source_setting="--from", out_setting="--out", seed_setting="--seed",
+                              overwrite_setting="--overwrite")
     print(f"{args.source} upcycled into {args.to} (Soft MoE blocks {info['moe_blocks']}) at {args.out}; "
           f"fresh: {', '.join(info['fresh'])}" + (f"; notes: {'; '.join(info['notes'])}" if info["notes"] else ""))
 
 
 def _cmd_convert(args) -> None:
     from lit_softmoe.models.convert import convert_vmoe_checkpoint
-    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite)
+    tower = convert_vmoe_checkpoint(args.from_vmoe, args.to, args.out, overwrite=args.overwrite,
+                                    tower_setting="--to", out_setting="--out", overwrite_setting="--overwrite")
     params = sum(p.numel() for p in tower.parameters())
     print(f"{args.from_vmoe} loaded as {args.to} ({params:,} parameters, every key used) and saved to {args.out}")
 
@@ -165,6 +168,7 @@ def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
     from lit_softmoe.evals.reports import markdown_table, summary_line
     from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
+    from lit_softmoe.utils.device import parse_device
     cfg = load_config(EvalSuiteConfig, args.suite, args.overrides)
     benchmarks = None  # the whole suite
     if args.benchmarks is not None:
@@ -172,6 +176,7 @@ def _cmd_eval(args) -> None:
         if not benchmarks:  # an empty subset silently ran the whole suite
             raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark; give a comma-separated list "
                             "such as fashion-mnist,cifar10, or leave it out for the whole suite")
+    parse_device(args.device, "--device")  # run_suite checks it too, but its message names the parameter
     report = run_suite(args.model, cfg, benchmarks, out=args.out, overwrite=args.overwrite, device=args.device,
                        use_cache=not args.no_cache, peer=args.peer, progress=sys.stderr.isatty())
     nothing = nothing_evaluated(report)  # every benchmark skipped: no results were written

@@ -122,9 +122,11 @@ def _as_numbers(key: str, array) -> np.ndarray:
     return array
 
 
-def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, torch.Tensor]:
+def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig,
+                  tower_setting: str = "tower_name") -> dict[str, torch.Tensor]:
     """A flat vmoe tree ('/'-joined names → arrays) → our state dict for `cfg`. Pure and loud: raises
-    UserError naming missing keys, unused keys, or the first array whose shape does not fit."""
+    UserError naming missing keys, unused keys, or the first array whose shape does not fit; its advice
+    calls the choice of tower `tower_setting`, the caller's name for it (the CLI passes "--to")."""
     arrays = _strip_prefix(arrays)
     expected = VisionTransformer(cfg, device="meta").state_dict()
     plan = vmoe_names(cfg)
@@ -152,14 +154,14 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig) -> dict[str, to
             source_shape = tuple(_as_numbers(first, arrays[first]).shape)
             relaid = f" (→ {tuple(value.shape)} in our layout)" if tuple(value.shape) != source_shape else ""
             raise UserError(f"{first} {source_shape} does not fit {name} {tuple(ref.shape)}{relaid}; the "
-                            "checkpoint was trained as another tower: pick the --to name with its width, depth, "
-                            "patch, image size and number of experts")
+                            f"checkpoint was trained as another tower: pick the {tower_setting} name with its "
+                            "width, depth, patch, image size and number of experts")
         state[name] = torch.from_numpy(np.ascontiguousarray(value)).to(torch.float32)
     unused = sorted(set(arrays) - used)
     problems = key_problems(missing, unused=unused)
     if problems:
-        raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the --to tower the "
-                        "checkpoint was trained as (GAP, qk-norm, learned position embeddings), or check the "
+        raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the {tower_setting} "
+                        "tower the checkpoint was trained as (GAP, qk-norm, learned position embeddings), or check the "
                         "keys are flattened with '/'")
     return state
 
@@ -183,9 +185,11 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
                         "save the tree with np.savez(path, **flat_params) of numeric arrays") from None
 
 
-def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTransformer:
+def load_vmoe_tower(path: str | Path, tower_name: str, tower_setting: str = "tower_name",
+                    **overrides) -> VisionTransformer:
     """Build the registered `tower_name` and load a vmoe .npz into it; the class count follows
-    the checkpoint's head (0 when it has none), the slots per expert its Router/mu (d, n, p)."""
+    the checkpoint's head (0 when it has none), the slots per expert its Router/mu (d, n, p).
+    Messages call `tower_name` `tower_setting`, the caller's name for it (the CLI passes "--to")."""
     arrays = _strip_prefix(read_npz(path))
     head = arrays.get("head/kernel")
     overrides.setdefault("num_classes", 0 if head is None else int(head.shape[-1]))
@@ -197,22 +201,26 @@ def load_vmoe_tower(path: str | Path, tower_name: str, **overrides) -> VisionTra
     cfg = image_tower_config(tower_name, **overrides)
     if cfg.moe_layers and cfg.moe_type != "soft":
         raise UserError(f"{tower_name} is a {cfg.moe_type} tower; vmoe's Soft MoE checkpoints load into soft-* "
-                        "(or dense vit-*) towers: give one of those as --to")
-    state = vmoe_to_state(arrays, cfg)
+                        f"(or dense vit-*) towers: give one of those as {tower_setting}")
+    state = vmoe_to_state(arrays, cfg, tower_setting)
     tower = VisionTransformer(cfg, device="meta")
     tower.load_state_dict(state, assign=True)
     return tower
 
 
 def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Path,
-                           overwrite: bool = False) -> VisionTransformer:
+                           overwrite: bool = False, *, tower_setting: str = "tower_name",
+                           out_setting: str = "out_dir", overwrite_setting: str = "overwrite=True",
+                           ) -> VisionTransformer:
     """`lit-softmoe convert --from-vmoe`: .npz → tower folder (written atomically).
 
     A non-empty `out_dir` is refused unless `overwrite`, or it holds this same conversion (a rerun).
+    The *_setting names are what messages call those parameters (the CLI passes its flags).
     """
     from lit_softmoe.models.tower_folder import check_tower_out, save_tower
-    check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite, source=path)
-    tower = load_vmoe_tower(path, tower_name)
+    check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite, source=path,
+                    out_setting=out_setting, overwrite_setting=overwrite_setting)
+    tower = load_vmoe_tower(path, tower_name, tower_setting)
     # vmoe's input pipelines map pixels to [-1, 1] (value_range(-1, 1)): mean = std = 0.5.
     preprocess = {"image_size": tower.cfg.image_size, "mean": [0.5], "std": [0.5]}
     save_tower(out_dir, tower, extra={"preprocess": preprocess,

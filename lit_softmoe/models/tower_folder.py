@@ -141,22 +141,25 @@ def tower_fingerprint(tower_dir: str | Path) -> dict:
 
 
 def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,
-                    source: str | Path) -> None:
+                    source: str | Path, out_setting: str = "out_dir",
+                    overwrite_setting: str = "overwrite=True") -> None:
     """Refuse, before any work, an `out_dir` that saving a tower there would destroy.
 
     Saving replaces the whole folder, so a non-empty one (a run, a dataset, another tower) needs
     `overwrite`, as export's --out does. A tower this same command wrote (config.json's
     `record_key` entry holds `record`) is replaced without it: a rerun gives the same tower.
     Never, even with `overwrite`: the folder the tower is read from, or one holding it.
+    Messages name the folder `out_setting` and the override `overwrite_setting`, as the caller
+    knows them (the CLI passes its flags, "--out" and "--overwrite").
     """
     out_dir = Path(out_dir)
-    check_writable(out_dir, "--out", folder=True)
+    check_writable(out_dir, out_setting, folder=True)
     target, source = out_dir.resolve(), Path(source).resolve()
     if target == source or target in source.parents:
-        raise UserError(f"--out {out_dir} holds the input {source}; pick another folder")
+        raise UserError(f"{out_setting} {out_dir} holds the input {source}; pick another folder")
     if (source / TOWER_CONFIG).is_file() and source in target.parents:
         # Saving the source tower again (a pretraining rerun) replaces its folder whole, with this one.
-        raise UserError(f"--out {out_dir} is inside the input tower folder {source}; pick a folder outside it")
+        raise UserError(f"{out_setting} {out_dir} is inside the input tower folder {source}; pick a folder outside it")
     if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     try:
@@ -165,5 +168,5 @@ def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrit
         written = {}
     own_files = {p.name for p in out_dir.iterdir()} <= {TOWER_CONFIG, TOWER_WEIGHTS}
     if not (own_files and isinstance(written, dict) and all(written.get(k) == v for k, v in record.items())):
-        raise UserError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it, "
+        raise UserError(f"{out_setting} {out_dir} exists and is not empty; pass {overwrite_setting} to replace it, "
                         "or pick another folder")

@@ -98,10 +98,12 @@ def timm_to_ours(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return out, notes
 
 
-def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+def read_dense_checkpoint(path: str | Path, path_setting: str = "path",
+                          ) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     """A tower folder or a timm ViT state-dict file → (state in our names, extra config, notes).
 
-    For a tower folder, extra also holds its `num_heads` (no tensor shape shows it without qk-norm)."""
+    For a tower folder, extra also holds its `num_heads` (no tensor shape shows it without qk-norm).
+    A Soft MoE tower is refused naming `path` as `path_setting`, the caller's name for it."""
     path = Path(path)
     if path.is_dir():
         from safetensors.torch import load_file
@@ -114,7 +116,7 @@ def read_dense_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], di
             meta = json.loads((path / TOWER_CONFIG).read_text())
         except ValueError as err:
             raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); save the tower again") from None
-        _refuse_moe_source(f"--from {path}", (meta.get("tower") or {}) if isinstance(meta, dict) else {})
+        _refuse_moe_source(f"{path_setting} {path}", (meta.get("tower") or {}) if isinstance(meta, dict) else {})
         extra = {k: meta[k] for k in ("preprocess", "classnames") if k in meta}
         extra["num_heads"] = (meta.get("tower") or {}).get("num_heads") if isinstance(meta, dict) else None
         return load_file(path / TOWER_WEIGHTS), extra, []
@@ -337,19 +339,22 @@ def _fresh_qk_norms(cfg: ViTConfig, dense_state) -> dict[str, torch.Tensor]:
 
 
 def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path, seed: int = 0,
-                       qk_norm: bool | None = None, overwrite: bool = False) -> dict:
+                       qk_norm: bool | None = None, overwrite: bool = False, *, source_setting: str = "source",
+                       out_setting: str = "out_dir", seed_setting: str = "seed",
+                       overwrite_setting: str = "overwrite=True") -> dict:
     """Read a dense checkpoint, upcycle it into `target_name`, write a tower folder atomically.
 
     The dense tower's `preprocess` (and class names) are kept in config.json; an `upcycled` entry
     records the source, the seed, the fresh tensors and what did not map. Returns that entry.
     A non-empty `out_dir` is refused unless `overwrite`, or it holds this same upcycle (a rerun).
+    The *_setting names are what messages call those parameters (the CLI passes its flags).
     """
     from lit_softmoe.models.tower_folder import check_tower_out, save_tower
     if not -2**63 <= seed < 2**63:  # block b's router is drawn with seed + b: torch takes [-2**63, 2**64)
-        raise UserError(f"--seed {seed} is out of range; give an integer such as 0 (|seed| < 2**63)")
+        raise UserError(f"{seed_setting} {seed} is out of range; give an integer such as 0 (|seed| < 2**63)")
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
-                    overwrite, source=source)
-    dense_state, extra, notes = read_dense_checkpoint(source)
+                    overwrite, source=source, out_setting=out_setting, overwrite_setting=overwrite_setting)
+    dense_state, extra, notes = read_dense_checkpoint(source, source_setting)
     dense_num_heads = extra.pop("num_heads", None)
     # Towers are float32 everywhere downstream (embed, LiT, export feed them float32 pixels); a half
     # precision checkpoint (fp16/bf16 weights) is widened exactly, as `convert` does.

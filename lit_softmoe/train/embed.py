@@ -289,7 +289,7 @@ def embed_shards(
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
         raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
-    device = parse_device(str(device)) if device is not None else process_device()
+    device = parse_device(str(device), "--device") if device is not None else process_device()
     weights = inference_dtype(precision, device)
     decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device)
     fingerprint = cache_fingerprint(tower_dir)

@@ -60,23 +60,24 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def parse_device(name: str | None) -> torch.device:
-    """A `--device` value as a torch.device (None: cuda when present, else cpu). A name torch does
-    not know (`gpu`) or a GPU this machine lacks is a UserError, not a traceback at the first `.to`."""
+def parse_device(name: str | None, setting: str = "device") -> torch.device:
+    """A device name as a torch.device (None: cuda when present, else cpu). A name torch does not know
+    (`gpu`) or a GPU this machine lacks is a UserError, not a traceback at the first `.to`; its message
+    calls the value `setting`, the name the caller knows it by (the CLI passes "--device")."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r} is not a device; give cpu, cuda or cuda:N") from None
+        raise UserError(f"{setting} {name!r} is not a device; give cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise UserError(f"--device {name}: torch finds no CUDA GPU here; leave --device out or give cpu")
+            raise UserError(f"{setting} {name}: torch finds no CUDA GPU here; leave {setting} out or give cpu")
         if device.index is not None and device.index >= count:
-            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+            raise UserError(f"{setting} {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: torch finds no Apple GPU here; leave --device out or give cpu")
+        raise UserError(f"{setting} {name}: torch finds no Apple GPU here; leave {setting} out or give cpu")
     return device
 
 

@@ -9,30 +9,31 @@ from pathlib import Path
 from lit_softmoe.errors import UserError
 
 
-def check_writable(path: str | Path, flag: str, folder: bool) -> None:
-    """Fail before the work, not after it, where `flag`'s path (a folder, or a file) cannot be written."""
+def check_writable(path: str | Path, what: str, folder: bool) -> None:
+    """Fail before the work, not after it, where `path` (a folder, or a file) cannot be written. Messages
+    call it `what`, the name the caller knows it by: a setting (`run_dir`) or, from the CLI, a flag (`--out`)."""
     path = Path(path)
     for part in (path, *path.parents):  # a link that leads nowhere, at the path or a folder on the way
         if part.exists():
             break
         problem = broken_link(part)
         if problem:
-            where = f"{flag} {path}" if part == path else f"{flag} {path}: {part}"
-            raise UserError(f"{where} {problem}; remove the link (rm {part}) or give another {flag}")
+            where = f"{what} {path}" if part == path else f"{what} {path}: {part}"
+            raise UserError(f"{where} {problem}; remove the link (rm {part}) or give another {what}")
     if folder and path.exists() and not path.is_dir():
-        raise UserError(f"{flag} {path} is a file; give a folder path")
+        raise UserError(f"{what} {path} is a file; give a folder path")
     if not folder and path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file path, e.g. {path / 'results.json'}")
+        raise UserError(f"{what} {path} is a folder; give a file path, e.g. {path / 'results.json'}")
     start = path if folder else path.parent
     existing = next(p for p in (start, *start.parents) if p.exists())  # the rest is made inside it
     if not existing.is_dir():
-        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another {flag}")
+        raise UserError(f"{what} {path}: {existing} is a file, not a folder; choose another {what}")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
-        raise UserError(f"{flag} {path}: cannot write in {existing} ({err.strerror or err}); "
-                        f"choose another {flag}") from None
+        raise UserError(f"{what} {path}: cannot write in {existing} ({err.strerror or err}); "
+                        f"choose another {what}") from None
 
 
 def broken_link(path: str | Path) -> str | None:

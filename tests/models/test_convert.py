@@ -273,3 +273,14 @@ class _Touch:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.path),))
+
+
+def test_called_as_a_library_the_messages_name_parameters_not_cli_flags(tmp_path):
+    """The CLI passes --to (and --out, --overwrite); a Python caller reads the parameter's name."""
+    path = _save(tmp_path, vmoe_tree())
+    with pytest.raises(UserError, match=r"give one of those as tower_name$") as err:
+        load_vmoe_tower(path, "ec-test-4e")
+    assert "--" not in str(err.value)
+    with pytest.raises(UserError, match=r"pick the tower_name name with its width") as err:
+        vmoe_to_state(vmoe_tree(), image_tower_config("soft-test-4e", num_classes=CLASSES, num_experts=8))
+    assert "--" not in str(err.value)

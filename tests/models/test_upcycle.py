@@ -427,3 +427,22 @@ def test_upcycle_from_a_file_torch_cannot_read_is_one_line(tmp_path, capsys, con
                                     "--out", str(tmp_path / "up")])
     assert line == (f"lit-softmoe upcycle: error: cannot read {source} as a state dict ({reason}); "
                     "give a .safetensors file or a .pth/.bin holding only tensors")
+
+
+def test_called_as_a_library_the_messages_name_parameters_not_cli_flags(tmp_path, dense_tower_dir):
+    """The CLI passes its flags (--from, --out, --seed, --overwrite); a Python caller reads its own names."""
+    from lit_softmoe.models.tower_folder import check_tower_out
+    from lit_softmoe.models.upcycle import read_dense_checkpoint, upcycle_checkpoint
+    with pytest.raises(UserError) as err:
+        upcycle_checkpoint(dense_tower_dir, "soft-test-4e", tmp_path / "up", seed=2**64)
+    assert str(err.value).startswith(f"seed {2**64} is out of range") and "--" not in str(err.value)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError) as err:
+        check_tower_out(tmp_path / "busy", "upcycled", {}, overwrite=False, source=dense_tower_dir)
+    assert str(err.value) == (f"out_dir {tmp_path / 'busy'} exists and is not empty; pass overwrite=True to "
+                              "replace it, or pick another folder")
+    save_tower(tmp_path / "soft", create_image_tower("soft-test-4e"))
+    with pytest.raises(UserError, match=rf"^path {tmp_path / 'soft'} is already a Soft MoE tower") as err:
+        read_dense_checkpoint(tmp_path / "soft")
+    assert "--" not in str(err.value)

@@ -15,6 +15,16 @@ def test_eval_device_that_is_not_there(tmp_path, capsys, suite, device, expected
     assert expected in line
 
 
+def test_parse_device_called_as_a_library_names_its_parameter_not_the_flag():
+    from lit_softmoe.errors import UserError
+    from lit_softmoe.utils.device import parse_device
+    with pytest.raises(UserError) as err:
+        parse_device("gpu")
+    assert str(err.value) == "device 'gpu' is not a device; give cpu, cuda or cuda:N" and "--" not in str(err.value)
+    with pytest.raises(UserError, match=r"^eval_device 'gpu' is not a device"):  # the caller's own name for it
+        parse_device("gpu", setting="eval_device")
+
+
 # ---- the fast-path defaults: weight dtype, compile, cores ---------------------------------------------
 
 from lit_softmoe.errors import UserError  # noqa: E402
