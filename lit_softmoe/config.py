@@ -23,6 +23,19 @@ T = TypeVar("T")
 SHARDINGS = ("none", "fsdp")
 
 
+# A field's constraint sits beside it, in its metadata; `load_config` checks every field that has one.
+def choice(default: str, choices: tuple[str, ...]):
+    """A str field whose value must be one of `choices`."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def number(default: float, minimum: float, maximum: float | None = None):
+    """A number field whose value must be at least `minimum` (and at most `maximum`): the numbers that a
+    value out of range would break (a zero period divides by zero mid-run)."""
+    bounds = {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
+    return field(default=default, metadata=bounds)
+
+
 @dataclass
 class TowerConfig:
     name: str = "soft-tiny-p4-16e"  # a registered name: `lit-softmoe models` lists them
@@ -34,25 +47,27 @@ class ClassDataConfig:
     train: str = "data/fashion-mnist/train"  # a split folder of class shards (image + .cls)
     test: str = "data/fashion-mnist/test"
     augment: bool = False  # random crop with padding + horizontal flip, per batch (pays only in long runs)
-    crop_padding: int = 2
-    max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
-    max_test_samples: int = 0
-    max_bad_fraction: float = 0.01  # more skipped (corrupt, incomplete) samples than this stops the run
+    crop_padding: int = number(2, minimum=0)
+    max_train_samples: int = number(0, minimum=0)  # 0: all; > 0 keeps the first N (quick runs)
+    max_test_samples: int = number(0, minimum=0)
+    # More skipped (corrupt, incomplete) samples than this fraction stops the run.
+    max_bad_fraction: float = number(0.01, minimum=0, maximum=1)
     # How embed, LiT on the fly, eval and the exported preprocess decode JPEGs for this tower (recorded in
     # its preprocess): reduced (at a DCT scale keeping the shorter side ≥ 2× the tower's) | full.
-    decode: str = "reduced"
+    decode: str = choice("reduced", ("full", "reduced"))
     # memory: decode the split once and keep it (small sets of one image size: Fashion-MNIST) | stream: read
     # the shards through loader workers every epoch (any size, flat memory) | auto: memory when the train
     # split's shards total at most 256 MB and its images have the tower's size, else stream.
-    loader: str = "auto"
-    workers: int = 2  # stream: loader worker processes per training process
-    shuffle_buffer: int = 5000  # stream: samples (still encoded) in the shuffle buffer
+    loader: str = choice("auto", ("auto", "memory", "stream"))
+    workers: int = number(2, minimum=0)  # stream: loader worker processes per training process
+    shuffle_buffer: int = number(5000, minimum=0)  # stream: samples (still encoded) in the shuffle buffer
     # With augment: pad (a random crop of the image padded by crop_padding; memory or stream) | random_resized
     # (the Inception crop of the ViT recipes: an area fraction in crop_scale, aspect 3/4-4/3; stream only).
-    crop: str = "pad"
+    crop: str = choice("pad", ("pad", "random_resized"))
     crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     randaugment: list[int] = field(default_factory=list)  # stream, with augment: [num_ops, magnitude], e.g. [2, 15]
-    mixup: float = 0.0  # alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off
+    # Alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off.
+    mixup: float = number(0.0, minimum=0)
     # Per-channel input normalization; []: the mean and std of the first 10,000 training images.
     mean: list[float] = field(default_factory=list)
     std: list[float] = field(default_factory=list)
@@ -60,15 +75,16 @@ class ClassDataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.05  # decoupled (AdamW); not on biases, norms, position embeddings, phi
+    lr: float = number(1e-3, minimum=0)
+    weight_decay: float = number(0.05, minimum=0)  # decoupled (AdamW); not on biases, norms, position embeddings, phi
     beta1: float = 0.9
     beta2: float = 0.999
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables
-    schedule: str = "cosine"  # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
+    grad_clip: float = number(1.0, minimum=0)  # max global gradient norm; 0 disables
+    # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
+    schedule: str = choice("cosine", ("cosine", "rsqrt", "constant"))
     # Linear warmup: below 1, a fraction of the run (0.05: its first 5%); 1 or more, a number of steps.
-    warmup: float = 200
-    cooldown_steps: int = 0  # rsqrt only: linear decay to 0 over the last N steps
+    warmup: float = number(200, minimum=0)
+    cooldown_steps: int = number(0, minimum=0)  # rsqrt only: linear decay to 0 over the last N steps
 
 
 @dataclass
@@ -80,31 +96,34 @@ class PretrainConfig:
     init_from: str = ""
     data: ClassDataConfig = field(default_factory=ClassDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: str = "softmax"  # softmax | sigmoid (cross-entropy)
+    loss: str = choice("softmax", ("softmax", "sigmoid"))  # softmax | sigmoid (cross-entropy)
     label_smoothing: float = 0.0  # softmax loss only
     aux_loss_weight: float = 0.005  # × the sparse MoE layers' importance + load losses (V-MoE's 0.005 each)
-    batch_size: int = 128  # global batch, split over processes
-    epochs: float = 1.0  # training length; `steps` wins when > 0
-    steps: int = 0
-    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
-    compile: str = "auto"  # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
+    batch_size: int = number(128, minimum=1)  # global batch, split over processes
+    epochs: float = number(1.0, minimum=0)  # training length; `steps` wins when > 0
+    steps: int = number(0, minimum=0)
+    # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
+    precision: str = choice("auto", PRECISIONS)
+    # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
+    compile: str = choice("auto", COMPILE_CHOICES)
     # Memory levers; `lit-softmoe pretrain --plan` says which a run needs. sharding: none (every process holds the
     # whole tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = "none"
+    sharding: str = choice("none", SHARDINGS)
     grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
+    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
+    accum_steps: int = number(1, minimum=1)
     seed: int = 0
-    log_every: int = 50
+    log_every: int = number(50, minimum=1)
     # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
     # RUN/tensorboard), wandb, mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none.
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
     log_project: str = "lit-softmoe"  # the project (wandb, comet_ml, ...) or experiment (mlflow) of the runs
-    eval_every: int = 0  # steps between test evaluations during training; 0: only at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    fewshot_shots: int = 10  # k of the k-shot linear probe (closed-form ridge regression)
-    eval_batch_size: int = 512
-    threads: int = 0  # CPU threads for torch; 0: torch's default
+    eval_every: int = number(0, minimum=0)  # steps between test evaluations during training; 0: only at the end
+    checkpoint_every: int = number(500, minimum=1)
+    keep_checkpoints: int = number(2, minimum=0)
+    fewshot_shots: int = number(10, minimum=0)  # k of the k-shot linear probe (closed-form ridge regression)
+    eval_batch_size: int = number(512, minimum=1)
+    threads: int = number(0, minimum=0)  # CPU threads for torch; 0: torch's default
 
 
 _VALID_CHOICES = {
@@ -334,15 +353,15 @@ class LiTDataConfig:
     # Image + caption shards, or the feature shards `lit-softmoe embed` wrote from them (detected by
     # the embed.json beside the split): then the locked tower never runs during training.
     train: str = "data/fmnist-features/train"
-    workers: int = 1  # DataLoader workers per process
-    shuffle_buffer: int = 5000
-    max_bad_fraction: float = 0.01
+    workers: int = number(1, minimum=0)  # DataLoader workers per process
+    shuffle_buffer: int = number(5000, minimum=0)
+    max_bad_fraction: float = number(0.01, minimum=0, maximum=1)
     # Draw shards with replacement (open_clip's --dataset-resampled): every process and worker reads
     # an endless stream, so few shards can feed many processes; an epoch is sizes.json's sample count.
     resampled: bool = False
     # Samples per epoch (all processes together); 0: the sum of sizes.json beside the shards. Shards
     # without one (`pipe:`, `https://`, img2dataset's output) need it.
-    samples_per_epoch: int = 0
+    samples_per_epoch: int = number(0, minimum=0)
 
 
 @dataclass
@@ -350,7 +369,7 @@ class ZeroShotEvalConfig:
     shards: str = "data/fmnist-features/test"  # class shards (image or features + .cls); "" disables
     classnames: str = ""  # default: classnames.txt beside the split
     templates: str = ""  # default: zeroshot_classification_templates.txt beside the split
-    every: int = 0  # steps between evaluations during training; 0: only at the end
+    every: int = number(0, minimum=0)  # steps between evaluations during training; 0: only at the end
     probe_train: str = ""  # class shards or features of a train split: report the linear-probe ceiling
 
 
@@ -359,31 +378,32 @@ class LiTConfig:
     run_dir: str = "runs/lit"
     image_tower: str = "runs/fmnist-soft-tiny/tower"  # a tower folder from `lit-softmoe pretrain`
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    loss: str = "softmax"  # softmax (CLIP contrastive) | sigmoid (SigLIP)
+    loss: str = choice("softmax", ("softmax", "sigmoid"))  # softmax (CLIP contrastive) | sigmoid (SigLIP)
     temperature_init: float = 10.0  # LiT's logit scale at init
     image_head: bool = False  # an unlocked linear head on the locked features (LiT finds none best)
     unlocked_blocks: int = 0  # unlock the tower's last N blocks (ablations; needs image shards)
     # torch.compile the text tower (and the image tower's forward when it runs): auto (on GPUs) | true | false
-    compile: str = "auto"
+    compile: str = choice("auto", COMPILE_CHOICES)
     data: LiTDataConfig = field(default_factory=LiTDataConfig)
     eval: ZeroShotEvalConfig = field(default_factory=ZeroShotEvalConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup=100))
-    batch_size: int = 256  # global
-    epochs: float = 1.0
-    steps: int = 0  # wins over epochs when > 0
-    precision: str = "auto"
+    batch_size: int = number(256, minimum=1)  # global
+    epochs: float = number(1.0, minimum=0)
+    steps: int = number(0, minimum=0)  # wins over epochs when > 0
+    precision: str = choice("auto", PRECISIONS)
     # Memory levers; `lit-softmoe train --plan` says which a run needs. sharding: none (every process holds the
     # whole text tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = "none"
+    sharding: str = choice("none", SHARDINGS)
     grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
+    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
+    accum_steps: int = number(1, minimum=1)
     seed: int = 0
-    log_every: int = 20
+    log_every: int = number(20, minimum=1)
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # as PretrainConfig's
     log_project: str = "lit-softmoe"
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    threads: int = 0
+    checkpoint_every: int = number(500, minimum=1)
+    keep_checkpoints: int = number(2, minimum=0)
+    threads: int = number(0, minimum=0)
 
 
 # ---- zero-shot evaluation suites (eval/*.yaml) --------------------------------------------------
@@ -393,8 +413,8 @@ class BenchmarkConfig:
     name: str = ""  # a shipped benchmark (class names + templates), e.g. cifar100, or your own with its files
     root: str = ""  # the data folder; YAML may use ${oc.env:VAR,default}
     split: str = "test"
-    format: str = "auto"  # auto | wds | imagefolder | cifar | torchvision | karpathy
-    task: str = ""  # classification | retrieval; default: the benchmark's (or the data's)
+    format: str = choice("auto", ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"))
+    task: str = choice("", ("", "classification", "retrieval"))  # "": the benchmark's (or the data's)
     classnames: str = ""  # a file with one class name per line, over the data's and the shipped ones
     templates: str = ""  # a file with one {c} template per line, or another benchmark's name (e.g. imagenet1k)
     annotations: str = ""  # karpathy: the split JSON (default: dataset_{coco,flickr30k}.json in root)
@@ -404,10 +424,11 @@ class BenchmarkConfig:
 class EvalSuiteConfig:
     name: str = "suite"
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
-    batch_size: int = 256  # images per tower forward
-    text_batch_size: int = 1024  # prompts or captions per text-tower forward
-    workers: int = 2  # image-decoding worker processes
+    batch_size: int = number(256, minimum=1)  # images per tower forward
+    text_batch_size: int = number(1024, minimum=1)  # prompts or captions per text-tower forward
+    workers: int = number(2, minimum=0)  # image-decoding worker processes
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16 | fp16
+    # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16 | fp16
+    precision: str = choice("auto", PRECISIONS)
     # The image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval.
     cache_dir: str = ""
