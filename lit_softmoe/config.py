@@ -126,32 +126,6 @@ class PretrainConfig:
     threads: int = number(0, minimum=0)  # CPU threads for torch; 0: torch's default
 
 
-_VALID_CHOICES = {
-    "loss": ("softmax", "sigmoid"),
-    "precision": PRECISIONS,
-    "compile": COMPILE_CHOICES,
-    "sharding": SHARDINGS,
-    "optim.schedule": ("cosine", "rsqrt", "constant"),
-    "data.decode": ("full", "reduced"),
-    "data.loader": ("auto", "memory", "stream"),
-    "data.crop": ("pad", "random_resized"),
-}
-_MINIMUMS = {  # numbers that a smaller value would break (a zero period divides by zero mid-run)
-    "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
-    "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
-    "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
-    "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
-    "data.shuffle_buffer": 0, "data.mixup": 0,
-    "optim.cooldown_steps": 0, "accum_steps": 1,
-    "optim.lr": 0, "optim.weight_decay": 0, "optim.grad_clip": 0,  # grad_clip=0: no clipping
-}
-_MAXIMUMS = {"data.max_bad_fraction": 1}  # fractions
-_VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
-    "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
-    "benchmarks.task": ("", "classification", "retrieval"),
-}
-
-
 def _all_keys(node, prefix="") -> list[str]:
     keys = []
     # Unresolved: an interpolation that does not resolve (an unset ${oc.env:VAR}) is not a key's
@@ -184,6 +158,23 @@ def _suggest(bad_key: str, schema, schema_type: type | None = None) -> str:
         close = difflib.get_close_matches(bad_key.rsplit(".", 1)[-1], sorted(_field_names(schema_type)), n=1,
                                           cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _constraints(schema: type, prefix: str = ""):
+    """(list key, dotted key, metadata) of each field of `schema` that declares a constraint (`choice`,
+    `number`), nested config dataclasses included. The list key is None but for the fields of a list's
+    items (eval suites' benchmarks): then it names the list and the key is the item's field."""
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        hint, key = hints[spec.name], f"{prefix}{spec.name}"
+        if dataclasses.is_dataclass(hint):
+            yield from _constraints(hint, key + ".")
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
+            yield from ((key, item_key, rule) for _, item_key, rule in _constraints(item))
+        elif spec.metadata:
+            yield None, key, spec.metadata
 
 
 def _select(node, key: str):
@@ -293,9 +284,11 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
             raise UserError(f"bad value for config key {key!r}{where}: {msg}") from None
     if isinstance(_select(merged, "compile"), str):  # YAML's true/false reach a str field as "True"/"False"
         merged.compile = merged.compile.lower()
-    for key, choices in _VALID_CHOICES.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
+    rules = list(_constraints(schema))  # the constraints declared beside the fields (`choice`, `number`)
+    constraints = [(key, rule) for list_key, key, rule in rules if list_key is None]
+    for key, rule in constraints:
+        value, choices = _select(merged, key), rule.get("choices")
+        if choices is not None and value is not None and value not in choices:
             raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
     for key in _all_keys(merged):
         value = _select(merged, key)
@@ -303,22 +296,24 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         # `max_bad_fraction=nan` switched the limit off.
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"config key {key!r} is {value}; give a finite number")
-    for key, minimum in _MINIMUMS.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
+    for key, rule in constraints:
+        value, minimum = _select(merged, key), rule.get("minimum")
+        if minimum is not None and value is not None and value < minimum:
             raise UserError(f"config key {key!r} is {value}; it must be at least {minimum}: set {key}={minimum} "
                             "or more")
     accum_steps, batch_size = _select(merged, "accum_steps"), _select(merged, "batch_size")
     if isinstance(accum_steps, int) and isinstance(batch_size, int) and batch_size % accum_steps:
         raise UserError(f"config key 'accum_steps' is {accum_steps}, which does not divide batch_size {batch_size}; "
                         "choose a divisor of the batch (of each process's share of it, under a launcher)")
-    for key, maximum in _MAXIMUMS.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value > maximum:
+    for key, rule in constraints:
+        value, maximum = _select(merged, key), rule.get("maximum")
+        if maximum is not None and value is not None and value > maximum:
             raise UserError(f"config key {key!r} is {value}; it must be at most {maximum}: set {key}={maximum} "
                             "or less")
-    for key, choices in _VALID_LIST_CHOICES.items():
-        list_key, item_key = key.split(".")
+    for list_key, item_key, rule in rules:
+        if list_key is None or "choices" not in rule:
+            continue
+        choices = rule["choices"]
         for i, item in enumerate(OmegaConf.select(merged, list_key, default=None) or []):
             if OmegaConf.is_dict(item) and item_key in item and item[item_key] not in choices:
                 raise UserError(f"config key '{list_key}[{i}].{item_key}' is {item[item_key]!r}; "
