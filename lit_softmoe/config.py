@@ -23,6 +23,19 @@ T = TypeVar("T")
 SHARDINGS = ("none", "fsdp")
 
 
+# A field's constraint sits beside it, in its metadata; `load_config` checks every field that has one.
+def choice(default: str, choices: tuple[str, ...]):
+    """A str field whose value must be one of `choices`."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def number(default: float, minimum: float, maximum: float | None = None):
+    """A number field whose value must be at least `minimum` (and at most `maximum`): the numbers that a
+    value out of range would break (a zero period divides by zero mid-run)."""
+    bounds = {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
+    return field(default=default, metadata=bounds)
+
+
 @dataclass
 class TowerConfig:
     name: str = "soft-tiny-p4-16e"  # a registered name: `lit-softmoe models` lists them
@@ -34,25 +47,27 @@ class ClassDataConfig:
     train: str = "data/fashion-mnist/train"  # a split folder of class shards (image + .cls)
     test: str = "data/fashion-mnist/test"
     augment: bool = False  # random crop with padding + horizontal flip, per batch (pays only in long runs)
-    crop_padding: int = 2
-    max_train_samples: int = 0  # 0: all; > 0 keeps the first N (quick runs)
-    max_test_samples: int = 0
-    max_bad_fraction: float = 0.01  # more skipped (corrupt, incomplete) samples than this stops the run
+    crop_padding: int = number(2, minimum=0)
+    max_train_samples: int = number(0, minimum=0)  # 0: all; > 0 keeps the first N (quick runs)
+    max_test_samples: int = number(0, minimum=0)
+    # More skipped (corrupt, incomplete) samples than this fraction stops the run.
+    max_bad_fraction: float = number(0.01, minimum=0, maximum=1)
     # How embed, LiT on the fly, eval and the exported preprocess decode JPEGs for this tower (recorded in
     # its preprocess): reduced (at a DCT scale keeping the shorter side ≥ 2× the tower's) | full.
-    decode: str = "reduced"
+    decode: str = choice("reduced", ("full", "reduced"))
     # memory: decode the split once and keep it (small sets of one image size: Fashion-MNIST) | stream: read
     # the shards through loader workers every epoch (any size, flat memory) | auto: memory when the train
     # split's shards total at most 256 MB and its images have the tower's size, else stream.
-    loader: str = "auto"
-    workers: int = 2  # stream: loader worker processes per training process
-    shuffle_buffer: int = 5000  # stream: samples (still encoded) in the shuffle buffer
+    loader: str = choice("auto", ("auto", "memory", "stream"))
+    workers: int = number(2, minimum=0)  # stream: loader worker processes per training process
+    shuffle_buffer: int = number(5000, minimum=0)  # stream: samples (still encoded) in the shuffle buffer
     # With augment: pad (a random crop of the image padded by crop_padding; memory or stream) | random_resized
     # (the Inception crop of the ViT recipes: an area fraction in crop_scale, aspect 3/4-4/3; stream only).
-    crop: str = "pad"
+    crop: str = choice("pad", ("pad", "random_resized"))
     crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     randaugment: list[int] = field(default_factory=list)  # stream, with augment: [num_ops, magnitude], e.g. [2, 15]
-    mixup: float = 0.0  # alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off
+    # Alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off.
+    mixup: float = number(0.0, minimum=0)
     # Per-channel input normalization; []: the mean and std of the first 10,000 training images.
     mean: list[float] = field(default_factory=list)
     std: list[float] = field(default_factory=list)
@@ -60,15 +75,16 @@ class ClassDataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.05  # decoupled (AdamW); not on biases, norms, position embeddings, phi
+    lr: float = number(1e-3, minimum=0)
+    weight_decay: float = number(0.05, minimum=0)  # decoupled (AdamW); not on biases, norms, position embeddings, phi
     beta1: float = 0.9
     beta2: float = 0.999
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables
-    schedule: str = "cosine"  # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
+    grad_clip: float = number(1.0, minimum=0)  # max global gradient norm; 0 disables
+    # cosine | rsqrt (the paper's: rsqrt decay + linear cooldown) | constant
+    schedule: str = choice("cosine", ("cosine", "rsqrt", "constant"))
     # Linear warmup: below 1, a fraction of the run (0.05: its first 5%); 1 or more, a number of steps.
-    warmup: float = 200
-    cooldown_steps: int = 0  # rsqrt only: linear decay to 0 over the last N steps
+    warmup: float = number(200, minimum=0)
+    cooldown_steps: int = number(0, minimum=0)  # rsqrt only: linear decay to 0 over the last N steps
 
 
 @dataclass
@@ -80,57 +96,34 @@ class PretrainConfig:
     init_from: str = ""
     data: ClassDataConfig = field(default_factory=ClassDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: str = "softmax"  # softmax | sigmoid (cross-entropy)
+    loss: str = choice("softmax", ("softmax", "sigmoid"))  # softmax | sigmoid (cross-entropy)
     label_smoothing: float = 0.0  # softmax loss only
     aux_loss_weight: float = 0.005  # × the sparse MoE layers' importance + load losses (V-MoE's 0.005 each)
-    batch_size: int = 128  # global batch, split over processes
-    epochs: float = 1.0  # training length; `steps` wins when > 0
-    steps: int = 0
-    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
-    compile: str = "auto"  # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
+    batch_size: int = number(128, minimum=1)  # global batch, split over processes
+    epochs: float = number(1.0, minimum=0)  # training length; `steps` wins when > 0
+    steps: int = number(0, minimum=0)
+    # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
+    precision: str = choice("auto", PRECISIONS)
+    # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
+    compile: str = choice("auto", COMPILE_CHOICES)
     # Memory levers; `lit-softmoe pretrain --plan` says which a run needs. sharding: none (every process holds the
     # whole tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = "none"
+    sharding: str = choice("none", SHARDINGS)
     grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
+    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
+    accum_steps: int = number(1, minimum=1)
     seed: int = 0
-    log_every: int = 50
+    log_every: int = number(50, minimum=1)
     # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
     # RUN/tensorboard), wandb, mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none.
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
     log_project: str = "lit-softmoe"  # the project (wandb, comet_ml, ...) or experiment (mlflow) of the runs
-    eval_every: int = 0  # steps between test evaluations during training; 0: only at the end
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    fewshot_shots: int = 10  # k of the k-shot linear probe (closed-form ridge regression)
-    eval_batch_size: int = 512
-    threads: int = 0  # CPU threads for torch; 0: torch's default
-
-
-_VALID_CHOICES = {
-    "loss": ("softmax", "sigmoid"),
-    "precision": PRECISIONS,
-    "compile": COMPILE_CHOICES,
-    "sharding": SHARDINGS,
-    "optim.schedule": ("cosine", "rsqrt", "constant"),
-    "data.decode": ("full", "reduced"),
-    "data.loader": ("auto", "memory", "stream"),
-    "data.crop": ("pad", "random_resized"),
-}
-_MINIMUMS = {  # numbers that a smaller value would break (a zero period divides by zero mid-run)
-    "batch_size": 1, "eval_batch_size": 1, "text_batch_size": 1, "log_every": 1, "checkpoint_every": 1,
-    "steps": 0, "epochs": 0, "eval_every": 0, "eval.every": 0, "keep_checkpoints": 0, "fewshot_shots": 0,
-    "threads": 0, "workers": 0, "data.workers": 0, "data.crop_padding": 0, "data.max_train_samples": 0,
-    "data.max_test_samples": 0, "data.samples_per_epoch": 0, "data.max_bad_fraction": 0, "optim.warmup": 0,
-    "data.shuffle_buffer": 0, "data.mixup": 0,
-    "optim.cooldown_steps": 0, "accum_steps": 1,
-    "optim.lr": 0, "optim.weight_decay": 0, "optim.grad_clip": 0,  # grad_clip=0: no clipping
-}
-_MAXIMUMS = {"data.max_bad_fraction": 1}  # fractions
-_VALID_LIST_CHOICES = {  # keys of list items (eval suites' benchmarks)
-    "benchmarks.format": ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"),
-    "benchmarks.task": ("", "classification", "retrieval"),
-}
+    eval_every: int = number(0, minimum=0)  # steps between test evaluations during training; 0: only at the end
+    checkpoint_every: int = number(500, minimum=1)
+    keep_checkpoints: int = number(2, minimum=0)
+    fewshot_shots: int = number(10, minimum=0)  # k of the k-shot linear probe (closed-form ridge regression)
+    eval_batch_size: int = number(512, minimum=1)
+    threads: int = number(0, minimum=0)  # CPU threads for torch; 0: torch's default
 
 
 def _all_keys(node, prefix="") -> list[str]:
@@ -165,6 +158,23 @@ def _suggest(bad_key: str, schema, schema_type: type | None = None) -> str:
         close = difflib.get_close_matches(bad_key.rsplit(".", 1)[-1], sorted(_field_names(schema_type)), n=1,
                                           cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _constraints(schema: type, prefix: str = ""):
+    """(list key, dotted key, metadata) of each field of `schema` that declares a constraint (`choice`,
+    `number`), nested config dataclasses included. The list key is None but for the fields of a list's
+    items (eval suites' benchmarks): then it names the list and the key is the item's field."""
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        hint, key = hints[spec.name], f"{prefix}{spec.name}"
+        if dataclasses.is_dataclass(hint):
+            yield from _constraints(hint, key + ".")
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(item := typing.get_args(hint)[0]):
+            yield from ((key, item_key, rule) for _, item_key, rule in _constraints(item))
+        elif spec.metadata:
+            yield None, key, spec.metadata
 
 
 def _select(node, key: str):
@@ -274,9 +284,11 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
             raise UserError(f"bad value for config key {key!r}{where}: {msg}") from None
     if isinstance(_select(merged, "compile"), str):  # YAML's true/false reach a str field as "True"/"False"
         merged.compile = merged.compile.lower()
-    for key, choices in _VALID_CHOICES.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value not in choices:
+    rules = list(_constraints(schema))  # the constraints declared beside the fields (`choice`, `number`)
+    constraints = [(key, rule) for list_key, key, rule in rules if list_key is None]
+    for key, rule in constraints:
+        value, choices = _select(merged, key), rule.get("choices")
+        if choices is not None and value is not None and value not in choices:
             raise UserError(f"config key {key!r} is {value!r}; choose one of {', '.join(choices)}")
     for key in _all_keys(merged):
         value = _select(merged, key)
@@ -284,22 +296,24 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         # `max_bad_fraction=nan` switched the limit off.
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"config key {key!r} is {value}; give a finite number")
-    for key, minimum in _MINIMUMS.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value < minimum:
+    for key, rule in constraints:
+        value, minimum = _select(merged, key), rule.get("minimum")
+        if minimum is not None and value is not None and value < minimum:
             raise UserError(f"config key {key!r} is {value}; it must be at least {minimum}: set {key}={minimum} "
                             "or more")
     accum_steps, batch_size = _select(merged, "accum_steps"), _select(merged, "batch_size")
     if isinstance(accum_steps, int) and isinstance(batch_size, int) and batch_size % accum_steps:
         raise UserError(f"config key 'accum_steps' is {accum_steps}, which does not divide batch_size {batch_size}; "
                         "choose a divisor of the batch (of each process's share of it, under a launcher)")
-    for key, maximum in _MAXIMUMS.items():
-        value = _select(merged, key)
-        if value is not None and OmegaConf.select(base, key, default=None) is not None and value > maximum:
+    for key, rule in constraints:
+        value, maximum = _select(merged, key), rule.get("maximum")
+        if maximum is not None and value is not None and value > maximum:
             raise UserError(f"config key {key!r} is {value}; it must be at most {maximum}: set {key}={maximum} "
                             "or less")
-    for key, choices in _VALID_LIST_CHOICES.items():
-        list_key, item_key = key.split(".")
+    for list_key, item_key, rule in rules:
+        if list_key is None or "choices" not in rule:
+            continue
+        choices = rule["choices"]
         for i, item in enumerate(OmegaConf.select(merged, list_key, default=None) or []):
             if OmegaConf.is_dict(item) and item_key in item and item[item_key] not in choices:
                 raise UserError(f"config key '{list_key}[{i}].{item_key}' is {item[item_key]!r}; "
@@ -334,15 +348,15 @@ class LiTDataConfig:
     # Image + caption shards, or the feature shards `lit-softmoe embed` wrote from them (detected by
     # the embed.json beside the split): then the locked tower never runs during training.
     train: str = "data/fmnist-features/train"
-    workers: int = 1  # DataLoader workers per process
-    shuffle_buffer: int = 5000
-    max_bad_fraction: float = 0.01
+    workers: int = number(1, minimum=0)  # DataLoader workers per process
+    shuffle_buffer: int = number(5000, minimum=0)
+    max_bad_fraction: float = number(0.01, minimum=0, maximum=1)
     # Draw shards with replacement (open_clip's --dataset-resampled): every process and worker reads
     # an endless stream, so few shards can feed many processes; an epoch is sizes.json's sample count.
     resampled: bool = False
     # Samples per epoch (all processes together); 0: the sum of sizes.json beside the shards. Shards
     # without one (`pipe:`, `https://`, img2dataset's output) need it.
-    samples_per_epoch: int = 0
+    samples_per_epoch: int = number(0, minimum=0)
 
 
 @dataclass
@@ -350,7 +364,7 @@ class ZeroShotEvalConfig:
     shards: str = "data/fmnist-features/test"  # class shards (image or features + .cls); "" disables
     classnames: str = ""  # default: classnames.txt beside the split
     templates: str = ""  # default: zeroshot_classification_templates.txt beside the split
-    every: int = 0  # steps between evaluations during training; 0: only at the end
+    every: int = number(0, minimum=0)  # steps between evaluations during training; 0: only at the end
     probe_train: str = ""  # class shards or features of a train split: report the linear-probe ceiling
 
 
@@ -359,31 +373,32 @@ class LiTConfig:
     run_dir: str = "runs/lit"
     image_tower: str = "runs/fmnist-soft-tiny/tower"  # a tower folder from `lit-softmoe pretrain`
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    loss: str = "softmax"  # softmax (CLIP contrastive) | sigmoid (SigLIP)
+    loss: str = choice("softmax", ("softmax", "sigmoid"))  # softmax (CLIP contrastive) | sigmoid (SigLIP)
     temperature_init: float = 10.0  # LiT's logit scale at init
     image_head: bool = False  # an unlocked linear head on the locked features (LiT finds none best)
     unlocked_blocks: int = 0  # unlock the tower's last N blocks (ablations; needs image shards)
     # torch.compile the text tower (and the image tower's forward when it runs): auto (on GPUs) | true | false
-    compile: str = "auto"
+    compile: str = choice("auto", COMPILE_CHOICES)
     data: LiTDataConfig = field(default_factory=LiTDataConfig)
     eval: ZeroShotEvalConfig = field(default_factory=ZeroShotEvalConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup=100))
-    batch_size: int = 256  # global
-    epochs: float = 1.0
-    steps: int = 0  # wins over epochs when > 0
-    precision: str = "auto"
+    batch_size: int = number(256, minimum=1)  # global
+    epochs: float = number(1.0, minimum=0)
+    steps: int = number(0, minimum=0)  # wins over epochs when > 0
+    precision: str = choice("auto", PRECISIONS)
     # Memory levers; `lit-softmoe train --plan` says which a run needs. sharding: none (every process holds the
     # whole text tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = "none"
+    sharding: str = choice("none", SHARDINGS)
     grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    accum_steps: int = 1  # micro-batches per step: batch_size / processes / accum_steps samples per forward
+    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
+    accum_steps: int = number(1, minimum=1)
     seed: int = 0
-    log_every: int = 20
+    log_every: int = number(20, minimum=1)
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # as PretrainConfig's
     log_project: str = "lit-softmoe"
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 2
-    threads: int = 0
+    checkpoint_every: int = number(500, minimum=1)
+    keep_checkpoints: int = number(2, minimum=0)
+    threads: int = number(0, minimum=0)
 
 
 # ---- zero-shot evaluation suites (eval/*.yaml) --------------------------------------------------
@@ -393,8 +408,8 @@ class BenchmarkConfig:
     name: str = ""  # a shipped benchmark (class names + templates), e.g. cifar100, or your own with its files
     root: str = ""  # the data folder; YAML may use ${oc.env:VAR,default}
     split: str = "test"
-    format: str = "auto"  # auto | wds | imagefolder | cifar | torchvision | karpathy
-    task: str = ""  # classification | retrieval; default: the benchmark's (or the data's)
+    format: str = choice("auto", ("auto", "wds", "imagefolder", "cifar", "torchvision", "karpathy"))
+    task: str = choice("", ("", "classification", "retrieval"))  # "": the benchmark's (or the data's)
     classnames: str = ""  # a file with one class name per line, over the data's and the shipped ones
     templates: str = ""  # a file with one {c} template per line, or another benchmark's name (e.g. imagenet1k)
     annotations: str = ""  # karpathy: the split JSON (default: dataset_{coco,flickr30k}.json in root)
@@ -404,10 +419,11 @@ class BenchmarkConfig:
 class EvalSuiteConfig:
     name: str = "suite"
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
-    batch_size: int = 256  # images per tower forward
-    text_batch_size: int = 1024  # prompts or captions per text-tower forward
-    workers: int = 2  # image-decoding worker processes
+    batch_size: int = number(256, minimum=1)  # images per tower forward
+    text_batch_size: int = number(1024, minimum=1)  # prompts or captions per text-tower forward
+    workers: int = number(2, minimum=0)  # image-decoding worker processes
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16 | fp16
+    # auto (bf16 autocast on CUDA, fp32 on CPU; fp32 with --peer) | fp32 | bf16 | fp16
+    precision: str = choice("auto", PRECISIONS)
     # The image-feature cache (keyed by tower + data); "": $LIT_SOFTMOE_CACHE/eval or ~/.cache/lit_softmoe/eval.
     cache_dir: str = ""
