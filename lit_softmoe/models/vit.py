@@ -300,7 +300,8 @@ class VisionTransformer(nn.Module):
     def moe_aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' auxiliary losses from the last forward (0 for dense / Soft MoE / EC)."""
         losses = [layer.aux_loss for layer in self._sparse_moe_layers()]
-        return torch.stack(losses).sum() if losses else self.pos_embed.new_zeros(())
+        # A plain zero on the weights' device (`new_zeros` of a sharded weight would be a DTensor).
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.pos_embed.device)
 
     def moe_dropped_fraction(self) -> torch.Tensor:
         """Mean over the MoE layers of the fraction of tokens no expert processed, in the last forward.
@@ -310,7 +311,7 @@ class VisionTransformer(nn.Module):
         moe_layers = [block.mlp for block in self.blocks if not isinstance(block.mlp, Mlp)]
         fractions = [layer.dropped_fraction.to(self.pos_embed.device) for layer in self._sparse_moe_layers()]
         if not fractions:
-            return self.pos_embed.new_zeros(()).detach()
+            return torch.zeros((), device=self.pos_embed.device)
         return torch.stack(fractions).sum() / len(moe_layers)
 
     def _pos_embed(self, num_patches: int, grid: tuple[int, int] | None = None) -> torch.Tensor:

@@ -179,7 +179,7 @@ def test_on_8_gpus_the_b16_config_fits_with_fsdp():
 
 def test_a_run_whose_plan_does_not_fit_this_gpu_is_refused_in_one_line(monkeypatch):
     import lit_softmoe.train.memory_plan as memory_plan
-    cfg = load_config(PretrainConfig, "pretrain/soft-b16-128e-imagenet1k")
+    cfg = load_config(PretrainConfig, "pretrain/soft-b16-128e-imagenet1k", ["sharding=none"])  # shipped: fsdp
     if not torch.cuda.is_available():
         memory_plan.check_plan_fits(cfg)  # no GPU here: nothing to check against
     monkeypatch.setattr(memory_plan, "visible_gpu_bytes", lambda: 80 * GIB)  # as on an 80 GB GPU
