@@ -226,8 +226,7 @@ def _cmd_push(args) -> None:
         print(f"dry run: {len(summary['files'])} files of {args.export} would go to {where}:")
         for name in summary["files"]:
             print(f"  {name}")
-        print("model card front matter: " + (", ".join(f"{k}: {v}" for k, v in front.items()) if front else
-                                             "none (export again to write it; the Hub will not index the model)"))
+        print("model card front matter: " + ", ".join(f"{k}: {v}" for k, v in front.items()))  # push checked it
         return
     print(f"{len(summary['files'])} files of {args.export} pushed to {where}: {summary['url']}")
 

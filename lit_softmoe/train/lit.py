@@ -319,6 +319,17 @@ def _train_lit(cfg: LiTConfig) -> dict:
                       f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
+    def embed(micro_batch):  # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+        micro_images, micro_text = micro_batch
+        with accelerator.autocast():
+            if cached:
+                return model(image_features=micro_images, text=micro_text)
+            return model(micro_images, micro_text)
+
+    def loss_fn(*outputs):
+        with accelerator.autocast():
+            return (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
+
     progress = tqdm(total=total_steps, initial=step, desc="lit", disable=not is_main, dynamic_ncols=True)
     model.train()
     last_log_step, last_log_seconds = step, train_seconds
@@ -336,18 +347,6 @@ def _train_lit(cfg: LiTConfig) -> dict:
             lr = lr_at(step, total_steps, cfg.optim)
             set_lr(optimizer, lr)
             images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
-
-            def embed(micro_batch):  # → (zimg, ztxt, logit_scale) and, for the sigmoid loss, logit_bias
-                micro_images, micro_text = micro_batch
-                with accelerator.autocast():
-                    if cached:
-                        return model(image_features=micro_images, text=micro_text)
-                    return model(micro_images, micro_text)
-
-            def loss_fn(*outputs):
-                with accelerator.autocast():
-                    return (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
-
             # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's recompute scheme).
             loss, outputs = contrastive_accumulation(embed, loss_fn, split_batch((images, text), cfg.accum_steps),
                                                      backward=accelerator.backward,
