@@ -106,6 +106,10 @@ class TextTower(nn.Module):
         """Recompute each layer's activations in the backward pass instead of keeping them (timm's name)."""
         raise NotImplementedError
 
+    def blocks(self) -> nn.ModuleList:
+        """The transformer's layers, first to last: the units sharded training gathers one at a time."""
+        raise NotImplementedError
+
 
 class OpenClipTextTower(TextTower):
     """CLIP's text transformer from open_clip, randomly initialized, pooled at <end_of_text>."""
@@ -133,6 +137,9 @@ class OpenClipTextTower(TextTower):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.transformer.set_grad_checkpointing(enable)  # per residual block, non-reentrant
+
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.transformer.resblocks
 
     def no_weight_decay(self) -> set[str]:
         return {f"transformer.{n}" for n in self.transformer.no_weight_decay()}
@@ -217,6 +224,12 @@ class HFTextTower(TextTower):
             self.encoder.activation_checkpointing_disable()
         else:
             self.encoder.gradient_checkpointing_disable()
+
+    def blocks(self) -> nn.ModuleList:
+        # Named by each architecture (BERT's encoder.layer, others' layers): the list of as many
+        # modules as the config has hidden layers.
+        layers = self.encoder.config.num_hidden_layers
+        return next(m for m in self.encoder.modules() if isinstance(m, nn.ModuleList) and len(m) == layers)
 
     def no_weight_decay(self) -> set[str]:
         # Pretrained position / token-type embeddings are tables, not kernels: keep them undecayed.

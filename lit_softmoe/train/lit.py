@@ -17,6 +17,7 @@ totals an uninterrupted one does.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
-from lit_softmoe.train.checkpoint import prune_checkpoints, save_training_state
+from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.logging import plot_curves, read_metrics
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.memory_plan import check_plan_fits
@@ -60,6 +61,8 @@ from lit_softmoe.train.runtime import (
     resume_state,
     run_folder_lock,
 )
+from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
+from lit_softmoe.train.sharding import check_sharding, gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import inference_dtype, resolve_compile
 from lit_softmoe.utils.paths import check_writable
@@ -222,12 +225,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
     check_training_length(cfg)
     check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
-    if cfg.sharding != "none":
-        raise UserError(f"sharding={cfg.sharding} shards pretraining only: LiT's processes each hold the text tower "
-                        "whole (DDP); set sharding=none, and save memory with grad_checkpointing=true or accum_steps")
     check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
+    check_sharding(cfg.sharding, accelerator.num_processes, cfg.precision)
+    sharded = cfg.sharding == "fsdp"
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
     # probe: said now and at the end, and recorded in results.json.
@@ -249,6 +251,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
+    # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
+    # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
+    plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
+    if sharded:
+        shard_lit_model(model.to(accelerator.device), accelerator.device)
     optimizer = _setup_optimizer(cfg, model)
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
@@ -281,18 +288,20 @@ def _train_lit(cfg: LiTConfig) -> dict:
                         "lower batch_size or data.workers, or add data")
     steps_per_epoch = len(loader)
     total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
-    model.to(accelerator.device)
+    if not sharded:  # a sharded model is on the device already
+        model.to(accelerator.device)
     compiled = resolve_compile(cfg.compile, accelerator.device)
     if compiled:  # in place, so parameter names, checkpoints and the optimizer are unchanged
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
-    eval_set = _setup_eval(cfg, model, transform, accelerator) if is_main else None
+    eval_set = _setup_eval(cfg, plain if sharded else model, transform, accelerator) if is_main else None
 
     # ---- resume
     checkpoints_dir = run_dir / "checkpoints"
     step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
-                                                skip_prefixes=frozen)
+                                                skip_prefixes=frozen,
+                                                load=load_sharded_state if sharded else load_training_state)
     if latest is not None:
         require_keys(checkpoint_meta, ("train_seconds", "data_counts", "image_tower_sha256"), latest / STATE_META,
                      "the run cannot be resumed from it; start this one with another run_dir=...")
@@ -309,7 +318,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
             _restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not sharded:  # a sharded model is FSDP's already: DDP would wrap it again
+        model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     inputs = "cached features" if cached else "images"
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
@@ -348,9 +358,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
             set_lr(optimizer, lr)
             images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
             # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's recompute scheme).
-            loss, outputs = contrastive_accumulation(embed, loss_fn, split_batch((images, text), cfg.accum_steps),
-                                                     backward=accelerator.backward,
-                                                     no_sync=lambda: accelerator.no_sync(model))
+            # DDP syncs the gradients after the last; FSDP reduce-scatters after each (no whole gradient anywhere).
+            loss, outputs = contrastive_accumulation(
+                embed, loss_fn, split_batch((images, text), cfg.accum_steps), backward=accelerator.backward,
+                no_sync=contextlib.nullcontext if sharded else lambda: accelerator.no_sync(model))
             if cfg.optim.grad_clip > 0:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
@@ -369,25 +380,30 @@ def _train_lit(cfg: LiTConfig) -> dict:
                             "train_seconds": round(train_seconds, 2), "samples_per_s": round(rate, 1),
                             **loader.metrics()})
                 progress.set_postfix(loss=f"{loss_value:.3f}")
-            if eval_set is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
-                logger.log({"step": step, **_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform,
-                                                           accelerator)})
+            if cfg.eval.shards and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
+                eval_model = gather_into(plain, model_module) if sharded else model_module  # sharded: collective
+                if is_main:
+                    logger.log({"step": step, **_zeroshot_eval(cfg, eval_model, eval_set, tokenizer, transform,
+                                                               accelerator)})
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 # Also between log records (a log step checked it already): a diverged model is never
                 # saved, or a rerun would resume it.
                 if step % cfg.log_every and step != total_steps:
                     global_loss(accelerator, loss, step)
                 accelerator.wait_for_everyone()
-                if is_main:
-                    # A resume replays this epoch from its start (counting its samples again), or at
-                    # an epoch's end starts the next: the counts as of then (this epoch's stream read
-                    # nothing past its last batch).
-                    data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
+                # A resume replays this epoch from its start (counting its samples again), or at an
+                # epoch's end starts the next: the counts as of then (this epoch's stream read nothing
+                # past its last batch). The main process's counts are the ones recorded.
+                data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
+                meta = {"train_seconds": train_seconds, "data_counts": data_counts,
+                        "loss_scaler": loss_scaler_state(accelerator), "image_tower_sha256": tower_sha,
+                        "model": description}
+                if sharded:  # every process writes its shards
+                    save_sharded_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer, meta=meta)
+                elif is_main:
                     save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
-                                        meta={"train_seconds": train_seconds, "data_counts": data_counts,
-                                          "loss_scaler": loss_scaler_state(accelerator),
-                                              "image_tower_sha256": tower_sha, "model": description},
-                                        skip_prefixes=frozen)
+                                        meta=meta, skip_prefixes=frozen)
+                if is_main:
                     prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
     progress.close()
     loader.check_bad_fraction()
@@ -395,7 +411,9 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
                "bad_samples": dict(loader.bad.counts)}
-    if tower_hash is not None and model_module.image_tower_sha256() != tower_hash:
+    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights
+        model_module = gather_into(plain, model_module)
+    if tower_hash is not None and is_main and model_module.image_tower_sha256() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
     if is_main:
         if eval_set is not None:

@@ -202,10 +202,15 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         if fewshot_skipped:
             _log.warning(fewshot_skipped)
     torch.manual_seed(cfg.seed)
-    tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames), **cfg.tower.options)
+    # Sharded, the main process alone makes the weights (the others build the tower on the meta device,
+    # no memory), and `shard_tower` sends each process its shards: a host holds one tower, not one per GPU.
+    weights_here = is_main or not sharded
+    tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames),
+                               device=None if weights_here else "meta", **cfg.tower.options)
     if source is not None and not resuming:  # a resumed run restores its own (trained) weights below
         keep_head, why = head_decision(source, data.classnames)
-        load_init_weights(tower, source, keep_head)
+        if weights_here:
+            load_init_weights(tower, source, keep_head)
         source["head"] = "kept" if keep_head else "replaced"
         accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head {source['head']} ({why}); "
                           "inputs normalized with its preprocess mean and std")

@@ -6,6 +6,10 @@
         state.json                     as an unsharded checkpoint's (the step, the optimizer's groups, what the
                                        recipe adds), plus "processes"
 
+Frozen parameters (LiT's locked image tower) are left out, as an unsharded checkpoint leaves them out:
+no step changes them, and the run rebuilds them from where they came from (the tower folder, whose
+weights identity the run checks on resume).
+
 The tensors are each process's local pieces of the sharded parameters and AdamW moments, named as
 PyTorch's distributed state-dict API names them (`get_model_state_dict`, `get_optimizer_state_dict`:
 by parameter name) and put back through it (`set_state_dict`). Safetensors and JSON, nothing pickled,
@@ -33,13 +37,20 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import STATE_META
 from lit_softmoe.train.checkpoint import DamagedCheckpoint, read_state_meta
 from lit_softmoe.utils.atomic import write_folder_atomically
+
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
 def shard_file(rank: int, world_size: int) -> str:
@@ -54,9 +65,9 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """{"model.<name>": tensor, "optim.<name>.<moment>": tensor} as DTensors and step counts, and the
-    optimizer's groups (parameters by name). On a fresh optimizer the API first makes the moments (a
-    step at lr 0)."""
-    model_state = get_model_state_dict(model)
+    optimizer's groups (parameters by name); frozen parameters left out. On a fresh optimizer the API
+    first makes the moments (a step at lr 0)."""
+    model_state = get_model_state_dict(model, options=_TRAINED_ONLY)
     optim_state = get_optimizer_state_dict(model, optimizer)
     tensors = {f"model.{name}": value for name, value in model_state.items()}
     for name, moments in optim_state["state"].items():
@@ -142,9 +153,14 @@ def load_sharded_state(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: 
                        skip_prefixes: tuple[str, ...] = ()) -> dict:
     """Collective: restore what `save_sharded_state` wrote; returns its state.json (with "step"). A
     checkpoint damaged on any process raises DamagedCheckpoint on every process before anything is
-    restored (`runtime.resume_state` then tries the one before, on all of them)."""
-    if skip_prefixes:
-        raise NotImplementedError("a sharded checkpoint holds the whole model: frozen parts are not left out")
+    restored (`runtime.resume_state` then tries the one before, on all of them). `skip_prefixes`, the
+    parts an unsharded checkpoint leaves out, must name frozen parameters only: a sharded one leaves
+    every frozen parameter out."""
+    trained = [name for name, param in model.named_parameters()
+               if skip_prefixes and param.requires_grad and name.startswith(skip_prefixes)]
+    if trained:
+        raise ValueError(f"skip_prefixes {skip_prefixes} name trained parameters ({trained[0]}, ...), which a "
+                         "sharded checkpoint holds")
     ckpt_dir = Path(ckpt_dir)
     try:
         info, model_state, optim_state, tensors = _read_own(ckpt_dir, model, optimizer)
@@ -156,7 +172,9 @@ def load_sharded_state(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: 
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         raise first
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    # Not strict: the frozen parameters are missing on purpose (`_read_own` checked every other name).
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(tensors["rng.cpu"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])

@@ -1,4 +1,4 @@
-"""Sharded data parallelism for pretraining (`sharding: fsdp`): PyTorch's FSDP2, `fully_shard`.
+"""Sharded data parallelism (`sharding: fsdp`) for pretraining and LiT: PyTorch's FSDP2, `fully_shard`.
 
 With N processes each one holds 1/N of every parameter, of its gradient and of its AdamW moments.
 A block's full weights exist only while it runs: FSDP all-gathers them before its forward and again
@@ -18,17 +18,28 @@ The parameters stay float32 and autocast casts the gathered weights, as in an un
 `MixedPrecisionPolicy` would gather bf16 copies: half the traffic, another rounding).
 `sharded_checkpoint` saves and restores the sharded state; `gather_tower` gives the main process a
 plain tower with the full weights, for evaluation and the tower folder.
+
+LiT (`shard_lit_model`) shards what trains: the text tower's layers, the image tower's unlocked blocks,
+and at the root the rest (embeddings, final norms, heads, the scale and bias). The locked part of the
+image tower is left out (`ignored_params`): it has no gradients and no optimizer moments, the states
+sharding divides, and whole on every GPU it runs with no all-gather at all (its weights, in the dtype
+it runs in, are what the memory plan counts whole). The main process keeps a plain copy of the model
+(`plain_copy`, sharing that locked tower) into which `gather_into` puts the trained weights, for
+evaluation and the model folder.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
 
 
@@ -41,28 +52,91 @@ def check_sharding(sharding: str, num_processes: int, precision: str = "auto") -
     if sharding == "fsdp" and num_processes < 2:
         raise UserError("sharding=fsdp shards the tower over the processes of a distributed launch, but this run is "
                         "one process; launch it with `accelerate launch --num_processes N -m lit_softmoe.cli pretrain "
-                        "...` or `torchrun --nproc_per_node N -m lit_softmoe.cli pretrain ...`, or set sharding=none")
+                        "...` or `torchrun --nproc_per_node N -m lit_softmoe.cli COMMAND ...`, or set sharding=none")
 
 
-def _scalars_as_vectors(module: nn.Module) -> None:
-    """Hold each 0-d parameter (Soft MoE's `scale`) as a (1,) one, in place: `fully_shard` shards dim 0
-    and refuses scalars. The forward broadcasts it to the same values; `gather_tower` gives it back its
-    0-d shape, so tower folders keep their format."""
+def _scalars_as_vectors(module: nn.Module, keep: set[nn.Parameter] = frozenset()) -> None:
+    """Hold each 0-d parameter (Soft MoE's `scale`, LiT's logit scale and bias) but those in `keep` as a
+    (1,) one, in place: `fully_shard` shards dim 0 and refuses scalars. The forward broadcasts it to the
+    same values; `gather_tower` and `gather_into` give it back its 0-d shape, so saved folders keep
+    their format."""
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
-            if param.ndim == 0:
+            if param.ndim == 0 and param not in keep:
                 setattr(owner, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+
+
+def _mesh(device: torch.device):
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransformer:
     """Shard `tower` in place over every process of the group (the sharded parameters are DTensors on
-    `device`); build its optimizer after this, on the sharded parameters."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    `device`); build its optimizer after this, on the sharded parameters.
+
+    The main process's tower holds the weights; the others' may be on the meta device (built without
+    memory): each process's shards are then sent from the main process's weights (a broadcast, FSDP's
+    `broadcast_from_rank0`), so no process but the main one ever holds the whole tower."""
+    mesh = _mesh(device)
     _scalars_as_vectors(tower)
+    on_meta = [name for name, param in tower.named_parameters() if param.is_meta]
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(on_meta))
+    if dist.get_rank() == 0 and on_meta:
+        raise ValueError(f"the main process's tower must hold the weights, but {on_meta[0]} is on the meta device")
+    full = tower.state_dict() if any(flags) and dist.get_rank() == 0 else {}  # the weights to send
     for block in tower.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(tower, mesh=mesh)
+    if any(flags):
+        if on_meta:
+            tower.to_empty(device=device)  # this process's shards, in memory, filled below
+        set_model_state_dict(tower, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return tower
+
+
+def locked_image_parameters(model: LiTModel) -> set[nn.Parameter]:
+    """The image tower's parameters that never train: whole on every process, never sharded."""
+    if model.image_tower is None:
+        return set()
+    return {param for param in model.image_tower.parameters() if not param.requires_grad}
+
+
+def plain_copy(model: LiTModel) -> LiTModel:
+    """A deep copy of `model` made before it is sharded, sharing its locked image parameters (nothing of
+    a locked tower is copied): what `gather_into` fills with the trained weights."""
+    return copy.deepcopy(model, memo={id(param): param for param in locked_image_parameters(model)})
+
+
+def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
+    """Shard what trains in `model` in place over every process of the group: one unit per text layer and
+    per unlocked image block, the root for the rest; the locked image parameters stay whole (they must be
+    on `device` already). Build the optimizer after this, on the sharded parameters."""
+    mesh = _mesh(device)
+    locked = locked_image_parameters(model)
+    _scalars_as_vectors(model, keep=locked)
+    units = list(model.text_tower.blocks())
+    if model.unlocked_blocks:
+        units += list(model.image_tower.blocks[-model.unlocked_blocks:])
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=locked or None)
+    return model
+
+
+def gather_into(plain: nn.Module | None, model: nn.Module) -> nn.Module | None:
+    """Collective (every process calls it): the main process's `plain` copy (`plain_copy`) gets the
+    sharded `model`'s current weights and is returned; the others pass and get None. Frozen parameters
+    are not gathered: they never change, and the copy holds them (or shares them) already."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)
+    if dist.get_rank() != 0:
+        return None
+    current = plain.state_dict()
+    with torch.no_grad():
+        for name, value in state.items():
+            current[name].copy_(value.reshape(current[name].shape))
+    return plain
 
 
 def gather_tower(tower: VisionTransformer, device: torch.device) -> VisionTransformer | None:

@@ -805,8 +805,3 @@ def test_accumulation_and_grad_checkpointing_follow_the_whole_batch(pretrained, 
             plain[name], levers[name] = plain[name][[*range(width), *range(2 * width, 3 * width)]], \
                 levers[name][[*range(width), *range(2 * width, 3 * width)]]
         torch.testing.assert_close(levers[name], plain[name], atol=1e-4, rtol=0, msg=name)
-
-
-def test_sharding_is_refused_in_one_line(pretrained, tmp_path):
-    with pytest.raises(UserError, match=r"^sharding=fsdp shards pretraining only: .* set sharding=none"):
-        train_lit(_cfg(pretrained, tmp_path / "run", "sharding=fsdp"))

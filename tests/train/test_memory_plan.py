@@ -24,6 +24,7 @@ from lit_softmoe.train.loss import contrastive_loss
 from lit_softmoe.train.memory_plan import (
     GPU_FILL,
     Levers,
+    count_config,
     count_lit,
     count_pretrain,
     levers_that_fit,
@@ -258,3 +259,24 @@ def test_the_lit_paper_scale_config_plans_to_fit_8_80gb_gpus(tmp_path):
     report, fits = plan_report(cfg, 8, 80 << 30)
     assert fits, report
     assert not plan_report(cfg, 1, 80 << 30)[1]  # the same run on one GPU does not fit
+
+
+def test_lit_with_unlocked_blocks_needs_sharding_and_fits_with_it(tmp_path):
+    """Four of soft-b16-128e's blocks unlocked on images: their fp32 states and the gradients DDP buckets
+    do not fit 8 × 80 GB; sharding them (the locked blocks stay whole) does, and the verdict names it."""
+    tower_dir = tmp_path / "tower"
+    tower_dir.mkdir()
+    tower = create_image_tower("soft-b16-128e", device="meta")
+    (tower_dir / "config.json").write_text(json.dumps({"tower": tower.cfg.to_dict()}))
+    (tower_dir / "model.safetensors").touch()
+    overrides = [f"image_tower={tower_dir}", "unlocked_blocks=4", f"data.train={tmp_path / 'images'}"]
+    report, fits = plan_report(load_config(LiTConfig, "lit/soft-b16-128e-cc12m", overrides), 8, 80 << 30)
+    assert not fits and "sharding=fsdp" in report.splitlines()[-2], report
+    sharded = load_config(LiTConfig, "lit/soft-b16-128e-cc12m", [*overrides, "sharding=fsdp"])
+    report, fits = plan_report(sharded, 8, 80 << 30)
+    assert fits, report
+    count, _ = count_config(sharded)
+    plan = plan_memory(count, sharded.batch_size, 8, Levers.of(sharded))
+    # Only the trained part is divided: the locked blocks' weights are held whole on each GPU.
+    assert plan.weights == count.trainable * 4 // 8 + count.frozen_bytes
+    assert count.frozen_bytes > 0 and plan.optimizer == count.trainable * 8 // 8

@@ -1,7 +1,8 @@
 """lit_softmoe.train.sharding and sharded_checkpoint (`sharding: fsdp`): FSDP2 pretraining on two gloo
 processes (torchrun) equals one process on the same global batches, a kill -9 mid-epoch then a rerun
 equals the uninterrupted sharded run, and the tower folder loads in one process with the weights the
-processes held. The checkpoint's own checks run in-process, on a one-process gloo group."""
+processes held. Sharded LiT (the text tower, and unlocked image blocks) equals one process too, and
+resumes exactly. The checkpoint's own checks run in-process, on a one-process gloo group."""
 from __future__ import annotations
 
 import json
@@ -19,18 +20,21 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cli_errors import one_line_error
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.checkpoint import DamagedCheckpoint
+from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.optim import create_optimizer
 from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.runtime import resume_state
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
-from lit_softmoe.train.sharding import gather_tower, shard_tower
+from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, shard_lit_model, shard_tower
 
 # The narrow Soft MoE tower of test_pretrain.py: seconds per run.
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
@@ -161,6 +165,127 @@ def test_a_shard_damaged_on_one_process_makes_both_resume_from_the_checkpoint_be
     _assert_same_run(sharded_run, run)
 
 
+# ---- LiT, two processes (torchrun, gloo) ---------------------------------------------------------
+
+# 40-sample shards, a 40-sample step per process, no sample shuffle: rank r reads the one-process
+# order's shards r, r+2, ..., so each global batch of 80 holds the one-process batch's samples, in order
+# (as test_lit.py's DDP test). Evaluated at step 6: the sharded text tower is gathered mid-run.
+LIT_RUN = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "data.workers=0", "optim.lr=3e-3",
+           "optim.warmup=5", "log_every=1", "checkpoint_every=3", "keep_checkpoints=10", "eval.every=6",
+           "precision=fp32", "log_with=[]", "text.width=64", "text.layers=2", "text.heads=2"]
+
+
+@pytest.fixture(scope="module")
+def lit_data(tmp_path_factory):
+    """400 Fashion-MNIST images in shards of 40 (train and test) and a random Soft MoE tower."""
+    root = tmp_path_factory.mktemp("lit")
+    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=40, limit=400, allow_download=False)
+    torch.manual_seed(0)
+    save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
+               extra={"preprocess": {"image_size": 28, "mean": [0.286], "std": [0.353]}})
+    return root
+
+
+def _lit_overrides(data, run_dir, *extra) -> list[str]:
+    return [f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'fmnist' / 'train'}",
+            f"eval.shards={data / 'fmnist' / 'test'}", *LIT_RUN, *extra]
+
+
+def _lit_torchrun(data, run_dir, port: int, *extra) -> str:
+    empty = run_dir.parent / "empty.yaml"
+    empty.write_text("{}\n")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={port}", "-m", "lit_softmoe.cli", "train", "--config", str(empty),
+                             *_lit_overrides(data, run_dir, "sharding=fsdp", *extra)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def _lit_results(run_dir) -> tuple[dict, dict, dict]:
+    """(losses by step, zero-shot top-1 by step, the saved model's tensors)."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return ({r["step"]: r["loss"] for r in records if "loss" in r},
+            {r["step"]: r["zeroshot_top1"] for r in records if "zeroshot_top1" in r},
+            load_file(run_dir / "model" / "model.safetensors"))
+
+
+def _assert_lit_follows(one, two, width: int = 64) -> None:
+    """The sharded run `two` follows the one-process run `one`: losses within 1e-4, the eval at the same
+    steps, the saved weights within 1e-4 -- but the attention's key bias, whose true gradient is 0 (it
+    cancels in the softmax): Adam turns the rounding noise standing in for that 0 into full-size steps."""
+    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = _lit_results(one), _lit_results(two)
+    assert sorted(losses_a) == sorted(losses_b) == list(range(1, 13))
+    assert losses_a[12] < losses_a[1]
+    for step in losses_a:
+        assert losses_b[step] == pytest.approx(losses_a[step], abs=1e-4), step
+    assert sorted(evals_a) == sorted(evals_b) == [6, 12]
+    assert sorted(model_a) == sorted(model_b)
+    for name, a in model_a.items():
+        b = model_b[name]
+        assert a.shape == b.shape, name  # the scalars are 0-d again
+        if name.endswith("attn.in_proj_bias"):
+            a, b = torch.cat([a[:width], a[2 * width:]]), torch.cat([b[:width], b[2 * width:]])
+        assert (a - b).abs().max() <= 1e-4, name
+
+
+@pytest.mark.slow
+def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, tmp_path):
+    """The text tower sharded, the locked tower whole on both processes: one process's curve, and a
+    model folder with the text side only (the locked tower is the tower folder's)."""
+    one = tmp_path / "one"
+    train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one)))
+    two = tmp_path / "two"
+    _lit_torchrun(lit_data, two, 29591)
+    _assert_lit_follows(one, two)
+    assert not any(name.startswith("image_tower.") for name in _lit_results(two)[2])
+    # The checkpoints hold no piece of the locked tower either, on either process.
+    for rank in range(2):
+        held = load_file(two / "checkpoints" / "step_00000012" / shard_file(rank, 2))
+        assert held and not any(name.startswith(("model.image_tower.", "optim.image_tower.")) for name in held)
+
+
+@pytest.mark.slow
+def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
+    """The tower's last block trains, sharded (Soft MoE's 0-d `scale` among its parameters)."""
+    one = tmp_path / "one"
+    train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one, "unlocked_blocks=1")))
+    two = tmp_path / "two"
+    _lit_torchrun(lit_data, two, 29593, "unlocked_blocks=1")
+    _assert_lit_follows(one, two)
+    trained = _lit_results(two)[2]
+    tower = load_tower(lit_data / "tower")[0].state_dict()
+    assert not torch.equal(trained["image_tower.blocks.1.mlp.scale"], tower["blocks.1.mlp.scale"])
+    assert torch.equal(trained["image_tower.blocks.0.attn.qkv.weight"], tower["blocks.0.attn.qkv.weight"])
+
+
+@pytest.mark.slow
+def test_sharded_lit_resumes_exactly(lit_data, tmp_path):
+    """A sharded run stopped after its step-6 checkpoint (its later ones and its model gone) and rerun
+    ends as the uninterrupted sharded run, to the bit."""
+    straight = tmp_path / "straight"
+    _lit_torchrun(lit_data, straight, 29595)
+    cut = tmp_path / "cut"
+    shutil.copytree(straight, cut, ignore=shutil.ignore_patterns("model", "results.json"))
+    for step in (9, 12):
+        shutil.rmtree(cut / "checkpoints" / f"step_{step:08d}")
+    assert "(step 6 of 12)" in _lit_torchrun(lit_data, cut, 29597)
+    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = _lit_results(straight), _lit_results(cut)
+    assert losses_a == losses_b and evals_a == evals_b
+    assert sorted(model_a) == sorted(model_b)
+    for name, value in model_a.items():
+        assert torch.equal(value, model_b[name]), name
+
+
+def test_lit_on_one_process_with_fsdp_is_refused_in_one_line(lit_data, tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    line = one_line_error(capsys, ["train", "--config", str(empty),
+                                   *_lit_overrides(lit_data, tmp_path / "run", "sharding=fsdp")])
+    assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ---- the checkpoint and the gathered tower, on one in-process gloo process -------------------------
 
 @pytest.fixture
@@ -244,3 +369,61 @@ def test_fsdp_on_one_process_is_one_line_before_any_work(shards, tmp_path, capsy
     line = one_line_error(capsys, ["pretrain", "--config", str(empty),
                                    *_overrides(shards, tmp_path / "run", "sharding=zero")])
     assert "sharding" in line and "fsdp" in line, line
+
+
+def _lit_model(unlocked_blocks: int = 0) -> LiTModel:
+    torch.manual_seed(0)
+    text = create_text_tower(TextTowerConfig(width=32, layers=2, heads=2, context_length=16), embed_dim=32)
+    tower = create_image_tower("soft-test-4e", num_classes=10)
+    return LiTModel(tower, text, loss="sigmoid", unlocked_blocks=unlocked_blocks)
+
+
+def test_sharded_lit_model_shards_what_trains_and_shares_the_locked_tower(one_process_group):
+    from torch.distributed.tensor import DTensor
+
+    model = _lit_model(unlocked_blocks=1)
+    plain = plain_copy(model)
+    shard_lit_model(model, torch.device("cpu"))
+    for name, param in model.named_parameters():
+        # Trained: a shard (the scalars held as (1,)); locked: the very tensor the plain copy holds.
+        assert isinstance(param, DTensor) == param.requires_grad, name
+        if not param.requires_grad:
+            assert param is plain.get_parameter(name), name
+    assert plain.logit_scale.shape == () and model.logit_scale.shape == (1,)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.randint(1, 100, (4, 16))
+    zimg, ztxt, scale, bias = model(torch.randn(4, 1, 28, 28), ids)
+    (-(zimg * ztxt).sum() * scale + bias).backward()
+    optimizer.step()
+    assert not torch.equal(plain.logit_scale, model.logit_scale.full_tensor()[0])  # the copy is not updated...
+    assert gather_into(plain, model) is plain  # ...until gathered into
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        assert torch.equal(full.reshape(plain.get_parameter(name).shape), plain.get_parameter(name)), name
+    pixels = torch.randn(2, 1, 28, 28)
+    for a, b in zip(plain(pixels, ids[:2]), model(pixels, ids[:2])):
+        assert torch.allclose(a, b.reshape(a.shape), atol=1e-6)
+
+
+def test_sharded_lit_checkpoint_leaves_the_locked_tower_out_and_restores_the_rest(one_process_group, tmp_path):
+    model = _lit_model()
+    shard_lit_model(model, torch.device("cpu"))
+    optimizer = create_optimizer(model, load_config(LiTConfig).optim)
+    zimg, ztxt, scale, bias = model(torch.randn(4, 1, 28, 28), torch.randint(1, 100, (4, 16)))
+    (-(zimg * ztxt).sum() * scale + bias).backward()
+    optimizer.step()
+    ckpt = save_sharded_state(tmp_path / "step_00000001", 1, model, optimizer)
+    held = load_file(ckpt / shard_file(0, 1))
+    assert not any("image_tower." in name for name in held)
+    assert "model.logit_bias" in held and any(name.startswith("model.text_tower.") for name in held)
+    other = _lit_model()
+    torch.manual_seed(1)
+    other.text_tower.apply(lambda m: [torch.nn.init.normal_(p) for p in m.parameters(recurse=False)])
+    shard_lit_model(other, torch.device("cpu"))
+    other_optimizer = create_optimizer(other, load_config(LiTConfig).optim)
+    load_sharded_state(ckpt, other, other_optimizer, skip_prefixes=("image_tower.",))
+    for (name, p), q in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        p, q = (getattr(t, "full_tensor", t.clone)() for t in (p, q))
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="name trained parameters"):
+        load_sharded_state(ckpt, other, other_optimizer, skip_prefixes=("text_tower.",))
