@@ -413,8 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="weights on disk (default: fp32); ONNX graphs are always fp32")
     export.add_argument("--no-open-clip", dest="open_clip", action="store_false",
-                        help="leave out open_clip_config.json and open_clip_model.safetensors (a second copy of the "
-                             "weights, under open_clip's names, for open_clip.create_model_and_transforms)")
+                        help="store the weights under lit-softmoe's names (image/text_encoder.safetensors) in place "
+                             "of open_clip's (open_clip_model.safetensors + open_clip_config.json): open_clip's "
+                             "create_model_and_transforms then cannot load the export")
     export.add_argument("--onnx", action="store_true", help="also write image/text_encoder.onnx and check them "
                         "against PyTorch with onnxruntime")
     export.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")

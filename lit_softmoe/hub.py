@@ -20,19 +20,19 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
-    IMAGE_WEIGHTS,
     MODEL_CARD,
     STATE_META,
     STATE_TENSORS,
-    TEXT_WEIGHTS,
     TOKENIZER_DIR,
     TOKENIZER_JSON,
     ModelFolder,
     classify_folder,
+    export_weight_files,
     read_export_config,
     read_json,
     require_keys,
 )
+from lit_softmoe.models.export_weights import WEIGHTS_FILES, load_export_weights
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -50,9 +50,9 @@ from lit_softmoe.utils.device import inference_dtype
 from lit_softmoe.utils.hashing import weights_sha256
 
 HF_HUB_PREFIX = "hf-hub:"
-# What loading an export reads: the ONNX graphs (the largest files, for runtimes without torch) stay on the Hub.
-# Our loader's files only: the ONNX graphs and open_clip's copy of the weights stay on the Hub.
-HF_HUB_PATTERNS = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS, TEXT_WEIGHTS, TOKENIZER_JSON, f"{TOKENIZER_DIR}/*"]
+# What loading an export reads: the weights files of either layout (models.export_weights) and the tokenizer;
+# the ONNX graphs (a copy of the weights, for runtimes without torch) stay on the Hub.
+HF_HUB_PATTERNS = [EXPORT_CONFIG, MODEL_CARD, *WEIGHTS_FILES, TOKENIZER_JSON, f"{TOKENIZER_DIR}/*"]
 _REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 
 
@@ -219,12 +219,11 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     hf = text_cfg.kind == "hf"
     if hf:  # the architecture and tokenizer travel in the export; the original path may be gone
         text_cfg.path = str(path / TOKENIZER_DIR)
-    # The architecture travels in the export (tokenizer/config.json); text_encoder.safetensors holds every
+    # The architecture travels in the export (tokenizer/config.json); the export's weights hold every text
     # weight, so the encoder is built from its config without reading pretrained weights.
     text_tower = create_text_tower(text_cfg, embed_dim=config["embed_dim"], pretrained_weights=False)
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
-    state = {k: v.float() if v.is_floating_point() else v
-             for name in (IMAGE_WEIGHTS, TEXT_WEIGHTS) for k, v in load_weights(path / name).items()}
+    state = load_export_weights(path, export_weight_files(path, config))
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     model.lock_image_tower()
@@ -311,9 +310,8 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
     if source.kind == "export":
         config = read_export_config(source.path)
         tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
-        state = {k[len("image_tower."):]: v.float() if v.is_floating_point() else v
-                 for k, v in load_weights(source.path / IMAGE_WEIGHTS).items() if k.startswith("image_tower.")}
-        check_state_dict(tower, state, str(source.path / IMAGE_WEIGHTS))
+        state = load_export_weights(source.path, export_weight_files(source.path, config), prefix="image_tower.")
+        check_state_dict(tower, state, str(source.path))
         tower.load_state_dict(state, assign=True)
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"
     elif source.kind == "tower":

@@ -1,7 +1,7 @@
 """The folders that hold a model, recognized by the files in them.
 
     EXPORT/                         `lit-softmoe export` (see lit_softmoe.export)
-        config.json (with "format")  image_encoder.safetensors  [text_encoder.safetensors  tokenizer/ ...]
+        config.json (with "format" and "weights")  the weights files it names  [tokenizer/ ...]
     RUN/                            a LiT run (`lit-softmoe train`) or a pretraining run (`lit-softmoe pretrain`)
         config.yaml  results.json  metrics.jsonl  eval/
         model/    config.json + model.safetensors: the LiT pair (config.json has "text" and "image_tower_config")
@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.export_weights import IMAGE_WEIGHTS, OPEN_CLIP, OURS, TEXT_WEIGHTS
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
 
 # An export folder's files.
-EXPORT_FORMAT = 2  # config.json's "format": the one this version writes and reads
+EXPORT_FORMAT = 3  # config.json's "format": the one this version writes
+# Format 2 held the weights twice (ours + open_clip's copy) and hashed only the weights files: it still loads
+# (our copy), but push wants format 3 (every file hashed).
+READ_FORMATS = (2, EXPORT_FORMAT)
 EXPORT_CONFIG, MODEL_CARD = "config.json", "README.md"
-IMAGE_WEIGHTS, TEXT_WEIGHTS = "image_encoder.safetensors", "text_encoder.safetensors"
 IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
 TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 # A run folder's files.
@@ -59,10 +62,29 @@ def read_export_config(folder: Path) -> dict:
     if isinstance(found, int) and not isinstance(found, bool) and found > EXPORT_FORMAT:
         raise UserError(f"{folder} has export format {found}, newer than this lit-softmoe reads ({EXPORT_FORMAT}); "
                         "upgrade lit-softmoe")
-    if found != EXPORT_FORMAT:
+    if found not in READ_FORMATS:
         raise UserError(f"{folder} has export format {found}, which this lit-softmoe does not read (it reads "
-                        f"{EXPORT_FORMAT}); export the run again with this version")
+                        f"{' and '.join(map(str, READ_FORMATS))}); export the run again with this version")
     return config
+
+
+def export_weight_files(folder: Path, config: dict) -> dict[str, str]:
+    """{weights file: the names it holds its tensors under} of the export at `folder` (models.export_weights): what
+    its config.json records, or format 2's own files (its open_clip copy held the same tensors again)."""
+    if config["format"] == 2:
+        return {IMAGE_WEIGHTS: OURS, **({TEXT_WEIGHTS: OURS} if config.get("kind") == "pair" else {})}
+    files = require_keys(config, ("weights",), folder / EXPORT_CONFIG, "export the run again")["weights"]
+    if not isinstance(files, dict) or not files or not set(files.values()) <= {OURS, OPEN_CLIP} \
+            or any("/" in name or "\\" in name or name.startswith(".") for name in files):
+        raise UserError(f"{folder / EXPORT_CONFIG}'s \"weights\" is not a {{file: {OURS!r} | {OPEN_CLIP!r}}} mapping "
+                        "of files beside it; export the run again")
+    return files
+
+
+def _holds_export(config: dict, path: Path) -> bool:
+    """Whether a folder's config.json is an export's: it has a format, and names its weights (format 3) or sits
+    beside format 2's image weights."""
+    return "format" in config and ("weights" in config or (path / IMAGE_WEIGHTS).is_file())
 
 
 def read_run_config(run_dir: Path) -> dict:
@@ -118,7 +140,7 @@ def _missing_checkpoint(path: Path) -> str | None:
 
 def is_export(path: Path) -> bool:
     try:
-        return "format" in json.loads((path / EXPORT_CONFIG).read_text()) and (path / IMAGE_WEIGHTS).is_file()
+        return _holds_export(json.loads((path / EXPORT_CONFIG).read_text()), path)
     except (OSError, ValueError, TypeError):
         return False
 
@@ -136,7 +158,7 @@ def classify_folder(path: str | Path) -> ModelFolder:
     if not path.is_dir():
         raise UserError(_missing_checkpoint(path) or f"{path} is not a folder; expected {_EXPECTED}")
     config = path / EXPORT_CONFIG
-    if config.is_file() and (path / IMAGE_WEIGHTS).is_file() and "format" in read_json(config):
+    if config.is_file() and _holds_export(read_json(config), path):
         return ModelFolder("export", path)
     if config.is_file() and (path / TOWER_WEIGHTS).is_file():
         meta = read_json(config)

@@ -184,7 +184,7 @@ def test_a_full_disk_while_exporting_is_one_line_naming_the_path(run, tmp_path, 
     from safetensors import SafetensorError
 
     from lit_softmoe.export import pair
-    own = tmp_path / "export-disk" / "image_encoder.safetensors"
+    own = tmp_path / "export-disk" / "open_clip_model.safetensors"
 
     def full(*args, **kwargs):
         if how == "in safetensors' words":

@@ -113,14 +113,14 @@ def test_an_export_copied_in_part_is_one_line(run, tmp_path):
     out = export_pair(run, tmp_path / "export")
     missing, truncated = tmp_path / "missing", tmp_path / "truncated"
     shutil.copytree(out, missing)
-    (missing / "text_encoder.safetensors").unlink()
+    (missing / "image_tower_extra.safetensors").unlink()
     shutil.copytree(out, truncated)
-    with open(truncated / "image_encoder.safetensors", "r+b") as file:
+    with open(truncated / "open_clip_model.safetensors", "r+b") as file:
         file.truncate(1000)
-    with pytest.raises(UserError, match="text_encoder.safetensors .*incomplete or damaged"):
-        load_pretrained(missing)
     for load in (load_pretrained, load_image_tower):
-        with pytest.raises(UserError, match="image_encoder.safetensors .*incomplete or damaged"):
+        with pytest.raises(UserError, match="image_tower_extra.safetensors .*incomplete or damaged"):
+            load(missing)
+        with pytest.raises(UserError, match="open_clip_model.safetensors .*incomplete or damaged"):
             load(truncated)
 
 
@@ -184,7 +184,7 @@ def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, 
     from lit_softmoe.errors import UserError
     export, other_run = tmp_path / "export", tmp_path / "run"
     shutil.copytree(hub_export, export)
-    _rename_key(export / "text_encoder.safetensors", "logit_scale", "log_scale")
+    _rename_key(export / "open_clip_model.safetensors", "logit_scale", "log_scale")
     shutil.copytree(run, other_run)  # its model/config.json names the tower by absolute path: still found
     _rename_key(other_run / "model" / "model.safetensors", "logit_scale", "log_scale")
     checkpoint = other_run / "checkpoints" / "step_00000010"
@@ -201,8 +201,8 @@ def test_an_export_of_another_format_is_refused_by_every_reader(hub_export, tmp_
 
     from lit_softmoe.errors import UserError
     from lit_softmoe.export.push import check_export
-    for found, fix in ((1, r"which this lit-softmoe does not read \(it reads 2\); export the run again with this "
-                           r"version"), (3, r"newer than this lit-softmoe reads \(2\); upgrade lit-softmoe")):
+    for found, fix in ((1, r"which this lit-softmoe does not read \(it reads 2 and 3\); export the run again with "
+                           r"this version"), (4, r"newer than this lit-softmoe reads \(3\); upgrade lit-softmoe")):
         export = tmp_path / f"format-{found}"
         shutil.copytree(hub_export, export)
         config = json.loads((export / "config.json").read_text())

@@ -3,7 +3,9 @@
 open_clip's `local-dir:` and `hf-hub:` loaders (`open_clip.create_model_and_transforms`,
 `open_clip.get_tokenizer`) read `model_cfg` and `preprocess_cfg` from `open_clip_config.json` and the
 weights from `open_clip_model.safetensors` (the first name `open_clip.factory._find_checkpoint_in_dir`
-prefers). The model they build is open_clip's `CustomTextCLIP`:
+prefers), loaded strictly. That file is the export's one copy of the weights; the few tensors open_clip's
+model has no place for go beside it under our names (models.export_weights, which reads both back).
+The model they build is open_clip's `CustomTextCLIP`:
 
 - `visual`: open_clip's `TimmModel` around `timm.create_model(vision_cfg.timm_model_name)`, our tower
   once `lit_softmoe.integrations.timm` registered it (`models.timm_config.timm_model_spec` names any
@@ -15,7 +17,9 @@ prefers). The model they build is open_clip's `CustomTextCLIP`:
 Gray towers: open_clip's transforms always give RGB (`PreprocessCfg` asserts mode "RGB"), so the
 patch embedding is widened to 3 channels with the ITU-R 601-2 luma weights (0.299, 0.587, 0.114) that
 PIL's `convert("L")`, our gray conversion, uses. They sum to 1, so on gray content (R = G = B) the
-tower computes what it computes on the gray image; on colour images PIL's integer rounding aside.
+tower computes what it computes on the gray image; on colour images PIL's integer rounding aside. The
+tower's own 1-channel weights are kept too (image_tower_extra.safetensors): the widened ones are
+rounded products, from which they cannot be recovered bit for bit.
 
 Not written (the reason goes into config.json and the model card): text towers from Hugging Face
 (open_clip's `HFTextEncoder` loads the encoder by hub name, tokenizes with its own `HFTokenizer` and
@@ -29,11 +33,12 @@ from dataclasses import replace
 
 import torch
 
+from lit_softmoe.models.export_weights import IMAGE_EXTRA_WEIGHTS, OPEN_CLIP_WEIGHTS, open_clip_name
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import OpenClipTextTower
 from lit_softmoe.models.timm_config import timm_model_spec
 
-OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
+OPEN_CLIP_CONFIG = "open_clip_config.json"
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # PIL's convert("L"): L = R·299/1000 + G·587/1000 + B·114/1000
 
 
@@ -73,22 +78,22 @@ def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
     return {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
 
 
-def open_clip_state_dict(state: dict[str, torch.Tensor], in_channels: int) -> dict[str, torch.Tensor]:
-    """A LiTModel state dict (the export's own key names) under open_clip's CustomTextCLIP names."""
-    renamed = {}
+def open_clip_weights(state: dict[str, torch.Tensor], in_channels: int) -> dict[str, dict[str, torch.Tensor]]:
+    """A LiTModel state dict (the export's own key names) as the export's weights files in open_clip's layout:
+    {OPEN_CLIP_WEIGHTS: every tensor open_clip's CustomTextCLIP has, under its names, IMAGE_EXTRA_WEIGHTS: the
+    rest under ours (left out when there is none)}; each tensor in one file, but a gray tower's patch embedding
+    (its widened form in open_clip's, its own in ours)."""
+    theirs, extra = {}, {}
     for key, value in state.items():
         if key.startswith("image_tower.head."):
-            continue  # the pretraining class head: open_clip's trunk is built without one
+            extra[key] = value  # the pretraining class head: open_clip's trunk is built without one
+            continue
         if key == "image_tower.patch_embed.weight" and in_channels == 1:
+            extra[key] = value
             luma = torch.tensor(LUMA_WEIGHTS, dtype=torch.float32).view(1, 3, 1, 1)
             value = (value.float() * luma).to(value.dtype)  # (d, 1, p, p) → (d, 3, p, p)
-        for ours, theirs in (("image_tower.", "visual.trunk."), ("image_head.", "visual.head.proj."),
-                             ("text_tower.transformer.", "text.")):
-            if key.startswith(ours):
-                key = theirs + key[len(ours):]
-                break
-        renamed[key] = value.contiguous()
-    return renamed
+        theirs[open_clip_name(key)] = value.contiguous()
+    return {OPEN_CLIP_WEIGHTS: theirs, **({IMAGE_EXTRA_WEIGHTS: extra} if extra else {})}
 
 
 def _rgb(cfg):

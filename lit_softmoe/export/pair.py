@@ -3,16 +3,22 @@
 The folder follows Hugging Face's `save_pretrained` convention (safetensors weights + a config.json
 that rebuilds the architecture + the tokenizer files, nothing pickled); `lit_softmoe.hub.load_pretrained`
 loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_softmoe.model_folders`.
+Each tensor is stored once (models.export_weights): open_clip's weights file is the weights file.
 
     DIR/
         config.json                 format version, both towers' configs, embed width, loss, temperature
                                     (and SigLIP bias), image preprocessing, tokenizer spec + context
-                                    length, image_tower_sha256, lit_softmoe version
-        image_encoder.safetensors   `image_tower.*` (+ `image_head.*`): LiTModel's own key names
-        text_encoder.safetensors    `text_tower.*`, `logit_scale` (+ `logit_bias`)
+                                    length, image_tower_sha256, lit_softmoe version, "weights" (which file
+                                    holds the tensors under which names), "files_sha256" (every other file's)
         open_clip_config.json       open_clip's `local-dir:`/`hf-hub:` config (model_cfg + preprocess_cfg) and
-        open_clip_model.safetensors the same weights under open_clip's names (export/open_clip.py); not for
-                                    Hugging Face text towers (config.json's "open_clip" says why)
+        open_clip_model.safetensors the weights, under open_clip's names (export/open_clip.py), which our
+                                    loader maps back to LiTModel's
+        image_tower_extra.safetensors  what open_clip's model has no place for, under our names: the
+                                    pretraining class head, a gray tower's own patch embedding
+        image_encoder.safetensors   in place of the three above when open_clip cannot load the pair (a
+        text_encoder.safetensors    Hugging Face text tower, a Tokens Choice tower: config.json's "open_clip"
+                                    says why) or with --no-open-clip: `image_tower.*` (+ `image_head.*`), and
+                                    `text_tower.*`, `logit_scale` (+ `logit_bias`), LiTModel's own names
         tokenizer.json              a `tokenizers` tokenizer with truncation and padding to the context
                                     length built in: ids without torch (the ONNX example uses it)
         tokenizer/                  the original tokenizer files: open_clip's BPE vocabulary, or the
@@ -22,15 +28,17 @@ loads it back as `(model, preprocess, tokenizer)`. Its file names are in `lit_so
         README.md                   model card: towers, data, training, zero-shot table
 
 An image-only export (from a pretraining tower) has config.json (kind "image", plus timm's hub keys as a
-tower folder's: `timm.create_model("local-dir:DIR")` builds it), image_encoder.safetensors,
+tower folder's: `timm.create_model("local-dir:DIR")` builds it), image_encoder.safetensors, with --onnx
 image_encoder.onnx (pixels → image_features (B, width), the pooled features, unnormalized: what linear
 probes and `lit-softmoe embed` use) and the model card; load it with `load_image_tower`.
 
 Decisions:
 - `image_tower_sha256` keys the image tower's weights (caches of its embeddings use it): the
-  `utils.hashing.weights_sha256` of the `image_tower.*` tensors image_encoder.safetensors holds, under
-  the tower's own names. An fp32 export thus has the run's key (its tower folder's `tower_sha256`, or a
-  partly unlocked run's trained tower); a bf16/fp16 export holds other tensors and has another key.
+  `utils.hashing.weights_sha256` of the `image_tower.*` tensors the export holds, under the tower's own
+  names. An fp32 export thus has the run's key (its tower folder's `tower_sha256`, or a partly unlocked
+  run's trained tower); a bf16/fp16 export holds other tensors and has another key.
+- `files_sha256`: every file but config.json itself, so that `push` (dry run too) verifies the whole
+  folder before anything goes up. The model card is written before config.json for that.
 - bf16/fp16 halve the safetensors; `load_pretrained` always returns an fp32 model (the half-precision
   weights upcast exactly; `.to(torch.bfloat16)` it if you like). ONNX graphs are always fp32, built from
   those same upcast weights: onnxruntime's CPU provider has no bf16 kernels for most ops, and the
@@ -49,13 +57,7 @@ from torch import nn
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import model_card
 from lit_softmoe.export.onnx import write_onnx
-from lit_softmoe.export.open_clip import (
-    OPEN_CLIP_CONFIG,
-    OPEN_CLIP_WEIGHTS,
-    open_clip_config,
-    open_clip_skip_reason,
-    open_clip_state_dict,
-)
+from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, open_clip_config, open_clip_skip_reason, open_clip_weights
 from lit_softmoe.export.tokenizer_json import write_tokenizer
 from lit_softmoe.hub import load_run_pair, preprocess_spec
 from lit_softmoe.model_folders import (
@@ -73,6 +75,7 @@ from lit_softmoe.model_folders import (
     read_json,
     require_keys,
 )
+from lit_softmoe.models.export_weights import OPEN_CLIP, OPEN_CLIP_WEIGHTS, OURS
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower
@@ -192,11 +195,18 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     skip_open_clip = open_clip_skip_reason(model) if open_clip else "left out on request (--no-open-clip)"
     config["open_clip"] = ({"config": OPEN_CLIP_CONFIG, "weights": OPEN_CLIP_WEIGHTS} if skip_open_clip is None
                            else {"skipped": skip_open_clip})
+    # One copy of the weights (models.export_weights): open_clip's file when open_clip can load the pair, else ours.
+    if skip_open_clip is None:
+        weights = open_clip_weights(state, tower.cfg.in_channels)
+        config["weights"] = {name: OPEN_CLIP if name == OPEN_CLIP_WEIGHTS else OURS for name in weights}
+    else:
+        weights = {IMAGE_WEIGHTS: image_state, **({TEXT_WEIGHTS: text_state} if model is not None else {})}
+        config["weights"] = dict.fromkeys(weights, OURS)
 
     def write(tmp: Path) -> None:
-        save_file(image_state, tmp / IMAGE_WEIGHTS)
+        for name, tensors in weights.items():
+            save_file(tensors, tmp / name)
         if model is not None:
-            save_file(text_state, tmp / TEXT_WEIGHTS)
             config["tokenizer"] = write_tokenizer(tmp, model.text_tower.tokenizer_spec,
                                                   model.text_tower.context_length, tokenizer)
             if model.text_tower.tokenizer_spec.startswith(HF_PREFIX):
@@ -204,15 +214,14 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         if skip_open_clip is None:
             open_clip_json = open_clip_config(model, facts["preprocess"])
             config["open_clip"]["timm_model_name"] = open_clip_json["model_cfg"]["vision_cfg"]["timm_model_name"]
-            save_file(open_clip_state_dict(state, tower.cfg.in_channels), tmp / OPEN_CLIP_WEIGHTS)
             (tmp / OPEN_CLIP_CONFIG).write_text(json.dumps(open_clip_json, indent=2) + "\n")
         if onnx:
             config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
-        # Every weights file's sha256: `push` (dry run too) verifies them all before anything goes up.
-        config[WEIGHTS_SHA256] = {path.name: file_sha256(path) for path in sorted(tmp.iterdir())
-                                  if path.suffix in WEIGHTS_SUFFIXES}
-        (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / MODEL_CARD).write_text(model_card(config, model, tower, facts, run_dir, results, out_dir))
+        # Every other file's sha256: `push` (dry run too) verifies them all before anything goes up.
+        config[FILES_SHA256] = {path.relative_to(tmp).as_posix(): file_sha256(path)
+                                for path in sorted(tmp.rglob("*")) if path.is_file()}
+        (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     try:
         # Without --overwrite, --out may only be absent or empty, also at the very end: the emptiness
@@ -224,8 +233,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                         "another folder") from None
 
 
-WEIGHTS_SHA256 = "weights_sha256"  # config.json: {weights file name: its sha256}
-WEIGHTS_SUFFIXES = (".safetensors", ".onnx")
+FILES_SHA256 = "files_sha256"  # config.json: {the path of every other file in the export: its sha256}
 
 
 class _Prefixed(nn.Module):

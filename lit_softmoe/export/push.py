@@ -1,10 +1,12 @@
 """`lit-softmoe push`: an export folder → a model repository on the Hugging Face Hub, as timm's and
 open_clip's `push_to_hf_hub` do it (`HfApi.create_repo(exist_ok=True)`, then `upload_folder`).
 
-Only a complete export goes up: the files its kind needs, every weights file readable (what the
-loader would say of a folder copied in part), and `image_tower_sha256` still the key of the image
-weights in it (caches of its embeddings are keyed by it, so weights edited after the export would
-lie under the old key). `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_softmoe.hub).
+Only a complete export goes up, checked before anything is sent (a dry run checks the same): the repo id
+valid (huggingface_hub's `validate_repo_id`), the files its kind needs there and its weights files readable
+(what the loader would say of a folder copied in part), `image_tower_sha256` still the key of the image
+weights in it (caches of its embeddings are keyed by it, so weights edited after the export would lie under
+the old key), and every file the sha256 `config.json`'s `files_sha256` recorded at export time, no file
+more. `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_softmoe.hub).
 """
 from __future__ import annotations
 
@@ -12,20 +14,20 @@ from pathlib import Path
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import read_front_matter
-from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS
-from lit_softmoe.export.pair import WEIGHTS_SHA256, WEIGHTS_SUFFIXES
+from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
+from lit_softmoe.export.pair import FILES_SHA256
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
-    IMAGE_WEIGHTS,
+    EXPORT_FORMAT,
     MODEL_CARD,
-    TEXT_WEIGHTS,
     TOKENIZER_DIR,
     TOKENIZER_JSON,
     classify_folder,
+    export_weight_files,
     read_export_config,
 )
-from lit_softmoe.models.tower_folder import load_weights
-from lit_softmoe.utils.hashing import file_sha256, safetensors_weights_sha256
+from lit_softmoe.models.export_weights import ExportWeights
+from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 
 _LOGIN = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with write access"
 
@@ -42,44 +44,60 @@ def _front_matter(folder: Path) -> dict:
     return front
 
 
+def _files(folder: Path) -> list[str]:
+    """The files (relative, sorted) in `folder`, hidden ones (`.cache/`, `.git*`) left out."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def _check_files_sha256(folder: Path, recorded) -> None:
+    """Every file of the export is the one the export wrote (config.json's `files_sha256`), and none was added."""
+    if not isinstance(recorded, dict):
+        raise UserError(f"{folder / EXPORT_CONFIG} has no {FILES_SHA256} (the sha256 of each file), so its files "
+                        "cannot be verified; export it again with this version")
+    for name in sorted(set(_files(folder)) - {EXPORT_CONFIG} | set(recorded)):
+        if name not in recorded:
+            raise UserError(f"{folder / name} is not among the files {EXPORT_CONFIG} records (added after the "
+                            "export); remove it, or export again")
+        if not (folder / name).is_file():
+            raise UserError(f"{folder} is incomplete (no {name}); export it again")
+        if file_sha256(folder / name) != recorded[name]:
+            edited = (f" (or, if you edited the card on purpose, put its new sha256, `sha256sum {MODEL_CARD}`, in "
+                      f"{EXPORT_CONFIG}'s {FILES_SHA256})" if name == MODEL_CARD else "")
+            raise UserError(f"{folder / name} is not the file the export wrote (its sha256 differs from "
+                            f"{EXPORT_CONFIG}'s): it was changed or damaged since; export it again{edited}")
+
+
 def check_export(folder: str | Path) -> list[str]:
     """The files (relative, sorted) of a complete export at `folder`, or one UserError line naming what is wrong."""
     folder = Path(folder)
     if classify_folder(folder).kind != "export":
         raise UserError(f"{folder} is not an export; write one with `lit-softmoe export RUN --out {folder}`")
     config = read_export_config(folder)
-    needed = [EXPORT_CONFIG, MODEL_CARD, IMAGE_WEIGHTS]
-    weights = [IMAGE_WEIGHTS]
+    if config["format"] != EXPORT_FORMAT:
+        raise UserError(f"{folder} has export format {config['format']} (its weights twice, its files not all "
+                        "hashed), which push does not take; export the run again with this version")
+    weight_files = export_weight_files(folder, config)
+    needed = [EXPORT_CONFIG, MODEL_CARD, *weight_files]
     if config.get("kind") == "pair":
-        needed += [TEXT_WEIGHTS, TOKENIZER_JSON, TOKENIZER_DIR]
-        weights.append(TEXT_WEIGHTS)
+        needed += [TOKENIZER_JSON, TOKENIZER_DIR]
     if "config" in (config.get("open_clip") or {}):
-        needed += [OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS]
-        weights.append(OPEN_CLIP_WEIGHTS)
+        needed.append(OPEN_CLIP_CONFIG)
     missing = [name for name in needed if not (folder / name).exists()]
     if missing:
         raise UserError(f"{folder} is incomplete (no {', '.join(missing)}); export it again")
-    for name in weights:
-        load_weights(folder / name)  # a truncated or damaged file: one line naming it
-    # The weights' identity (utils.hashing.weights_sha256) of the `image_tower.*` tensors, as the export computed it.
-    if safetensors_weights_sha256(folder / IMAGE_WEIGHTS, prefix="image_tower.") != config.get("image_tower_sha256"):
-        raise UserError(f"{folder / IMAGE_WEIGHTS} is not the image tower {EXPORT_CONFIG}'s image_tower_sha256 "
-                        "names (the weights were changed after the export); export it again")
-    recorded = config.get(WEIGHTS_SHA256)
-    if not isinstance(recorded, dict):
-        raise UserError(f"{folder / EXPORT_CONFIG} has no {WEIGHTS_SHA256} (the sha256 of each weights file), so "
-                        "its weights cannot be verified; export it again with this version")
-    on_disk = {p.name for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES}
-    for name in sorted(on_disk | set(weights) | set(recorded)):
-        if name not in recorded:
-            raise UserError(f"{folder / name} is not among the weights {EXPORT_CONFIG} records (added after the "
-                            "export); export it again")
-        if not (folder / name).is_file() or file_sha256(folder / name) != recorded[name]:
-            raise UserError(f"{folder / name} is not the file the export wrote (its sha256 differs from "
-                            f"{EXPORT_CONFIG}'s): it was changed or damaged since; export it again")
+    # Readable weights (a truncated or damaged file: one line naming it), every file the one written, and the
+    # weights' identity (utils.hashing.weights_sha256) of the `image_tower.*` tensors as the export computed it
+    # (weights edited with their sha256 recorded anew are still not the tower the key names).
+    tower = ExportWeights(folder, weight_files, prefix="image_tower.")
+    _check_files_sha256(folder, config.get(FILES_SHA256))
+    if weights_sha256(tower) != config.get("image_tower_sha256"):
+        files = sorted({tower.stored_as(name)[0] for name in tower})
+        raise UserError(f"the image tower in {', '.join(str(folder / name) for name in files)} is not the one "
+                        f"{EXPORT_CONFIG}'s image_tower_sha256 names (the weights were changed after the export); "
+                        "export it again")
     _front_matter(folder)
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    return _files(folder)
 
 
 def push_export(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,

@@ -78,6 +78,9 @@ def test_open_clip_export_example_embeds_as_ours(hub_export):
     code = _example("open-clip-export", **{"runs/demo/export": hub_export})
     scope = _run(code)
     assert type(scope["model"]).__name__ == "CustomTextCLIP"  # open_clip's own class, built from the export
+    # The one copy of the weights, read by both loaders (the page's "One copy of the weights").
+    assert sorted(p.name for p in hub_export.glob("*.safetensors")) == ["image_tower_extra.safetensors",
+                                                                        "open_clip_model.safetensors"]
     assert scope["text"].shape == scope["ours"].shape == (1, scope["model"].text.output_dim)
     torch.testing.assert_close(scope["text"], scope["ours"], rtol=0, atol=1e-5)
     model, _, _ = load_pretrained(hub_export)

@@ -31,12 +31,14 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
     image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["README.md", "config.json", "image_encoder.safetensors", "open_clip_config.json",
-                     "open_clip_model.safetensors", "text_encoder.safetensors", "tokenizer", "tokenizer.json"]
+    assert names == ["README.md", "config.json", "image_tower_extra.safetensors", "open_clip_config.json",
+                     "open_clip_model.safetensors", "tokenizer", "tokenizer.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
-    text_keys = set(load_file(out / "text_encoder.safetensors"))
-    assert "logit_scale" in text_keys and all(k.startswith("text_tower.") for k in text_keys - {"logit_scale"})
-    assert all(k.startswith("image_tower.") for k in load_file(out / "image_encoder.safetensors"))
+    # One copy of the weights: open_clip's names in its file; ours for what its model has no place for.
+    theirs = set(load_file(out / "open_clip_model.safetensors"))
+    assert "logit_scale" in theirs and all(k.startswith(("visual.trunk.", "text.")) for k in theirs - {"logit_scale"})
+    assert sorted(load_file(out / "image_tower_extra.safetensors")) == [
+        "image_tower.head.bias", "image_tower.head.weight", "image_tower.patch_embed.weight"]  # a gray tower
 
     checkpoint = run / "checkpoints" / "step_00000010"
     for path, kind in [(out, "export"), (run, "run"), (run / "model", "run"), (checkpoint, "run")]:
@@ -52,7 +54,9 @@ def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
         assert float(model.logit_scale.detach()) == pytest.approx(2.7)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["format"] == 2 and config["kind"] == "pair" and config["lit_softmoe_version"]
+    assert config["format"] == 3 and config["kind"] == "pair" and config["lit_softmoe_version"]
+    assert config["weights"] == {"open_clip_model.safetensors": "open_clip",
+                                 "image_tower_extra.safetensors": "lit_softmoe"}
     assert config["tokenizer"] == {"spec": "openclip-bpe", "context_length": 16, "pad_id": 0, "vocab_size": 49408,
                                    "tokenizer_json": "tokenizer.json", "files": "tokenizer",
                                    "tokenizer_json_differences": OPENCLIP_BPE_DIFFERENCES}
@@ -66,8 +70,9 @@ def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
     image, text = embed_pair(reference, tokenizer)
     fp32 = export_pair(run, tmp_path / "fp32")
     out = export_pair(run, tmp_path / "bf16", dtype="bf16")
-    assert all(v.dtype == torch.bfloat16 for v in load_file(out / "image_encoder.safetensors").values())
-    assert (out / "text_encoder.safetensors").stat().st_size < 0.55 * (fp32 / "text_encoder.safetensors").stat().st_size
+    assert all(v.dtype == torch.bfloat16 for v in load_file(out / "open_clip_model.safetensors").values())
+    weights = "open_clip_model.safetensors"
+    assert (out / weights).stat().st_size < 0.55 * (fp32 / weights).stat().st_size
     model, _, tok = load_pretrained(out)
     got_image, got_text = embed_pair(model, tok)
     assert next(model.parameters()).dtype == torch.float32  # upcast on load
@@ -77,8 +82,9 @@ def test_bf16_export_loads_within_bf16_tolerance(run, tmp_path):
     # Other weights, other key: the identity of the bf16 tower tensors the export holds.
     from lit_softmoe.utils.hashing import weights_sha256
     sha = json.loads((out / "config.json").read_text())["image_tower_sha256"]
-    bf16_tower = {k[len("image_tower."):]: v for k, v in load_file(out / "image_encoder.safetensors").items()
-                  if k.startswith("image_tower.")}
+    from lit_softmoe.models.export_weights import ExportWeights
+    bf16_tower = dict(ExportWeights(out, json.loads((out / "config.json").read_text())["weights"], "image_tower."))
+    assert {v.dtype for v in bf16_tower.values()} == {torch.bfloat16}
     assert sha == weights_sha256(bf16_tower) != json.loads((fp32 / "config.json").read_text())["image_tower_sha256"]
     assert model.pretrained_info["image_tower_sha256"] == sha
 
@@ -113,7 +119,7 @@ def test_sigmoid_loss_bias_travels(tmp_path):
     model, _, _ = load_pretrained(out)
     assert model.loss == "sigmoid" and float(model.logit_bias.detach()) == -10.0
     assert json.loads((out / "config.json").read_text())["logit_bias"] == -10.0
-    assert "logit_bias" in load_file(out / "text_encoder.safetensors")
+    assert "logit_bias" in load_file(out / "open_clip_model.safetensors")
 
 
 def test_tower_only_export(run, tmp_path):
@@ -153,7 +159,7 @@ def test_existing_out_needs_overwrite_and_then_replaces_it(run, tmp_path, capsys
 
     assert cli.main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
     summary = capsys.readouterr().out.strip().splitlines()
-    assert len(summary) == 1 and str(out) in summary[0] and "image_encoder.safetensors" in summary[0]
+    assert len(summary) == 1 and str(out) in summary[0] and "open_clip_model.safetensors" in summary[0]
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
     # An empty folder needs no --overwrite; the run itself is never a target.
@@ -257,7 +263,8 @@ def test_out_below_a_file_is_one_line_before_any_work(run, tmp_path, capsys):
 # ---- two exports to one new --out --------------------------------------------------------------
 
 def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
-    """While this export writes its files (the model card is its last), another one fills `out`."""
+    """While this export writes its files (the model card, then config.json, are its last), another one fills
+    `out`."""
     from lit_softmoe.export import pair as export
     card = export.model_card
 

@@ -10,9 +10,8 @@ from cli_errors import one_error_line
 from lit_softmoe import cli
 from lit_softmoe.export import export_pair
 
-FILES = ["README.md", "config.json", "image_encoder.safetensors", "open_clip_config.json",
-         "open_clip_model.safetensors", "text_encoder.safetensors", "tokenizer.json",
-         "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
+FILES = ["README.md", "config.json", "image_tower_extra.safetensors", "open_clip_config.json",
+         "open_clip_model.safetensors", "tokenizer.json", "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +52,15 @@ def hf_api(monkeypatch):
 def test_dry_run_lists_the_files_and_the_front_matter(export, hf_api, capsys):
     _, out = _push(capsys, export, "org/name", "--dry-run")
     lines = out.splitlines()
-    assert lines[0] == f"dry run: 8 files of {export} would go to org/name:"
-    assert [line.strip() for line in lines[1:9]] == FILES
-    assert "library_name: lit-softmoe" in lines[9] and "pipeline_tag: zero-shot-image-classification" in lines[9]
+    assert lines[0] == f"dry run: 7 files of {export} would go to org/name:"
+    assert [line.strip() for line in lines[1:8]] == FILES
+    assert "library_name: lit-softmoe" in lines[8] and "pipeline_tag: zero-shot-image-classification" in lines[8]
     assert hf_api.calls == []  # nothing sent
 
 
 def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
     _, out = _push(capsys, export, "org/name", "--private", "--revision", "v1")
-    assert out.strip() == (f"8 files of {export} pushed to org/name (revision v1): "
+    assert out.strip() == (f"7 files of {export} pushed to org/name (revision v1): "
                            "https://huggingface.co/org/name/commit/abc")
     (create, _, create_kwargs), (branch, _, branch_kwargs), (upload, repo_id, upload_kwargs) = hf_api.calls
     assert (create, branch, upload, repo_id) == ("create_repo", "create_branch", "upload_folder", "org/name")
@@ -76,55 +75,76 @@ def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
 
 
 def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path, capsys, hf_api):
+    import json
+
     from safetensors.torch import load_file, save_file
+
+    from lit_softmoe.utils.hashing import file_sha256
     missing, edited, truncated = tmp_path / "missing", tmp_path / "edited", tmp_path / "truncated"
     shutil.copytree(export, missing)
     shutil.rmtree(missing / "tokenizer")
     line = one_error_line(capsys, cli.main(["push", str(missing), "org/name", "--dry-run"]))
     assert f"{missing} is incomplete (no tokenizer); export it again" in line, line
+    (missing / "open_clip_model.safetensors").unlink()  # the weights config.json names are needed too
+    line = one_error_line(capsys, cli.main(["push", str(missing), "org/name", "--dry-run"]))
+    assert f"{missing} is incomplete (no open_clip_model.safetensors, tokenizer); export it again" in line, line
     shutil.copytree(export, truncated)
-    with open(truncated / "text_encoder.safetensors", "r+b") as file:
+    with open(truncated / "open_clip_model.safetensors", "r+b") as file:
         file.truncate(1000)
     line = one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
-    assert "text_encoder.safetensors" in line and "incomplete or damaged" in line, line
-    shutil.copy(export / "text_encoder.safetensors", truncated / "text_encoder.safetensors")
-    (truncated / "open_clip_model.safetensors").write_bytes(b"")  # open_clip's copy too, when config.json lists it
-    line = one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
     assert "open_clip_model.safetensors" in line and "incomplete or damaged" in line, line
+    shutil.copy(export / "open_clip_model.safetensors", truncated / "open_clip_model.safetensors")
+    (truncated / "image_tower_extra.safetensors").write_bytes(b"")  # the rest of the weights too
+    line = one_error_line(capsys, cli.main(["push", str(truncated), "org/name"]))
+    assert "image_tower_extra.safetensors" in line and "incomplete or damaged" in line, line
     shutil.copytree(export, edited)
-    state = load_file(edited / "image_encoder.safetensors")
-    state[next(iter(state))] += 1
-    save_file(state, edited / "image_encoder.safetensors")
+    state = load_file(edited / "open_clip_model.safetensors")
+    state["visual.trunk.norm.weight"] += 1
+    save_file(state, edited / "open_clip_model.safetensors")
     line = one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
-    assert "is not the image tower config.json's image_tower_sha256 names" in line, line
+    assert "open_clip_model.safetensors is not the file the export wrote" in line, line
+    config = json.loads((edited / "config.json").read_text())  # its sha256 recorded anew: still not the tower
+    config["files_sha256"]["open_clip_model.safetensors"] = file_sha256(edited / "open_clip_model.safetensors")
+    (edited / "config.json").write_text(json.dumps(config))
+    line = one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
+    assert line.endswith(f"the image tower in {edited / 'image_tower_extra.safetensors'}, "
+                         f"{edited / 'open_clip_model.safetensors'} is not the one config.json's image_tower_sha256 "
+                         "names (the weights were changed after the export); export it again"), line
     line = one_error_line(capsys, cli.main(["push", str(tmp_path), "org/name"]))
     assert "is not a model folder" in line, line
     assert hf_api.calls == []
 
 
-def test_an_export_without_its_card_front_matter_or_weights_sha256_is_refused_in_one_line(export, tmp_path, capsys,
-                                                                                           hf_api):
-    """The Hub indexes a model by its card's front matter, and push verifies every weights file against
-    config.json's weights_sha256: an export without either is refused, not pushed half-described."""
+def test_an_export_without_its_card_front_matter_or_files_sha256_is_refused_in_one_line(export, tmp_path, capsys,
+                                                                                         hf_api):
+    """The Hub indexes a model by its card's front matter, and push verifies every file against config.json's
+    files_sha256: an export without either is refused, not pushed half-described."""
+    import hashlib
     import json
     bare, broken, unverified = tmp_path / "bare", tmp_path / "broken", tmp_path / "unverified"
     for folder in (bare, broken, unverified):
         shutil.copytree(export, folder)
+
+    def edit_card(folder, text):  # and record it, as the refusal of an edited card says to
+        (folder / "README.md").write_text(text)
+        config = json.loads((folder / "config.json").read_text())
+        config["files_sha256"]["README.md"] = hashlib.sha256(text.encode()).hexdigest()
+        (folder / "config.json").write_text(json.dumps(config))
     card = (export / "README.md").read_text()
-    (bare / "README.md").write_text(card.split("---\n", 2)[2])
+    edit_card(bare, card.split("---\n", 2)[2])
     line = one_error_line(capsys, cli.main(["push", str(bare), "org/name", "--dry-run"]))
     assert line.endswith(f"{bare / 'README.md'} has no front matter (the `---`-fenced YAML the Hub indexes a model "
                          "by); export the run again, or put it back at the top of the card"), line
-    (broken / "README.md").write_text(card.replace("library_name:", "library_name: [", 1))
+    edit_card(broken, card.replace("library_name:", "library_name: [", 1))
     line = one_error_line(capsys, cli.main(["push", str(broken), "org/name", "--dry-run"]))
     assert f"{broken / 'README.md'}: its front matter is not YAML (" in line and line.endswith(
         "); fix it, or export the run again"), line
     config = json.loads((unverified / "config.json").read_text())
-    del config["weights_sha256"]
+    del config["files_sha256"]
     (unverified / "config.json").write_text(json.dumps(config))
     line = one_error_line(capsys, cli.main(["push", str(unverified), "org/name"]))
-    assert line.endswith(f"{unverified / 'config.json'} has no weights_sha256 (the sha256 of each weights file), so "
-                         "its weights cannot be verified; export it again with this version"), line
+    assert line.endswith(f"{unverified / 'config.json'} has no files_sha256 (the sha256 of each file), so its files "
+                         "cannot be verified; export it again with this version"), line
     assert hf_api.calls == []
 
 
@@ -146,34 +166,45 @@ def test_no_token_and_no_network_are_one_line(export, monkeypatch, capsys):
     assert "could not reach the Hugging Face Hub to push org/name (ConnectionError)" in line, line
 
 
-@pytest.mark.parametrize("name", ["open_clip_model.safetensors", "text_encoder.safetensors"])
-def test_a_flipped_bit_in_any_weights_file_is_refused_by_a_dry_run(export, tmp_path, capsys, hf_api, name):
-    """Only the image weights were checked (against image_tower_sha256): a bit flipped in the text or the
-    open_clip weights still loaded and was pushed. The export records every weights file's sha256."""
+@pytest.mark.parametrize("name", [file for file in FILES if file != "config.json"])
+def test_a_flipped_bit_in_any_file_is_refused_by_a_dry_run(export, tmp_path, capsys, hf_api, name):
+    """Every file of the export has its sha256 in config.json (files_sha256): a bit flipped in any of them (the
+    weights still load, the tokenizer still reads, the card still parses) is refused before anything goes up."""
     import json
 
     from lit_softmoe.export.push import check_export
-    from lit_softmoe.models.tower_folder import load_weights
     from lit_softmoe.utils.hashing import file_sha256
     flipped = tmp_path / "flipped"
     shutil.copytree(export, flipped)
     data = bytearray((flipped / name).read_bytes())
-    data[-5] ^= 0x01  # inside the last tensor: the file still loads
+    data[-5] ^= 0x01  # inside the last tensor of a weights file: it still loads
     (flipped / name).write_bytes(bytes(data))
-    load_weights(flipped / name)
     line = one_error_line(capsys, cli.main(["push", str(flipped), "org/name", "--dry-run"]))
-    assert line == (f"lit-softmoe push: error: {flipped / name} is not the file the export wrote (its sha256 differs "
-                    "from config.json's): it was changed or damaged since; export it again")
+    assert line.startswith(f"lit-softmoe push: error: {flipped / name} is not the file the export wrote (its sha256 "
+                           "differs from config.json's): it was changed or damaged since; export it again"), line
+    card = " (or, if you edited the card on purpose, put its new sha256, `sha256sum README.md`, in config.json's "
+    assert line.endswith(card + "files_sha256)" if name == "README.md" else "export it again"), line
     assert hf_api.calls == []
-    recorded = json.loads((export / "config.json").read_text())["weights_sha256"]
-    assert recorded == {file: file_sha256(export / file) for file in FILES if file.endswith(".safetensors")}
+    recorded = json.loads((export / "config.json").read_text())["files_sha256"]
+    assert recorded == {file: file_sha256(export / file) for file in FILES if file != "config.json"}
     assert len(check_export(export)) == len(FILES)  # the export itself verifies
 
 
+def test_a_file_added_to_the_export_is_refused_naming_it(export, tmp_path, capsys, hf_api):
+    added = tmp_path / "added"
+    shutil.copytree(export, added)
+    (added / "tokenizer" / "notes.txt").write_text("not from the export")
+    line = one_error_line(capsys, cli.main(["push", str(added), "org/name", "--dry-run"]))
+    assert line.endswith(f"{added / 'tokenizer' / 'notes.txt'} is not among the files config.json records (added "
+                         "after the export); remove it, or export again"), line
+    assert hf_api.calls == []
+
+
 @pytest.mark.parametrize("repo_id", ["org/name/extra", "org//name", "org/na me", "org/name.git", "a" * 97])
-def test_an_invalid_repo_id_is_one_line_before_any_work(tmp_path, capsys, hf_api, repo_id):
+def test_an_invalid_repo_id_is_one_line_before_any_work(export, tmp_path, capsys, hf_api, repo_id):
     """A dry run accepted `org/name/extra` and the like; the real push failed on it only at the Hub."""
-    line = one_error_line(capsys, cli.main(["push", str(tmp_path / "no-export"), repo_id, "--dry-run"]))
-    assert line.startswith(f"lit-softmoe push: error: {repo_id!r} is not a Hub repository name (")
-    assert line.endswith("); write ORG/NAME, e.g. my-org/soft-s16-lit")
+    for folder, dry_run in ((tmp_path / "no-export", ["--dry-run"]), (export, ["--dry-run"]), (export, [])):
+        line = one_error_line(capsys, cli.main(["push", str(folder), repo_id, *dry_run]))
+        assert line.startswith(f"lit-softmoe push: error: {repo_id!r} is not a Hub repository name (")
+        assert line.endswith("); write ORG/NAME, e.g. my-org/soft-s16-lit")
     assert hf_api.calls == []
