@@ -164,6 +164,11 @@ def _cmd_models(args) -> None:
         print(f"{name:18s} {cfg.image_size}px/{cfg.patch_size} width {cfg.width} depth {cfg.depth} {kind}")
 
 
+def _cmd_clip_benchmark(args) -> None:
+    from lit_softmoe.integrations.clip_benchmark import clip_benchmark_cli
+    clip_benchmark_cli(args.clip_benchmark_args)
+
+
 def _cmd_eval(args) -> None:
     from lit_softmoe.config import EvalSuiteConfig, load_config
     from lit_softmoe.evals.reports import markdown_table, summary_line
@@ -335,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards "
                                   "(resumes where a killed run stopped; one process per GPU under torchrun)")
-    embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower)")
+    embed.add_argument("--tower", required=True, help="tower folder of a pretraining run (RUN/tower), or a timm "
+                       "model: timm:NAME, timm:hf-hub:ORG/NAME, timm:NAME?file=CHECKPOINT")
     embed.add_argument("--shards", required=True, help="image + caption shards: a split folder, DIR/{0..9}.tar, "
                        "or several joined with '::'")
     embed.add_argument("--out", required=True, help="feature dataset folder; shards go to OUT/SPLIT/")
@@ -405,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "and report the largest gap")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides of the suite, e.g. batch_size=64")
     ev.set_defaults(func=_cmd_eval)
+
+    bench = command(sub, "clip-benchmark", "CLIP_benchmark's own command line with lit-softmoe's towers and "
+                    "loader registered (and its NumPy-2 accuracy fix for this run): clip-benchmark -- eval ...")
+    bench.add_argument("clip_benchmark_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                       help="clip_benchmark's arguments, after --")
+    bench.set_defaults(func=_cmd_clip_benchmark)
 
     export = command(sub, "export", "a LiT run's paired encoders (or a pretrained tower alone) → one folder")
     export.add_argument("run", metavar="RUN", help="a finished LiT run folder (or its model/), or a pretraining "

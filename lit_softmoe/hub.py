@@ -44,8 +44,8 @@ from lit_softmoe.models.tower_folder import (
     load_tower,
     load_weights,
     tower_fingerprint,
+    tower_skeleton,
 )
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.device import inference_dtype
 from lit_softmoe.utils.hashing import weights_sha256
 
@@ -160,8 +160,9 @@ def _check_same_tower(info: dict, tower_cfg: dict, tower_meta: dict, tower_dir: 
     """model/config.json records the tower's config, preprocessing and weights' sha256 the text tower
     was trained against; a tower folder rewritten since (another tower, other preprocessing, retrained
     weights) would be paired with that text tower without a word, and every embedding would be wrong."""
-    recorded_cfg = ViTConfig.from_dict(info["image_tower_config"]).to_dict()  # its defaults filled in, as tower_cfg's
-    changed = [key for key in tower_cfg if recorded_cfg[key] != tower_cfg[key]]
+    # Its defaults filled in, as tower_cfg's.
+    recorded_cfg = tower_skeleton(info["image_tower_config"], tower_dir).cfg.to_dict()
+    changed = [key for key in tower_cfg if recorded_cfg.get(key) != tower_cfg[key]]
     if info["preprocess"] != tower_meta.get("preprocess"):
         changed.append("preprocess")
     if info["image_tower_sha256"] != tower_fingerprint(tower_dir)["tower_sha256"]:
@@ -214,7 +215,7 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     if config.get("kind") != "pair":
         raise UserError(f"{path} is an image-only export (no text tower); load it with "
                         "lit_softmoe.load_image_tower(path)")
-    tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
+    tower = tower_skeleton(config["image_tower"], path)
     text_cfg = TextTowerConfig.from_dict(config["text"])
     hf = text_cfg.kind == "hf"
     if hf:  # the architecture and tokenizer travel in the export; the original path may be gone
@@ -309,7 +310,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
     source = classify_folder(resolve_model_path(path))
     if source.kind == "export":
         config = read_export_config(source.path)
-        tower = VisionTransformer(ViTConfig.from_dict(config["image_tower"]), device="meta")
+        tower = tower_skeleton(config["image_tower"], source.path)
         state = load_export_weights(source.path, export_weight_files(source.path, config), prefix="image_tower.")
         check_state_dict(tower, state, str(source.path))
         tower.load_state_dict(state, assign=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from lit_softmoe.evals.reports import markdown_row, percent
 from lit_softmoe.model_folders import RUN_CONFIG, read_run_config
 from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.timm_tower import TIMM_PREFIX, is_timm_tower_config
 from lit_softmoe.models.vit import VisionTransformer
 
 
@@ -62,6 +63,10 @@ def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | No
 
 
 def _tower_line(tower_cfg: dict, params: int, name: str | None) -> str:
+    if is_timm_tower_config(tower_cfg):
+        return (f"timm model `{tower_cfg['timm_model_name']}`{' (' + name + ')' if name else ''}, "
+                f"{tower_cfg['image_size']}px, {tower_cfg['in_channels']} channel(s), {tower_cfg['width']} features; "
+                f"{params / 1e6:.2f}M parameters")
     kind = {"soft": "Soft MoE", "tokens_choice": f"Tokens Choice (top-{tower_cfg.get('num_selected_experts', 1)})",
             "experts_choice": "Experts Choice"}.get(tower_cfg.get("moe_type", "soft"), tower_cfg.get("moe_type"))
     soft = tower_cfg.get("moe_type", "soft") == "soft"
@@ -90,21 +95,35 @@ def _training_data(run_dir: Path | None, tower_dir: str | None) -> list[str]:
     return paths
 
 
+def base_model(tower_meta: dict) -> str | None:
+    """The Hub id of the timm checkpoint a tower came from (`timm:hf-hub:ORG/NAME`, or timm's own
+    `timm:ARCH.TAG`, which timm fetches from timm/ARCH.TAG); None for our towers and local files."""
+    source = str(tower_meta.get("source") or "")
+    if not source.startswith(TIMM_PREFIX) or "?" in source:
+        return None
+    name = source[len(TIMM_PREFIX):]
+    if name.startswith("hf-hub:"):
+        return name[len("hf-hub:"):].split("@")[0]
+    return f"timm/{name}" if "." in name else None
+
+
 def front_matter(config: dict, facts: dict, run_dir: Path | None) -> dict:
-    """The Hub's model card metadata: library, task, licence, tags and (where known) training datasets."""
+    """The Hub's model card metadata: library, task, licence, tags, the base model (a timm checkpoint)
+    and (where known) training datasets."""
     pair = config["kind"] == "pair"
     moe = config["image_tower"].get("moe_type", "soft") if config["image_tower"].get("moe_layers") else None
     moe_tags = [] if moe is None else ["soft-moe"] if moe == "soft" else ["moe"]
     tags = ["lit-softmoe", "vision", *(["lit", "image-text"] if pair else []), *moe_tags, "safetensors",
             *(["open_clip"] if "config" in (config.get("open_clip") or {}) else []),
             *(["onnx"] if "onnx" in config else [])]
+    base = base_model(facts.get("tower_meta") or {})
     data = _training_data(run_dir, facts.get("tower_dir"))
     datasets = list(dict.fromkeys(hub_id for path in data for pattern, hub_id in KNOWN_DATASETS.items()
                                   if pattern.search(path)))
     return {"library_name": "lit-softmoe", "license": LICENSE,
             # An image tower alone has no text side: it gives features, not zero-shot classes.
             "pipeline_tag": "zero-shot-image-classification" if pair else "image-feature-extraction",
-            "tags": tags, **({"datasets": datasets} if datasets else {})}
+            "tags": tags, **({"base_model": base} if base else {}), **({"datasets": datasets} if datasets else {})}
 
 
 def front_matter_text(meta: dict) -> str:
@@ -140,12 +159,14 @@ def model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, f
 def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
               run_dir: Path | None, results: dict, out_dir: Path) -> str:
     pretrain = facts["tower_meta"].get("pretrain") or {}
+    timm_tower = is_timm_tower_config(config["image_tower"])
+    tower_name = facts["tower_meta"].get("source") if timm_tower else pretrain.get("tower")
     tower_params = sum(p.numel() for p in tower.parameters())
     title = "LiT image–text pair" if model is not None else "Soft MoE image tower"
     lines = [f"# {title} exported by lit-softmoe {config['lit_softmoe_version']}", "",
              f"Weights in {config['dtype']} safetensors; `image_tower_sha256` {config['image_tower_sha256']}.", "",
              "## Towers", "",
-             f"- Image (locked): {_tower_line(config['image_tower'], tower_params, pretrain.get('tower'))}"]
+             f"- Image (locked): {_tower_line(config['image_tower'], tower_params, tower_name)}"]
     if model is not None:
         text = config["text"]
         text_params = sum(p.numel() for p in model.text_tower.parameters())
@@ -190,7 +211,12 @@ def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, fa
               "`scripts/onnx_example.py` in lit-softmoe." if model is not None else
               "Without torch: `image_encoder.onnx` (pixels → image_features) with onnxruntime.", ""]
     open_clip = config.get("open_clip") or {}
-    if "config" in open_clip:
+    if "config" in open_clip and timm_tower:
+        lines += ["With open_clip (`open_clip_config.json` + `open_clip_model.safetensors`; the image tower is timm's "
+                  "own model, so no lit-softmoe import is needed):", "", "```python", "import open_clip",
+                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out_dir}\")",
+                  f"tokenizer = open_clip.get_tokenizer(\"local-dir:{out_dir}\")", "```", ""]
+    elif "config" in open_clip:
         lines += ["With open_clip (`open_clip_config.json` + `open_clip_model.safetensors`; timm builds the image "
                   "tower once lit-softmoe registered it):", "", "```python",
                   "import open_clip, lit_softmoe.integrations.timm",

@@ -10,7 +10,8 @@ The model they build is open_clip's `CustomTextCLIP`:
 - `visual`: open_clip's `TimmModel` around `timm.create_model(vision_cfg.timm_model_name)`, our tower
   once `lit_softmoe.integrations.timm` registered it (`models.timm_config.timm_model_spec` names any
   config); global average pooling as ours; `timm_proj` "none" (LiT's default, no image head) or
-  "linear" with a bias (our `image_head`).
+  "linear" with a bias (our `image_head`). A timm tower (`image_tower: timm:NAME`) is named by its own
+  timm name with its own pooling: stock open_clip and timm build it, with no `import lit_softmoe`.
 - `text`: open_clip's `TextTransformer`, the class our "transformer" text tower is, with its shape.
 - `preprocess_cfg`: resize of the shorter side (bilinear) + center crop + mean/std, as our eval transform.
 
@@ -37,6 +38,7 @@ from lit_softmoe.models.export_weights import IMAGE_EXTRA_WEIGHTS, OPEN_CLIP_WEI
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import OpenClipTextTower
 from lit_softmoe.models.timm_config import timm_model_spec
+from lit_softmoe.models.timm_tower import TimmTower
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # PIL's convert("L"): L = R·299/1000 + G·587/1000 + B·114/1000
@@ -49,18 +51,28 @@ def open_clip_skip_reason(model: LiTModel | None) -> str | None:
     if not isinstance(model.text_tower, OpenClipTextTower):
         return ("a Hugging Face text tower: open_clip's HFTextEncoder tokenizes and pools differently from ours "
                 "(and has no last-token pooling), so its embeddings would not be this model's")
-    if model.image_tower.cfg.moe_type == "tokens_choice" and model.image_tower.cfg.moe_layers:
+    if isinstance(model.image_tower, TimmTower):
+        if model.image_tower.cfg.model_args:
+            return ("a timm tower built with model arguments (a hub config's): open_clip's timm_model_name takes a "
+                    "name alone")
+        if not isinstance(getattr(model.image_tower, "global_pool", None), str):
+            return "a timm model without a named global pooling: open_clip's TimmModel could not pool it alike"
+    elif model.image_tower.cfg.moe_type == "tokens_choice" and model.image_tower.cfg.moe_layers:
         return "a Tokens Choice tower: not registered with timm, whose training loop would drop its balancing loss"
     return None
 
 
 def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
     """`open_clip_config.json`: the `model_cfg` that rebuilds `model` and the `preprocess_cfg` of its tower."""
-    tower_cfg, text_cfg = model.image_tower.cfg, model.text_tower.cfg
-    vision = {"image_size": tower_cfg.image_size,
-              "timm_model_name": timm_model_spec(_rgb(tower_cfg)), "timm_model_pretrained": False,
-              "timm_pool": "avg",  # our towers' pooling: the mean over the tokens after the final norm
-              "timm_proj": "linear" if isinstance(model.image_head, torch.nn.Linear) else "none",
+    tower, text_cfg = model.image_tower, model.text_tower.cfg
+    if isinstance(tower, TimmTower):  # timm's own model, pooled as it pools (open_clip passes `global_pool`)
+        name, pool = tower.cfg.timm_model_name, tower.global_pool
+        if tower.cfg.model_args:
+            raise ValueError("a timm tower built with model_args has no open_clip name")  # open_clip_skip_reason
+    else:  # ours: the mean over the tokens after the final norm
+        name, pool = timm_model_spec(_rgb(tower.cfg)), "avg"
+    vision = {"image_size": tower.cfg.image_size, "timm_model_name": name, "timm_model_pretrained": False,
+              "timm_pool": pool, "timm_proj": "linear" if isinstance(model.image_head, torch.nn.Linear) else "none",
               "timm_proj_bias": True}
     text = {"context_length": text_cfg.context_length, "vocab_size": text_cfg.vocab_size, "width": text_cfg.width,
             "heads": text_cfg.heads, "layers": text_cfg.layers, "mlp_ratio": text_cfg.mlp_ratio,

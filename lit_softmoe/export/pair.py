@@ -77,6 +77,7 @@ from lit_softmoe.model_folders import (
 )
 from lit_softmoe.models.export_weights import OPEN_CLIP, OPEN_CLIP_WEIGHTS, OURS
 from lit_softmoe.models.timm_config import timm_hub_keys
+from lit_softmoe.models.timm_tower import is_timm_tower_config
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.models.vit import VisionTransformer
@@ -142,6 +143,10 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     _check_out_dir(out_dir, _read_from(source), overwrite)
     if source.kind == "tower":
         tower, tower_meta = load_tower(source.path)
+        if is_timm_tower_config(tower_meta.get("tower")):
+            raise UserError(f"{run} is a timm model's tower folder ({tower_meta.get('source')}): timm loads it as it "
+                            f"is, timm.create_model(\"local-dir:{source.path}\", pretrained=True); export the LiT "
+                            "runs trained against it")
         model = None
         facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
                  "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}

@@ -67,6 +67,29 @@ def register_with_clip_benchmark() -> None:
         models.MODEL_TYPES.append(MODEL_TYPE)  # the CLI's --model_type choices are this same list
 
 
+def clip_benchmark_cli(argv: list[str]) -> None:
+    """CLIP_benchmark's own command line (`clip_benchmark ARGV`) in this process, with our towers registered
+    with timm (so open_clip's `local-dir:` / `hf-hub:` load a Soft MoE export), our loader as `--model_type
+    lit_softmoe`, and its NumPy-2 `accuracy` fix for this run only: `lit-softmoe clip-benchmark -- ARGV`."""
+    from lit_softmoe.errors import UserError
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not clip_benchmark_available():
+        raise UserError("CLIP_benchmark is not installed; pip install clip-benchmark")
+    if not argv:
+        raise UserError("give clip_benchmark's own arguments after --, e.g. lit-softmoe clip-benchmark -- eval "
+                        "--model_type open_clip --model local-dir:EXPORT --dataset wds/cifar10 --dataset_root DIR")
+    from clip_benchmark import cli
+
+    import lit_softmoe.integrations.timm  # noqa: F401 (timm.create_model must know our towers)
+    register_with_clip_benchmark()
+    saved_argv, sys.argv = sys.argv, ["clip_benchmark", *argv]
+    try:
+        with _numpy2_accuracy():
+            cli.main()
+    finally:
+        sys.argv = saved_argv
+
+
 def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str, split: str = "test",
                        batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None, task: str = "",
                        classnames=None, templates=None, model_type: str = MODEL_TYPE) -> dict:

@@ -83,7 +83,10 @@ class LiTModel(nn.Module):
             for block in self.image_tower.blocks[-self.unlocked_blocks:]:
                 block.requires_grad_(True)
             # The final norm sits after the unlocked blocks: leaving it frozen would pin their output scale.
-            self.image_tower.norm.requires_grad_(True)
+            # (timm's ViTs that average the tokens norm after pooling: `fc_norm`.)
+            for name in ("norm", "fc_norm"):
+                if isinstance(getattr(self.image_tower, name, None), nn.Module):
+                    getattr(self.image_tower, name).requires_grad_(True)
         self.image_tower.eval()
 
     @property

@@ -9,8 +9,10 @@
                              that `timm.create_model("local-dir:TOWER")` builds it}
 
 Pretraining, `upcycle` and `convert` write it; LiT, `embed`, `eval`, `export` and `inspect-routing`
-read it. It is written into a temporary sibling folder and renamed into place, so a run killed
-mid-write never leaves a half-written tower under the final name.
+read it. A timm model named `timm:NAME` (models.timm_tower) is written into one on first use: its
+"tower" is a `TimmTowerConfig`, its weights the timm model's, and the readers here take either. It is
+written into a temporary sibling folder and renamed into place, so a run killed mid-write never leaves
+a half-written tower under the final name.
 """
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.timm_config import timm_hub_keys
+from lit_softmoe.models.timm_tower import (
+    TimmTower,
+    TimmTowerConfig,
+    build_timm_tower,
+    is_timm_spec,
+    is_timm_tower_config,
+    materialize,
+    timm_hub_config,
+)
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.hashing import safetensors_weights_sha256
@@ -48,6 +59,24 @@ def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None
         (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
     return write_folder_atomically(out_dir, write)
+
+
+def save_timm_tower(out_dir: str | Path, tower: TimmTower, extra: dict) -> Path:
+    """Save a timm tower as timm's own hub folder (its weights, timm's config keys) plus our "tower" and
+    `extra` (which must hold "preprocess")."""
+    meta = {"tower": tower.cfg.to_dict(), **extra, **timm_hub_config(tower, extra["preprocess"])}
+
+    def write(tmp: Path):
+        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)
+        (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+    return write_folder_atomically(out_dir, write)
+
+
+def tower_folder(path: str | Path) -> Path:
+    """The folder a tower setting names: a folder as given, or a `timm:` spec's cached folder (written
+    on first use)."""
+    return materialize(path) if is_timm_spec(path) else Path(path)
 
 
 def update_tower_meta(tower_dir: str | Path, updates: dict) -> None:
@@ -89,8 +118,8 @@ def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
 
 
 def read_tower_meta(path: str | Path) -> dict:
-    """A tower folder's config.json, or one UserError line saying why `path` is no tower folder."""
-    path = Path(path)
+    """A tower folder's (or `timm:` spec's) config.json, or one UserError line saying why `path` is no tower folder."""
+    path = tower_folder(path)
     config_file = path / TOWER_CONFIG
     if not config_file.is_file() or not (path / TOWER_WEIGHTS).is_file():
         raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
@@ -102,24 +131,32 @@ def read_tower_meta(path: str | Path) -> dict:
                         "the tower folder is damaged: save or copy it again") from None
 
 
-def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer, dict]:
-    """Load a tower folder written by `save_tower`; returns (tower, its config.json contents)."""
-    path = Path(path)
+def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer | TimmTower, dict]:
+    """Load a tower folder written by `save_tower` (or a `timm:` spec's); returns (tower, its config.json
+    contents)."""
+    path = tower_folder(path)
     if not path.exists():
         try:
             recover(path)  # a save killed mid-replace, on a system without an atomic exchange
         except OSError:  # e.g. a read-only folder: say below that there is no tower
             pass
     meta = read_tower_meta(path)
-    try:
-        cfg = ViTConfig.from_dict(meta["tower"])
-    except (KeyError, TypeError, ValueError, UserError) as err:
-        raise UserError(f"{path / TOWER_CONFIG} has no valid tower config: {err}") from None
-    tower = VisionTransformer(cfg, device="meta")
+    tower = tower_skeleton(meta.get("tower") if isinstance(meta, dict) else None, path)
     state = load_weights(path / TOWER_WEIGHTS, device)
     check_state_dict(tower, state, str(path / TOWER_WEIGHTS))
     tower.load_state_dict(state, assign=True)
     return tower, meta
+
+
+def tower_skeleton(tower_cfg: dict | None, path: str | Path = "the tower folder") -> VisionTransformer | TimmTower:
+    """The tower a config.json's "tower" entry describes (ours, or a timm model's), on the meta device (no
+    memory, no weights)."""
+    try:
+        if is_timm_tower_config(tower_cfg):
+            return build_timm_tower(TimmTowerConfig.from_dict(tower_cfg))
+        return VisionTransformer(ViTConfig.from_dict(tower_cfg), device="meta")
+    except (KeyError, TypeError, ValueError, RuntimeError, UserError) as err:
+        raise UserError(f"{Path(path) / TOWER_CONFIG} has no valid tower config: {err}") from None
 
 
 def tower_fingerprint(tower_dir: str | Path) -> dict:
@@ -130,7 +167,7 @@ def tower_fingerprint(tower_dir: str | Path) -> dict:
     raises UserError if `tower_dir` is not a tower folder or its config.json has no preprocessing
     (a cache would not know how the images were resized and normalized).
     """
-    tower_dir = Path(tower_dir)
+    tower_dir = tower_folder(tower_dir)
     meta = read_tower_meta(tower_dir)
     preprocess = meta.get("preprocess")
     if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):

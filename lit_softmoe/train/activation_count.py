@@ -89,9 +89,10 @@ class PairBytes:
 
 
 def largest_module_list(model: nn.Module) -> nn.ModuleList:
-    """The blocks: the ModuleList holding most of the model's parameters (a ViT's `blocks`, open_clip's
-    `resblocks`, a Hugging Face encoder's `layer`), what `set_grad_checkpointing` wraps one by one."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    """The blocks: the ModuleList (or a timm ViT's Sequential) holding most of the model's parameters (a ViT's
+    `blocks`, open_clip's `resblocks`, a Hugging Face encoder's `layer`), what `set_grad_checkpointing` wraps one
+    by one."""
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=nn.ModuleList())
 
 

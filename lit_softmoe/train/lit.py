@@ -43,7 +43,7 @@ from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
-from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint
+from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint, tower_folder
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.logging import plot_curves, read_metrics
@@ -194,7 +194,7 @@ def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: st
     ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
     (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
     (even with the same architecture), which would pair this text tower with other image features."""
-    return {"image_tower": str(Path(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
+    return {"image_tower": str(tower_folder(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
             "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
             "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss}
 

@@ -34,8 +34,8 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.models.tower_folder import read_tower_meta
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.tower_folder import read_tower_meta, tower_skeleton
+from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.activation_count import (
     Bytes,
     PairBytes,
@@ -205,18 +205,18 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     tower is locked (with cached features it never runs; on images its forward keeps nothing for backward)
     but for its last `unlocked_blocks`; the contrastive loss scores this GPU's rows against the global batch."""
     dtype = compute_dtype(cfg.precision)
-    tower_cfg = _image_tower_config(cfg.image_tower)
+    tower_cfg = _image_tower(cfg.image_tower).cfg  # ours or a timm model's: both give width, size, channels
     text = _lit_text_side(cfg, tower_cfg.width)
     trainable, largest = _parameter_counts(text)
     saved = count_saved_bytes(text, _lit_text_step(tower_cfg.width), dtype)
-    tower_params = sum(p.numel() for p in VisionTransformer(tower_cfg, device="meta").parameters())
+    tower_params = sum(p.numel() for p in _image_tower(cfg.image_tower).parameters())
     # Locked, the tower is held in the dtype it runs in (`inference_dtype`: the compute dtype).
     frozen_bytes, frozen_forward = tower_params * _element_bytes(dtype), 0
     if cfg.unlocked_blocks or not _cached_features(cfg.data.train):
-        tower_saved = count_saved_bytes(VisionTransformer(tower_cfg, device="meta"), _pooled_step, dtype)
+        tower_saved = count_saved_bytes(_image_tower(cfg.image_tower), _pooled_step, dtype)
         frozen_forward = max(block.per_sample for block in tower_saved.blocks)  # no grad: one block's worth at most
     if cfg.unlocked_blocks:  # the last blocks and the final norm train, in fp32 with the rest of the tower
-        unlocked = _unlocked_part(tower_cfg, cfg.unlocked_blocks)
+        unlocked = _unlocked_part(_image_tower(cfg.image_tower), cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
         saved = SavedBytes(stem=saved.stem, blocks=saved.blocks + tower_saved.blocks[-n:],
                            block_inputs=saved.block_inputs + tower_saved.block_inputs[-n:],
@@ -244,12 +244,9 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters() if p.requires_grad), largest
 
 
-def _image_tower_config(path: str) -> ViTConfig:
-    meta = read_tower_meta(path)  # one line when the folder is no tower
-    try:
-        return ViTConfig.from_dict(meta["tower"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{path}/config.json has no valid tower config: {err}") from None
+def _image_tower(path: str) -> torch.nn.Module:
+    """The tower of a LiT config's `image_tower` (a folder or a `timm:` spec), on the meta device."""
+    return tower_skeleton(read_tower_meta(path).get("tower"), path)  # one line when the folder is no tower
 
 
 def _lit_text_side(cfg: LiTConfig, width: int) -> LiTModel:
@@ -283,12 +280,14 @@ def _pooled_step(tower: VisionTransformer, batch: int) -> torch.Tensor:
                                             device="cuda")).float().sum()
 
 
-def _unlocked_part(tower_cfg: ViTConfig, unlocked_blocks: int) -> tuple[int, int]:
-    """(parameters that train, the largest block's) when the tower's last `unlocked_blocks` blocks train."""
-    tower = VisionTransformer(tower_cfg, device="meta")
+def _unlocked_part(tower: torch.nn.Module, unlocked_blocks: int) -> tuple[int, int]:
+    """(parameters that train, the largest block's) when the tower's last `unlocked_blocks` blocks train (and
+    its final norm: `norm`, or a timm ViT's `fc_norm` after pooling)."""
     blocks = tower.blocks[-unlocked_blocks:]
     sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    return sum(sizes) + sum(p.numel() for p in tower.norm.parameters()), max(sizes)
+    norms = sum(p.numel() for name in ("norm", "fc_norm") if isinstance(getattr(tower, name, None), torch.nn.Module)
+                for p in getattr(tower, name).parameters())
+    return sum(sizes) + norms, max(sizes)
 
 
 # ---- a config's plan: what --plan prints and what a recipe checks at its start ---------------------------

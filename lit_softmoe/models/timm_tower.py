@@ -1,0 +1,194 @@
+"""Any timm image model as a locked tower: `image_tower: timm:NAME` in LiT configs and `embed --tower`.
+
+LiT's usual starting point is a pretrained backbone someone else trained (an augreg ViT, DINOv2,
+SigLIP's image tower, EVA), and a dense tower is the baseline a Soft MoE tower is measured against;
+open_clip (`TimmModel`) and big_vision lock any backbone. A spec names the model and where its weights
+come from, as `timm.create_model` takes them:
+
+    timm:vit_base_patch16_224.augreg_in21k        timm's pretrained tag (downloaded by timm)
+    timm:hf-hub:timm/vit_base_patch16_224.augreg_in21k
+    timm:vit_tiny_patch16_224?file=/data/vit_tiny.safetensors   a local checkpoint (timm's
+                                                  `pretrained_cfg_overlay=dict(file=...)`)
+
+The first use writes the model into a tower folder in the cache (`materialize`): timm's own hub
+layout (`config.json` with "architecture", "num_classes", "pretrained_cfg", "model_args", and the
+model's `model.safetensors`), plus our "tower" and "preprocess" entries. Every later step (the
+feature cache and its fingerprint, LiT, eval, export, `load_pretrained`) reads that folder as it
+reads our towers', and `timm.create_model("local-dir:FOLDER")` builds the same model.
+
+The tower is the timm model built with `num_classes=0` (`TimmTower` mixed into its class); its features
+are timm's pre-logits (`forward_head(forward_features(x), pre_logits=True)`: the model's own pooling and
+norm), as open_clip's `TimmModel` (`timm_proj: none`) takes them. Preprocessing: the model's mean, std
+and input size from timm's data config; resized and cropped as our towers are (shorter side to the
+size, bilinear, center crop), so that embed, LiT, eval and every export preprocess alike.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import torch
+from torch import nn
+
+from lit_softmoe.errors import UserError, first_line
+
+TIMM_PREFIX = "timm:"
+CACHE_ENV = "LIT_SOFTMOE_CACHE"  # where materialized towers go (default ~/.cache/lit-softmoe)
+
+
+def is_timm_spec(spec: str | os.PathLike) -> bool:
+    return isinstance(spec, str) and spec.startswith(TIMM_PREFIX)
+
+
+@dataclass
+class TimmTowerConfig:
+    """What rebuilds a timm tower without its weights (config.json's "tower" for a timm tower)."""
+    timm_model_name: str  # timm's architecture, e.g. vit_tiny_patch16_224
+    image_size: int
+    in_channels: int
+    width: int  # the pooled features' size: timm's num_features
+    model_args: dict = field(default_factory=dict)  # keywords the model was built with (a hub config's)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TimmTowerConfig":
+        return cls(**d)
+
+
+def is_timm_tower_config(tower: dict | None) -> bool:
+    return isinstance(tower, dict) and "timm_model_name" in tower
+
+
+class TimmTower:
+    """The tower interface on a timm model, mixed into its class (`as_tower`), as FSDP2 mixes FSDPModule
+    into the modules it shards: the model's parameters keep their names (its state dict is timm's, in the
+    tower folder and under `image_tower.` in a pair), and everything else it offers is untouched.
+
+    What LiT and embed use of a tower beyond timm's own `blocks`, `norm`, `set_grad_checkpointing` and
+    `no_weight_decay`: `cfg` (image_size, in_channels, width), `embed_dim` and `forward_pooled`, the
+    pre-logits features (B, width)."""
+    cfg: TimmTowerConfig
+
+    @property
+    def embed_dim(self) -> int:
+        return self.cfg.width
+
+    def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x), pre_logits=True)  # (B, width)
+
+
+_TOWER_CLASSES: dict[type, type] = {}
+
+
+def as_tower(model: nn.Module, cfg: TimmTowerConfig) -> nn.Module:
+    """`model` (a timm model built with num_classes=0) as a tower, in place."""
+    cls = type(model)
+    if cls not in _TOWER_CLASSES:
+        _TOWER_CLASSES[cls] = type(f"TimmTower{cls.__name__}", (TimmTower, cls), {})
+    model.__class__ = _TOWER_CLASSES[cls]
+    model.cfg = cfg
+    return model
+
+
+def build_timm_tower(cfg: TimmTowerConfig, device="meta") -> nn.Module:
+    """The tower of `cfg` without weights (on the meta device by default: no memory, no download)."""
+    import timm
+
+    with torch.device(device):
+        model = timm.create_model(cfg.timm_model_name, pretrained=False, num_classes=0, **cfg.model_args)
+    return as_tower(model, cfg)
+
+
+def parse_timm_spec(spec: str) -> tuple[str, str | None]:
+    """`timm:NAME[?file=PATH]` → (NAME, PATH or None); one UserError line for anything else."""
+    name, _, query = spec[len(TIMM_PREFIX):].partition("?")
+    options = parse_qs(query, keep_blank_values=True) if query else {}
+    unknown = sorted(set(options) - {"file"})
+    if not name or unknown or any(len(v) != 1 or not v[0] for v in options.values()):
+        raise UserError(f"image tower {spec!r} is not a timm spec; write timm:NAME (timm's pretrained weights), "
+                        "timm:hf-hub:ORG/NAME, or timm:NAME?file=PATH (a local checkpoint)")
+    file = options.get("file", [None])[0]
+    if file is not None and not Path(file).is_file():
+        raise UserError(f"image tower {spec!r}: {file} is not a file; give the checkpoint's path")
+    return name, file
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lit-softmoe")
+
+
+def folder_for(spec: str) -> Path:
+    """Where `spec`'s tower folder is cached. A local file's path, size and modification time are part of
+    the name: a rewritten checkpoint makes another folder, never the old one's weights."""
+    name, file = parse_timm_spec(spec)
+    key = spec
+    if file is not None:
+        stat = Path(file).stat()
+        key = f"{spec}|{Path(file).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return cache_dir() / "towers" / "timm" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:
+    """(the model with its weights, its architecture, the keywords it was built with)."""
+    import timm
+
+    name, file = parse_timm_spec(spec)
+    model_args: dict = {}
+    architecture = name
+    if name.startswith("hf-hub:"):  # the hub's config.json names the architecture and its keywords
+        from timm.models._hub import load_model_config_from_hf
+
+        _, architecture, model_args = load_model_config_from_hf(name[len("hf-hub:"):])
+        model_args = dict(model_args or {})
+    overlay = {"pretrained_cfg_overlay": {"file": str(Path(file).resolve())}} if file else {}
+    try:
+        model = timm.create_model(name, pretrained=True, num_classes=0, **overlay)
+    except (RuntimeError, OSError, ValueError, KeyError) as err:
+        raise UserError(f"timm cannot build {spec!r} ({first_line(err)}); check the model name (timm.list_models()) "
+                        "and that its weights can be reached, or that the file is its checkpoint") from None
+    return model.eval(), architecture.split(".")[0], model_args
+
+
+def materialize(spec: str) -> Path:
+    """The tower folder of `spec`, written into the cache on first use (atomically: two processes that
+    race write the same folder, and the second keeps the first's)."""
+    from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS, save_timm_tower
+
+    folder = folder_for(spec)
+    if (folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file():
+        return folder
+    model, architecture, model_args = _pretrained_model(spec)
+    data = _data_config(model)
+    channels, size, _ = data["input_size"]
+    cfg = TimmTowerConfig(timm_model_name=architecture, image_size=int(size), in_channels=int(channels),
+                          width=int(model.num_features), model_args=model_args)
+    preprocess = {"image_size": int(size), "mean": list(data["mean"]), "std": list(data["std"])}
+    save_timm_tower(folder, as_tower(model, cfg), extra={"preprocess": preprocess, "source": spec})
+    return folder
+
+
+def _data_config(model: nn.Module) -> dict:
+    from timm.data import resolve_data_config
+
+    return resolve_data_config({}, model=model)
+
+
+def timm_hub_config(tower: TimmTower, preprocess: dict) -> dict:
+    """timm's hub keys for the model (`timm.create_model("local-dir:FOLDER")` reads them), with our
+    preprocessing as its pretrained cfg's mean, std and input size (crop 1.0, bilinear: ours)."""
+    cfg = dict(tower.pretrained_cfg)
+    cfg.update(input_size=(tower.cfg.in_channels, preprocess["image_size"], preprocess["image_size"]),
+               mean=tuple(preprocess["mean"]), std=tuple(preprocess["std"]), crop_pct=1.0, crop_mode="center",
+               interpolation="bilinear", num_classes=0)
+    cfg.pop("file", None)  # a local path: not part of what the folder is
+    for key in ("url", "hf_hub_id", "hf_hub_filename"):
+        cfg.pop(key, None)
+    return {"architecture": tower.cfg.timm_model_name, "num_classes": 0, "num_features": tower.cfg.width,
+            "pretrained_cfg": json.loads(json.dumps(cfg, default=list)), "model_args": tower.cfg.model_args}

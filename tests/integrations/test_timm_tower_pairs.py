@@ -1,0 +1,169 @@
+"""A LiT pair on a timm image model, end to end: Fashion-MNIST shards → `embed --tower timm:...` →
+`train` on the cached features → `export` → stock open_clip, in a process that never imports lit_softmoe,
+gives our encoders' embeddings (≤ 1e-5) → the stock `clip_benchmark eval` command scores the export as
+our eval does (within 0.1 point). The timm model is timm's test ViT with random weights saved to a local
+checkpoint (offline)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from evalkit import needs_clip_benchmark
+from lit_softmoe import load_pretrained
+from lit_softmoe.cli import main
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, LiTConfig, load_config
+from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+from lit_softmoe.evals.suite import run_suite
+from lit_softmoe.export import export_pair
+from lit_softmoe.integrations.clip_benchmark import in_our_names
+from lit_softmoe.train.lit import train_lit
+
+timm = pytest.importorskip("timm")
+
+
+@pytest.fixture(scope="module")
+def timm_pair(tmp_path_factory):
+    """(the export, the Fashion-MNIST root, the run's results): 400 train / 400 test images in shards of
+    100, embedded by the timm tower, a 1-layer text tower trained on the cached features, exported."""
+    root = tmp_path_factory.mktemp("timm_pair")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LIT_SOFTMOE_CACHE", str(root / "cache"))
+        torch.manual_seed(0)
+        save_file(timm.create_model("test_vit", pretrained=False).state_dict(), root / "test_vit.safetensors")
+        spec = f"timm:test_vit?file={root / 'test_vit.safetensors'}"
+        data = root / "fashion-mnist"
+        write_fashion_mnist_shards(data, samples_per_shard=100, limit=400, allow_download=False)
+        for split in ("train", "test"):
+            assert main(["embed", "--tower", spec, "--shards", str(data / split), "--out", str(root / "features"),
+                         "--batch-size", "100", "--workers", "0"]) == 0
+        results = train_lit(load_config(LiTConfig, None, [
+            f"run_dir={root / 'run'}", f"image_tower={spec}", f"data.train={root / 'features' / 'train'}",
+            f"eval.shards={root / 'features' / 'test'}", "data.workers=0", "batch_size=50", "steps=40",
+            "optim.lr=3e-3", "optim.warmup=5", "precision=fp32", "log_with=[]", "text.width=64", "text.layers=1",
+            "text.heads=2"]))
+        export = export_pair(root / "run", root / "export")
+    return export, data, results
+
+
+_STOCK_OPEN_CLIP = textwrap.dedent("""
+    import sys, open_clip, torch
+    from safetensors.torch import load_file, save_file
+    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + sys.argv[1])
+    tokenizer = open_clip.get_tokenizer("local-dir:" + sys.argv[1])
+    inputs = load_file(sys.argv[2])
+    with torch.no_grad():
+        image = model.encode_image(inputs["pixels"], normalize=True)
+        text = model.encode_text(tokenizer(["a photo of a sneaker", "an ankle boot"]), normalize=True)
+    assert not any(name == "lit_softmoe" or name.startswith("lit_softmoe.") for name in sys.modules)
+    save_file({"image": image, "text": text, "logit_scale": model.logit_scale.detach().reshape(1)}, sys.argv[3])
+""")
+
+
+@pytest.mark.slow
+def test_stock_open_clip_without_our_package_gives_our_embeddings(timm_pair, tmp_path):
+    export, _, _ = timm_pair
+    config = json.loads((export / "open_clip_config.json").read_text())
+    assert config["model_cfg"]["vision_cfg"]["timm_model_name"] == "test_vit"  # timm's own name, nothing of ours
+    torch.manual_seed(1)
+    pixels = torch.randn(4, 3, 160, 160)
+    save_file({"pixels": pixels}, tmp_path / "inputs.safetensors")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", _STOCK_OPEN_CLIP, str(export), str(tmp_path / "inputs.safetensors"),
+                             str(tmp_path / "out.safetensors")], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = load_file(tmp_path / "out.safetensors")
+    model, _, tokenizer = load_pretrained(export)
+    with torch.no_grad():
+        image = model.encode_image(pixels)
+        text = model.encode_text(tokenizer(["a photo of a sneaker", "an ankle boot"]))
+    assert (image - theirs["image"]).abs().max() <= 1e-5
+    assert (text - theirs["text"]).abs().max() <= 1e-5
+    assert theirs["logit_scale"].item() == pytest.approx(float(model.logit_scale.detach()), abs=1e-6)
+
+
+# CLIP_benchmark's CLI with its `accuracy` given `.item()` where it calls float() on a 1-element array (its
+# issue #147: a TypeError under NumPy 2), and nothing else changed; lit_softmoe never imported.
+_CLIP_BENCHMARK_FIXED = textwrap.dedent("""
+    import sys
+    import clip_benchmark.metrics.zeroshot_classification as zeroshot
+    from clip_benchmark.cli import main
+
+    def accuracy(output, target, topk=(1,)):
+        pred = output.topk(max(topk), 1, True, True)[1].t()
+        correct = pred.eq(target.view(1, -1).expand_as(pred))
+        return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
+
+    zeroshot.accuracy = accuracy
+    sys.argv = ["clip_benchmark", *sys.argv[1:]]
+    main()
+    assert not any(name == "lit_softmoe" or name.startswith("lit_softmoe.") for name in sys.modules)
+""")
+
+
+def _our_eval(export, data, tmp_path) -> dict:
+    cfg = EvalSuiteConfig(name="peer", workers=0, batch_size=100, cache_dir=str(tmp_path / "cache"),
+                          benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(data))])
+    ours = run_suite(export, cfg, out=tmp_path / "ours.json")["results"][0]
+    assert ours["status"] == "ok" and ours["num_samples"] == 400
+    return ours["metrics"]
+
+
+def _eval_args(export, data, out) -> list[str]:
+    return ["eval", "--model_type", "open_clip", "--model", f"local-dir:{export}", "--pretrained", "export",
+            "--dataset", "wds/fashion-mnist", "--dataset_root", str(data), "--split", "test", "--batch_size", "100",
+            "--num_workers", "0", "--no_amp", "--output", str(out)]
+
+
+def _assert_agree(ours: dict, out: Path) -> None:
+    theirs = in_our_names(json.loads(out.read_text())["metrics"])
+    assert set(ours) == set(theirs)
+    for key, value in ours.items():
+        assert abs(value - theirs[key]) * 100 <= 0.1, (key, value, theirs[key])
+
+
+@needs_clip_benchmark
+@pytest.mark.slow
+def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pair, tmp_path):
+    """`clip_benchmark eval --model_type open_clip --model local-dir:EXPORT`, as a user types it, in a process
+    that imports nothing of ours, against our eval of the same export. Where CLIP_benchmark's NumPy-2 bug stops
+    the command (the released 1.6.2 under NumPy 2 does), the closest stock path runs instead: the same command
+    with only its `accuracy` fixed."""
+    export, data, results = timm_pair
+    ours = _our_eval(export, data, tmp_path)
+    # The run's own zero-shot eval (cached features of the same images) is the export's score too.
+    assert ours["top1"] == pytest.approx(results["zeroshot_top1"], abs=1e-6)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    stock = subprocess.run([str(Path(sys.executable).parent / "clip_benchmark"),
+                            *_eval_args(export, data, tmp_path / "stock.json")],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    if stock.returncode == 0:
+        _assert_agree(ours, tmp_path / "stock.json")
+        return
+    assert "in accuracy" in stock.stderr and "only 0-dimensional arrays can be converted" in stock.stderr, \
+        stock.stderr[-3000:]
+    fixed = subprocess.run([sys.executable, "-c", _CLIP_BENCHMARK_FIXED,
+                            *_eval_args(export, data, tmp_path / "fixed.json")],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    _assert_agree(ours, tmp_path / "fixed.json")
+
+
+@needs_clip_benchmark
+@pytest.mark.slow
+def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pair, tmp_path):
+    """`lit-softmoe clip-benchmark -- ARGS`: CLIP_benchmark's own CLI, its NumPy-2 fix scoped to the run."""
+    export, data, _ = timm_pair
+    ours = _our_eval(export, data, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "clip-benchmark", "--",
+                             *_eval_args(export, data, tmp_path / "ours_cli.json")],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_agree(ours, tmp_path / "ours_cli.json")
