@@ -62,6 +62,7 @@ from lit_softmoe.train.runtime import (
 )
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import inference_dtype, resolve_compile
+from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
     if not trained:  # the logit scale always trains, so a LiTModel never gets here; a subclass might
         raise UserError("nothing in this model trains; unlock a part (text.locked=false, unlocked_blocks, "
                         "text.unlocked_layers or image_head)")
-    if set(trained) <= {"logit_scale", "logit_bias"}:
+    if set(trained) <= {"logit_scale", "logit_bias"} and is_main_process():
         _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; unlock a part "
                      "(text.locked=false, text.unlocked_layers, unlocked_blocks or image_head) to learn more")
     return create_optimizer(model, cfg.optim)
@@ -269,11 +270,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
     tower_hash = model.image_tower_sha256() if model.image_tower_locked else None
-    text_hash = model.locked_text_sha256()  # the same for a locked text tower's locked parameters
     # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
+    text_hash = description.get("text_locked_sha256")  # a locked text tower's locked parameters: checked the same
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
     cached = is_feature_cache(cfg.data.train)
