@@ -85,6 +85,10 @@ class OptimConfig:
     # Linear warmup: below 1, a fraction of the run (0.05: its first 5%); 1 or more, a number of steps.
     warmup: float = number(200, minimum=0)
     cooldown_steps: int = number(0, minimum=0)  # rsqrt only: linear decay to 0 over the last N steps
+    # Layer-wise lr decay (timm's param_groups_layer_decay, from BEiT): a tower's head or projection trains at lr,
+    # its block i of L (the last with the final norm) at lr × layer_decay ** (L - i), its embeddings at
+    # lr × layer_decay ** (L + 1); LiT's two towers each counted on their own. 1: off; 0 is refused.
+    layer_decay: float = number(1.0, minimum=0, maximum=1)
 
 
 @dataclass

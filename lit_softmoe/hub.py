@@ -145,9 +145,19 @@ def make_preprocess(spec: dict):
     return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"], decode=spec["decode"])
 
 
-def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load `state` into `model` loudly; without `image_tower.*` keys the model's own tower stays."""
+def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str, info: dict) -> None:
+    """Load `state` into `model` loudly; without `image_tower.*` keys the model's own tower stays. A training
+    checkpoint of a locked Hugging Face text tower leaves its locked parameters out: the model's own, read from
+    text.path, stay if they are the ones the run recorded (`text_locked_sha256` of its description)."""
     skip = () if any(k.startswith("image_tower.") for k in state) else ("image_tower.",)
+    recorded = info.get("text_locked_sha256")
+    text = model.text_tower.named_parameters() if recorded else ()
+    absent = {n: p for n, p in text if f"text_tower.{n}" not in state}
+    if absent and weights_sha256(absent) != recorded:
+        raise UserError(f"{source} leaves out the locked text layers, which the run read from {info['text']['path']}, "
+                        "and that model has changed since; load the run's model/ folder, which holds every weight, "
+                        "or put that model back")
+    skip += tuple(f"text_tower.{n}" for n in absent)
     check_state_dict(model, state, source, skip_prefixes=skip)
     model.load_state_dict(state, strict=not skip)
 
@@ -198,7 +208,7 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     tower, tower_meta = load_tower(tower_dir)
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
     model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
-    _load_weights(model, state, str(source.path))
+    _load_weights(model, state, str(source.path), info)
     tower_state = {k[len("image_tower."):]: v for k, v in state.items() if k.startswith("image_tower.")}
     # A partly unlocked run changed the tower: its weights are the run's, not the tower folder's.
     sha = weights_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]

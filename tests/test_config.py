@@ -88,7 +88,8 @@ def test_an_empty_override_is_the_empty_string():
     (PretrainConfig, "eval_batch_size=0"), (PretrainConfig, "data.max_train_samples=-1"),
     (LiTConfig, "log_every=0"), (LiTConfig, "checkpoint_every=0"), (LiTConfig, "eval.every=-5"),
     (LiTConfig, "data.workers=-1"), (LiTConfig, "optim.lr=-1"), (LiTConfig, "optim.weight_decay=-0.5"),
-    (PretrainConfig, "optim.lr=-0.001")])
+    (PretrainConfig, "optim.lr=-0.001"), (LiTConfig, "text.unlocked_layers=-1"),
+    (PretrainConfig, "optim.layer_decay=-0.5")])
 def test_values_that_would_break_the_run_are_refused_up_front(schema, override):
     """A zero logging or checkpoint period, or a zero batch, divided by zero mid-run (a traceback); a
     negative learning rate or weight decay ended in the optimizer's own traceback."""
@@ -101,7 +102,9 @@ def test_values_that_would_break_the_run_are_refused_up_front(schema, override):
     (PretrainConfig, "optim.grad_clip=-1", "at least 0: set optim.grad_clip=0 or more"),
     (LiTConfig, "optim.grad_clip=-0.5", "at least 0: set optim.grad_clip=0 or more"),
     (PretrainConfig, "data.max_bad_fraction=5", "at most 1: set data.max_bad_fraction=1 or less"),
-    (LiTConfig, "data.max_bad_fraction=1.5", "at most 1: set data.max_bad_fraction=1 or less")])
+    (LiTConfig, "data.max_bad_fraction=1.5", "at most 1: set data.max_bad_fraction=1 or less"),
+    (PretrainConfig, "optim.layer_decay=1.5", "at most 1: set optim.layer_decay=1 or less"),
+    (LiTConfig, "optim.layer_decay=2", "at most 1: set optim.layer_decay=1 or less")])
 def test_a_negative_grad_clip_and_a_fraction_over_one_are_refused(schema, override, bound):
     """grad_clip=-1 switched clipping off (only 0 means off), and a bad-sample fraction of 5 was taken."""
     key, value = override.split("=")

@@ -8,7 +8,9 @@ helpers such as `build_zero_shot_classifier` take it. Locking follows LiT (Zhai 
 image tower gets no gradient and no update, and — unlike open_clip's `--lock-image`, which only clears
 `requires_grad` — it also stays in eval mode, so no dropout or drop-path ever perturbs the features, and a fully locked
 tower's output can be computed once and cached (`encode_image_features` takes those cached
-`forward_pooled` outputs). Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
+`forward_pooled` outputs). The text tower trains, or is locked too (open_clip's `--lock-text`, optionally
+with its last layers unlocked): then the logit scale, and the image head or unlocked blocks if any, are
+what learns. Scale/bias inits: softmax loss t = log 10 (big_vision), sigmoid loss
 t = log 10, b = -10 (SigLIP, Zhai et al., ICCV 2023).
 """
 from __future__ import annotations
@@ -40,11 +42,15 @@ class LiTModel(nn.Module):
         bias_init: initial logit bias of the sigmoid loss.
         image_head: a trainable Linear(width, D) on top of the locked features (LiT found none best).
         unlocked_blocks: how many of the tower's last blocks train (0 = fully locked, LiT's choice).
+        text_locked: lock the text tower too (open_clip's `--lock-text`); a fully locked one stays in eval mode.
+        text_unlocked_layers: with text_locked, how many of its last blocks train (with its final norm and
+            projection); see `TextTower.lock`.
     """
 
     def __init__(self, image_tower: VisionTransformer | None, text_tower: TextTower, loss: str = "softmax",
                  temperature_init: float = 10.0, max_temperature: float = 100.0, bias_init: float = -10.0,
-                 image_head: bool = False, unlocked_blocks: int = 0):
+                 image_head: bool = False, unlocked_blocks: int = 0, text_locked: bool = False,
+                 text_unlocked_layers: int = 0):
         super().__init__()
         if loss not in LOSSES:
             raise UserError(f"unknown loss {loss!r}; use one of {list(LOSSES)}")
@@ -53,6 +59,8 @@ class LiTModel(nn.Module):
         if not 0 < temperature_init <= max_temperature:  # its log is the parameter; past the cap it would not learn
             raise UserError(f"temperature_init must be above 0 and at most {max_temperature:g}, "
                             f"got {temperature_init:g}")
+        if text_unlocked_layers and not text_locked:
+            raise UserError(f"text_unlocked_layers={text_unlocked_layers} needs text_locked (set text.locked=true)")
         if image_tower is not None and not 0 <= unlocked_blocks <= len(image_tower.blocks):
             raise UserError(f"unlocked_blocks={unlocked_blocks} but the image tower has "
                             f"{len(image_tower.blocks)} blocks")
@@ -61,6 +69,8 @@ class LiTModel(nn.Module):
         self.loss = loss
         self.max_temperature = max_temperature
         self.unlocked_blocks = unlocked_blocks
+        self.text_locked = text_locked
+        self.text_unlocked_layers = text_unlocked_layers
         embed_dim = text_tower.embed_dim
         image_width = image_tower.embed_dim if image_tower is not None else embed_dim
         if not image_head and image_width != embed_dim:
@@ -71,6 +81,7 @@ class LiTModel(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(temperature_init)))
         self.logit_bias = nn.Parameter(torch.tensor(float(bias_init))) if loss == "sigmoid" else None
         self.lock_image_tower()
+        self.lock_text_tower()
 
     # ---- locking ------------------------------------------------------------------------------
 
@@ -89,14 +100,30 @@ class LiTModel(nn.Module):
                     getattr(self.image_tower, name).requires_grad_(True)
         self.image_tower.eval()
 
+    def lock_text_tower(self) -> None:
+        """With `text_locked`: no gradient to the text tower but its last `text_unlocked_layers` blocks (+ its
+        final norm and projection then); fully locked, it stays in eval mode as the image tower does."""
+        if not self.text_locked:
+            return
+        self.text_tower.lock(self.text_unlocked_layers)
+        if self.text_tower_locked:
+            self.text_tower.eval()
+
     @property
     def image_tower_locked(self) -> bool:
         return self.image_tower is not None and self.unlocked_blocks == 0
+
+    @property
+    def text_tower_locked(self) -> bool:
+        """The whole text tower locked (`text_locked` with no unlocked layer)."""
+        return self.text_locked and self.text_unlocked_layers == 0
 
     def train(self, mode: bool = True) -> "LiTModel":
         super().train(mode)
         if self.image_tower is not None:
             self.image_tower.eval()  # deterministic features, always (see the module docstring)
+        if self.text_tower_locked:
+            self.text_tower.eval()  # no dropout on features nothing learns from
         return self
 
     def image_tower_sha256(self) -> str:
@@ -106,6 +133,13 @@ class LiTModel(nn.Module):
         if self.image_tower is None:
             raise ValueError("this LiTModel has no image tower (it trains from cached features)")
         return weights_sha256(self.image_tower.state_dict())
+
+    def locked_text_sha256(self) -> str | None:
+        """The text tower's locked parameters as they are now (`weights_sha256`, names as in the tower's
+        `named_parameters()`), or None when it is not locked: the recipe proves with it that they never changed."""
+        if not self.text_locked:
+            return None
+        return weights_sha256({n: p for n, p in self.text_tower.named_parameters() if not p.requires_grad})
 
     # ---- encoders -----------------------------------------------------------------------------
 

@@ -15,10 +15,14 @@ Two kinds, one interface (`TextTower.forward(ids (B, L)) → (B, embed_dim)`, un
 
 A tower carries `tokenizer_spec` and `context_length`, so the recipe builds the matching tokenizer
 with `lit_softmoe.models.tokenizers.create_tokenizer(tower.tokenizer_spec, tower.context_length)`.
+
+Both number their parameters by layer as timm numbers a ViT's for layer-wise lr decay (`layer_ids`), and
+`lock(unlocked_layers)` freezes them by that numbering, as open_clip's `lock_text_tower` does.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import re
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import nn
@@ -50,6 +54,11 @@ class TextTowerConfig:
     pooling: str = "mean"  # "mean" (sentence-transformers' choice) | "cls" | "eos" (last real token)
     # Both: the projection's output width; 0 = not set yet (create_text_tower's argument sets it).
     embed_dim: int = 0
+    # Both: lock the tower (open_clip's --lock-text): no gradient, no update. unlocked_layers=N keeps its last N
+    # transformer blocks and what follows them (final norm, projection) training. The metadata is
+    # `lit_softmoe.config.number`'s constraint (this layer cannot import it), which `load_config` checks.
+    locked: bool = False
+    unlocked_layers: int = field(default=0, metadata={"minimum": 0})
 
     def validate(self) -> None:
         if self.kind not in TEXT_TOWER_KINDS:
@@ -57,6 +66,12 @@ class TextTowerConfig:
         if self.context_length < 2:
             raise UserError(f"text context_length must be at least 2 (a start and an end token), "
                             f"got {self.context_length}")
+        if self.unlocked_layers < 0:
+            raise UserError(f"text.unlocked_layers must be at least 0, got {self.unlocked_layers}")
+        if self.unlocked_layers and not self.locked:
+            raise UserError(f"text.unlocked_layers={self.unlocked_layers} says which layers of a locked text tower "
+                            "train, but text.locked is false; set text.locked=true, or text.unlocked_layers=0 to "
+                            "train the whole tower")
         if self.kind == "transformer":
             if self.tokenizer != OPENCLIP_BPE:
                 # The tower pools at the largest id, which is <end_of_text> only for CLIP's BPE.
@@ -75,6 +90,9 @@ class TextTowerConfig:
                                 f"ids of tokenizer '{OPENCLIP_BPE}'; leave text.vocab_size at its default")
             if self.width % self.heads:
                 raise UserError(f"text width {self.width} is not divisible by heads {self.heads}")
+            if self.unlocked_layers > self.layers:
+                raise UserError(f"text.unlocked_layers={self.unlocked_layers} but the text tower has {self.layers} "
+                                f"layers; give at most {self.layers}")
         else:
             if not self.path:
                 raise UserError("text tower kind 'hf' needs a path: set text.path to a local model folder "
@@ -110,6 +128,28 @@ class TextTower(nn.Module):
         """The transformer's layers, first to last: the units sharded training gathers one at a time."""
         raise NotImplementedError
 
+    def layer_ids(self) -> dict[str, int]:
+        """Each parameter's layer (names as in `named_parameters()`), numbered as timm's `group_matcher` numbers a
+        ViT's for `param_groups_layer_decay` (and open_clip its text towers' layer groups): 0 the token and position
+        embeddings, i + 1 block i, the final norm with the last block, blocks + 1 the projection."""
+        raise NotImplementedError
+
+    def lock(self, unlocked_layers: int = 0) -> None:
+        """No gradient to the tower but its last `unlocked_layers` blocks and what follows them (final norm,
+        projection): open_clip's `lock_text_tower` with freeze_layer_norm (the norms inside locked blocks lock too),
+        its N counting blocks (open_clip counts the projection as one more group)."""
+        self.requires_grad_(False)
+        if not unlocked_layers:
+            return
+        ids = self.layer_ids()
+        blocks = max(ids.values()) - 1  # the projection's layer is blocks + 1
+        if unlocked_layers > blocks:
+            raise UserError(f"text.unlocked_layers={unlocked_layers} but the text tower has {blocks} layers; "
+                            f"give at most {blocks}")
+        for name, param in self.named_parameters():
+            if ids[name] > blocks - unlocked_layers:  # block i is layer i + 1, the final norm the last block's
+                param.requires_grad_(True)
+
 
 class OpenClipTextTower(TextTower):
     """CLIP's text transformer from open_clip, randomly initialized, pooled at <end_of_text>."""
@@ -143,6 +183,22 @@ class OpenClipTextTower(TextTower):
 
     def no_weight_decay(self) -> set[str]:
         return {f"transformer.{n}" for n in self.transformer.no_weight_decay()}
+
+    def layer_ids(self) -> dict[str, int]:
+        blocks = len(self.transformer.transformer.resblocks)
+        ids = {}
+        for name, _ in self.named_parameters():
+            block = re.match(r"transformer\.transformer\.resblocks\.(\d+)\.", name)
+            if block:
+                ids[name] = int(block.group(1)) + 1
+            elif name.startswith(("transformer.token_embedding.", "transformer.positional_embedding",
+                                  "transformer.cls_emb")):
+                ids[name] = 0
+            elif name.startswith("transformer.ln_final."):
+                ids[name] = blocks
+            else:  # text_projection
+                ids[name] = blocks + 1
+        return ids
 
 
 def _fp32_kwargs() -> dict:
@@ -184,8 +240,7 @@ class HFTextTower(TextTower):
         # BERT-like models come with a pooler (dense + tanh over [CLS]) that forward below never uses:
         # frozen, so no parameter goes without a gradient, which DDP (several processes) refuses
         # at the second step. Kept in the state dict, which stays the Hugging Face model's own.
-        if getattr(self.encoder, "pooler", None) is not None:
-            self.encoder.pooler.requires_grad_(False)
+        self._freeze_pooler()
         max_positions = getattr(self.encoder.config, "max_position_embeddings", None)
         if max_positions is not None and cfg.context_length > max_positions:
             raise UserError(f"text context_length {cfg.context_length} exceeds the {max_positions} positions of "
@@ -195,6 +250,38 @@ class HFTextTower(TextTower):
         self.pad_id = create_tokenizer(self.tokenizer_spec, cfg.context_length).pad_id
         self.proj = nn.Linear(self.encoder.config.hidden_size, embed_dim, bias=False)
         nn.init.normal_(self.proj.weight, std=self.encoder.config.hidden_size ** -0.5)
+
+    def _freeze_pooler(self) -> None:
+        if getattr(self.encoder, "pooler", None) is not None:
+            self.encoder.pooler.requires_grad_(False)
+
+    def blocks(self) -> nn.ModuleList:
+        """The encoder's transformer layers: its ModuleList of `num_hidden_layers` modules (the largest, should
+        there be several), whatever the architecture names it (`encoder.layer`, `layers`, `h`, `block`)."""
+        count = getattr(self.encoder.config, "num_hidden_layers", None)
+        lists = [m for m in self.encoder.modules()
+                 if isinstance(m, nn.ModuleList) and len(m) and (count is None or len(m) == count)]
+        if not lists:
+            raise UserError(f"cannot find the transformer layers of the text model {self.cfg.path!r} (no list of "
+                            f"{count or 'its'} layers), which text.unlocked_layers and optim.layer_decay count; set "
+                            "text.unlocked_layers=0 and optim.layer_decay=1")
+        return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+    def layer_ids(self) -> dict[str, int]:
+        # The encoder's parameters before its layers (in registration order) are the embeddings; after them, a
+        # final norm (and BERT's pooler, frozen), grouped with the last layer. The projection is ours, on top.
+        layers = self.blocks()
+        in_layer = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
+        ids, past_layers = {}, False
+        for name, param in self.encoder.named_parameters(prefix="encoder"):
+            past_layers = past_layers or id(param) in in_layer
+            ids[name] = in_layer.get(id(param), len(layers) if past_layers else 0)
+        ids.update({name: len(layers) + 1 for name, _ in self.proj.named_parameters(prefix="proj")})
+        return ids
+
+    def lock(self, unlocked_layers: int = 0) -> None:
+        super().lock(unlocked_layers)
+        self._freeze_pooler()  # after the layers, but unused: it stays frozen (see __init__)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mask = (ids != self.pad_id).long()  # (B, L), 1 = real token
@@ -224,12 +311,6 @@ class HFTextTower(TextTower):
             self.encoder.activation_checkpointing_disable()
         else:
             self.encoder.gradient_checkpointing_disable()
-
-    def blocks(self) -> nn.ModuleList:
-        # Named by each architecture (BERT's encoder.layer, others' layers): the list of as many
-        # modules as the config has hidden layers.
-        layers = self.encoder.config.num_hidden_layers
-        return next(m for m in self.encoder.modules() if isinstance(m, nn.ModuleList) and len(m) == layers)
 
     def no_weight_decay(self) -> set[str]:
         # Pretrained position / token-type embeddings are tables, not kernels: keep them undecayed.

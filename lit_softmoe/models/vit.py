@@ -18,6 +18,7 @@ Read bottom-up: Attention → Mlp → Block → VisionTransformer.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -383,6 +384,18 @@ class VisionTransformer(nn.Module):
         """Parameter groups for layer-wise lr decay and open_clip's `--lock-image-unlocked-groups`, as timm's ViT."""
         return dict(stem=r"^pos_embed|patch_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    def layer_ids(self) -> dict[str, int]:
+        """Each parameter's layer (names as in `named_parameters()`), as timm's `param_groups_layer_decay` numbers
+        them from `group_matcher`: 0 the patch and position embeddings, i + 1 block i, the final norm with the last
+        block (timm's MATCH_PREV_GROUP), depth + 1 the head. Layer-wise lr decay (`train.optim.layer_depths`)
+        scales a layer's rate by decay ** (the largest id - id)."""
+        depth, ids = len(self.blocks), {}
+        for name, _ in self.named_parameters():
+            block = re.match(r"blocks\.(\d+)\.", name)
+            ids[name] = (int(block.group(1)) + 1 if block else 0 if name.startswith(("pos_embed", "patch_embed.")) else
+                         depth if name.startswith("norm.") else depth + 1)
+        return ids
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

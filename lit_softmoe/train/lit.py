@@ -65,6 +65,7 @@ from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharde
 from lit_softmoe.train.sharding import check_sharding, gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.device import inference_dtype, resolve_compile
+from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
 
 _log = logging.getLogger(__name__)
@@ -81,12 +82,21 @@ def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:
     tower, meta = load_tower(cfg.image_tower)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
-                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks)
+                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks, text_locked=cfg.text.locked,
+                     text_unlocked_layers=cfg.text.unlocked_layers)
     return model, meta
 
 
 def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
-    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as it does.
+    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as it does;
+    # optim.layer_decay scales each tower's layers on its own.
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    if not trained:  # the logit scale always trains, so a LiTModel never gets here; a subclass might
+        raise UserError("nothing in this model trains; unlock a part (text.locked=false, unlocked_blocks, "
+                        "text.unlocked_layers or image_head)")
+    if set(trained) <= {"logit_scale", "logit_bias"} and is_main_process():
+        _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; unlock a part "
+                     "(text.locked=false, text.unlocked_layers, unlocked_blocks or image_head) to learn more")
     return create_optimizer(model, cfg.optim)
 
 
@@ -186,7 +196,13 @@ def _restore_data_counts(loader, counts: dict) -> None:
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
-    return ("image_tower.",) if model.image_tower_locked else ()
+    """What training checkpoints leave out: a locked image tower (its folder holds it, checked by sha256) and
+    the locked parameters of a Hugging Face text tower (text.path holds them, checked by `locked_text_sha256`).
+    A from-scratch text tower's locked parameters stay in: its random init has no other copy."""
+    image = ("image_tower.",) if model.image_tower_locked else ()
+    if not (model.text_locked and model.text_tower.cfg.kind == "hf"):
+        return image
+    return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters() if not p.requires_grad)
 
 
 def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
@@ -194,16 +210,17 @@ def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: st
     ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
     (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
     (even with the same architecture), which would pair this text tower with other image features."""
+    locked_text = {"text_locked_sha256": model.locked_text_sha256()} if model.text_locked else {}
     return {"image_tower": str(tower_folder(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
             "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
-            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss}
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, **locked_text}
 
 
 def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict) -> Path:
-    """The trained pair: text side + temperature as safetensors, and what rebuilds the rest."""
+    """The trained pair: text side (locked parts too) + temperature as safetensors, and what rebuilds the rest."""
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
-             if not k.startswith(_frozen_prefixes(model))}
+             if not (model.image_tower_locked and k.startswith("image_tower."))}
     info = {**description, "results": results}
 
     def write(tmp: Path):
@@ -253,10 +270,6 @@ def _train_lit(cfg: LiTConfig) -> dict:
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
     # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
-    plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
-    if sharded:
-        shard_lit_model(model.to(accelerator.device), accelerator.device)
-    optimizer = _setup_optimizer(cfg, model)
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
     tower_hash = model.image_tower_sha256() if model.image_tower_locked else None
@@ -264,6 +277,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
+    text_hash = description.get("text_locked_sha256")  # a locked text tower's locked parameters: checked the same
+    plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
+    if sharded:
+        shard_lit_model(model.to(accelerator.device), accelerator.device)
+    optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
     cached = is_feature_cache(cfg.data.train)
@@ -310,6 +328,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if latest is not None and checkpoint_meta["image_tower_sha256"] != tower_sha:
         raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
                         "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
+    if any(p.startswith("text_tower.") for p in frozen) and latest is not None and \
+            (checkpoint_meta.get("model") or {}).get("text_locked_sha256") != text_hash:  # read from text.path
+        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
+                        "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
     warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
     if warning and is_main:
         _log.warning(warning)
@@ -411,10 +433,13 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
                "bad_samples": dict(loader.bad.counts)}
-    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights
-        model_module = gather_into(plain, model_module)
+    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
+        # locked text layers' current ones, for the check below)
+        model_module = gather_into(plain, model_module, frozen=text_hash is not None)
     if tower_hash is not None and is_main and model_module.image_tower_sha256() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
+    if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
+        raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
     if is_main:
         if eval_set is not None:
             results.update(_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform, accelerator))

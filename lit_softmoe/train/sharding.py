@@ -124,11 +124,12 @@ def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
     return model
 
 
-def gather_into(plain: nn.Module | None, model: nn.Module) -> nn.Module | None:
+def gather_into(plain: nn.Module | None, model: nn.Module, frozen: bool = False) -> nn.Module | None:
     """Collective (every process calls it): the main process's `plain` copy (`plain_copy`) gets the
     sharded `model`'s current weights and is returned; the others pass and get None. Frozen parameters
-    are not gathered: they never change, and the copy holds them (or shares them) already."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    are gathered only with `frozen`: they never change, and the copy holds them (or shares them)
+    already, but a check that they did not change needs the model's own."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not frozen)
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return None

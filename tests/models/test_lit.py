@@ -217,3 +217,35 @@ def test_grad_checkpointing_reaches_the_text_tower_and_an_unlocked_image_tower()
     model.set_grad_checkpointing(False)
     assert not model.text_tower.transformer.transformer.grad_checkpointing
     assert not model.image_tower.grad_checkpointing
+
+
+def test_a_locked_text_tower_gets_no_gradient_stays_in_eval_and_never_changes():
+    model = _model(text_locked=True, image_head=True)
+    before = model.locked_text_sha256()
+    model.train()
+    assert model.text_tower_locked and not model.text_tower.training and model.image_head.training
+    assert not any(p.requires_grad for p in model.text_tower.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # every parameter handed in
+    contrastive_loss(*model(_pixels(), token_ids())).backward()
+    assert all(p.grad is None for p in model.text_tower.parameters())
+    assert model.logit_scale.grad is not None and model.image_head.weight.grad is not None
+    optimizer.step()
+    assert model.locked_text_sha256() == before
+    assert _model().locked_text_sha256() is None  # not locked: nothing to prove
+
+
+def test_unlocked_text_layers_train_in_train_mode_and_only_they_change():
+    model = _model(text_locked=True, text_unlocked_layers=1)  # TINY_TEXT: 2 blocks
+    model.train()
+    assert model.text_tower.training and not model.text_tower_locked
+    before = model.locked_text_sha256()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    contrastive_loss(*model(_pixels(), token_ids())).backward()
+    optimizer.step()
+    trained = {name for name, p in model.text_tower.named_parameters() if p.grad is not None}
+    assert trained == {name for name, _ in model.text_tower.named_parameters()
+                       if name.startswith(("transformer.transformer.resblocks.1.", "transformer.ln_final.",
+                                           "transformer.text_projection"))}
+    assert model.locked_text_sha256() == before
+    with pytest.raises(UserError, match="text_unlocked_layers=1 needs text_locked"):
+        _model(text_unlocked_layers=1)

@@ -1,6 +1,8 @@
 """lit_softmoe.models.text: the text towers: the from-scratch transformer against open_clip, Hugging Face
-towers and their poolings, and settings that cannot work."""
+towers and their poolings, locking all but their last layers, and settings that cannot work."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -224,3 +226,50 @@ def test_grad_checkpointing_keeps_less_and_changes_no_gradient(kind, tmp_path, m
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
     tower.set_grad_checkpointing(False)
     assert _saved_bytes_and_grads(tower, ids)[0] == kept
+
+
+# ---- locking (open_clip's lock_text_tower) -----------------------------------------------------------
+
+def _expected_trainable(kind: str, names: list[str], blocks: int, unlocked: int) -> set[str]:
+    """By name alone: the last `unlocked` blocks, and with any unlocked the final norm and the projection."""
+    if not unlocked:
+        return set()
+    block = r"transformer\.transformer\.resblocks" if kind == "transformer" else r"encoder\.encoder\.layer"
+    last = {f"{i}" for i in range(blocks - unlocked, blocks)}
+    head = ("transformer.ln_final.", "transformer.text_projection") if kind == "transformer" else ("proj.",)
+    return {n for n in names if (m := re.match(rf"{block}\.(\d+)\.", n)) and m.group(1) in last} | \
+        {n for n in names if n.startswith(head)}
+
+
+@pytest.mark.parametrize("kind", ["transformer", "hf"])
+def test_lock_leaves_exactly_the_last_layers_final_norm_and_projection_trainable(kind, request):
+    if kind == "hf":
+        tower = create_text_tower(TextTowerConfig(kind="hf", path=request.getfixturevalue("minilm_path"),
+                                                  context_length=16), embed_dim=8)
+        ids = create_tokenizer(tower.tokenizer_spec, 16)(["a photo of a dog", "a bag", "two cats", "shoes"])
+        blocks = 6
+    else:
+        tower = create_text_tower(TextTowerConfig(width=32, layers=3, heads=2), embed_dim=8)
+        ids, blocks = token_ids(), 3
+    names = [name for name, _ in tower.named_parameters()]
+    for unlocked in [*range(blocks + 1), 1]:  # back to 1 last: locking again sets every parameter anew
+        tower.lock(unlocked)
+        trainable = {name for name, param in tower.named_parameters() if param.requires_grad}
+        assert trainable == _expected_trainable(kind, names, blocks, unlocked), unlocked
+    # What trains gets a gradient (DDP refuses a trainable parameter without one), nothing else does.
+    tower(ids).square().sum().backward()
+    assert {name for name, param in tower.named_parameters() if param.grad is not None} == trainable
+    with pytest.raises(UserError, match=f"^text.unlocked_layers={blocks + 1} but the text tower has {blocks} layers"):
+        tower.lock(blocks + 1)
+
+
+@pytest.mark.parametrize("option, expected", [
+    ({"unlocked_layers": 1}, "text.unlocked_layers=1 says which layers of a locked text tower train, but "
+                             "text.locked is false; set text.locked=true"),
+    ({"locked": True, "unlocked_layers": 3}, "text.unlocked_layers=3 but the text tower has 2 layers; give at most 2"),
+    ({"locked": True, "unlocked_layers": -1}, "text.unlocked_layers must be at least 0, got -1"),
+])
+def test_unlocked_layers_that_cannot_work_are_user_errors(option, expected):
+    with pytest.raises(UserError) as err:
+        create_text_tower(TextTowerConfig(width=32, layers=2, heads=2, **option), embed_dim=8)
+    assert str(err.value).startswith(expected)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_checks import finite_checkpoints
+from cli_errors import one_line_error
 from lit_data import PREPROCESS, lit_config
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
@@ -41,6 +42,7 @@ from lit_softmoe.train import lit as lit_recipe
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.optim import lr_at
 from lit_softmoe.train.pretrain import pretrain
 from shard_cuts import cut_before_sample
 
@@ -805,3 +807,129 @@ def test_accumulation_and_grad_checkpointing_follow_the_whole_batch(pretrained, 
             plain[name], levers[name] = plain[name][[*range(width), *range(2 * width, 3 * width)]], \
                 levers[name][[*range(width), *range(2 * width, 3 * width)]]
         torch.testing.assert_close(levers[name], plain[name], atol=1e-4, rtol=0, msg=name)
+
+
+
+# ---- a locked text tower (open_clip's --lock-text) and layer-wise lr decay ----------------------------
+
+def _initial_text_state(cfg) -> dict[str, torch.Tensor]:
+    """The text tower the recipe starts from: its init is seeded with cfg.seed before the model is built."""
+    torch.manual_seed(cfg.seed)
+    model, _ = lit_recipe._setup_model(cfg)
+    return {name: value.clone() for name, value in model.text_tower.state_dict().items()}
+
+
+def _checkpoint_state(checkpoint) -> tuple[dict, dict[str, torch.Tensor]]:
+    return json.loads((checkpoint / "state.json").read_text()), load_file(checkpoint / "state.safetensors")
+
+
+def test_locked_text_layers_end_bit_for_bit_unchanged_and_the_rest_trains_at_its_decayed_rate(data, tmp_path):
+    run = tmp_path / "run"
+    cfg = lit_config(data, run, "text.layers=2", "text.locked=true", "text.unlocked_layers=1", "steps=4",
+                     "optim.lr=1e-2", "optim.warmup=1", "optim.layer_decay=0.5", "checkpoint_every=2",
+                     "keep_checkpoints=5")
+    initial = _initial_text_state(cfg)
+    results = train_lit(cfg)
+    assert results["zeroshot_top1"] >= 0 and results["steps"] == 4
+    trainable = ("transformer.transformer.resblocks.1.", "transformer.ln_final.", "transformer.text_projection")
+    # model/ holds the whole text tower: its locked layers as they were, its last block, norm and projection trained.
+    state = load_file(run / "model" / "model.safetensors")
+    for name, value in initial.items():
+        if name.startswith(trainable):
+            assert not torch.equal(state[f"text_tower.{name}"], value), name
+        else:
+            assert torch.equal(state[f"text_tower.{name}"], value), name
+    # The optimizer holds what trains and nothing else; a from-scratch tower's locked layers stay in the
+    # checkpoint (its random init has no other copy).
+    info, tensors = _checkpoint_state(run / "checkpoints" / "step_00000004")
+    assert sorted(n for names in info["param_names"] for n in names) == sorted(
+        ["logit_scale", *(f"text_tower.{n}" for n in initial if n.startswith(trainable))])
+    assert "model.text_tower.transformer.token_embedding.weight" in tensors
+    assert "model.image_tower.pos_embed" not in tensors
+    # The schedule's rate × each group's lr_scale, as the last step set it: the projection at 1, the last block
+    # and final norm at 0.5, the logit scale at 1.
+    assert sorted({g["lr_scale"] for g in info["param_groups"]}) == [0.5, 1.0]
+    for group in info["param_groups"]:
+        assert group["lr"] == pytest.approx(lr_at(3, 4, cfg.optim) * group["lr_scale"])
+    assert [r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r][-1] == lr_at(3, 4, cfg.optim)
+
+
+def test_a_fully_locked_text_tower_leaves_the_image_head_and_scale_to_train(data, tmp_path, caplog):
+    run = tmp_path / "run"
+    cfg = lit_config(data, run, "text.locked=true", "image_head=true", "steps=3", "optim.lr=1e-2",
+                     "optim.warmup=1", "eval.shards=")
+    initial = _initial_text_state(cfg)
+    train_lit(cfg)
+    state = load_file(run / "model" / "model.safetensors")
+    assert all(torch.equal(state[f"text_tower.{name}"], value) for name, value in initial.items())
+    info, _ = _checkpoint_state(run / "checkpoints" / "step_00000003")
+    assert sorted(n for names in info["param_names"] for n in names) == ["image_head.bias", "image_head.weight",
+                                                                          "logit_scale"]
+    # Both towers locked, no head: legal (the logit scale learns), and said in one warning line.
+    both = lit_config(data, tmp_path / "both", "text.locked=true")
+    model, _ = lit_recipe._setup_model(both)
+    with caplog.at_level("WARNING"):
+        lit_recipe._setup_optimizer(both, model)
+    assert "both towers are locked, so only the logit scale (and bias) train" in caplog.text
+
+
+def _perturbed_bert(folder) -> None:
+    from transformers import BertModel
+    bert = BertModel.from_pretrained(folder)
+    with torch.no_grad():
+        bert.embeddings.word_embeddings.weight[0, 0] += 1.0
+    bert.save_pretrained(folder)
+
+
+def test_a_locked_hf_text_tower_stays_out_of_checkpoints_and_is_checked_on_resume_and_load(data, tmp_path,
+                                                                                            monkeypatch):
+    from hf_models import tiny_bert
+    from lit_softmoe.hub import load_pretrained
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bert = tiny_bert(tmp_path / "bert", torch.float32)  # 1 layer
+    run = tmp_path / "run"
+    overrides = ["text.kind=hf", f"text.path={bert}", "text.locked=true", "text.unlocked_layers=1",
+                 "optim.layer_decay=0.7", "checkpoint_every=1", "keep_checkpoints=5", "eval.shards="]
+    train_lit(lit_config(data, run, "steps=2", *overrides))
+    # The checkpoint holds the unlocked layer and projection, not the locked embeddings text.path holds.
+    info, tensors = _checkpoint_state(run / "checkpoints" / "step_00000002")
+    text = sorted(k for k in tensors if k.startswith("model.text_tower."))
+    assert text and all(k.startswith(("model.text_tower.encoder.encoder.layer.0.", "model.text_tower.proj."))
+                        for k in text)
+    assert "text_tower.encoder.embeddings.word_embeddings.weight" in load_file(
+        run / "model" / "model.safetensors")
+    # A checkpoint loads with the locked layers read from text.path, as the run's model/ folder does.
+    ids = torch.tensor([[2, 5, 6, 7, 8, 3] + [0] * 10])
+    from_checkpoint, _, _ = load_pretrained(run / "checkpoints" / "step_00000002")
+    from_model, _, _ = load_pretrained(run / "model")
+    torch.testing.assert_close(from_checkpoint.encode_text(ids), from_model.encode_text(ids), rtol=0, atol=0)
+    # A longer run resumes from it.
+    train_lit(lit_config(data, run, "steps=3", *overrides))
+    assert sorted(_losses(run)) == [1, 2, 3]
+    # The model at text.path changed since: the resume and the checkpoint's load are refused in one line.
+    _perturbed_bert(bert)
+    with pytest.raises(UserError, match=rf"^the text model at {re.escape(bert)} changed after .*step_00000003 was "
+                                        "saved .* put that model back, or give a new run_dir$"):
+        train_lit(lit_config(data, run, "steps=4", *overrides))
+    with pytest.raises(UserError, match="leaves out the locked text layers, which the run read from .* load the "
+                                        "run's model/ folder"):
+        load_pretrained(run / "checkpoints" / "step_00000003")
+    load_pretrained(run / "model")  # which holds every weight
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("text.unlocked_layers=1", "text.unlocked_layers=1 says which layers of a locked text tower train, but "
+                               "text.locked is false"),
+    ("optim.layer_decay=0", "optim.layer_decay=0 must be above 0 and at most 1"),
+    ("optim.layer_decay=1.5", "config key 'optim.layer_decay' is 1.5; it must be at most 1"),
+    ("text.unlocked_layers=-2", "config key 'text.unlocked_layers' is -2; it must be at least 0"),
+])
+def test_bad_text_lock_and_layer_decay_settings_are_one_line_with_exit_code_2(data, tmp_path, capsys, override,
+                                                                              expected):
+    line = one_line_error(capsys, ["train", "--config", _empty_yaml(tmp_path), f"run_dir={tmp_path / 'run'}",
+                                   f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
+                                   f"eval.shards={data / 'features' / 'test'}", "data.workers=0", "batch_size=50",
+                                   "text.width=64", "text.layers=1", "text.heads=2", "steps=2", override])
+    assert line.startswith("lit-softmoe train: error: ") and expected in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -675,3 +675,24 @@ def test_fp16_pretrain_trains_and_its_checkpoint_keeps_the_loss_scale(shards, tm
     assert losses[-1] < 0.9 * losses[0] and results["test_top1"] > 0.2  # 10 classes: chance is 0.1
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000010" / "state.json").read_text())
     assert state["loss_scaler"]["scale"] >= 1.0  # torch's GradScaler state, resumed with the run
+
+
+def test_pretrain_takes_layer_decay_and_its_steps_apply_each_layers_scale(data, tmp_path):
+    """optim is shared with LiT: fine-tuning a tower (init_from) with layer-wise lr decay, as timm's recipes do."""
+    from lit_softmoe.train.optim import lr_at
+
+    run = tmp_path / "run"
+    cfg = load_config(PretrainConfig, None, [
+        f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
+        "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32", "steps=3",
+        "optim.layer_decay=0.5", "optim.warmup=1"])
+    pretrain(cfg)
+    info = json.loads((run / "checkpoints" / "step_00000003" / "state.json").read_text())
+    # soft-test-4e has 2 blocks and a head: head 1, last block + norm 0.5, first block 0.25, embeddings 0.125.
+    assert sorted({group["lr_scale"] for group in info["param_groups"]}) == [0.125, 0.25, 0.5, 1.0]
+    scale = {name: group["lr_scale"] for group, names in zip(info["param_groups"], info["param_names"])
+             for name in names}
+    assert [scale[n] for n in ("head.weight", "norm.weight", "blocks.1.norm1.weight", "blocks.0.attn.qkv.weight",
+                               "pos_embed", "patch_embed.weight")] == [1.0, 0.5, 0.5, 0.25, 0.125, 0.125]
+    for group in info["param_groups"]:  # the last step's rate, scaled
+        assert group["lr"] == pytest.approx(lr_at(2, 3, cfg.optim) * group["lr_scale"])
