@@ -231,7 +231,9 @@ def _cmd_push(args) -> None:
         print(f"dry run: {len(summary['files'])} files of {args.export} would go to {where}:")
         for name in summary["files"]:
             print(f"  {name}")
-        print("model card front matter: " + ", ".join(f"{k}: {v}" for k, v in front.items()))  # push checked it
+        results = len((front.get("model-index") or [{}])[0].get("results", []))
+        shown = ", ".join(f"{k}: {v}" for k, v in front.items() if k != "model-index")
+        print(f"model card front matter (the card written for the Hub): {shown}; model-index: {results} result(s)")
         return
     print(f"{len(summary['files'])} files of {args.export} pushed to {where}: {summary['url']}")
 

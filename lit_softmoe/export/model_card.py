@@ -37,25 +37,26 @@ def _latest_eval(run_dir: Path | None, checkpoint: Path | None = None) -> tuple[
     return None
 
 
-def _zeroshot_section(run_dir: Path | None, results: dict, checkpoint: Path | None = None) -> list[str]:
-    latest = _latest_eval(run_dir, checkpoint)
-    if latest is not None:
-        file, report = latest
-        rows = report["results"]
+def _zeroshot_section(evaluation: dict, hub: bool = False) -> list[str]:
+    """The card's zero-shot table, from its facts ("rows" of an eval report, else the run's "scores"); on the Hub
+    without the report's paths (the model evaluated, a skipped benchmark's missing folder)."""
+    if "rows" in evaluation:
+        rows = evaluation["rows"]
         metrics = list(dict.fromkeys(k for row in rows for k in (row.get("metrics") or {})))
-        lines = [f"From `{file.name}` (suite `{report.get('suite', '?')}`, model `{report.get('model', '?')}`), "
+        model = "" if hub else f", model `{evaluation.get('model') or '?'}`"
+        lines = [f"From `{evaluation['file']}` (suite `{evaluation.get('suite') or '?'}`{model}), "
                  "metrics in %:", "",
                  markdown_row(["benchmark", "task", *metrics, "samples", "status"]),
                  "|" + "---|" * (len(metrics) + 4)]
         for row in rows:
             values = [percent((row.get("metrics") or {}).get(m, "")) for m in metrics]
             status = row.get("status", "")
-            if status in ("skipped", "failed") and row.get("reason"):
+            if status in ("skipped", "failed") and row.get("reason") and not hub:
                 status = f"{status}: {row['reason']}"
             lines.append(markdown_row([str(row.get("benchmark", "")), str(row.get("task", "")), *values,
                                str(row.get("num_samples", "")), status]))
         return lines
-    scores = {k: v for k, v in results.items() if k.startswith(("zeroshot_", "linear_probe_top1"))}
+    scores = evaluation.get("scores") or {}
     if not scores:
         return ["No evaluation recorded."]
     return ["From the run's results.json (the LiT recipe's own eval set):", "", "| metric | % |", "|---|---|",
@@ -149,79 +150,186 @@ def read_front_matter(card: str) -> dict | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def model_card(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
-               run_dir: Path | None, results: dict, out_dir: Path) -> str:
-    """The front matter, then the card's body (`card_body`)."""
-    return front_matter_text(front_matter(config, facts, run_dir)) + card_body(
-        config, model, tower, facts, run_dir, results, out_dir)
-
-
-def card_body(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
-              run_dir: Path | None, results: dict, out_dir: Path) -> str:
+def card_facts(config: dict, model: LiTModel | None, tower: VisionTransformer, facts: dict,
+               run_dir: Path | None, results: dict) -> dict:
+    """What a card says, as JSON (the export keeps it in config.json's "card"): `push` renders the Hub's card from
+    it with no run folder at hand. Local paths are kept here and left out by `render_body(hub=True)`."""
     pretrain = facts["tower_meta"].get("pretrain") or {}
     timm_tower = is_timm_tower_config(config["image_tower"])
-    tower_name = facts["tower_meta"].get("source") if timm_tower else pretrain.get("tower")
-    tower_params = sum(p.numel() for p in tower.parameters())
-    title = "LiT image–text pair" if model is not None else "Soft MoE image tower"
+    card = {"front_matter": front_matter(config, facts, run_dir),
+            "tower": {"params": sum(p.numel() for p in tower.parameters()),
+                      "name": facts["tower_meta"].get("source") if timm_tower else pretrain.get("tower")},
+            "pretrain": {k: pretrain[k] for k in ("config", "steps", "train_seconds", "test_top1") if k in pretrain}}
+    pre_run = read_run_config(run_dir) if run_dir is not None and model is None else {}
+    if pre_run.get("data"):
+        card["pretrain_data"] = {"train": pre_run["data"].get("train"), "test": pre_run["data"].get("test")}
+    if model is None:
+        return card
+    card["text_params"] = sum(p.numel() for p in model.text_tower.parameters())
+    if run_dir is not None:
+        run = read_run_config(run_dir)
+        data, evaluation = run.get("data") or {}, run.get("eval") or {}
+        card["lit_data"] = {"train": data.get("train"), "eval": evaluation.get("shards"),
+                            "cached": bool(results.get("cached_features"))}
+    card["lit"] = {"steps": results.get("steps", facts.get("step")), "train_seconds": results.get("train_seconds")}
+    checkpoint = Path(facts["checkpoint"]) if facts.get("checkpoint") else None
+    latest = _latest_eval(run_dir, checkpoint)
+    if latest is not None:
+        file, report = latest
+        card["evaluation"] = {"file": file.name, "suite": report.get("suite"), "model": report.get("model"),
+                              "rows": report["results"]}
+    else:
+        card["evaluation"] = {"scores": {k: v for k, v in results.items()
+                                         if k.startswith(("zeroshot_", "linear_probe_top1"))}}
+    return card
+
+
+def _shown(path, hub: bool, datasets: list[str]) -> str:
+    """A data path as the card shows it: as written locally; on the Hub, the dataset's Hub id where it is a known
+    one, else no path (it means nothing there, and tells who trained it where)."""
+    if not hub:
+        return f"`{path}`"
+    known = [hub_id for pattern, hub_id in KNOWN_DATASETS.items() if pattern.search(str(path))]
+    return f"[{known[0]}](https://huggingface.co/datasets/{known[0]})" if known else "a local dataset"
+
+
+def render_body(config: dict, card: dict, location: str, hub: bool = False) -> str:
+    """The card's body from `config` and its `card` facts; its snippets load `location` (the export folder, or
+    `hf-hub:ORG/NAME`). `hub`: the card for the Hub: no local path (data, configs, checkpoints, eval reports),
+    an install line, intended use and limits."""
+    pair = config["kind"] == "pair"
+    timm_tower = is_timm_tower_config(config["image_tower"])
+    datasets = card["front_matter"].get("datasets", [])
+    name = card["tower"]["name"]
+    if hub and name and "?" in name:  # timm:NAME?file=PATH: a local file
+        name = name.split("?")[0] + ", from a local checkpoint"
+    title = "LiT image–text pair" if pair else "Soft MoE image tower"
     lines = [f"# {title} exported by lit-softmoe {config['lit_softmoe_version']}", "",
              f"Weights in {config['dtype']} safetensors; `image_tower_sha256` {config['image_tower_sha256']}.", "",
-             "## Towers", "",
-             f"- Image (locked): {_tower_line(config['image_tower'], tower_params, tower_name)}"]
-    if model is not None:
+             "## Towers", "", f"- Image (locked): {_tower_line(config['image_tower'], card['tower']['params'], name)}"]
+    if pair:
         text = config["text"]
-        text_params = sum(p.numel() for p in model.text_tower.parameters())
         shape = (f"open_clip text transformer, width {text['width']}, {text['layers']} layers, {text['heads']} heads"
                  if text["kind"] == "transformer" else
-                 f"Hugging Face encoder {text['path']} ({text['pooling']} pooling)")
+                 f"Hugging Face encoder {Path(text['path']).name if hub else text['path']} ({text['pooling']} pooling)")
         lines += [f"- Text (trained): {shape}, context {text['context_length']} tokens, tokenizer "
-                  f"`{config['tokenizer']['spec']}`; {text_params / 1e6:.2f}M parameters",
+                  f"`{config['tokenizer']['spec'] if not hub or text['kind'] == 'transformer' else 'its own'}`; "
+                  f"{card['text_params'] / 1e6:.2f}M parameters",
                   f"- Embedding width {config['embed_dim']}, {config['loss']} loss, temperature "
                   f"{config['temperature']:.3f}"
                   + (f", bias {config['logit_bias']:.3f}" if config.get("logit_bias") is not None else "")
                   + (", image head" if config["image_head"] else "")]
     lines += ["", "## Training", ""]
+    pretrain = card.get("pretrain") or {}
     if pretrain:
-        lines.append(f"- Image tower: pretrained by `lit-softmoe pretrain` ({pretrain.get('config', '?')}), "
+        recipe = str(pretrain.get("config", "?"))
+        recipe = Path(recipe).name if hub else recipe
+        lines.append(f"- Image tower: pretrained by `lit-softmoe pretrain` ({recipe}), "
                      f"{pretrain.get('steps', '?')} steps in {pretrain.get('train_seconds', '?')} s"
                      + (f", test top-1 {percent(pretrain['test_top1'])}%" if "test_top1" in pretrain else ""))
-    pre_run = read_run_config(run_dir) if run_dir is not None and model is None else {}
-    if pre_run.get("data"):
-        data = pre_run["data"]
-        lines.append(f"- Pretraining data: train `{data.get('train')}`, test `{data.get('test')}`")
-    if model is not None and run_dir is not None:
-        run = read_run_config(run_dir)
-        data, evaluation = run.get("data") or {}, run.get("eval") or {}
-        cached = " (cached image features)" if results.get("cached_features") else ""
-        lines.append(f"- LiT data: `{data.get('train', '?')}`{cached}, eval `{evaluation.get('shards', '?')}`")
-    if model is not None:
-        steps = results.get("steps", facts.get("step", "?"))
-        lines.append(f"- LiT: {steps} steps in {results.get('train_seconds', '?')} s")
-    if model is not None:
-        checkpoint = Path(facts["checkpoint"]) if facts.get("checkpoint") else None
-        lines += ["", "## Zero-shot", "", *_zeroshot_section(run_dir, results, checkpoint)]
-    loader = "load_pretrained" if model is not None else "load_image_tower"
+    if card.get("pretrain_data"):
+        data = card["pretrain_data"]
+        lines.append(f"- Pretraining data: train {_shown(data['train'], hub, datasets)}, "
+                     f"test {_shown(data['test'], hub, datasets)}")
+    if card.get("lit_data"):
+        data = card["lit_data"]
+        cached = " (cached image features)" if data["cached"] else ""
+        lines.append(f"- LiT data: {_shown(data['train'], hub, datasets)}{cached}, "
+                     f"eval {_shown(data['eval'], hub, datasets)}")
+    if pair:
+        lit = card["lit"]
+        lines.append(f"- LiT: {lit['steps'] if lit['steps'] is not None else '?'} steps in "
+                     f"{lit['train_seconds'] if lit['train_seconds'] is not None else '?'} s")
+        lines += ["", "## Zero-shot", "", *_zeroshot_section(card["evaluation"], hub)]
+    if hub:
+        lines += ["", "## Install", "", f"`pip install lit-softmoe=={config['lit_softmoe_version']}` (or "
+                  "`pip install .` in a checkout of its source): `load_pretrained` below needs it"
+                  + ("; open_clip alone loads this pair (below)." if timm_tower and "config" in
+                     (config.get("open_clip") or {}) else ".")]
+    loader = "load_pretrained" if pair else "load_image_tower"
     lines += ["", "## Use", "", "```python", f"from lit_softmoe import {loader}",
-              "", (f"model, preprocess, tokenizer = load_pretrained(\"{out_dir}\")" if model is not None else
-                   f"tower, preprocess = load_image_tower(\"{out_dir}\")"),
-              ("image = model.encode_image(preprocess(pil_image)[None])  # (1, D), normalized" if model is not None else
+              "", (f"model, preprocess, tokenizer = load_pretrained(\"{location}\")" if pair else
+                   f"tower, preprocess = load_image_tower(\"{location}\")"),
+              ("image = model.encode_image(preprocess(pil_image)[None])  # (1, D), normalized" if pair else
                "features = tower.forward_pooled(preprocess(pil_image)[None])  # (1, width)")]
-    if model is not None:
+    if pair:
         lines.append("text = model.encode_text(tokenizer([\"a photo of a cat\"]))  # (1, D), normalized")
-    lines += ["```", "", "Without torch: onnxruntime + numpy + PIL (+ `tokenizers` for the text) — see "
-              "`scripts/onnx_example.py` in lit-softmoe." if model is not None else
-              "Without torch: `image_encoder.onnx` (pixels → image_features) with onnxruntime.", ""]
+    lines += ["```", ""]
+    if "onnx" in config:
+        lines += ["Without torch: onnxruntime + numpy + PIL (+ `tokenizers` for the text) — see "
+                  "`scripts/onnx_example.py` in lit-softmoe." if pair else
+                  "Without torch: `image_encoder.onnx` (pixels → image_features) with onnxruntime.", ""]
     open_clip = config.get("open_clip") or {}
+    where = location if location.startswith("hf-hub:") else f"local-dir:{location}"
     if "config" in open_clip and timm_tower:
         lines += ["With open_clip (`open_clip_config.json` + `open_clip_model.safetensors`; the image tower is timm's "
                   "own model, so no lit-softmoe import is needed):", "", "```python", "import open_clip",
-                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out_dir}\")",
-                  f"tokenizer = open_clip.get_tokenizer(\"local-dir:{out_dir}\")", "```", ""]
+                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"{where}\")",
+                  f"tokenizer = open_clip.get_tokenizer(\"{where}\")", "```", ""]
     elif "config" in open_clip:
         lines += ["With open_clip (`open_clip_config.json` + `open_clip_model.safetensors`; timm builds the image "
-                  "tower once lit-softmoe registered it):", "", "```python",
-                  "import open_clip, lit_softmoe.integrations.timm",
-                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out_dir}\")",
-                  f"tokenizer = open_clip.get_tokenizer(\"local-dir:{out_dir}\")", "```", ""]
-    elif model is not None and open_clip.get("skipped"):
+                  "tower once lit-softmoe registered it: without that import it ends in timm's `RuntimeError: Unknown "
+                  "model`):", "", "```python", "import open_clip, lit_softmoe.integrations.timm",
+                  f"model, _, preprocess = open_clip.create_model_and_transforms(\"{where}\")",
+                  f"tokenizer = open_clip.get_tokenizer(\"{where}\")", "```", ""]
+    elif pair and open_clip.get("skipped"):
         lines += [f"Not loadable with open_clip: {open_clip['skipped']}.", ""]
+    if hub:
+        lines += ["## Intended use and limits", "",
+                  ("Zero-shot image classification and image–text retrieval by embedding similarity, and image "
+                   "features for probes, in the domain of its training data (above): a LiT pair knows the concepts "
+                   "its captions named, and its image tower is locked, so it sees what its pretraining taught it. "
+                   "Scores outside that domain are untested; check them on your data before relying on them."
+                   if pair else
+                   "Image features (pooled, before any classifier) for probes, retrieval or a LiT text tower, in the "
+                   "domain of its pretraining data (above). Untested elsewhere; check it on your data first."), ""]
     return "\n".join(lines)
+
+
+_TASK_TYPES = {"zeroshot_classification": "zero-shot-image-classification", "classification":
+               "zero-shot-image-classification", "zeroshot_retrieval": "image-text-retrieval",
+               "retrieval": "image-text-retrieval"}
+
+
+def _eval_results(card: dict, datasets: list[str]) -> list:
+    """huggingface_hub EvalResults (the Hub's `model-index`) of the card's zero-shot table, in %."""
+    from huggingface_hub import EvalResult
+
+    evaluation = card.get("evaluation") or {}
+    results = []
+    for row in evaluation.get("rows") or []:
+        if row.get("status") != "ok":
+            continue
+        for metric, value in (row.get("metrics") or {}).items():
+            results.append(EvalResult(task_type=_TASK_TYPES.get(row.get("task"), "zero-shot-image-classification"),
+                                      dataset_type=str(row["benchmark"]), dataset_name=str(row["benchmark"]),
+                                      metric_type=metric, metric_name=metric, metric_value=round(100 * value, 2)))
+    eval_set = datasets[0] if len(datasets) == 1 else "the LiT run's eval set"
+    for metric, value in (evaluation.get("scores") or {}).items():
+        results.append(EvalResult(task_type="zero-shot-image-classification", dataset_type=eval_set,
+                                  dataset_name=eval_set, metric_type=metric, metric_name=metric,
+                                  metric_value=round(100 * value, 2)))
+    return results
+
+
+def hub_card(config: dict, repo_id: str) -> str:
+    """The card `push` uploads as README.md, rendered from the export's config.json alone: snippets on
+    `hf-hub:REPO_ID`, no local path, the zero-shot results as `model-index` (huggingface_hub's `ModelCardData` and
+    `EvalResult`), `base_model` for a timm checkpoint's tower, an install line, intended use and limits. A pair
+    whose image tower is timm's own is an open_clip model to the Hub (`library_name: open_clip`: its "Use this
+    model" snippet works without lit-softmoe); ours are lit-softmoe's."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    card = config.get("card")
+    if not isinstance(card, dict) or "front_matter" not in card:
+        raise ValueError("its config.json has no \"card\" (what the model card says)")
+    front = dict(card["front_matter"])
+    stock_open_clip = is_timm_tower_config(config["image_tower"]) and "config" in (config.get("open_clip") or {})
+    if stock_open_clip:
+        front["library_name"] = "open_clip"
+    known = {key: front.pop(key) for key in ("library_name", "license", "pipeline_tag", "tags", "base_model",
+                                             "datasets") if key in front}
+    results = _eval_results(card, known.get("datasets", []))
+    data = ModelCardData(**known, model_name=repo_id, eval_results=results or None, **front)
+    body = render_body(config, card, f"hf-hub:{repo_id}", hub=True)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))

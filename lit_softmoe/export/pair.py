@@ -55,7 +55,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.export.model_card import model_card
+from lit_softmoe.export.model_card import card_facts, front_matter_text, render_body
 from lit_softmoe.export.onnx import write_onnx
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, open_clip_config, open_clip_skip_reason, open_clip_weights
 from lit_softmoe.export.tokenizer_json import write_tokenizer
@@ -222,7 +222,10 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
             (tmp / OPEN_CLIP_CONFIG).write_text(json.dumps(open_clip_json, indent=2) + "\n")
         if onnx:
             config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
-        (tmp / MODEL_CARD).write_text(model_card(config, model, tower, facts, run_dir, results, out_dir))
+        # The card's facts stay in config.json: `push` renders the Hub's card from them (no local paths).
+        config["card"] = card_facts(config, model, tower, facts, run_dir, results)
+        (tmp / MODEL_CARD).write_text(front_matter_text(config["card"]["front_matter"])
+                                      + render_body(config, config["card"], str(out_dir)))
         # Every other file's sha256: `push` (dry run too) verifies them all before anything goes up.
         config[FILES_SHA256] = {path.relative_to(tmp).as_posix(): file_sha256(path)
                                 for path in sorted(tmp.rglob("*")) if path.is_file()}

@@ -7,13 +7,17 @@ valid (huggingface_hub's `validate_repo_id`), the files its kind needs there and
 weights in it (caches of its embeddings are keyed by it, so weights edited after the export would lie under
 the old key), and every file the sha256 `config.json`'s `files_sha256` recorded at export time, no file
 more. `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_softmoe.hub).
+
+The README.md that goes up is the card written for the Hub at push time (`model_card.hub_card`, from
+config.json's "card"): snippets on `hf-hub:REPO_ID`, no local path, the results as `model-index`. The
+export's own README.md (snippets on its folder) stays as it is on disk. Everything goes up in one commit.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.export.model_card import read_front_matter
+from lit_softmoe.export.model_card import hub_card, read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
 from lit_softmoe.export.pair import FILES_SHA256
 from lit_softmoe.model_folders import (
@@ -116,18 +120,25 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
                         "e.g. my-org/soft-s16-lit") from None
     folder = Path(folder)
     files = check_export(folder)
-    summary = {"files": files, "front_matter": _front_matter(folder), "url": None}
+    try:
+        card = hub_card(read_export_config(folder), repo_id)
+    except ValueError as err:
+        raise UserError(f"{folder}: {err}; export the run again with this version") from None
+    summary = {"files": files, "front_matter": read_front_matter(card), "card": card, "url": None}
     if dry_run:
         return summary
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
     api = HfApi()
+    # The export's files as they are, but its README.md: the card written for the Hub, in the same commit.
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=card.encode() if name == MODEL_CARD
+                                     else str(folder / name)) for name in files]
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         if revision is not None:
             api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
-                                   allow_patterns=files, commit_message=f"Upload lit-softmoe export {folder.name}")
+        commit = api.create_commit(repo_id=repo_id, operations=operations, repo_type="model", revision=revision,
+                                   commit_message=f"Upload lit-softmoe export {folder.name}")
     except LocalTokenNotFoundError:
         raise UserError(f"no Hugging Face token to push {repo_id} with; {_LOGIN}") from None
     except HFValidationError as err:

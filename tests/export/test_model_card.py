@@ -127,3 +127,54 @@ def test_model_card_opens_with_the_hubs_front_matter(tmp_path):
     assert read_front_matter("# a card without front matter\n") is None
     with pytest.raises(ValueError, match=r"^its front matter is not YAML \("):
         read_front_matter("---\nlibrary_name: [\n---\n# a card\n")
+
+
+def _front_and_body(card: str):
+    from huggingface_hub import ModelCard
+    parsed = ModelCard(card)
+    return parsed.data, parsed.text
+
+
+def test_the_hub_card_holds_no_local_path_and_the_results_as_model_index(tmp_path):
+    """What `push` uploads as README.md, rendered from the export alone: snippets on hf-hub:, no path of the
+    machine it was made on (data, eval reports, the export), the zero-shot table as a valid model-index."""
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    from lit_softmoe.export.push import push_export
+    run = make_run(tmp_path)
+    (run / "eval").mkdir()
+    (run / "eval" / "fmnist.json").write_text(json.dumps({"model": str(run), "suite": "fmnist", "results": [
+        {"benchmark": "fashion-mnist", "task": "zeroshot_classification",
+         "metrics": {"acc1": 0.8765, "acc5": 0.9912}, "num_samples": 10000, "status": "ok"},
+        {"benchmark": "cifar10", "task": "zeroshot_classification", "metrics": {}, "num_samples": 0,
+         "status": "skipped", "reason": f"data not found at {tmp_path}/cifar10"}]}))
+    export = export_pair(run, tmp_path / "export")
+    local = (export / "README.md").read_text()
+    assert f'load_pretrained("{export}")' in local and "data/feats/train" in local  # the local card: its folder
+    card = push_export(export, "org/soft-lit", dry_run=True)["card"]
+    assert str(tmp_path) not in card and "data/feats" not in card and "/tmp" not in card
+    assert 'load_pretrained("hf-hub:org/soft-lit")' in card
+    assert "lit-softmoe==0.1.0" in card and "## Intended use and limits" in card
+    assert "- LiT data: a local dataset (cached image features), eval a local dataset" in card
+    data, _ = _front_and_body(card)
+    assert data.library_name == "lit-softmoe" and data.pipeline_tag == "zero-shot-image-classification"
+    results = {(r.dataset_name, r.metric_type): r.metric_value for r in data.eval_results}
+    assert results == {("fashion-mnist", "acc1"): 87.65, ("fashion-mnist", "acc5"): 99.12}  # the skipped one: none
+    name, again = model_index_to_eval_results(data.to_dict()["model-index"])
+    assert name == "org/soft-lit" and len(again) == 2
+    # Without an eval report, the run's own results (results.json) are the model-index.
+    export = export_pair(make_run(tmp_path / "plain"), tmp_path / "plain-export")
+    data, _ = _front_and_body(push_export(export, "org/x", dry_run=True)["card"])
+    assert {(r.metric_type, r.metric_value) for r in data.eval_results} >= {("zeroshot_top1", 43.21)}
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("timm:hf-hub:timm/vit_base_patch16_224.augreg_in21k", "timm/vit_base_patch16_224.augreg_in21k"),
+    ("timm:vit_base_patch16_224.augreg_in21k", "timm/vit_base_patch16_224.augreg_in21k"),
+    ("timm:vit_base_patch16_224", None),  # timm's default tag: not a Hub id we can name
+    ("timm:test_vit?file=/data/vit.safetensors", None),  # a local checkpoint
+    (None, None),  # our own tower
+])
+def test_base_model_names_the_timm_checkpoint_on_the_hub(source, expected):
+    from lit_softmoe.export.model_card import base_model
+    assert base_model({"source": source} if source else {}) == expected

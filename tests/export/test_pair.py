@@ -266,14 +266,14 @@ def _another_export_finishes_meanwhile(monkeypatch, out: Path) -> None:
     """While this export writes its files (the model card, then config.json, are its last), another one fills
     `out`."""
     from lit_softmoe.export import pair as export
-    card = export.model_card
+    card = export.render_body
 
     def racing_card(*args, **kwargs):
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text('{"written by": "the other export"}')
         return card(*args, **kwargs)
 
-    monkeypatch.setattr(export, "model_card", racing_card)
+    monkeypatch.setattr(export, "render_body", racing_card)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 here, never sent); a dry run lists it without the network; an incomplete one is refused in one line."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from cli_errors import one_error_line
 from lit_softmoe import cli
 from lit_softmoe.export import export_pair
+from lit_softmoe.export.model_card import hub_card
 
 FILES = ["README.md", "config.json", "image_tower_extra.safetensors", "open_clip_config.json",
          "open_clip_model.safetensors", "tokenizer.json", "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
@@ -29,8 +31,8 @@ class _RecordingHfApi:
     def create_branch(self, repo_id, **kwargs):
         self.calls.append(("create_branch", repo_id, kwargs))
 
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs["repo_id"], kwargs))
+    def create_commit(self, **kwargs):
+        self.calls.append(("create_commit", kwargs["repo_id"], kwargs))
         return type("CommitInfo", (), {"commit_url": f"https://huggingface.co/{kwargs['repo_id']}/commit/abc"})()
 
 
@@ -63,14 +65,20 @@ def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
     assert out.strip() == (f"7 files of {export} pushed to org/name (revision v1): "
                            "https://huggingface.co/org/name/commit/abc")
     (create, _, create_kwargs), (branch, _, branch_kwargs), (upload, repo_id, upload_kwargs) = hf_api.calls
-    assert (create, branch, upload, repo_id) == ("create_repo", "create_branch", "upload_folder", "org/name")
+    assert (create, branch, upload, repo_id) == ("create_repo", "create_branch", "create_commit", "org/name")
     assert create_kwargs == {"repo_type": "model", "private": True, "exist_ok": True}
     assert branch_kwargs == {"branch": "v1", "repo_type": "model", "exist_ok": True}
-    assert upload_kwargs["folder_path"] == export and upload_kwargs["revision"] == "v1"
-    assert upload_kwargs["allow_patterns"] == FILES
+    assert upload_kwargs["revision"] == "v1" and upload_kwargs["repo_type"] == "model"
+    operations = upload_kwargs["operations"]
+    assert [op.path_in_repo for op in operations] == FILES  # one commit: every file
+    for op in operations:  # the export's own files, but README.md: the card written for the Hub
+        if op.path_in_repo == "README.md":
+            assert op.path_or_fileobj == hub_card(json.loads((export / "config.json").read_text()), "org/name").encode()
+        else:
+            assert op.path_or_fileobj == str(export / op.path_in_repo)
     hf_api.calls.clear()
     _push(capsys, export, "org/name")  # no --revision: main, no branch made
-    assert [call[0] for call in hf_api.calls] == ["create_repo", "upload_folder"]
+    assert [call[0] for call in hf_api.calls] == ["create_repo", "create_commit"]
     assert hf_api.calls[1][2]["revision"] is None
 
 

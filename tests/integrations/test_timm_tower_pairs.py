@@ -167,3 +167,19 @@ def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pai
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_agree(ours, tmp_path / "ours_cli.json")
+
+
+def test_the_hub_card_of_a_timm_pair_is_an_open_clip_model(timm_pair):
+    """On the Hub the pair is open_clip's (its "Use this model" snippet needs no lit-softmoe), and the card's
+    open_clip snippet loads it from hf-hub: with no lit_softmoe import; the local checkpoint's path stays home."""
+    from huggingface_hub import ModelCard
+
+    from lit_softmoe.export.model_card import hub_card
+    export, data, _ = timm_pair
+    card = hub_card(json.loads((export / "config.json").read_text()), "org/timm-lit")
+    parsed = ModelCard(card)
+    assert parsed.data.library_name == "open_clip" and parsed.data.base_model is None  # a local file, no Hub id
+    assert 'open_clip.create_model_and_transforms("hf-hub:org/timm-lit")' in card
+    assert "import open_clip\n" in card and "lit_softmoe.integrations.timm" not in card
+    assert str(export.parent) not in card and str(data) not in card
+    assert "timm model `test_vit` (timm:test_vit, from a local checkpoint)" in card
