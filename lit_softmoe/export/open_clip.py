@@ -87,7 +87,13 @@ def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
 
     preprocess_cfg = {"size": preprocess["image_size"], "mode": "RGB", "mean": rgb(preprocess["mean"]),
                       "std": rgb(preprocess["std"]), "interpolation": "bilinear", "resize_mode": "shortest"}
-    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+    if not isinstance(tower, TimmTower):  # open_clip reads the two keys above and passes over any other
+        config["note"] = (f"vision_cfg.timm_model_name {name} is lit-softmoe's tower: timm knows it once `import "
+                          "lit_softmoe` (or `import lit_softmoe.integrations.timm`) registered it, and without that "
+                          "open_clip ends in timm's `RuntimeError: Unknown model`; `lit-softmoe clip-benchmark -- "
+                          "eval ...` runs CLIP_benchmark with it registered")
+    return config
 
 
 def open_clip_weights(state: dict[str, torch.Tensor], in_channels: int) -> dict[str, dict[str, torch.Tensor]]:

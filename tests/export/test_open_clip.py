@@ -96,3 +96,20 @@ def test_open_clips_config_names_the_tower_for_timm(run, tmp_path):
     assert (text["width"], text["layers"], text["heads"], text["context_length"]) == (32, 1, 2, 16)
     assert cfg["preprocess_cfg"] == {"size": 28, "mode": "RGB", "mean": [0.286] * 3, "std": [0.353] * 3,
                                      "interpolation": "bilinear", "resize_mode": "shortest"}
+
+
+def test_without_our_registration_open_clip_fails_as_the_config_note_says(run, tmp_path):
+    """A Soft MoE export in a process that never imports lit_softmoe: open_clip ends in timm's Unknown model, as
+    open_clip_config.json's note (and the model card) say, naming the import that fixes it."""
+    import os
+    import subprocess
+    import sys
+    out = export_pair(run, tmp_path / "export")
+    note = json.loads((out / "open_clip_config.json").read_text())["note"]
+    assert "import lit_softmoe" in note and "RuntimeError: Unknown model" in note and "clip-benchmark" in note
+    assert "lit_softmoe.integrations.timm" in (out / "README.md").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", "import open_clip, sys; "
+                             f"open_clip.create_model_and_transforms('local-dir:{out}')"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode != 0 and "RuntimeError: Unknown model" in result.stderr, result.stderr[-2000:]
