@@ -169,15 +169,16 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     # so that the ONNX graphs and their check see what a user loading the export gets.
     target = DTYPES[dtype]
     full = {f"image_tower.{k}": v for k, v in tower.state_dict().items()} if model is None else model.state_dict()
-    state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous().clone() for k, v in full.items()}
+    # No copy where none is needed: in fp32 these are the parameters themselves (safetensors takes them as they
+    # are: contiguous, no storage shared), so a paper-scale tower is held once, not twice, while it is written.
+    state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous() for k, v in full.items()}
     image_state = {k: v for k, v in state.items() if k.startswith(("image_tower.", "image_head."))}
     # The key of the tower weights written (see the module docstring): in fp32 the run's own.
     image_tower_sha256 = weights_sha256({k[len("image_tower."):]: v for k, v in image_state.items()
                                          if k.startswith("image_tower.")})
     text_state = {k: v for k, v in state.items() if k not in image_state}
-    if dtype != "fp32":
-        upcast = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        (model if model is not None else _Prefixed(tower)).load_state_dict(upcast)
+    if dtype != "fp32":  # the rounded values, copied into the fp32 parameters (copy_ upcasts exactly)
+        (model if model is not None else _Prefixed(tower)).load_state_dict(state)
 
     config = {"format": EXPORT_FORMAT, "kind": "pair" if model is not None else "image",
               "lit_softmoe_version": _version(), "dtype": dtype, "image_tower": facts["image_tower"],

@@ -43,10 +43,19 @@ TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
 
 
 def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """`module`'s state dict as safetensors takes it: it refuses shared or non-contiguous storage, so
-    detach + clone makes each tensor its own."""
-    return {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()
-            if not k.startswith(skip_prefixes)}
+    """`module`'s state dict as safetensors takes it: it refuses shared or non-contiguous storage, so a tensor
+    that is either is copied; the others are written as they are (a paper-scale tower is not held twice)."""
+    state, storages = {}, set()
+    for name, value in module.state_dict().items():
+        if name.startswith(skip_prefixes):
+            continue
+        value = value.detach()
+        storage = value.untyped_storage().data_ptr()
+        if not value.is_contiguous() or storage in storages:
+            value = value.contiguous().clone()
+        storages.add(value.untyped_storage().data_ptr())
+        state[name] = value
+    return state
 
 
 def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None = None) -> Path:
