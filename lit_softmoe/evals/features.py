@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import autocast_context, autocast_dtype, precision_name
 from lit_softmoe.utils.hashing import file_sha256, weights_sha256
+from lit_softmoe.utils.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ FEATURES_FILE = "features.safetensors"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("LIT_SOFTMOE_CACHE", Path.home() / ".cache" / "lit_softmoe")) / "eval"
+    return cache_root() / "eval"
 
 
 def _collate(items: list[tuple]) -> tuple:

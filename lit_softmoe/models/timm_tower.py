@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from lit_softmoe.errors import UserError, first_line
+from lit_softmoe.utils.paths import cache_root
 
 TIMM_PREFIX = "timm:"
-CACHE_ENV = "LIT_SOFTMOE_CACHE"  # where materialized towers go (default ~/.cache/lit-softmoe)
 
 
 def is_timm_spec(spec: str | os.PathLike) -> bool:
@@ -119,10 +119,6 @@ def parse_timm_spec(spec: str) -> tuple[str, str | None]:
     return name, file
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lit-softmoe")
-
-
 def folder_for(spec: str) -> Path:
     """Where `spec`'s tower folder is cached. A local file's path, size and modification time are part of
     the name: a rewritten checkpoint makes another folder, never the old one's weights."""
@@ -132,7 +128,7 @@ def folder_for(spec: str) -> Path:
         stat = Path(file).stat()
         key = f"{spec}|{Path(file).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    return cache_dir() / "towers" / "timm" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return cache_root() / "towers" / "timm" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:

@@ -50,3 +50,9 @@ def broken_link(path: str | Path) -> str | None:
         missing = err.errno in (errno.ENOENT, errno.ENOTDIR)
         return f"is a symbolic link to {os.readlink(path)}, which {'does not exist' if missing else err.strerror}"
     return None
+
+
+def cache_root() -> Path:
+    """Where lit-softmoe keeps what it can make again: `$LIT_SOFTMOE_CACHE`, else ~/.cache/lit_softmoe. The
+    eval suite's image features go in its `eval/`, the towers written for `timm:` specs in `towers/timm/`."""
+    return Path(os.environ.get("LIT_SOFTMOE_CACHE") or Path.home() / ".cache" / "lit_softmoe")

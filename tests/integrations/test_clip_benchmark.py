@@ -224,3 +224,25 @@ def test_the_numpy2_accuracy_fix_is_patched_for_one_run_only(tmp_path, monkeypat
     monkeypatch.setattr(cli, "main", fake_main)
     assert run_clip_benchmark(tmp_path / "model", tmp_path, "mine") == {"metrics": {}}
     assert seen == [peer._accuracy_numpy2] and zeroshot.accuracy is original
+
+
+@needs_clip_benchmark
+def test_lit_softmoe_clip_benchmark_without_arguments_is_one_line(capsys):
+    from cli_errors import one_line_error
+    for argv in (["clip-benchmark"], ["clip-benchmark", "--"]):
+        line = one_line_error(capsys, argv)
+        assert "give clip_benchmark's own arguments after --" in line and "--model local-dir:EXPORT" in line
+
+
+@needs_clip_benchmark
+def test_lit_softmoe_clip_benchmark_leaves_the_library_as_installed(capsys, monkeypatch):
+    """Its NumPy-2 fix is for its own run: CLIP_benchmark's `accuracy` is the installed one again after it, and
+    its own argument errors are its own (argparse's exit 2)."""
+    import clip_benchmark.metrics.zeroshot_classification as zeroshot
+
+    from lit_softmoe import cli
+    installed = zeroshot.accuracy
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["clip-benchmark", "--", "eval", "--no-such-flag"])
+    assert exited.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    assert zeroshot.accuracy is installed
