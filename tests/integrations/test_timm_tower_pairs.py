@@ -86,6 +86,8 @@ def test_stock_open_clip_without_our_package_gives_our_embeddings(timm_pair, tmp
         text = model.encode_text(tokenizer(["a photo of a sneaker", "an ankle boot"]))
     assert (image - theirs["image"]).abs().max() <= 1e-5
     assert (text - theirs["text"]).abs().max() <= 1e-5
+    print(f"stock open_clip vs ours: image {float((image - theirs['image']).abs().max()):.2e}, "
+          f"text {float((text - theirs['text']).abs().max()):.2e}")
     assert theirs["logit_scale"].item() == pytest.approx(float(model.logit_scale.detach()), abs=1e-6)
 
 
@@ -124,6 +126,7 @@ def _eval_args(export, data, out) -> list[str]:
 
 def _assert_agree(ours: dict, out: Path) -> None:
     theirs = in_our_names(json.loads(out.read_text())["metrics"])
+    print(f"ours {ours}, CLIP_benchmark {theirs}")
     assert set(ours) == set(theirs)
     for key, value in ours.items():
         assert abs(value - theirs[key]) * 100 <= 0.1, (key, value, theirs[key])
