@@ -52,6 +52,12 @@ timeout ${CUDA_TESTS_TIMEOUT:-120} $PY -m pytest -q -p no:cacheprovider tests/te
 echo "test_cuda exit $? after $(( $(date +%s) - t0 )) s"
 tail -15 "$OUT/test_cuda.log"
 
+# ---- the memory plan against what CUDA holds (issue 30: the plan's activations within 25% of the peak)
+timeout ${PLAN_TESTS_TIMEOUT:-90} $PY -m pytest -q -s -p no:cacheprovider tests/train/test_memory_plan.py -k cuda \
+    > "$OUT/test_memory_plan.log" 2>&1
+echo "memory plan vs CUDA exit $? after $(( $(date +%s) - t0 )) s"
+grep -E "activations counted|passed|failed|Error" "$OUT/test_memory_plan.log" | tail -6
+
 # ---- kernels: the layer, the tower and the LiT step on device tensors (KERNELS= skips them)
 if [ -n "${KERNELS-layer,tower,lit}" ]; then
   timeout ${BENCH_GPU_TIMEOUT:-240} $PY scripts/bench_gpu.py --only "${KERNELS-layer,tower,lit}" --json "$OUT/bench_gpu.json" \
