@@ -4,6 +4,7 @@ and how to load them, under the YAML front matter the Hugging Face Hub indexes a
 `push_to_hf_hub` write it."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -189,6 +190,8 @@ def _shown(path, hub: bool, datasets: list[str]) -> str:
     one, else no path (it means nothing there, and tells who trained it where)."""
     if not hub:
         return f"`{path}`"
+    if str(path) == "a local dataset" or str(path).startswith("["):  # shown already (a Hub copy's config.json)
+        return str(path)
     known = [hub_id for pattern, hub_id in KNOWN_DATASETS.items() if pattern.search(str(path))]
     return f"[{known[0]}](https://huggingface.co/datasets/{known[0]})" if known else "a local dataset"
 
@@ -284,6 +287,29 @@ def render_body(config: dict, card: dict, location: str, hub: bool = False) -> s
                    "Image features (pooled, before any classifier) for probes, retrieval or a LiT text tower, in the "
                    "domain of its pretraining data (above). Untested elsewhere; check it on your data first."), ""]
     return "\n".join(lines)
+
+
+def hub_card_facts(card: dict) -> dict:
+    """`card` as config.json holds it on the Hub: no path of the machine the export was made on (data folders as
+    the Hub card shows them, the pretraining config by file name, a local checkpoint unnamed, no eval report's
+    folders)."""
+    hub = copy.deepcopy(card)
+    datasets = hub["front_matter"].get("datasets", [])
+    for key in ("pretrain_data", "lit_data"):
+        for split, path in (hub.get(key) or {}).items():
+            if split != "cached" and path is not None:
+                hub[key][split] = _shown(path, True, datasets)
+    if (hub.get("pretrain") or {}).get("config"):
+        hub["pretrain"]["config"] = Path(str(hub["pretrain"]["config"])).name
+    name = (hub.get("tower") or {}).get("name")
+    if name and "?" in name:
+        hub["tower"]["name"] = name.split("?")[0]
+    evaluation = hub.get("evaluation") or {}
+    evaluation.pop("model", None)
+    for row in evaluation.get("rows") or []:
+        for key in ("reason", "path"):
+            row.pop(key, None)
+    return hub
 
 
 _TASK_TYPES = {"zeroshot_classification": "zero-shot-image-classification", "classification":

@@ -10,14 +10,18 @@ more. `load_pretrained("hf-hub:REPO_ID")` reads it back (lit_softmoe.hub).
 
 The README.md that goes up is the card written for the Hub at push time (`model_card.hub_card`, from
 config.json's "card"): snippets on `hf-hub:REPO_ID`, no local path, the results as `model-index`. The
-export's own README.md (snippets on its folder) stays as it is on disk. Everything goes up in one commit.
+export's own README.md (snippets on its folder) stays as it is on disk. config.json goes up without the
+paths of this machine (`hub_config`), with that card's sha256. Everything goes up in one commit.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from pathlib import Path
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.export.model_card import hub_card, read_front_matter
+from lit_softmoe.export.model_card import hub_card, hub_card_facts, read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
 from lit_softmoe.export.pair import FILES_SHA256
 from lit_softmoe.model_folders import (
@@ -72,6 +76,19 @@ def _check_files_sha256(folder: Path, recorded) -> None:
                             f"{EXPORT_CONFIG}'s): it was changed or damaged since; export it again{edited}")
 
 
+def hub_config(config: dict, card: str) -> bytes:
+    """config.json as it goes up: the source run and tower by folder name, the card's facts as the Hub card shows
+    them (`hub_card_facts`), and the sha256 of the card that goes up in place of the export's own."""
+    hub = copy.deepcopy(config)
+    for key in ("path", "tower"):
+        if (hub.get("source") or {}).get(key):
+            hub["source"][key] = Path(hub["source"][key]).name
+    if isinstance(hub.get("card"), dict):
+        hub["card"] = hub_card_facts(hub["card"])
+    hub[FILES_SHA256] = {**hub[FILES_SHA256], MODEL_CARD: hashlib.sha256(card.encode()).hexdigest()}
+    return (json.dumps(hub, indent=2) + "\n").encode()
+
+
 def check_export(folder: str | Path) -> list[str]:
     """The files (relative, sorted) of a complete export at `folder`, or one UserError line naming what is wrong."""
     folder = Path(folder)
@@ -120,8 +137,9 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
                         "e.g. my-org/soft-s16-lit") from None
     folder = Path(folder)
     files = check_export(folder)
+    config = read_export_config(folder)
     try:
-        card = hub_card(read_export_config(folder), repo_id)
+        card = hub_card(config, repo_id)
     except ValueError as err:
         raise UserError(f"{folder}: {err}; export the run again with this version") from None
     summary = {"files": files, "front_matter": read_front_matter(card), "card": card, "url": None}
@@ -130,9 +148,11 @@ def push_export(folder: str | Path, repo_id: str, private: bool = False, revisio
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
     api = HfApi()
-    # The export's files as they are, but its README.md: the card written for the Hub, in the same commit.
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=card.encode() if name == MODEL_CARD
-                                     else str(folder / name)) for name in files]
+    # The export's files as they are, but its README.md (the card written for the Hub) and its config.json (without
+    # this machine's paths), in the same commit.
+    written = {MODEL_CARD: card.encode(), EXPORT_CONFIG: hub_config(config, card)}
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=written.get(name, str(folder / name)))
+                  for name in files]
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         if revision is not None:

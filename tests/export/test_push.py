@@ -2,8 +2,10 @@
 here, never sent); a dry run lists it without the network; an incomplete one is refused in one line."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -71,9 +73,20 @@ def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
     assert upload_kwargs["revision"] == "v1" and upload_kwargs["repo_type"] == "model"
     operations = upload_kwargs["operations"]
     assert [op.path_in_repo for op in operations] == FILES  # one commit: every file
-    for op in operations:  # the export's own files, but README.md: the card written for the Hub
+    config = json.loads((export / "config.json").read_text())
+    card = hub_card(config, "org/name")
+    for op in operations:  # the export's own files, but README.md (the Hub's card) and config.json (no local path)
         if op.path_in_repo == "README.md":
-            assert op.path_or_fileobj == hub_card(json.loads((export / "config.json").read_text()), "org/name").encode()
+            assert op.path_or_fileobj == card.encode()
+        elif op.path_in_repo == "config.json":
+            uploaded = json.loads(op.path_or_fileobj)
+            run_path = config["source"]["path"]  # where the run was, on this machine
+            assert Path(run_path).is_absolute() and run_path not in json.dumps(uploaded)
+            assert "/tmp" not in json.dumps(uploaded) and uploaded["source"]["path"] == Path(run_path).name
+            assert uploaded["files_sha256"]["README.md"] == hashlib.sha256(card.encode()).hexdigest()
+            assert {k: v for k, v in uploaded.items() if k not in ("source", "card", "files_sha256")} == \
+                {k: v for k, v in config.items() if k not in ("source", "card", "files_sha256")}
+            assert hub_card(uploaded, "org/name") == card  # the Hub's copy renders the same card
         else:
             assert op.path_or_fileobj == str(export / op.path_in_repo)
     hf_api.calls.clear()
