@@ -208,6 +208,7 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     tower_cfg = _image_tower(cfg.image_tower).cfg  # ours or a timm model's: both give width, size, channels
     text = _lit_text_side(cfg, tower_cfg.width)
     trainable, largest = _parameter_counts(text)
+    locked_text = sum(p.numel() for p in text.parameters() if not p.requires_grad) * 4  # kept fp32, no moments
     saved = count_saved_bytes(text, _lit_text_step(tower_cfg.width), dtype)
     tower_params = sum(p.numel() for p in _image_tower(cfg.image_tower).parameters())
     # Locked, the tower is held in the dtype it runs in (`inference_dtype`: the compute dtype).
@@ -225,7 +226,7 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
         trainable, largest = trainable + unlocked[0], max(largest, unlocked[1])
         frozen_bytes, frozen_forward = (tower_params - unlocked[0]) * 4, 0
     loss = count_pair_bytes(_lit_loss(cfg), tower_cfg.width, dtype)
-    return ModelCount(trainable=trainable, frozen_bytes=frozen_bytes, largest_block=largest,
+    return ModelCount(trainable=trainable, frozen_bytes=frozen_bytes + locked_text, largest_block=largest,
                       compute_bytes=_element_bytes(dtype), saved=saved, loss=loss, frozen_forward=frozen_forward)
 
 
@@ -250,10 +251,12 @@ def _image_tower(path: str) -> torch.nn.Module:
 
 
 def _lit_text_side(cfg: LiTConfig, width: int) -> LiTModel:
-    """The trained side of the LiT model, on the meta device: text tower, image head, scale (and bias)."""
+    """The trained side of the LiT model, on the meta device: text tower (locked as the config locks it), image
+    head, scale (and bias)."""
     with torch.device("meta"):
         text = create_text_tower(cfg.text, embed_dim=width, pretrained_weights=False)
-        return LiTModel(None, text, loss=cfg.loss, temperature_init=cfg.temperature_init, image_head=cfg.image_head)
+        return LiTModel(None, text, loss=cfg.loss, temperature_init=cfg.temperature_init, image_head=cfg.image_head,
+                        text_locked=cfg.text.locked, text_unlocked_layers=cfg.text.unlocked_layers)
 
 
 def _lit_text_step(width: int):

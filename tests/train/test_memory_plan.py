@@ -280,3 +280,23 @@ def test_lit_with_unlocked_blocks_needs_sharding_and_fits_with_it(tmp_path):
     # Only the trained part is divided: the locked blocks' weights are held whole on each GPU.
     assert plan.weights == count.trainable * 4 // 8 + count.frozen_bytes
     assert count.frozen_bytes > 0 and plan.optimizer == count.trainable * 8 // 8
+
+
+def test_a_locked_text_tower_is_planned_as_held_not_trained(tmp_path):
+    """text.locked: the text tower's weights are held (fp32) but have no gradients or moments; with
+    text.unlocked_layers its last blocks (and what follows them) train again."""
+    tower_dir = tmp_path / "tower"
+    tower_dir.mkdir()
+    tower = create_image_tower("soft-test-4e", device="meta")
+    (tower_dir / "config.json").write_text(json.dumps({"tower": tower.cfg.to_dict()}))
+    (tower_dir / "model.safetensors").touch()
+    common = [f"image_tower={tower_dir}", f"data.train={tmp_path / 'features'}", "text.width=64", "text.layers=2",
+              "text.heads=2", "precision=bf16"]
+    free = count_lit(load_config(LiTConfig, None, common))
+    locked = count_lit(load_config(LiTConfig, None, [*common, "text.locked=true"]))
+    partly = count_lit(load_config(LiTConfig, None, [*common, "text.locked=true", "text.unlocked_layers=1"]))
+    text_params = free.trainable - 1  # all but the logit scale
+    assert locked.trainable == 1  # the logit scale alone
+    assert locked.frozen_bytes - free.frozen_bytes == text_params * 4
+    assert locked.trainable < partly.trainable < free.trainable
+    assert partly.frozen_bytes - free.frozen_bytes == (free.trainable - partly.trainable) * 4
