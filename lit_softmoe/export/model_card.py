@@ -215,7 +215,11 @@ def render_body(config: dict, card: dict, location: str, hub: bool = False) -> s
         shape = (f"open_clip text transformer, width {text['width']}, {text['layers']} layers, {text['heads']} heads"
                  if text["kind"] == "transformer" else
                  f"Hugging Face encoder {Path(text['path']).name if hub else text['path']} ({text['pooling']} pooling)")
-        lines += [f"- Text (trained): {shape}, context {text['context_length']} tokens, tokenizer "
+        state = "trained"
+        if text.get("locked"):
+            unlocked = text.get("unlocked_layers")
+            state = f"locked but its last {unlocked} layer(s), trained" if unlocked else "locked"
+        lines += [f"- Text ({state}): {shape}, context {text['context_length']} tokens, tokenizer "
                   f"`{config['tokenizer']['spec'] if not hub or text['kind'] == 'transformer' else 'its own'}`; "
                   f"{card['text_params'] / 1e6:.2f}M parameters",
                   f"- Embedding width {config['embed_dim']}, {config['loss']} loss, temperature "

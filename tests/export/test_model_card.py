@@ -178,3 +178,13 @@ def test_the_hub_card_holds_no_local_path_and_the_results_as_model_index(tmp_pat
 def test_base_model_names_the_timm_checkpoint_on_the_hub(source, expected):
     from lit_softmoe.export.model_card import base_model
     assert base_model({"source": source} if source else {}) == expected
+
+
+def test_the_card_says_how_much_of_the_text_tower_trained(tmp_path):
+    from lit_softmoe.export.model_card import render_body
+    config = json.loads((export_pair(make_run(tmp_path), tmp_path / "export") / "config.json").read_text())
+    assert "- Text (trained): open_clip text transformer" in render_body(config, config["card"], "x")
+    config["text"].update(locked=True, unlocked_layers=0)
+    assert "- Text (locked): open_clip text transformer" in render_body(config, config["card"], "x")
+    config["text"].update(unlocked_layers=1)
+    assert "- Text (locked but its last 1 layer(s), trained):" in render_body(config, config["card"], "x")
