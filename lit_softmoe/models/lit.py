@@ -29,6 +29,12 @@ from lit_softmoe.utils.hashing import weights_sha256
 LOSSES = ("softmax", "sigmoid")
 
 
+def final_norms(tower: nn.Module) -> list[nn.Module]:
+    """The norms after an image tower's blocks, which train with its unlocked blocks: `norm`, and a timm ViT's
+    `fc_norm` (after average pooling)."""
+    return [module for name in ("norm", "fc_norm") if isinstance(module := getattr(tower, name, None), nn.Module)]
+
+
 class LiTModel(nn.Module):
     """Locked image tower (or cached image features) + text tower + logit scale (and bias).
 
@@ -94,10 +100,8 @@ class LiTModel(nn.Module):
             for block in self.image_tower.blocks[-self.unlocked_blocks:]:
                 block.requires_grad_(True)
             # The final norm sits after the unlocked blocks: leaving it frozen would pin their output scale.
-            # (timm's ViTs that average the tokens norm after pooling: `fc_norm`.)
-            for name in ("norm", "fc_norm"):
-                if isinstance(getattr(self.image_tower, name, None), nn.Module):
-                    getattr(self.image_tower, name).requires_grad_(True)
+            for norm in final_norms(self.image_tower):
+                norm.requires_grad_(True)
         self.image_tower.eval()
 
     def lock_text_tower(self) -> None:

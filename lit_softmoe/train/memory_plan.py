@@ -31,7 +31,7 @@ from lit_softmoe.config import LiTConfig, PretrainConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import is_feature_cache
 from lit_softmoe.data.shards import dataset_dir, read_classnames_file
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.lit import LiTModel, final_norms
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tower_folder import read_tower_meta, tower_skeleton
@@ -205,19 +205,20 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     tower is locked (with cached features it never runs; on images its forward keeps nothing for backward)
     but for its last `unlocked_blocks`; the contrastive loss scores this GPU's rows against the global batch."""
     dtype = compute_dtype(cfg.precision)
-    tower_cfg = _image_tower(cfg.image_tower).cfg  # ours or a timm model's: both give width, size, channels
+    tower = _image_tower(cfg.image_tower)  # ours or a timm model's, on the meta device
+    tower_cfg = tower.cfg  # both give width, size, channels
     text = _lit_text_side(cfg, tower_cfg.width)
     trainable, largest = _parameter_counts(text)
     locked_text = sum(p.numel() for p in text.parameters() if not p.requires_grad) * 4  # kept fp32, no moments
     saved = count_saved_bytes(text, _lit_text_step(tower_cfg.width), dtype)
-    tower_params = sum(p.numel() for p in _image_tower(cfg.image_tower).parameters())
+    tower_params = sum(p.numel() for p in tower.parameters())
     # Locked, the tower is held in the dtype it runs in (`inference_dtype`: the compute dtype).
     frozen_bytes, frozen_forward = tower_params * _element_bytes(dtype), 0
     if cfg.unlocked_blocks or not _cached_features(cfg.data.train):
-        tower_saved = count_saved_bytes(_image_tower(cfg.image_tower), _pooled_step, dtype)
+        tower_saved = count_saved_bytes(tower, _pooled_step, dtype)
         frozen_forward = max(block.per_sample for block in tower_saved.blocks)  # no grad: one block's worth at most
     if cfg.unlocked_blocks:  # the last blocks and the final norm train, in fp32 with the rest of the tower
-        unlocked = _unlocked_part(_image_tower(cfg.image_tower), cfg.unlocked_blocks)
+        unlocked = _unlocked_part(tower, cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
         saved = SavedBytes(stem=saved.stem, blocks=saved.blocks + tower_saved.blocks[-n:],
                            block_inputs=saved.block_inputs + tower_saved.block_inputs[-n:],
@@ -285,11 +286,10 @@ def _pooled_step(tower: VisionTransformer, batch: int) -> torch.Tensor:
 
 def _unlocked_part(tower: torch.nn.Module, unlocked_blocks: int) -> tuple[int, int]:
     """(parameters that train, the largest block's) when the tower's last `unlocked_blocks` blocks train (and
-    its final norm: `norm`, or a timm ViT's `fc_norm` after pooling)."""
+    its final norms, `models.lit.final_norms`)."""
     blocks = tower.blocks[-unlocked_blocks:]
     sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    norms = sum(p.numel() for name in ("norm", "fc_norm") if isinstance(getattr(tower, name, None), torch.nn.Module)
-                for p in getattr(tower, name).parameters())
+    norms = sum(p.numel() for norm in final_norms(tower) for p in norm.parameters())
     return sum(sizes) + norms, max(sizes)
 
 
