@@ -146,10 +146,12 @@ def make_preprocess(spec: dict):
 
 
 def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str, info: dict) -> None:
-    """Load `state` into `model` loudly; without `image_tower.*` keys the model's own tower stays. A training
-    checkpoint of a locked Hugging Face text tower leaves its locked parameters out: the model's own, read from
-    text.path, stay if they are the ones the run recorded (`text_locked_sha256` of its description)."""
-    skip = () if any(k.startswith("image_tower.") for k in state) else ("image_tower.",)
+    """Load `state` into `model` loudly. The image tower's weights that `state` leaves out (all of a locked
+    tower, the locked part of a partly unlocked one) stay the model's own, read from the tower folder the run
+    recorded (`_check_same_tower`). A training checkpoint of a locked Hugging Face text tower leaves its locked
+    parameters out: the model's own, read from text.path, stay if they are the ones the run recorded
+    (`text_locked_sha256` of its description)."""
+    skip = tuple(key for key in model.locked_image_keys() if key not in state)  # those `state` holds are loaded
     recorded = info.get("text_locked_sha256")
     text = model.text_tower.named_parameters() if recorded else ()
     absent = {n: p for n, p in text if f"text_tower.{n}" not in state}
@@ -207,11 +209,12 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     image_head = "image_head.weight" in state  # the weights tell
     tower, tower_meta = load_tower(tower_dir)
     _check_same_tower(info, tower.cfg.to_dict(), tower_meta, tower_dir)
-    model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head)
+    model = LiTModel(tower, create_text_tower(text_cfg, embed_dim=tower.embed_dim), loss=loss, image_head=image_head,
+                     unlocked_blocks=info.get("unlocked_blocks", 0))
     _load_weights(model, state, str(source.path), info)
-    tower_state = {k[len("image_tower."):]: v for k, v in state.items() if k.startswith("image_tower.")}
     # A partly unlocked run changed the tower: its weights are the run's, not the tower folder's.
-    sha = weights_sha256(tower_state) if tower_state else tower_fingerprint(tower_dir)["tower_sha256"]
+    trained = any(k.startswith("image_tower.") for k in state)
+    sha = weights_sha256(model.image_tower.state_dict()) if trained else tower_fingerprint(tower_dir)["tower_sha256"]
     facts = {"text": text_cfg.to_dict(), "image_tower": tower.cfg.to_dict(), "embed_dim": model.text_tower.embed_dim,
              "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
              "tower_meta": tower_meta, "step": step,

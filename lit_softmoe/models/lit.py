@@ -138,6 +138,46 @@ class LiTModel(nn.Module):
             raise ValueError("this LiTModel has no image tower (it trains from cached features)")
         return weights_sha256(self.image_tower.state_dict())
 
+    def locked_image_parameters(self) -> dict[str, nn.Parameter]:
+        """The image tower's parameters that never train, by their names in it: all of them when it is fully
+        locked, else all but those of its unlocked blocks and final norms (none without a tower)."""
+        if self.image_tower is None:
+            return {}
+        return {n: p for n, p in self.image_tower.named_parameters() if not p.requires_grad}
+
+    def locked_image_keys(self) -> list[str]:
+        """The state-dict keys (`image_tower.*`) of the image tower's locked part: every key of a fully locked
+        tower, else its locked parameters'. Training checkpoints and model/ leave them out, since the tower
+        folder holds them in its own dtype (checked by its `tower_sha256`)."""
+        if self.image_tower_locked:
+            return [f"image_tower.{k}" for k in self.image_tower.state_dict()]
+        return [f"image_tower.{name}" for name in self.locked_image_parameters()]
+
+    def locked_image_sha256(self) -> str | None:
+        """The image tower's locked part as it is now (None without a tower): the whole tower's
+        `image_tower_sha256` when it is fully locked, else its locked parameters'. The recipe proves with it
+        that the locked part never changed."""
+        if self.image_tower is None:
+            return None
+        if self.image_tower_locked:
+            return self.image_tower_sha256()
+        return weights_sha256(self.locked_image_parameters())
+
+    def hold_locked_image_in(self, dtype: torch.dtype) -> None:
+        """Cast the image tower's locked part to `dtype`, once. It only runs forward, so it is held in the
+        dtype it runs in (bf16 under bf16 autocast) instead of being cast by autocast at every call, at half
+        the bytes. Unlocked blocks and their final norms stay as they are: they train, in fp32."""
+        if self.image_tower is None:
+            return
+        if self.image_tower_locked:
+            self.image_tower.to(dtype)
+            return
+        with torch.no_grad():
+            for param in self.locked_image_parameters().values():
+                # The same Parameter object, its data replaced: the optimizer, FSDP's ignored parameters and
+                # a copy that shares it all keep seeing it.
+                param.data = param.data.to(dtype)
+
     def locked_text_sha256(self) -> str | None:
         """The text tower's locked parameters as they are now (`weights_sha256`, names as in the tower's
         `named_parameters()`), or None when it is not locked: the recipe proves with it that they never changed."""

@@ -39,7 +39,6 @@ from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.metadata import check_templates
 from lit_softmoe.model_folders import STATE_META, require_keys
-from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
@@ -64,7 +63,7 @@ from lit_softmoe.train.runtime import (
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
 from lit_softmoe.train.sharding import check_sharding, gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
-from lit_softmoe.utils.device import inference_dtype, resolve_compile
+from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
 
@@ -196,10 +195,10 @@ def _restore_data_counts(loader, counts: dict) -> None:
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
-    """What training checkpoints leave out: a locked image tower (its folder holds it, checked by sha256) and
-    the locked parameters of a Hugging Face text tower (text.path holds them, checked by `locked_text_sha256`).
+    """What training checkpoints leave out: the image tower's locked part (`LiTModel.locked_image_keys`) and the
+    locked parameters of a Hugging Face text tower (text.path holds them, checked by `locked_text_sha256`).
     A from-scratch text tower's locked parameters stay in: its random init has no other copy."""
-    image = ("image_tower.",) if model.image_tower_locked else ()
+    image = tuple(model.locked_image_keys())
     if not (model.text_locked and model.text_tower.cfg.kind == "hf"):
         return image
     return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters() if not p.requires_grad)
@@ -213,14 +212,16 @@ def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: st
     locked_text = {"text_locked_sha256": model.locked_text_sha256()} if model.text_locked else {}
     return {"image_tower": str(tower_folder(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
             "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
-            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, **locked_text}
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "unlocked_blocks": cfg.unlocked_blocks,
+            **locked_text}
 
 
 def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict) -> Path:
-    """The trained pair: text side (locked parts too) + temperature as safetensors, and what rebuilds the rest."""
+    """The trained pair: text side (locked parts too), the image tower's trained blocks if any, and the
+    temperature as safetensors, and what rebuilds the rest (the tower's locked part: its folder)."""
     from safetensors.torch import save_file
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
-             if not (model.image_tower_locked and k.startswith("image_tower."))}
+    locked = set(model.locked_image_keys())
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k not in locked}
     info = {**description, "results": results}
 
     def write(tmp: Path):
@@ -260,19 +261,18 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
     model, meta = _setup_model(cfg)
-    # A locked tower only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast once
-    # instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
-    tower_dtype = inference_dtype(cfg.precision, accelerator.device) if model.image_tower_locked else torch.float32
-    if model.image_tower_locked:
-        prepare_for_inference(model.image_tower, dtype=tower_dtype)
+    # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast
+    # once instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
+    tower_dtype = inference_dtype(cfg.precision, accelerator.device)
+    model.hold_locked_image_in(tower_dtype)
     model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)
     # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
     # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
-    # A locked tower must end exactly as it started (checked after training); unlocked blocks train.
-    tower_hash = model.image_tower_sha256() if model.image_tower_locked else None
+    # The tower's locked part must end exactly as it started (checked after training); unlocked blocks train.
+    tower_hash = model.locked_image_sha256()
     # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
     # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
@@ -344,10 +344,13 @@ def _train_lit(cfg: LiTConfig) -> dict:
         model, optimizer = accelerator.prepare(model, optimizer)
     logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
     inputs = "cached features" if cached else "images"
+    held = f"in {precision_name(tower_dtype)} weights"
+    if cfg.unlocked_blocks and tower_dtype != torch.float32:
+        held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
                       f"{total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
                       f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, image tower "
-                      f"in {'bf16' if tower_dtype == torch.bfloat16 else 'fp32'} weights, "
+                      f"{held}, "
                       f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
@@ -436,7 +439,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
         # locked text layers' current ones, for the check below)
         model_module = gather_into(plain, model_module, frozen=text_hash is not None)
-    if tower_hash is not None and is_main and model_module.image_tower_sha256() != tower_hash:
+    if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
     if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
         raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")

@@ -95,17 +95,10 @@ def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransfo
     return tower
 
 
-def locked_image_parameters(model: LiTModel) -> set[nn.Parameter]:
-    """The image tower's parameters that never train: whole on every process, never sharded."""
-    if model.image_tower is None:
-        return set()
-    return {param for param in model.image_tower.parameters() if not param.requires_grad}
-
-
 def plain_copy(model: LiTModel) -> LiTModel:
     """A deep copy of `model` made before it is sharded, sharing its locked image parameters (nothing of
     a locked tower is copied): what `gather_into` fills with the trained weights."""
-    return copy.deepcopy(model, memo={id(param): param for param in locked_image_parameters(model)})
+    return copy.deepcopy(model, memo={id(param): param for param in model.locked_image_parameters().values()})
 
 
 def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
@@ -113,7 +106,7 @@ def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
     per unlocked image block, the root for the rest; the locked image parameters stay whole (they must be
     on `device` already). Build the optimizer after this, on the sharded parameters."""
     mesh = _mesh(device)
-    locked = locked_image_parameters(model)
+    locked = set(model.locked_image_parameters().values())  # whole on every process, never sharded
     _scalars_as_vectors(model, keep=locked)
     units = list(model.text_tower.blocks())
     if model.unlocked_blocks:

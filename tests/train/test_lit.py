@@ -32,6 +32,7 @@ from lit_softmoe.data.shards import read_lines, shard_urls, write_split
 from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.hub import load_pretrained
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
@@ -332,24 +333,24 @@ def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, t
                              f"data.train={images / 'train'}", f"eval.shards={images / 'test'}", "eval.every=2"))
     assert (run / "model" / "model.safetensors").is_file() and json.loads((run / "results.json").read_text())
 
-    # The saved pair holds the whole tower, its last block trained, the others as they were.
+    # model/ holds what trained of the tower (its last block and final norm); the locked rest is the tower
+    # folder's, which loading the pair takes as it is.
     state = load_file(run / "model" / "model.safetensors")
     initial, _ = load_tower(data / "tower")
     last = len(initial.blocks) - 1
+    assert {k for k in state if k.startswith("image_tower.")} == {
+        f"image_tower.{name}" for name in initial.state_dict() if name.startswith((f"blocks.{last}.", "norm."))}
+    model = load_pretrained(run / "model")[0]
     for name, value in initial.state_dict().items():
-        trained = state[f"image_tower.{name}"]
-        if name.startswith(f"blocks.{last}.") and value.is_floating_point():
-            assert not torch.equal(trained, value), name
-        elif not name.startswith(("blocks.", "norm.")):
-            assert torch.equal(trained, value), name
+        loaded = model.image_tower.state_dict()[name]
+        if name.startswith((f"blocks.{last}.", "norm.")):
+            assert torch.equal(loaded, state[f"image_tower.{name}"]), name
+            assert not torch.equal(loaded, value), name  # trained
+        else:
+            assert torch.equal(loaded, value), name
 
     # The final zero-shot score is the trained pair's: the eval images went through the trained tower,
     # not the initial one.
-    tower, _ = load_tower(data / "tower")
-    model = LiTModel(tower, create_text_tower(TextTowerConfig(width=64, layers=1, heads=2), embed_dim=tower.embed_dim),
-                     unlocked_blocks=1)
-    model.load_state_dict(state)
-    model.eval()
     loader = create_shard_loader(ShardDataConfig(urls=str(images / "test"), batch_size=300, workers=0, shuffle=False,
                                                  exact_epoch=True), "image-class",
                                  transform=eval_transform(28, 1, PREPROCESS["mean"], PREPROCESS["std"]))
@@ -763,24 +764,33 @@ def test_lit_rerun_over_a_garbage_newest_checkpoint_resumes_from_the_one_before(
 @pytest.mark.parametrize("unlocked", [0, 1])
 def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tmp_path, monkeypatch, unlocked,
                                                                    fresh_accelerate_state):
-    """precision=bf16 (what auto picks on GPUs with bf16): a fully locked tower's weights are cast to bf16 once
-    and stay bit-identical through training; a partly unlocked one trains in fp32 like the text tower."""
+    """precision=bf16 (what auto picks on GPUs with bf16): a locked tower's weights are cast to bf16 once and
+    stay bit-identical through training; of a partly unlocked one, the locked part alone (its last block and
+    final norm train in fp32, like the text tower). model/ leaves the locked part out: the pair loads it from
+    the tower folder in fp32, not bf16-rounded."""
     seen = []
-    original = LiTModel.image_tower_sha256
+    original = LiTModel.locked_image_sha256
 
     def recording_hash(self):
-        seen.append((self.image_tower.patch_embed.weight.dtype, next(self.text_tower.parameters()).dtype))
-        return original(self)
+        tower = self.image_tower
+        seen.append((original(self), tower.patch_embed.weight.dtype, tower.blocks[-1].norm1.weight.dtype,
+                     tower.norm.weight.dtype, next(self.text_tower.parameters()).dtype))
+        return seen[-1][0]
 
-    monkeypatch.setattr(LiTModel, "image_tower_sha256", recording_hash)
+    monkeypatch.setattr(LiTModel, "locked_image_sha256", recording_hash)
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
                              f"unlocked_blocks={unlocked}", images=True))
     losses = _losses(tmp_path / "run")
     assert not results["cached_features"] and all(math.isfinite(loss) for loss in losses.values())
-    if unlocked:
-        assert seen == []  # nothing to prove unchanged: its last block trains
-    else:  # the recipe's own check, at the start and the end, saw the tower in bf16 (and equal)
-        assert seen == [(torch.bfloat16, torch.float32)] * 2
+    # The recipe's own check, at the start and the end, saw the locked part in bf16, and equal.
+    trained = torch.float32 if unlocked else torch.bfloat16
+    assert [dtypes for _, *dtypes in seen] == [[torch.bfloat16, trained, trained, torch.float32]] * 2
+    assert seen[0][0] == seen[1][0]
+    tower, _ = load_tower(pretrained / "pre" / "tower")
+    pair = load_pretrained(tmp_path / "run" / "model")[0]
+    assert pair.image_tower.patch_embed.weight.dtype == torch.float32
+    assert torch.equal(pair.image_tower.blocks[0].attn.qkv.weight, tower.blocks[0].attn.qkv.weight)
+    assert torch.equal(pair.image_tower.blocks[-1].norm1.weight, tower.blocks[-1].norm1.weight) != unlocked
 
 
 @pytest.mark.parametrize("loss, images", [("softmax", False), ("sigmoid", False), ("softmax", True)])
@@ -884,7 +894,6 @@ def _perturbed_bert(folder) -> None:
 def test_a_locked_hf_text_tower_stays_out_of_checkpoints_and_is_checked_on_resume_and_load(data, tmp_path,
                                                                                             monkeypatch):
     from hf_models import tiny_bert
-    from lit_softmoe.hub import load_pretrained
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     bert = tiny_bert(tmp_path / "bert", torch.float32)  # 1 layer

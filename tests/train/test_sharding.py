@@ -23,6 +23,7 @@ from cli_errors import one_line_error
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
+from lit_softmoe.hub import load_pretrained
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
@@ -260,7 +261,10 @@ def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
     trained = _lit_results(two)[2]
     tower = load_tower(lit_data / "tower")[0].state_dict()
     assert not torch.equal(trained["image_tower.blocks.1.mlp.scale"], tower["blocks.1.mlp.scale"])
-    assert torch.equal(trained["image_tower.blocks.0.attn.qkv.weight"], tower["blocks.0.attn.qkv.weight"])
+    assert "image_tower.blocks.0.attn.qkv.weight" not in trained  # locked: the tower folder holds it
+    pair = load_pretrained(two / "model")[0].image_tower.state_dict()
+    assert torch.equal(pair["blocks.0.attn.qkv.weight"], tower["blocks.0.attn.qkv.weight"])
+    assert torch.equal(pair["blocks.1.mlp.scale"], trained["image_tower.blocks.1.mlp.scale"])
 
 
 @pytest.mark.slow
