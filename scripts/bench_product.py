@@ -2,8 +2,9 @@
 
 Rows (the command or recipe as users run it, with its defaults; the peer on the same device):
 - `embed`: `lit-softmoe embed --tower T --shards S --out O` (its function, with the CLI's defaults) on
-  --images JPEGs of 500-1,200 px (`benchlib.photo_jpegs`), images/s after its first batch, against the
-  tower alone on pixels already on the device in bf16 weights (the ceiling), eager and compiled. Also
+  --images JPEGs of 500-1,200 px (`benchlib.photo_jpegs`), and on as many 256 px squares as img2dataset
+  writes by default, images/s after its first batch, against the tower alone on pixels already on the
+  device in bf16 weights (the ceiling), eager and compiled. Also
   `--jpeg-decoder cpu` (the workers decode), and with --baseline CODE, the same command in an older
   checkout's code (its own defaults), on --baseline-images of the same JPEGs.
 - `tower`: the locked tower as embed, eval and LiT hold it (bf16 weights) and as they held it before
@@ -110,10 +111,10 @@ def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) 
 
 # ---- data and tower --------------------------------------------------------------------------------------
 
-def make_shards(folder: Path, count: int, per_shard: int, unique: int) -> Path:
+def make_shards(folder: Path, count: int, per_shard: int, unique: int, border: int | None = None) -> Path:
     if (folder / "train" / "sizes.json").is_file():
         return folder / "train"
-    jpegs = photo_jpegs(min(unique, count))
+    jpegs = photo_jpegs(min(unique, count), border=border)
     write_split(({"jpg": jpegs[i % len(jpegs)], "txt": f"a photo number {i % 97}".encode()} for i in range(count)),
                 folder, "train", samples_per_shard=per_shard)
     return folder / "train"
@@ -164,16 +165,19 @@ def embed_row(report: Report, args, tower_dir: Path, shards: Path, work: Path, n
 CEILING = "tower alone, bf16 weights, eager"
 
 
-def decode_rows(report: Report, args, device) -> None:
-    """What bounds `embed` on large JPEGs: each decoder alone on a batch of the same JPEGs."""
+def decode_rows(report: Report, args, device, border: int | None = None) -> None:
+    """What bounds `embed`: each decoder alone on a batch of the same JPEGs, of 500-1,200 px, or with
+    `border` all `border` px squares as img2dataset writes them (rows named with "(256 px)")."""
     import io
 
     import PIL.Image
 
     from lit_softmoe.data.gpu_jpeg import EncodedJpeg, JpegBatchDecoder, pack
     from lit_softmoe.data.transforms import eval_transform
-    jpegs = photo_jpegs(min(args.batch, args.unique), seed=1)
+    jpegs = photo_jpegs(min(args.batch, args.unique), seed=1, border=border)
     size = args.tower_options.get("image_size", 224)
+    suffix, described = (f" ({border} px)", f"{border} x {border} JPEGs (img2dataset's default)") if border else \
+        ("", "JPEGs of 500-1,200 px")
 
     def gpu():
         from torchvision.io import ImageReadMode
@@ -198,9 +202,9 @@ def decode_rows(report: Report, args, device) -> None:
             timings["both"].append(time.perf_counter() - tic)
         for key, name in (("decode", "nvJPEG decode alone"), ("resize", "GPU resize + crop alone (`ResizeCrop`)"),
                           ("both", "JpegBatchDecoder: decode + resize + crop")):
-            report.add("decode", name, len(jpegs) / min(timings[key]), "images/s",
-                       note=f"a batch of {len(jpegs)} JPEGs of 500-1,200 px")
-    guarded(report, "decode", "nvJPEG decode alone", 20, gpu)  # --cpu: torchvision's decoder on the CPU
+            report.add("decode", name + suffix, len(jpegs) / min(timings[key]), "images/s",
+                       note=f"a batch of {len(jpegs)} {described}")
+    guarded(report, "decode", "nvJPEG decode alone" + suffix, 20, gpu)  # --cpu: torchvision's decoder on the CPU
 
     def host():
         transform = eval_transform(size, 3, decode="reduced", normalize=False)
@@ -208,9 +212,9 @@ def decode_rows(report: Report, args, device) -> None:
         tic = time.perf_counter()
         for data in sample:
             transform(PIL.Image.open(io.BytesIO(data)))
-        report.add("decode", "host decode (reduced) + resize + crop, 1 core", len(sample) / (time.perf_counter() - tic),
-                   "images/s", note=f"x {args.cpus} cores in the workers")
-    guarded(report, "decode", "host decode", 10, host)
+        report.add("decode", "host decode (reduced) + resize + crop, 1 core" + suffix,
+                   len(sample) / (time.perf_counter() - tic), "images/s", note=f"x {args.cpus} cores in the workers")
+    guarded(report, "decode", "host decode" + suffix, 10, host)
 
 
 def ceiling_row(report: Report, args, device) -> None:
@@ -388,6 +392,11 @@ def main(argv=None) -> dict:
                 embed_row(report, args, tower_dir, shards, work, f"`embed --gpu-jpeg-share {share}`",
                           f"features-shared-{share}", gpu_jpeg_share=share)
             decode_rows(report, args, device)
+            # img2dataset's default output: every image a 256 px square (the GPU resizes them together)
+            small = make_shards(work / "data-256", args.images, args.per_shard, args.unique, border=256)
+            embed_row(report, args, tower_dir, small, work, "`embed`, default flags, 256 px JPEGs (img2dataset's "
+                      "default)", "features-256")
+            decode_rows(report, args, device, border=256)
             if args.baseline:
                 guarded(report, "embed", "`embed` before (older checkout), default flags", 60,
                         lambda: baseline_embed(report, args, tower_dir, work))

@@ -112,10 +112,12 @@ class ResizeCrop:
 
     All three steps are linear and act on rows and columns apart, so each image is two matrix products,
     (size, H) @ image @ (W, size): a few kernels per image instead of one per step and dtype change, which
-    is what bounds resizing thousands of photos a second one at a time. A matrix depends on the image's
-    height and width only and is made once, by running the steps themselves on an identity (kept per
-    length: photos of a dataset come in few sizes). `dtype`: of the products (bf16 on a GPU: pixels
-    0-255 are exact, the result is rounded to uint8 as the host's is).
+    is what bounds resizing thousands of photos a second one at a time. Images of one size (what
+    img2dataset's resize modes write: every image of a `center_crop` dataset, many of a `keep_ratio` one)
+    share their matrices and go through them together, a few kernels for all of them. A matrix depends on
+    the image's height and width only and is made once, by running the steps themselves on an identity
+    (kept per length: photos of a dataset come in few sizes). `dtype`: of the products (bf16 on a GPU:
+    pixels 0-255 are exact, the result is rounded to uint8 as the host's is).
     """
 
     def __init__(self, size: int, min_side: int | None, device: torch.device, dtype: torch.dtype):
@@ -125,18 +127,32 @@ class ResizeCrop:
     def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         out = torch.empty(len(images), images[0].shape[0] if images else 1, self.size, self.size,
                           dtype=self.dtype, device=self.device)
+        same_size: dict[tuple[int, int], list[int]] = {}
         for index, image in enumerate(images):
-            height, width = image.shape[-2:]
+            same_size.setdefault(tuple(image.shape[-2:]), []).append(index)
+        for (height, width), indices in same_size.items():
             scale = dct_scale(height, width, self.min_side)
             resized_h, resized_w = _resized_size(-(-height // scale), -(-width // scale), self.size)
             rows, row_span = self._matrix(height, scale, resized_h)  # (size, H')
             cols, col_span = self._matrix(width, scale, resized_w)  # (size, W')
-            pixels = image[:, row_span, col_span].to(self.dtype)  # (C, H', W'): what the crop can see
-            if pixels.shape[1] > pixels.shape[2]:  # the cheaper order: the longer side reduced first
-                torch.matmul(rows @ pixels, cols.T, out=out[index])
-            else:
-                torch.matmul(rows, pixels @ cols.T, out=out[index])
+            if len(indices) == 1:
+                index = indices[0]
+                pixels = images[index][:, row_span, col_span].to(self.dtype)  # (C, H', W'): what the crop sees
+                self._resize(rows, pixels, cols, out=out[index])
+            else:  # stacked whole (one copy kernel: a stack of cropped views would copy them one by one)
+                stacked = torch.stack([images[index] for index in indices])  # (G, C, H, W)
+                pixels = stacked[:, :, row_span, col_span].to(self.dtype)  # (G, C, H', W')
+                positions = torch.tensor(indices).to(self.device, non_blocking=True)
+                out.index_copy_(0, positions, self._resize(rows, pixels, cols))
         return out.round_().clamp_(0, 255).to(torch.uint8)  # (N, C, size, size)
+
+    @staticmethod
+    def _resize(rows: torch.Tensor, pixels: torch.Tensor, cols: torch.Tensor, out: torch.Tensor | None = None):
+        """rows (size, H') @ pixels (..., H', W') @ cols.T (W', size): the longer side reduced first (fewer
+        multiplications)."""
+        if pixels.shape[-2] > pixels.shape[-1]:
+            return torch.matmul(rows @ pixels, cols.T, out=out)
+        return torch.matmul(rows, pixels @ cols.T, out=out)
 
     def _matrix(self, length: int, scale: int, resized: int) -> tuple[torch.Tensor, slice]:
         """(size, length') weights of the input pixels in each output pixel along one side, and the span of

@@ -168,3 +168,29 @@ def test_resize_crop_as_matrices_equals_the_steps_it_replaces():
     # One matrix per (side length, reduction, resized length): 130 x 97 and 97 x 130 share theirs, a square
     # one needs one, the repeated 400 x 333 reuses its two.
     assert len(resize._matrices) == 7
+
+
+def test_images_of_one_size_are_resized_together_to_the_pixels_each_gets_alone(monkeypatch):
+    """img2dataset writes a dataset's images at one size (its default, `border`: 256 x 256; `keep_ratio`
+    repeats a few): those share their matrices and go through them together, one pair of products for the
+    batch instead of one per image, to the pixels each image gets alone."""
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    from lit_softmoe.data.gpu_jpeg import ResizeCrop
+    photos = _photos(4)
+    sizes = [(256, 256)] * 4 + [(341, 256)] * 2 + [(130, 97)]
+    images = [pil_to_tensor(photos[i % 4].resize(size)) for i, size in enumerate(sizes)]
+    images = images[:3] + images[5:] + images[3:5]  # the sizes interleaved: each image keeps its place
+    products = []
+    resize_group = ResizeCrop._resize
+
+    def counting(rows, pixels, cols, out=None):
+        products.append(tuple(pixels.shape[:-3]))  # (G,) for a group, () for one image
+        return resize_group(rows, pixels, cols, out=out)
+
+    resize = ResizeCrop(48, 96, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(ResizeCrop, "_resize", staticmethod(counting))
+    together = resize(images)
+    assert products == [(4,), (2,), ()]
+    alone = torch.cat([resize([image]) for image in images])
+    assert together.shape == (7, 3, 48, 48) and torch.equal(together, alone)
