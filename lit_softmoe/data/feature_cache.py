@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import time
 from collections import deque
@@ -78,8 +79,11 @@ def read_embed_json(split_dir: Path) -> dict | None:
 
 
 def _rerun_hint(tower_dir, source, split_dir: Path) -> str:
-    return (f"rerun `lit-softmoe embed --tower {tower_dir} --shards {source} --out {split_dir.parent} "
-            f"--split {split_dir.name}`")
+    """The embed command that rebuilds the cache, each value quoted as a shell needs it: a `timm:...?file=`
+    tower (a glob) or brace-expanded shards would otherwise be rewritten by the shell a user pastes it into."""
+    words = ["lit-softmoe", "embed", "--tower", str(tower_dir), "--shards", str(source), "--out",
+             str(split_dir.parent), "--split", split_dir.name]
+    return f"rerun `{shlex.join(words)}`"
 
 
 def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import shutil
 
 import numpy as np
@@ -814,3 +815,21 @@ def test_compile_auto_waits_for_a_run_long_enough_to_pay():
         False, f"auto: 16,384 images, fewer than the {COMPILE_MIN_IMAGES:,} that earn the compile back")
     assert _choose_compile("true", cpu, 10) == (True, "--compile true")
     assert _choose_compile("false", cuda, 10**9) == (False, "--compile false")
+
+
+def test_the_rerun_hint_quotes_what_a_shell_would_rewrite(tmp_path):
+    """The hint is a command to paste: a `timm:NAME?file=` tower (`?` is a glob) and brace-expanded shards
+    (what embed recorded as the source) reach embed as written only quoted."""
+    def hint(split, tower) -> list[str]:
+        with pytest.raises(UserError) as err:
+            check_feature_cache(split, tower)
+        return shlex.split(str(err.value).split("rerun `")[1].rstrip("`"))
+
+    split = tmp_path / "features" / "train"
+    split.mkdir(parents=True)
+    tower = f"timm:test_vit?file={tmp_path}/my tower.safetensors"
+    assert hint(split, tower) == ["lit-softmoe", "embed", "--tower", tower, "--shards", "SHARDS",  # nothing recorded
+                                  "--out", str(tmp_path / "features"), "--split", "train"]
+    (split / "embed.json").write_text(json.dumps({"source": "data/{000..009}.tar", "tower_sha256": "0" * 64}))
+    _save_test_tower(tmp_path / "tower", seed=0)  # not the tower the record names
+    assert hint(split, tmp_path / "tower")[3:6] == [str(tmp_path / "tower"), "--shards", "data/{000..009}.tar"]
