@@ -63,6 +63,23 @@ def make_run(root: Path, loss: str = "softmax", rgb: bool = False, image_head: b
     return run
 
 
+def make_hf_run(tmp_path: Path, text_path, *overrides) -> Path:
+    """A finished LiT run (untrained) of the tiny tower with the Hugging Face text model at `text_path`."""
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e")
+    tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
+    cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
+                                        f"text.path={text_path}", *overrides])
+    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
+    run = Path(cfg.run_dir)
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    meta = {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}
+    save_model(run, model, model_description(cfg, meta, model, tower_fingerprint(tower_dir)["tower_sha256"]),
+               {"steps": 0})
+    return run
+
+
 def pair_inputs(batch: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(seed))
 

@@ -212,9 +212,9 @@ def render_body(config: dict, card: dict, location: str, hub: bool = False) -> s
              "## Towers", "", f"- Image (locked): {_tower_line(config['image_tower'], card['tower']['params'], name)}"]
     if pair:
         text = config["text"]
+        encoder = hub_text_path(text["path"]) if hub and text["kind"] == "hf" else text.get("path")
         shape = (f"open_clip text transformer, width {text['width']}, {text['layers']} layers, {text['heads']} heads"
-                 if text["kind"] == "transformer" else
-                 f"Hugging Face encoder {Path(text['path']).name if hub else text['path']} ({text['pooling']} pooling)")
+                 if text["kind"] == "transformer" else f"Hugging Face encoder {encoder} ({text['pooling']} pooling)")
         state = "trained"
         if text.get("locked"):
             unlocked = text.get("unlocked_layers")
@@ -291,6 +291,12 @@ def render_body(config: dict, card: dict, location: str, hub: bool = False) -> s
                    "Image features (pooled, before any classifier) for probes, retrieval or a LiT text tower, in the "
                    "domain of its pretraining data (above). Untested elsewhere; check it on your data first."), ""]
     return "\n".join(lines)
+
+
+def hub_text_path(path: str) -> str:
+    """A Hugging Face text model as a Hub page names it: a Hub id as it is, a folder of this machine by its name."""
+    local = Path(path).expanduser()
+    return local.name if local.is_absolute() or local.exists() else path
 
 
 def hub_card_facts(card: dict) -> dict:

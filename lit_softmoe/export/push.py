@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.export.model_card import hub_card, hub_card_facts, read_front_matter
+from lit_softmoe.export.model_card import hub_card, hub_card_facts, hub_text_path, read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
 from lit_softmoe.export.pair import FILES_SHA256
 from lit_softmoe.model_folders import (
@@ -35,6 +35,7 @@ from lit_softmoe.model_folders import (
     read_export_config,
 )
 from lit_softmoe.models.export_weights import ExportWeights
+from lit_softmoe.models.tokenizers import HF_PREFIX
 from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 
 _LOGIN = "log in with `hf auth login` (or `huggingface-cli login`), or set HF_TOKEN to a token with write access"
@@ -77,12 +78,20 @@ def _check_files_sha256(folder: Path, recorded) -> None:
 
 
 def hub_config(config: dict, card: str) -> bytes:
-    """config.json as it goes up: the source run and tower by folder name, the card's facts as the Hub card shows
-    them (`hub_card_facts`), and the sha256 of the card that goes up in place of the export's own."""
+    """config.json as it goes up: the source run and tower by folder name, a Hugging Face text model read from a
+    folder of this machine by its name (`hub_text_path`; the export carries its config and tokenizer), the card's
+    facts as the Hub card shows them (`hub_card_facts`), and the sha256 of the card that goes up in place of the
+    export's own."""
     hub = copy.deepcopy(config)
     for key in ("path", "tower"):
         if (hub.get("source") or {}).get(key):
             hub["source"][key] = Path(hub["source"][key]).name
+    text = hub.get("text") or {}
+    if text.get("kind") == "hf" and text.get("path"):
+        local, text["path"] = text["path"], hub_text_path(text["path"])
+        tokenizer = hub.get("tokenizer") or {}
+        if tokenizer.get("spec") == f"{HF_PREFIX}{local}":
+            tokenizer["spec"] = f"{HF_PREFIX}{text['path']}"
     if isinstance(hub.get("card"), dict):
         hub["card"] = hub_card_facts(hub["card"])
     hub[FILES_SHA256] = {**hub[FILES_SHA256], MODEL_CARD: hashlib.sha256(card.encode()).hexdigest()}

