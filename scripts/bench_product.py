@@ -2,9 +2,9 @@
 
 Rows (the command or recipe as users run it, with its defaults; the peer on the same device):
 - `embed`: `lit-softmoe embed --tower T --shards S --out O` (its function, with the CLI's defaults) on
-  --images JPEGs of 500-1,200 px (`benchlib.photo_jpegs`), and on as many 256 px squares as img2dataset
-  writes by default, images/s after its first batch, against the tower alone on pixels already on the
-  device in bf16 weights (the ceiling), eager and compiled. Also
+  --images JPEGs of 500-1,200 px (`benchlib.photo_jpegs`), and on as many of shorter side 256 (img2dataset's
+  keep_ratio, as the shipped LiT config makes them), images/s after its first batch, against the tower alone
+  on pixels already on the device in bf16 weights (the ceiling), eager and compiled. Also
   `--jpeg-decoder cpu` (the workers decode), and with --baseline CODE, the same command in an older
   checkout's code (its own defaults), on --baseline-images of the same JPEGs.
 - `tower`: the locked tower as embed, eval and LiT hold it (bf16 weights) and as they held it before
@@ -111,10 +111,10 @@ def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) 
 
 # ---- data and tower --------------------------------------------------------------------------------------
 
-def make_shards(folder: Path, count: int, per_shard: int, unique: int, border: int | None = None) -> Path:
+def make_shards(folder: Path, count: int, per_shard: int, unique: int, shorter_side: int | None = None) -> Path:
     if (folder / "train" / "sizes.json").is_file():
         return folder / "train"
-    jpegs = photo_jpegs(min(unique, count), border=border)
+    jpegs = photo_jpegs(min(unique, count), shorter_side=shorter_side)
     write_split(({"jpg": jpegs[i % len(jpegs)], "txt": f"a photo number {i % 97}".encode()} for i in range(count)),
                 folder, "train", samples_per_shard=per_shard)
     return folder / "train"
@@ -165,19 +165,19 @@ def embed_row(report: Report, args, tower_dir: Path, shards: Path, work: Path, n
 CEILING = "tower alone, bf16 weights, eager"
 
 
-def decode_rows(report: Report, args, device, border: int | None = None) -> None:
+def decode_rows(report: Report, args, device, shorter_side: int | None = None) -> None:
     """What bounds `embed`: each decoder alone on a batch of the same JPEGs, of 500-1,200 px, or with
-    `border` all `border` px squares as img2dataset writes them (rows named with "(256 px)")."""
+    `shorter_side` as img2dataset's keep_ratio mode writes them (rows named with "(256 px)")."""
     import io
 
     import PIL.Image
 
     from lit_softmoe.data.gpu_jpeg import EncodedJpeg, JpegBatchDecoder, pack
     from lit_softmoe.data.transforms import eval_transform
-    jpegs = photo_jpegs(min(args.batch, args.unique), seed=1, border=border)
+    jpegs = photo_jpegs(min(args.batch, args.unique), seed=1, shorter_side=shorter_side)
     size = args.tower_options.get("image_size", 224)
-    suffix, described = (f" ({border} px)", f"{border} x {border} JPEGs (img2dataset's default)") if border else \
-        ("", "JPEGs of 500-1,200 px")
+    suffix, described = (f" ({shorter_side} px)", f"JPEGs of shorter side {shorter_side} (img2dataset keep_ratio)") \
+        if shorter_side else ("", "JPEGs of 500-1,200 px")
 
     def gpu():
         from torchvision.io import ImageReadMode
@@ -392,11 +392,11 @@ def main(argv=None) -> dict:
                 embed_row(report, args, tower_dir, shards, work, f"`embed --gpu-jpeg-share {share}`",
                           f"features-shared-{share}", gpu_jpeg_share=share)
             decode_rows(report, args, device)
-            # img2dataset's default output: every image a 256 px square (the GPU resizes them together)
-            small = make_shards(work / "data-256", args.images, args.per_shard, args.unique, border=256)
-            embed_row(report, args, tower_dir, small, work, "`embed`, default flags, 256 px JPEGs (img2dataset's "
-                      "default)", "features-256")
-            decode_rows(report, args, device, border=256)
+            # The shipped LiT config's data: img2dataset --resize_mode keep_ratio --image_size 256
+            small = make_shards(work / "data-256", args.images, args.per_shard, args.unique, shorter_side=256)
+            embed_row(report, args, tower_dir, small, work, "`embed`, default flags, 256 px JPEGs (img2dataset "
+                      "keep_ratio)", "features-256")
+            decode_rows(report, args, device, shorter_side=256)
             if args.baseline:
                 guarded(report, "embed", "`embed` before (older checkout), default flags", 60,
                         lambda: baseline_embed(report, args, tower_dir, work))

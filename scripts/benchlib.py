@@ -98,11 +98,11 @@ def foolbox_photos() -> list[Path]:
     return files
 
 
-def photo_jpegs(count: int, seed: int = 0, border: int | None = None) -> list[bytes]:
+def photo_jpegs(count: int, seed: int = 0, shorter_side: int | None = None) -> list[bytes]:
     """`count` JPEGs (quality 90, 4:2:0), each a random crop of one of the photos (aspect ratio up to 4:3)
-    with both sides in 500-1,200 px, resized (bicubic, so mostly upscaled) to a random shorter side; or,
-    with `border`, as img2dataset writes them by default (`resize_mode="border"`, `image_size=256`): the
-    longer side resized to `border`, centered on a black `border` x `border` square, so all one size."""
+    resized (bicubic) to a random shorter side in 500-1,200 px (the longer one at most 1,200), or to
+    `shorter_side` as img2dataset's `--resize_mode keep_ratio --image_size N` writes them (the shipped
+    LiT config's recipe: 256)."""
     rng = random.Random(seed)
     photos = [PIL.Image.open(path).convert("RGB") for path in foolbox_photos()]
     jpegs = []
@@ -112,17 +112,10 @@ def photo_jpegs(count: int, seed: int = 0, border: int | None = None) -> list[by
         crop = (photo.width, round(photo.height / aspect)) if rng.random() < 0.5 else \
             (round(photo.width / aspect), photo.height)
         left, top = rng.randint(0, photo.width - crop[0]), rng.randint(0, photo.height - crop[1])
-        image = photo.crop((left, top, left + crop[0], top + crop[1]))
-        if border:
-            fit = border / max(crop)
-            image = image.resize((round(crop[0] * fit), round(crop[1] * fit)), PIL.Image.Resampling.BICUBIC)
-            canvas = PIL.Image.new("RGB", (border, border))
-            canvas.paste(image, ((border - image.width) // 2, (border - image.height) // 2))
-            image = canvas
-        else:
-            shorter = rng.randint(500, 1200)
-            size = (shorter, min(1200, round(shorter * aspect)))
-            image = image.resize(size[::-1] if crop[0] > crop[1] else size, PIL.Image.Resampling.BICUBIC)
+        shorter = shorter_side or rng.randint(500, 1200)
+        size = (shorter, round(shorter * aspect) if shorter_side else min(1200, round(shorter * aspect)))
+        size = size[::-1] if crop[0] > crop[1] else size
+        image = photo.crop((left, top, left + crop[0], top + crop[1])).resize(size, PIL.Image.Resampling.BICUBIC)
         buffer = io.BytesIO()
         image.save(buffer, "JPEG", quality=90)
         jpegs.append(buffer.getvalue())

@@ -41,7 +41,7 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
                 "soft-test-4e, bf16 weights (now), eager", "timm ViT-B/16, bf16, compiled",
                 "soft-test-4e, bf16 weights, compiled", "`embed --compile true`", "nvJPEG decode alone",
                 "host decode (reduced) + resize + crop, 1 core",
-                "`embed`, default flags, 256 px JPEGs (img2dataset's default)", "nvJPEG decode alone (256 px)",
+                "`embed`, default flags, 256 px JPEGs (img2dataset keep_ratio)", "nvJPEG decode alone (256 px)",
                 "GPU resize + crop alone (`ResizeCrop`) (256 px)", "JpegBatchDecoder: decode + resize + crop (256 px)"]
     for name in expected:
         assert rows[name]["value"] > 0, rows[name]
@@ -49,7 +49,7 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
             base = rows[rows[name]["against"]]["value"]
             assert rows[name]["ratio"] == pytest.approx(rows[name]["value"] / base, rel=2e-2, abs=1e-3)  # rounded
     assert rows["`embed`, default flags"]["note"].startswith("32 images")
-    assert rows["`embed`, default flags, 256 px JPEGs (img2dataset's default)"]["note"].startswith("32 images")
+    assert rows["`embed`, default flags, 256 px JPEGs (img2dataset keep_ratio)"]["note"].startswith("32 images")
     assert rows["`embed` before (older checkout), default flags"]["note"].startswith("16 images")
     table = (tmp_path / "p.md").read_text()
     assert all(f"| {name} |" in table for name in expected)
