@@ -396,6 +396,8 @@ def main(argv=None) -> dict:
             small = make_shards(work / "data-256", args.images, args.per_shard, args.unique, shorter_side=256)
             embed_row(report, args, tower_dir, small, work, "`embed`, default flags, 256 px JPEGs (img2dataset "
                       "keep_ratio)", "features-256")
+            embed_row(report, args, tower_dir, small, work, "`embed --jpeg-decoder cpu`, 256 px JPEGs (img2dataset "
+                      "keep_ratio)", "features-256-cpu", jpeg_decoder="cpu")  # which decoder auto should pick there
             decode_rows(report, args, device, shorter_side=256)
             if args.baseline:
                 guarded(report, "embed", "`embed` before (older checkout), default flags", 60,

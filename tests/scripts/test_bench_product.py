@@ -41,7 +41,8 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
                 "soft-test-4e, bf16 weights (now), eager", "timm ViT-B/16, bf16, compiled",
                 "soft-test-4e, bf16 weights, compiled", "`embed --compile true`", "nvJPEG decode alone",
                 "host decode (reduced) + resize + crop, 1 core",
-                "`embed`, default flags, 256 px JPEGs (img2dataset keep_ratio)", "nvJPEG decode alone (256 px)",
+                "`embed`, default flags, 256 px JPEGs (img2dataset keep_ratio)",
+                "`embed --jpeg-decoder cpu`, 256 px JPEGs (img2dataset keep_ratio)", "nvJPEG decode alone (256 px)",
                 "GPU resize + crop alone (`ResizeCrop`) (256 px)", "JpegBatchDecoder: decode + resize + crop (256 px)"]
     for name in expected:
         assert rows[name]["value"] > 0, rows[name]
