@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
@@ -116,14 +116,22 @@ def key_problems(missing: list[str], unexpected: list[str] = (), unused: list[st
     return [f"{words.format(len(keys))} (e.g. {', '.join(keys[:3])})" for words, keys in kinds if keys]
 
 
-def load_weights(path: str | Path, device="cpu") -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, device="cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
-    copied only in part, a truncated download)."""
+    copied only in part, a truncated download). `dtype`: its floating tensors cast to it one at a time as
+    they are read, so that only the cast weights are ever held whole."""
     try:
-        return load_file(path, device=str(device))
+        if dtype is None:
+            return load_file(path, device=str(device))
+        with safe_open(path, framework="pt", device=str(device)) as file:
+            return {name: _cast(file.get_tensor(name), dtype) for name in file.keys()}
     except (OSError, SafetensorError) as err:
         raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
                         "copy it again or write it anew") from None
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def read_tower_meta(path: str | Path) -> dict:
@@ -140,8 +148,10 @@ def read_tower_meta(path: str | Path) -> dict:
                         "the tower folder is damaged: save or copy it again") from None
 
 
-def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer | TimmTower, dict]:
-    """Load a tower folder written by `save_tower` (or a `timm:` spec's); returns (tower, its config.json
+def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
+               ) -> tuple[VisionTransformer | TimmTower, dict]:
+    """Load a tower folder written by `save_tower` (or a `timm:` spec's) onto `device`, its floating weights in
+    `dtype` (None: as stored; cast as they are read, see `load_weights`); returns (tower, its config.json
     contents)."""
     path = tower_folder(path)
     if not path.exists():
@@ -151,7 +161,7 @@ def load_tower(path: str | Path, device="cpu") -> tuple[VisionTransformer | Timm
             pass
     meta = read_tower_meta(path)
     tower = tower_skeleton(meta.get("tower") if isinstance(meta, dict) else None, path)
-    state = load_weights(path / TOWER_WEIGHTS, device)
+    state = load_weights(path / TOWER_WEIGHTS, device, dtype)
     check_state_dict(tower, state, str(path / TOWER_WEIGHTS))
     tower.load_state_dict(state, assign=True)
     return tower, meta

@@ -77,8 +77,13 @@ def _image_transform(meta: dict, in_channels: int):
     return preprocess_transform(pre, in_channels)
 
 
-def _setup_model(cfg: LiTConfig) -> tuple[LiTModel, dict]:
-    tower, meta = load_tower(cfg.image_tower)
+def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
+                 locked_dtype: torch.dtype | None = None) -> tuple[LiTModel, dict]:
+    """The pair, its image tower read from its folder onto `device`, not into host memory first (every process
+    holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of host memory on the way). A
+    fully locked tower is cast to `locked_dtype` as it is read, so that only the cast tower is ever held whole:
+    L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the way to its 26 GB in bf16."""
+    tower, meta = load_tower(cfg.image_tower, device=device, dtype=None if cfg.unlocked_blocks else locked_dtype)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
                      image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks, text_locked=cfg.text.locked,
@@ -260,11 +265,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
 
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
-    model, meta = _setup_model(cfg)
     # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast
     # once instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device)
-    model.hold_locked_image_in(tower_dtype)
+    model, meta = _setup_model(cfg, accelerator.device, tower_dtype)
+    model.hold_locked_image_in(tower_dtype)  # a partly unlocked tower's locked part (a locked one is cast already)
     model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     transform = _image_transform(meta, model.image_tower.cfg.in_channels)

@@ -22,6 +22,20 @@ def test_tower_round_trip_is_exact(tmp_path):
     assert sorted(p.name for p in (tmp_path / "tower").iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_a_tower_read_in_bf16_is_the_stored_one_cast(tmp_path):
+    """`dtype` casts the weights as they are read (what a locked tower is held in on a GPU): the same values as
+    the fp32 tower cast after loading, and the same features."""
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e", num_classes=10).eval()
+    save_tower(tmp_path / "tower", tower)
+    read, _ = load_tower(tmp_path / "tower", dtype=torch.bfloat16)
+    assert {t.dtype for t in read.state_dict().values()} == {torch.bfloat16}
+    cast = tower.to(torch.bfloat16)
+    assert all(torch.equal(read.state_dict()[k], v) for k, v in cast.state_dict().items())
+    x = torch.randn(3, 1, 28, 28)
+    assert torch.equal(read.eval().forward_pooled(x), cast.forward_pooled(x))
+
+
 def test_checkpoint_that_does_not_fit_names_the_keys(tmp_path):
     save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10))
     meta = json.loads((tmp_path / "tower" / "config.json").read_text())

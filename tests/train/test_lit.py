@@ -778,8 +778,16 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
         return seen[-1][0]
 
     monkeypatch.setattr(LiTModel, "locked_image_sha256", recording_hash)
+    reads = []  # the tower is read onto the run's device, a locked one cast as it is read
+
+    def recording_load(path, **kwargs):
+        reads.append(kwargs)
+        return load_tower(path, **kwargs)
+
+    monkeypatch.setattr(lit_recipe, "load_tower", recording_load)
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
                              f"unlocked_blocks={unlocked}", images=True))
+    assert reads == [{"device": torch.device("cpu"), "dtype": None if unlocked else torch.bfloat16}]
     losses = _losses(tmp_path / "run")
     assert not results["cached_features"] and all(math.isfinite(loss) for loss in losses.values())
     # The recipe's own check, at the start and the end, saw the locked part in bf16, and equal.
