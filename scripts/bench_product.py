@@ -10,6 +10,9 @@ Rows (the command or recipe as users run it, with its defaults; the peer on the 
 - `tower`: the locked tower as embed, eval and LiT hold it (bf16 weights) and as they held it before
   (fp32 weights under bf16 autocast), against timm's `vit_base_patch16_224` in bf16 weights; eager and
   compiled (`compile=true`; `auto` compiles it in LiT, and in embed for long runs).
+- `pretrain`: `lit-softmoe pretrain --config pretrain/soft-s16-128e-imagenet1k` (streamed: its workers decode
+  and augment ImageNet-sized photo JPEGs) for --pretrain-steps at the recipe's batch per GPU (512), against
+  the same tower's forward + backward + AdamW on device tensors as the recipe sets it up (bf16, compiled).
 - `lit`: `lit-softmoe train` on the features `embed` cached (--lit-steps steps of 256, a CLIP base text
   tower with open_clip ViT-B-16's 77 tokens), samples/s from its metrics.jsonl after the compile, and
   the LiT step on the fly as the recipe sets it up (locked dense vit-b16 in bf16, compile auto), both
@@ -335,10 +338,79 @@ def lit_rows(report: Report, args, device, tower_dir: Path, features: Path | Non
         guarded(report, "lit", "LiT step on the fly", 100, on_the_fly_row)
 
 
+PRETRAIN_CONFIG = "pretrain/soft-s16-128e-imagenet1k"
+IMAGENET_SIDE = 375  # ImageNet's photos: mostly 500 x 375 or 500 x 333 px
+
+
+def make_class_shards(folder: Path, count: int, per_shard: int, unique: int, classes: int) -> Path:
+    """train and test class splits (`.jpg` + `.cls`, classnames.txt beside them) of ImageNet-sized photo JPEGs."""
+    if (folder / "classnames.txt").is_file():
+        return folder
+    jpegs = photo_jpegs(min(unique, count), seed=2, shorter_side=IMAGENET_SIDE)
+    for split, size in (("train", count), ("test", max(classes, count // 16))):
+        write_split(({"jpg": jpegs[i % len(jpegs)], "cls": str(i % classes).encode()} for i in range(size)),
+                    folder, split, samples_per_shard=per_shard)
+    (folder / "classnames.txt").write_text("".join(f"class {i}\n" for i in range(classes)))
+    return folder
+
+
+def pretrain_rows(report: Report, args, device, work: Path) -> None:
+    """`lit-softmoe pretrain --config pretrain/soft-s16-128e-imagenet1k` streaming JPEG class shards (its workers
+    decode and augment: inception crop, RandAugment, mixup) at the recipe's batch per GPU, against the same tower's
+    forward + backward + AdamW on device tensors as the recipe sets it up (bf16 autocast, compiled)."""
+    import torch.nn.functional as F
+
+    classes = 1000 if device.type == "cuda" else 10
+    tower_options = {} if device.type == "cuda" else {**args.tower_options, "num_experts": 4}
+    name = f"`pretrain --config {PRETRAIN_CONFIG}`, batch {args.pretrain_batch}"
+    peer = f"{args.pretrain_tower} forward + backward + AdamW, device tensors, the recipe's settings"
+
+    def tower_alone():
+        torch.manual_seed(0)
+        tower = create_image_tower(args.pretrain_tower, num_classes=classes, device=device, **tower_options)
+        optimizer = torch.optim.AdamW(tower.parameters(), lr=1e-4, weight_decay=0.03)
+        size = tower.cfg.image_size
+        pixels = torch.randn(args.pretrain_batch, 3, size, size, device=device)
+        labels = torch.randint(0, classes, (args.pretrain_batch,), device=device)
+        model = torch.compile(tower, backend=args.backend)  # the recipe: compile true, bf16 autocast on GPUs
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = F.cross_entropy(model(pixels).float(), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ms, _ = time_step(step, device, warmup=3, iters=args.iters)
+        report.add("pretrain", peer, args.pretrain_batch / ms * 1000, "images/s", note="the ceiling: no data")
+    guarded(report, "pretrain", peer, 90, tower_alone)
+
+    def pretrain_run():
+        data = make_class_shards(work / "class-data", args.pretrain_steps * args.pretrain_batch, args.per_shard,
+                                 args.unique, classes)
+        run_dir = work / "pretrain-run"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        overrides = [f"run_dir={run_dir}", f"data.train={data / 'train'}", f"data.test={data / 'test'}",
+                     f"steps={args.pretrain_steps}", f"batch_size={args.pretrain_batch}", "log_every=10",
+                     "checkpoint_every=1000000", "fewshot_shots=0", "log_with=[]"]
+        if device.type != "cuda":  # the tiny tower at the CPU mode's size, one worker, no C++ build
+            overrides += [f"tower.name={args.pretrain_tower}", "data.workers=1", "compile=false",
+                          *(f"tower.options.{key}={value}" for key, value in tower_options.items())]
+        done = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", PRETRAIN_CONFIG,
+                               *overrides], capture_output=True, text=True, timeout=max(30, report.left()), cwd=ROOT)
+        if done.returncode:
+            raise RuntimeError((done.stderr.strip().splitlines() or ["failed"])[-1])
+        rates = [record["images_per_s"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())
+                 if "images_per_s" in record]
+        steady = rates[2:] or rates[-1:]  # after the first two windows (the compile, the workers' start)
+        report.add("pretrain", name, statistics.median(steady), "images/s", against=peer,
+                   note=f"median of {len(steady)} log window(s) of up to 10 steps, after the first two")
+    guarded(report, "pretrain", name, 150, pretrain_run)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
-    parser.add_argument("--only", default="embed,tower,lit", help="comma-separated sections")
+    parser.add_argument("--only", default="embed,tower,lit,pretrain", help="comma-separated sections")
     parser.add_argument("--tower", default=None, help="registered tower (default soft-b16-128e; --cpu soft-test-4e)")
     parser.add_argument("--images", type=int, default=None, help="JPEGs for embed (default 16384; --cpu 48)")
     parser.add_argument("--per-shard", type=int, default=None,
@@ -347,6 +419,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None, help="images per forward (default 256; --cpu 8)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per tower row (default 10; --cpu 2)")
     parser.add_argument("--lit-steps", type=int, default=None, help="`train` steps (default 200; --cpu 6)")
+    parser.add_argument("--pretrain-steps", type=int, default=None, help="`pretrain` steps (default 40; --cpu 3)")
+    parser.add_argument("--pretrain-batch", type=int, default=None,
+                        help="`pretrain` batch (default 512, the S/16 recipe's per GPU on its 8; --cpu 8)")
     parser.add_argument("--baseline", default=None, metavar="CODE",
                         help="a folder holding an older lit_softmoe/ (e.g. `git archive` of main): its embed too")
     parser.add_argument("--baseline-images", type=int, default=2048, help="JPEGs for the older embed")
@@ -365,6 +440,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.per_shard = args.per_shard or (12 if args.cpu else 1024)
     args.iters = args.iters or (2 if args.cpu else 10)
     args.lit_steps = args.lit_steps or (6 if args.cpu else 200)
+    args.pretrain_steps = args.pretrain_steps or (3 if args.cpu else 40)
+    args.pretrain_batch = args.pretrain_batch or (8 if args.cpu else 512)
+    args.pretrain_tower = "soft-test-4e" if args.cpu else "soft-s16-128e"
     args.backend = "eager" if args.cpu else "inductor"
     args.cpus = os.cpu_count()  # --cpu: the compiled rows run, without a C++ build
     return args
@@ -417,6 +495,8 @@ def main(argv=None) -> dict:
         if "embed" in sections:  # what `compile: auto` does for runs of a million images or more
             embed_row(report, args, tower_dir, shards, work, "`embed --compile true`", "features-compiled",
                       compile="true")
+        if "pretrain" in sections:  # last: its compile and its data take the longest
+            pretrain_rows(report, args, device, work)
     report.meta["seconds"] = round(time.perf_counter() - report.start, 1)
     report.write()
     return {"meta": report.meta, "rows": report.rows}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement and GPU test of the project in one go, for one CUDA machine (H100/H200 class), in
 # the order docs/benchmarks.md reports them: the product first (scripts/bench_product.py: `embed`, the
-# locked tower, `train` as users run them, default flags, against the peers), then tests/test_cuda.py,
+# locked tower, `train` and `pretrain` as users run them, default flags, against the peers; `pretrain` last,
+# within what PRODUCT_BUDGET leaves), then tests/test_cuda.py,
 # then the kernels (scripts/bench_gpu.py: the layer, the tower and the LiT step on device tensors). Each
 # step has a timeout so that the whole fits one 10-minute call of a lent GPU machine (about 9 minutes;
 # PRODUCT_BUDGET=S, BENCH_GPU_BUDGET=layer=S,tower=S,lit=S and KERNELS=parts trade one for another).
@@ -10,6 +11,7 @@
 #   OUT=/some/dir WHEELS=.whl bash scripts/gpu_check.sh
 #   BASELINE=.baseline KERNELS=layer LAYER_SHAPES=B/16 bash scripts/gpu_check.sh   # + an older embed; fewer kernels
 #   PRODUCT_ARGS="--only embed,tower --skip compile" KERNELS= bash scripts/gpu_check.sh  # some product rows only
+#   PRODUCT_ARGS="--only pretrain" KERNELS= bash scripts/gpu_check.sh   # the S/16 recipe's pretrain rows alone
 #
 # WHEELS: a folder of wheels to add first, for machines without network that lack some of the
 # peers (open_clip_torch, ftfy, wcwidth, soft-moe-pytorch), our own dependencies (webdataset,

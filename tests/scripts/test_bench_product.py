@@ -1,5 +1,6 @@
 """scripts/bench_product.py in its CPU mode: every row of the GPU run runs (embed through its function with the
-CLI's defaults, an older checkout's embed, the tower against timm, `train` through the CLI against open_clip),
+CLI's defaults, an older checkout's embed, the tower against timm, `train` through the CLI against open_clip,
+`pretrain` through the CLI against its tower's training step),
 each measured row has its rate and its ratio against the row it names, and the JSON and Markdown agree."""
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
                 "host decode (reduced) + resize + crop, 1 core",
                 "`embed`, default flags, 256 px JPEGs (img2dataset keep_ratio)",
                 "`embed --jpeg-decoder cpu`, 256 px JPEGs (img2dataset keep_ratio)", "nvJPEG decode alone (256 px)",
-                "GPU resize + crop alone (`ResizeCrop`) (256 px)", "JpegBatchDecoder: decode + resize + crop (256 px)"]
+                "GPU resize + crop alone (`ResizeCrop`) (256 px)", "JpegBatchDecoder: decode + resize + crop (256 px)",
+                "`pretrain --config pretrain/soft-s16-128e-imagenet1k`, batch 8"]
     for name in expected:
         assert rows[name]["value"] > 0, rows[name]
         if rows[name]["against"]:
