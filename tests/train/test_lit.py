@@ -348,6 +348,12 @@ def test_unlocked_blocks_train_to_the_end_and_evaluate_the_trained_tower(data, t
             assert not torch.equal(loaded, value), name  # trained
         else:
             assert torch.equal(loaded, value), name
+    # The last checkpoint leaves the locked part out too, and loads to the same pair.
+    checkpoint = load_pretrained(run / "checkpoints" / "step_00000004")[0].image_tower.state_dict()
+    assert all(torch.equal(checkpoint[name], value) for name, value in model.image_tower.state_dict().items())
+    saved = load_file(run / "checkpoints" / "step_00000004" / "state.safetensors")
+    assert {k for k in saved if k.startswith("model.image_tower.")} == {f"model.{k}" for k in state
+                                                                        if k.startswith("image_tower.")}
 
     # The final zero-shot score is the trained pair's: the eval images went through the trained tower,
     # not the initial one.
