@@ -120,10 +120,12 @@ def load_weights(path: str | Path, device="cpu", dtype: torch.dtype | None = Non
     """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
     copied only in part, a truncated download). `dtype`: its floating tensors cast to it one at a time as
     they are read, so that only the cast weights are ever held whole."""
+    device = torch.device(device)
+    device = device.type if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (accelerate's, in DDP)
     try:
         if dtype is None:
-            return load_file(path, device=str(device))
-        with safe_open(path, framework="pt", device=str(device)) as file:
+            return load_file(path, device=device)
+        with safe_open(path, framework="pt", device=device) as file:
             return {name: _cast(file.get_tensor(name), dtype) for name in file.keys()}
     except (OSError, SafetensorError) as err:
         raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
