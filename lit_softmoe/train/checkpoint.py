@@ -144,14 +144,19 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which this model trains; "
                         "resume with the run's own settings, or start a new run_dir")
     state, groups, next_id = {}, [], 0
-    for saved_group, names in zip(saved_groups, now):
+    for saved_group, names, group in zip(saved_groups, now, optimizer.param_groups):
         ids = list(range(next_id, next_id + len(names)))
         next_id += len(names)
         for param_id, name in zip(ids, names):
             if saved_ids[name] in opt_state:
                 state[param_id] = opt_state[saved_ids[name]]
-        groups.append({**saved_group, "params": ids})
+        # The saved hyperparameters, but this optimizer's implementation (fused, foreach): how it runs here.
+        implementation = {key: group[key] for key in _IMPLEMENTATION if key in group}
+        groups.append({**saved_group, **implementation, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:

@@ -58,9 +58,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float
     return list(groups.values())
 
 
+# Devices with torch's fused AdamW kernel (its own list, `_get_fused_kernels_supported_devices`): not meta.
+_FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")
+
+
 def create_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay, cfg.layer_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2))
+    """AdamW over `param_groups`, fused (one kernel for every parameter's whole update, where torch's default
+    runs several multi-tensor passes over the weights and moments) wherever every parameter's device has it."""
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay)
+    fused = all(param.device.type in _FUSED_DEVICES and param.is_floating_point()
+                for group in groups for param in group["params"])
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
 def check_optim_settings(cfg: OptimConfig) -> None:

@@ -9,7 +9,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import latest_checkpoint
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
-from lit_softmoe.train.optim import create_optimizer
+from lit_softmoe.train.optim import create_optimizer, param_groups
 
 
 def test_training_state_restores_optimizer_and_rng(tmp_path):
@@ -264,3 +264,19 @@ def test_a_lit_checkpoint_holding_the_log_scale_under_another_name_is_refused(tm
     with pytest.raises(UserError, match=r"does not fit the tower: missing 1 keys \(e\.g\. logit_scale\); "
                                         r"unexpected 1 keys \(e\.g\. log_scale\)"):
         load_training_state(ckpt, model2, opt2, skip_prefixes=("image_tower.",))
+
+
+def test_a_resumed_optimizer_keeps_its_own_implementation(tmp_path):
+    """The checkpoint brings back the hyperparameters and moments, not how the optimizer that saved it ran: a
+    run saved with torch's default (multi-tensor) AdamW resumes fused, where this machine has the kernel."""
+    torch.manual_seed(0)
+    model = create_image_tower("soft-test-4e", num_classes=10)
+    saved = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=True)
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3])).backward()
+    saved.step()
+    save_training_state(tmp_path / "step_00000001", 1, model, saved)
+    resumed = create_optimizer(model, OptimConfig(lr=5e-3, weight_decay=0.1))
+    load_training_state(tmp_path / "step_00000001", model, resumed)
+    assert [(g["fused"], g["foreach"], g["lr"]) for g in resumed.param_groups] == [(True, None, 1e-2)] * 2
+    for param in model.parameters():
+        assert torch.equal(resumed.state[param]["exp_avg"], saved.state[param]["exp_avg"])

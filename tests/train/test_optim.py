@@ -164,3 +164,29 @@ def test_a_layer_decay_outside_zero_to_one_is_refused(value):
         check_optim_settings(OptimConfig(layer_decay=value))
     check_optim_settings(OptimConfig(layer_decay=1.0))
     check_optim_settings(OptimConfig(layer_decay=0.65))
+
+
+def test_adamw_is_fused_where_every_parameter_device_has_the_kernel():
+    """torch's fused AdamW (one kernel for the whole update) on the CPU and GPUs; its default multi-tensor
+    implementation where a device has no fused kernel (the meta device the memory plan builds on). Both make
+    the same update, to float rounding."""
+    torch.manual_seed(0)
+    tower = create_image_tower("soft-test-4e", num_classes=3)
+    twin = create_image_tower("soft-test-4e", num_classes=3)
+    twin.load_state_dict(tower.state_dict())
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    fused = create_optimizer(tower, cfg)
+    default = torch.optim.AdamW(param_groups(twin, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    assert all(group["fused"] for group in fused.param_groups) and not default.param_groups[0]["fused"]
+    initial = [p.detach().clone() for p in tower.parameters()]
+    pixels, labels = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 0])
+    for _ in range(3):
+        for model, optimizer in ((tower, fused), (twin, default)):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(pixels), labels).backward()
+            optimizer.step()
+    apart = max((p - q).abs().max().item() for p, q in zip(tower.parameters(), twin.parameters()))
+    moved = max((p - q).abs().max().item() for p, q in zip(tower.parameters(), initial))
+    assert apart < 1e-6 and moved > 1e-3, (apart, moved)
+    on_meta = create_optimizer(create_image_tower("soft-test-4e", num_classes=3, device="meta"), cfg)
+    assert not any(group["fused"] for group in on_meta.param_groups)
