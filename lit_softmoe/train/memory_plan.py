@@ -12,8 +12,8 @@ Per GPU, in bytes:
   the weights arrive in the compute dtype (FSDP's mixed-precision policy), so nothing is cast and kept: the
   casts counted in the blocks give way to two gathered blocks (the one running and the one prefetched).
   LiT adds the contrastive loss of this GPU's rows against the global batch (B × N logits, both directions).
-- AdamW's step (torch's foreach path) holds one more fp32 copy of the parameters it updates (the square root
-  of the second moment), at a time when no activation is held: the total takes the larger of the two.
+- AdamW's step holds nothing more: it is torch's fused kernel (`optim.create_optimizer`), which updates each
+  parameter in place (the default multi-tensor path would hold one more fp32 copy of them).
 
 A plan fits a GPU when its total is at most `GPU_FILL` of the GPU's memory. The plan is an estimate: eager
 PyTorch, the GPU's fused attention, no allocator fragmentation; docs/training.md ("Scaling up") shows it for
@@ -95,15 +95,13 @@ class MemoryPlan:
     optimizer: int
     activations: int  # the model's, at the micro-batch
     loss_logits: int  # the contrastive loss's (LiT; 0 for pretraining)
-    optimizer_step: int  # AdamW's step buffer, held while no activation is
     gpus: int
     micro_batch: int
     levers: Levers
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + max(self.activations + self.loss_logits,
-                                                                    self.optimizer_step)
+        return self.weights + self.gradients + self.optimizer + self.activations + self.loss_logits
 
     def fits(self, gpu_bytes: int) -> bool:
         return self.total <= GPU_FILL * gpu_bytes
@@ -125,7 +123,7 @@ def plan_memory(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -
     return MemoryPlan(weights=states + count.frozen_bytes, gradients=states + ddp_buckets,
                       optimizer=count.trainable * _ADAM_BYTES // shards, activations=activations,
                       loss_logits=count.loss.at(local, batch_size) if count.loss is not None else 0,
-                      optimizer_step=states, gpus=gpus, micro_batch=micro, levers=levers)
+                      gpus=gpus, micro_batch=micro, levers=levers)
 
 
 def levers_that_fit(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int, current: Levers) -> list[Levers]:
@@ -352,8 +350,6 @@ def plan_report(cfg: PretrainConfig | LiTConfig, gpus: int, gpu_bytes: int) -> t
             ("activations", plan.activations, " (counted: saved for backward)")]
     if count.loss is not None:
         rows.append(("loss logits", plan.loss_logits, f" ({cfg.batch_size // gpus:,} × {cfg.batch_size:,}, both ways)"))
-    if plan.optimizer_step > plan.activations + plan.loss_logits:
-        rows.append(("AdamW step buffer", plan.optimizer_step, " (held instead: larger than the activations)"))
     rows.append(("total", plan.total, ""))
     lines += [f"  {name:<22}{value / size:>8.1f}{note}" for name, value, note in rows]
     fits = plan.fits(gpu_bytes)
