@@ -10,7 +10,7 @@ on random inputs already on the device (no data loading), under bf16 autocast on
   image features (B, embed_dim) are given, as from a cache (for reference);
 - `ours on-the-fly`: `LiTModel` with our dense `vit-b16` tower (run each step, no graph, eval
   mode, its frozen weights converted to bf16 once) and a text tower with open_clip ViT-B-16's text
-  config, `contrastive_loss`, AdamW over `param_groups` (`lit_softmoe.train.optim`);
+  config, `contrastive_loss`, the recipe's AdamW (`lit_softmoe.train.optim.create_optimizer`: fused);
 - `ours cached`: the same model fed the tower's pooled features (B, width), as the embedding cache
   (`lit-softmoe embed`) stores them (fp16);
 - with --soft, `ours on-the-fly soft-b16-128e`: the Soft MoE B/16 tower, built without a head;
@@ -41,11 +41,12 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from benchlib import setup_device, time_step  # scripts/benchlib.py, beside this script
 
+from lit_softmoe.config import OptimConfig
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss
-from lit_softmoe.train.optim import param_groups
+from lit_softmoe.train.optim import create_optimizer
 
 LR, WEIGHT_DECAY = 1e-4, 0.1  # values only matter for the step being a real AdamW step
 TARGETS = {"ours on-the-fly": 1.2, "ours cached": 2.0}  # min samples/s ratio vs open_clip lock-image
@@ -179,7 +180,7 @@ def build_ours(preset: Preset, device: torch.device, compiled: bool, args, tower
     text = create_text_tower(text_cfg, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text, loss="softmax").to(device)
     model.train()  # keeps the locked tower in eval mode
-    optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR)
+    optimizer = create_optimizer(model, OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY))  # the recipe's: fused
     if compiled:
         tower.forward_features = torch.compile(tower.forward_features, mode=args.compile_mode)
         text.compile(mode=args.compile_mode)  # in place: parameter names and the optimizer are unchanged
