@@ -45,11 +45,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, bench_lit beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
+from lit_softmoe.config import OptimConfig  # noqa: E402
 from lit_softmoe.data.shards import write_split  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
+from lit_softmoe.train.optim import create_optimizer  # noqa: E402
 from lit_softmoe.utils.atomic import write_text_atomic  # noqa: E402
 from lit_softmoe.utils.device import inference_dtype, resolve_compile  # noqa: E402
 
@@ -368,7 +370,7 @@ def pretrain_rows(report: Report, args, device, work: Path) -> None:
     def tower_alone():
         torch.manual_seed(0)
         tower = create_image_tower(args.pretrain_tower, num_classes=classes, device=device, **tower_options)
-        optimizer = torch.optim.AdamW(tower.parameters(), lr=1e-4, weight_decay=0.03)
+        optimizer = create_optimizer(tower, OptimConfig(lr=1e-4, weight_decay=0.03))  # the recipe's: fused
         size = tower.cfg.image_size
         pixels = torch.randn(args.pretrain_batch, 3, size, size, device=device)
         labels = torch.randint(0, classes, (args.pretrain_batch,), device=device)
