@@ -82,8 +82,10 @@ def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
     """The pair, its image tower read from its folder onto `device`, not into host memory first (every process
     holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of host memory on the way). A
     fully locked tower is cast to `locked_dtype` as it is read, so that only the cast tower is ever held whole:
-    L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the way to its 26 GB in bf16."""
-    tower, meta = load_tower(cfg.image_tower, device=device, dtype=None if cfg.unlocked_blocks else locked_dtype)
+    L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the way to its 26 GB in bf16. A partly unlocked one is
+    read in fp32, whatever its folder holds: its last blocks train (`hold_locked_image_in` casts the rest)."""
+    tower, meta = load_tower(cfg.image_tower, device=device,
+                             dtype=torch.float32 if cfg.unlocked_blocks else locked_dtype)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
                      image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks, text_locked=cfg.text.locked,

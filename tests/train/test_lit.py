@@ -793,7 +793,7 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
     monkeypatch.setattr(lit_recipe, "load_tower", recording_load)
     results = train_lit(_cfg(pretrained, tmp_path / "run", "steps=12", "eval.shards=''", "precision=bf16",
                              f"unlocked_blocks={unlocked}", images=True))
-    assert reads == [{"device": torch.device("cpu"), "dtype": None if unlocked else torch.bfloat16}]
+    assert reads == [{"device": torch.device("cpu"), "dtype": torch.float32 if unlocked else torch.bfloat16}]
     losses = _losses(tmp_path / "run")
     assert not results["cached_features"] and all(math.isfinite(loss) for loss in losses.values())
     # The recipe's own check, at the start and the end, saw the locked part in bf16, and equal.
@@ -805,6 +805,20 @@ def test_a_locked_tower_is_held_in_bf16_where_precision_runs_bf16(pretrained, tm
     assert pair.image_tower.patch_embed.weight.dtype == torch.float32
     assert torch.equal(pair.image_tower.blocks[0].attn.qkv.weight, tower.blocks[0].attn.qkv.weight)
     assert torch.equal(pair.image_tower.blocks[-1].norm1.weight, tower.blocks[-1].norm1.weight) != unlocked
+
+
+def test_unlocked_blocks_of_a_tower_stored_in_bf16_train_in_fp32(pretrained, tmp_path):
+    """A tower folder saved in bf16 (as `embed` benchmarks and bf16 exports keep them): its unlocked blocks are
+    read in fp32, since AdamW on bf16 weights loses most small updates; its locked part as the run holds it."""
+    tower, meta = load_tower(pretrained / "pre" / "tower")
+    save_tower(tmp_path / "tower", tower.to(torch.bfloat16), extra={k: v for k, v in meta.items() if k != "tower"})
+    cfg = _cfg(pretrained, tmp_path / "run", f"image_tower={tmp_path / 'tower'}", "unlocked_blocks=1")
+    model, _ = lit_recipe._setup_model(cfg, "cpu", torch.bfloat16)
+    model.hold_locked_image_in(torch.bfloat16)
+    dtypes = {name: param.dtype for name, param in model.image_tower.named_parameters()}
+    last = f"blocks.{len(model.image_tower.blocks) - 1}."
+    assert {dtypes[name] for name in dtypes if name.startswith((last, "norm."))} == {torch.float32}
+    assert {dtypes[name] for name in dtypes if not name.startswith((last, "norm."))} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("loss, images", [("softmax", False), ("sigmoid", False), ("softmax", True)])
