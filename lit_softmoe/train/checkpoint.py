@@ -119,6 +119,10 @@ def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
+# An optimizer group's keys that say how it runs, not what it computes: a resume keeps the new optimizer's.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
 def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, dict], model: torch.nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict:
     """The checkpoint's optimizer state renumbered for `optimizer`, matching parameters by name.
@@ -154,9 +158,6 @@ def _optimizer_state_by_name(ckpt_dir: Path, info: dict, opt_state: dict[int, di
         implementation = {key: group[key] for key in _IMPLEMENTATION if key in group}
         groups.append({**saved_group, **implementation, "params": ids})
     return {"state": state, "param_groups": groups}
-
-
-_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int) -> None:

@@ -209,13 +209,12 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     trainable, largest = _parameter_counts(text)
     locked_text = sum(p.numel() for p in text.parameters() if not p.requires_grad) * 4  # kept fp32, no moments
     saved = count_saved_bytes(text, _lit_text_step(tower_cfg.width), dtype)
-    tower_params = sum(p.numel() for p in tower.parameters())
-    # Locked, the tower is held in the dtype it runs in (`inference_dtype`: the compute dtype).
-    frozen_bytes, frozen_forward = tower_params * _element_bytes(dtype), 0
+    frozen_forward = 0
     if cfg.unlocked_blocks or not _cached_features(cfg.data.train):
         tower_saved = count_saved_bytes(tower, _pooled_step, dtype)
         frozen_forward = max(block.per_sample for block in tower_saved.blocks)  # no grad: one block's worth at most
-    if cfg.unlocked_blocks:  # the last blocks and the final norm train in fp32; the locked rest is held as above
+    unlocked = (0, 0)
+    if cfg.unlocked_blocks:  # the last blocks and the final norm train in fp32
         unlocked = _unlocked_part(tower, cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
         saved = SavedBytes(stem=saved.stem, blocks=saved.blocks + tower_saved.blocks[-n:],
@@ -223,7 +222,9 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
                            head=Bytes(saved.head.fixed + tower_saved.head.fixed,
                                       saved.head.per_sample + tower_saved.head.per_sample))
         trainable, largest = trainable + unlocked[0], max(largest, unlocked[1])
-        frozen_bytes, frozen_forward = (tower_params - unlocked[0]) * _element_bytes(dtype), 0
+        frozen_forward = 0
+    # The locked part is held in the dtype it runs in (`inference_dtype`: the compute dtype).
+    frozen_bytes = (sum(p.numel() for p in tower.parameters()) - unlocked[0]) * _element_bytes(dtype)
     loss = count_pair_bytes(_lit_loss(cfg), tower_cfg.width, dtype)
     return ModelCount(trainable=trainable, frozen_bytes=frozen_bytes + locked_text, largest_block=largest,
                       compute_bytes=_element_bytes(dtype), saved=saved, loss=loss, frozen_forward=frozen_forward)
