@@ -52,4 +52,4 @@ text_embedding = ort.InferenceSession(f"{export_dir}/text_encoder.onnx").run(Non
 print("cosine similarity:", float(image_embedding[0] @ text_embedding[0]))  # both (1, D), unit length
 # --- example end
 if len(sys.argv) > 4:
-    np.savez(sys.argv[4], image=image_embedding, text=text_embedding)
+    np.savez(sys.argv[4], image=image_embedding, text=text_embedding, pixels=pixels)

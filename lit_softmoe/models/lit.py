@@ -200,8 +200,10 @@ class LiTModel(nn.Module):
         # Fully locked: no graph at all (activations freed at once). Partly unlocked: autograd
         # records nothing before the first unlocked block anyway, since nothing there needs grad.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_tower_locked):
-            # (B, width); float32 also from a tower held in bf16 (what a head and the text side expect)
-            features = self.image_tower.forward_pooled(image).float()
+            # (B, width); at least float32, also from a tower held in bf16 (what a head and the text side
+            # expect); a float64 pair stays float64
+            features = self.image_tower.forward_pooled(image)
+            features = features.to(torch.promote_types(features.dtype, torch.float32))
         return self.encode_image_features(features, normalize=normalize)
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:

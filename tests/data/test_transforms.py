@@ -158,7 +158,12 @@ def test_random_resized_crop_is_torchvisions_resized_crop_of_a_box_drawn_as_torc
     """train_transform's random-resized crop draws its box itself (one torch.rand a sample instead of
     torchvision's dozen tiny tensors), crops and flips the PIL image, then resizes the tensor: the
     pixels are torchvision's resized_crop kernel's for that box on the whole image, and the boxes
-    follow torchvision's RandomResizedCrop.get_params distribution."""
+    follow torchvision's RandomResizedCrop.get_params distribution.
+
+    Unflipped, the same kernel runs on the same pixels: equal to the bit. Flipped, ours resizes the mirrored crop
+    and the reference mirrors the resized one: equal in exact arithmetic, but the resize's float sums run in
+    mirrored order, and a value within rounding of .5 can round to the other uint8 level (seen on 2-3 pixels of
+    2 boxes in 100 under ATEN_CPU_CAPABILITY=default, none under avx2): at most 1 level apart there."""
     from torchvision.transforms import RandomResizedCrop
     from torchvision.transforms.v2 import functional as TF
 
@@ -177,7 +182,10 @@ def test_random_resized_crop_is_torchvisions_resized_crop_of_a_box_drawn_as_torc
         torch.manual_seed(seed)
         ours = transform(photo)
         expected = TF.resized_crop(whole, top, left, height, width, [32, 32], antialias=True)
-        assert torch.equal(ours, expected.flip(-1) if flip else expected), seed
+        if flip:
+            assert (ours.int() - expected.flip(-1).int()).abs().max() <= 1, seed
+        else:
+            assert torch.equal(ours, expected), seed
         flips += flip
     assert 30 <= flips <= 70
     # A tensor input is cropped and flipped alike.

@@ -19,10 +19,10 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same_grads(accumulated: dict, whole: dict, atol: float) -> None:
+def _assert_same_grads(accumulated: dict, whole: dict, atol: float, rtol: float) -> None:
     assert accumulated.keys() == whole.keys() and whole
     for name in whole:
-        torch.testing.assert_close(accumulated[name], whole[name], atol=atol, rtol=1e-4, msg=name)
+        torch.testing.assert_close(accumulated[name], whole[name], atol=atol, rtol=rtol, msg=name)
 
 
 def test_split_batch_keeps_order_and_structure():
@@ -38,12 +38,16 @@ def test_split_batch_keeps_order_and_structure():
 @pytest.mark.parametrize("loss_name", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("cached", [False, True])
 def test_contrastive_accumulation_equals_the_whole_batch(loss_name, cached):
+    """Equal in exact arithmetic; in floats the two sum the same terms in another order. In float32 that left
+    gradients up to ~2e-6 apart on one CPU and not another (another kernel, another order): in float64 the gap is
+    ~1e-15 relative (2^-53 times the few dozen terms of a sum), so 1e-10 is a bound with a wide margin on any
+    CPU, while a wrong gradient (a micro-batch counted twice or with fewer negatives) misses it by 1e-3 or more."""
     torch.manual_seed(0)
     tower = create_image_tower("soft-test-4e")
     model = LiTModel(tower, create_text_tower(TINY_TEXT, embed_dim=tower.embed_dim), loss=loss_name,
-                     image_head="linear").train()
+                     image_head="linear").train().double()
     loss_fn = sigmoid_loss if loss_name == "sigmoid" else contrastive_loss
-    images = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    images = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     if cached:  # pooled tower features, as the feature cache holds them
         with torch.no_grad():
             images = tower.forward_pooled(images)
@@ -59,22 +63,25 @@ def test_contrastive_accumulation_equals_the_whole_batch(loss_name, cached):
     model.zero_grad()
 
     loss, outputs = contrastive_accumulation(embed, loss_fn, split_batch(batch, 4), backward=torch.Tensor.backward)
-    torch.testing.assert_close(loss, whole.detach(), atol=1e-6, rtol=1e-6)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, whole.detach(), atol=1e-10, rtol=1e-10)
     assert outputs[0].shape == (2, tower.embed_dim)  # the last micro-batch's own embeddings
-    _assert_same_grads(_grads(model), expected, atol=1e-6)
+    _assert_same_grads(_grads(model), expected, atol=1e-10, rtol=1e-10)
 
 
 def test_contrastive_accumulation_is_not_a_mean_of_micro_batch_losses():
-    """Why the recompute scheme: averaging the 4 small batches' own losses (fewer negatives) is another loss."""
+    """Why the recompute scheme: averaging the 4 small batches' own losses (fewer negatives) is another loss.
+    In float64, where the accumulated and the whole-batch loss (the same sums in another order) agree to ~1e-15."""
     torch.manual_seed(0)
-    model = LiTModel(None, create_text_tower(TINY_TEXT, embed_dim=16)).train()
-    features, text = torch.randn(8, 16, generator=torch.Generator().manual_seed(2)), token_ids(8)
+    model = LiTModel(None, create_text_tower(TINY_TEXT, embed_dim=16)).train().double()
+    features = torch.randn(8, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    text = token_ids(8)
     whole = contrastive_loss(*model(image_features=features, text=text)).item()
     naive = sum(contrastive_loss(*model(image_features=f, text=t)).item()
                 for f, t in zip(features.chunk(4), text.chunk(4))) / 4
     accumulated, _ = contrastive_accumulation(lambda mb: model(image_features=mb[0], text=mb[1]), contrastive_loss,
                                               split_batch((features, text), 4), backward=torch.Tensor.backward)
-    assert accumulated.item() == pytest.approx(whole, abs=1e-6)
+    assert accumulated.item() == pytest.approx(whole, abs=1e-10)
     assert abs(naive - whole) > 0.1
 
 
