@@ -37,8 +37,11 @@ demo: $(INSTALLED) fashion-mnist
 demo-fast: $(INSTALLED) fashion-mnist
 	$(VENV)/bin/lit-softmoe demo --fast
 
+# The suite on every core: pytest-xdist's workers (TEST_WORKERS, default one per core) share the cores
+# (tests/conftest.py gives each cores/workers threads). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= auto
 test: $(INSTALLED) fashion-mnist lint timm-tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # timm's own model tests (tests/test_models.py of the installed timm's sdist, downloaded once into
 # TIMM_SDIST_DIR) on our registered towers: tests/timm_suite/timm_plugin.py registers them first and
@@ -53,7 +56,7 @@ timm-tests: $(INSTALLED)
 		tar -xzf "$(TIMM_SDIST_DIR)/timm-$$v.tar.gz" -C "$(TIMM_SDIST_DIR)" "timm-$$v/tests" "timm-$$v/pyproject.toml"; \
 	fi && \
 	cd "$$d" && PYTHONPATH="$(CURDIR)/tests/timm_suite:$(CURDIR)" "$(abspath $(PY))" -m pytest -q -p no:cacheprovider \
-		-p timm_plugin -W ignore::pytest.PytestUnknownMarkWarning tests/test_models.py
+		-n $(TEST_WORKERS) -p timm_plugin -W ignore::pytest.PytestUnknownMarkWarning tests/test_models.py
 
 # The layering contract (pyproject's [tool.importlinter]: imports point down the layers only) and ruff.
 lint: $(INSTALLED)

@@ -1,5 +1,7 @@
-"""Shared test set-up: torch's thread count restored after every test, and the fixtures that several test
-files use. The data sets and runs are built once per session: they are only read by the tests."""
+"""Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, each test's own cache
+folder, torch's thread count restored after every test, and the fixtures that several test files use. The data
+sets and runs are built once per run (tests/shared_builds.py): they are only read by the tests."""
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,34 @@ from lit_data import write_lit_data
 from lit_runs import make_run
 from lit_softmoe import cli
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
+from shared_builds import built_once, changed_builds
+from worker_cores import share_cores_among_workers
+
+
+def pytest_configure(config):
+    share_cores_among_workers()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort: the rest keep their order), so that xdist's workers start the longest
+    tests while there is other work to balance them with, instead of ending on one of them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_builds_stay_as_built():
+    """The fixtures built once per run are read by tests on every worker at once: none may change them."""
+    yield
+    assert not changed_builds(), f"a test changed these shared fixture folders in place: {changed_builds()}"
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(request, tmp_path_factory, monkeypatch):
+    """Each test its own cache root ($LIT_SOFTMOE_CACHE: eval features, timm: towers), made when first written:
+    no test reads what another (or the user's ~/.cache) left there."""
+    test_id = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("LIT_SOFTMOE_CACHE", str(tmp_path_factory.getbasetemp() / "caches" / test_id))
 
 
 @pytest.fixture(autouse=True)
@@ -38,15 +68,16 @@ def fresh_accelerate_state():
 
 @pytest.fixture(scope="session")
 def fmnist(tmp_path_factory):
-    """Fashion-MNIST as the eval suites read it: 300 samples a split, 128 a shard."""
-    root = tmp_path_factory.mktemp("data") / "fashion-mnist"
-    write_fashion_mnist_shards(root, limit=300, samples_per_shard=128)  # 3 test shards: 128 + 128 + 44
-    return root
+    """Fashion-MNIST as the eval suites read it: 300 samples a split, 128 a shard (3 test shards: 128 + 128 + 44)."""
+    def build(folder):
+        write_fashion_mnist_shards(folder / "fashion-mnist", limit=300, samples_per_shard=128)
+    return built_once(tmp_path_factory, "fmnist-300", build) / "fashion-mnist"
 
 
 @pytest.fixture(scope="session")
 def fmnist_shards(tmp_path_factory):
-    """Fashion-MNIST shards, LIMIT samples per split, 64 per shard; and the source arrays."""
+    """Fashion-MNIST shards, LIMIT samples per split, 64 per shard; the summary of the writer that wrote them;
+    and the source arrays."""
     out = tmp_path_factory.mktemp("fmnist")
     summary = write_fashion_mnist_shards(out, samples_per_shard=64, limit=LIMIT, allow_download=False)
     source = {split: read_fashion_mnist(split, allow_download=False) for split in ("train", "test")}
@@ -57,29 +88,23 @@ def fmnist_shards(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
-    return write_lit_data(tmp_path_factory.mktemp("lit_robust"))
-
-
-@pytest.fixture(scope="session")
-def six_shard_data(tmp_path_factory):
-    """`data`'s images and tower, with a feature cache of 6 shards a split."""
-    return write_lit_data(tmp_path_factory.mktemp("lit_six_shards"))
+    """300 + 300 images in shards of 50, so the feature cache holds 6 shards a split."""
+    return built_once(tmp_path_factory, "lit-data", write_lit_data)
 
 
 # ---- a finished LiT run and its ONNX export ---------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def run(tmp_path_factory) -> Path:
-    return make_run(tmp_path_factory.mktemp("export"))
+    return built_once(tmp_path_factory, "lit-run", make_run) / "run"
 
 
 @pytest.fixture(scope="session")
-def onnx_export(run) -> Path:
+def onnx_export(run, tmp_path_factory) -> Path:
     """One --onnx export through the CLI, shared by the ONNX and no-torch tests."""
-    out = run.parent / "export-onnx"
-    code = cli.main(["export", str(run), "--out", str(out), "--onnx"])
-    assert code == 0
-    return out
+    def build(folder):
+        assert cli.main(["export", str(run), "--out", str(folder / "export-onnx"), "--onnx"]) == 0
+    return built_once(tmp_path_factory, "onnx-export", build) / "export-onnx"
 
 
 @pytest.fixture

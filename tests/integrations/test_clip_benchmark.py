@@ -26,6 +26,7 @@ from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.integrations import clip_benchmark as peer
 from lit_softmoe.integrations.clip_benchmark import in_our_names, run_clip_benchmark
 from lit_softmoe.metadata import benchmark_info
+from shared_builds import built_once
 
 
 def _agree(model_dir, root, name, tmp_path) -> tuple[dict, dict]:
@@ -41,7 +42,7 @@ def _agree(model_dir, root, name, tmp_path) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def rgb_model(tmp_path_factory):
-    return save_pair(tmp_path_factory.mktemp("rgb"), in_channels=3, image_size=32)
+    return built_once(tmp_path_factory, "rgb-pair", lambda root: save_pair(root, in_channels=3, image_size=32)) / "lit"
 
 
 @needs_clip_benchmark
@@ -74,9 +75,8 @@ def test_retrieval_agrees_on_real_images(rgb_model, tmp_path):
 @pytest.fixture(scope="module")
 def fashion_mnist_5000(tmp_path_factory) -> Path:
     """5,000 Fashion-MNIST test images as `lit-softmoe data fashion-mnist` writes them."""
-    root = tmp_path_factory.mktemp("fmnist") / "fashion-mnist"
-    write_fashion_mnist_shards(root, limit=5000)
-    return root
+    return built_once(tmp_path_factory, "fmnist-5000",
+                      lambda root: write_fashion_mnist_shards(root / "fashion-mnist", limit=5000)) / "fashion-mnist"
 
 
 @needs_clip_benchmark

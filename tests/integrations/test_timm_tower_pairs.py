@@ -25,6 +25,7 @@ from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.export import export_pair
 from lit_softmoe.integrations.clip_benchmark import in_our_names
 from lit_softmoe.train.lit import train_lit
+from shared_builds import built_once
 
 timm = pytest.importorskip("timm")
 
@@ -33,7 +34,11 @@ timm = pytest.importorskip("timm")
 def timm_pair(tmp_path_factory):
     """(the export, the Fashion-MNIST root, the run's results): 400 train / 400 test images in shards of
     100, embedded by the timm tower, a 1-layer text tower trained on the cached features, exported."""
-    root = tmp_path_factory.mktemp("timm_pair")
+    root = built_once(tmp_path_factory, "timm-pair", _train_and_export_a_timm_pair)
+    return root / "export", root / "fashion-mnist", json.loads((root / "run" / "results.json").read_text())
+
+
+def _train_and_export_a_timm_pair(root):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LIT_SOFTMOE_CACHE", str(root / "cache"))
         torch.manual_seed(0)
@@ -44,13 +49,12 @@ def timm_pair(tmp_path_factory):
         for split in ("train", "test"):
             assert main(["embed", "--tower", spec, "--shards", str(data / split), "--out", str(root / "features"),
                          "--batch-size", "100", "--workers", "0"]) == 0
-        results = train_lit(load_config(LiTConfig, None, [
+        train_lit(load_config(LiTConfig, None, [
             f"run_dir={root / 'run'}", f"image_tower={spec}", f"data.train={root / 'features' / 'train'}",
             f"eval.shards={root / 'features' / 'test'}", "data.workers=0", "batch_size=50", "steps=40",
             "optim.lr=3e-3", "optim.warmup=5", "precision=fp32", "log_with=[]", "text.width=64", "text.layers=1",
             "text.heads=2"]))
-        export = export_pair(root / "run", root / "export")
-    return export, data, results
+        export_pair(root / "run", root / "export")
 
 
 _STOCK_OPEN_CLIP = textwrap.dedent("""
@@ -124,17 +128,42 @@ def _eval_args(export, data, out) -> list[str]:
             "--num_workers", "0", "--no_amp", "--output", str(out)]
 
 
-def _assert_agree(ours: dict, out: Path) -> None:
+@pytest.fixture(scope="module")
+def pixel_share(timm_pair) -> dict:
+    """How much of each metric hangs on the resize's rounding: our model's metrics on open_clip's pixels (what
+    CLIP_benchmark feeds it) minus on ours. open_clip resizes the 28 px images to the tower's 160 with PIL, we with
+    torch; torch's uint8 kernel rounds as PIL does only in its AVX2 build, so elsewhere a pixel can land one gray
+    level apart and flip an image whose two best classes are that close (1 image: 0.25 points of 400). On an AVX2
+    CPU the pixels are equal and this is 0."""
+    import open_clip
+
+    from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+    from lit_softmoe.evals.readers import read_benchmark
+    export, data, _ = timm_pair
+    model, our_preprocess, tokenizer = load_pretrained(export)
+    _, _, their_preprocess = open_clip.create_model_and_transforms(f"local-dir:{export}")
+    metrics = []
+    for preprocess in (our_preprocess, their_preprocess):
+        test = read_benchmark("fashion-mnist", data, "test", preprocess)
+        _, pixels, labels = zip(*test.dataset)
+        with torch.no_grad():
+            classifier = build_zeroshot_classifier(model.encode_text, tokenizer, test.classnames, test.templates)
+            metrics.append(zeroshot_metrics(model.encode_image(torch.stack(pixels)), torch.tensor(labels), classifier))
+    return {key: abs(metrics[1][key] - metrics[0][key]) for key in metrics[0]}
+
+
+def _assert_agree(ours: dict, out: Path, pixel_share: dict) -> None:
+    """CLIP_benchmark's metrics are ours to 0.1 points, beyond what the two resizes' rounding moves (`pixel_share`)."""
     theirs = in_our_names(json.loads(out.read_text())["metrics"])
-    print(f"ours {ours}, CLIP_benchmark {theirs}")
+    print(f"ours {ours}, CLIP_benchmark {theirs}, on open_clip's pixels ours move by {pixel_share}")
     assert set(ours) == set(theirs)
     for key, value in ours.items():
-        assert abs(value - theirs[key]) * 100 <= 0.1, (key, value, theirs[key])
+        assert abs(value - theirs[key]) * 100 <= 0.1 + 100 * pixel_share[key], (key, value, theirs[key])
 
 
 @needs_clip_benchmark
 @pytest.mark.slow
-def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pair, tmp_path):
+def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pair, pixel_share, tmp_path):
     """`clip_benchmark eval --model_type open_clip --model local-dir:EXPORT`, as a user types it, in a process
     that imports nothing of ours, against our eval of the same export. Where CLIP_benchmark's NumPy-2 bug stops
     the command (the released 1.6.2 under NumPy 2 does), the closest stock path runs instead: the same command
@@ -148,7 +177,7 @@ def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pai
                             *_eval_args(export, data, tmp_path / "stock.json")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     if stock.returncode == 0:
-        _assert_agree(ours, tmp_path / "stock.json")
+        _assert_agree(ours, tmp_path / "stock.json", pixel_share)
         return
     assert "in accuracy" in stock.stderr and "only 0-dimensional arrays can be converted" in stock.stderr, \
         stock.stderr[-3000:]
@@ -156,12 +185,12 @@ def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pai
                             *_eval_args(export, data, tmp_path / "fixed.json")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    _assert_agree(ours, tmp_path / "fixed.json")
+    _assert_agree(ours, tmp_path / "fixed.json", pixel_share)
 
 
 @needs_clip_benchmark
 @pytest.mark.slow
-def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pair, tmp_path):
+def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pair, pixel_share, tmp_path):
     """`lit-softmoe clip-benchmark -- ARGS`: CLIP_benchmark's own CLI, its NumPy-2 fix scoped to the run."""
     export, data, _ = timm_pair
     ours = _our_eval(export, data, tmp_path)
@@ -169,7 +198,7 @@ def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pai
                              *_eval_args(export, data, tmp_path / "ours_cli.json")],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_agree(ours, tmp_path / "ours_cli.json")
+    _assert_agree(ours, tmp_path / "ours_cli.json", pixel_share)
 
 
 def test_the_hub_card_of_a_timm_pair_is_an_open_clip_model(timm_pair):

@@ -15,6 +15,7 @@ import torch
 
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn import qk_norm
+from shared_builds import built_once
 
 pytestmark = pytest.mark.skipif(qk_norm.triton is None, reason="needs Triton")
 
@@ -64,12 +65,13 @@ INTERPRETED_CHECKS = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_CHECKS], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def interpreted(tmp_path_factory):
+    def check(folder):
+        done = subprocess.run([sys.executable, "-c", INTERPRETED_CHECKS], env={**os.environ, "TRITON_INTERPRET": "1"},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (folder / "report.json").write_text(done.stdout.strip().splitlines()[-1])
+    return json.loads((built_once(tmp_path_factory, "qk-norm-interpreted", check) / "report.json").read_text())
 
 
 @pytest.mark.parametrize("case", ["2x9x2x64", "3x7x3x12"])

@@ -26,12 +26,17 @@ soft_moe_b16_128e (3.7B) up their fp32 weights and gradients do not fit 24 GB.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lit_softmoe.integrations.timm import _OURS, timm_model_names
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for the helper below (after timm's own)
+from worker_cores import share_cores_among_workers  # noqa: E402
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
 AS_NON_STD = "test_model_default_cfgs"
@@ -43,6 +48,10 @@ MAX_PARAMS = int(float(os.environ.get("LIT_SOFTMOE_TIMM_MAX_PARAMS", "4e8")))
 # The prune contract copies the tower twice per block (timm keeps it out of its CI for that): above
 # 30M parameters (B and L) it costs minutes a tower on a CPU; it runs on the Ti, S and tiny towers.
 PRUNE_MAX_PARAMS = 30_000_000
+
+
+def pytest_configure(config):
+    share_cores_among_workers()  # `make timm-tests` runs on pytest-xdist's workers too
 
 
 def _params(name: str) -> int:

@@ -25,6 +25,7 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
 from lit_softmoe.train.embed import embed_shards
 from shard_cuts import cut_before_sample
+from shared_builds import built_once
 
 LIMIT = 300
 PREPROCESS = {"image_size": 28, "mean": [0.286], "std": [0.353]}
@@ -318,21 +319,21 @@ def test_class_shards_without_captions_are_cached_for_zero_shot_eval(cache, tmp_
     check_feature_cache(tmp_path / "features" / "test", root / "tower")
 
 
-def test_embed_refuses_to_replace_an_image_split(six_shard_data, tmp_path):
+def test_embed_refuses_to_replace_an_image_split(data, tmp_path):
     """`embed --shards DATA/train --out DATA` (the dataset folder, not a new one) replaced the user's
     image shards by their features: the images were gone. A split that is not a feature cache is
     refused; an earlier feature split is still replaced as before."""
-    shutil.copytree(six_shard_data / "fmnist", tmp_path / "fmnist")
+    shutil.copytree(data / "fmnist", tmp_path / "fmnist")
     before = {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()}
     with pytest.raises(UserError, match="not a feature cache"):
-        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
+        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist")
     with pytest.raises(UserError, match="not a feature cache"):  # another split of image shards
-        embed_shards(six_shard_data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
+        embed_shards(data / "tower", str(tmp_path / "fmnist" / "train"), tmp_path / "fmnist", split="test")
     assert {p.name: p.read_bytes() for p in (tmp_path / "fmnist" / "train").iterdir()} == before
     assert not (tmp_path / "fmnist" / "train" / "embed.json").exists()
     # A feature split of its own is rewritten (here: with the features of another source).
-    shutil.copytree(six_shard_data / "features" / "train", tmp_path / "features" / "train")
-    summary = embed_shards(six_shard_data / "tower", str(six_shard_data / "fmnist" / "test"), tmp_path / "features",
+    shutil.copytree(data / "features" / "train", tmp_path / "features" / "train")
+    summary = embed_shards(data / "tower", str(data / "fmnist" / "test"), tmp_path / "features",
                            split="train")
     assert summary["skipped"] is False and summary["num_samples"] == 300
 
@@ -465,11 +466,11 @@ def test_a_full_disk_while_embedding_is_one_line_and_leaves_no_cache_a_rerun_wou
 def many_shards(tmp_path_factory):
     """Fashion-MNIST's first 300 test images in 15 shards of 20, the `cache` tower, and one process's
     uninterrupted feature cache of them: what every way of running embed must reproduce."""
-    root = tmp_path_factory.mktemp("embed_many")
-    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=20, limit=LIMIT, allow_download=False)
-    _save_test_tower(root / "tower", seed=0)
-    embed_shards(root / "tower", str(root / "fmnist" / "test"), root / "reference", batch_size=16)
-    return root
+    def build(root):
+        write_fashion_mnist_shards(root / "fmnist", samples_per_shard=20, limit=LIMIT, allow_download=False)
+        _save_test_tower(root / "tower", seed=0)
+        embed_shards(root / "tower", str(root / "fmnist" / "test"), root / "reference", batch_size=16)
+    return built_once(tmp_path_factory, "embed-many-shards", build)
 
 
 def _shard_bytes(split_dir) -> dict[str, bytes]:

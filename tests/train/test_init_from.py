@@ -24,6 +24,7 @@ from lit_softmoe.models.upcycle import upcycle_checkpoint
 from lit_softmoe.train.init_from import head_decision, read_init_source
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import _validate_tower, pretrain
+from shared_builds import built_once
 
 
 def _cfg(shards, run_dir, *extra):
@@ -34,18 +35,17 @@ def _cfg(shards, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=500, allow_download=False)
-    return out
+    return built_once(tmp_path_factory, "fmnist-500",
+                      lambda out: write_fashion_mnist_shards(out, limit=500, allow_download=False))
 
 
 @pytest.fixture(scope="module")
 def upcycled(shards, tmp_path_factory):
     """A dense vit-test pretrained for 30 steps, upcycled into soft-test-4e."""
-    root = tmp_path_factory.mktemp("towers")
-    pretrain(_cfg(shards, root / "dense", "tower.name=vit-test", "steps=30", "optim.lr=3e-3"))
-    upcycle_checkpoint(root / "dense" / "tower", "soft-test-4e", root / "upcycled")
-    return root / "upcycled"
+    def build(root):
+        pretrain(_cfg(shards, root / "dense", "tower.name=vit-test", "steps=30", "optim.lr=3e-3"))
+        upcycle_checkpoint(root / "dense" / "tower", "soft-test-4e", root / "upcycled")
+    return built_once(tmp_path_factory, "upcycled-vit-test", build) / "upcycled"
 
 
 def _weights(folder):

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
+from launch import torchrun_args
 from lit_data import PREPROCESS, lit_config
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
@@ -46,6 +47,7 @@ from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.optim import lr_at
 from lit_softmoe.train.pretrain import pretrain
 from shard_cuts import cut_before_sample
+from shared_builds import built_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 40 samples a shard: 50 train shards, enough for two processes, and a two-process step (2 × 40)
@@ -85,7 +87,10 @@ def _losses(run_dir) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """2000 real train + 2000 test images, a tiny tower pretrained on them, and its feature cache."""
-    root = tmp_path_factory.mktemp("lit")
+    return built_once(tmp_path_factory, "lit-pretrained", _pretrain)
+
+
+def _pretrain(root):
     write_fashion_mnist_shards(root / "fmnist", samples_per_shard=SAMPLES_PER_SHARD, limit=2000, allow_download=False)
     pretrain(load_config(PretrainConfig, None, [
         f"data.train={root / 'fmnist' / 'train'}", f"data.test={root / 'fmnist' / 'test'}", f"run_dir={root / 'pre'}",
@@ -93,7 +98,6 @@ def pretrained(tmp_path_factory):
         *SMALL_TOWER]))
     for split in ("train", "test"):
         embed_shards(root / "pre" / "tower", str(root / "fmnist" / split), root / "features", batch_size=500)
-    return root
 
 
 def test_zero_shot_learned_from_cached_features(pretrained, tmp_path, monkeypatch):
@@ -261,8 +265,8 @@ def test_two_processes_follow_the_single_process_curve(pretrained, tmp_path):
     single = tmp_path / "single"
     train_lit(_cfg(pretrained, single, *common))
     double = tmp_path / "double"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             "--master_port=29531", "-m", "lit_softmoe.cli", "train", "--config",
+    result = subprocess.run([sys.executable, *torchrun_args(),
+                             "-m", "lit_softmoe.cli", "train", "--config",
                              _empty_yaml(tmp_path), *_overrides(pretrained, double, *common)],
                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -514,20 +518,20 @@ def _lit_text32(data, run_dir, *extra) -> LiTConfig:
         "precision=fp32", "text.width=32", "text.layers=1", "text.heads=2", *extra])
 
 
-def test_eval_set_of_a_two_process_run_is_read_whole(six_shard_data, tmp_path, monkeypatch):
+def test_eval_set_of_a_two_process_run_is_read_whole(data, tmp_path, monkeypatch):
     """Under torchrun (RANK/WORLD_SIZE set) only the main process evaluates; its eval loader took only
     its rank's share of the shards, so zero-shot top-1 (and the linear probe) scored half the eval set."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = _lit_text32(six_shard_data, tmp_path / "run")
-    assert len(shard_urls(str(six_shard_data / "features" / "test"))) == 6
-    features, labels = lit_recipe._class_features(cfg, str(six_shard_data / "features" / "test"), None, None, None)
+    cfg = _lit_text32(data, tmp_path / "run")
+    assert len(shard_urls(str(data / "features" / "test"))) == 6
+    features, labels = lit_recipe._class_features(cfg, str(data / "features" / "test"), None, None, None)
     assert features.shape[0] == labels.shape[0] == 300
 
 
-def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_path):
+def test_recipe_keeps_the_logit_scale_learning_at_its_cap(data, tmp_path):
     run = tmp_path / "run"
-    train_lit(_lit_text32(six_shard_data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
+    train_lit(_lit_text32(data, run, "steps=4", "eval.shards=''", "temperature_init=100", "optim.lr=1e-2",
                           "optim.warmup=0"))
     temperatures = [r["temperature"] for r in read_metrics(run / "metrics.jsonl") if "temperature" in r]
     assert len(temperatures) == 4 and all(t <= 100.0 + 1e-3 for t in temperatures)
@@ -536,11 +540,11 @@ def test_recipe_keeps_the_logit_scale_learning_at_its_cap(six_shard_data, tmp_pa
     assert float(log_scale) <= math.log(100.0) + 1e-6
 
 
-def test_results_json_is_written_atomically(six_shard_data, tmp_path, monkeypatch):
+def test_results_json_is_written_atomically(data, tmp_path, monkeypatch):
     """A kill while results.json is written (a rerun of a finished run rewrites it) left half a JSON
     file, which export's model card then fails to read."""
     run = tmp_path / "run"
-    cfg = _lit_text32(six_shard_data, run, "steps=2", "eval.shards=''")
+    cfg = _lit_text32(data, run, "steps=2", "eval.shards=''")
     train_lit(cfg)
     saved = (run / "results.json").read_text()
     write_text = Path.write_text
@@ -558,26 +562,26 @@ def test_results_json_is_written_atomically(six_shard_data, tmp_path, monkeypatc
     assert json.loads((run / "results.json").read_text()) == json.loads(saved)
 
 
-def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(six_shard_data, tmp_path):
+def test_feature_caches_joined_with_colons_or_a_pattern_train_as_features(data, tmp_path):
     """`data.train=A::B` over two embed outputs (or DIR/{0..5}.tar) was taken for image shards and
     ended in 'none of the first 1000 samples could be used (missing_image: 1000); fix the shards'."""
-    train, test = six_shard_data / "features" / "train", six_shard_data / "features" / "test"
-    results = train_lit(_lit_text32(six_shard_data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
+    train, test = data / "features" / "train", data / "features" / "test"
+    results = train_lit(_lit_text32(data, tmp_path / "joined", "steps=2", f"data.train={train}::{test}",
                                     f"eval.shards={test}"))
     assert results["cached_features"] and "zeroshot_top1" in results
-    results = train_lit(_lit_text32(six_shard_data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
+    results = train_lit(_lit_text32(data, tmp_path / "pattern", "steps=2", f"data.train={train}/{{0..5}}.tar",
                                     "eval.shards=''"))
     assert results["cached_features"]
     with pytest.raises(UserError, match="mixes feature shards"):
-        train_lit(_lit_text32(six_shard_data, tmp_path / "mixed", "steps=2",
-                              f"data.train={train}::{six_shard_data / 'fmnist' / 'train'}"))
+        train_lit(_lit_text32(data, tmp_path / "mixed", "steps=2",
+                              f"data.train={train}::{data / 'fmnist' / 'train'}"))
     # Every cache of the list is checked against the tower: a stale one is refused.
     torch.manual_seed(1)
     save_tower(tmp_path / "other", create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={"preprocess": PREPROCESS})
-    embed_shards(tmp_path / "other", str(six_shard_data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
+    embed_shards(tmp_path / "other", str(data / "fmnist" / "test"), tmp_path / "stale", batch_size=100)
     with pytest.raises(UserError, match="made with another tower"):
-        train_lit(_lit_text32(six_shard_data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
+        train_lit(_lit_text32(data, tmp_path / "stale_run", "steps=2", "eval.shards=''",
                               f"data.train={train}::{tmp_path / 'stale' / 'test'}"))
 
 

@@ -17,12 +17,14 @@ import torch
 from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
 from data_files import cut_at_sample
+from launch import torchrun_args
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
+from shared_builds import built_once
 
 # A narrow tiny tower so these tests take seconds; the full-size bar is in the README.
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
@@ -41,9 +43,8 @@ def _sparse_cfg(shards, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
-    return out
+    return built_once(tmp_path_factory, "fmnist-1000",
+                      lambda out: write_fashion_mnist_shards(out, limit=1000, allow_download=False))
 
 
 @pytest.mark.parametrize("name", ["tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2", "ec-tiny-p7-16e"])
@@ -83,9 +84,8 @@ def _cfg(shards, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=3000, allow_download=False)
-    return out
+    return built_once(tmp_path_factory, "fmnist-3000",
+                      lambda out: write_fashion_mnist_shards(out, limit=3000, allow_download=False))
 
 
 def test_pretraining_learns_real_fashion_mnist(shards, tmp_path):
@@ -217,8 +217,8 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
     double = tmp_path / "double"
     overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={double}",
                  "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *common]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             "--master_port=29517", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+    result = subprocess.run([sys.executable, *torchrun_args(),
+                             "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     one = [r["loss"] for r in read_metrics(single / "metrics.jsonl") if "loss" in r]
@@ -539,8 +539,8 @@ def test_two_process_pretrain_with_periodic_evaluation_logs_it_once(data, tmp_pa
     overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
                  "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32", "log_every=1",
                  "steps=6", "eval_every=2", "checkpoint_every=3"]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             "--master_port=29541", "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+    result = subprocess.run([sys.executable, *torchrun_args(),
+                             "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
     evaluations = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "test_top1" in r]

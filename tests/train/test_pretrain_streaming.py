@@ -17,6 +17,7 @@ import PIL.Image
 import pytest
 import torch
 
+from launch import torchrun_args
 from lit_softmoe.config import PretrainConfig, load_config
 from lit_softmoe.data.class_batches import StreamedClassBatches
 from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist, write_fashion_mnist_shards
@@ -269,8 +270,7 @@ def test_two_processes_train_as_one_does_on_the_same_global_batches(mixed, tmp_p
     assert {k for rank in steps for batch in rank for k in batch.keys} == keys
 
     double = tmp_path / "double"
-    result = subprocess.run(_cli(mixed, double, *common, launcher=("-m", "torch.distributed.run", "--nproc_per_node=2",
-                                                                "--master_port=29531")),
+    result = subprocess.run(_cli(mixed, double, *common, launcher=torchrun_args()),
                             capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

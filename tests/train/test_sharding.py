@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cli_errors import one_line_error
+from launch import torchrun_args
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
@@ -36,6 +37,7 @@ from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.runtime import resume_state
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
 from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, shard_lit_model, shard_tower
+from shared_builds import built_once
 
 # The narrow Soft MoE tower of test_pretrain.py: seconds per run.
 SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
@@ -51,13 +53,13 @@ def _overrides(shards, run_dir, *extra) -> list[str]:
     return [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", *RUN, *extra]
 
 
-def _torchrun(shards, run_dir, port: int) -> subprocess.Popen:
+def _torchrun(shards, run_dir) -> subprocess.Popen:
     """The sharded run on two gloo processes, launched as a user launches it, in a session of its own
     (a kill -9 then takes the launcher and both processes at once)."""
     empty = run_dir.parent / "empty.yaml"
     empty.write_text("{}\n")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={port}", "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
+    return subprocess.Popen([sys.executable, *torchrun_args(),
+                             "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
                              *_overrides(shards, run_dir, "sharding=fsdp")],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -86,17 +88,14 @@ def _assert_same_run(a, b) -> None:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fmnist")
-    write_fashion_mnist_shards(out, limit=1000, allow_download=False)
-    return out
+    return built_once(tmp_path_factory, "fmnist-1000",
+                      lambda out: write_fashion_mnist_shards(out, limit=1000, allow_download=False))
 
 
 @pytest.fixture(scope="module")
 def sharded_run(shards, tmp_path_factory):
     """The uninterrupted sharded run (two processes), every checkpoint kept."""
-    run_dir = tmp_path_factory.mktemp("sharded") / "run"
-    _finish(_torchrun(shards, run_dir, 29581))
-    return run_dir
+    return built_once(tmp_path_factory, "sharded-pretrain", lambda out: _finish(_torchrun(shards, out / "run"))) / "run"
 
 
 # ---- two processes (torchrun, gloo) ---------------------------------------------------------------
@@ -134,7 +133,7 @@ def test_the_tower_folder_holds_the_weights_the_processes_held(sharded_run):
 @pytest.mark.slow
 def test_killed_sharded_run_resumes_exactly(shards, sharded_run, tmp_path):
     killed = tmp_path / "killed"
-    proc = _torchrun(shards, killed, 29585)
+    proc = _torchrun(shards, killed)
     deadline = time.time() + 300
     while not list((killed / "checkpoints").glob("step_*")) and time.time() < deadline:
         time.sleep(0.02)
@@ -143,7 +142,7 @@ def test_killed_sharded_run_resumes_exactly(shards, sharded_run, tmp_path):
     assert not (killed / "tower").exists(), "the run finished before it could be killed"
     resumed_from = max(int(p.name.split("_")[1]) for p in (killed / "checkpoints").glob("step_*"))
     assert 4 <= resumed_from < 20
-    _finish(_torchrun(shards, killed, 29587))
+    _finish(_torchrun(shards, killed))
     _assert_same_run(sharded_run, killed)
 
 
@@ -159,7 +158,7 @@ def test_a_shard_damaged_on_one_process_makes_both_resume_from_the_checkpoint_be
         shutil.copytree(sharded_run / "checkpoints" / f"step_{step:08d}", run / "checkpoints" / f"step_{step:08d}")
     damaged = run / "checkpoints" / "step_00000008" / shard_file(1, 2)
     damaged.write_bytes(damaged.read_bytes()[:1000])
-    proc = _torchrun(shards, run, 29589)
+    proc = _torchrun(shards, run)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "step_00000008 is damaged" in err and "resuming from" in err
@@ -179,12 +178,12 @@ LIT_RUN = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "data.workers=0
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
     """400 Fashion-MNIST images in shards of 40 (train and test) and a random Soft MoE tower."""
-    root = tmp_path_factory.mktemp("lit")
-    write_fashion_mnist_shards(root / "fmnist", samples_per_shard=40, limit=400, allow_download=False)
-    torch.manual_seed(0)
-    save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
-               extra={"preprocess": {"image_size": 28, "mean": [0.286], "std": [0.353]}})
-    return root
+    def build(root):
+        write_fashion_mnist_shards(root / "fmnist", samples_per_shard=40, limit=400, allow_download=False)
+        torch.manual_seed(0)
+        save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
+                   extra={"preprocess": {"image_size": 28, "mean": [0.286], "std": [0.353]}})
+    return built_once(tmp_path_factory, "sharded-lit-data", build)
 
 
 def _lit_overrides(data, run_dir, *extra) -> list[str]:
@@ -192,11 +191,11 @@ def _lit_overrides(data, run_dir, *extra) -> list[str]:
             f"eval.shards={data / 'fmnist' / 'test'}", *LIT_RUN, *extra]
 
 
-def _lit_torchrun(data, run_dir, port: int, *extra) -> str:
+def _lit_torchrun(data, run_dir, *extra) -> str:
     empty = run_dir.parent / "empty.yaml"
     empty.write_text("{}\n")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={port}", "-m", "lit_softmoe.cli", "train", "--config", str(empty),
+    result = subprocess.run([sys.executable, *torchrun_args(),
+                             "-m", "lit_softmoe.cli", "train", "--config", str(empty),
                              *_lit_overrides(data, run_dir, "sharding=fsdp", *extra)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -241,7 +240,7 @@ def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, tmp_pa
     one = tmp_path / "one"
     train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one)))
     two = tmp_path / "two"
-    _lit_torchrun(lit_data, two, 29591)
+    _lit_torchrun(lit_data, two)
     _assert_lit_follows(one, two)
     assert not any(name.startswith("image_tower.") for name in _lit_results(two)[2])
     # The checkpoints hold no piece of the locked tower either, on either process.
@@ -256,7 +255,7 @@ def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
     one = tmp_path / "one"
     train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one, "unlocked_blocks=1")))
     two = tmp_path / "two"
-    _lit_torchrun(lit_data, two, 29593, "unlocked_blocks=1")
+    _lit_torchrun(lit_data, two, "unlocked_blocks=1")
     _assert_lit_follows(one, two)
     trained = _lit_results(two)[2]
     tower = load_tower(lit_data / "tower")[0].state_dict()
@@ -272,12 +271,12 @@ def test_sharded_lit_resumes_exactly(lit_data, tmp_path):
     """A sharded run stopped after its step-6 checkpoint (its later ones and its model gone) and rerun
     ends as the uninterrupted sharded run, to the bit."""
     straight = tmp_path / "straight"
-    _lit_torchrun(lit_data, straight, 29595)
+    _lit_torchrun(lit_data, straight)
     cut = tmp_path / "cut"
     shutil.copytree(straight, cut, ignore=shutil.ignore_patterns("model", "results.json"))
     for step in (9, 12):
         shutil.rmtree(cut / "checkpoints" / f"step_{step:08d}")
-    assert "(step 6 of 12)" in _lit_torchrun(lit_data, cut, 29597)
+    assert "(step 6 of 12)" in _lit_torchrun(lit_data, cut)
     (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = _lit_results(straight), _lit_results(cut)
     assert losses_a == losses_b and evals_a == evals_b
     assert sorted(model_a) == sorted(model_b)
