@@ -105,6 +105,9 @@ def pytest_collection_modifyitems(session, config, items):
             keep.append(_as_non_std(item))
         else:
             drop.append(item)
+    # The largest towers first: pytest-xdist's workers then end on the small ones, not one on an L/14 while the
+    # other waits (a stable sort: one tower's tests keep timm's order).
+    keep.sort(key=lambda item: -PARAMS[item.callspec.params["model_name"]])
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
     torch.manual_seed(0)
