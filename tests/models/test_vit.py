@@ -515,3 +515,23 @@ def test_prune_intermediate_layers_keeps_the_blocks_needed_and_their_outputs():
     final, got = pruned.forward_intermediates(x, indices=[1, 3])
     sum(t.sum() for t in [final, *got]).backward()
     assert not [n for n, p in pruned.named_parameters() if p.grad is None]
+
+
+@pytest.mark.parametrize("name", ["vit-test", "soft-test-4e", "ec-test-4e", "tc-test-4e-k1"])
+def test_building_a_tower_draws_each_weight_once(name):
+    # Built on the meta device and then drawn: building is exactly one `reset_parameters` from the same
+    # seed. Layers built in place would first draw PyTorch's defaults, shifting every later draw.
+    torch.manual_seed(3)
+    built = create_image_tower(name, num_classes=10)
+    again = create_image_tower(name, num_classes=10, device="meta").to_empty(device="cpu")
+    torch.manual_seed(3)
+    again.reset_parameters()
+    for (key, value), other in zip(built.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(value, other), key
+
+
+def test_a_layer_the_init_does_not_know_is_refused_not_left_uninitialized():
+    tower = create_image_tower("vit-test")
+    tower.blocks[1].extra = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"draws no init for \['blocks\.1\.extra'\]"):
+        tower.reset_parameters()

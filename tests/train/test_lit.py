@@ -296,7 +296,7 @@ def _cli(*args, **kwargs):
                           cwd=ROOT, **kwargs)
 
 
-def test_cli_mistakes_are_one_line_with_exit_code_2(pretrained, tmp_path):
+def test_cli_mistakes_are_one_line_with_exit_code_2(pretrained, tmp_path, capsys):
     # A tower of the same shape but other weights: the cache was embedded with another tower.
     pretrain(load_config(PretrainConfig, None, [
         f"data.train={pretrained / 'fmnist' / 'train'}", f"data.test={pretrained / 'fmnist' / 'test'}",
@@ -308,12 +308,15 @@ def test_cli_mistakes_are_one_line_with_exit_code_2(pretrained, tmp_path):
         ((f"{tmp_path / 'nowhere'} is not a tower checkpoint",),
          _overrides(pretrained, tmp_path / "missing", f"image_tower={tmp_path / 'nowhere'}")),
     ]
-    for expected, overrides in cases:
-        result = _cli("train", "--config", config, *overrides)
-        assert result.returncode == 2, result.stderr[-2000:]
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("lit-softmoe train: error: "), result.stderr
-        assert all(text in lines[0] for text in expected), lines[0]
+    # The first as the installed command runs it, in its own process; the second through the same `main` here.
+    (expected, overrides), (in_process, in_process_overrides) = cases
+    result = _cli("train", "--config", config, *overrides)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lit-softmoe train: error: "), result.stderr
+    assert all(text in lines[0] for text in expected), lines[0]
+    line = one_line_error(capsys, ["train", "--config", config, *in_process_overrides])
+    assert line.startswith("lit-softmoe train: error: ") and all(text in line for text in in_process), line
     assert not (tmp_path / "stale" / "checkpoints").exists()  # refused before any training
 
 

@@ -153,10 +153,17 @@ def _cli(*args, **kwargs):
                           **kwargs)
 
 
-def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):
+def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path, capsys, monkeypatch):
     config = "configs/pretrain/fmnist-soft-tiny.yaml"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # One as the installed command runs it, in its own process (exit code, stderr, no traceback) ...
+    result = _cli("pretrain", "--config", config, f"data.train={tmp_path / 'nowhere'}", cwd=root)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "shards not found" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    # ... the others through the same `main` in this process: a subprocess would only add a torch import each.
     cases = {
-        "shards not found": ["pretrain", "--config", config, f"data.train={tmp_path / 'nowhere'}"],
         "unknown config key 'optim.lrr'": ["pretrain", "--config", config, "optim.lrr=1"],
         "unknown image tower 'soft-tiny-p4-61e'": ["pretrain", "--config", config, "tower.name=soft-tiny-p4-61e",
                                                     f"data.train={shards / 'train'}", f"data.test={shards / 'test'}"],
@@ -164,16 +171,12 @@ def test_cli_mistakes_are_one_line_with_exit_code_2(shards, tmp_path):
                                     str(tmp_path / "empty")],
     }
     (tmp_path / "empty").mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(root)
     for expected, args in cases.items():
-        result = _cli(*args, cwd=root)
-        assert result.returncode == 2, (args, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], result.stderr
-        assert "Traceback" not in result.stderr
+        assert expected in one_line_error(capsys, args), args
 
 
-def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shards, tmp_path):
+def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shards, tmp_path, capsys):
     run_dir = tmp_path / "run"
     pretrain(_cfg(shards, run_dir, "steps=10", "checkpoint_every=5", "fewshot_shots=0"))
     saved = (run_dir / "config.yaml").read_text()
@@ -182,18 +185,15 @@ def test_another_config_in_a_run_folder_is_refused_and_a_longer_run_resumes(shar
     # Same run folder, a wider tower and another learning rate: another run, not a resume of this one.
     wider = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", "steps=20",
              "optim.warmup=20", *SMALL_TOWER, "tower.options.width=96", "tower.options.mlp_dim=192", "optim.lr=3e-3"]
-    result = _cli("pretrain", "--config", str(yaml_file), *wider)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"{run_dir} holds another run (" in result.stderr and "another run_dir=" in result.stderr
+    line = one_line_error(capsys, ["pretrain", "--config", str(yaml_file), *wider])
+    assert f"{run_dir} holds another run (" in line and "another run_dir=" in line
     for change in ("tower.options.width: 64 → 96", "tower.options.mlp_dim: 128 → 192", "optim.lr: 0.001 → 0.003",
                    "batch_size: 64 → 128"):
-        assert change in result.stderr, result.stderr
+        assert change in line, line
     assert (run_dir / "config.yaml").read_text() == saved
     # A run folder whose config.yaml is gone: the checkpoint's shapes still do not fit, in one line.
     (run_dir / "config.yaml").unlink()
-    result = _cli("pretrain", "--config", str(yaml_file), *wider)
-    assert result.returncode == 2
-    assert "does not fit the tower" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "does not fit the tower" in one_line_error(capsys, ["pretrain", "--config", str(yaml_file), *wider])
     (run_dir / "config.yaml").write_text(saved)
     # Longer, and logged, checkpointed and evaluated differently: the same run, resumed at step 10.
     results = pretrain(_cfg(shards, run_dir, "steps=14", "checkpoint_every=7", "fewshot_shots=2", "log_every=2",
