@@ -383,15 +383,12 @@ def test_setting_mistakes_are_one_user_error_before_training(small_shards, tmp_p
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_run_dir_that_is_a_file_is_one_line_with_exit_code_2(tmp_path):
+def test_run_dir_that_is_a_file_is_one_line_with_exit_code_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("not a folder\n")
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config",
-                             "configs/pretrain/fmnist-soft-tiny.yaml", f"run_dir={tmp_path / 'a-file'}"],
-                            capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        f"lit-softmoe pretrain: error: run_dir {tmp_path / 'a-file'} is a file; give a folder path"]
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    line = one_line_error(capsys, ["pretrain", "--config", "configs/pretrain/fmnist-soft-tiny.yaml",
+                                   f"run_dir={tmp_path / 'a-file'}"])
+    assert line == f"lit-softmoe pretrain: error: run_dir {tmp_path / 'a-file'} is a file; give a folder path"
 
 
 def test_results_json_is_never_half_written(small_shards, tmp_path, monkeypatch):
