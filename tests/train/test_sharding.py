@@ -233,14 +233,19 @@ def _assert_lit_follows(one, two, width: int = 64) -> None:
           f"weights {max(gaps.values()):.1e}")
 
 
+@pytest.fixture(scope="module")
+def sharded_lit_run(lit_data, tmp_path_factory):
+    """The uninterrupted sharded LiT run (two processes), its checkpoints kept; read, never written to."""
+    return built_once(tmp_path_factory, "sharded-lit", lambda out: _lit_torchrun(lit_data, out / "run")) / "run"
+
+
 @pytest.mark.slow
-def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, tmp_path):
+def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, sharded_lit_run, tmp_path):
     """The text tower sharded, the locked tower whole on both processes: one process's curve, and a
     model folder with the text side only (the locked tower is the tower folder's)."""
     one = tmp_path / "one"
     train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one)))
-    two = tmp_path / "two"
-    _lit_torchrun(lit_data, two)
+    two = sharded_lit_run
     _assert_lit_follows(one, two)
     assert not any(name.startswith("image_tower.") for name in _lit_results(two)[2])
     # The checkpoints hold no piece of the locked tower either, on either process.
@@ -267,11 +272,10 @@ def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_lit_resumes_exactly(lit_data, tmp_path):
+def test_sharded_lit_resumes_exactly(lit_data, sharded_lit_run, tmp_path):
     """A sharded run stopped after its step-6 checkpoint (its later ones and its model gone) and rerun
     ends as the uninterrupted sharded run, to the bit."""
-    straight = tmp_path / "straight"
-    _lit_torchrun(lit_data, straight)
+    straight = sharded_lit_run
     cut = tmp_path / "cut"
     shutil.copytree(straight, cut, ignore=shutil.ignore_patterns("model", "results.json"))
     for step in (9, 12):
