@@ -12,6 +12,7 @@ import pytest
 
 from cli_errors import one_line_error
 from lit_softmoe.cli import main
+from lit_softmoe.errors import UserError
 
 
 def test_train_says_where_the_model_went_with_or_without_an_eval(tmp_path, capsys, monkeypatch):
@@ -56,6 +57,31 @@ def test_an_interrupt_is_reported_on_its_own_line(tmp_path, capsys, monkeypatch)
     assert main(["train", "--config", str(config)]) == 130
     err = capsys.readouterr().err
     assert err.endswith("108/468\nlit-softmoe train: interrupted; rerun the same command to resume\n")
+
+
+@pytest.mark.parametrize("ends", ["well", "in a mistake"])
+def test_a_distributed_command_destroys_its_process_group_when_it_ends_well(tmp_path, capsys, monkeypatch, ends):
+    # Left to interpreter exit, Gloo's threads could abort a process after its finished run (SIGABRT,
+    # "terminate called without an active exception"); after an error the others may still be in a collective.
+    import torch.distributed as dist
+
+    import lit_softmoe.train.lit as lit
+    config = tmp_path / "lit.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\n")
+
+    def trained(cfg):
+        assert dist.is_initialized()  # the command ran inside the launch's group
+        if ends != "well":
+            raise UserError("a mistake")
+        return {}
+    monkeypatch.setattr(lit, "train_lit", trained)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert main(["train", "--config", str(config)]) == (0 if ends == "well" else 2)
+        assert dist.is_initialized() == (ends != "well")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_eval_where_every_benchmark_was_skipped_exits_2(tmp_path, capsys, monkeypatch, suite):
