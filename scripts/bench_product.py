@@ -108,7 +108,9 @@ def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) 
     try:
         fn()
     except Exception as err:  # noqa: BLE001
-        report.add(section, name, None, "", note=f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        # Two lines: a compiler's error says "backend='inductor' raised:" first and its cause on the next.
+        said = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        report.add(section, name, None, "", note=f"failed: {type(err).__name__}: {said[:300]}")
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
