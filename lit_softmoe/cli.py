@@ -13,7 +13,7 @@ import warnings
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import disk_full, naming_full_disk
-from lit_softmoe.utils.distributed import is_main_process
+from lit_softmoe.utils.distributed import close_process_group, is_main_process
 from lit_softmoe.utils.paths import check_writable
 
 
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _library_warnings_hidden(not args.verbose):
             args.func(args)
-        _close_process_group()
+        close_process_group()  # once it ended well: see its docstring
     except UserError as err:
         _end_progress_bars()
         print(f"lit-softmoe {args.command}: error: {err}", file=sys.stderr)
@@ -508,16 +508,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lit-softmoe {args.command}: error: {full}", file=sys.stderr)
         return 2
     return 0
-
-
-def _close_process_group() -> None:
-    """A distributed launch's process group, destroyed once its command has ended well (PyTorch's distributed
-    docs, "Shutdown"). Left to interpreter exit, Gloo's worker threads outlive Python and a process may abort
-    after a finished run ("terminate called without an active exception", pytorch/pytorch#190489). Not
-    after an error: the other processes may still wait in a collective (torchtitan destroys it on success only)."""
-    dist = sys.modules.get("torch.distributed")  # a command that used no torch does not import it for this
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _disk_full(err: BaseException) -> str | None:

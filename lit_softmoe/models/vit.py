@@ -239,9 +239,8 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, cfg: ViTConfig, device=None, dtype=None, global_pool: str = "avg"):
         super().__init__()
-        # The layers are built on the meta device, then given memory and drawn once by `reset_parameters`:
-        # built in place, every nn.Linear would first draw PyTorch's default init, which ours then replaces
-        # (twice the time: 5 s instead of 2.5 s for an L/14 on one core, minutes for the paper's towers).
+        # Built on the meta device, then drawn once by `reset_parameters`: built in place, every nn.Linear
+        # would first draw PyTorch's default init, which ours replaces (twice the time to build a tower).
         factory = dict(device="meta", dtype=dtype)
         self.cfg = cfg
         self.embed_dim = self.num_features = self.head_hidden_size = cfg.width  # timm's names
@@ -258,22 +257,19 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(cfg.width, cfg.num_classes, **factory) if cfg.num_classes else nn.Identity()
         target = torch.empty(0, device=device).device  # `device`, or torch's default device
         if target.type != "meta":
-            self.to_empty(device=target)
-            self.reset_parameters()
+            self.to_empty(device=target).reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self):
-        """Draws every weight of the tower, each once. A layer type this does not know is an error, not a
-        layer left holding `to_empty`'s uninitialized memory."""
+        """Draws every weight once; a layer it does not know is an error, not left uninitialized."""
         if self.pos_embed.is_meta:
             return
         nn.init.normal_(self.pos_embed, std=0.02)
-        drawn = {self, self.patch_embed, self.head}  # the tower's own tensors: here and below
+        drawn = {self, self.patch_embed, self.head}  # the tower's own tensors: drawn here and below
         for module in self.modules():
             if isinstance(module, Attention):
-                # flax's attention (vmoe passes kernel_init=xavier_uniform): q, k and v are three (d, d)
-                # kernels, each xavier on its own (one xavier over the fused (3d, d) weight would draw
-                # them sqrt(2) too narrow); all its biases start at zero.
+                # flax's attention (vmoe: kernel_init=xavier_uniform): q, k, v are three (d, d) kernels, each
+                # xavier on its own (over the fused (3d, d) weight: sqrt(2) too narrow); zero biases.
                 for kernel in module.qkv.weight.chunk(3, dim=0):
                     nn.init.xavier_uniform_(kernel)
                 nn.init.xavier_uniform_(module.proj.weight)
@@ -286,10 +282,9 @@ class VisionTransformer(nn.Module):
                     nn.init.normal_(linear.bias, std=1e-6)
                 drawn |= {module, module.fc1, module.fc2}
             elif isinstance(module, (nn.LayerNorm, SoftMoE, TokensChoiceMoE, ExpertsChoiceMoE)):
-                module.reset_parameters()  # ones and zeros; an MoE layer's router and experts (the official inits)
+                module.reset_parameters()  # ones and zeros; an MoE layer's router and experts (official inits)
                 drawn |= set(module.modules())
-        undrawn = [name for name, module in self.named_modules()
-                   if module not in drawn and next(module.parameters(recurse=False), None) is not None]
+        undrawn = [n for n, m in self.named_modules() if m not in drawn and next(m.parameters(False), None) is not None]
         if undrawn:
             raise TypeError(f"VisionTransformer.reset_parameters draws no init for {undrawn}")
         # vmoe's `embedding` is a flax nn.Conv with its defaults: lecun-normal kernel (fan_in = c·p·p,

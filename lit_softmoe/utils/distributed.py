@@ -16,6 +16,15 @@ def in_process_group() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
+def close_process_group() -> None:
+    """Destroy a distributed launch's process group, if any, once its command ended well (PyTorch's
+    distributed docs, "Shutdown"). Left to interpreter exit, Gloo's threads may abort a process after a
+    finished run ("terminate called without an active exception", pytorch/pytorch#190489). Not after an
+    error: the other processes may still wait in a collective (torchtitan destroys it on success only)."""
+    if in_process_group():
+        sys.modules["torch.distributed"].destroy_process_group()
+
+
 def rank_and_world_size() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) without a launcher. Not checked against each other:
     a caller may replace either (a config's `data.world_size`) and checks the pair it uses."""
