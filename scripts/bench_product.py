@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
         if "embed" in sections:
             ceiling_row(report, args, device)
             embed_row(report, args, tower_dir, shards, work, "`embed`, default flags", "features")
-            for share in (0.75, 0.5):  # the GPU and the workers decoding together
+            for share in (0.85, 0.7):  # the GPU and the workers decoding together
                 embed_row(report, args, tower_dir, shards, work, f"`embed --gpu-jpeg-share {share}`",
                           f"features-shared-{share}", gpu_jpeg_share=share)
             decode_rows(report, args, device)

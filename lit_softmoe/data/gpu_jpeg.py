@@ -111,48 +111,78 @@ class ResizeCrop:
     then the shorter side resized to `size` (bilinear, antialiased) and the center square taken.
 
     All three steps are linear and act on rows and columns apart, so each image is two matrix products,
-    (size, H) @ image @ (W, size): a few kernels per image instead of one per step and dtype change, which
-    is what bounds resizing thousands of photos a second one at a time. Images of one size (what
-    img2dataset's resize modes write: every image of a `center_crop` dataset, many of a `keep_ratio` one)
-    share their matrices and go through them together, a few kernels for all of them. A matrix depends on
-    the image's height and width only and is made once, by running the steps themselves on an identity
-    (kept per length: photos of a dataset come in few sizes). `dtype`: of the products (bf16 on a GPU:
-    pixels 0-255 are exact, the result is rounded to uint8 as the host's is).
+    (size, H) @ image @ (W, size). Photos come in as many sizes as there are photos, and a few kernels
+    launched from Python per image is what bounded resizing thousands of them a second. So the images
+    go through the products together, whatever their sizes: each is copied (one C++ call for all,
+    `_foreach_copy_`) into a zero-padded stack, its matrices into zero-padded stacks beside it, and
+    two batched products resize them all; the zeros add nothing. Images are taken largest first, in
+    chunks of at most `chunk_bytes` of padded pixels, so that one large photo does not pad a whole
+    batch to its size. A matrix depends on the side's length only and is made once, by running the
+    steps themselves on an identity (kept per length: photos of a dataset come in few sizes), and only
+    the span of pixels it weighs is copied (the center crop drops the rest). `dtype`: of the products
+    (bf16 on a GPU: pixels 0-255 are exact, the result is rounded to uint8 as the host's is).
     """
 
-    def __init__(self, size: int, min_side: int | None, device: torch.device, dtype: torch.dtype):
+    def __init__(self, size: int, min_side: int | None, device: torch.device, dtype: torch.dtype,
+                 chunk_bytes: int = 512 << 20):
         self.size, self.min_side, self.device, self.dtype = size, min_side, device, dtype
+        self.chunk_bytes = chunk_bytes
         self._matrices: dict[tuple[int, int, int], tuple[torch.Tensor, slice]] = {}
 
     def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = torch.empty(len(images), images[0].shape[0] if images else 1, self.size, self.size,
-                          dtype=self.dtype, device=self.device)
-        same_size: dict[tuple[int, int], list[int]] = {}
-        for index, image in enumerate(images):
-            same_size.setdefault(tuple(image.shape[-2:]), []).append(index)
-        for (height, width), indices in same_size.items():
-            scale = dct_scale(height, width, self.min_side)
-            resized_h, resized_w = _resized_size(-(-height // scale), -(-width // scale), self.size)
-            rows, row_span = self._matrix(height, scale, resized_h)  # (size, H')
-            cols, col_span = self._matrix(width, scale, resized_w)  # (size, W')
-            if len(indices) == 1:
-                index = indices[0]
-                pixels = images[index][:, row_span, col_span].to(self.dtype)  # (C, H', W'): what the crop sees
-                self._resize(rows, pixels, cols, out=out[index])
-            else:  # stacked whole (one copy kernel: a stack of cropped views would copy them one by one)
-                stacked = torch.stack([images[index] for index in indices])  # (G, C, H, W)
-                pixels = stacked[:, :, row_span, col_span].to(self.dtype)  # (G, C, H', W')
-                positions = torch.tensor(indices).to(self.device, non_blocking=True)
-                out.index_copy_(0, positions, self._resize(rows, pixels, cols))
+        channels = images[0].shape[0] if images else 1
+        out = torch.empty(len(images), channels, self.size, self.size, dtype=self.dtype, device=self.device)
+        parts = [self._parts(image) for image in images]  # (rows, row_span, cols, col_span) each
+        for chunk in self._chunks(parts, channels):
+            resized = self._resize_together([images[i] for i in chunk], [parts[i] for i in chunk])
+            out.index_copy_(0, torch.tensor(chunk).to(self.device, non_blocking=True), resized)
         return out.round_().clamp_(0, 255).to(torch.uint8)  # (N, C, size, size)
 
-    @staticmethod
-    def _resize(rows: torch.Tensor, pixels: torch.Tensor, cols: torch.Tensor, out: torch.Tensor | None = None):
-        """rows (size, H') @ pixels (..., H', W') @ cols.T (W', size): the longer side reduced first (fewer
-        multiplications)."""
-        if pixels.shape[-2] > pixels.shape[-1]:
-            return torch.matmul(rows @ pixels, cols.T, out=out)
-        return torch.matmul(rows, pixels @ cols.T, out=out)
+    def _parts(self, image: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor, slice]:
+        height, width = image.shape[-2:]
+        scale = dct_scale(height, width, self.min_side)
+        resized_h, resized_w = _resized_size(-(-height // scale), -(-width // scale), self.size)
+        rows, row_span = self._matrix(height, scale, resized_h)  # (size, H')
+        cols, col_span = self._matrix(width, scale, resized_w)  # (size, W')
+        return rows, row_span, cols, col_span
+
+    def _chunks(self, parts, channels: int) -> list[list[int]]:
+        """Image indices, largest span first, grouped so that each group's padded stack (n, H', C, W') stays
+        within `chunk_bytes` (a group holds one image at least)."""
+        def height_width(index):
+            return parts[index][0].shape[1], parts[index][2].shape[1]
+        order = sorted(range(len(parts)), key=lambda i: height_width(i)[0] * height_width(i)[1], reverse=True)
+        item_bytes = torch.finfo(self.dtype).bits // 8 * channels
+        chunks, height, width = [], 0, 0
+        for index in order:
+            h, w = height_width(index)
+            if chunks and (len(chunks[-1]) + 1) * max(height, h) * max(width, w) * item_bytes <= self.chunk_bytes:
+                chunks[-1].append(index)
+                height, width = max(height, h), max(width, w)
+            else:
+                chunks.append([index])
+                height, width = h, w
+        return chunks
+
+    def _resize_together(self, images: Sequence[torch.Tensor], parts) -> torch.Tensor:
+        """The images (C, H, W) of one chunk, resized and cropped together: (n, C, size, size) in `dtype`."""
+        n, channels = len(images), images[0].shape[0]
+        # Padded to multiples of 8 as well: tensor-core products want their inner dimensions aligned.
+        height = -(-max(rows.shape[1] for rows, _, _, _ in parts) // 8) * 8
+        width = -(-max(cols.shape[1] for _, _, cols, _ in parts) // 8) * 8
+        pixels = torch.zeros(n, height, channels, width, dtype=self.dtype, device=self.device)  # (n, H', C, W')
+        rows = torch.zeros(n, self.size, height, dtype=self.dtype, device=self.device)  # (n, size, H')
+        cols = torch.zeros(n, self.size, width, dtype=self.dtype, device=self.device)  # (n, size, W')
+        targets, sources = [], []
+        for i, (image, (row_weights, row_span, col_weights, col_span)) in enumerate(zip(images, parts)):
+            crop = image[:, row_span, col_span]  # (C, h, w): the pixels the center crop weighs
+            targets += [pixels[i, :crop.shape[1], :, :crop.shape[2]].transpose(0, 1),
+                        rows[i, :, :row_weights.shape[1]], cols[i, :, :col_weights.shape[1]]]
+            sources += [crop, row_weights, col_weights]
+        torch._foreach_copy_(targets, sources)  # one call, casting to `dtype` as it copies
+        resized = torch.bmm(rows, pixels.view(n, height, channels * width))  # (n, size, C * W')
+        resized = torch.bmm(resized.view(n, self.size * channels, width), cols.transpose(1, 2))  # (n, size * C, size)
+        return resized.view(n, self.size, channels, self.size).transpose(1, 2)  # (n, C, size, size)
 
     def _matrix(self, length: int, scale: int, resized: int) -> tuple[torch.Tensor, slice]:
         """(size, length') weights of the input pixels in each output pixel along one side, and the span of

@@ -34,7 +34,7 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
                           "--json", str(tmp_path / "p.json"), "--md", str(tmp_path / "p.md")])
     assert json.loads((tmp_path / "p.json").read_text()) == result
     rows = {row["name"]: row for row in result["rows"]}
-    expected = ["tower alone, bf16 weights, eager", "`embed`, default flags", "`embed --gpu-jpeg-share 0.5`",
+    expected = ["tower alone, bf16 weights, eager", "`embed`, default flags", "`embed --gpu-jpeg-share 0.7`",
                 "`embed` before (older checkout), default flags", "`embed --jpeg-decoder cpu`",
                 "open_clip --lock-image ViT-B-16 step (its default: eager)",
                 "`train` on cached features, default flags",
