@@ -1,9 +1,23 @@
 """GPU checks: skipped without CUDA (run on a GPU machine with `pytest tests/test_cuda.py`)."""
+import json
+
 import pytest
 import torch
 
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.soft_moe import SoftMoE
+from sharded_runs import (
+    finish,
+    kill_after_first_checkpoint,
+    largest_gap,
+    launch_lit,
+    launch_pretrain,
+    lit_results,
+    losses,
+    write_fmnist_1000,
+    write_sharded_lit_data,
+)
+from shared_builds import built_once
 from soft_moe_reference import reference_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -197,3 +211,74 @@ def test_embed_on_the_gpu_bf16_and_nvjpeg_within_cosine_0999_of_the_host_path(tm
     a, b = (np.stack([f[key] for key in sorted(first)]) for f in (first, second))
     cosines = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cosines.min() >= 0.999, cosines
+
+
+# ---- sharding=fsdp on one GPU: torchrun with one process, NCCL ------------------------------------------
+# tests/train/test_sharding.py's one-process runs (the same launchers, settings and data), on the GPU. The
+# Fashion-MNIST files are found where `find_fashion_mnist` looks: $LIT_SOFTMOE_DATA, then
+# /usr/share/datasets/fashion-mnist, then ~/.cache/lit_softmoe/fashion-mnist.
+
+# bf16 autocast over the float32 shards, as a GPU run trains; eager as on the CPU, so that these runs differ
+# from the CPU tests' by the device, NCCL and bf16 alone (compile's kernels are another matter).
+ONE_GPU = ("precision=bf16", "compile=false")
+
+
+@pytest.fixture(scope="module")
+def fmnist_1000(tmp_path_factory):
+    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+
+
+@pytest.fixture
+def nccl_says_its_version(monkeypatch):
+    """NCCL prints its version when its first communicator starts: the output shows that NCCL ran."""
+    monkeypatch.setenv("NCCL_DEBUG", "VERSION")
+
+
+@pytest.mark.slow
+def test_sharded_pretraining_on_one_gpu_resumes_as_the_uninterrupted_run(fmnist_1000, nccl_says_its_version,
+                                                                          tmp_path):
+    """`torchrun --nproc_per_node 1 ... sharding=fsdp`: 20 steps finish; killed after its first checkpoint
+    and rerun, the run resumes there and ends as the uninterrupted one. To the bit where the CUDA kernels
+    are deterministic. Where they are not (a repeat of the uninterrupted run differs from it: atomics in
+    some backward kernels), the resumed run must be no farther from it than 10 times the repeat is."""
+    straight = tmp_path / "straight"
+    output = finish(launch_pretrain(fmnist_1000, straight, *ONE_GPU, nproc=1))
+    assert "NCCL version" in output and "on cuda:0, bf16, eager" in output
+    curve = losses(straight)
+    assert sorted(curve) == list(range(1, 21)) and curve[20] < 0.9 * curve[1]
+    assert json.loads((straight / "checkpoints" / "step_00000020" / "state.json").read_text())["processes"] == 1
+
+    killed = tmp_path / "killed"
+    resumed_from = kill_after_first_checkpoint(fmnist_1000, killed, *ONE_GPU, nproc=1)
+    assert 4 <= resumed_from < 20
+    assert f"(step {resumed_from} of 20)" in finish(launch_pretrain(fmnist_1000, killed, *ONE_GPU, nproc=1))
+    gap = largest_gap(straight, killed)  # over every step's loss and every weight of the tower
+    if gap == 0:
+        print(f"resumed from step {resumed_from}: equal to the uninterrupted run to the bit")
+        return
+    repeat = tmp_path / "repeat"
+    finish(launch_pretrain(fmnist_1000, repeat, *ONE_GPU, nproc=1))
+    noise = largest_gap(straight, repeat)
+    print(f"resumed from step {resumed_from}: largest gap from the uninterrupted run {gap:.1e}; "
+          f"a repeat's (the kernels' own) {noise:.1e}")
+    assert noise > 0, "a repeat equals the uninterrupted run to the bit, so the resumed run must too"
+    assert gap <= 10 * noise
+
+
+@pytest.fixture(scope="module")
+def lit_data(tmp_path_factory):
+    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+
+
+@pytest.mark.slow
+def test_sharded_lit_on_one_gpu_finishes(lit_data, nccl_says_its_version, tmp_path):
+    """LiT, 20 steps, `sharding=fsdp` on one GPU: the text tower sharded over a group of one, the locked
+    tower whole (bf16 weights); it trains, evaluates at the steps set and saves the text side."""
+    run = tmp_path / "run"
+    output = launch_lit(lit_data, run, "steps=20", *ONE_GPU, nproc=1)
+    assert "NCCL version" in output and "on cuda:0, bf16" in output
+    curve, evals, model = lit_results(run)
+    assert sorted(curve) == list(range(1, 21)) and curve[20] < curve[1]
+    assert sorted(evals) == [6, 12, 18, 20] and all(0 <= top1 <= 1 for top1 in evals.values())
+    assert model["logit_scale"].shape == () and not any(name.startswith("image_tower.") for name in model)
+    assert json.loads((run / "checkpoints" / "step_00000018" / "state.json").read_text())["processes"] == 1

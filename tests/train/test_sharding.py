@@ -2,16 +2,14 @@
 processes (torchrun) equals one process on the same global batches, a kill -9 mid-epoch then a rerun
 equals the uninterrupted sharded run, and the tower folder loads in one process with the weights the
 processes held. Sharded LiT (the text tower, and unlocked image blocks) equals one process too, and
-resumes exactly. The checkpoint's own checks run in-process, on a one-process gloo group."""
+resumes exactly. A torchrun launch of one process runs the same sharded path (the one-GPU user's):
+it trains as a plain process does and resumes exactly; a plain process is refused in one line. The
+checkpoint's own checks run in-process, on a one-process gloo group. The launchers and settings are
+tests/sharded_runs.py's (tests/test_cuda.py runs the one-process case on a GPU)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -20,15 +18,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cli_errors import one_line_error
-from launch import torchrun_args
 from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
-from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.hub import load_pretrained
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
-from lit_softmoe.models.tower_folder import load_tower, save_tower
+from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.checkpoint import DamagedCheckpoint
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
@@ -37,83 +33,81 @@ from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.runtime import resume_state
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
 from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, shard_lit_model, shard_tower
+from sharded_runs import (
+    assert_same_run,
+    checkpoint_pieces,
+    finish,
+    kill_after_first_checkpoint,
+    launch_lit,
+    launch_pretrain,
+    lit_overrides,
+    lit_results,
+    losses,
+    pretrain_overrides,
+    tower_state,
+    write_fmnist_1000,
+    write_sharded_lit_data,
+)
 from shared_builds import built_once
-
-# The narrow Soft MoE tower of test_pretrain.py: seconds per run.
-SMALL_TOWER = ["tower.name=soft-tiny-p7-16e", "tower.options.width=64", "tower.options.num_heads=2",
-               "tower.options.mlp_dim=128", "tower.options.depth=4", "tower.options.moe_layers=[2,3]"]
-# 1000 images in batches of 64 make 15 steps an epoch: the run crosses an epoch, and its checkpoints
-# at steps 4, 8 and 12 fall mid-epoch. Evaluated at step 10: the sharded tower is gathered mid-run.
-RUN = ["batch_size=64", "optim.warmup=5", "optim.lr=3e-3", "steps=20", "log_every=1", "checkpoint_every=4",
-       "keep_checkpoints=10", "eval_every=10", "fewshot_shots=0", "data.max_train_samples=1000",
-       "data.max_test_samples=200", "precision=fp32", "log_with=[]", *SMALL_TOWER]
-
-
-def _overrides(shards, run_dir, *extra) -> list[str]:
-    return [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", *RUN, *extra]
-
-
-def _torchrun(shards, run_dir) -> subprocess.Popen:
-    """The sharded run on two gloo processes, launched as a user launches it, in a session of its own
-    (a kill -9 then takes the launcher and both processes at once)."""
-    empty = run_dir.parent / "empty.yaml"
-    empty.write_text("{}\n")
-    return subprocess.Popen([sys.executable, *torchrun_args(),
-                             "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
-                             *_overrides(shards, run_dir, "sharding=fsdp")],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
-
-
-def _tower_state(run_dir) -> dict[str, torch.Tensor]:
-    tower, _ = load_tower(run_dir / "tower")  # in this one process, as LiT, embed and eval load it
-    return tower.state_dict()
-
-
-def _assert_same_run(a, b) -> None:
-    """Two runs that logged the same losses, step for step, and saved the same tower, to the bit."""
-    assert _losses(a) == _losses(b)
-    for (name, p), q in zip(_tower_state(a).items(), _tower_state(b).values(), strict=True):
-        assert torch.equal(p, q), name
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return built_once(tmp_path_factory, "fmnist-1000",
-                      lambda out: write_fashion_mnist_shards(out, limit=1000, allow_download=False))
+    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+
+
+def _sharded_run(tmp_path_factory, shards, nproc: int):
+    """The uninterrupted sharded run on `nproc` processes, every checkpoint kept; read, never written to."""
+    return built_once(tmp_path_factory, f"sharded-pretrain-{nproc}",
+                      lambda out: finish(launch_pretrain(shards, out / "run", nproc=nproc))) / "run"
 
 
 @pytest.fixture(scope="module")
 def sharded_run(shards, tmp_path_factory):
-    """The uninterrupted sharded run (two processes), every checkpoint kept."""
-    return built_once(tmp_path_factory, "sharded-pretrain", lambda out: _finish(_torchrun(shards, out / "run"))) / "run"
+    return _sharded_run(tmp_path_factory, shards, 2)
+
+
+@pytest.fixture(scope="module")
+def one_process_sharded_run(shards, tmp_path_factory):
+    return _sharded_run(tmp_path_factory, shards, 1)
+
+
+@pytest.fixture(scope="module")
+def plain_run(shards, tmp_path_factory):
+    """The same run unsharded, in this one process (no launcher)."""
+    return built_once(tmp_path_factory, "plain-pretrain",
+                      lambda out: pretrain(load_config(PretrainConfig, None, pretrain_overrides(shards, out / "run")))
+                      ) / "run"
+
+
+def _assert_follows(plain, sharded) -> None:
+    """The sharded run follows the plain one: the losses of every step and the final weights within 1e-4."""
+    a, b = losses(plain), losses(sharded)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert a[20] < 0.9 * a[1]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-4), step
+    for (name, p), q in zip(tower_state(plain).items(), tower_state(sharded).values(), strict=True):
+        assert (p - q).abs().max() <= 1e-4, name
+    assert [r["step"] for r in read_metrics(sharded / "metrics.jsonl") if "test_top1" in r] == [10, 20]
+
+
+def _assert_resumes_exactly(shards, uninterrupted, run_dir, nproc: int) -> None:
+    """Killed after its first checkpoint and rerun, the sharded run resumes there (not from step 0, which
+    would end the same) and ends as the uninterrupted run, to the bit."""
+    resumed_from = kill_after_first_checkpoint(shards, run_dir, nproc=nproc)
+    assert 4 <= resumed_from < 20
+    assert f"(step {resumed_from} of 20)" in finish(launch_pretrain(shards, run_dir, nproc=nproc))
+    assert_same_run(uninterrupted, run_dir)
 
 
 # ---- two processes (torchrun, gloo) ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_fsdp_pretraining_equals_one_process_on_the_same_global_batches(shards, sharded_run, tmp_path):
+def test_fsdp_pretraining_equals_one_process_on_the_same_global_batches(plain_run, sharded_run):
     """In-memory batches give process r the samples r::2 of the global batch, and FSDP averages the
     gradients as DDP does: one unsharded process on the same global batches follows the same curve."""
-    one = tmp_path / "one"
-    pretrain(load_config(PretrainConfig, None, _overrides(shards, one)))
-    a, b = _losses(one), _losses(sharded_run)
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    assert a[20] < 0.9 * a[1]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], abs=1e-4), step
-    for (name, p), q in zip(_tower_state(one).items(), _tower_state(sharded_run).values(), strict=True):
-        assert (p - q).abs().max() <= 1e-4, name
-    assert [r["step"] for r in read_metrics(sharded_run / "metrics.jsonl") if "test_top1" in r] == [10, 20]
+    _assert_follows(plain_run, sharded_run)
 
 
 @pytest.mark.slow
@@ -121,8 +115,8 @@ def test_the_tower_folder_holds_the_weights_the_processes_held(sharded_run):
     """The final checkpoint's two files, put together along dim 0 (FSDP's shards), are the tower that
     one process loads from the folder, to the bit; Soft MoE's `scale` is 0-d again there."""
     final = sharded_run / "checkpoints" / "step_00000020"
-    pieces = [load_file(final / shard_file(rank, 2)) for rank in range(2)]
-    tower = _tower_state(sharded_run)
+    pieces = checkpoint_pieces(final, 2)
+    tower = tower_state(sharded_run)
     for name, value in tower.items():
         held = torch.cat([piece[f"model.{name}"] for piece in pieces])
         assert torch.equal(held.reshape(value.shape), value), name
@@ -132,18 +126,7 @@ def test_the_tower_folder_holds_the_weights_the_processes_held(sharded_run):
 
 @pytest.mark.slow
 def test_killed_sharded_run_resumes_exactly(shards, sharded_run, tmp_path):
-    killed = tmp_path / "killed"
-    proc = _torchrun(shards, killed)
-    deadline = time.time() + 300
-    while not list((killed / "checkpoints").glob("step_*")) and time.time() < deadline:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both processes, mid-epoch
-    proc.wait()
-    assert not (killed / "tower").exists(), "the run finished before it could be killed"
-    resumed_from = max(int(p.name.split("_")[1]) for p in (killed / "checkpoints").glob("step_*"))
-    assert 4 <= resumed_from < 20
-    _finish(_torchrun(shards, killed))
-    _assert_same_run(sharded_run, killed)
+    _assert_resumes_exactly(shards, sharded_run, tmp_path / "killed", nproc=2)
 
 
 @pytest.mark.slow
@@ -158,63 +141,44 @@ def test_a_shard_damaged_on_one_process_makes_both_resume_from_the_checkpoint_be
         shutil.copytree(sharded_run / "checkpoints" / f"step_{step:08d}", run / "checkpoints" / f"step_{step:08d}")
     damaged = run / "checkpoints" / "step_00000008" / shard_file(1, 2)
     damaged.write_bytes(damaged.read_bytes()[:1000])
-    proc = _torchrun(shards, run)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert "step_00000008 is damaged" in err and "resuming from" in err
-    _assert_same_run(sharded_run, run)
+    output = finish(launch_pretrain(shards, run))
+    assert "step_00000008 is damaged" in output and "(step 4 of 20)" in output
+    assert_same_run(sharded_run, run)
+
+
+# ---- one launched process (torchrun --nproc_per_node 1, gloo): a one-GPU machine's sharded run ---------
+
+@pytest.mark.slow
+def test_fsdp_on_one_launched_process_trains_as_a_plain_process(plain_run, one_process_sharded_run):
+    """At world size 1 every shard is the whole tensor and FSDP's collectives copy: the run follows the
+    plain one, and its checkpoint is the sharded format, one file holding the whole tower."""
+    _assert_follows(plain_run, one_process_sharded_run)
+    final = one_process_sharded_run / "checkpoints" / "step_00000020"
+    assert sorted(p.name for p in final.iterdir()) == ["state.json", shard_file(0, 1)]
+    assert json.loads((final / "state.json").read_text())["processes"] == 1
+    [held] = checkpoint_pieces(final, 1)
+    for name, value in tower_state(one_process_sharded_run).items():
+        assert torch.equal(held[f"model.{name}"].reshape(value.shape), value), name
+
+
+@pytest.mark.slow
+def test_killed_one_process_sharded_run_resumes_exactly(shards, one_process_sharded_run, tmp_path):
+    _assert_resumes_exactly(shards, one_process_sharded_run, tmp_path / "killed", nproc=1)
 
 
 # ---- LiT, two processes (torchrun, gloo) ---------------------------------------------------------
 
-# 40-sample shards, a 40-sample step per process, no sample shuffle: rank r reads the one-process
-# order's shards r, r+2, ..., so each global batch of 80 holds the one-process batch's samples, in order
-# (as test_lit.py's DDP test). Evaluated at step 6: the sharded text tower is gathered mid-run.
-LIT_RUN = ["steps=12", "batch_size=80", "data.shuffle_buffer=0", "data.workers=0", "optim.lr=3e-3",
-           "optim.warmup=5", "log_every=1", "checkpoint_every=3", "keep_checkpoints=10", "eval.every=6",
-           "precision=fp32", "log_with=[]", "text.width=64", "text.layers=2", "text.heads=2"]
-
 
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
-    """400 Fashion-MNIST images in shards of 40 (train and test) and a random Soft MoE tower."""
-    def build(root):
-        write_fashion_mnist_shards(root / "fmnist", samples_per_shard=40, limit=400, allow_download=False)
-        torch.manual_seed(0)
-        save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
-                   extra={"preprocess": {"image_size": 28, "mean": [0.286], "std": [0.353]}})
-    return built_once(tmp_path_factory, "sharded-lit-data", build)
-
-
-def _lit_overrides(data, run_dir, *extra) -> list[str]:
-    return [f"run_dir={run_dir}", f"image_tower={data / 'tower'}", f"data.train={data / 'fmnist' / 'train'}",
-            f"eval.shards={data / 'fmnist' / 'test'}", *LIT_RUN, *extra]
-
-
-def _lit_torchrun(data, run_dir, *extra) -> str:
-    empty = run_dir.parent / "empty.yaml"
-    empty.write_text("{}\n")
-    result = subprocess.run([sys.executable, *torchrun_args(),
-                             "-m", "lit_softmoe.cli", "train", "--config", str(empty),
-                             *_lit_overrides(data, run_dir, "sharding=fsdp", *extra)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout + result.stderr
-
-
-def _lit_results(run_dir) -> tuple[dict, dict, dict]:
-    """(losses by step, zero-shot top-1 by step, the saved model's tensors)."""
-    records = read_metrics(run_dir / "metrics.jsonl")
-    return ({r["step"]: r["loss"] for r in records if "loss" in r},
-            {r["step"]: r["zeroshot_top1"] for r in records if "zeroshot_top1" in r},
-            load_file(run_dir / "model" / "model.safetensors"))
+    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
 
 
 def _assert_lit_follows(one, two, width: int = 64) -> None:
     """The sharded run `two` follows the one-process run `one`: losses within 1e-4, the eval at the same
     steps, the saved weights within 1e-4 -- but the attention's key bias, whose true gradient is 0 (it
     cancels in the softmax): Adam turns the rounding noise standing in for that 0 into full-size steps."""
-    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = _lit_results(one), _lit_results(two)
+    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = lit_results(one), lit_results(two)
     assert sorted(losses_a) == sorted(losses_b) == list(range(1, 13))
     assert losses_a[12] < losses_a[1]
     for step in losses_a:
@@ -234,23 +198,28 @@ def _assert_lit_follows(one, two, width: int = 64) -> None:
 
 
 @pytest.fixture(scope="module")
+def plain_lit_run(lit_data, tmp_path_factory):
+    """The LiT run unsharded, in this one process (no launcher)."""
+    return built_once(tmp_path_factory, "plain-lit",
+                      lambda out: train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, out / "run")))
+                      ) / "run"
+
+
+@pytest.fixture(scope="module")
 def sharded_lit_run(lit_data, tmp_path_factory):
     """The uninterrupted sharded LiT run (two processes), its checkpoints kept; read, never written to."""
-    return built_once(tmp_path_factory, "sharded-lit", lambda out: _lit_torchrun(lit_data, out / "run")) / "run"
+    return built_once(tmp_path_factory, "sharded-lit", lambda out: launch_lit(lit_data, out / "run")) / "run"
 
 
 @pytest.mark.slow
-def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, sharded_lit_run, tmp_path):
+def test_fsdp_lit_equals_one_process_on_the_same_global_batches(plain_lit_run, sharded_lit_run):
     """The text tower sharded, the locked tower whole on both processes: one process's curve, and a
     model folder with the text side only (the locked tower is the tower folder's)."""
-    one = tmp_path / "one"
-    train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one)))
     two = sharded_lit_run
-    _assert_lit_follows(one, two)
-    assert not any(name.startswith("image_tower.") for name in _lit_results(two)[2])
+    _assert_lit_follows(plain_lit_run, two)
+    assert not any(name.startswith("image_tower.") for name in lit_results(two)[2])
     # The checkpoints hold no piece of the locked tower either, on either process.
-    for rank in range(2):
-        held = load_file(two / "checkpoints" / "step_00000012" / shard_file(rank, 2))
+    for held in checkpoint_pieces(two / "checkpoints" / "step_00000012", 2):
         assert held and not any(name.startswith(("model.image_tower.", "optim.image_tower.")) for name in held)
 
 
@@ -258,11 +227,11 @@ def test_fsdp_lit_equals_one_process_on_the_same_global_batches(lit_data, sharde
 def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
     """The tower's last block trains, sharded (Soft MoE's 0-d `scale` among its parameters)."""
     one = tmp_path / "one"
-    train_lit(load_config(LiTConfig, None, _lit_overrides(lit_data, one, "unlocked_blocks=1")))
+    train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, one, "unlocked_blocks=1")))
     two = tmp_path / "two"
-    _lit_torchrun(lit_data, two, "unlocked_blocks=1")
+    launch_lit(lit_data, two, "unlocked_blocks=1")
     _assert_lit_follows(one, two)
-    trained = _lit_results(two)[2]
+    trained = lit_results(two)[2]
     tower = load_tower(lit_data / "tower")[0].state_dict()
     assert not torch.equal(trained["image_tower.blocks.1.mlp.scale"], tower["blocks.1.mlp.scale"])
     assert "image_tower.blocks.0.attn.qkv.weight" not in trained  # locked: the tower folder holds it
@@ -280,19 +249,32 @@ def test_sharded_lit_resumes_exactly(lit_data, sharded_lit_run, tmp_path):
     shutil.copytree(straight, cut, ignore=shutil.ignore_patterns("model", "results.json"))
     for step in (9, 12):
         shutil.rmtree(cut / "checkpoints" / f"step_{step:08d}")
-    assert "(step 6 of 12)" in _lit_torchrun(lit_data, cut)
-    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = _lit_results(straight), _lit_results(cut)
+    assert "(step 6 of 12)" in launch_lit(lit_data, cut)
+    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = lit_results(straight), lit_results(cut)
     assert losses_a == losses_b and evals_a == evals_b
     assert sorted(model_a) == sorted(model_b)
     for name, value in model_a.items():
         assert torch.equal(value, model_b[name]), name
 
 
+@pytest.mark.slow
+def test_fsdp_lit_on_one_launched_process_trains_as_a_plain_process(lit_data, plain_lit_run, tmp_path):
+    """torchrun with one process: the text tower sharded over a group of one follows the plain run, and
+    its checkpoints are the sharded format, one file without the locked tower."""
+    one = tmp_path / "one"
+    launch_lit(lit_data, one, nproc=1)
+    _assert_lit_follows(plain_lit_run, one)
+    final = one / "checkpoints" / "step_00000012"
+    assert json.loads((final / "state.json").read_text())["processes"] == 1
+    [held] = checkpoint_pieces(final, 1)
+    assert "model.logit_scale" in held and not any(name.startswith("model.image_tower.") for name in held)
+
+
 def test_lit_on_one_process_with_fsdp_is_refused_in_one_line(lit_data, tmp_path, capsys):
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     line = one_line_error(capsys, ["train", "--config", str(empty),
-                                   *_lit_overrides(lit_data, tmp_path / "run", "sharding=fsdp")])
+                                   *lit_overrides(lit_data, tmp_path / "run", "sharding=fsdp")])
     assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -373,12 +355,12 @@ def test_fsdp_on_one_process_is_one_line_before_any_work(shards, tmp_path, capsy
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     line = one_line_error(capsys, ["pretrain", "--config", str(empty),
-                                   *_overrides(shards, tmp_path / "run", "sharding=fsdp")])
+                                   *pretrain_overrides(shards, tmp_path / "run", "sharding=fsdp")])
     assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
     assert "torchrun --nproc_per_node N" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
     line = one_line_error(capsys, ["pretrain", "--config", str(empty),
-                                   *_overrides(shards, tmp_path / "run", "sharding=zero")])
+                                   *pretrain_overrides(shards, tmp_path / "run", "sharding=zero")])
     assert "sharding" in line and "fsdp" in line, line
 
 
