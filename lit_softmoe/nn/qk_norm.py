@@ -25,6 +25,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lit_softmoe.errors import first_line
 
@@ -118,6 +119,8 @@ def can_fuse_qk_norm(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) ->
     if not all(isinstance(n, nn.LayerNorm) and n.elementwise_affine for n in norms):
         return False
     if not qkv.is_cuda or not qkv.is_contiguous() or torch.compiler.is_compiling() or not fused_qk_norm_enabled():
+        return False
+    if is_fake(qkv):  # the memory plan's count (`train.activation_count`): no data to launch on
         return False
     if torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for n in norms for p in n.parameters())):
         return False  # training: the kernel has no backward

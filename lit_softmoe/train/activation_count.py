@@ -20,6 +20,10 @@ Three things make the count a GPU's:
   largest ModuleList, the unit `set_grad_checkpointing` recomputes), and each block's input is measured, so the
   plan can say what gradient checkpointing keeps: the block inputs, plus one block recomputed in backward.
 
+A forward without a graph (a locked tower's) keeps nothing for backward; what it needs is the most its tensors
+hold at once, counted by `count_peak_bytes` with `LiveBytes`: the bytes of the tensors alive after each op, as
+CUDA's caching allocator counts them (`torch.cuda.memory_allocated`), here on fake CUDA tensors.
+
 torch.compile fuses elementwise chains and recomputes cheap ones in backward: a compiled step usually keeps
 less than this eager count.
 """
@@ -35,6 +39,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # A step: (model, batch) → a scalar whose graph holds what backward needs; it makes its inputs on "cuda".
 Step = Callable[[nn.Module, int], torch.Tensor]
@@ -111,6 +117,58 @@ def count_saved_bytes(model: nn.Module, step: Step, dtype: torch.dtype | None) -
                       blocks=tuple(Bytes.fit(a, b, _FIT_BATCH) for a, b in zip(blocks_8, blocks_16)),
                       block_inputs=tuple(Bytes.fit(a, b, _FIT_BATCH) for a, b in zip(inputs_8, inputs_16)),
                       head=Bytes.fit(head_8, head_16, _FIT_BATCH))
+
+
+def count_peak_bytes(model: nn.Module, step: Step, dtype: torch.dtype | None) -> Bytes:
+    """The most bytes `step(model, batch)` holds at once beyond the model's weights, run without a graph
+    (`torch.no_grad`: a locked tower's forward) under CUDA autocast to `dtype`, its inputs included; fitted at
+    batches 8 and 16 as `count_saved_bytes` is. `model`: on the meta device, spent after the count."""
+    peaks = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cuda")
+        for batch in (_FIT_BATCH, 2 * _FIT_BATCH):
+            live = LiveBytes(*model.parameters(), *model.buffers())
+            weights = live.held
+            with live, torch.no_grad(), _cuda_autocast(dtype), _GpuAttention():
+                step(model, batch)
+            peaks.append(live.peak - weights)
+    return Bytes.fit(peaks[0], peaks[1], _FIT_BATCH)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors alive, as CUDA's caching allocator counts them (each storage once, rounded up to
+    its 512-byte blocks), and the most of them at once (`peak`): on any device, fake tensors too, for what
+    `torch.cuda.memory_allocated` and `max_memory_allocated` say on a GPU.
+
+    It sees the tensors the ops it runs make (within `with live:`), and those given to `track`: a view of a
+    tensor made before (a weight's transpose in a matmul) would otherwise be counted as new memory."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        super().__init__()
+        self._storages: dict[StorageWeakRef, int] = {}
+        self.track(*tensors)
+        self.peak = self.held
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._storages.setdefault(StorageWeakRef(storage), -(-storage.nbytes() // 512) * 512)
+
+    @property
+    def held(self) -> int:
+        """Bytes alive now (a freed storage drops out)."""
+        for key in [key for key in self._storages if key.expired()]:
+            del self._storages[key]
+        return sum(self._storages.values())
+
+    def reset_peak(self) -> None:
+        self.peak = self.held
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        self.peak = max(self.peak, self.held)
+        return out
 
 
 def count_pair_bytes(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dim: int,

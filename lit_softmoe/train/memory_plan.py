@@ -12,12 +12,21 @@ Per GPU, in bytes:
   the weights arrive in the compute dtype (FSDP's mixed-precision policy), so nothing is cast and kept: the
   casts counted in the blocks give way to two gathered blocks (the one running and the one prefetched).
   LiT adds the contrastive loss of this GPU's rows against the global batch (B × N logits, both directions).
+  A locked tower's forward keeps nothing: it holds at most what its tensors hold at once (counted too).
+- inputs: the batch on the GPU (images in fp32, text ids, cached features), held through the step.
 - AdamW's step holds nothing more: it is torch's fused kernel (`optim.create_optimizer`), which updates each
   parameter in place (the default multi-tensor path would hold one more fp32 copy of them).
 
+The total is the step's peak, not the sum of the rows: gradients and activations are never held whole at
+once. Backward walks the blocks from the last to the first, freeing each block's activations as its gradients
+arrive, so the peak is the most of (activations not yet freed + gradients made so far) over that walk
+(`_backward_peak`): at its start for a large batch, at its end (all gradients) for a small one. With
+`accum_steps` > 1 the gradients of the first micro-batches are held through the later ones' forward and
+backward: then both count whole.
+
 A plan fits a GPU when its total is at most `GPU_FILL` of the GPU's memory. The plan is an estimate: eager
 PyTorch, the GPU's fused attention, no allocator fragmentation; docs/training.md ("Scaling up") shows it for
-the shipped configs.
+the shipped configs, and `tests/train/test_memory_plan.py -k cuda` compares it with what a GPU holds.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ from lit_softmoe.train.activation_count import (
     PairBytes,
     SavedBytes,
     count_pair_bytes,
+    count_peak_bytes,
     count_saved_bytes,
     largest_module_list,
 )
@@ -50,8 +60,8 @@ from lit_softmoe.utils.distributed import local_rank, rank_and_world_size
 
 # A plan may fill 90% of a GPU. Outside what it counts: the CUDA context and the cuBLAS / NCCL workspaces
 # (0.5-2 GiB, outside PyTorch's allocator but inside the GPU's memory), the caching allocator's fragmentation
-# (a few percent), and the gradient of each activation while backward consumes it. Against that, the total
-# counts gradients and activations as if both were held whole at once, which backward never does.
+# (a few percent), and the transients of backward: the gradient of each activation while backward consumes it,
+# a block's weight gradients in the compute dtype before they are cast to fp32.
 GPU_FILL = 0.9
 IGNORE_PLAN_ENV = "LIT_SOFTMOE_IGNORE_PLAN"
 _GIB = 1 << 30
@@ -82,9 +92,11 @@ class ModelCount:
     frozen_bytes: int  # weights that do not train (a locked tower), in the dtype they are held in
     largest_block: int  # parameters of the largest block: what FSDP gathers at a time
     compute_bytes: int  # bytes of an element in the compute dtype: 2 under bf16 / fp16 autocast, 4 in fp32
-    saved: SavedBytes  # what the trained part keeps for backward, by block
+    saved: SavedBytes  # what the trained part keeps for backward, by block (in the order they run)
     loss: PairBytes | None = None  # LiT: the contrastive loss of this GPU's rows against the global batch
     frozen_forward: int = 0  # LiT on images: bytes a sample of the locked tower's forward holds at its peak
+    block_params: tuple[int, ...] = ()  # parameters that train in each of `saved.blocks`: their gradients
+    input_bytes: int = 0  # bytes a sample of the batch takes on the GPU
 
 
 @dataclass(frozen=True)
@@ -95,13 +107,17 @@ class MemoryPlan:
     optimizer: int
     activations: int  # the model's, at the micro-batch
     loss_logits: int  # the contrastive loss's (LiT; 0 for pretraining)
+    inputs: int  # the batch on this GPU
+    peak: int  # the most that gradients, activations and the loss logits hold at once (`_backward_peak`)
     gpus: int
     micro_batch: int
     levers: Levers
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.loss_logits
+        """The step's peak: weights, moments and the batch are held throughout; gradients and activations as
+        `peak` counts them together."""
+        return self.weights + self.optimizer + self.inputs + self.peak
 
     def fits(self, gpu_bytes: int) -> bool:
         return self.total <= GPU_FILL * gpu_bytes
@@ -118,12 +134,40 @@ def plan_memory(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -
     activations = count.saved.kept(micro, levers.grad_checkpointing, blocks_fixed=not fsdp)
     if fsdp:
         activations += 2 * count.largest_block * count.compute_bytes
-    # A locked tower runs before the text tower, so its forward's peak and the text side's are not held together.
-    activations = max(activations, count.frozen_forward * micro)
+    loss_logits = count.loss.at(local, batch_size) if count.loss is not None else 0
+    # A locked tower runs before the text tower, so its forward's peak and the text side's are not held together
+    # (the gradients of earlier micro-batches are, under accumulation).
+    frozen = count.frozen_forward * micro
+    peak = ddp_buckets + max(_backward_peak(count, micro, levers, shards, loss_logits),
+                             frozen + (states if levers.accum_steps > 1 else 0))
     return MemoryPlan(weights=states + count.frozen_bytes, gradients=states + ddp_buckets,
-                      optimizer=count.trainable * _ADAM_BYTES // shards, activations=activations,
-                      loss_logits=count.loss.at(local, batch_size) if count.loss is not None else 0,
+                      optimizer=count.trainable * _ADAM_BYTES // shards, activations=max(activations, frozen),
+                      loss_logits=loss_logits, inputs=count.input_bytes * local, peak=peak,
                       gpus=gpus, micro_batch=micro, levers=levers)
+
+
+def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, loss_logits: int) -> int:
+    """The most that the trained part's activations, its gradients (this GPU's share) and the loss logits hold
+    at once in a step (see the module docstring): the end of the forward (every activation, the loss), then
+    backward at each block from the last to the first (the activations of the blocks before it and its own,
+    the gradients of the blocks after it and its own), then its end (every gradient)."""
+    fsdp = levers.sharding == "fsdp"
+    saved = count.saved
+    gradients = count.trainable * 4 // shards
+    gathered = 2 * count.largest_block * count.compute_bytes if fsdp else 0  # under fsdp: held throughout
+    activations = saved.kept(micro, levers.grad_checkpointing, blocks_fixed=not fsdp)
+    if levers.accum_steps > 1:  # the first micro-batch's gradients are held through every later one
+        return gathered + activations + loss_logits + gradients
+    blocks = [block.at(micro) if not fsdp else block.per_sample * micro for block in saved.blocks]
+    # With checkpointing a block before the one in backward holds its input only; that one, recomputed, its all.
+    before = [i.at(micro) for i in saved.block_inputs] if levers.grad_checkpointing else blocks
+    block_gradients = [params * 4 // shards for params in count.block_params] or [0] * len(blocks)
+    walk = [saved.stem.at(micro) + sum(before[:k]) + blocks[k] + sum(block_gradients[k:])
+            for k in range(len(blocks))]
+    # The gradients outside the blocks (embeddings, final norm, head) counted at the end only: an embedding's
+    # arrives last, and the head's are small.
+    start, end = activations + loss_logits, saved.stem.at(micro) + gradients
+    return gathered + max(start, end, *walk)
 
 
 def levers_that_fit(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int, current: Levers) -> list[Levers]:
@@ -193,9 +237,11 @@ def count_pretrain(tower: str, options: dict, num_classes: int, precision: str, 
             task = F.cross_entropy(logits, torch.zeros(batch, dtype=torch.long, device="cuda"))
         return task + tower.moe_aux_loss()
 
-    trainable, largest = _parameter_counts(model)
+    trainable, largest, block_params = _parameter_counts(model)
+    cfg = model.cfg
     return ModelCount(trainable=trainable, frozen_bytes=0, largest_block=largest, compute_bytes=_element_bytes(dtype),
-                      saved=count_saved_bytes(model, step, dtype))
+                      saved=count_saved_bytes(model, step, dtype), block_params=block_params,
+                      input_bytes=_image_bytes(cfg) + 8)  # normalized fp32 images (`normalize_batch`), int64 labels
 
 
 def count_lit(cfg: LiTConfig) -> ModelCount:
@@ -206,28 +252,39 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     tower = _image_tower(cfg.image_tower)  # ours or a timm model's, on the meta device
     tower_cfg = tower.cfg  # both give width, size, channels
     text = _lit_text_side(cfg, tower_cfg.width)
-    trainable, largest = _parameter_counts(text)
+    trainable, largest, block_params = _parameter_counts(text)
     locked_text = sum(p.numel() for p in text.parameters() if not p.requires_grad) * 4  # kept fp32, no moments
     saved = count_saved_bytes(text, _lit_text_step(tower_cfg.width), dtype)
-    frozen_forward = 0
-    if cfg.unlocked_blocks or not _cached_features(cfg.data.train):
-        tower_saved = count_saved_bytes(tower, _pooled_step, dtype)
-        frozen_forward = max(block.per_sample for block in tower_saved.blocks)  # no grad: one block's worth at most
+    on_images = cfg.unlocked_blocks or not _cached_features(cfg.data.train)
+    # The batch on the GPU: fp32 images (or cached fp32 features) and int64 text ids.
+    input_bytes = (_image_bytes(tower_cfg) if on_images else tower_cfg.width * 4) + text.text_tower.context_length * 8
     unlocked = (0, 0)
+    frozen_forward = 0
     if cfg.unlocked_blocks:  # the last blocks and the final norm train in fp32
+        tower_saved = count_saved_bytes(tower, _pooled_step, dtype)  # spent: its parameters give their sizes only
         unlocked = _unlocked_part(tower, cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
-        saved = SavedBytes(stem=saved.stem, blocks=saved.blocks + tower_saved.blocks[-n:],
-                           block_inputs=saved.block_inputs + tower_saved.block_inputs[-n:],
+        # The tower runs first: its unlocked blocks come before the text tower's in the order blocks run.
+        saved = SavedBytes(stem=saved.stem, blocks=tower_saved.blocks[-n:] + saved.blocks,
+                           block_inputs=tower_saved.block_inputs[-n:] + saved.block_inputs,
                            head=Bytes(saved.head.fixed + tower_saved.head.fixed,
                                       saved.head.per_sample + tower_saved.head.per_sample))
+        block_params = tuple(sum(p.numel() for p in block.parameters()) for block in tower.blocks[-n:]) + block_params
         trainable, largest = trainable + unlocked[0], max(largest, unlocked[1])
-        frozen_forward = 0
+    elif on_images:  # locked, it runs without a graph: what its tensors hold at once, at most (its input aside)
+        tower.to(dtype or torch.float32)  # held in the dtype it runs in (`LiTModel.hold_locked_image_in`)
+        frozen_forward = max(count_peak_bytes(tower, _pooled_step, dtype).per_sample - _image_bytes(tower_cfg), 0)
     # The locked part is held in the dtype it runs in (`inference_dtype`: the compute dtype).
     frozen_bytes = (sum(p.numel() for p in tower.parameters()) - unlocked[0]) * _element_bytes(dtype)
     loss = count_pair_bytes(_lit_loss(cfg), tower_cfg.width, dtype)
     return ModelCount(trainable=trainable, frozen_bytes=frozen_bytes + locked_text, largest_block=largest,
-                      compute_bytes=_element_bytes(dtype), saved=saved, loss=loss, frozen_forward=frozen_forward)
+                      compute_bytes=_element_bytes(dtype), saved=saved, loss=loss, frozen_forward=frozen_forward,
+                      block_params=block_params, input_bytes=input_bytes)
+
+
+def _image_bytes(cfg) -> int:
+    """Bytes of one fp32 image of a tower's input size (a tower config: ours or a timm model's)."""
+    return cfg.in_channels * cfg.image_size * cfg.image_size * 4
 
 
 def _cached_features(train: str) -> bool:
@@ -238,11 +295,13 @@ def _cached_features(train: str) -> bool:
         return False
 
 
-def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable parameters, the largest block's parameters) of a model built on the meta device."""
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int, tuple[int, ...]]:
+    """(trainable parameters, the largest block's parameters, each block's trainable parameters) of a model built
+    on the meta device; its blocks as `count_saved_bytes` finds them."""
     blocks = largest_module_list(model)
     largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), largest
+    trained = tuple(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), largest, trained
 
 
 def _image_tower(path: str) -> torch.nn.Module:
@@ -351,7 +410,9 @@ def plan_report(cfg: PretrainConfig | LiTConfig, gpus: int, gpu_bytes: int) -> t
             ("activations", plan.activations, " (counted: saved for backward)")]
     if count.loss is not None:
         rows.append(("loss logits", plan.loss_logits, f" ({cfg.batch_size // gpus:,} × {cfg.batch_size:,}, both ways)"))
-    rows.append(("total", plan.total, ""))
+    rows.append(("inputs", plan.inputs, " (the batch on the GPU)"))
+    rows.append(("total", plan.total, " (the step's peak: backward frees activations as gradients arrive)"
+                 if levers.accum_steps == 1 else " (gradients held whole through the micro-batches)"))
     lines += [f"  {name:<22}{value / size:>8.1f}{note}" for name, value, note in rows]
     fits = plan.fits(gpu_bytes)
     lines.append(f"{'GPU memory':<24}{gpu_bytes / size:>8.1f} (a plan may fill {GPU_FILL:.0%}: "
