@@ -59,7 +59,7 @@ grep -E "passed|failed|resumed from|FAILED|Error" "$OUT/test_cuda.log" | tail -2
 timeout ${PLAN_TESTS_TIMEOUT:-90} $PY -m pytest -q -s -p no:cacheprovider tests/train/test_memory_plan.py -k cuda \
     > "$OUT/test_memory_plan.log" 2>&1
 echo "memory plan vs CUDA exit $? after $(( $(date +%s) - t0 )) s"
-grep -E "activations counted|passed|failed|Error" "$OUT/test_memory_plan.log" | tail -6
+grep -E "activations counted|passed|failed|Error" "$OUT/test_memory_plan.log" | tail -12
 
 # ---- kernels: the layer, the tower and the LiT step on device tensors (KERNELS= skips them)
 if [ -n "${KERNELS-layer,tower,lit}" ]; then
