@@ -164,8 +164,11 @@ def embed_row(report: Report, args, tower_dir: Path, shards: Path, work: Path, n
     def run():
         shutil.rmtree(work / out, ignore_errors=True)
         summary = embed_shards(tower_dir, str(shards), work / out, batch_size=args.batch, **flags)
+        waits = ", ".join(f"{key.replace('_', ' ')} {share:.0%}"
+                          for key, share in (summary["steady_waits"] or {}).items())
         report.add("embed", name, summary["steady_images_per_second"], "images/s", against=CEILING,
-                   note=f"{summary['num_samples']} images, start-up {summary['startup_seconds']} s")
+                   note=f"{summary['num_samples']} images, start-up {summary['startup_seconds']} s; of the steady "
+                        f"time: {waits}")
     guarded(report, "embed", name, needed, run)
 
 
@@ -470,6 +473,8 @@ def main(argv=None) -> dict:
         if "embed" in sections:
             ceiling_row(report, args, device)
             embed_row(report, args, tower_dir, shards, work, "`embed`, default flags", "features")
+            # Fewer workers reading: whether the host's processes compete with the loop (`steady_waits` say more).
+            embed_row(report, args, tower_dir, shards, work, "`embed --workers 4`", "features-4-workers", workers=4)
             for share in (0.85, 0.7):  # the GPU and the workers decoding together
                 embed_row(report, args, tower_dir, shards, work, f"`embed --gpu-jpeg-share {share}`",
                           f"features-shared-{share}", gpu_jpeg_share=share)

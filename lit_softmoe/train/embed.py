@@ -128,13 +128,19 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
 
     `timing` gets "first_batch" (perf_counter once the first batch is embedded) and "later_images"
     (the images embedded after it): the steady rate, without the tower's loading and the workers' start.
+    After the first batch it also sums where the loop's time goes (`_rates` reports it): "waiting_for_pixels"
+    (the next batch not on the device yet: reading or decoding bounds the run), "waiting_for_features" (the
+    tower not done with the batch before: the tower bounds it), and "preparing" (the thread's time putting
+    batches on the device, decoding included).
 
     Raises UserError once over 1,000 samples were read and more than `max_bad_fraction` of them were
     bad (the shards finished so far stay: a rerun on fixed shards starts over, they are keyed by the
     source's files).
     """
+    # Pinned pixels copy to the GPU without a stop; JPEG bytes for the GPU decoder are read on the host, and
+    # pinning them (tens of MB a batch of photos) would be a copy for nothing.
     loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+                        pin_memory=device.type == "cuda" and gpu_decoder is None)
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
     skipped: dict[int, dict[str, int]] = {}  # embed's own skips, per shard
     # The report of a shard whose last batch is still on the device: the shard completes once it is kept.
@@ -143,7 +149,10 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     def keep(embedded: ToHost) -> None:
         """Wait for a batch's features and add its good samples to its shard's; complete the shard after its
         last batch."""
+        tic = time.perf_counter()
         batch, embeddings = embedded.batch, embedded.wait()  # (B, width) float16
+        if "first_batch" in timing:
+            timing["waiting_for_features"] += time.perf_counter() - tic
         pending.setdefault(batch["shard"], []).extend(feature_samples(
             batch["key"], batch["caption"], batch["cls"], embeddings, skipped.setdefault(batch["shard"], {})))
         progress.update(len(batch["key"]))
@@ -158,8 +167,11 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
         """Metadata only, and the pixels on the device: the host's copy of the pixels is dropped here."""
         if "done" in batch:
             return batch, None
+        tic = time.perf_counter()
         meta = {key: batch[key] for key in ("shard", "key", "caption", "cls")}
         pixels, meta["undecodable"] = _pixels_on_device(batch, device, gpu_decoder)
+        if "first_batch" in timing:
+            timing["preparing"] += time.perf_counter() - tic
         return meta, pixels
 
     # Feature shards are written by a thread of their own, in the order they finish; the bad-sample check
@@ -179,7 +191,10 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
 
         total_shards = len(finished) + len(todo)
         in_flight: ToHost | None = None  # the batch queued on the device, kept once the next one is queued
+        asked = time.perf_counter()
         for batch, pixels in DevicePrefetcher(loader, to_device, device):
+            if "first_batch" in timing:
+                timing["waiting_for_pixels"] += time.perf_counter() - asked
             index = batch["shard"]
             if "done" in batch:
                 if in_flight is not None and in_flight.batch["shard"] == index:
@@ -199,6 +214,7 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
             if in_flight is not None:
                 keep(in_flight)  # the host's share of the previous batch, while the device computes this one
             in_flight = queued
+            asked = time.perf_counter()
         if in_flight is not None:
             keep(in_flight)
 
@@ -256,9 +272,10 @@ def embed_shards(
 
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
-        "skipped", "resumed_shards", "rank", "world_size", "startup_seconds", "steady_images_per_second"};
-        the last two split this process's time at its first embedded batch (None where it embedded
-        nothing, or nothing after the first batch); "skipped" is True when the split already
+        "skipped", "resumed_shards", "rank", "world_size", "startup_seconds", "steady_images_per_second",
+        "steady_waits"}; the last three split this process's time at its first embedded batch (None where it
+        embedded nothing, or nothing after the first batch), the waits saying what bounded the steady rate
+        (`_rates`); "skipped" is True when the split already
         held this tower's embeddings of these shards, unchanged since (nothing was written). On ranks
         other than 0, "num_samples", "bad" and "images_per_second" are this process's share and
         "split_dir" is written by rank 0.
@@ -307,7 +324,8 @@ def embed_shards(
         return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
                 "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
                 "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
-                "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None}
+                "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None,
+                "steady_waits": None}
     # The work folder of this tower and these sources: a killed run's finished shards are kept there.
     work_dir = work_folder(out_dir, split, wanted)
     if rank == 0:
@@ -352,7 +370,7 @@ def embed_shards(
                         disable=not progress or rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
     resumed = len(finished)
-    timing = {"later_images": 0}
+    timing = {"later_images": 0, "waiting_for_pixels": 0.0, "waiting_for_features": 0.0, "preparing": 0.0}
     try:
         if todo:
             dataset = ShardBatches(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
@@ -413,9 +431,13 @@ def _choose_compile(setting: str | bool, device: torch.device, images: int | Non
 
 def _rates(start: float, timing: dict) -> dict:
     """The seconds before the first batch was embedded (hashing and loading the tower, starting the workers,
-    their first shards) and the images/s after it: on a large tower and a short run they differ most."""
+    their first shards) and the images/s after it: on a large tower and a short run they differ most.
+    "steady_waits": the shares of the steady time the loop waited for pixels and for features, and the
+    share the device thread spent preparing batches (see `_embed_shards_of_this_process`)."""
     if "first_batch" not in timing:
-        return {"startup_seconds": None, "steady_images_per_second": None}
+        return {"startup_seconds": None, "steady_images_per_second": None, "steady_waits": None}
     later = time.perf_counter() - timing["first_batch"]
     steady = round(timing["later_images"] / later, 1) if timing["later_images"] and later > 0 else None
-    return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady}
+    waits = {key: round(timing[key] / later, 3) for key in ("waiting_for_pixels", "waiting_for_features", "preparing")}
+    return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady,
+            "steady_waits": waits if later > 0 else None}

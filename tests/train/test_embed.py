@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import shutil
+import time
 
 import numpy as np
 import PIL.Image
@@ -834,3 +835,25 @@ def test_the_rerun_hint_quotes_what_a_shell_would_rewrite(tmp_path):
     (split / "embed.json").write_text(json.dumps({"source": "data/{000..009}.tar", "tower_sha256": "0" * 64}))
     _save_test_tower(tmp_path / "tower", seed=0)  # not the tower the record names
     assert hint(split, tmp_path / "tower")[3:6] == [str(tmp_path / "tower"), "--shards", "data/{000..009}.tar"]
+
+
+def test_the_steady_waits_say_what_bounds_the_run(cache, tmp_path, monkeypatch):
+    """`steady_waits`: shares of the steady time the loop waited for pixels or for features, and the device
+    thread spent preparing batches. Batches made slow to prepare (50 ms each, a fast tiny tower) show as
+    pixels waited for, prepared for most of the time, and no feature waited for (on the CPU the tower's
+    forward has finished when `ToHost` is made)."""
+    import lit_softmoe.train.embed as embed_module
+    root = cache["root"]
+    steady = cache["summary"]["steady_waits"]
+    assert set(steady) == {"waiting_for_pixels", "waiting_for_features", "preparing"}
+    assert all(0 <= share <= 1.05 for share in steady.values()), steady
+    prepare = embed_module._pixels_on_device
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return prepare(*args, **kwargs)
+    monkeypatch.setattr(embed_module, "_pixels_on_device", slow)
+    summary = embed_shards(root / "tower", str(root / "fmnist" / "test"), tmp_path / "out", batch_size=16, workers=0)
+    waits = summary["steady_waits"]
+    # The thread works two batches ahead: those it prepared before the first was embedded are not counted.
+    assert waits["waiting_for_pixels"] > 0.5 and waits["preparing"] > 0.5 and waits["waiting_for_features"] < 0.1, waits
