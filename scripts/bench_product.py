@@ -238,7 +238,9 @@ def ceiling_row(report: Report, args, device) -> None:
 
 def baseline_embed(report: Report, args, tower_dir: Path, work: Path) -> None:
     """The same command with an older checkout's code and defaults, in its own process."""
-    shards = make_shards(work / "baseline-data", args.baseline_images, args.per_shard, args.unique)
+    same = args.baseline_images == args.images  # the default: the rows compare like with like
+    shards = make_shards(work / ("data" if same else "baseline-data"), args.baseline_images, args.per_shard,
+                         args.unique)
     code = (f"import json, sys; from lit_softmoe.train.embed import embed_shards; "
             f"s = embed_shards({str(tower_dir)!r}, {str(shards)!r}, {str(work / 'baseline-features')!r}, "
             f"batch_size={args.batch}); print(json.dumps(s))")
@@ -431,7 +433,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="`pretrain` batch (default 512, the S/16 recipe's per GPU on its 8; --cpu 8)")
     parser.add_argument("--baseline", default=None, metavar="CODE",
                         help="a folder holding an older lit_softmoe/ (e.g. `git archive` of main): its embed too")
-    parser.add_argument("--baseline-images", type=int, default=2048, help="JPEGs for the older embed")
+    parser.add_argument("--baseline-images", type=int, default=None,
+                        help="JPEGs for the older embed (default --images: the same shards, the same worker count)")
     parser.add_argument("--budget", type=float, default=480, help="seconds; rows past it are skipped")
     parser.add_argument("--lit-workers", type=int, default=0, help="also `train` with this data.workers")
     parser.add_argument("--skip", default="", help="parts of row names to leave out, joined with '|'")
@@ -443,6 +446,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tower = args.tower or ("soft-test-4e" if args.cpu else "soft-b16-128e")
     args.tower_options = {"image_size": 35, "in_channels": 3} if args.cpu else {"image_size": 224}
     args.images = args.images or (48 if args.cpu else 16384)
+    args.baseline_images = args.baseline_images or args.images
     args.batch = args.batch or (8 if args.cpu else 256)
     args.per_shard = args.per_shard or (12 if args.cpu else 1024)
     args.iters = args.iters or (2 if args.cpu else 10)
