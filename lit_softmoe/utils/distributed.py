@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from lit_softmoe.errors import UserError
 
@@ -19,10 +20,33 @@ def in_process_group() -> bool:
 def close_process_group() -> None:
     """Destroy a distributed launch's process group, if any, once its command ended well (PyTorch's
     distributed docs, "Shutdown"). Left to interpreter exit, Gloo's threads may abort a process after a
-    finished run ("terminate called without an active exception", pytorch/pytorch#190489). Not after an
-    error: the other processes may still wait in a collective (torchtitan destroys it on success only)."""
-    if in_process_group():
-        sys.modules["torch.distributed"].destroy_process_group()
+    finished run ("terminate called without an active exception", pytorch/pytorch#190489). Every process
+    waits for the others first, as PyTorch's own distributed tests barrier before destroying: rank 0 still
+    evaluates and saves after the others are done, and a process tearing its connections down while a peer
+    still held them was seen to abort. The wait counts arrivals in the launch's store rather than running
+    a collective barrier, which would time out (and, on NCCL, abort) when rank 0's final evaluation outlasts
+    the group's timeout. Not after an error: the others may still wait in a collective (torchtitan destroys
+    the group on success only); the launcher stops them."""
+    if not in_process_group():
+        return
+    dist = sys.modules["torch.distributed"]
+    store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    store.add(_ARRIVED, 1)
+    _wait_for_count(store, _ARRIVED, world_size)
+    # Rank 0 leaves last: without a launcher's own store (torchrun hosts one), the store lives in rank 0.
+    if rank == 0:
+        _wait_for_count(store, _LEFT, world_size - 1)
+    else:
+        store.add(_LEFT, 1)
+    dist.destroy_process_group()
+
+
+def _wait_for_count(store, key: str, count: int) -> None:
+    while store.add(key, 0) < count:  # add 0: a read of the count that never blocks
+        time.sleep(0.05)
+
+
+_ARRIVED, _LEFT = "lit_softmoe/closing", "lit_softmoe/closed"  # processes that reached, left `close_process_group`
 
 
 def rank_and_world_size() -> tuple[int, int]:

@@ -544,7 +544,8 @@ def test_a_killed_embed_resumes_keeping_its_finished_shards(many_shards, tmp_pat
     process = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
-        finished = list((tmp_path / "out").glob(".test.work-*/*.json"))
+        # Finished records only: a record being written is a dot-named temporary file, ending in .json too.
+        finished = list((tmp_path / "out").glob(".test.work-*/[0-9]*.json"))
         if len(finished) >= 4:
             break
         time.sleep(0.02)

@@ -64,3 +64,35 @@ def test_an_initialized_process_group_wins_over_the_variables(no_launcher):
     finally:
         dist.destroy_process_group()
     assert not in_process_group() and rank_and_world_size() == (3, 8)
+
+
+_CLOSING = """
+import sys, time
+import torch.distributed as dist
+from lit_softmoe.utils.distributed import close_process_group
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+if rank == 0:
+    time.sleep(2.0)  # rank 0 evaluates and saves after the others are done
+arrived = time.time()
+close_process_group()
+print(arrived, time.time(), dist.is_initialized())
+"""
+
+
+def test_processes_close_their_group_together(tmp_path):
+    """A process that ended well does not tear its connections down while another still works: each leaves
+    `close_process_group` only once every process has reached it, and the group is gone after."""
+    import subprocess
+    import sys
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = [subprocess.Popen([sys.executable, "-c", _CLOSING, str(rank), f"tcp://127.0.0.1:{port}"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
+    (arrived_0, left_0, open_0), (arrived_1, left_1, open_1) = (out.split() for out, _ in outputs)
+    assert float(left_1) >= float(arrived_0) and float(left_0) >= float(arrived_1)
+    assert float(arrived_0) - float(arrived_1) > 1.0  # rank 1 did arrive first: it waited
+    assert open_0 == open_1 == "False"
