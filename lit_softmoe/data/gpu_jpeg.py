@@ -135,7 +135,7 @@ class ResizeCrop:
         parts = [self._parts(image) for image in images]  # (rows, row_span, cols, col_span) each
         for chunk in self._chunks(parts, channels):
             resized = self._resize_together([images[i] for i in chunk], [parts[i] for i in chunk])
-            out.index_copy_(0, torch.tensor(chunk).to(self.device, non_blocking=True), resized)
+            out.index_copy_(0, to_device_async(torch.tensor(chunk), self.device), resized)
         return out.round_().clamp_(0, 255).to(torch.uint8)  # (N, C, size, size)
 
     def _parts(self, image: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor, slice]:
@@ -203,6 +203,16 @@ class ResizeCrop:
         return self._matrices[key]
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the host) on `device` without waiting: a copy from pageable memory waits for the work
+    queued on the stream before it starts (CUDA's "API synchronization behavior"), which in the decode
+    thread meant waiting for the kernels queued behind the tower's at every index tensor; from pinned
+    memory it is queued like a kernel (PyTorch keeps the pinned block until the copy is done)."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def _resized_size(height: int, width: int, size: int) -> tuple[int, int]:
     """(height, width) after transforms.v2's resize of the shorter side to `size` (the longer one truncated)."""
     if width <= height:
@@ -244,8 +254,8 @@ class JpegBatchDecoder:
         good = torch.ones(len(on_gpu), dtype=torch.bool)
         host_pixels = packed["pixels"]
         if len(host_pixels):  # by index, not by a mask on the device: a mask would wait for the queued forward
-            on_host = (~on_gpu).nonzero().flatten().to(device, non_blocking=True)
-            batch.index_copy_(0, on_host, host_pixels.to(device, non_blocking=True))
+            on_host = to_device_async((~on_gpu).nonzero().flatten(), device)
+            batch.index_copy_(0, on_host, to_device_async(host_pixels, device))
         if not on_gpu.any():
             return batch, good
         encoded = list(torch.split(packed["jpeg_bytes"], packed["jpeg_lengths"].tolist()))
@@ -262,9 +272,9 @@ class JpegBatchDecoder:
             except Exception:  # noqa: BLE001 — a broken file: counted by the caller, the run goes on
                 good[index] = False
         if images:
-            batch.index_copy_(0, torch.tensor(positions).to(device, non_blocking=True), self.resize(images))
+            batch.index_copy_(0, to_device_async(torch.tensor(positions), device), self.resize(images))
         if not good.all():
-            batch = batch.index_select(0, good.nonzero().flatten().to(device, non_blocking=True))
+            batch = batch.index_select(0, to_device_async(good.nonzero().flatten(), device))
         return batch, good
 
     def _decode(self, encoded: list[torch.Tensor], mode) -> list[torch.Tensor | None]:

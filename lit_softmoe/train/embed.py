@@ -138,7 +138,8 @@ def _embed_shards_of_this_process(todo: list[tuple[int, str]], work_dir: Path, d
     source's files).
     """
     # Pinned pixels copy to the GPU without a stop; JPEG bytes for the GPU decoder are read on the host, and
-    # pinning them (tens of MB a batch of photos) would be a copy for nothing.
+    # pinning them (tens of MB a batch of photos) would be a copy for nothing (the decoder pins the pixels
+    # the workers decoded, `gpu_jpeg.to_device_async`).
     loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda" and gpu_decoder is None)
     pending: dict[int, list[dict]] = {}  # samples of the shards being read (one per worker)
