@@ -36,6 +36,13 @@ def number(default: float, minimum: float, maximum: float | None = None):
     return field(default=default, metadata=bounds)
 
 
+def pair(default: list, minimum: float, maximum: float, ordered: bool = False, optional: bool = False):
+    """A list field of two numbers, each in [`minimum`, `maximum`] (the first at most the second where
+    `ordered`); `optional`: [] too (the feature off)."""
+    rule = {"pair": (minimum, maximum), "ordered": ordered, "optional": optional}
+    return field(default_factory=lambda: list(default), metadata=rule)
+
+
 @dataclass
 class TowerConfig:
     name: str = "soft-tiny-p4-16e"  # a registered name: `lit-softmoe models` lists them
@@ -64,8 +71,10 @@ class ClassDataConfig:
     # With augment: pad (a random crop of the image padded by crop_padding; memory or stream) | random_resized
     # (the Inception crop of the ViT recipes: an area fraction in crop_scale, aspect 3/4-4/3; stream only).
     crop: str = choice("pad", ("pad", "random_resized"))
-    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    randaugment: list[int] = field(default_factory=list)  # stream, with augment: [num_ops, magnitude], e.g. [2, 15]
+    # An area fraction: 0 would be a crop of no pixels (torchvision takes its log).
+    crop_scale: list[float] = pair([0.08, 1.0], 1e-6, 1.0, ordered=True)
+    # stream, with augment: [num_ops, magnitude], e.g. [2, 15]; torchvision's magnitudes run 0-30 (31 bins).
+    randaugment: list[int] = pair([], 0, 30, optional=True)
     # Alpha of mixup's Beta(alpha, alpha) mixing ratio, per batch (big_vision: 0.5); 0: off.
     mixup: float = number(0.0, minimum=0)
     # Per-channel input normalization; []: the mean and std of the first 10,000 training images.
@@ -179,6 +188,17 @@ def _constraints(schema: type, prefix: str = ""):
             yield from ((key, item_key, rule) for _, item_key, rule in _constraints(item))
         elif spec.metadata:
             yield None, key, spec.metadata
+
+
+def _check_pair(key: str, value, rule: dict) -> None:
+    """A `pair` field's value, or a UserError naming the key and what it takes."""
+    if value is None or (rule["optional"] and len(value) == 0):
+        return
+    low, high = rule["pair"]
+    takes = (f"two numbers in [{low:g}, {high:g}]" + (", the first at most the second" if rule["ordered"] else "")
+             + (", or [] for none" if rule["optional"] else ""))
+    if len(value) != 2 or not all(low <= v <= high for v in value) or (rule["ordered"] and value[0] > value[1]):
+        raise UserError(f"config key {key!r} is {list(value)}; it takes {takes}")
 
 
 def _select(node, key: str):
@@ -314,6 +334,9 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         if maximum is not None and value is not None and value > maximum:
             raise UserError(f"config key {key!r} is {value}; it must be at most {maximum}: set {key}={maximum} "
                             "or less")
+    for key, rule in constraints:
+        if "pair" in rule:
+            _check_pair(key, _select(merged, key), rule)
     for list_key, item_key, rule in rules:
         if list_key is None or "choices" not in rule:
             continue

@@ -316,3 +316,27 @@ def test_micro_batch_size_names_what_does_not_divide():
     with pytest.raises(UserError, match="accum_steps 3 does not divide the 512 samples of each of 8 processes"):
         micro_batch_size(4096, 8, 3)
 
+
+
+@pytest.mark.parametrize("override,takes", [
+    ("data.crop_scale=[-1,0.5]", "two numbers in [1e-06, 1], the first at most the second"),  # log of -1: a traceback
+    ("data.crop_scale=[2,1]", "two numbers in [1e-06, 1], the first at most the second"),
+    ("data.crop_scale=[0.5,0.4]", "two numbers in [1e-06, 1], the first at most the second"),
+    ("data.crop_scale=[0.5]", "two numbers in [1e-06, 1], the first at most the second"),
+    ("data.randaugment=[2,100]", "two numbers in [0, 30], or [] for none"),  # torchvision's 31 magnitude bins
+    ("data.randaugment=[2,-15]", "two numbers in [0, 30], or [] for none"),
+    ("data.randaugment=[2]", "two numbers in [0, 30], or [] for none"),
+])
+def test_augmentation_ranges_are_checked_where_the_config_is_read(override, takes, capsys):
+    """An area fraction outside (0, 1] or a RandAugment magnitude outside torchvision's bins was accepted and
+    failed (or ran) later; now one line names the key and what it takes, before anything runs."""
+    key, value = override.split("=")
+    with pytest.raises(UserError) as caught:
+        load_config(PretrainConfig, "pretrain/fmnist-soft-tiny", [override, "data.crop=random_resized"])
+    assert str(caught.value).startswith(f"config key {key!r} is ") and str(caught.value).endswith(f"it takes {takes}")
+    line = one_line_error(capsys, ["pretrain", "--config", "pretrain/fmnist-soft-tiny", override])
+    assert f"config key {key!r}" in line
+    # In range they load as given, and [] switches RandAugment off.
+    good = load_config(PretrainConfig, "pretrain/fmnist-soft-tiny",
+                       ["data.crop_scale=[0.4,1.0]", "data.randaugment=[]"])
+    assert good.data.crop_scale == [0.4, 1.0] and good.data.randaugment == []
