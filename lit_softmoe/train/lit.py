@@ -253,7 +253,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
-    check_sharding(cfg.sharding, cfg.precision)  # needs the launch's process group
+    check_sharding(cfg.sharding, cfg.precision, "train")  # needs the launch's process group
     sharded = cfg.sharding == "fsdp"
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot

@@ -184,7 +184,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
     accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
     is_main = accelerator.is_main_process
-    check_sharding(cfg.sharding, cfg.precision)  # needs the launch's process group
+    check_sharding(cfg.sharding, cfg.precision, "pretrain")  # needs the launch's process group
     sharded = cfg.sharding == "fsdp"
 
     # ---- data, tower, optimizer

@@ -44,21 +44,21 @@ from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.distributed import in_process_group
 
 
-def check_sharding(sharding: str, precision: str = "auto") -> None:
+def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMAND") -> None:
     """FSDP shards over the processes of a distributed launch: it needs the launch's process group, which
     accelerate forms under torchrun and `accelerate launch --multi_gpu`, for one process too. Decided by
     the group, not by the number of processes: `torchrun --nproc_per_node 1` is how a one-GPU machine runs
     the sharded path and writes sharded checkpoints (its one shard is the whole tower); a process started
-    without a launcher has no group to shard over.
+    without a launcher has no group to shard over. `command`: the CLI command the launch lines name.
     fp16's loss scaler is applied by the optimizer accelerate prepares; a sharded tower's optimizer is not prepared."""
     if sharding == "fsdp" and precision == "fp16":
         raise UserError("sharding=fsdp runs in bf16 or fp32, not fp16 (its loss scaler is not wired to sharded "
                         "gradients); set precision=bf16 (GPUs of compute capability 8.0 or more) or precision=fp32")
     if sharding == "fsdp" and not in_process_group():
         raise UserError("sharding=fsdp shards the tower over the processes of a distributed launch, but this run "
-                        "was not launched as one; launch it with `torchrun --nproc_per_node N -m lit_softmoe.cli "
-                        "COMMAND ...` (N=1 included) or `accelerate launch --multi_gpu --num_processes N -m "
-                        "lit_softmoe.cli COMMAND ...` (N of 2 or more), or set sharding=none")
+                        f"was not launched as one; launch it with `torchrun --nproc_per_node N -m lit_softmoe.cli "
+                        f"{command} ...` (N=1 included) or `accelerate launch --multi_gpu --num_processes N -m "
+                        f"lit_softmoe.cli {command} ...` (N of 2 or more), or set sharding=none")
 
 
 def _scalars_as_vectors(module: nn.Module, keep: set[nn.Parameter] = frozenset()) -> None:

@@ -276,6 +276,8 @@ def test_lit_on_one_process_with_fsdp_is_refused_in_one_line(lit_data, tmp_path,
     line = one_line_error(capsys, ["train", "--config", str(empty),
                                    *lit_overrides(lit_data, tmp_path / "run", "sharding=fsdp")])
     assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
+    # The launch lines name the command that was run (they named `pretrain` for a LiT run once).
+    assert "-m lit_softmoe.cli train ...` (N=1 included)" in line and "pretrain" not in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -357,7 +359,7 @@ def test_fsdp_on_one_process_is_one_line_before_any_work(shards, tmp_path, capsy
     line = one_line_error(capsys, ["pretrain", "--config", str(empty),
                                    *pretrain_overrides(shards, tmp_path / "run", "sharding=fsdp")])
     assert "sharding=fsdp shards the tower over the processes of a distributed launch" in line
-    assert "torchrun --nproc_per_node N" in line
+    assert "torchrun --nproc_per_node N -m lit_softmoe.cli pretrain ...`" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
     line = one_line_error(capsys, ["pretrain", "--config", str(empty),
                                    *pretrain_overrides(shards, tmp_path / "run", "sharding=zero")])
