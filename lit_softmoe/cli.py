@@ -251,6 +251,13 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _gpu_memory(text: str) -> int:
+    """--plan-gpu's size: with its unit (80GB); a bare number, which the byte sizes read as bytes, is refused."""
+    if text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"give the unit: {text.strip()}GB (a bare {text.strip()} is bytes)")
+    return _byte_size(text)
+
+
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", action="store_true",
                         help="print the memory per GPU (weights, gradients, AdamW, activations counted at the "
@@ -258,7 +265,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "train nothing")
     parser.add_argument("--plan-gpus", type=int, default=None, metavar="N",
                         help="with --plan: the GPUs the run would use (default: the launcher's WORLD_SIZE, else 1)")
-    parser.add_argument("--plan-gpu", type=_byte_size, default=None, metavar="SIZE",
+    parser.add_argument("--plan-gpu", type=_gpu_memory, default=None, metavar="SIZE",
                         help="with --plan: the memory of one GPU, e.g. 80GB or 24G (binary units: 80GB = 80 GiB; "
                              "default: this machine's GPU, else 80GB)")
 

@@ -254,6 +254,15 @@ def test_train_plan_prints_and_exits_0(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_gpu_size_without_its_unit_is_refused(capsys):
+    # `--plan-gpu 80` was read as 80 bytes, and every run planned not to fit.
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal: its usage line, then the error's
+        main(["pretrain", "--config", "pretrain/fmnist-soft-tiny", "--plan", "--plan-gpu", "80"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and error.endswith("argument --plan-gpu: give the unit: 80GB (a bare 80 is bytes)")
+    assert main(["pretrain", "--config", "pretrain/fmnist-soft-tiny", "--plan", "--plan-gpu", "80GB"]) == 0
+
+
 def test_plan_flags_without_plan_are_refused(capsys):
     line = one_line_error(capsys, ["pretrain", "--config", "pretrain/fmnist-soft-tiny", "--plan-gpus", "8"])
     assert "--plan-gpus and --plan-gpu go with --plan" in line
