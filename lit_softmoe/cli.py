@@ -119,10 +119,15 @@ def _cmd_embed(args) -> None:
     on_rank_0 = " on rank 0" if summary["world_size"] > 1 else ""
     done = "already there, nothing written" if summary["skipped"] else \
         f"written{processes} in {summary['seconds']:.1f} s " \
-        f"({summary['images_per_second']:.0f} images/s{on_rank_0}{resumed})"
+        f"({_rate(summary['images_per_second'])} images/s{on_rank_0}{resumed})"
     bad = ", ".join(f"{reason}: {count}" for reason, count in summary["bad"].items())
     print(f"{summary['num_samples']} embeddings (dim {summary['dim']}, float16) of {args.shards} at "
           f"{summary['split_dir']}: {done}" + (f"; bad samples skipped ({bad})" if bad else ""))
+
+
+def _rate(per_second: float) -> str:
+    """3,273 or 0.04: whole numbers down to 10 a second, two digits below (a large tower on a CPU)."""
+    return f"{per_second:,.0f}" if per_second >= 10 else f"{per_second:.2g}"
 
 
 def _cmd_upcycle(args) -> None:

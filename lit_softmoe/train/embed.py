@@ -385,7 +385,7 @@ def embed_shards(
             fresh = sum(record["num_samples"] for record in finished[resumed:])
             return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
                     "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
-                    "images_per_second": round(fresh / max(mine_seconds, 1e-9), 1), "bad": seen_and_bad(finished)[2],
+                    "images_per_second": per_second(fresh, mine_seconds), "bad": seen_and_bad(finished)[2],
                     "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
         records = wait_for_shards(work_dir, len(urls), started, lambda found: progress_bar.set_postfix(
             shards=f"{found}/{len(urls)} (all processes)")) if world_size > 1 else \
@@ -413,7 +413,7 @@ def embed_shards(
             "processes": world_size}
 
     write_feature_split(work_dir, split_dir, records, info)
-    rate = round(sum(r["num_samples"] for r in finished[resumed:]) / max(mine_seconds, 1e-9), 1)
+    rate = per_second(sum(r["num_samples"] for r in finished[resumed:]), mine_seconds)
     return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
             "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
             "world_size": world_size, **rates}
@@ -430,6 +430,13 @@ def _choose_compile(setting: str | bool, device: torch.device, images: int | Non
     return True, "auto: a long run on a GPU"
 
 
+def per_second(count: float, seconds: float) -> float:
+    """`count` / `seconds` to one decimal, or to three significant digits below 1: a large tower on a CPU
+    embeds under one image a second, which one decimal rounded to 0."""
+    rate = count / max(seconds, 1e-9)
+    return round(rate, 1) if rate >= 1 else float(f"{rate:.3g}")
+
+
 def _rates(start: float, timing: dict) -> dict:
     """The seconds before the first batch was embedded (hashing and loading the tower, starting the workers,
     their first shards) and the images/s after it: on a large tower and a short run they differ most.
@@ -438,7 +445,7 @@ def _rates(start: float, timing: dict) -> dict:
     if "first_batch" not in timing:
         return {"startup_seconds": None, "steady_images_per_second": None, "steady_waits": None}
     later = time.perf_counter() - timing["first_batch"]
-    steady = round(timing["later_images"] / later, 1) if timing["later_images"] and later > 0 else None
+    steady = per_second(timing["later_images"], later) if timing["later_images"] and later > 0 else None
     waits = {key: round(timing[key] / later, 3) for key in ("waiting_for_pixels", "waiting_for_features", "preparing")}
     return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady,
             "steady_waits": waits if later > 0 else None}

@@ -215,6 +215,22 @@ def test_cli_summary_line_and_missing_tower(cache, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("lit-softmoe embed: error:") and "not a tower checkpoint" in err[0]
 
 
+@pytest.mark.parametrize("images,seconds,shown", [(10_000, 3.0, "3,333 images/s"), (3, 75.0, "0.04 images/s")])
+def test_the_summary_line_shows_slow_rates_too(cache, tmp_path, capsys, monkeypatch, images, seconds, shown):
+    """A large tower on a CPU embeds under one image a second: the rate was rounded to one decimal, then
+    printed whole, as '0 images/s'."""
+    import lit_softmoe.train.embed as embed_module
+    from lit_softmoe.train.embed import per_second
+    rate = per_second(images, seconds)
+    assert rate == pytest.approx(images / seconds, rel=1e-2) and rate > 0
+    summary = {"rank": 0, "world_size": 1, "resumed_shards": 0, "skipped": False, "seconds": seconds,
+               "images_per_second": rate, "bad": {}, "num_samples": images, "dim": 32, "split_dir": "out/test"}
+    monkeypatch.setattr(embed_module, "embed_shards", lambda *args, **kwargs: summary)
+    assert main(["embed", "--tower", str(cache["root"] / "tower"), "--shards", str(cache["root"] / "fmnist" / "test"),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert f"({shown})" in capsys.readouterr().out
+
+
 def test_rewritten_source_shards_are_embedded_again(cache, tmp_path):
     # Same tower, same source path, new data there: the old features must not be kept.
     root = cache["root"]
