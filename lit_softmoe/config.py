@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -284,7 +285,15 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
     if path is not None:
         path = config_path(schema, path)
         try:
+            # The top level as YAML reads it: omegaconf reads a bare string as a key and refuses a number.
+            with open(path, encoding="utf-8") as stream:  # yaml's marks then name the file
+                top = yaml.safe_load(stream)
+            if top is not None and not isinstance(top, dict):
+                raise UserError(f"{path} holds {'a list' if isinstance(top, list) else 'a single value'}, not a "
+                                "mapping of config keys; write `key: value` lines (e.g. `batch_size: 256`)")
             layers.append((OmegaConf.load(path), f" in {path}"))
+        except UserError:
+            raise
         except Exception as err:  # yaml's errors carry line numbers; keep them on one line
             raise UserError(f"cannot parse {path}: {' '.join(str(err).split())}") from None
     for item in overrides:

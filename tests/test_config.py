@@ -340,3 +340,17 @@ def test_augmentation_ranges_are_checked_where_the_config_is_read(override, take
     good = load_config(PretrainConfig, "pretrain/fmnist-soft-tiny",
                        ["data.crop_scale=[0.4,1.0]", "data.randaugment=[]"])
     assert good.data.crop_scale == [0.4, 1.0] and good.data.randaugment == []
+
+
+@pytest.mark.parametrize("text,holds", [("- batch_size: 8\n- steps: 2\n", "a list"),
+                                        ("just a string\n", "a single value"), ("42\n", "a single value")])
+def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys, text, holds):
+    """A YAML list ended in omegaconf's ConfigAttributeError traceback, a bare string in "unknown config key
+    'just a string'" (omegaconf reads it as a key)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    line = one_line_error(capsys, ["pretrain", "--config", str(path)])
+    assert line.endswith(f"{path} holds {holds}, not a mapping of config keys; write `key: value` lines "
+                         "(e.g. `batch_size: 256`)")
+    path.write_text("")  # an empty file is no mistake: the defaults
+    assert load_config(PretrainConfig, path).batch_size == PretrainConfig().batch_size
