@@ -138,7 +138,7 @@ def plan_memory(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -
     # A locked tower runs before the text tower, so its forward's peak and the text side's are not held together
     # (the gradients of earlier micro-batches are, under accumulation).
     frozen = count.frozen_forward * micro
-    peak = ddp_buckets + max(_backward_peak(count, micro, levers, shards, loss_logits),
+    peak = ddp_buckets + max(_backward_peak(count, micro, levers, shards, activations, states, loss_logits),
                              frozen + (states if levers.accum_steps > 1 else 0))
     return MemoryPlan(weights=states + count.frozen_bytes, gradients=states + ddp_buckets,
                       optimizer=count.trainable * _ADAM_BYTES // shards, activations=max(activations, frozen),
@@ -146,18 +146,18 @@ def plan_memory(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -
                       gpus=gpus, micro_batch=micro, levers=levers)
 
 
-def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, loss_logits: int) -> int:
-    """The most that the trained part's activations, its gradients (this GPU's share) and the loss logits hold
-    at once in a step (see the module docstring): the end of the forward (every activation, the loss), then
-    backward at each block from the last to the first (the activations of the blocks before it and its own,
-    the gradients of the blocks after it and its own), then its end (every gradient)."""
+def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, activations: int, gradients: int,
+                   loss_logits: int) -> int:
+    """The most that the trained part's `activations` (the forward's, FSDP's gathered blocks included), its
+    `gradients` (this GPU's share) and the loss logits hold at once in a step (see the module docstring): the
+    end of the forward (every activation, the loss), then backward at each block from the last to the first
+    (the activations of the blocks before it and its own, the gradients of the blocks after it and its own),
+    then its end (every gradient)."""
     fsdp = levers.sharding == "fsdp"
     saved = count.saved
-    gradients = count.trainable * 4 // shards
     gathered = 2 * count.largest_block * count.compute_bytes if fsdp else 0  # under fsdp: held throughout
-    activations = saved.kept(micro, levers.grad_checkpointing, blocks_fixed=not fsdp)
     if levers.accum_steps > 1:  # the first micro-batch's gradients are held through every later one
-        return gathered + activations + loss_logits + gradients
+        return activations + loss_logits + gradients
     blocks = [block.at(micro) if not fsdp else block.per_sample * micro for block in saved.blocks]
     # With checkpointing a block before the one in backward holds its input only; that one, recomputed, its all.
     before = [i.at(micro) for i in saved.block_inputs] if levers.grad_checkpointing else blocks
@@ -166,8 +166,8 @@ def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, l
             for k in range(len(blocks))]
     # The gradients outside the blocks (embeddings, final norm, head) counted at the end only: an embedding's
     # arrives last, and the head's are small.
-    start, end = activations + loss_logits, saved.stem.at(micro) + gradients
-    return gathered + max(start, end, *walk)
+    start, end = activations + loss_logits, gathered + saved.stem.at(micro) + gradients
+    return max(start, end, *(gathered + step for step in walk))
 
 
 def levers_that_fit(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int, current: Levers) -> list[Levers]:
