@@ -5,14 +5,12 @@ A user's mistake raises UserError anywhere below; it is printed here as one line
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
-import warnings
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.utils.atomic import disk_full, naming_full_disk
+from lit_softmoe.utils.atomic import full_disk_message, naming_full_disk
+from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
 from lit_softmoe.utils.distributed import close_process_group, is_main_process
 from lit_softmoe.utils.paths import check_writable
 
@@ -466,43 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _library_warnings_hidden(hidden: bool):
-    """Keep other libraries' warnings (Pillow's, torchvision's, transformers' and accelerate's notices)
-    out of the progress bars and one-line errors while a command runs; lit-softmoe's own warnings and
-    log lines still show. DataLoader workers forked meanwhile inherit the filters."""
-    loggers = [logging.getLogger(name) for name in ("transformers", "huggingface_hub", "accelerate")]
-    levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
-        if hidden:
-            warnings.filterwarnings("ignore")
-            warnings.filterwarnings("default", module=r"lit_softmoe(\.|$)")  # later filters take precedence
-            for logger in loggers:
-                logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
-
-
-def _end_progress_bars() -> None:
-    """Close the progress bars that an error left open (tqdm ends each one's line), so the error's
-    one line starts a line of its own instead of trailing the bar's."""
-    if "tqdm" in sys.modules:  # a command that failed before any bar did not import it
-        from tqdm import tqdm
-        for bar in list(getattr(tqdm, "_instances", ())):
-            bar.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _library_warnings_hidden(not args.verbose):
+        with library_warnings_hidden(not args.verbose):
             args.func(args)
         close_process_group()  # once it ended well: see its docstring
     except UserError as err:
-        _end_progress_bars()
+        end_progress_bars()
         print(f"lit-softmoe {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -513,28 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
     except Exception as err:
-        full = _disk_full(err)
+        full = full_disk_message(err)
         if full is None:
             raise
-        _end_progress_bars()
+        end_progress_bars()
         print(f"lit-softmoe {args.command}: error: {full}", file=sys.stderr)
         return 2
     return 0
-
-
-def _disk_full(err: BaseException) -> str | None:
-    """One line for an error caused by a full disk (or quota), else None. Every writer here writes
-    under a temporary name and renames at the end, so what was cut short leaves nothing a rerun
-    would trust, and the rerun resumes."""
-    for cause in (err, err.__cause__, err.__context__):
-        if cause is None or not disk_full(cause):
-            continue
-        # The writers say which path (utils.atomic.naming_full_disk); a path-less error of another is said without.
-        filename = getattr(cause, "filename", None)
-        where = f" while writing {filename}" if filename else ""
-        return (f"no space left on the device{where}; free some space (or write to another disk) and rerun the "
-                "same command")
-    return None
 
 
 if __name__ == "__main__":

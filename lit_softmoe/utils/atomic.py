@@ -105,6 +105,21 @@ def naming_full_disk(path: str | Path) -> Iterator[None]:
         raise OSError(code, os.strerror(code), str(path)) from err
 
 
+def full_disk_message(err: BaseException) -> str | None:
+    """The CLI's one line for an error caused by a full disk (or quota), else None. Every writer here writes
+    under a temporary name and renames at the end, so what was cut short leaves nothing a rerun
+    would trust, and the rerun resumes."""
+    for cause in (err, err.__cause__, err.__context__):
+        if cause is None or not disk_full(cause):
+            continue
+        # The writers say which path (`naming_full_disk`); a path-less error of another is said without.
+        filename = getattr(cause, "filename", None)
+        where = f" while writing {filename}" if filename else ""
+        return (f"no space left on the device{where}; free some space (or write to another disk) and rerun the "
+                "same command")
+    return None
+
+
 # ---- modes ----------------------------------------------------------------------------------------
 
 def _umask() -> int:
