@@ -36,6 +36,7 @@ from lit_softmoe.models.export_weights import WEIGHTS_FILES, load_export_weights
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+from lit_softmoe.models.timm_tower import fill_computed_buffers
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import (
     TOWER_CONFIG,
@@ -240,6 +241,7 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     state = load_export_weights(path, export_weight_files(path, config))
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
+    fill_computed_buffers(model.image_tower)
     model.lock_image_tower()
     return model.eval()
 
@@ -327,6 +329,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
         state = load_export_weights(source.path, export_weight_files(source.path, config), prefix="image_tower.")
         check_state_dict(tower, state, str(source.path))
         tower.load_state_dict(state, assign=True)
+        fill_computed_buffers(tower)
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"
     elif source.kind == "tower":
         tower, meta = load_tower(source.path)

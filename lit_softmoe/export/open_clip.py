@@ -30,6 +30,7 @@ and image-only exports (open_clip builds pairs; `timm.create_model("local-dir:..
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import torch
@@ -55,18 +56,33 @@ def open_clip_skip_reason(model: LiTModel | None) -> str | None:
         if model.image_tower.cfg.model_args:
             return ("a timm tower built with model arguments (a hub config's): open_clip's timm_model_name takes a "
                     "name alone")
-        if not isinstance(getattr(model.image_tower, "global_pool", None), str):
-            return "a timm model without a named global pooling: open_clip's TimmModel could not pool it alike"
+        if timm_pool(model.image_tower) is None:
+            return ("a timm model whose pooling has no name its constructor takes (`global_pool`): open_clip's "
+                    "TimmModel could not pool it alike")
     elif model.image_tower.cfg.moe_type == "tokens_choice" and model.image_tower.cfg.moe_layers:
         return "a Tokens Choice tower: not registered with timm, whose training loop would drop its balancing loss"
     return None
+
+
+def timm_pool(tower: TimmTower) -> str | None:
+    """The timm model's global pooling as its `global_pool` argument names it (what open_clip's `timm_pool` passes
+    to `timm.create_model`): a ViT's, Swin's or EVA's own string, a CNN's `SelectAdaptivePool2d` type (a ResNet's
+    `global_pool`, a ConvNeXt's `head.global_pool`); None when the model has neither or its class takes no
+    `global_pool` argument."""
+    pool = getattr(tower, "global_pool", None)
+    if not isinstance(pool, str):
+        pool = next((getattr(m, "pool_type", None) for name, m in tower.named_modules()
+                     if name.rpartition(".")[2] == "global_pool"), None)
+    model_class = type(tower).__mro__[2]  # as_tower's class: (TimmTower, the timm model's class)
+    takes = inspect.signature(model_class.__init__).parameters
+    return pool if isinstance(pool, str) and "global_pool" in takes else None
 
 
 def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
     """`open_clip_config.json`: the `model_cfg` that rebuilds `model` and the `preprocess_cfg` of its tower."""
     tower, text_cfg = model.image_tower, model.text_tower.cfg
     if isinstance(tower, TimmTower):  # timm's own model, pooled as it pools (open_clip passes `global_pool`)
-        name, pool = tower.cfg.timm_model_name, tower.global_pool
+        name, pool = tower.cfg.timm_model_name, timm_pool(tower)
         if tower.cfg.model_args:
             raise ValueError("a timm tower built with model_args has no open_clip name")  # open_clip_skip_reason
     else:  # ours: the mean over the tokens after the final norm
@@ -96,14 +112,16 @@ def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
     return config
 
 
-def open_clip_weights(state: dict[str, torch.Tensor], in_channels: int) -> dict[str, dict[str, torch.Tensor]]:
+def open_clip_weights(state: dict[str, torch.Tensor], in_channels: int,
+                      class_head: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """A LiTModel state dict (the export's own key names) as the export's weights files in open_clip's layout:
     {OPEN_CLIP_WEIGHTS: every tensor open_clip's CustomTextCLIP has, under its names, IMAGE_EXTRA_WEIGHTS: the
     rest under ours (left out when there is none)}; each tensor in one file, but a gray tower's patch embedding
-    (its widened form in open_clip's, its own in ours)."""
+    (its widened form in open_clip's, its own in ours). `class_head`: the tower's `head.*` is our pretraining
+    class head (a timm tower, built without a classifier, may keep pre-logits layers there: ConvNeXt's norm)."""
     theirs, extra = {}, {}
     for key, value in state.items():
-        if key.startswith("image_tower.head."):
+        if class_head and key.startswith("image_tower.head."):
             extra[key] = value  # the pretraining class head: open_clip's trunk is built without one
             continue
         if key == "image_tower.patch_embed.weight" and in_channels == 1:

@@ -77,7 +77,7 @@ from lit_softmoe.model_folders import (
 )
 from lit_softmoe.models.export_weights import OPEN_CLIP, OPEN_CLIP_WEIGHTS, OURS
 from lit_softmoe.models.timm_config import timm_hub_keys
-from lit_softmoe.models.timm_tower import is_timm_tower_config
+from lit_softmoe.models.timm_tower import TimmTower, is_timm_tower_config
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.models.vit import VisionTransformer
@@ -203,7 +203,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                            else {"skipped": skip_open_clip})
     # One copy of the weights (models.export_weights): open_clip's file when open_clip can load the pair, else ours.
     if skip_open_clip is None:
-        weights = open_clip_weights(state, tower.cfg.in_channels)
+        weights = open_clip_weights(state, tower.cfg.in_channels, class_head=not isinstance(tower, TimmTower))
         config["weights"] = {name: OPEN_CLIP if name == OPEN_CLIP_WEIGHTS else OURS for name in weights}
     else:
         weights = {IMAGE_WEIGHTS: image_state, **({TEXT_WEIGHTS: text_state} if model is not None else {})}

@@ -23,16 +23,11 @@ from torch import nn
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.text import TextTower
+from lit_softmoe.models.tower_layers import check_unlockable
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.hashing import weights_sha256
 
 LOSSES = ("softmax", "sigmoid")
-
-
-def final_norms(tower: nn.Module) -> list[nn.Module]:
-    """The norms after an image tower's blocks, which train with its unlocked blocks: `norm`, and a timm ViT's
-    `fc_norm` (after average pooling)."""
-    return [module for name in ("norm", "fc_norm") if isinstance(module := getattr(tower, name, None), nn.Module)]
 
 
 class LiTModel(nn.Module):
@@ -67,9 +62,10 @@ class LiTModel(nn.Module):
                             f"got {temperature_init:g}")
         if text_unlocked_layers and not text_locked:
             raise UserError(f"text_unlocked_layers={text_unlocked_layers} needs text_locked (set text.locked=true)")
-        if image_tower is not None and not 0 <= unlocked_blocks <= len(image_tower.blocks):
-            raise UserError(f"unlocked_blocks={unlocked_blocks} but the image tower has "
-                            f"{len(image_tower.blocks)} blocks")
+        # Which parameters train: the tower's last blocks by its own layer numbering (timm's group_matcher),
+        # whatever its layout (a ViT's blocks, a ResNet's stages, a Swin's layers).
+        layers = check_unlockable(image_tower, unlocked_blocks) if image_tower is not None else None
+        self.unlocked_image_names = layers.unlocked(unlocked_blocks) if layers is not None else set()
         self.image_tower = image_tower
         self.text_tower = text_tower
         self.loss = loss
@@ -92,16 +88,12 @@ class LiTModel(nn.Module):
     # ---- locking ------------------------------------------------------------------------------
 
     def lock_image_tower(self) -> None:
-        """No gradient to the tower except its last `unlocked_blocks` blocks (+ the final norm then)."""
+        """No gradient to the tower except its last `unlocked_blocks` blocks and what runs after them (a final
+        norm, an attention pool: left frozen, they would pin the unlocked blocks' output; models.tower_layers)."""
         if self.image_tower is None:
             return
-        self.image_tower.requires_grad_(False)
-        if self.unlocked_blocks:
-            for block in self.image_tower.blocks[-self.unlocked_blocks:]:
-                block.requires_grad_(True)
-            # The final norm sits after the unlocked blocks: leaving it frozen would pin their output scale.
-            for norm in final_norms(self.image_tower):
-                norm.requires_grad_(True)
+        for name, param in self.image_tower.named_parameters():
+            param.requires_grad_(name in self.unlocked_image_names)
         self.image_tower.eval()
 
     def lock_text_tower(self) -> None:

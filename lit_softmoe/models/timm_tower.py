@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from lit_softmoe.errors import UserError, first_line
+from lit_softmoe.models.tower_layers import tower_layers
 from lit_softmoe.utils.paths import cache_root
 
 TIMM_PREFIX = "timm:"
@@ -50,7 +52,7 @@ class TimmTowerConfig:
     timm_model_name: str  # timm's architecture, e.g. vit_tiny_patch16_224
     image_size: int
     in_channels: int
-    width: int  # the pooled features' size: timm's num_features
+    width: int  # the pre-logits features' size: timm's head_hidden_size
     model_args: dict = field(default_factory=dict)  # keywords the model was built with (a hub config's)
 
     def to_dict(self) -> dict:
@@ -70,9 +72,10 @@ class TimmTower:
     into the modules it shards: the model's parameters keep their names (its state dict is timm's, in the
     tower folder and under `image_tower.` in a pair), and everything else it offers is untouched.
 
-    What LiT and embed use of a tower beyond timm's own `blocks`, `norm`, `set_grad_checkpointing` and
-    `no_weight_decay`: `cfg` (image_size, in_channels, width), `embed_dim` and `forward_pooled`, the
-    pre-logits features (B, width)."""
+    What LiT, embed and the memory plan use of a tower, answered from timm's own API so that no layout is
+    assumed (a ViT's `blocks`, a ResNet's `layer1`, a Swin's `layers`): `cfg` (image_size, in_channels, width),
+    `embed_dim`, `forward_pooled` (the pre-logits features (B, width): the model's own pooling and norm),
+    `layer_ids` (from `group_matcher`, see models.tower_layers) and `no_weight_decay`."""
     cfg: TimmTowerConfig
 
     @property
@@ -81,6 +84,19 @@ class TimmTower:
 
     def forward_pooled(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x), pre_logits=True)  # (B, width)
+
+    def layer_ids(self) -> dict[str, int]:
+        """Each parameter's layer, as timm's `param_groups_layer_decay` numbers them (`models.tower_layers`)."""
+        return tower_layers(self).layer_ids
+
+    def no_weight_decay(self) -> set[str]:
+        """timm's rule (`param_groups_weight_decay`): every parameter of at most one dimension (biases, norms)
+        and those the model's own `no_weight_decay` names, where it has one (names or fnmatch patterns, as
+        timm matches them)."""
+        own = getattr(super(), "no_weight_decay", None)
+        patterns = set(own()) if own is not None else set()
+        return {name for name, p in self.named_parameters()
+                if p.ndim <= 1 or any(fnmatch(name, pattern) for pattern in patterns)}
 
 
 _TOWER_CLASSES: dict[type, type] = {}
@@ -97,12 +113,44 @@ def as_tower(model: nn.Module, cfg: TimmTowerConfig) -> nn.Module:
 
 
 def build_timm_tower(cfg: TimmTowerConfig, device="meta") -> nn.Module:
-    """The tower of `cfg` without weights (on the meta device by default: no memory, no download)."""
+    """The tower of `cfg` without weights (on the meta device by default: no memory, no download). Buffers
+    computed from the config rather than stored (relative-position indices, rotary tables) stay on the meta
+    device until `fill_computed_buffers` after loading."""
     import timm
 
     with torch.device(device):
         model = timm.create_model(cfg.timm_model_name, pretrained=False, num_classes=0, **cfg.model_args)
     return as_tower(model, cfg)
+
+
+def fill_computed_buffers(model: nn.Module) -> nn.Module:
+    """After a tower built on the meta device was loaded (`load_state_dict(assign=True)`): the buffers no state
+    dict holds (non-persistent: Swin's relative-position indices, EVA's rotary tables) are made on the device of
+    the weights and computed as timm computes them after a load (`init_non_persistent_buffers`); one that no
+    such hook fills is taken from the tower built on that device (a timm tower's `cfg` says how)."""
+    empty = {name for name, buffer in model.named_buffers() if buffer.is_meta}
+    if not empty:
+        return model
+    device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta), torch.device("cpu"))
+    for name in empty:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module.register_buffer(attr, torch.empty_like(getattr(module, attr), device=device), persistent=False)
+    for module in model.modules():
+        if hasattr(module, "init_non_persistent_buffers"):
+            module.init_non_persistent_buffers()
+    hooked = {f"{prefix}.{name}".lstrip(".") for prefix, module in model.named_modules()
+              if hasattr(module, "init_non_persistent_buffers") for name, _ in module.named_buffers(recurse=False)}
+    unfilled = empty - hooked
+    if unfilled:
+        cfg = getattr(model, "cfg", None)
+        if not isinstance(cfg, TimmTowerConfig):
+            raise ValueError(f"buffers {sorted(unfilled)[:3]} have no values and no config to compute them from")
+        built = dict(build_timm_tower(cfg, device=device).named_buffers())
+        for name in unfilled:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, built[name])
+    return model
 
 
 def parse_timm_spec(spec: str) -> tuple[str, str | None]:
@@ -160,14 +208,23 @@ def materialize(spec: str) -> Path:
     folder = folder_for(spec)
     if (folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file():
         return folder
-    model, architecture, model_args = _pretrained_model(spec)
+    # timm initializes the model randomly before loading its weights: under fork_rng, a run that writes the
+    # folder draws the same random numbers afterwards (its text tower's init) as a run that finds it written.
+    with torch.random.fork_rng(devices=[]):
+        model, architecture, model_args = _pretrained_model(spec)
     data = _data_config(model)
     channels, size, _ = data["input_size"]
     cfg = TimmTowerConfig(timm_model_name=architecture, image_size=int(size), in_channels=int(channels),
-                          width=int(model.num_features), model_args=model_args)
+                          width=_pooled_width(model), model_args=model_args)
     preprocess = {"image_size": int(size), "mean": list(data["mean"]), "std": list(data["std"])}
     save_timm_tower(folder, as_tower(model, cfg), extra={"preprocess": preprocess, "source": spec})
     return folder
+
+
+def _pooled_width(model: nn.Module) -> int:
+    """The size of the pre-logits features: timm's `head_hidden_size` (a pre-logits MLP's width where the model
+    has one, as ConvNeXt's and MobileNetV3's heads may), else `num_features`."""
+    return int(getattr(model, "head_hidden_size", None) or model.num_features)
 
 
 def _data_config(model: nn.Module) -> dict:
@@ -186,5 +243,5 @@ def timm_hub_config(tower: TimmTower, preprocess: dict) -> dict:
     cfg.pop("file", None)  # a local path: not part of what the folder is
     for key in ("url", "hf_hub_id", "hf_hub_filename"):
         cfg.pop(key, None)
-    return {"architecture": tower.cfg.timm_model_name, "num_classes": 0, "num_features": tower.cfg.width,
+    return {"architecture": tower.cfg.timm_model_name, "num_classes": 0, "num_features": tower.num_features,
             "pretrained_cfg": json.loads(json.dumps(cfg, default=list)), "model_args": tower.cfg.model_args}

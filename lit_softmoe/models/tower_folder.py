@@ -29,6 +29,7 @@ from lit_softmoe.models.timm_tower import (
     TimmTower,
     TimmTowerConfig,
     build_timm_tower,
+    fill_computed_buffers,
     is_timm_spec,
     is_timm_tower_config,
     materialize,
@@ -166,12 +167,12 @@ def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
     state = load_weights(path / TOWER_WEIGHTS, device, dtype)
     check_state_dict(tower, state, str(path / TOWER_WEIGHTS))
     tower.load_state_dict(state, assign=True)
-    return tower, meta
+    return fill_computed_buffers(tower), meta
 
 
 def tower_skeleton(tower_cfg: dict | None, path: str | Path = "the tower folder") -> VisionTransformer | TimmTower:
     """The tower a config.json's "tower" entry describes (ours, or a timm model's), on the meta device (no
-    memory, no weights)."""
+    memory, no weights); after loading its weights, `fill_computed_buffers` gives it the buffers they lack."""
     try:
         if is_timm_tower_config(tower_cfg):
             return build_timm_tower(TimmTowerConfig.from_dict(tower_cfg))

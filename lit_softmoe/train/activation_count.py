@@ -102,16 +102,20 @@ def largest_module_list(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=nn.ModuleList())
 
 
-def count_saved_bytes(model: nn.Module, step: Step, dtype: torch.dtype | None) -> SavedBytes:
+def count_saved_bytes(model: nn.Module, step: Step, dtype: torch.dtype | None,
+                      blocks: list[list[nn.Module]] | None = None) -> SavedBytes:
     """What `step(model, batch)` keeps for backward, by part, under CUDA autocast to `dtype` (None: fp32).
 
     `model`: built on the meta device (no weights allocated, no init), its trainable parameters with
-    requires_grad and the rest without; it moves to the fake GPU here, so it is spent after the count."""
+    requires_grad and the rest without; it moves to the fake GPU here, so it is spent after the count.
+    `blocks`: the modules of each block, in the order they run (a timm tower's layers, `models.tower_layers`);
+    None: each entry of the model's largest ModuleList."""
+    blocks = blocks if blocks is not None else [[block] for block in largest_module_list(model)]
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cuda")
         # At 8 and 16 rather than 1 and 2 (shapes cost nothing): the sparse routers round their capacity up to a
         # multiple of 4, which a larger batch makes a smaller part of the slope.
-        at_8, at_16 = (_count(model, step, batch, dtype) for batch in (_FIT_BATCH, 2 * _FIT_BATCH))
+        at_8, at_16 = (_count(model, step, batch, dtype, blocks) for batch in (_FIT_BATCH, 2 * _FIT_BATCH))
     (stem_8, blocks_8, inputs_8, head_8), (stem_16, blocks_16, inputs_16, head_16) = at_8, at_16
     return SavedBytes(stem=Bytes.fit(stem_8, stem_16, _FIT_BATCH),
                       blocks=tuple(Bytes.fit(a, b, _FIT_BATCH) for a, b in zip(blocks_8, blocks_16)),
@@ -187,9 +191,10 @@ def count_pair_bytes(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     return PairBytes(fixed=c1 - per_row - per_pair, per_row=per_row, per_pair=per_pair)
 
 
-def _count(model: nn.Module, step: Step, batch: int, dtype: torch.dtype | None):
-    """(stem, [block], [block input], head) bytes kept by one `step` at `batch`."""
-    blocks = largest_module_list(model)
+def _count(model: nn.Module, step: Step, batch: int, dtype: torch.dtype | None,
+           blocks: list[list[nn.Module]] = ()):
+    """(stem, [block], [block input], head) bytes kept by one `step` at `batch`; a block runs its modules in
+    turn, and its input is its first module's."""
     weights = {StorageWeakRef(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
     seen: set[StorageWeakRef] = set()
     where = ["stem"]  # the part running now: "stem", a block index, then "head"
@@ -198,8 +203,9 @@ def _count(model: nn.Module, step: Step, batch: int, dtype: torch.dtype | None):
 
     def enter(i):
         def hook(_, args):
+            if not inputs[i]:  # the block's first module
+                inputs[i] = args[0].untyped_storage().nbytes()
             where[0] = i
-            inputs[i] = args[0].untyped_storage().nbytes()
         return hook
 
     def leave(*_):
@@ -213,8 +219,8 @@ def _count(model: nn.Module, step: Step, batch: int, dtype: torch.dtype | None):
             saved[where[0]] += storage.nbytes()
         return t  # kept alive by the graph until the count ends: no storage is freed and its id reused
 
-    handles = [h for i, block in enumerate(blocks)
-               for h in (block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave))]
+    handles = [h for i, modules in enumerate(blocks) for module in modules
+               for h in (module.register_forward_pre_hook(enter(i)), module.register_forward_hook(leave))]
     try:
         with _cuda_autocast(dtype), _GpuAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step(model, batch)

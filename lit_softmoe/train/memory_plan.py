@@ -40,10 +40,11 @@ from lit_softmoe.config import LiTConfig, PretrainConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import is_feature_cache
 from lit_softmoe.data.shards import dataset_dir, read_classnames_file
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.lit import LiTModel, final_norms
+from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tower_folder import read_tower_meta, tower_skeleton
+from lit_softmoe.models.tower_layers import check_unlockable, modules_of
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.activation_count import (
     Bytes,
@@ -260,16 +261,24 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
     input_bytes = (_image_bytes(tower_cfg) if on_images else tower_cfg.width * 4) + text.text_tower.context_length * 8
     unlocked = (0, 0)
     frozen_forward = 0
-    if cfg.unlocked_blocks:  # the last blocks and the final norm train in fp32
-        tower_saved = count_saved_bytes(tower, _pooled_step, dtype)  # spent: its parameters give their sizes only
-        unlocked = _unlocked_part(tower, cfg.unlocked_blocks)
+    if cfg.unlocked_blocks:  # the last blocks and what runs after them train in fp32
+        layers = check_unlockable(tower, cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
+        last = [layers.block_parameters(i) for i in range(-n, 0)]  # each unlocked block's parameters
+        tower.requires_grad_(False)
+        for name, param in tower.named_parameters():
+            param.requires_grad_(name in layers.unlocked(n))
+        sizes = {name: p.numel() for name, p in tower.named_parameters()}
+        block_sizes = [sum(sizes[name] for name in block) for block in last]
+        unlocked = (sum(sizes[name] for name in layers.unlocked(n)), max(block_sizes))
+        blocks = [modules_of(tower, block) for block in last]
+        tower_saved = count_saved_bytes(tower, _pooled_step, dtype, blocks)  # spent: only sizes are read after
         # The tower runs first: its unlocked blocks come before the text tower's in the order blocks run.
-        saved = SavedBytes(stem=saved.stem, blocks=tower_saved.blocks[-n:] + saved.blocks,
-                           block_inputs=tower_saved.block_inputs[-n:] + saved.block_inputs,
+        saved = SavedBytes(stem=saved.stem, blocks=tower_saved.blocks + saved.blocks,
+                           block_inputs=tower_saved.block_inputs + saved.block_inputs,
                            head=Bytes(saved.head.fixed + tower_saved.head.fixed,
                                       saved.head.per_sample + tower_saved.head.per_sample))
-        block_params = tuple(sum(p.numel() for p in block.parameters()) for block in tower.blocks[-n:]) + block_params
+        block_params = tuple(block_sizes) + block_params
         trainable, largest = trainable + unlocked[0], max(largest, unlocked[1])
     elif on_images:  # locked, it runs without a graph: what its tensors hold at once, at most (its input aside)
         tower.to(dtype or torch.float32)  # held in the dtype it runs in (`LiTModel.hold_locked_image_in`)
@@ -340,15 +349,6 @@ def _pooled_step(tower: VisionTransformer, batch: int) -> torch.Tensor:
     cfg = tower.cfg
     return tower.forward_pooled(torch.empty(batch, cfg.in_channels, cfg.image_size, cfg.image_size,
                                             device="cuda")).float().sum()
-
-
-def _unlocked_part(tower: torch.nn.Module, unlocked_blocks: int) -> tuple[int, int]:
-    """(parameters that train, the largest block's) when the tower's last `unlocked_blocks` blocks train (and
-    its final norms, `models.lit.final_norms`)."""
-    blocks = tower.blocks[-unlocked_blocks:]
-    sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    norms = sum(p.numel() for norm in final_norms(tower) for p in norm.parameters())
-    return sum(sizes) + norms, max(sizes)
 
 
 # ---- a config's plan: what --plan prints and what a recipe checks at its start ---------------------------

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.tower_layers import modules_of, tower_layers
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.distributed import in_process_group
 
@@ -115,8 +116,10 @@ def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
     locked = set(model.locked_image_parameters().values())  # whole on every process, never sharded
     _scalars_as_vectors(model, keep=locked)
     units = list(model.text_tower.blocks())
-    if model.unlocked_blocks:
-        units += list(model.image_tower.blocks[-model.unlocked_blocks:])
+    if model.unlocked_blocks:  # each unlocked block by the tower's own layer numbering: its modules, one unit
+        layers = tower_layers(model.image_tower)
+        units += [modules_of(model.image_tower, layers.block_parameters(i))
+                  for i in range(-model.unlocked_blocks, 0)]
     for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh, ignored_params=locked or None)

@@ -125,3 +125,18 @@ def test_the_memory_plan_counts_a_timm_tower(cache, tmp_path):
     assert unlocked.trainable - locked.trainable == last
     assert unlocked.frozen_bytes == (tower_params - last) * 2  # the locked rest is held in bf16 too
     assert len(unlocked.saved.blocks) == len(locked.saved.blocks) + 1  # the unlocked block keeps activations
+
+
+def test_writing_the_cache_folder_draws_no_random_numbers(cache, tmp_path):
+    """timm initializes a model randomly before loading its checkpoint: the run that writes the tower folder
+    must go on with the random numbers a run that finds it written gets (its text tower's init), or its
+    results would depend on the cache being warm."""
+    _checkpoint(tmp_path / "vit.safetensors")
+    spec = f"timm:test_vit?file={tmp_path / 'vit.safetensors'}"
+    draws = []
+    for _ in ("cold", "warm"):
+        torch.manual_seed(0)
+        load_tower(spec)
+        draws.append(torch.rand(4))
+    assert len(list((cache / "towers" / "timm").iterdir())) == 1
+    assert torch.equal(draws[0], draws[1])

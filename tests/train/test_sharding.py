@@ -25,6 +25,7 @@ from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.models.tower_layers import modules_of, tower_layers
 from lit_softmoe.train.checkpoint import DamagedCheckpoint
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
@@ -49,6 +50,7 @@ from sharded_runs import (
     write_sharded_lit_data,
 )
 from shared_builds import built_once
+from timm_families import TIMM_FAMILIES, random_timm_tower
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +400,60 @@ def test_sharded_lit_model_shards_what_trains_and_shares_the_locked_tower(one_pr
     pixels = torch.randn(2, 1, 28, 28)
     for a, b in zip(plain(pixels, ids[:2]), model(pixels, ids[:2])):
         assert torch.allclose(a, b.reshape(a.shape), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", TIMM_FAMILIES)
+def test_a_timm_towers_unlocked_layer_group_is_one_unit_of_the_sharded_model(one_process_group, family):
+    """Any timm layout (a ResNet stage's block, EfficientNet's last block with conv_head and bn2, a Swin
+    block, an attention pool): the last layer group's modules shard as one unit, the locked rest stays
+    whole, and the sharded model steps and gathers as the plain one."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    tower = random_timm_tower(TIMM_FAMILIES[family])
+    text = create_text_tower(TextTowerConfig(width=32, layers=1, heads=2, context_length=16), embed_dim=tower.embed_dim)
+    model = LiTModel(tower, text, unlocked_blocks=1)
+    before = {name: p.detach().clone() for name, p in tower.named_parameters()}
+    plain = plain_copy(model)
+    shard_lit_model(model, torch.device("cpu"))
+    layers = tower_layers(tower)
+    for module in modules_of(tower, layers.block_parameters(-1)):
+        assert isinstance(module, FSDPModule)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) == param.requires_grad, name
+        assert param.requires_grad == (name.removeprefix("image_tower.") in layers.unlocked(1)
+                                       or not name.startswith("image_tower.")), name
+    size = tower.cfg.image_size
+    pixels, ids = torch.randn(2, 3, size, size), torch.randint(1, 100, (2, 16))
+    zimg, ztxt, scale = model(pixels, ids)
+    (-(zimg * ztxt).sum() * scale).backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    gather_into(plain, model)
+    for a, b in zip(plain(pixels, ids), model(pixels, ids)):
+        assert torch.allclose(a, b.reshape(a.shape), atol=1e-5)
+    after = dict(plain.image_tower.named_parameters())
+    assert any(not torch.equal(after[name], before[name]) for name in layers.block_parameters(-1))
+    assert all(torch.equal(after[name], before[name]) for name in set(before) - layers.unlocked(1))
+
+
+@pytest.mark.slow
+def test_fsdp_lit_with_an_unlocked_timm_cnn_block_equals_one_process(lit_data, tmp_path, monkeypatch):
+    """An EfficientNet (BatchNorm, its last layer group three modules: a block, conv_head, bn2) as the tower,
+    its last group sharded over two processes: the one-process run's curve and weights."""
+    import timm
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("LIT_SOFTMOE_CACHE", str(tmp_path / "cache"))  # both processes write the tower folder
+    torch.manual_seed(0)
+    save_file(timm.create_model("test_efficientnet").state_dict(), tmp_path / "weights.safetensors")
+    spec = f"image_tower=timm:test_efficientnet?file={tmp_path / 'weights.safetensors'}"
+    one = tmp_path / "one"
+    train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, one, spec, "unlocked_blocks=1")))
+    two = tmp_path / "two"
+    launch_lit(lit_data, two, spec, "unlocked_blocks=1")
+    _assert_lit_follows(one, two)
+    trained = lit_results(two)[2]
+    assert "image_tower.conv_head.weight" in trained and "image_tower.conv_stem.weight" not in trained
 
 
 def test_sharded_lit_checkpoint_leaves_the_locked_tower_out_and_restores_the_rest(one_process_group, tmp_path):
