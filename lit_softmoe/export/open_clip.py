@@ -66,16 +66,28 @@ def open_clip_skip_reason(model: LiTModel | None) -> str | None:
 
 def timm_pool(tower: TimmTower) -> str | None:
     """The timm model's global pooling as its `global_pool` argument names it (what open_clip's `timm_pool` passes
-    to `timm.create_model`): a ViT's, Swin's or EVA's own string, a CNN's `SelectAdaptivePool2d` type (a ResNet's
-    `global_pool`, a ConvNeXt's `head.global_pool`); None when the model has neither or its class takes no
-    `global_pool` argument."""
+    to `timm.create_model`): the model's own string (a ViT, Swin, EVA), else the `pool_type` of its pooling
+    module (a ResNet's `global_pool`, a ConvNeXt's `head.global_pool`, a MambaOut's `head`); None when it has
+    none of these or its class takes no `global_pool` argument."""
     pool = getattr(tower, "global_pool", None)
     if not isinstance(pool, str):
-        pool = next((getattr(m, "pool_type", None) for name, m in tower.named_modules()
-                     if name.rpartition(".")[2] == "global_pool"), None)
-    model_class = type(tower).__mro__[2]  # as_tower's class: (TimmTower, the timm model's class)
-    takes = inspect.signature(model_class.__init__).parameters
-    return pool if isinstance(pool, str) and "global_pool" in takes else None
+        pools = (getattr(m, "pool_type", None) for name, m in tower.named_modules()
+                 if name.rpartition(".")[2] in ("global_pool", "head"))
+        pool = next((p for p in pools if isinstance(p, str)), None)
+    return pool if isinstance(pool, str) and _takes_global_pool(type(tower).__mro__[2]) else None
+
+
+def _takes_global_pool(model_class: type) -> bool:
+    """Whether the class (or, where it passes its arguments on as *args/**kwargs, its base) takes `global_pool`."""
+    for cls in model_class.__mro__:
+        if cls is torch.nn.Module or "__init__" not in vars(cls):
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        if "global_pool" in params:
+            return True
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
 
 
 def open_clip_config(model: LiTModel, preprocess: dict) -> dict:

@@ -10,7 +10,7 @@ come from, as `timm.create_model` takes them:
     timm:vit_tiny_patch16_224?file=/data/vit_tiny.safetensors   a local checkpoint (timm's
                                                   `pretrained_cfg_overlay=dict(file=...)`)
 
-The first use writes the model into a tower folder in the cache (`materialize`): timm's own hub
+The first use writes the model into a tower folder in the cache (`models.tower_folder`): timm's own hub
 layout (`config.json` with "architecture", "num_classes", "pretrained_cfg", "model_args", and the
 model's `model.safetensors`), plus our "tower" and "preprocess" entries. Every later step (the
 feature cache and its fingerprint, LiT, eval, export, `load_pretrained`) reads that folder as it
@@ -200,16 +200,11 @@ def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:
     return model.eval(), architecture.split(".")[0], model_args
 
 
-def materialize(spec: str) -> Path:
-    """The tower folder of `spec`, written into the cache on first use (atomically: two processes that
-    race write the same folder, and the second keeps the first's)."""
-    from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS, save_timm_tower
-
-    folder = folder_for(spec)
-    if (folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file():
-        return folder
-    # timm initializes the model randomly before loading its weights: under fork_rng, a run that writes the
-    # folder draws the same random numbers afterwards (its text tower's init) as a run that finds it written.
+def pretrained_timm_tower(spec: str) -> tuple[nn.Module, dict]:
+    """The tower `spec` names, with its weights (timm's download or the local file), and its preprocessing
+    {"image_size", "mean", "std"} from timm's data config. timm initializes the model randomly before loading
+    the weights: under fork_rng, so that the caller's random numbers afterwards (a LiT run's text tower init)
+    are those it would draw had the tower come from a folder instead."""
     with torch.random.fork_rng(devices=[]):
         model, architecture, model_args = _pretrained_model(spec)
     data = _data_config(model)
@@ -217,8 +212,7 @@ def materialize(spec: str) -> Path:
     cfg = TimmTowerConfig(timm_model_name=architecture, image_size=int(size), in_channels=int(channels),
                           width=_pooled_width(model), model_args=model_args)
     preprocess = {"image_size": int(size), "mean": list(data["mean"]), "std": list(data["std"])}
-    save_timm_tower(folder, as_tower(model, cfg), extra={"preprocess": preprocess, "source": spec})
-    return folder
+    return as_tower(model, cfg), preprocess
 
 
 def _pooled_width(model: nn.Module) -> int:

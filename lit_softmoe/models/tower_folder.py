@@ -30,9 +30,10 @@ from lit_softmoe.models.timm_tower import (
     TimmTowerConfig,
     build_timm_tower,
     fill_computed_buffers,
+    folder_for,
     is_timm_spec,
     is_timm_tower_config,
-    materialize,
+    pretrained_timm_tower,
     timm_hub_config,
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
@@ -59,22 +60,15 @@ def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = (
     return state
 
 
-def save_tower(out_dir: str | Path, tower: VisionTransformer, extra: dict | None = None) -> Path:
-    """Save a tower as safetensors + config.json (tower config under "tower", plus `extra`)."""
+def save_tower(out_dir: str | Path, tower: VisionTransformer | TimmTower, extra: dict | None = None) -> Path:
+    """Save a tower (ours or a timm model's) as safetensors + config.json: its config under "tower", `extra`
+    (which a timm tower's must give "preprocess"), and timm's hub keys, so that timm's `local-dir:` builds it."""
     extra = extra or {}
-    meta = {"tower": tower.cfg.to_dict(), **extra, **timm_hub_keys(tower.cfg, extra.get("preprocess"))}
-
-    def write(tmp: Path):
-        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)
-        (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-
-    return write_folder_atomically(out_dir, write)
-
-
-def save_timm_tower(out_dir: str | Path, tower: TimmTower, extra: dict) -> Path:
-    """Save a timm tower as timm's own hub folder (its weights, timm's config keys) plus our "tower" and
-    `extra` (which must hold "preprocess")."""
-    meta = {"tower": tower.cfg.to_dict(), **extra, **timm_hub_config(tower, extra["preprocess"])}
+    if isinstance(tower, TimmTower):
+        hub_keys = timm_hub_config(tower, extra["preprocess"])
+    else:
+        hub_keys = timm_hub_keys(tower.cfg, extra.get("preprocess"))
+    meta = {"tower": tower.cfg.to_dict(), **extra, **hub_keys}
 
     def write(tmp: Path):
         save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)
@@ -86,7 +80,17 @@ def save_timm_tower(out_dir: str | Path, tower: TimmTower, extra: dict) -> Path:
 def tower_folder(path: str | Path) -> Path:
     """The folder a tower setting names: a folder as given, or a `timm:` spec's cached folder (written
     on first use)."""
-    return materialize(path) if is_timm_spec(path) else Path(path)
+    return _timm_folder(path) if is_timm_spec(path) else Path(path)
+
+
+def _timm_folder(spec: str) -> Path:
+    """The tower folder of a `timm:` spec, written into the cache on first use (atomically: two processes that
+    race write the same folder, and the second keeps the first's)."""
+    folder = folder_for(spec)
+    if not ((folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file()):
+        tower, preprocess = pretrained_timm_tower(spec)
+        save_tower(folder, tower, extra={"preprocess": preprocess, "source": spec})
+    return folder
 
 
 def update_tower_meta(tower_dir: str | Path, updates: dict) -> None:

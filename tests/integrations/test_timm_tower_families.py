@@ -35,9 +35,9 @@ TEXT = ["text.width=32", "text.layers=1", "text.heads=2", "precision=fp32", "log
 
 @pytest.fixture(scope="module")
 def fmnist(tmp_path_factory):
-    """32 train and 32 test Fashion-MNIST images, in shards of 16."""
+    """16 train and 16 test Fashion-MNIST images, in shards of 8."""
     return built_once(tmp_path_factory, "timm-families-fmnist", lambda root: write_fashion_mnist_shards(
-        root, samples_per_shard=16, limit=32, allow_download=False))
+        root, samples_per_shard=8, limit=16, allow_download=False))
 
 
 _STOCK_OPEN_CLIP = textwrap.dedent("""
@@ -80,19 +80,19 @@ def test_a_timm_tower_of_each_family_goes_the_whole_path(family, fmnist, tmp_pat
     features = tmp_path / "features"
     for split in ("train", "test"):
         assert main(["embed", "--tower", spec, "--shards", str(fmnist / split), "--out", str(features),
-                     "--batch-size", "32", "--workers", "0"]) == 0
+                     "--batch-size", "16", "--workers", "0"]) == 0
     run = tmp_path / "run"
     train_lit(load_config(LiTConfig, None, [
         f"run_dir={run}", f"image_tower={spec}", f"data.train={features / 'train'}",
-        f"eval.shards={features / 'test'}", "batch_size=16", "steps=4", "optim.lr=3e-3", "optim.warmup=1", *TEXT]))
+        f"eval.shards={features / 'test'}", "batch_size=8", "steps=4", "optim.lr=3e-3", "optim.warmup=1", *TEXT]))
     results = json.loads((run / "results.json").read_text())
     export_pair(run, tmp_path / "export")
 
     # Our eval of the export on the images scores as the run's eval on the cached features did.
-    suite = EvalSuiteConfig(name="families", workers=0, batch_size=32, cache_dir=str(tmp_path / "eval-cache"),
+    suite = EvalSuiteConfig(name="families", workers=0, batch_size=16, cache_dir=str(tmp_path / "eval-cache"),
                             benchmarks=[BenchmarkConfig(name="fashion-mnist", root=str(fmnist))])
     ours = run_suite(tmp_path / "export", suite, out=tmp_path / "eval.json")["results"][0]
-    assert ours["status"] == "ok" and ours["num_samples"] == 32
+    assert ours["status"] == "ok" and ours["num_samples"] == 16
     assert ours["metrics"]["top1"] == pytest.approx(results["zeroshot_top1"], abs=1e-6)
 
     # Stock open_clip, without our package, gives our embeddings.
@@ -112,7 +112,7 @@ def test_a_timm_tower_of_each_family_goes_the_whole_path(family, fmnist, tmp_pat
     # The last block (and what runs after it) trains on the images; the rest of the tower stays as it was.
     unlocked_run = tmp_path / "unlocked"
     overrides = [f"run_dir={unlocked_run}", f"image_tower={spec}", f"data.train={fmnist / 'train'}",
-                 "eval.shards=", "unlocked_blocks=1", "batch_size=16", "steps=2", "optim.lr=1e-2", "optim.warmup=1",
+                 "eval.shards=", "unlocked_blocks=1", "batch_size=8", "steps=2", "optim.lr=1e-2", "optim.warmup=1",
                  *TEXT]
     cfg = load_config(LiTConfig, None, overrides)
     layers = tower_layers(tower)
