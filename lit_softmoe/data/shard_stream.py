@@ -7,12 +7,14 @@ resampled draws), tar → samples, the seeded sample shuffle buffer, decode, bat
 `pipelines` draws them and says what differs from open_clip. A worker counts the samples and shards
 it skips (`_StreamCounter`) and sends what changed along with each batch, under `REPORT_KEY`;
 `pipelines.ShardLoader` adds the reports up in the main process and checks the bad fraction.
+`ShardDataConfig`, what both halves read, lives here, below the loader (`pipelines` re-exports it).
 """
 from __future__ import annotations
 
 import itertools
 import random
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import webdataset as wds
@@ -22,8 +24,31 @@ from lit_softmoe.data.sample_decoding import sample_decoder, sample_seed
 from lit_softmoe.data.samples import SampleSkip
 from lit_softmoe.data.tar_reading import BadSampleCounter, tar_samples
 
-if TYPE_CHECKING:
-    from lit_softmoe.data.pipelines import ShardDataConfig
+
+@dataclass
+class ShardDataConfig:
+    """How to read one stream of shards; every pipeline takes this, never a CLI namespace."""
+
+    # A split folder (its nshards.txt, or img2dataset's output), a brace pattern DIR/{0..9}.tar, `pipe:CMD`,
+    # several joined with `::`.
+    urls: str = ""
+    batch_size: int = 256  # per process: the global batch is batch_size × world_size
+    workers: int = 2  # DataLoader worker processes (per process); 0 reads in the main process
+    shuffle: bool = True  # shuffle the shard order every epoch and the samples in a buffer; False: read in order
+    shuffle_buffer: int = 5000  # samples (still encoded) held by the sample shuffle; 0 or 1: shard order only
+    seed: int = 0  # shard order is a function of (seed, epoch); the sample shuffle of (seed, epoch, node, worker)
+    resampled: bool = False  # draw shards with replacement: an endless stream, cut into epochs
+    samples_per_epoch: int = 0  # all processes together; 0: the shards' sizes (`tar_reading.listed_sizes`)
+    exact_epoch: bool = False  # every sample exactly once per epoch, partial last batches (embedding, evaluation)
+    max_bad_fraction: float = 0.01  # more skipped samples than this fraction stops the run
+    rank: int = -1  # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
+    world_size: int = 0  # 0: from torch.distributed or WORLD_SIZE (1 if neither)
+    pin_memory: bool = False
+    # Random transforms draw from a generator seeded with (seed, epoch, sample key): the same sample gets
+    # the same crop in an epoch whatever process, worker or pass reads it (exact resume, padding passes).
+    seed_transforms: bool = False
+    num_classes: int = 0  # class samples: a class index ≥ this is skipped as bad_cls; 0 checks nothing
+
 
 # The bad-sample fraction is checked at the end of every epoch, and during one once this many
 # samples were read (a fraction over a handful of samples says little).
