@@ -117,3 +117,37 @@ def test_without_our_registration_open_clip_fails_as_the_config_note_says(run, t
                              f"open_clip.create_model_and_transforms('local-dir:{out}')"],
                             capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode != 0 and "RuntimeError: Unknown model" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family, pool", [("resnet", "avg"), ("convnext", "avg"), ("efficientnet", "avg"),
+                                          ("swin", "avg"), ("vit-registers", "avg"), ("vit-attention-pool", "map"),
+                                          ("eva", "avg")])
+def test_a_timm_towers_pooling_is_named_as_its_constructor_takes_it(family, pool):
+    """open_clip's `timm_pool` is passed to `timm.create_model(..., global_pool=...)`: the model's own pooling,
+    whether it is a string attribute (ViT, Swin, EVA) or a pooling module's type (ResNet, ConvNeXt's head)."""
+    from lit_softmoe.export.open_clip import open_clip_skip_reason, timm_pool
+    from lit_softmoe.models.lit import LiTModel
+    from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+    from timm_families import TIMM_FAMILIES, random_timm_tower
+
+    with torch.device("meta"):
+        tower = random_timm_tower(TIMM_FAMILIES[family])
+    assert timm_pool(tower) == pool
+    text = create_text_tower(TextTowerConfig(width=32, layers=1, heads=2, context_length=16), embed_dim=tower.embed_dim)
+    assert open_clip_skip_reason(LiTModel(tower, text)) is None
+
+
+def test_a_timm_tower_whose_pooling_has_no_name_gets_no_open_clip_files():
+    """Gemma 3n's MobileNetV5 encoder has no global pooling open_clip could ask timm for: the export says so
+    (its card and config.json carry the reason) rather than write a config that builds another model."""
+    from lit_softmoe.export.open_clip import open_clip_skip_reason, timm_pool
+    from lit_softmoe.models.lit import LiTModel
+    from lit_softmoe.models.text import TextTowerConfig, create_text_tower
+    from timm_families import random_timm_tower
+
+    with torch.device("meta"):  # 294M parameters: no memory, no init
+        tower = random_timm_tower("mobilenetv5_300m_enc")
+        text = create_text_tower(TextTowerConfig(width=32, layers=1, heads=2, context_length=16),
+                                 embed_dim=tower.embed_dim)
+    assert timm_pool(tower) is None
+    assert "pooling has no name its constructor takes" in open_clip_skip_reason(LiTModel(tower, text))
