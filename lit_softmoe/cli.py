@@ -11,6 +11,7 @@ import sys
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import full_disk_message, naming_full_disk
 from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
+from lit_softmoe.utils.device import available_cpus
 from lit_softmoe.utils.distributed import close_process_group, is_main_process
 from lit_softmoe.utils.paths import check_writable
 
@@ -33,16 +34,17 @@ def _write_data(args) -> None:
     options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
                            samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
     progress = sys.stderr.isatty()
+    workers = args.workers if args.workers is not None else available_cpus()
     if args.dataset == "from-folder":
         from lit_softmoe.data.captions import load_caption_templates
         templates = load_caption_templates(args.caption_templates) if args.caption_templates is not None else None
         summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
                                       overwrite=args.overwrite, caption_templates=templates,
-                                      class_names=args.class_names)
+                                      class_names=args.class_names, workers=workers)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
                                      key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root,
-                                     class_col=args.class_col, classnames_file=args.classnames)
+                                     class_col=args.class_col, classnames_file=args.classnames, workers=workers)
     if summary.classnames_note:
         print(summary.classnames_note)
     print(summary.line())
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     for writer in (folder, table):
         writer.add_argument("--out", required=True, help="dataset folder; shards go to OUT/SPLIT/")
         writer.add_argument("--split", default="train", help="split folder name (default: train)")
+        writer.add_argument("--workers", type=int, default=None,
+                            help="processes that decode, resize and encode the images (default: one per core); "
+                                 "the shards are the same bytes for any number")
         writer.add_argument("--image-format", choices=["keep", "jpg", "png", "webp"], default="keep",
                             help="store images as they are where possible (keep, default) or all in one format")
         writer.add_argument("--max-size", type=int, default=None, metavar="PIXELS",

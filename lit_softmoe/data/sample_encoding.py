@@ -12,12 +12,15 @@ means: `writers`' docstring, which lists every reason a write reports).
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import json
+import multiprocessing
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -95,35 +98,81 @@ class ImageTally:
 
 
 def encoded_samples(candidates: Iterable[Candidate], image_format: str, max_size: int | None,
-                    counter: BadSampleCounter, tally: ImageTally) -> Iterator[dict[str, Any]]:
+                    counter: BadSampleCounter, tally: ImageTally, workers: int = 1,
+                    done: Callable[[int], None] | None = None) -> Iterator[dict[str, Any]]:
     """The samples to write for `candidates`, in their order; the skipped ones counted in `counter`,
-    the images' changes in `tally`. `image_format` and `max_size`: as in `writers.WriteOptions`."""
-    for candidate in candidates:
-        sample = _encode_sample(candidate, image_format, max_size, counter, tally)
-        if sample is not None:
-            yield sample
+    the images' changes in `tally`. `image_format` and `max_size`: as in `writers.WriteOptions`.
+
+    `workers` > 1: candidates are read, decoded, resized and encoded in that many processes, a window of
+    them at a time (two windows in flight, so memory stays flat however many there are), and their
+    results taken back in the candidates' order: the samples, counts and skip messages are the ones a
+    single process gives, whatever the number of workers. `done(n)`: called as each sample is taken."""
+    encode = functools.partial(_encode_candidate, image_format=image_format, max_size=max_size)
+    if workers <= 1:
+        results: Iterator[_Encoded] = map(encode, candidates)
+        yield from _taken(results, counter, tally, done)
+        return
+    # fork: the workers start at once with the listing's code loaded (spawn would import torch in each).
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with context.Pool(workers) as pool:
+        yield from _taken(_in_order(pool, encode, candidates, window=64 * workers), counter, tally, done)
 
 
-def _encode_sample(candidate: Candidate, image_format: str, max_size: int | None, counter: BadSampleCounter,
-                   tally: ImageTally) -> dict[str, Any] | None:
-    """The sample to write for `candidate`, or None after counting why it is skipped."""
+@dataclass(frozen=True)
+class _Encoded:
+    """One candidate's result, made in a worker and applied in the writing process."""
+    sample: dict[str, Any] | None  # None: skipped
+    skip: tuple[str, str] | None = None  # (reason, what to show) when skipped
+    changes: tuple[str, ...] = ()
+    reencoded: bool = False
+
+
+def _taken(results: Iterable[_Encoded], counter: BadSampleCounter, tally: ImageTally,
+           done: Callable[[int], None] | None) -> Iterator[dict[str, Any]]:
+    for result in results:
+        if done is not None:
+            done(1)
+        if result.skip is not None:
+            counter.skip(*result.skip)
+            continue
+        tally.changes.update(result.changes)
+        tally.reencoded += result.reencoded
+        yield result.sample
+
+
+def _in_order(pool, function: Callable, items: Iterable, window: int) -> Iterator:
+    """`function` over `items` in `pool`, results in the items' order; at most two windows of `window`
+    items submitted ahead of the one being taken."""
+    items = iter(items)
+    pending: collections.deque = collections.deque()
+
+    def submit() -> None:
+        batch = list(itertools.islice(items, window))
+        if batch:
+            pending.append(pool.map_async(function, batch, chunksize=max(1, window // 16)))
+
+    submit()
+    submit()
+    while pending:
+        results = pending.popleft().get()
+        submit()
+        yield from results
+
+
+def _encode_candidate(candidate: Candidate, image_format: str, max_size: int | None) -> _Encoded:
+    """The sample to write for `candidate`, or why it is skipped."""
     caption = None
     if candidate.caption is not None:
         caption, problem = _read_caption(candidate.caption)
         if problem:
-            counter.skip(problem, candidate.source)
-            return None
+            return _Encoded(None, (problem, candidate.source))
     data, problem = _read_image_file(candidate.image)
     if problem:
-        counter.skip(problem, candidate.source)
-        return None
+        return _Encoded(None, (problem, candidate.source))
     try:
         prepared = prepare_image(data, image_format, max_size)
     except BadImageError as exn:
-        counter.skip("bad_image", f"{candidate.source}: {exn}")
-        return None
-    tally.changes.update(prepared.changes)
-    tally.reencoded += prepared.reencoded
+        return _Encoded(None, ("bad_image", f"{candidate.source}: {exn}"))
     width, height = prepared.source_size
     meta = {"key": candidate.key, "path": candidate.source, "width": width, "height": height,
             "file_bytes": len(data), **_jsonable(candidate.meta)}
@@ -137,4 +186,4 @@ def _encode_sample(candidate: Candidate, image_format: str, max_size: int | None
         sample["txt"] = caption.encode("utf-8")
     if candidate.label is not None:
         sample["cls"] = str(candidate.label).encode("ascii")
-    return sample
+    return _Encoded(sample, changes=prepared.changes, reencoded=prepared.reencoded)

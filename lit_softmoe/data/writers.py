@@ -76,7 +76,9 @@ logger = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
 DATASET_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt", MANIFEST_FILE)
-_FORMAT_VERSION = 2  # bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys)
+# Bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys; 3: JPEGs shrunk by
+# --max-size are decoded at a reduced scale first).
+_FORMAT_VERSION = 3
 
 
 # ---------------------------------------------------------------------------------------- options
@@ -166,7 +168,8 @@ def _reasons(counts: dict[str, int]) -> str:
 
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
                         layout: str = "auto", progress: bool = False, overwrite: bool = False,
-                        caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> WriteSummary:
+                        caption_templates: Sequence[str] | None = None, class_names: str = "auto",
+                        workers: int = 1) -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
     The classes layout also writes `out_dir/classnames.txt`; with `caption_templates` (`{c}`
@@ -175,7 +178,9 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     Folders named by ImageNet wnids are named by ImageNet's class names unless `class_names` is
     "folders" (`data.imagenet_folders`). See `list_folder` for the layouts and keys, and the module
     docstring for what is skipped, normalized and rewritten. A split holding other data is refused
-    unless `overwrite` (see `_write_listing`).
+    unless `overwrite` (see `_write_listing`). `workers`: processes that read, decode and encode the
+    images (the CLI's default: one per core this process may use); the shards are the same bytes for
+    any number.
     """
     # With --out SRC itself, the split folder written into it is what must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
@@ -183,7 +188,7 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     # class_names is not an argument: like the templates, other names rewrite this source's split
     # (the manifest records them), where another source's split is refused.
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
-    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite, workers)
     summary.classnames_note = listing.classnames_note
     return summary
 
@@ -191,13 +196,15 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
 def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str | None,
                        options: WriteOptions = WriteOptions(), key_col: str | None = None,
                        progress: bool = False, overwrite: bool = False, root: str | Path | None = None,
-                       class_col: str | None = None, classnames_file: str | Path | None = None) -> WriteSummary:
+                       class_col: str | None = None, classnames_file: str | Path | None = None,
+                       workers: int = 1) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
     Image paths are relative to the table's folder (or absolute), confined to `root` if given; see
     `list_table` for keys and extra columns. With `class_col`, each sample also gets a `.cls` and
     `out_dir/classnames.txt` the class names: sorted, or those of `classnames_file` in its order
-    (`data.table_classes`). A split holding other data is refused unless `overwrite`.
+    (`data.table_classes`). A split holding other data is refused unless `overwrite`. `workers`: as in
+    `write_folder_shards`.
     """
     listing = list_table(table, image_col, caption_col, key_col, root, class_col, classnames_file)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
@@ -206,13 +213,13 @@ def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, c
         arguments["class_col"] = class_col
     if root is not None:
         arguments["root"] = str(Path(root).resolve())
-    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite, workers)
     summary.classnames_note = listing.classnames_note
     return summary
 
 
 def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, arguments: dict,
-                   progress: bool, source_name: str, overwrite: bool = False) -> WriteSummary:
+                   progress: bool, source_name: str, overwrite: bool = False, workers: int = 1) -> WriteSummary:
     """Write `listing` to `out_dir/{split}/`.
 
     A split this source wrote before (same `arguments`: finished, interrupted, or with other
@@ -222,6 +229,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     files beside the splits (classnames.txt & co.) go too when no other split uses them.
     """
     start = time.perf_counter()
+    if workers < 1:
+        raise UserError(f"workers must be at least 1, got {workers}")
     split_dir = out_dir / options.split
     manifest = {"format": _FORMAT_VERSION, "pillow": PIL.__version__, "arguments": arguments,
                 "options": asdict(options), "inputs": listing.fingerprint, "classnames": listing.classnames}
@@ -258,10 +267,19 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             # Before any shard: tells a rerun that these shards are this source's (an interrupted run
             # is rewritten, not refused). Without its "summary" it does not mark the split complete.
             write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-            candidates = tqdm(listing.candidates, desc=f"shards {split_dir}", disable=not progress)
-            samples = encoded_samples(candidates, options.image_format, options.max_size, counter, tally)
-            sizes = write_split(samples, target.parent, target.name, samples_per_shard=options.samples_per_shard,
-                                max_bytes=options.max_shard_bytes, keep_keys=True)
+            processes = min(workers, len(listing.candidates))
+            with tqdm(total=len(listing.candidates), desc=f"shards {split_dir}", unit="img",
+                      disable=not progress) as bar:
+                def done(count: int) -> None:
+                    bar.update(count)
+                    if bar.n % 256 == 0:  # the bar's postfix redraws it: not on every image
+                        bar.set_postfix(skipped=sum(counter.counts.values()), refresh=False)
+
+                samples = encoded_samples(listing.candidates, options.image_format, options.max_size, counter,
+                                          tally, workers=processes, done=done)
+                sizes = write_split(samples, target.parent, target.name,
+                                    samples_per_shard=options.samples_per_shard,
+                                    max_bytes=options.max_shard_bytes, keep_keys=True)
             skipped = dict(sorted(counter.counts.items()))
             if sum(sizes.values()) == 0:
                 raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"

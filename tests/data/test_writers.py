@@ -517,3 +517,111 @@ def test_files_over_the_input_cap_are_counted_as_too_large(tmp_path, monkeypatch
     summary = writers.write_folder_shards(tmp_path / "src", tmp_path / "out")
     assert summary.samples == 2 and summary.skipped == {"too_large": 2}
     assert sorted(read_split(tmp_path / "out" / "train")) == ["000000000", "000000003"]
+
+
+def _photo_folder(root, count: int, side: int = 700):
+    """`count` captioned photo-sized JPEGs (smooth gradients plus noise, as photos compress), some of them
+    broken or uncaptioned so that skips are counted on the way."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 255, side)
+    for index in range(count):
+        base = (ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * rng.uniform(0, 0.5, 3))
+        pixels = np.clip(base / 1.5 + rng.normal(0, 12, (side, side, 3)), 0, 255).astype(np.uint8)
+        data = encode_image(PIL.Image.fromarray(pixels).resize((side, side * 3 // 4)), "JPEG", quality=90)
+        if index % 17 == 5:
+            data = data[: len(data) // 3]  # truncated: bad_image
+        (root / f"{index:05d}.jpg").write_bytes(data)
+        if index % 13 != 7:  # else missing_caption
+            (root / f"{index:05d}.txt").write_text(f"photo {index}")
+
+
+def _split_contents(split) -> tuple[dict, dict]:
+    """(each file's hash but the manifest's, the manifest without the one thing that differs between two
+    output folders: where it was written)."""
+    manifest = json.loads((split / "manifest.json").read_text())
+    del manifest["summary"]["split_dir"]
+    return {name: digest for name, digest in _hashes(split).items() if name != "manifest.json"}, manifest
+
+
+@pytest.mark.parametrize("image_format", ["jpg", "keep"])
+def test_any_number_of_workers_writes_the_same_bytes(tmp_path, image_format):
+    """Decoding, resizing and encoding in 1, 2 or 3 processes: the same shards, manifest and counts, the
+    skip messages in the same order."""
+    _photo_folder(tmp_path / "src", 40, side=300)
+    options = WriteOptions(samples_per_shard=7, image_format=image_format, max_size=96)
+    written = {}
+    for workers in (1, 2, 3):
+        summary = write_folder_shards(tmp_path / "src", tmp_path / f"out{workers}", options, workers=workers)
+        written[workers] = (_split_contents(tmp_path / f"out{workers}" / "train"), summary.skipped,
+                            summary.normalized, summary.reencoded)
+    assert written[1][1] == {"bad_image": 3, "missing_caption": 3}
+    assert written[1][2] == {"resized": 34} and written[1][3] == 34
+    assert written[2] == written[1] and written[3] == written[1]
+
+
+def test_more_workers_than_images_or_fewer_than_one(tmp_path, capsys):
+    _captioned_folder(tmp_path / "src", count=2)
+    summary = write_folder_shards(tmp_path / "src", tmp_path / "out", workers=8)
+    assert summary.samples == 2
+    with pytest.raises(UserError, match="workers must be at least 1, got 0"):
+        write_folder_shards(tmp_path / "src", tmp_path / "out2", workers=0)
+    assert main(["data", "from-folder", str(tmp_path / "src"), "--out", str(tmp_path / "out3"),
+                 "--workers", "-1"]) == 2
+    assert "workers must be at least 1, got -1" in capsys.readouterr().err
+
+
+def test_a_jpeg_shrunk_by_max_size_is_decoded_at_a_reduced_scale_as_sharp(tmp_path, monkeypatch):
+    """A 1,200 px JPEG brought to 256 px is decoded by libjpeg at 1/2 scale (≥ 2 × 256 kept): the pixels
+    stay within 40 dB PSNR of a full decode's resize; a truncated one still fails to decode."""
+    from lit_softmoe.data.images import prepare_image
+
+    _photo_folder(tmp_path / "src", 6, side=1200)
+    data = (tmp_path / "src" / "00000.jpg").read_bytes()
+    drafts = []
+    from PIL.JpegImagePlugin import JpegImageFile
+
+    draft = JpegImageFile.draft
+
+    def recorded(image, mode, size):
+        drafts.append(size)
+        return draft(image, mode, size)
+
+    monkeypatch.setattr(JpegImageFile, "draft", recorded)
+    reduced = pixels_of(prepare_image(data, "png", 256).data).astype(float)
+    assert drafts == [(512, 384)]  # longer side 1,200 → 2 × 256: libjpeg's 1/2 scale (600 × 450) fits
+    monkeypatch.undo()
+    full = PIL.Image.open(io.BytesIO(data))
+    full.load()
+    full = np.asarray(full.resize((256, 192), PIL.Image.Resampling.LANCZOS)).astype(float)
+    assert reduced.shape == full.shape
+    assert 10 * np.log10(255**2 / ((reduced - full) ** 2).mean()) > 40
+    assert prepare_image(data, "png", 800).source_size == (1200, 900)  # 800 × 2 > 1,200: no draft, full decode
+    with pytest.raises(sample_encoding.BadImageError):
+        prepare_image(data[: len(data) // 2], "jpg", 256)
+
+
+@pytest.mark.slow
+def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
+    """`data from-folder --workers 2` killed (-9, workers and all) once its first shards are in place, then
+    rerun: the shards of an uninterrupted run, byte for byte."""
+    import signal
+    import subprocess
+    import sys
+
+    _photo_folder(tmp_path / "src", 160, side=700)
+    command = [sys.executable, "-m", "lit_softmoe.cli", "data", "from-folder", str(tmp_path / "src"),
+               "--max-size", "128", "--image-format", "jpg", "--samples-per-shard", "20", "--workers", "2"]
+    assert subprocess.run([*command, "--out", str(tmp_path / "straight")], capture_output=True).returncode == 0
+    killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (tmp_path / "killed/train/1.tar").exists():
+        assert killed.poll() is None and time.time() < deadline, "ended or stalled before its second shard"
+        time.sleep(0.01)
+    os.killpg(killed.pid, signal.SIGKILL)  # the pool's workers are in its session too
+    killed.wait()
+    assert not (tmp_path / "killed/train/sizes.json").exists()  # it really was cut short
+    rerun = subprocess.run([*command, "--out", str(tmp_path / "killed")], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _split_contents(tmp_path / "killed/train") == _split_contents(tmp_path / "straight/train")
