@@ -18,9 +18,10 @@ from lit_softmoe.data.tar_reading import BadSampleCounter
 _UNSAFE_KEY_CHARACTERS = re.compile(r"[^\w-]+")
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
-    """One sample as the source names it, before its files are read."""
+    """One sample as the source names it, before its files are read (slots: a listing holds one per
+    sample, so each costs as little as it can)."""
 
     key: str
     source: str                    # the image as the source names it (a relative path): for .json and messages
