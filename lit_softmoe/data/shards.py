@@ -33,7 +33,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import webdataset as wds
 from webdataset.shardlists import expand_urls
@@ -69,6 +69,8 @@ def write_split(
     samples_per_shard: int = 10_000,
     max_bytes: int = 1 << 30,
     keep_keys: bool = False,
+    done: dict[str, int] | None = None,
+    on_shard: Callable[[dict[str, int], bool], None] | None = None,
 ) -> dict[str, int]:
     """Write samples as `out_dir/split/{0..N-1}.tar` + `nshards.txt` + `sizes.json`.
 
@@ -84,6 +86,11 @@ def write_split(
         keep_keys: keep each sample's own `__key__` (a source's file stem, say) instead of
             numbering them; keys must be unique and hold no dot in their last path part, since
             webdataset splits a tar member name into key and extension at that dot.
+        done: shards 0 … k-1 that an interrupted run of the same samples finished ({name: count}):
+            kept as they are, `samples` being the rest, from shard k's first sample on (a resume).
+        on_shard: called with the shards in place so far each time one is renamed into place, and
+            whether it was the last (False: it was closed because the sample being written starts
+            the next one).
 
     Returns:
         {shard file name: sample count}, the content of sizes.json.
@@ -103,8 +110,8 @@ def write_split(
         leftover.unlink()
     _remove_partial_shards(split_dir, stale_only=True)
 
-    sizes: dict[str, int] = {}
-    failed = False
+    sizes: dict[str, int] = dict(done or {})
+    failed, closing = False, False
 
     def publish(temporary_name: str) -> None:
         # ShardWriter calls this after closing each shard; `writer.count` is still that shard's count.
@@ -114,17 +121,19 @@ def write_split(
         final = split_dir / Path(temporary_name).name[1:].rsplit(".", 2)[0]  # .3.tar.PID.partial → 3.tar
         os.replace(temporary_name, final)
         sizes[final.name] = writer.count
+        if on_shard is not None:
+            on_shard(dict(sizes), closing)
 
     # Temporary names carry the writer's pid: two writers of one split never delete each other's shard.
     pattern = str(split_dir).replace("%", "%%") + f"/.%d.tar.{os.getpid()}{_PARTIAL_SUFFIX}"
     writer = wds.ShardWriter(
         pattern, maxcount=samples_per_shard, maxsize=max_bytes, post=publish, verbose=0,
         # An int mtime: a float one makes tarfile add a 1 KB pax header to every member.
-        mtime=0, user="lit-softmoe", group="lit-softmoe", mode=0o644,
+        mtime=0, user="lit-softmoe", group="lit-softmoe", mode=0o644, start_shard=len(sizes),
     )
     seen_keys: set[str] = set()
     try:
-        for index, sample in enumerate(samples):
+        for index, sample in enumerate(samples, start=sum(sizes.values())):
             key = _checked_key(sample.get("__key__"), seen_keys) if keep_keys else f"s{index:07d}"
             writer.write({**sample, "__key__": key})
     except BaseException:
@@ -134,6 +143,7 @@ def write_split(
         finally:  # a full disk fails the close too: this writer's partial shard goes all the same
             _remove_partial_shards(split_dir, stale_only=False)
         raise
+    closing = True
     writer.close()
 
     # Shards of an earlier, longer run of this split would otherwise linger past N-1.

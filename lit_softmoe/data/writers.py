@@ -24,11 +24,13 @@ checks each sample's files): a sample with a missing or broken image, an empty o
 or a key already taken is skipped and counted by reason; an image in RGBA, LA, P, 16-bit, CMYK or
 another mode is normalized to L or RGB and counted. An image file's own bytes are kept when they are
 already in the requested format and need no change; otherwise they are re-encoded with fixed
-settings and no metadata, so equal inputs give byte-identical shards. A `manifest.json` in the split
-folder records the arguments, a fingerprint of the inputs (name, size and mtime of every file read)
-and, written last, the summary: rerunning a finished command writes nothing, and rerunning an
-interrupted one rewrites the same bytes. A split that holds anything else (another source's shards,
-Fashion-MNIST) is refused unless `overwrite`.
+settings and no metadata, so equal inputs give byte-identical shards, whatever the number of worker
+processes. A `manifest.json` in the split folder records the arguments, a fingerprint of the inputs
+(name, size and mtime of every file read) and, written last, the summary: rerunning a finished
+command writes nothing, and rerunning an interrupted one keeps the shards it finished
+(`.progress.json`: where the next one starts, the counts so far) and writes the rest, to the same
+bytes. A split that holds anything else (another source's shards, Fashion-MNIST) is refused unless
+`overwrite`.
 
 Reasons a sample is skipped: missing_image, unreadable_file, not_a_regular_file (a FIFO, a device:
 never read), too_large (over `sample_encoding.MAX_INPUT_BYTES`), bad_image (does not decode),
@@ -40,6 +42,7 @@ Changes counted among the re-encoded images: see `images.normalize_image`.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -74,6 +77,8 @@ from lit_softmoe.utils.paths import check_writable
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
+# Rewritten as each shard is in place: where a killed write resumes (hidden: not part of the dataset).
+PROGRESS_FILE = ".progress.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
 DATASET_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt", MANIFEST_FILE)
 # Bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys; 3: JPEGs shrunk by
@@ -264,22 +269,45 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
 
         def write(target: Path) -> WriteSummary:
             target.mkdir(parents=True, exist_ok=True)
+            resume = _resume_point(target, manifest)
             # Before any shard: tells a rerun that these shards are this source's (an interrupted run
-            # is rewritten, not refused). Without its "summary" it does not mark the split complete.
+            # is resumed, not refused). Without its "summary" it does not mark the split complete.
             write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-            processes = min(workers, len(listing.candidates))
-            with tqdm(total=len(listing.candidates), desc=f"shards {split_dir}", unit="img",
+            first = resume["next"] if resume else 0
+            listed = collections.Counter(counter.counts)  # found listing: counted again by every run
+            if resume:
+                counter.counts.update(resume["skipped"])
+                tally.changes.update(resume["changes"])
+                tally.reencoded += resume["reencoded"]
+                logger.info("%s: resuming after its %d finished shards", split_dir, len(resume["shards"]))
+            taken = [first]  # candidates taken so far, and the counts before the last one was applied
+            before = [_progress({}, first, counter.counts - listed, tally)]
+            processes = min(workers, len(listing.candidates) - first) or 1
+            with tqdm(total=len(listing.candidates), initial=first, desc=f"shards {split_dir}", unit="img",
                       disable=not progress) as bar:
                 def done(count: int) -> None:
+                    before[0] = _progress({}, taken[0], counter.counts - listed, tally)
+                    taken[0] += count
                     bar.update(count)
                     if bar.n % 256 == 0:  # the bar's postfix redraws it: not on every image
                         bar.set_postfix(skipped=sum(counter.counts.values()), refresh=False)
 
-                samples = encoded_samples(listing.candidates, options.image_format, options.max_size, counter,
-                                          tally, workers=processes, done=done)
+                def shard_done(shards: dict[str, int], last: bool) -> None:
+                    if last:  # the summary comes next; a kill before it redoes the last shard
+                        return
+                    # Closed mid-stream: the sample being written (the last taken) starts the next shard, so
+                    # a resume takes it again, with the counts from before it.
+                    record = {**before[0], "shards": shards,
+                              "bytes": {name: (target / name).stat().st_size for name in shards}}
+                    write_text_atomic(target / PROGRESS_FILE, json.dumps(record) + "\n")
+
+                samples = encoded_samples(listing.candidates[first:], options.image_format, options.max_size,
+                                          counter, tally, workers=processes, done=done)
                 sizes = write_split(samples, target.parent, target.name,
                                     samples_per_shard=options.samples_per_shard,
-                                    max_bytes=options.max_shard_bytes, keep_keys=True)
+                                    max_bytes=options.max_shard_bytes, keep_keys=True,
+                                    done=resume["shards"] if resume else None, on_shard=shard_done)
+            (target / PROGRESS_FILE).unlink(missing_ok=True)
             skipped = dict(sorted(counter.counts.items()))
             if sum(sizes.values()) == 0:
                 raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
@@ -307,6 +335,34 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             _write_templates(out_dir, listing.templates)
         summary.seconds = round(time.perf_counter() - start, 3)
         return summary
+
+
+def _progress(shards: dict[str, int], next_candidate: int, skipped: collections.Counter,
+              tally: ImageTally) -> dict:
+    """What a resume needs: the shards in place, the candidate the next shard starts at, and what encoding
+    the candidates before it counted (skips, image changes)."""
+    return {"shards": shards, "next": next_candidate, "skipped": dict(skipped), "changes": dict(tally.changes),
+            "reencoded": tally.reencoded}
+
+
+def _resume_point(split_dir: Path, manifest: dict) -> dict | None:
+    """The progress an interrupted write of this same `manifest` (the same inputs and options) left in
+    `split_dir`, when every shard it records is in place, at its recorded size; None: write it all."""
+    try:
+        written = json.loads((split_dir / MANIFEST_FILE).read_text())
+        record = json.loads((split_dir / PROGRESS_FILE).read_text())
+        if written != manifest or not isinstance(record, dict):
+            return None
+        shards = record["shards"]
+        if list(shards) != [f"{index}.tar" for index in range(len(shards))]:
+            return None
+        if any((split_dir / name).stat().st_size != record["bytes"][name] for name in shards):
+            return None
+        if not isinstance(record["next"], int):
+            return None
+        return record if shards else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _write_templates(out_dir: Path, templates: list[str]) -> None:

@@ -622,6 +622,63 @@ def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     os.killpg(killed.pid, signal.SIGKILL)  # the pool's workers are in its session too
     killed.wait()
     assert not (tmp_path / "killed/train/sizes.json").exists()  # it really was cut short
+    kept = {path.name: path.stat().st_mtime_ns for path in (tmp_path / "killed/train").glob("*.tar")}
     rerun = subprocess.run([*command, "--out", str(tmp_path / "killed")], capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _split_contents(tmp_path / "killed/train") == _split_contents(tmp_path / "straight/train")
+    # Resumed: the shards the killed run finished were kept, not written again.
+    assert {name: (tmp_path / "killed/train" / name).stat().st_mtime_ns for name in kept} == kept
+    assert not (tmp_path / "killed/train/.progress.json").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_interrupted_write_resumes_after_its_finished_shards(tmp_path, monkeypatch, workers):
+    """Stopped while encoding the 23rd candidate (shards 0-1 of 7 samples in place; skips and resized
+    images counted on the way), the rerun keeps those shards and ends with a straight run's bytes and
+    counts."""
+    _photo_folder(tmp_path / "src", 40, side=200)
+    options = WriteOptions(samples_per_shard=7, image_format="jpg", max_size=64)
+    straight = write_folder_shards(tmp_path / "src", tmp_path / "straight", options)
+    calls, encode = [], sample_encoding._encode_candidate
+
+    def stopped_at_the_23rd(candidate, **kwargs):
+        calls.append(1)
+        if len(calls) == 23:
+            raise KeyboardInterrupt
+        return encode(candidate, **kwargs)
+
+    monkeypatch.setattr(sample_encoding, "_encode_candidate", stopped_at_the_23rd)
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_shards(tmp_path / "src", tmp_path / "out", options)  # one process: the patch holds
+    monkeypatch.undo()
+    split = tmp_path / "out" / "train"
+    progress = json.loads((split / ".progress.json").read_text())
+    assert progress["shards"] == {"0.tar": 7, "1.tar": 7} and sum(progress["skipped"].values()) > 0
+    kept = {name: (split / name).stat().st_mtime_ns for name in progress["shards"]}
+    resumed = write_folder_shards(tmp_path / "src", tmp_path / "out", options, workers=workers)
+    assert {name: (split / name).stat().st_mtime_ns for name in kept} == kept
+    assert _split_contents(split) == _split_contents(tmp_path / "straight" / "train")
+    assert (resumed.skipped, resumed.normalized, resumed.reencoded) == \
+        (straight.skipped, straight.normalized, straight.reencoded)
+
+
+def test_a_damaged_finished_shard_is_written_again_not_resumed_from(tmp_path, monkeypatch):
+    _photo_folder(tmp_path / "src", 30, side=120)
+    options = WriteOptions(samples_per_shard=5, image_format="png")
+    write_folder_shards(tmp_path / "src", tmp_path / "straight", options)
+    calls, encode = [], sample_encoding._encode_candidate
+
+    def stopped(candidate, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        return encode(candidate, **kwargs)
+
+    monkeypatch.setattr(sample_encoding, "_encode_candidate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_shards(tmp_path / "src", tmp_path / "out", options)
+    monkeypatch.undo()
+    shard = tmp_path / "out/train/0.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024])  # cut short after the run: not what was recorded
+    write_folder_shards(tmp_path / "src", tmp_path / "out", options)
+    assert _split_contents(tmp_path / "out/train") == _split_contents(tmp_path / "straight/train")
