@@ -30,6 +30,7 @@ from lit_softmoe.data.shards import (
 from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import replacing
+from lit_softmoe.utils.hashing import cache_key
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def _decoded_cache_path(split_dir: str | Path) -> Path | None:
     if not (is_local_url(str(split_dir)) and (Path(split_dir) / NSHARDS_FILE).is_file()):
         return None
     stats = [(Path(url).name, *file_identity(url)[1:]) for url in split_dir_urls(Path(split_dir))]
-    key = hashlib.sha256(json.dumps([_DECODED_CACHE_VERSION, stats]).encode()).hexdigest()[:16]
+    key = cache_key([_DECODED_CACHE_VERSION, stats])
     return Path(split_dir) / f"{DECODED_CACHE_PREFIX}{key}.npz"
 
 

@@ -23,7 +23,6 @@ place from there whole (`write_feature_split`).
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -41,8 +40,10 @@ import webdataset as wds
 
 from lit_softmoe.data.samples import IMAGE_EXTENSIONS
 from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
     NSHARDS_FILE,
     SIZES_FILE,
+    TEMPLATES_FILE,
     file_identity,
     is_local_url,
     is_safe_key,
@@ -53,12 +54,12 @@ from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import tower_fingerprint
 from lit_softmoe.utils.atomic import replacing, write_folder_atomically, write_text_atomic
-from lit_softmoe.utils.hashing import file_sha256
+from lit_softmoe.utils.hashing import cache_key, file_sha256
 
 EMBED_FILE = "embed.json"
 FORMAT_VERSION = 1
 # Dataset metadata that zero-shot evaluation reads beside the split folders (CLIP_benchmark layout).
-METADATA_FILES = ("classnames.txt", "zeroshot_classification_templates.txt", "dataset_type.txt")
+METADATA_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt")
 _FINGERPRINT_KEYS = ("format", "tower_sha256", "tower", "preprocess")
 
 
@@ -324,7 +325,7 @@ def finished_cache(split_dir: Path, wanted: dict) -> dict | None:
 def work_folder(out_dir: Path, split: str, wanted: dict) -> Path:
     """Where a split's feature shards are written until all are there, keyed by `wanted` (the tower and the
     source files): a killed run's finished shards are kept there for a rerun of the same."""
-    work_key = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
+    work_key = cache_key(wanted)
     return out_dir / f".{split}.work-{work_key}"
 
 

@@ -9,7 +9,6 @@ same locked tower.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -24,7 +23,7 @@ from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import autocast_context, autocast_dtype, precision_name
-from lit_softmoe.utils.hashing import file_sha256, weights_sha256
+from lit_softmoe.utils.hashing import cache_key, file_sha256, weights_sha256
 from lit_softmoe.utils.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task, "reader": data.format,
                 "data": data.signature, "precision": precision_name(autocast_dtype(precision, device))}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return cache_key(identity, 32)
 
 
 def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: EvalSuiteConfig,

@@ -24,7 +24,6 @@ size, bilinear, center crop), so that embed, LiT, eval and every export preproce
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from torch import nn
 
 from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.models.tower_layers import tower_layers
+from lit_softmoe.utils.hashing import cache_key
 from lit_softmoe.utils.paths import cache_root
 
 TIMM_PREFIX = "timm:"
@@ -176,7 +176,7 @@ def folder_for(spec: str) -> Path:
         stat = Path(file).stat()
         key = f"{spec}|{Path(file).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    return cache_root() / "towers" / "timm" / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return cache_root() / "towers" / "timm" / f"{slug}-{cache_key(key, 12)}"
 
 
 def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:

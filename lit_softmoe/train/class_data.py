@@ -21,7 +21,7 @@ from lit_softmoe.data.class_batches import (
     split_labels,
 )
 from lit_softmoe.data.class_split import holds_images_of, load_class_split
-from lit_softmoe.data.shards import dataset_dir, read_classnames, shard_urls
+from lit_softmoe.data.shards import CLASSNAMES_FILE, dataset_dir, read_classnames, shard_urls
 from lit_softmoe.data.tar_reading import listed_sizes
 from lit_softmoe.data.transforms import eval_transform, train_transform
 from lit_softmoe.errors import UserError
@@ -106,7 +106,7 @@ def memory_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: int
     train_images, train_labels, train_bad = load_class_split(cfg.data.train, cfg.data.max_train_samples or None)
     test_images, test_labels, test_bad = load_class_split(cfg.data.test, cfg.data.max_test_samples or None)
     classnames_dir = dataset_dir(cfg.data.train)  # beside the split, for a pattern or a '::' list too
-    has_names = classnames_dir is not None and (classnames_dir / "classnames.txt").exists()
+    has_names = classnames_dir is not None and (classnames_dir / CLASSNAMES_FILE).exists()
     classnames = read_classnames(classnames_dir) if has_names else [str(i) for i in range(int(train_labels.max()) + 1)]
     train_images, train_labels = _drop_unnamed_classes("train", train_images, train_labels, train_bad, classnames)
     test_images, test_labels = _drop_unnamed_classes("test", test_images, test_labels, test_bad, classnames)
@@ -144,7 +144,7 @@ def streamed_class_data(cfg: PretrainConfig, tower_cfg, rank: int, world_size: i
         raise UserError("data.max_train_samples and data.max_test_samples keep the first N images of a split held "
                         "in memory; with data.loader=stream, write a smaller split instead (or set them to 0)")
     classnames_dir = dataset_dir(cfg.data.train)
-    if classnames_dir is None or not (classnames_dir / "classnames.txt").exists():
+    if classnames_dir is None or not (classnames_dir / CLASSNAMES_FILE).exists():
         raise UserError(f"streaming {cfg.data.train} needs its classnames.txt (one class name per line, in label "
                         "order) beside the split folder: `lit-softmoe data from-folder --layout classes` writes it")
     classnames = read_classnames(classnames_dir)

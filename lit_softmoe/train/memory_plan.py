@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from lit_softmoe.config import LiTConfig, PretrainConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import is_feature_cache
-from lit_softmoe.data.shards import dataset_dir, read_classnames_file
+from lit_softmoe.data.shards import CLASSNAMES_FILE, dataset_dir, read_classnames_file
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
@@ -385,7 +385,7 @@ def _class_count(train: str) -> tuple[int, str]:
         folder = dataset_dir(train)
     except UserError:
         folder = None
-    names = read_classnames_file(folder / "classnames.txt") if folder is not None else None
+    names = read_classnames_file(folder / CLASSNAMES_FILE) if folder is not None else None
     if names:
         return len(names), ""
     return 1000, " (assumed: data.train has no classnames.txt here)"

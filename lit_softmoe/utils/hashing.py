@@ -4,7 +4,8 @@
 `tower_sha256`): a hash of the tensors themselves, so the same weights have the same key whether they
 are in memory, in a tower folder's model.safetensors or in an export. `safetensors_weights_sha256`
 gives the same value from a file, one tensor at a time. `file_sha256` is for a file's integrity
-(a written file still the one written), not for the identity of weights.
+(a written file still the one written), not for the identity of weights. `cache_key` names a cache
+entry by what it depends on (a JSON-able description).
 """
 from __future__ import annotations
 
@@ -84,3 +85,10 @@ def safetensors_weights_sha256(path: str | Path, prefix: str = "") -> str:
     except (OSError, SafetensorError) as err:
         raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
                         "copy it again or write it anew") from None
+
+
+def cache_key(description, length: int = 16) -> str:
+    """A short name for a cache entry: the sha256 of `description` as canonical JSON (keys sorted; what JSON
+    cannot hold, as its str), its first `length` hex digits."""
+    text = description if isinstance(description, str) else json.dumps(description, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
