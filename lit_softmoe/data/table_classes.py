@@ -40,7 +40,8 @@ def class_cell(cell: Any) -> tuple[str | int | None, str | None]:
         return (int(cell), None) if cell.is_integer() else (None, "bad_class")
     if not isinstance(cell, str):
         return None, "bad_class"
-    name = cell.strip()
+    # NFC: `café` typed on two systems (composed and decomposed) is one class, as it is one caption word.
+    name = unicodedata.normalize("NFC", cell).strip()
     if not name:
         return None, "empty_class"
     if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):

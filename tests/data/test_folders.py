@@ -79,6 +79,19 @@ def test_a_class_folder_named_with_a_control_character_is_refused_in_one_line(tm
     assert read_classnames(tmp_path / "out") == ["cat tabby", "dog"]
 
 
+def test_class_folders_whose_names_differ_only_by_spaces_around_them_are_refused_in_one_line(tmp_path):
+    """`cat` and `cat ` are two folders, but classnames.txt's readers strip each line: they were two
+    classes of one name, scored against each other without a word."""
+    for name in ("cat", "cat ", " dog", "dog"):
+        gray_png(tmp_path / "src" / name / "0.png", 10)
+    with pytest.raises(UserError) as raised:
+        write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    assert str(raised.value) == (
+        f"class folders 'cat' and 'cat ' in {tmp_path / 'src'} are one name but for the spaces around it ('cat'), "
+        "which would be two classes with the same prompts; merge them into one folder or rename one")
+    assert not (tmp_path / "out" / "train").exists()
+
+
 def test_class_folders_whose_names_differ_only_in_unicode_form_are_refused_in_one_line(tmp_path):
     """`café` composed (NFC, as macOS and most keyboards write it) and decomposed (NFD) are two folders
     on Linux: they became two classes whose prompts were identical."""

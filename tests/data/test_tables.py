@@ -296,3 +296,23 @@ def test_class_column_mistakes_are_one_error_line(tmp_path, capsys, monkeypatch,
     expected = message.format(table=table, names="names.txt", nowhere="nowhere.txt", empty="empty.txt")
     assert capsys.readouterr().err.splitlines() == [f"lit-softmoe data: error: {expected}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path):
+    """`café` composed (NFC) in one row and decomposed (NFD) in another, as two systems type it: one class,
+    not two classes of one name scored against each other."""
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    (tmp_path / "images").mkdir()
+    rows = []
+    for index, name in enumerate([composed, decomposed, "dog", decomposed]):
+        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
+        rows.append({"path": f"images/{index}.png", "label": name})
+    table = tmp_path / "table.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert read_classnames(tmp_path / "out") == [composed, "dog"]
+    labels = {meta["path"]: (meta["class"], cls) for meta, cls in
+              ((json.loads(s["json"]), int(s["cls"])) for s in read_split(tmp_path / "out" / "train").values())}
+    assert labels == {"images/0.png": (composed, 0), "images/1.png": (composed, 0), "images/2.png": ("dog", 1),
+                      "images/3.png": (composed, 0)}
