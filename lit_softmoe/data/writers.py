@@ -153,15 +153,14 @@ class WriteSummary:
 
     def line(self) -> str:
         shards = f"{self.shards} shard{'' if self.shards == 1 else 's'}"
-        if self.already_complete:
-            head = f"{self.split_dir} already holds these {self.samples} samples in {shards}; nothing written"
-        else:
-            head = f"written {self.samples} samples in {shards} to {self.split_dir}"
-        parts = [head]
+        parts = []
         if self.reencoded:
             parts.append(f"{self.reencoded} images re-encoded{_reasons(self.normalized)}")
         parts.append(f"skipped {sum(self.skipped.values())}{_reasons(self.skipped)}")
-        return "; ".join(parts)
+        if self.already_complete:  # what the write that made them did, not this run
+            return (f"{self.split_dir} already holds these {self.samples} samples in {shards}; nothing written "
+                    f"(when they were written: {'; '.join(parts)})")
+        return "; ".join([f"written {self.samples} samples in {shards} to {self.split_dir}", *parts])
 
 
 def _reasons(counts: dict[str, int]) -> str:

@@ -148,8 +148,10 @@ def test_reruns_are_skipped_or_byte_identical(tmp_path, monkeypatch):
 
     again = write_folder_shards(src, tmp_path / "out", options)
     assert again.already_complete and again.sizes == first.sizes and again.skipped == first.skipped
-    assert again.line().startswith(f"{tmp_path / 'out/train'} already holds these 5 samples in 2 shards; "
-                                   "nothing written")
+    # What the first write did is told as that write's, not as this run's (it said "nothing written; 5
+    # images re-encoded").
+    assert again.line() == (f"{tmp_path / 'out/train'} already holds these 5 samples in 2 shards; nothing written "
+                            "(when they were written: 5 images re-encoded (alpha 1); skipped 0)")
     assert {path.name: path.stat().st_mtime_ns for path in (tmp_path / "out/train").iterdir()} == mtimes
 
     # A run killed after its first shard leaves a manifest without a summary (not complete, but
@@ -616,13 +618,17 @@ def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not (tmp_path / "killed/train/1.tar").exists():
+    while not (tmp_path / "killed/train/2.tar").exists():
         assert killed.poll() is None and time.time() < deadline, "ended or stalled before its second shard"
         time.sleep(0.01)
     os.killpg(killed.pid, signal.SIGKILL)  # the pool's workers are in its session too
     killed.wait()
     assert not (tmp_path / "killed/train/sizes.json").exists()  # it really was cut short
-    kept = {path.name: path.stat().st_mtime_ns for path in (tmp_path / "killed/train").glob("*.tar")}
+    # The shards its progress file names are kept (one renamed into place just before the kill may not be named
+    # yet: it is written again, to the same bytes).
+    recorded = json.loads((tmp_path / "killed/train/.progress.json").read_text())["shards"]
+    kept = {name: (tmp_path / "killed/train" / name).stat().st_mtime_ns for name in recorded}
+    assert kept
     rerun = subprocess.run([*command, "--out", str(tmp_path / "killed")], capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _split_contents(tmp_path / "killed/train") == _split_contents(tmp_path / "straight/train")
