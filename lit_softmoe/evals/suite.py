@@ -20,6 +20,7 @@ import datetime as dt
 import itertools
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from lit_softmoe.hub import load_pretrained
 from lit_softmoe.integrations.clip_benchmark import compare_with_clip_benchmark
 from lit_softmoe.model_folders import classify_folder
 from lit_softmoe.models.inference import prepare_for_inference
+from lit_softmoe.utils.atomic import process_alive
 from lit_softmoe.utils.device import inference_dtype, parse_device
 from lit_softmoe.utils.paths import check_writable
 
@@ -90,7 +92,7 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
         raise UserError(f"--out {out}: the Markdown table and PNG chart are written beside the results JSON "
                         f"under its name; give a .json path, e.g. {out.with_suffix('.json')}")
     check_writable(out, "--out", folder=False)  # now, not after the whole suite has run
-    if out.exists() and not overwrite:
+    if out.exists() and not overwrite and not _stale_claim(out):
         raise UserError(f"{out} exists; choose another --out or pass --overwrite")
     device = parse_device(device)  # a typo or a missing GPU: one line, not a traceback at the model's .to()
     if peer and cfg.precision == "auto":  # CLIP_benchmark runs with --no_amp: compare like with like
@@ -148,24 +150,46 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
     return report
 
 
+_CLAIM = "results of process {} to come\n"  # what a claimed name holds until its results replace it
+
+
 def _claim(out: Path) -> Path:
-    """`out`, created empty here so that no other run can take it, or the first free `out-N` beside it.
+    """`out`, created here holding this process's pid (`_CLAIM`) so that no other run can take it, or the
+    first free `out-N` beside it.
 
     The check at the start does not settle it: two runs of a suite started in the same second (say
     --benchmarks a and b on two GPUs) get the same default name, both pass the check, and the second
     to finish replaced the first's results (CLIP_benchmark's #140). An explicit --out that appeared
     while the suite ran is kept too: the results go beside it, with a warning, rather than being lost.
+    A claim whose process is gone (a run killed before its results were written) is free again.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
         path = out if n == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}")
+        if _stale_claim(path):
+            path.unlink(missing_ok=True)
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             continue
+        with os.fdopen(descriptor, "w") as file:
+            file.write(_CLAIM.format(os.getpid()))
         if path != out:
             logger.warning("%s was written by another run while this one ran; results go to %s", out, path)
         return path
+
+
+def _stale_claim(path: Path) -> bool:
+    """Whether `path` holds a claim (`_CLAIM`) of a process that is gone: what a run killed before its results
+    were written leaves."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 64:
+            return False
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    match = re.fullmatch(_CLAIM.replace("{}", r"(\d+)"), text)
+    return match is not None and not process_alive(int(match.group(1)))
 
 
 def nothing_evaluated(report: dict) -> str | None:

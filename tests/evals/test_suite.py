@@ -4,6 +4,7 @@ benchmark loses none of the others."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import PIL.Image
@@ -276,3 +277,39 @@ def test_recall_k_below_one_is_refused(tmp_path, ks):
                           benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
     with pytest.raises(UserError, match="recall_k"):
         run_suite("m", cfg, out=tmp_path / "o.json", model_bundle=tiny_pair(3, 32))
+
+
+def test_the_results_name_a_killed_run_held_is_free_for_the_rerun(tmp_path):
+    """kill -9 of `eval --out r.json` while it writes leaves its claim on r.json (and temporaries beside it):
+    a process that claimed the name and was killed. The rerun, without --overwrite, takes the name and
+    writes all three results; no temporary is left. A live run's claim is still respected."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    out = tmp_path / "r.json"
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from lit_softmoe.evals import suite
+        from lit_softmoe.utils.atomic import replacing
+        assert suite._claim(Path({str(out)!r})) == Path({str(out)!r})
+        with replacing(Path({str(out.with_suffix('.md'))!r})) as temporary:
+            temporary.write_text("half a table")
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)])
+    assert killed.returncode == -signal.SIGKILL
+    assert out.read_text().startswith("results of process") and len(list(tmp_path.glob(".r.md.tmp-*"))) == 1
+    root = wds_set(tmp_path / "cifar10")
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    report = run_suite(tmp_path / "m", cfg, out=out, model_bundle=tiny_pair(3, 32))
+    assert report["paths"]["json"] == str(out) and json.loads(out.read_text())["results"][0]["status"] == "ok"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("r")) == ["r.json", "r.md", "r.png"]
+    assert not list(tmp_path.glob(".r.*"))
+    # This process's own claim (alive) is not free.
+    other = tmp_path / "other.json"
+    other.write_text(suite._CLAIM.format(os.getppid()))
+    with pytest.raises(UserError, match="exists; choose another --out or pass --overwrite"):
+        run_suite(tmp_path / "m", cfg, out=other, model_bundle=tiny_pair(3, 32))
