@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
@@ -49,7 +49,7 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
             "param_names": _optimizer_param_names(model, optimizer), **(meta or {})}
 
     def write(tmp: Path):
-        save_file({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS)
+        save_step_tensors({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS, step)
         (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
     # The run owns its checkpoints' names: a link there (even one that loops) is replaced, never followed.
@@ -57,7 +57,29 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
 
 
 class DamagedCheckpoint(Exception):
-    """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type)."""
+    """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type), or do not
+    agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
+
+
+def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, step: int) -> None:
+    """A checkpoint's tensors, the step they are of in the file's own metadata (`load_step_tensors` checks it)."""
+    save_file(tensors, path, metadata={"step": str(step)})
+
+
+def load_step_tensors(path: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors `save_step_tensors` wrote for `step`; DamagedCheckpoint when the file does not read back or
+    is of another step (its state.json and its folder's name say `step`). A file without the metadata (written
+    before it was recorded) is taken as it is."""
+    try:
+        with safe_open(path, framework="pt") as file:
+            written = (file.metadata() or {}).get("step")
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as err:
+        raise DamagedCheckpoint(f"{path.name}: {err}") from None
+    if written is not None and written != str(step):
+        raise DamagedCheckpoint(f"{path.name} is of step {written}, but {STATE_META} and the folder's name of step "
+                                f"{step} (a file copied from another checkpoint)")
+    return tensors
 
 
 def read_state_meta(ckpt_dir: str | Path) -> dict:
@@ -83,10 +105,7 @@ def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Ten
     """(state.json, the tensors) of a checkpoint folder, read whole; DamagedCheckpoint says what is wrong."""
     ckpt_dir = Path(ckpt_dir)
     info = read_state_meta(ckpt_dir)
-    try:
-        tensors = load_file(ckpt_dir / STATE_TENSORS)
-    except (OSError, SafetensorError) as err:
-        raise DamagedCheckpoint(f"{STATE_TENSORS}: {err}") from None
+    tensors = load_step_tensors(ckpt_dir / STATE_TENSORS, info["step"])
     if "rng.cpu" not in tensors:
         raise DamagedCheckpoint(f"{STATE_TENSORS} holds no random number generator state")
     return info, tensors

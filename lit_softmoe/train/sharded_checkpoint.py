@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import STATE_META
-from lit_softmoe.train.checkpoint import DamagedCheckpoint, read_state_meta
+from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_step_tensors, read_state_meta, save_step_tensors
 from lit_softmoe.utils.atomic import write_folder_atomically
 
 _TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -89,7 +87,7 @@ def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, 
     info = {"step": step, "processes": world_size, "param_groups": param_groups, **(meta or {})}
 
     def write_own(folder: Path) -> None:
-        save_file(tensors, folder / shard_file(rank, world_size))
+        save_step_tensors(tensors, folder / shard_file(rank, world_size), step)
         dist.barrier()  # every process's file is written
 
     if rank == 0:
@@ -125,10 +123,7 @@ def _read_own(ckpt_dir: Path, model, optimizer) -> tuple[dict, dict, dict, dict]
         raise UserError(f"{ckpt_dir} was written by {info.get('processes')} processes and this run has {world_size}; "
                         f"resume it with {info.get('processes')} (each process's batches depend on their number), "
                         "or start a new run_dir")
-    try:
-        tensors = load_file(ckpt_dir / shard_file(rank, world_size))
-    except (OSError, SafetensorError) as err:
-        raise DamagedCheckpoint(f"{shard_file(rank, world_size)}: {err}") from None
+    tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info["step"])
     if "rng.cpu" not in tensors:
         raise DamagedCheckpoint(f"{shard_file(rank, world_size)} holds no random number generator state")
     templates, _ = _sharded_state(model, optimizer)

@@ -1,5 +1,6 @@
 """lit_softmoe.train.checkpoint: training state (optimizer moments, RNG) restored exactly, checkpoints pruned."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -174,16 +175,20 @@ def _damage(ckpt, how: str) -> None:
         (ckpt / "state.safetensors").write_bytes(data[:len(data) // 2])
     elif how == "garbage json":
         (ckpt / "state.json").write_bytes(b"\x00\x17{not json")
+    elif how == "tensors of the step before":  # `cp step_2/state.safetensors step_3/`: its weights are step 2's
+        shutil.copy(ckpt.parent / "step_00000002" / "state.safetensors", ckpt / "state.safetensors")
     else:  # a step of the wrong type, or another step than the folder's name says
         info = json.loads((ckpt / "state.json").read_text())
         (ckpt / "state.json").write_text(json.dumps({**info, "step": "ten" if how == "step not a number" else 1}))
 
 
-@pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number", "step not the folder's"])
+@pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number", "step not the folder's",
+                                 "tensors of the step before"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, caplog, how):
     """It crashed every rerun with a traceback (safetensors' or json's error, or comparing "ten" with
     the run's length), so the intact checkpoints before it were never used. A step that is not the
-    folder's resumed the newest weights as an older step (pretraining's log then divided by zero)."""
+    folder's resumed the newest weights as an older step (pretraining's log then divided by zero), and
+    another step's tensors in the folder resumed those weights as the folder's step, without a word."""
     from lit_softmoe.train.runtime import resume_state
     saved = _three_checkpoints(tmp_path)
     _damage(tmp_path / "step_00000003", how)
