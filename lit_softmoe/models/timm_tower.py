@@ -192,9 +192,13 @@ def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:
         _, architecture, model_args = load_model_config_from_hf(name[len("hf-hub:"):])
         model_args = dict(model_args or {})
     overlay = {"pretrained_cfg_overlay": {"file": str(Path(file).resolve())}} if file else {}
+    from safetensors import SafetensorError
+
+    if file is not None:
+        _check_checkpoint_file(spec, file)
     try:
         model = timm.create_model(name, pretrained=True, num_classes=0, **overlay)
-    except (RuntimeError, OSError, ValueError, KeyError) as err:
+    except (RuntimeError, OSError, ValueError, KeyError, SafetensorError) as err:
         raise UserError(f"timm cannot build {spec!r} ({first_line(err)}); check the model name (timm.list_models()) "
                         "and that its weights can be reached, or that the file is its checkpoint") from None
     return model.eval(), architecture.split(".")[0], model_args
@@ -213,6 +217,22 @@ def pretrained_timm_tower(spec: str) -> tuple[nn.Module, dict]:
                           width=_pooled_width(model), model_args=model_args)
     preprocess = {"image_size": int(size), "mean": list(data["mean"]), "std": list(data["std"])}
     return as_tower(model, cfg), preprocess
+
+
+def _check_checkpoint_file(spec: str, file: str) -> None:
+    """A local `.safetensors` checkpoint whose header or tensors do not read back (a copy cut short, a flipped
+    byte) is one line naming it, before timm reads it."""
+    from safetensors import SafetensorError, safe_open
+
+    if not file.endswith(".safetensors"):
+        return
+    try:
+        with safe_open(file, framework="pt") as checkpoint:
+            for key in checkpoint.keys():
+                checkpoint.get_slice(key)  # each tensor's place in the file, checked against its size
+    except (OSError, SafetensorError) as err:
+        raise UserError(f"image tower {spec!r}: cannot read {file} ({first_line(err)}); the checkpoint is damaged "
+                        "or incomplete: download or copy it again") from None
 
 
 def _pooled_width(model: nn.Module) -> int:

@@ -140,3 +140,24 @@ def test_writing_the_cache_folder_draws_no_random_numbers(cache, tmp_path):
         draws.append(torch.rand(4))
     assert len(list((cache / "towers" / "timm").iterdir())) == 1
     assert torch.equal(draws[0], draws[1])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_a_damaged_local_checkpoint_is_one_line(cache, tmp_path, damage):
+    """A `timm:NAME?file=F` whose F was cut short or whose header was garbled ended in safetensors'
+    traceback (embed, train); now one line naming the file, and no cache folder is written."""
+    from lit_softmoe.errors import UserError
+
+    _checkpoint(tmp_path / "vit.safetensors")
+    data = (tmp_path / "vit.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # a flipped byte inside the JSON header
+        data = data[:8] + data[8:header_end].replace(b'"dtype"', b'"dtypX"', 1) + data[header_end:]
+    (tmp_path / "vit.safetensors").write_bytes(data)
+    with pytest.raises(UserError, match=rf"cannot read {tmp_path / 'vit.safetensors'} .*the checkpoint is damaged or "
+                                        r"incomplete: download or copy it again") as raised:
+        load_tower(f"timm:test_vit?file={tmp_path / 'vit.safetensors'}")
+    assert "\n" not in str(raised.value)
+    assert not (cache / "towers" / "timm").exists() or not any((cache / "towers" / "timm").iterdir())
