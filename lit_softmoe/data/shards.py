@@ -230,6 +230,9 @@ def split_dir_urls(split_dir: Path) -> list[str]:
         nshards = int(nshards_path.read_text().strip())
     except ValueError:
         raise UserError(f"{nshards_path} does not hold a number; rewrite the split's shards") from None
+    if nshards < 1:  # no writer writes an empty split: a count below one is a damaged file
+        raise UserError(f"{nshards_path} counts {nshards} shards, but a split holds at least one; rewrite the "
+                        "split's shards")
     # CLIP_benchmark names shards 0.tar…; zero-padded names are read too, at the width the first
     # shard has (img2dataset's 00000.tar, webdataset's 000000.tar).
     width = next((width for width in range(1, 10) if (split_dir / f"{0:0{width}d}.tar").exists()), 1)

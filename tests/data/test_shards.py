@@ -408,6 +408,20 @@ def test_a_split_whose_nshards_counts_fewer_shards_than_sizes_lists_is_refused(f
     assert len(shard_urls(split)) == 4
 
 
+@pytest.mark.parametrize("count, says", [("0", "counts 0 shards, but a split holds at least one"),
+                                         ("-3", "counts -3 shards, but a split holds at least one"),
+                                         ("abc", "does not hold a number"), ("2.5", "does not hold a number")])
+def test_an_nshards_that_is_no_count_of_shards_is_refused_in_its_own_words(fmnist_shards, tmp_path, count, says):
+    """Without a sizes.json to compare with, 0 and -3 read as a split of no shards: the readers then said the
+    shards were not found and told the user to write Fashion-MNIST."""
+    split = tmp_path / "train"
+    shutil.copytree(fmnist_shards[0] / "train", split)
+    (split / "sizes.json").unlink()
+    (split / "nshards.txt").write_text(f"{count}\n")
+    with pytest.raises(UserError, match=rf"nshards.txt {says}; rewrite the split's shards$"):
+        shard_urls(split)
+
+
 def test_a_tar_cut_inside_a_member_or_a_header_is_damaged(fmnist_shards, tmp_path):
     """tarfile takes a file cut inside a member's data, or inside the next header, for the end of the archive;
     its samples count stops there, and `is_damaged_tar` says the tar lost what followed."""
