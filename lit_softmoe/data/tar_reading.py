@@ -107,6 +107,17 @@ def is_damaged_tar(url: str) -> bool:
     return _walk_tar(identity)[1]
 
 
+def is_tar_archive(url: str) -> bool:
+    """Whether a local file starts as a tar archive does: a first header block whose checksum holds (an empty
+    file, a text file or an HTML error page saved under a shard's name does not)."""
+    try:
+        with open(url, "rb") as stream:
+            tarfile.TarInfo.frombuf(stream.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape")
+    except (OSError, tarfile.TarError):
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=4096)
 def _walk_tar(identity: tuple[str, int, int, int]) -> tuple[int, bool]:
     """(samples, damaged) of a local tar, from its member headers."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.data.tar_reading import is_tar_archive
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.classifier import build_zeroshot_classifier
 from lit_softmoe.evals.eval_data import EvalData, MissingData
@@ -122,9 +123,13 @@ def _partial_read(spec: BenchmarkConfig, data: EvalData, read: int) -> str | Non
     if data.listed_samples is not None and read < data.listed_samples:
         reasons.append(f"{read} of the {data.listed_samples} samples that the sizes.json of {spec.root}/{spec.split} "
                        "lists were read: its shards are truncated")
-    if data.damaged_shards:
-        reasons.append(f"{len(data.damaged_shards)} shard(s) end inside a sample (first: {data.damaged_shards[0]}) "
-                       "and were read up to the damage")
+    no_tar = [url for url in data.damaged_shards if not is_tar_archive(url)]
+    cut = [url for url in data.damaged_shards if url not in no_tar]
+    if cut:
+        reasons.append(f"{len(cut)} shard(s) end inside a sample (first: {cut[0]}) and were read up to the damage")
+    if no_tar:
+        reasons.append(f"{len(no_tar)} shard(s) are no tar archive at all (empty, or another kind of file; first: "
+                       f"{no_tar[0]}) and gave no sample")
     if not reasons:
         return None
     partial = f"{'; '.join(reasons)}, and the metrics cover the samples read only"

@@ -261,3 +261,22 @@ def test_a_shard_cut_inside_a_sample_marks_the_result_partial(tmp_path):
     entry = run_suite("m", cfg, out=tmp_path / "cut.json", model_bundle=tiny_pair(3, 32))["results"][0]
     assert entry["status"] == "ok" and entry["bad_shards"] == 1 and entry["num_samples"] < whole["num_samples"]
     assert entry["partial"].startswith(f"1 shard(s) end inside a sample (first: {tar})")
+
+
+@pytest.mark.parametrize("content", [b"", b"<html>404 Not Found</html>\n" * 40], ids=["zero bytes", "a text file"])
+def test_a_shard_that_is_no_tar_at_all_is_said_to_be_none(tmp_path, content):
+    """An empty file or a saved error page under a shard's name was described as a shard that "ends inside
+    a sample"; it is no tar archive, and gave no sample."""
+    images = foolbox_images("cifar10")[:6]
+    root = write_wds_benchmark(tmp_path / "cifar10", [(p.read_bytes(), "png", label) for p, label in images],
+                               classnames=list(benchmark_info("cifar10").classnames),
+                               templates=["a photo of a {c}."], per_shard=3)
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    tar = root / "test" / "1.tar"
+    tar.write_bytes(content)
+    entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "ok" and entry["bad_shards"] == 1 and entry["num_samples"] == 3
+    assert entry["partial"].startswith(f"1 shard(s) are no tar archive at all (empty, or another kind of file; "
+                                       f"first: {tar}) and gave no sample")
+    assert "end inside a sample" not in entry["partial"]
