@@ -25,11 +25,14 @@ from lit_softmoe.model_folders import (
     STATE_TENSORS,
     TOKENIZER_DIR,
     TOKENIZER_JSON,
+    DamagedCheckpoint,
     ModelFolder,
     classify_folder,
     export_weight_files,
+    load_step_tensors,
     read_export_config,
     read_json,
+    read_state_meta,
     require_keys,
 )
 from lit_softmoe.models.export_weights import WEIGHTS_FILES, load_export_weights
@@ -189,7 +192,7 @@ def _run_description(source: ModelFolder) -> tuple[dict, int | None]:
     """(the pair's description, the step it was saved at) of a LiT run's model/ folder or a training checkpoint:
     both carry the same description (`train.lit.model_description`)."""
     if source.kind == "checkpoint":
-        checkpoint = read_json(source.path / STATE_META)
+        checkpoint = _checked(source.path, read_state_meta)  # its step is its folder's, or it is damaged
         info, step, described = checkpoint["model"], checkpoint.get("step"), f"{source.path / STATE_META}'s \"model\""
     else:
         info = read_json(source.path / EXPORT_CONFIG)
@@ -197,11 +200,21 @@ def _run_description(source: ModelFolder) -> tuple[dict, int | None]:
     return require_keys(info, _DESCRIPTION_KEYS, described, "train the run again with this version"), step
 
 
+def _checked(checkpoint: Path, read):
+    """`read(checkpoint)`, or one UserError line when the checkpoint is damaged (its files disagree with each
+    other or with its name: what a resume passes over)."""
+    try:
+        return read(checkpoint)
+    except DamagedCheckpoint as err:
+        raise UserError(f"checkpoint {checkpoint} is damaged ({err}); use the checkpoint before it, or the run's "
+                        "model/ folder") from None
+
+
 def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
     info, step = _run_description(source)
     if source.kind == "checkpoint":
-        tensors = load_weights(source.path / STATE_TENSORS)
+        tensors = _checked(source.path, lambda path: load_step_tensors(path / STATE_TENSORS, step))
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     else:
         state = load_weights(source.path / TOWER_WEIGHTS)

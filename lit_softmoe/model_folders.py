@@ -18,6 +18,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.export_weights import IMAGE_WEIGHTS, OPEN_CLIP, OURS, TEXT_WEIGHTS
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
@@ -44,6 +48,54 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {path} ({err}); is it a complete folder?") from None
+
+
+# ---- a checkpoint folder's files (train.checkpoint writes them; eval and export read them too) --------
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type), or do not
+    agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
+
+
+def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, step: int) -> None:
+    """A checkpoint's tensors, the step they are of in the file's own metadata (`load_step_tensors` checks it)."""
+    save_file(tensors, path, metadata={"step": str(step)})
+
+
+def load_step_tensors(path: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors `save_step_tensors` wrote for `step`; DamagedCheckpoint when the file does not read back or
+    is of another step (its state.json and its folder's name say `step`). A file without the metadata (written
+    before it was recorded) is taken as it is."""
+    try:
+        with safe_open(path, framework="pt") as file:
+            written = (file.metadata() or {}).get("step")
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as err:
+        raise DamagedCheckpoint(f"{path.name}: {err}") from None
+    if written is not None and written != str(step):
+        raise DamagedCheckpoint(f"{path.name} is of step {written}, but {STATE_META} and the folder's name of step "
+                                f"{step} (a file copied from another checkpoint)")
+    return tensors
+
+
+def read_state_meta(ckpt_dir: str | Path) -> dict:
+    """A checkpoint folder's state.json, checked (a step, optimizer groups, the step its folder's name
+    says); DamagedCheckpoint says what is wrong. Sharded checkpoints have the same one."""
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        info = json.loads((ckpt_dir / STATE_META).read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"{STATE_META}: {err}") from None
+    step = info.get("step") if isinstance(info, dict) else None
+    step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    if not step_ok or not isinstance(info.get("param_groups"), list):
+        raise DamagedCheckpoint(f"{STATE_META} holds no step number and optimizer groups")
+    # The folder's name orders the checkpoints: one whose state is of another step is not what it claims.
+    named = re.fullmatch(r"step_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != step:
+        raise DamagedCheckpoint(f"{STATE_META} holds step {step}, the folder's name step {int(named.group(1))}")
+    return info
+
 
 
 def require_keys(record: dict, keys, source: Path | str, fix: str) -> dict:

@@ -71,3 +71,35 @@ def test_a_missing_checkpoint_of_a_pretraining_run_is_not_pointed_to_its_sibling
     (run / "config.yaml").write_text("tower: {}\n")
     with pytest.raises(UserError, match="is not a folder; expected an export folder"):
         load_pretrained(run / "checkpoints" / "step_00000010")
+
+
+@pytest.mark.parametrize("how", ["state.json of another step", "tensors of another step"])
+def test_eval_and_export_refuse_a_checkpoint_whose_files_disagree_with_its_name(tmp_path, capsys, how):
+    """A checkpoint whose state.json says another step than its folder, or whose tensors are another step's,
+    was evaluated and exported as if whole (the card recorded the state.json's step). It is damaged, as a
+    resume finds it: one line, and nothing written."""
+    import json
+    import shutil
+
+    from lit_runs import make_run
+    from lit_softmoe.cli import main
+
+    run = make_run(tmp_path)
+    checkpoint = run / "checkpoints" / "step_00000010"
+    if how == "state.json of another step":
+        info = json.loads((checkpoint / "state.json").read_text())
+        (checkpoint / "state.json").write_text(json.dumps({**info, "step": 4}))
+    else:  # tensors copied in from the same run's checkpoint of step 4
+        older = run / "checkpoints" / "step_00000004"
+        shutil.copytree(checkpoint, older)
+        info = json.loads((older / "state.json").read_text())
+        (older / "state.json").write_text(json.dumps({**info, "step": 4}))
+        from lit_softmoe.model_folders import load_step_tensors, save_step_tensors
+        save_step_tensors(load_step_tensors(older / "state.safetensors", 10), older / "state.safetensors", 4)
+        shutil.copy(older / "state.safetensors", checkpoint / "state.safetensors")
+    with pytest.raises(UserError, match=rf"checkpoint {checkpoint} is damaged .*; use the checkpoint before it"):
+        load_pretrained(checkpoint)
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {checkpoint} is damaged" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "export").exists()

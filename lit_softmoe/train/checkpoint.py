@@ -13,16 +13,22 @@ half-written checkpoint under the final name. (The image tower's own folder form
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import STATE_META, STATE_TENSORS, checkpoint_order, require_keys
+from lit_softmoe.model_folders import (  # the checkpoint folder's format: read by eval and export too
+    STATE_META,
+    STATE_TENSORS,
+    DamagedCheckpoint,
+    checkpoint_order,
+    load_step_tensors,
+    read_state_meta,
+    require_keys,
+    save_step_tensors,
+)
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
 
@@ -54,51 +60,6 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
 
     # The run owns its checkpoints' names: a link there (even one that loops) is replaced, never followed.
     return write_folder_atomically(ckpt_dir, write, through_link=False)
-
-
-class DamagedCheckpoint(Exception):
-    """A checkpoint whose files do not read back (truncated, garbage, a field of the wrong type), or do not
-    agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
-
-
-def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, step: int) -> None:
-    """A checkpoint's tensors, the step they are of in the file's own metadata (`load_step_tensors` checks it)."""
-    save_file(tensors, path, metadata={"step": str(step)})
-
-
-def load_step_tensors(path: Path, step: int) -> dict[str, torch.Tensor]:
-    """The tensors `save_step_tensors` wrote for `step`; DamagedCheckpoint when the file does not read back or
-    is of another step (its state.json and its folder's name say `step`). A file without the metadata (written
-    before it was recorded) is taken as it is."""
-    try:
-        with safe_open(path, framework="pt") as file:
-            written = (file.metadata() or {}).get("step")
-        tensors = load_file(path)
-    except (OSError, SafetensorError) as err:
-        raise DamagedCheckpoint(f"{path.name}: {err}") from None
-    if written is not None and written != str(step):
-        raise DamagedCheckpoint(f"{path.name} is of step {written}, but {STATE_META} and the folder's name of step "
-                                f"{step} (a file copied from another checkpoint)")
-    return tensors
-
-
-def read_state_meta(ckpt_dir: str | Path) -> dict:
-    """A checkpoint folder's state.json, checked (a step, optimizer groups, the step its folder's name
-    says); DamagedCheckpoint says what is wrong. Sharded checkpoints have the same one."""
-    ckpt_dir = Path(ckpt_dir)
-    try:
-        info = json.loads((ckpt_dir / STATE_META).read_text())
-    except (OSError, ValueError) as err:
-        raise DamagedCheckpoint(f"{STATE_META}: {err}") from None
-    step = info.get("step") if isinstance(info, dict) else None
-    step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
-    if not step_ok or not isinstance(info.get("param_groups"), list):
-        raise DamagedCheckpoint(f"{STATE_META} holds no step number and optimizer groups")
-    # The folder's name orders the checkpoints: one whose state is of another step is not what it claims.
-    named = re.fullmatch(r"step_(\d+)", ckpt_dir.name)
-    if named and int(named.group(1)) != step:
-        raise DamagedCheckpoint(f"{STATE_META} holds step {step}, the folder's name step {int(named.group(1))}")
-    return info
 
 
 def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

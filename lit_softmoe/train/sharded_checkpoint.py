@@ -44,8 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.model_folders import STATE_META
-from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_step_tensors, read_state_meta, save_step_tensors
+from lit_softmoe.model_folders import (
+    STATE_META,
+    DamagedCheckpoint,
+    load_step_tensors,
+    read_state_meta,
+    save_step_tensors,
+)
 from lit_softmoe.utils.atomic import write_folder_atomically
 
 _TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
