@@ -169,6 +169,7 @@ def check_same_run(run_dir, config) -> None:
     except Exception as err:
         raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); pass a new run_dir=...") from None
     new = _flatten(OmegaConf.to_container(OmegaConf.structured(config)))
+    _check_same_recipe(run_dir, saved, new)
     # Every key of the schema is in a config.yaml this version saved; free-form mappings (tower.options)
     # hold what the run was given, so a key one side lacks there is a difference like any other.
     schema = _flatten(OmegaConf.to_container(OmegaConf.structured(type(config))))
@@ -189,6 +190,21 @@ def check_same_run(run_dir, config) -> None:
         raise UserError(f"{run_dir} holds another run ({', '.join(changed[:6])}{more}: its config.yaml → this "
                         "config); start this one with another run_dir=..., or rerun with that one's config to resume "
                         "it (steps, epochs and logging may change)")
+
+
+# What names a recipe's run: the key only its config has (LiT's locked tower, pretraining's tower to train).
+_RECIPES = {"image_tower": "a LiT run (`lit-softmoe train`)", "tower": "a pretraining run (`lit-softmoe pretrain`)"}
+
+
+def _check_same_recipe(run_dir: Path, saved: dict, new: dict) -> None:
+    """Refuse a run folder of the other recipe in its own words (it read as one of another version)."""
+    def recipe(keys) -> str | None:
+        return next((name for key, name in _RECIPES.items() if any(k == key or k.startswith(f"{key}.") for k in keys)),
+                    None)
+
+    held, this = recipe(saved), recipe(new)
+    if held is not None and this is not None and held != this:
+        raise UserError(f"{run_dir} holds {held}, and this is {this}; start this one with another run_dir=...")
 
 
 def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None, accelerator=None):

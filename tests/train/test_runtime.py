@@ -14,6 +14,26 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.train.runtime import create_accelerator, loss_scaler_state, restore_loss_scaler
 
 
+@pytest.mark.parametrize("held", ["lit", "pretrain"])
+def test_a_run_folder_of_the_other_recipe_is_refused_in_its_own_words(tmp_path, held):
+    """`pretrain run_dir=A_LIT_RUN` was refused as a run "saved by another version of lit-softmoe"."""
+    from lit_softmoe.config import LiTConfig, PretrainConfig, to_yaml
+    from lit_softmoe.train.runtime import check_same_run
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000008" / "state.json").write_text("{}")
+    configs = {"lit": load_config(LiTConfig, None, [f"run_dir={run}"]),
+               "pretrain": load_config(PretrainConfig, None, [f"run_dir={run}"])}
+    (run / "config.yaml").write_text(to_yaml(configs[held]))
+    names = {"lit": "a LiT run (`lit-softmoe train`)", "pretrain": "a pretraining run (`lit-softmoe pretrain`)"}
+    other = "pretrain" if held == "lit" else "lit"
+    with pytest.raises(UserError) as refused:
+        check_same_run(run, configs[other])
+    assert str(refused.value) == f"{run} holds {names[held]}, and this is {names[other]}; start this one with " \
+                                 "another run_dir=..."
+    check_same_run(run, configs[held])  # its own recipe resumes it
+
+
 def test_a_run_folder_is_resumed_only_with_its_own_config(tmp_path):
     from lit_softmoe.config import PretrainConfig, to_yaml
     from lit_softmoe.train.runtime import check_same_run
