@@ -17,6 +17,7 @@ a half-written tower under the final name.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -149,10 +150,46 @@ def read_tower_meta(path: str | Path) -> dict:
         raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
                         "point to the `tower` folder of a finished pretraining run")
     try:
-        return json.loads(config_file.read_text())
+        meta = json.loads(config_file.read_text())
     except ValueError as err:
         raise UserError(f"{config_file} is not valid JSON ({err}); "
                         "the tower folder is damaged: save or copy it again") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{config_file} holds a JSON {type(meta).__name__}, not a tower's settings; the tower folder "
+                        "is damaged: save or copy it again")
+    if "preprocess" in meta:
+        tower = meta.get("tower") if isinstance(meta.get("tower"), dict) else {}
+        check_preprocess(meta["preprocess"], tower.get("in_channels"), config_file)
+    return meta
+
+
+def check_preprocess(preprocess, channels: int | None, source: str | Path) -> None:
+    """One UserError line, naming `source` and the key, for a "preprocess" entry no image could go through:
+    "image_size" not a positive whole number; "mean" or "std" not a number or a list of one number or one per
+    channel of the tower; a std of 0 or below (it made every embedding non-finite, blamed on the shards). Keys
+    left out are left to the readers that need them (`tower_fingerprint` asks for all three)."""
+    def refuse(what: str) -> None:
+        raise UserError(f"{source}: preprocess{what}; the tower folder is damaged or was edited by hand: save it "
+                        "again, or correct the key")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(preprocess, dict):
+        refuse(f" is a {type(preprocess).__name__}, not {{image_size, mean, std}}")
+    size = preprocess.get("image_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        refuse(f".image_size is {size!r}, not a whole number of pixels")
+    for key in ("mean", "std"):
+        if key not in preprocess:
+            continue
+        values = preprocess[key] if isinstance(preprocess[key], list) else [preprocess[key]]
+        if not values or not all(number(v) for v in values):
+            refuse(f".{key} is {preprocess[key]!r}, not a number or a list of numbers")
+        if isinstance(channels, int) and len(values) not in (1, channels):
+            refuse(f".{key} has {len(values)} values, but the tower takes {channels} channel(s)")
+        if key == "std" and any(v <= 0 for v in values):
+            refuse(f".std is {preprocess[key]!r}: each must be above 0 (pixels are divided by it)")
 
 
 def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None

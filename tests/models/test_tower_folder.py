@@ -56,3 +56,34 @@ def test_a_damaged_tower_folder_is_one_user_error(tmp_path):
     (tmp_path / "tower" / "config.json").write_text('{"tower": ')  # cut short too
     with pytest.raises(UserError, match=r"config\.json is not valid JSON"):
         load_tower(tmp_path / "tower")
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda meta: [meta], r"config\.json holds a JSON list, not a tower's settings"),
+    (lambda meta: {**meta, "preprocess": {"image_size": 28, "mean": [0.5, 0.5, 0.5], "std": [0.5]}},
+     r"preprocess\.mean has 3 values, but the tower takes 1 channel\(s\)"),
+    (lambda meta: {**meta, "preprocess": {"image_size": 28, "mean": [0.5], "std": [0]}},
+     r"preprocess\.std is \[0\]: each must be above 0 \(pixels are divided by it\)"),
+    (lambda meta: {**meta, "preprocess": {"image_size": "28", "mean": [0.5], "std": [0.5]}},
+     r"preprocess\.image_size is '28', not a whole number of pixels"),
+    (lambda meta: {**meta, "preprocess": {"image_size": 28, "mean": ["a"], "std": [0.5]}},
+     r"preprocess\.mean is \['a'\], not a number or a list of numbers"),
+], ids=["a list", "3 means for a gray tower", "std 0", "size as text", "mean not numbers"])
+def test_a_tower_config_that_no_image_could_go_through_is_one_line_naming_the_key(tmp_path, capsys, edit, says):
+    """A config.json holding a list ended in AttributeError, a gray tower's three means in a ValueError, and
+    std [0] turned every embedding non-finite, blamed on the shards: each is now refused where the config is
+    read, naming the file and the key (embed's command line shows it as users meet it)."""
+    from lit_softmoe.cli import main
+    from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+
+    write_fashion_mnist_shards(tmp_path / "fm", samples_per_shard=10, limit=10, allow_download=False)
+    save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10),
+               extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    meta = json.loads((tmp_path / "tower" / "config.json").read_text())
+    (tmp_path / "tower" / "config.json").write_text(json.dumps(edit(meta)))
+    with pytest.raises(UserError, match=says):
+        load_tower(tmp_path / "tower")
+    assert main(["embed", "--tower", str(tmp_path / "tower"), "--shards", str(tmp_path / "fm" / "test"),
+                 "--out", str(tmp_path / "features")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path / "tower" / "config.json") in err, err
