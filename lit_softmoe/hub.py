@@ -27,6 +27,7 @@ from lit_softmoe.model_folders import (
     TOKENIZER_JSON,
     DamagedCheckpoint,
     ModelFolder,
+    check_export_weights,
     classify_folder,
     export_weight_files,
     load_step_tensors,
@@ -251,7 +252,9 @@ def _load_export_pair(path: Path, config: dict) -> LiTModel:
     # weight, so the encoder is built from its config without reading pretrained weights.
     text_tower = create_text_tower(text_cfg, embed_dim=config["embed_dim"], pretrained_weights=False)
     model = LiTModel(tower, text_tower, loss=config["loss"], image_head=config["image_head"])
-    state = load_export_weights(path, export_weight_files(path, config))
+    files = export_weight_files(path, config)
+    state = load_export_weights(path, files)  # a file missing or cut short: named by its own line first
+    check_export_weights(path, config, files)
     check_state_dict(model, state, str(path))
     model.load_state_dict(state, assign=True)  # assign: the meta-device tower takes the loaded tensors
     fill_computed_buffers(model.image_tower)
@@ -339,7 +342,9 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
     if source.kind == "export":
         config = read_export_config(source.path)
         tower = tower_skeleton(config["image_tower"], source.path)
-        state = load_export_weights(source.path, export_weight_files(source.path, config), prefix="image_tower.")
+        files = export_weight_files(source.path, config)
+        state = load_export_weights(source.path, files, prefix="image_tower.")
+        check_export_weights(source.path, config, files)
         check_state_dict(tower, state, str(source.path))
         tower.load_state_dict(state, assign=True)
         fill_computed_buffers(tower)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.export_weights import IMAGE_WEIGHTS, OPEN_CLIP, OURS, TEXT_WEIGHTS
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
+from lit_softmoe.utils.hashing import file_sha256
 
 # An export folder's files.
 EXPORT_FORMAT = 3  # config.json's "format": the one this version writes
@@ -37,6 +38,7 @@ TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 # A run folder's files.
 RUN_CONFIG = "config.yaml"
 STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
+FILES_SHA256 = "files_sha256"  # an export's config.json: {the path of every other file in the export: its sha256}
 
 _EXPECTED = ("an export folder (from `lit-softmoe export`), a LiT run folder, its model/ folder, a LiT checkpoint "
              "folder RUN/checkpoints/step_N, or (for the image tower alone) a pretraining run or its tower/ folder")
@@ -118,6 +120,19 @@ def read_export_config(folder: Path) -> dict:
         raise UserError(f"{folder} has export format {found}, which this lit-softmoe does not read (it reads "
                         f"{' and '.join(map(str, READ_FORMATS))}); export the run again with this version")
     return config
+
+
+def check_export_weights(folder: Path, config: dict, files: dict[str, str]) -> None:
+    """The export's weights `files` are the ones it wrote: each file's sha256 as its config.json records it
+    (`FILES_SHA256`; an export without the record is taken as it is). Checked where a whole export is read
+    (`load_pretrained`, eval): a flipped bit would otherwise be scored without a word."""
+    recorded = config.get(FILES_SHA256)
+    if not isinstance(recorded, dict):
+        return
+    for name in files:  # a missing one is the loader's to name
+        if name in recorded and (folder / name).is_file() and file_sha256(folder / name) != recorded[name]:
+            raise UserError(f"{folder / name} is not the file the export wrote (its sha256 differs from the one "
+                            f"{EXPORT_CONFIG} records): it was changed or damaged; copy or download the export again")
 
 
 def export_weight_files(folder: Path, config: dict) -> dict[str, str]:

@@ -179,12 +179,18 @@ def _rename_key(file, old: str, new: str) -> None:
 def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, tmp_path):
     """`logit_scale` is the one name of the log-scale: weights holding it under another are refused, from an
     export, a run's model/ or a checkpoint, before anything loads."""
+    import json
     import shutil
 
     from lit_softmoe.errors import UserError
+    from lit_softmoe.utils.hashing import file_sha256
     export, other_run = tmp_path / "export", tmp_path / "run"
     shutil.copytree(hub_export, export)
     _rename_key(export / "open_clip_model.safetensors", "logit_scale", "log_scale")
+    # As a writer that named the key so would record its file (else the sha256 check refuses it first).
+    config = json.loads((export / "config.json").read_text())
+    config["files_sha256"]["open_clip_model.safetensors"] = file_sha256(export / "open_clip_model.safetensors")
+    (export / "config.json").write_text(json.dumps(config))
     shutil.copytree(run, other_run)  # its model/config.json names the tower by absolute path: still found
     _rename_key(other_run / "model" / "model.safetensors", "logit_scale", "log_scale")
     checkpoint = other_run / "checkpoints" / "step_00000010"

@@ -63,6 +63,7 @@ from lit_softmoe.hub import load_run_pair, preprocess_spec
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
+    FILES_SHA256,
     IMAGE_WEIGHTS,
     MODEL_CARD,
     RUN_CONFIG,
@@ -242,7 +243,6 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                         "another folder") from None
 
 
-FILES_SHA256 = "files_sha256"  # config.json: {the path of every other file in the export: its sha256}
 
 
 class _Prefixed(nn.Module):

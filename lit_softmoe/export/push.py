@@ -23,10 +23,10 @@ from pathlib import Path
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import hub_card, hub_card_facts, hub_text_path, read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
-from lit_softmoe.export.pair import FILES_SHA256
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     EXPORT_FORMAT,
+    FILES_SHA256,
     MODEL_CARD,
     TOKENIZER_DIR,
     TOKENIZER_JSON,

@@ -317,3 +317,23 @@ def test_out_that_is_a_link_to_nothing_is_one_line_before_any_work(run, tmp_path
     line = one_error_line(capsys, cli.main(["export", str(run), "--out", str(out), "--overwrite"]))
     assert line == f"lit-softmoe export: error: --out {out} {problem}; remove the link (rm {out}) or give another --out"
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and out.is_symlink()
+
+
+def test_an_export_whose_weights_file_changed_is_refused_where_it_is_read_whole(run, tmp_path, capsys):
+    """A flipped bit in open_clip_model.safetensors still reads as safetensors: `eval --model EXPORT` scored
+    the changed weights without a word, though config.json records the file's sha256. Loading the export
+    (which reads every tensor anyway) now checks it: one line, exit 2."""
+    out = export_pair(run, tmp_path / "export")
+    weights = out / "open_clip_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x04  # one bit of the last tensor's bytes
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"{weights} is not the file the export wrote \(its sha256 differs"):
+        load_pretrained(out)
+    with pytest.raises(UserError, match="is not the file the export wrote"):
+        load_image_tower(out)
+    capsys.readouterr()
+    line = one_error_line(capsys, cli.main(["eval", "--model", str(out), "--suite", "fashion-mnist",
+                                            "--out", str(tmp_path / "r.json")]))
+    assert "is not the file the export wrote" in line and "copy or download the export again" in line
+    assert not (tmp_path / "r.json").exists()
