@@ -28,13 +28,15 @@ from lit_softmoe.errors import UserError
 class TowerLayers:
     layer_ids: dict[str, int]  # parameter name (as in named_parameters()) → its layer
     blocks: tuple[int, ...]  # the layers that are blocks, in the order they run
+    classifier: frozenset[str] = frozenset()  # the class head's parameters (`get_classifier()`): not features
 
     def unlocked(self, count: int) -> set[str]:
-        """The parameters that train when the last `count` blocks do (0: none)."""
+        """The parameters that train when the last `count` blocks do (0: none): the blocks and what runs after
+        them on the way to the features, not a class head (a pretrained tower's `head` is not in them)."""
         if not count:
             return set()
         first = self.blocks[-count]
-        return {name for name, layer in self.layer_ids.items() if layer >= first}
+        return {name for name, layer in self.layer_ids.items() if layer >= first and name not in self.classifier}
 
     def block_parameters(self, index: int) -> set[str]:
         """The parameters of block `index` (negative: from the end)."""
@@ -60,7 +62,18 @@ def tower_layers(tower: nn.Module) -> TowerLayers:
     else:  # a function: its first layer is the stem, as timm's own towers number them
         not_blocks = {min(layers, default=0)}
     blocks = tuple(sorted(layers - not_blocks))
-    return TowerLayers(layer_ids=dict(ids), blocks=blocks)
+    return TowerLayers(layer_ids=dict(ids), blocks=blocks, classifier=_classifier_parameters(tower))
+
+
+def _classifier_parameters(tower: nn.Module) -> frozenset[str]:
+    """The names of the parameters of timm's `get_classifier()` module (none for a tower built without one)."""
+    classifier = tower.get_classifier() if hasattr(tower, "get_classifier") else None
+    if not isinstance(classifier, nn.Module):
+        return frozenset()
+    prefix = next((name for name, module in tower.named_modules() if module is classifier), None)
+    if prefix is None:
+        return frozenset()
+    return frozenset(f"{prefix}.{name}" if prefix else name for name, _ in classifier.named_parameters())
 
 
 def _matched(ids: dict[str, int], specs: list) -> set[str]:

@@ -75,9 +75,10 @@ def test_our_towers_number_their_layers_as_before():
     layers = tower_layers(tower)
     assert layers.layer_ids == tower.layer_ids()
     assert len(layers.blocks) == len(tower.blocks)
+    # The last block and the final norm; not the pretraining class head (it makes no feature).
     assert layers.unlocked(1) == {f"blocks.{len(tower.blocks) - 1}.{n}" for n, _ in tower.blocks[-1].named_parameters()
-                                  } | {f"norm.{n}" for n, _ in tower.norm.named_parameters()} | {
-                                      f"head.{n}" for n, _ in tower.head.named_parameters()}
+                                  } | {f"norm.{n}" for n, _ in tower.norm.named_parameters()}
+    assert layers.classifier == {"head.weight", "head.bias"}
 
 
 def test_too_many_blocks_and_a_model_without_layer_groups_are_one_line(monkeypatch):
