@@ -102,7 +102,33 @@ class OptimConfig:
 
 
 @dataclass
-class PretrainConfig:
+class TrainingRunConfig:
+    """The keys both training recipes (`PretrainConfig`, `LiTConfig`) take with the same meaning and
+    default; `train.loop` reads them. Each recipe's own keys follow these in its config.yaml."""
+    run_dir: str = "runs"  # each recipe names its own default folder
+    epochs: float = number(1.0, minimum=0)  # training length; `steps` wins when > 0
+    steps: int = number(0, minimum=0)
+    # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
+    precision: str = choice("auto", PRECISIONS)
+    # Memory levers; `lit-softmoe pretrain --plan` / `train --plan` say which a run needs. sharding: none
+    # (every process holds the whole trained model, its gradients and AdamW's moments: DDP) | fsdp (each
+    # holds 1/N of them).
+    sharding: str = choice("none", SHARDINGS)
+    grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
+    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
+    accum_steps: int = number(1, minimum=1)
+    seed: int = 0
+    # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
+    # RUN/tensorboard), wandb, mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none.
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    log_project: str = "lit-softmoe"  # the project (wandb, comet_ml, ...) or experiment (mlflow) of the runs
+    checkpoint_every: int = number(500, minimum=1)
+    keep_checkpoints: int = number(2, minimum=0)
+    threads: int = number(0, minimum=0)  # CPU threads for torch; 0: torch's default
+
+
+@dataclass
+class PretrainConfig(TrainingRunConfig):
     run_dir: str = "runs/pretrain"
     tower: TowerConfig = field(default_factory=TowerConfig)
     # A tower folder (from `upcycle`, `convert` or a pretraining run) whose weights a fresh run starts
@@ -114,30 +140,12 @@ class PretrainConfig:
     label_smoothing: float = 0.0  # softmax loss only
     aux_loss_weight: float = 0.005  # × the sparse MoE layers' importance + load losses (V-MoE's 0.005 each)
     batch_size: int = number(128, minimum=1)  # global batch, split over processes
-    epochs: float = number(1.0, minimum=0)  # training length; `steps` wins when > 0
-    steps: int = number(0, minimum=0)
-    # auto (bf16 on GPUs that have it, else fp32) | fp32 | bf16 | fp16 (GPUs without bf16)
-    precision: str = choice("auto", PRECISIONS)
     # torch.compile the tower: auto (on GPUs, where its fused kernels pay) | true | false
     compile: str = choice("auto", COMPILE_CHOICES)
-    # Memory levers; `lit-softmoe pretrain --plan` says which a run needs. sharding: none (every process holds the
-    # whole tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = choice("none", SHARDINGS)
-    grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
-    accum_steps: int = number(1, minimum=1)
-    seed: int = 0
     log_every: int = number(50, minimum=1)
-    # Experiment trackers (accelerate's) that get each record of metrics.jsonl too: tensorboard (in
-    # RUN/tensorboard), wandb, mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none.
-    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
-    log_project: str = "lit-softmoe"  # the project (wandb, comet_ml, ...) or experiment (mlflow) of the runs
     eval_every: int = number(0, minimum=0)  # steps between test evaluations during training; 0: only at the end
-    checkpoint_every: int = number(500, minimum=1)
-    keep_checkpoints: int = number(2, minimum=0)
     fewshot_shots: int = number(10, minimum=0)  # k of the k-shot linear probe (closed-form ridge regression)
     eval_batch_size: int = number(512, minimum=1)
-    threads: int = number(0, minimum=0)  # CPU threads for torch; 0: torch's default
 
 
 def _all_keys(node, prefix="") -> list[str]:
@@ -405,7 +413,7 @@ class ZeroShotEvalConfig:
 
 
 @dataclass
-class LiTConfig:
+class LiTConfig(TrainingRunConfig):
     run_dir: str = "runs/lit"
     image_tower: str = "runs/fmnist-soft-tiny/tower"  # a tower folder from `lit-softmoe pretrain`
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
@@ -419,22 +427,7 @@ class LiTConfig:
     eval: ZeroShotEvalConfig = field(default_factory=ZeroShotEvalConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=1e-4, warmup=100))
     batch_size: int = number(256, minimum=1)  # global
-    epochs: float = number(1.0, minimum=0)
-    steps: int = number(0, minimum=0)  # wins over epochs when > 0
-    precision: str = choice("auto", PRECISIONS)
-    # Memory levers; `lit-softmoe train --plan` says which a run needs. sharding: none (every process holds the
-    # whole text tower, its gradients and AdamW's moments: DDP) | fsdp (each holds 1/N of them).
-    sharding: str = choice("none", SHARDINGS)
-    grad_checkpointing: bool = False  # keep each block's input only; backward recomputes the block's activations
-    # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
-    accum_steps: int = number(1, minimum=1)
-    seed: int = 0
     log_every: int = number(20, minimum=1)
-    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # as PretrainConfig's
-    log_project: str = "lit-softmoe"
-    checkpoint_every: int = number(500, minimum=1)
-    keep_checkpoints: int = number(2, minimum=0)
-    threads: int = number(0, minimum=0)
 
 
 # ---- zero-shot evaluation suites (eval/*.yaml) --------------------------------------------------

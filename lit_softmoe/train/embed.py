@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -284,18 +285,7 @@ def embed_shards(
     start = time.perf_counter()
     started = time.time()
     out_dir = Path(out_dir)
-    # The command's own flags: the loader's checks would name data.* options embed does not take.
-    for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0)):
-        if value is not None and value < least:
-            raise UserError(f"{flag} must be at least {least}, got {value}")
-    if jpeg_decoder not in gpu_jpeg.DECODERS:
-        raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, got {jpeg_decoder!r}")
-    if not 0.0 <= gpu_jpeg_share <= 1.0:
-        raise UserError(f"--gpu-jpeg-share must be in [0, 1] (the fraction of the JPEGs the GPU decodes), "
-                        f"got {gpu_jpeg_share}")
-    if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
-        raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
-                        "give the parent folder as --out")
+    _check_flags(batch_size, workers, jpeg_decoder, gpu_jpeg_share, split)
     rank, world_size = process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
@@ -322,11 +312,9 @@ def embed_shards(
     out_dir.mkdir(parents=True, exist_ok=True)
     done = finished_cache(split_dir, wanted)  # else embedded again: the new split replaces the old one atomically
     if done is not None:
-        return {"split_dir": str(split_dir), "num_samples": done["num_samples"], "dim": done["dim"],
-                "seconds": round(time.perf_counter() - start, 3), "images_per_second": None,
-                "bad": done.get("bad", {}), "skipped": True, "resumed_shards": 0, "rank": rank,
-                "world_size": world_size, "startup_seconds": None, "steady_images_per_second": None,
-                "steady_waits": None}
+        return _summary(split_dir, done["num_samples"], done["dim"],
+                        round(time.perf_counter() - start, 3), None, done.get("bad", {}), rank,
+                        world_size, skipped=True)
     # The work folder of this tower and these sources: a killed run's finished shards are kept there.
     work_dir = work_folder(out_dir, split, wanted)
     if rank == 0:
@@ -334,89 +322,164 @@ def embed_shards(
         copy_metadata(source_dir, out_dir)
     work_dir.mkdir(exist_ok=True)
     clear_failure(work_dir, rank)
+    job = _EmbedJob(tower_dir=tower_dir, shards=shards, urls=urls, members=members, split=split,
+                    split_dir=split_dir, work_dir=work_dir, wanted=wanted, device=device,
+                    weights=weights, decoder=decoder, decoder_why=decoder_why,
+                    batch_size=batch_size, workers=workers, compile=compile,
+                    gpu_jpeg_share=gpu_jpeg_share, max_bad_fraction=max_bad_fraction,
+                    progress=progress, rank=rank, world_size=world_size, start=start,
+                    started=started)
+    return _embed_job(job)
 
-    tower, meta = load_tower(tower_dir, device=device)
-    listed = listed_sizes(urls) or {}
-    mine = [(index, url) for index, url in enumerate(urls) if index % world_size == rank]
-    kept = {index: finished_shard(work_dir, index) for index, _ in mine}  # a killed run's finished shards
+
+@dataclass
+class _EmbedJob:
+    """`embed_shards`' arguments once checked and resolved (see its docstring), and what it
+    found: the source's `urls` and first sample's `members`, the `wanted` cache key and the
+    `work_dir` keyed by it. `start`: perf_counter at the call; `started`: its wall-clock time."""
+    tower_dir: str | Path
+    shards: str
+    urls: list[str]
+    members: set
+    split: str
+    split_dir: Path
+    work_dir: Path
+    wanted: dict
+    device: torch.device
+    weights: torch.dtype
+    decoder: str
+    decoder_why: str
+    batch_size: int
+    workers: int | None
+    compile: str | bool
+    gpu_jpeg_share: float
+    max_bad_fraction: float
+    progress: bool
+    rank: int
+    world_size: int
+    start: float
+    started: float
+
+
+def _embed_job(job: _EmbedJob) -> dict:
+    """Embed this process's shards not finished yet; on rank 0, then wait for every shard and put
+    the split in place. → `embed_shards`' result."""
+    tower, meta = load_tower(job.tower_dir, device=job.device)
+    listed = listed_sizes(job.urls) or {}
+    mine = [(index, url) for index, url in enumerate(job.urls) if index % job.world_size == job.rank]
+    kept = {index: finished_shard(job.work_dir, index) for index, _ in mine}  # a killed run's finished shards
     finished = [record for record in kept.values() if record is not None]
     todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
     images_to_embed = sum(listed[url] for _, url in todo) if known else None
-    compiled, compile_why = _choose_compile(compile, device, images_to_embed)
+    compiled, compile_why = _choose_compile(job.compile, job.device, images_to_embed)
     # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
     # deterministic output.
-    tower = prepare_for_inference(tower, dtype=weights, compile=compiled)
+    tower = prepare_for_inference(tower, dtype=job.weights, compile=compiled)
     preprocess = meta["preprocess"]
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
     pixels, normalize = pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
-    workers = min(available_cpus(), len(todo)) if workers is None else min(workers, len(todo))
+    workers = min(available_cpus(), len(todo)) if job.workers is None else min(job.workers, len(todo))
     gpu_decoder = None
-    if decoder == "gpu":
+    if job.decoder == "gpu":
         gpu_decoder = gpu_jpeg.JpegBatchDecoder(
-            device, preprocess["image_size"], tower.cfg.in_channels,
+            job.device, preprocess["image_size"], tower.cfg.in_channels,
             host_decode=lambda data: pixels(PIL.Image.open(io.BytesIO(data))),
             min_side=decode_min_side(transform))  # the tower's reduced decode, mimicked there
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
-    class_only = "cls" in members and "txt" not in members
-    kind = "image-class" if class_only else "image-caption"
-    if rank == 0 and todo:  # what runs, once, where a user sees it (the result line goes to stdout)
-        print(f"embed: tower {tower_dir} on {device}, "
-              f"{'bf16' if weights == torch.bfloat16 else 'fp32'} weights, "
+    class_only = "cls" in job.members and "txt" not in job.members
+    if job.rank == 0 and todo:  # what runs, once, where a user sees it (the result line goes to stdout)
+        print(f"embed: tower {job.tower_dir} on {job.device}, "
+              f"{'bf16' if job.weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded {gpu_jpeg.decoder_words(decoder, gpu_jpeg_share)} ({decoder_why})",
+              f"JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} ({job.decoder_why})",
               file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
-                        disable=not progress or rank != 0, dynamic_ncols=True)
+                        disable=not job.progress or job.rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
     resumed = len(finished)
     timing = {"later_images": 0, "waiting_for_pixels": 0.0, "waiting_for_features": 0.0, "preparing": 0.0}
     try:
         if todo:
-            dataset = ShardBatches(todo, kind, pixels, batch_size, listed, with_cls="cls" in members,
-                                   defer=gpu_jpeg.DeferToGpu(gpu_jpeg_share) if gpu_decoder else None)
-            _embed_shards_of_this_process(todo, work_dir, dataset, tower, normalize, device,
-                                          batch_size if compiled else None, gpu_decoder, workers, max_bad_fraction,
-                                          str(shards), finished, progress_bar, timing)
-        mine_seconds = time.perf_counter() - start
-        rates = _rates(start, timing)
-        if rank != 0:  # rank 0 puts the split in place
+            dataset = ShardBatches(todo, "image-class" if class_only else "image-caption", pixels, job.batch_size,
+                                   listed, with_cls="cls" in job.members,
+                                   defer=gpu_jpeg.DeferToGpu(job.gpu_jpeg_share) if gpu_decoder else None)
+            _embed_shards_of_this_process(todo, job.work_dir, dataset, tower, normalize, job.device,
+                                          job.batch_size if compiled else None, gpu_decoder, workers,
+                                          job.max_bad_fraction, str(job.shards), finished, progress_bar, timing)
+        mine_seconds = time.perf_counter() - job.start
+        rates = _rates(job.start, timing)
+        if job.rank != 0:  # rank 0 puts the split in place
             fresh = sum(record["num_samples"] for record in finished[resumed:])
-            return {"split_dir": str(split_dir), "num_samples": sum(r["num_samples"] for r in finished),
-                    "dim": tower.cfg.width, "seconds": round(mine_seconds, 3),
-                    "images_per_second": per_second(fresh, mine_seconds), "bad": seen_and_bad(finished)[2],
-                    "skipped": False, "resumed_shards": resumed, "rank": rank, "world_size": world_size, **rates}
-        records = wait_for_shards(work_dir, len(urls), started, lambda found: progress_bar.set_postfix(
-            shards=f"{found}/{len(urls)} (all processes)")) if world_size > 1 else \
-            [finished_shard(work_dir, index) for index in range(len(urls))]
+            return _summary(job.split_dir, sum(r["num_samples"] for r in finished), tower.cfg.width,
+                            round(mine_seconds, 3), per_second(fresh, mine_seconds), seen_and_bad(finished)[2],
+                            job.rank, job.world_size, resumed_shards=resumed, rates=rates)
+        records = wait_for_shards(job.work_dir, len(job.urls), job.started, lambda found: progress_bar.set_postfix(
+            shards=f"{found}/{len(job.urls)} (all processes)")) if job.world_size > 1 else \
+            [finished_shard(job.work_dir, index) for index in range(len(job.urls))]
     except UserError as err:
-        if world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
-            report_failure(work_dir, rank, str(err))
+        if job.world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
+            report_failure(job.work_dir, job.rank, str(err))
         raise
     finally:
         progress_bar.close()
 
     # ---- rank 0: the whole split, checked, then put in place in one step
+    num_samples, bad = _check_split(records, str(job.shards), class_only, job.max_bad_fraction)
+    seconds = round(time.perf_counter() - job.start, 3)
+    info = {**job.wanted, "split": job.split, "num_samples": num_samples, "dim": tower.cfg.width,
+            "dtype": "float16", "with_cls": "cls" in job.members, "with_txt": not class_only, "bad": bad,
+            "seconds": seconds, "processes": job.world_size}
+    write_feature_split(job.work_dir, job.split_dir, records, info)
+    rate = per_second(sum(r["num_samples"] for r in finished[resumed:]), mine_seconds)
+    return _summary(job.split_dir, num_samples, tower.cfg.width, seconds, rate, bad, job.rank,
+                    job.world_size, resumed_shards=resumed, rates=rates)
+
+
+def _check_flags(batch_size: int, workers: int | None, jpeg_decoder: str, gpu_jpeg_share: float,
+                 split: str | None) -> None:
+    """The command's own flags, named as the command takes them: the loader's checks would name
+    data.* options that embed does not take."""
+    for value, flag, least in ((batch_size, "--batch-size", 1), (workers, "--workers", 0)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    if jpeg_decoder not in gpu_jpeg.DECODERS:
+        raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, got {jpeg_decoder!r}")
+    if not 0.0 <= gpu_jpeg_share <= 1.0:
+        raise UserError(f"--gpu-jpeg-share must be in [0, 1] (the fraction of the JPEGs the GPU decodes), "
+                        f"got {gpu_jpeg_share}")
+    if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
+        raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
+                        "give the parent folder as --out")
+
+
+def _check_split(records: list[dict], source: str, class_only: bool,
+                 max_bad_fraction: float) -> tuple[int, dict]:
+    """(samples, bad-sample counts by reason) of the whole split's shard records; a UserError when
+    no sample could be embedded or too many were bad."""
     num_samples = sum(record["num_samples"] for record in records)
     _, _, bad = seen_and_bad(records)
     if num_samples == 0:
         needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
-        raise UserError(f"no sample of {shards} could be embedded (skipped: {bad or 'nothing'}); check that its "
+        raise UserError(f"no sample of {source} could be embedded (skipped: {bad or 'nothing'}); check that its "
                         f"shards hold {needed} per sample")
-    error = _bad_fraction_error(str(shards), records, max_bad_fraction)
+    error = _bad_fraction_error(source, records, max_bad_fraction)
     if error:
         raise UserError(error)
-    seconds = round(time.perf_counter() - start, 3)
-    info = {**wanted, "split": split, "num_samples": num_samples, "dim": tower.cfg.width, "dtype": "float16",
-            "with_cls": "cls" in members, "with_txt": not class_only, "bad": bad, "seconds": seconds,
-            "processes": world_size}
+    return num_samples, bad
 
-    write_feature_split(work_dir, split_dir, records, info)
-    rate = per_second(sum(r["num_samples"] for r in finished[resumed:]), mine_seconds)
-    return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": tower.cfg.width, "seconds": seconds,
-            "images_per_second": rate, "bad": bad, "skipped": False, "resumed_shards": resumed, "rank": rank,
-            "world_size": world_size, **rates}
+
+def _summary(split_dir: Path, num_samples: int, dim: int, seconds: float,
+             images_per_second: float | None, bad: dict, rank: int, world_size: int,
+             skipped: bool = False, resumed_shards: int = 0, rates: dict | None = None) -> dict:
+    """`embed_shards`' result (its docstring says each key); `rates`: `_rates`' keys, None where
+    nothing was embedded."""
+    rates = rates or {"startup_seconds": None, "steady_images_per_second": None,
+                      "steady_waits": None}
+    return {"split_dir": str(split_dir), "num_samples": num_samples, "dim": dim, "seconds": seconds,
+            "images_per_second": images_per_second, "bad": bad, "skipped": skipped,
+            "resumed_shards": resumed_shards, "rank": rank, "world_size": world_size, **rates}
 
 
 def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:

@@ -6,7 +6,9 @@ feature shards `lit-softmoe embed` cached, so the tower runs once per image inst
 epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only the
 class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and the
 eval images go through it again at every evaluation) → train with checkpoints and exact resume →
-final evaluation and the trained pair saved.
+final evaluation and the trained pair saved. The run's start, resume, step loop and checkpoint
+cadence are the skeleton both recipes share (`train.loop`); this recipe's part of a step is
+`_step_functions`.
 
 Resume: a rerun into a run folder continues its run only with the same config, up to the keys
 `runtime.RESUMABLE_KEYS` lists (training length, frequencies, speed). The shard order of an epoch is
@@ -17,15 +19,12 @@ totals an uninterrupted one does.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from lit_softmoe.config import LiTConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
@@ -44,25 +43,22 @@ from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint, tower_folder
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
-from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
-from lit_softmoe.train.logging import plot_curves, read_metrics
-from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
-from lit_softmoe.train.memory_plan import check_plan_fits
-from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
-from lit_softmoe.train.runtime import (
-    check_same_run,
-    check_training_length,
-    create_accelerator,
-    global_loss,
-    loss_scaler_state,
-    open_run_folder,
-    restore_loss_scaler,
-    resume_state,
-    run_folder_lock,
+from lit_softmoe.train.loop import (
+    LogWindow,
+    StepFunctions,
+    TrainingRun,
+    announce_resume,
+    finish_run,
+    open_run,
+    resume,
+    start_run,
+    train,
 )
-from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
-from lit_softmoe.train.sharding import check_sharding, gather_into, plain_copy, shard_lit_model
-from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
+from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
+from lit_softmoe.train.optim import check_optim_settings, create_optimizer
+from lit_softmoe.train.runtime import create_accelerator, run_folder_lock
+from lit_softmoe.train.sharding import gather_into, plain_copy, shard_lit_model
+from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.paths import check_writable
@@ -246,15 +242,8 @@ def train_lit(cfg: LiTConfig) -> dict:
 
 
 def _train_lit(cfg: LiTConfig) -> dict:
-    run_dir = Path(cfg.run_dir)
-    check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
-    check_training_length(cfg)
-    check_optim_settings(cfg.optim)  # torch would refuse them only once the towers are built
-    check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
-    accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
-    is_main = accelerator.is_main_process
-    check_sharding(cfg.sharding, cfg.precision, "train")  # needs the launch's process group
-    sharded = cfg.sharding == "fsdp"
+    run = start_run(cfg, "train", lambda cfg: check_optim_settings(cfg.optim), create_accelerator)
+    accelerator, is_main, sharded = run.accelerator, run.is_main, run.sharded
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
     # probe: said now and at the end, and recorded in results.json.
@@ -291,28 +280,9 @@ def _train_lit(cfg: LiTConfig) -> dict:
     optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
-    cached = is_feature_cache(cfg.data.train)
-    if cached:
-        if cfg.unlocked_blocks:
-            raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_caches(cfg.data.train, cfg.image_tower)
-    for split, key in ((cfg.eval.shards, "eval.shards"), (cfg.eval.probe_train, "eval.probe_train")):
-        if cfg.unlocked_blocks and split and is_feature_cache(split):
-            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
-                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
-    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)  # splits evenly, or one line
-    local_batch = cfg.batch_size // accelerator.num_processes
-    loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else transform, tokenizer=tokenizer,
-                           pin_memory=accelerator.device.type == "cuda")
-    if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
-        # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
-        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
-        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
-                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
-                        "lower batch_size or data.workers, or add data")
-    steps_per_epoch = len(loader)
-    total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
+    cached, loader = _setup_train_data(cfg, run, transform, tokenizer)
+    run.steps_per_epoch = len(loader)
+    run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
     if not sharded:  # a sharded model is on the device already
         model.to(accelerator.device)
     compiled = resolve_compile(cfg.compile, accelerator.device)
@@ -323,44 +293,130 @@ def _train_lit(cfg: LiTConfig) -> dict:
     eval_set = _setup_eval(cfg, plain if sharded else model, transform, accelerator) if is_main else None
 
     # ---- resume
-    checkpoints_dir = run_dir / "checkpoints"
-    step, checkpoint_meta, latest = resume_state(checkpoints_dir, model, optimizer, total_steps,
-                                                skip_prefixes=frozen,
-                                                load=load_sharded_state if sharded else load_training_state)
+    checkpoint_meta, latest = resume(run, model, optimizer, skip_prefixes=frozen)
     if latest is not None:
-        require_keys(checkpoint_meta, ("train_seconds", "data_counts", "image_tower_sha256"), latest / STATE_META,
-                     "the run cannot be resumed from it; start this one with another run_dir=...")
-    train_seconds = checkpoint_meta.get("train_seconds", 0.0)  # 0 for a run that starts now
-    restore_loss_scaler(accelerator, checkpoint_meta.get("loss_scaler"))  # fp16: the scale it had reached
-    if latest is not None and checkpoint_meta["image_tower_sha256"] != tower_sha:
-        raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
-                        "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
-    if any(p.startswith("text_tower.") for p in frozen) and latest is not None and \
-            (checkpoint_meta.get("model") or {}).get("text_locked_sha256") != text_hash:  # read from text.path
-        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
-                        "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
-    warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
-    if warning and is_main:
-        _log.warning(warning)
-    if latest is not None:
-        accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
-        if is_main:  # the counts saved are the main process's, the ones results.json and metrics report
-            _restore_data_counts(loader, checkpoint_meta["data_counts"])
+        _check_checkpoint(cfg, checkpoint_meta, latest, tower_sha, text_hash, frozen)
+    announce_resume(run, latest)
+    if latest is not None and is_main:  # the counts saved are the main process's, the ones reported
+        _restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
     if not sharded:  # a sharded model is FSDP's already: DDP would wrap it again
         model, optimizer = accelerator.prepare(model, optimizer)
-    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
+    open_run(run)
     inputs = "cached features" if cached else "images"
     held = f"in {precision_name(tower_dtype)} weights"
     if cfg.unlocked_blocks and tower_dtype != torch.float32:
         held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"
     accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
-                      f"{total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+                      f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
                       f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, image tower "
                       f"{held}, "
                       f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
+    epoch_start: dict = {}  # the loader's counts as the current epoch started (`_train_batches`)
+
+    def evaluate() -> dict | None:
+        return _zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
+                                              transform)
+
+    steps = _step_functions(cfg, run, model, model_module, loader, cached, epoch_start,
+                            {"image_tower_sha256": tower_sha, "model": description}, evaluate)
+    train(run, model, model_module, optimizer, _train_batches(loader, run, epoch_start), steps,
+          desc="lit", eval_every=cfg.eval.every if cfg.eval.shards else 0, skip_prefixes=frozen)
+    loader.check_bad_fraction()
+
+    # ---- final evaluation; a locked tower must be exactly what it was
+    results = {"steps": run.total_steps, "train_seconds": round(run.train_seconds, 1),
+               "cached_features": cached, "bad_samples": dict(loader.bad.counts)}
+    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
+        # locked text layers' current ones, for the check below)
+        model_module = gather_into(plain, model_module, frozen=text_hash is not None)
+    if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
+        raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
+    if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
+        raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
+    if is_main:
+        probe_skipped = _final_evaluation(cfg, run, model_module, eval_set, tokenizer, transform,
+                                          results) or probe_skipped
+        if probe_skipped:
+            _log.warning(probe_skipped)
+            results["probe_skipped"] = probe_skipped
+        save_model(run.run_dir, model_module, description, results)
+    return finish_run(run, results, curve_keys=("loss", "temperature", "zeroshot_top1"),
+                      title=f"LiT {cfg.text.kind} text tower")
+
+
+def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) -> tuple:
+    """(whether data.train holds cached features, the training loader), the splits checked first."""
+    accelerator = run.accelerator
+    cached = is_feature_cache(cfg.data.train)
+    if cached:
+        if cfg.unlocked_blocks:
+            raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
+        check_feature_caches(cfg.data.train, cfg.image_tower)
+    for split, key in ((cfg.eval.shards, "eval.shards"), (cfg.eval.probe_train, "eval.probe_train")):
+        if cfg.unlocked_blocks and split and is_feature_cache(split):
+            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
+                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
+    # The batch splits evenly over processes and micro-batches, or one line says why not.
+    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
+    local_batch = cfg.batch_size // accelerator.num_processes
+    loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
+                           transform=None if cached else transform, tokenizer=tokenizer,
+                           pin_memory=accelerator.device.type == "cuda")
+    if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
+        # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
+        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
+        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
+                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
+                        "lower batch_size or data.workers, or add data")
+    return cached, loader
+
+
+def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower_sha: str,
+                      text_hash: str | None, frozen: tuple[str, ...]) -> None:
+    """A checkpoint resumes only against the towers it was trained with: their locked weights are
+    left out of it, so the folders they come from must hold what they held then."""
+    require_keys(checkpoint_meta, ("train_seconds", "data_counts", "image_tower_sha256"),
+                 latest / STATE_META,
+                 "the run cannot be resumed from it; start this one with another run_dir=...")
+    if checkpoint_meta["image_tower_sha256"] != tower_sha:
+        raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
+                        "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
+    text_sha = (checkpoint_meta.get("model") or {}).get("text_locked_sha256")
+    if any(p.startswith("text_tower.") for p in frozen) and text_sha != text_hash:  # from text.path
+        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
+                        "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
+
+
+def _train_batches(loader, run: TrainingRun, epoch_start: dict):
+    """The training batches of steps `run.step` to `run.total_steps` - 1. The shard order of an
+    epoch is a function of (seed, epoch): a resumed run replays the interrupted epoch and skips the
+    batches it had trained on. As the loop it replaces did, a batch past the last step may be read
+    (and counted) before the end is seen. `epoch_start["counts"]`: the loader's counts as the
+    current epoch started, what a resume into that epoch restores."""
+    while run.step < run.total_steps:
+        epoch, done_in_epoch = divmod(run.step, run.steps_per_epoch)
+        loader.set_epoch(epoch)
+        epoch_start["counts"] = _data_counts(loader)
+        for index, batch in enumerate(loader):
+            if index < done_in_epoch:
+                continue  # already trained on before the interruption
+            if run.step >= run.total_steps or index >= run.steps_per_epoch:
+                break
+            yield batch  # `train` takes its step before asking for the next one
+
+
+def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTModel, loader,
+                    cached: bool, epoch_start: dict, checkpoint_identity: dict,
+                    evaluate) -> StepFunctions:
+    """LiT's part of each step (`loop.StepFunctions`): `model` runs the step (possibly
+    DDP-wrapped), `model_module` is the plain LiTModel under it. `checkpoint_identity`: what every
+    checkpoint records of the towers (checked by `_check_checkpoint` on resume)."""
+    accelerator = run.accelerator
+    last_outputs: list = []  # the step's last forward outputs: (zimg, ztxt, logit_scale, ...)
+
     def embed(micro_batch):  # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
         micro_images, micro_text = micro_batch
         with accelerator.autocast():
@@ -372,106 +428,64 @@ def _train_lit(cfg: LiTConfig) -> dict:
         with accelerator.autocast():
             return (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
 
-    progress = tqdm(total=total_steps, initial=step, desc="lit", disable=not is_main, dynamic_ncols=True)
-    model.train()
-    last_log_step, last_log_seconds = step, train_seconds
-    while step < total_steps:
-        epoch, done_in_epoch = divmod(step, steps_per_epoch)
-        loader.set_epoch(epoch)
-        epoch_start_counts = _data_counts(loader)  # what a resume into this epoch restores
-        for index, batch in enumerate(loader):
-            if index < done_in_epoch:
-                continue  # already trained on before the interruption
-            if step >= total_steps or index >= steps_per_epoch:
-                break
-            tic = time.perf_counter()
-            text = batch["text"].to(accelerator.device, non_blocking=True)
-            lr = lr_at(step, total_steps, cfg.optim)
-            set_lr(optimizer, lr)
-            images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
-            # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's recompute scheme).
-            # DDP syncs the gradients after the last; FSDP reduce-scatters after each (no whole gradient anywhere).
-            loss, outputs = contrastive_accumulation(
-                embed, loss_fn, split_batch((images, text), cfg.accum_steps), backward=accelerator.backward,
-                no_sync=contextlib.nullcontext if sharded else lambda: accelerator.no_sync(model))
-            if cfg.optim.grad_clip > 0:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
-            model_module.clamp_logit_scale_()  # CLIP's cap on the parameter itself (see LiTModel)
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update(1)
-            train_seconds += time.perf_counter() - tic
+    def forward_backward(batch) -> torch.Tensor:
+        text = batch["text"].to(accelerator.device, non_blocking=True)
+        images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
+        # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's
+        # recompute scheme).
+        micro_batches = split_batch((images, text), cfg.accum_steps)
+        loss, outputs = contrastive_accumulation(embed, loss_fn, micro_batches,
+                                                 backward=accelerator.backward,
+                                                 no_sync=run.no_sync(model))
+        last_outputs[:] = outputs
+        return loss
 
-            if step % cfg.log_every == 0 or step == total_steps:
-                loss_value = global_loss(accelerator, loss, step)
-                rate = cfg.batch_size * (step - last_log_step) / max(train_seconds - last_log_seconds, 1e-9)
-                last_log_step, last_log_seconds = step, train_seconds
-                logger.log({"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
-                            "temperature": float(outputs[2].detach()),
-                            "train_seconds": round(train_seconds, 2), "samples_per_s": round(rate, 1),
-                            **loader.metrics()})
-                progress.set_postfix(loss=f"{loss_value:.3f}")
-            if cfg.eval.shards and cfg.eval.every and step % cfg.eval.every == 0 and step < total_steps:
-                eval_model = gather_into(plain, model_module) if sharded else model_module  # sharded: collective
-                if is_main:
-                    logger.log({"step": step, **_zeroshot_eval(cfg, eval_model, eval_set, tokenizer, transform,
-                                                               accelerator)})
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
-                # Also between log records (a log step checked it already): a diverged model is never
-                # saved, or a rerun would resume it.
-                if step % cfg.log_every and step != total_steps:
-                    global_loss(accelerator, loss, step)
-                accelerator.wait_for_everyone()
-                # A resume replays this epoch from its start (counting its samples again), or at an
-                # epoch's end starts the next: the counts as of then (this epoch's stream read nothing
-                # past its last batch). The main process's counts are the ones recorded.
-                data_counts = _data_counts(loader) if step % steps_per_epoch == 0 else epoch_start_counts
-                meta = {"train_seconds": train_seconds, "data_counts": data_counts,
-                        "loss_scaler": loss_scaler_state(accelerator), "image_tower_sha256": tower_sha,
-                        "model": description}
-                if sharded:  # every process writes its shards
-                    save_sharded_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer, meta=meta)
-                elif is_main:
-                    save_training_state(checkpoints_dir / f"step_{step:08d}", step, model_module, optimizer,
-                                        meta=meta, skip_prefixes=frozen)
-                if is_main:
-                    prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
-    progress.close()
-    loader.check_bad_fraction()
+    def log_record(window: LogWindow) -> dict:
+        return {"step": window.step, "epoch": window.epoch, "loss": window.loss, "lr": window.lr,
+                "temperature": float(last_outputs[2].detach()),
+                "train_seconds": round(run.train_seconds, 2),
+                "samples_per_s": round(window.rate, 1), **loader.metrics()}
 
-    # ---- final evaluation; a locked tower must be exactly what it was
-    results = {"steps": total_steps, "train_seconds": round(train_seconds, 1), "cached_features": cached,
-               "bad_samples": dict(loader.bad.counts)}
-    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
-        # locked text layers' current ones, for the check below)
-        model_module = gather_into(plain, model_module, frozen=text_hash is not None)
-    if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
-        raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
-    if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
-        raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
-    if is_main:
-        if eval_set is not None:
-            results.update(_zeroshot_eval(cfg, model_module, eval_set, tokenizer, transform, accelerator))
-            if cfg.eval.probe_train:
-                train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model_module, transform,
-                                                               accelerator)
-                if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
-                    probe_skipped = (f"the linear probe is skipped: eval.probe_train {cfg.eval.probe_train} holds "
-                                     f"{len(train_labels)} sample(s), and it needs at least 2")
-                else:
-                    results.update(linear_probe(train_features, train_labels, eval_set["features"],
-                                                eval_set["labels"]))
-            scores = {k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}
-            logger.log({"step": total_steps, **scores})
-        if probe_skipped:
-            _log.warning(probe_skipped)
-            results["probe_skipped"] = probe_skipped
-        save_model(run_dir, model_module, description, results)
-        # Atomic: a kill mid-write must not leave half a JSON file for export's model card to choke on.
-        write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
-        plot_curves(read_metrics(logger.path), run_dir / "curves.png", keys=("loss", "temperature", "zeroshot_top1"),
-                    title=f"LiT {cfg.text.kind} text tower")
-    logger.close()
-    accelerator.wait_for_everyone()
-    return results
+    def checkpoint_meta() -> dict:
+        # A resume replays this epoch from its start (counting its samples again), or at an
+        # epoch's end starts the next: the counts as of then (this epoch's stream read nothing
+        # past its last batch). The main process's counts are the ones recorded.
+        at_epoch_end = run.step % run.steps_per_epoch == 0
+        return {"data_counts": _data_counts(loader) if at_epoch_end else epoch_start["counts"],
+                **checkpoint_identity}
+
+    # after_update: CLIP's cap on the logit scale parameter itself (see LiTModel).
+    return StepFunctions(forward_backward, log_record, checkpoint_meta, evaluate=evaluate,
+                         after_update=model_module.clamp_logit_scale_)
+
+
+def _zeroshot_eval_during_training(cfg: LiTConfig, run: TrainingRun, model_module: LiTModel, plain,
+                                   eval_set, tokenizer, transform) -> dict | None:
+    """Called on every process: a sharded model is gathered into the main process's plain copy first
+    (a collective); the main process alone scores it."""
+    eval_model = gather_into(plain, model_module) if run.sharded else model_module
+    if not run.is_main:
+        return None
+    return _zeroshot_eval(cfg, eval_model, eval_set, tokenizer, transform, run.accelerator)
+
+
+def _final_evaluation(cfg: LiTConfig, run: TrainingRun, model: LiTModel, eval_set: dict | None,
+                      tokenizer, transform, results: dict) -> str | None:
+    """Main process: the zero-shot scores and the linear probe into `results` and metrics.jsonl;
+    → why the probe was skipped, if it was for want of samples."""
+    if eval_set is None:
+        return None
+    probe_skipped = None
+    results.update(_zeroshot_eval(cfg, model, eval_set, tokenizer, transform, run.accelerator))
+    if cfg.eval.probe_train:
+        train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model, transform,
+                                                       run.accelerator)
+        if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
+            probe_skipped = (f"the linear probe is skipped: eval.probe_train {cfg.eval.probe_train} holds "
+                             f"{len(train_labels)} sample(s), and it needs at least 2")
+        else:
+            results.update(linear_probe(train_features, train_labels, eval_set["features"],
+                                        eval_set["labels"]))
+    scores = {k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}
+    run.logger.log({"step": run.total_steps, **scores})
+    return probe_skipped

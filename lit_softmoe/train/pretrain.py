@@ -1,9 +1,10 @@
 """Classification pretraining of an image tower: the recipe behind `lit-softmoe pretrain`.
 
-One function, read top to bottom (torchtune / big_vision style): set up accelerate, data, tower and
-optimizer; resume if the run folder holds a checkpoint; train; save the tower as safetensors + JSON
-for the LiT stage; evaluate it (test top-1 and the paper's 10-shot linear probe), adding the results
-to its JSON.
+`_pretrain` reads top to bottom (torchtune / big_vision style) against the skeleton both recipes
+share (`train.loop`): set up accelerate, data, tower and optimizer; resume if the run folder holds a
+checkpoint; train (this recipe's part of a step: `_step_functions`); save the tower as safetensors +
+JSON for the LiT stage; evaluate it (test top-1 and the paper's 10-shot linear probe), adding the
+results to its JSON.
 
 Towers with the sparse baselines (Tokens Choice / Experts Choice, `lit_softmoe.nn.routers`) add their
 balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report the fraction of
@@ -25,16 +26,13 @@ earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
-from tqdm.auto import tqdm
 
 from lit_softmoe.config import PretrainConfig, micro_batch_size
 from lit_softmoe.data.class_batches import (
@@ -49,26 +47,22 @@ from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.accumulation import split_batch
-from lit_softmoe.train.checkpoint import load_training_state, prune_checkpoints, save_training_state
 from lit_softmoe.train.class_data import ClassData, fewshot_skip_reason, setup_class_data
 from lit_softmoe.train.init_from import check_unchanged, head_decision, load_init_weights, read_init_source
-from lit_softmoe.train.logging import plot_curves, read_metrics
-from lit_softmoe.train.memory_plan import check_plan_fits
-from lit_softmoe.train.optim import check_optim_settings, create_optimizer, long_warmup_warning, lr_at, set_lr
-from lit_softmoe.train.runtime import (
-    check_same_run,
-    check_training_length,
-    create_accelerator,
-    global_loss,
-    loss_scaler_state,
-    open_run_folder,
-    restore_loss_scaler,
-    resume_state,
-    run_folder_lock,
+from lit_softmoe.train.loop import (
+    LogWindow,
+    StepFunctions,
+    TrainingRun,
+    announce_resume,
+    finish_run,
+    open_run,
+    resume,
+    start_run,
+    train,
 )
-from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
-from lit_softmoe.train.sharding import check_sharding, gather_tower, shard_tower
-from lit_softmoe.utils.atomic import write_text_atomic
+from lit_softmoe.train.optim import check_optim_settings, create_optimizer
+from lit_softmoe.train.runtime import create_accelerator, run_folder_lock
+from lit_softmoe.train.sharding import gather_tower, shard_tower
 from lit_softmoe.utils.device import resolve_compile
 from lit_softmoe.utils.paths import check_writable
 
@@ -148,11 +142,17 @@ def _embed(tower, batches, mean, std, accelerator, with_logits=True):
             dropped / max(count, 1))
 
 
-def _batches_from(train: InMemoryClassBatches | StreamedClassBatches, step: int, steps_per_epoch: int):
-    """The training batches from global step `step` on, epoch after epoch."""
-    epoch, start = divmod(step, steps_per_epoch)
-    while True:
-        yield from train.epoch(epoch, start)
+def _batches_from(train: InMemoryClassBatches | StreamedClassBatches, run: TrainingRun):
+    """The training batches of steps `run.step` to `run.total_steps` - 1, epoch after epoch, each
+    the uninterrupted run's batch of its step; none is read past the last (a stream's workers stop
+    there)."""
+    epoch, start = divmod(run.step, run.steps_per_epoch)
+    while run.step < run.total_steps:
+        with contextlib.closing(train.epoch(epoch, start)) as epoch_batches:
+            for batch in epoch_batches:
+                yield batch  # `train` takes its step before asking for the next one
+                if run.step >= run.total_steps:
+                    return
         epoch, start = epoch + 1, 0
 
 
@@ -177,37 +177,99 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
 
 def _pretrain(cfg: PretrainConfig) -> dict:
-    run_dir = Path(cfg.run_dir)
-    check_same_run(run_dir, cfg)  # before any work: a folder of another run is not resumed
-    check_training_length(cfg)
-    _check_settings(cfg)
-    check_plan_fits(cfg)  # on a GPU: a run that would run out of memory is refused now, naming the lever
-    accelerator = create_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)  # trackers checked here
-    is_main = accelerator.is_main_process
-    check_sharding(cfg.sharding, cfg.precision, "pretrain")  # needs the launch's process group
-    sharded = cfg.sharding == "fsdp"
+    run = start_run(cfg, "pretrain", _check_settings, create_accelerator)
+    accelerator = run.accelerator
 
     # ---- data, tower, optimizer
-    checkpoints_dir = run_dir / "checkpoints"
-    resuming = bool(checkpoints_newest_first(checkpoints_dir))
+    resuming = bool(checkpoints_newest_first(run.checkpoints_dir))
+    tower_cfg, source, data = _setup_data(cfg, run, resuming)
+    tower, num_params = _setup_tower(cfg, run, tower_cfg, data, source, resuming)
+    optimizer = create_optimizer(tower, cfg.optim)
+    run.steps_per_epoch = data.train.steps_per_epoch
+    if run.steps_per_epoch == 0:
+        raise UserError(f"batch_size {cfg.batch_size} exceeds the {data.train.num_samples} "
+                        "training images")
+    run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
+
+    # ---- resume from the newest complete checkpoint in the run folder
+    checkpoint_meta, latest = resume(run, tower, optimizer)
+    # What the run started from, as its checkpoint recorded it (also if that folder is gone).
+    if latest is not None:
+        check_unchanged(checkpoint_meta.get("init_from"), source)
+        source = checkpoint_meta.get("init_from")
+    # Normalized as the source tower was trained (and as the saved tower records).
+    if source is not None:
+        data.mean, data.std = source["preprocess"]["mean"], source["preprocess"]["std"]
+    init_record = None if source is None else {k: v for k, v in source.items() if k != "classnames"}
+    announce_resume(run, latest)
+    # The plain module: saved, evaluated; `tower` may become DDP / compiled wrappers.
+    tower_module = tower
+    if not run.sharded:  # a sharded tower is FSDP's already: DDP would wrap it again
+        tower, optimizer = accelerator.prepare(tower, optimizer)
+    compiled = resolve_compile(cfg.compile, accelerator.device)
+    if compiled:
+        tower = torch.compile(tower)  # shares parameters with the module we save
+    open_run(run)
+    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
+                      f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
+                      f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
+                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+
+    # ---- train
+    # The open logging window and the dropped-token totals are part of the checkpoint: a resumed
+    # run then logs, and reports in results.json, what the uninterrupted run does, also when a
+    # checkpoint falls between two records.
+    window = checkpoint_meta.get("log_window", {})
+    run.last_log_step = window.get("step", run.step)
+    run.last_log_seconds = window.get("seconds", run.train_seconds)
+    routing = _RoutingStats(checkpoint_meta, window, accelerator.device)
+    # On the device once, not copied there with every batch (`normalize_batch`).
+    mean = torch.tensor(data.mean, dtype=torch.float32, device=accelerator.device)[:, None, None]
+    std = torch.tensor(data.std, dtype=torch.float32, device=accelerator.device)[:, None, None]
+    steps = _step_functions(cfg, run, tower, tower_module, data, (mean, std), routing, init_record,
+                            is_moe=bool(tower_cfg.moe_layers))
+    train(run, tower, tower_module, optimizer, _batches_from(data.train, run), steps,
+          desc="pretrain", eval_every=cfg.eval_every, time_data_wait=True)
+
+    # ---- save the tower, then evaluate it
+    if run.sharded:  # the main process saves and evaluates a plain tower with the full weights
+        tower_module = gather_tower(tower_module, accelerator.device)
+    results = _save_and_evaluate(cfg, run, tower_module, data, (mean, std), num_params,
+                                 init_record, routing, is_moe=bool(tower_cfg.moe_layers))
+    return finish_run(run, results, curve_keys=("loss", "lr", "test_top1"),
+                      title=f"pretrain {cfg.tower.name}")
+
+
+def _setup_data(cfg: PretrainConfig, run: TrainingRun, resuming: bool) -> tuple:
+    """(the tower's config, the init_from source or None, the class data), each checked before the
+    next is read: a wrong tower name or init_from folder is said before any data is read."""
+    accelerator = run.accelerator
     tower_cfg = _validate_tower(cfg)
     _check_normalization(cfg, tower_cfg)
     source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
-        if cfg.init_from else None  # a wrong folder is said before the data is read
-    global_batch = cfg.batch_size
-    micro_batch_size(global_batch, accelerator.num_processes, cfg.accum_steps)  # splits evenly, or one line
+        if cfg.init_from else None
+    # The batch splits evenly over processes and micro-batches, or one line says why not.
+    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
     data = setup_class_data(cfg, tower_cfg, accelerator.process_index, accelerator.num_processes)
     if not data.streamed:  # said now, so that a user who wants the probe need not wait for the end
         fewshot_skipped = fewshot_skip_reason(cfg.fewshot_shots, data.train.labels, data.classnames)
         if fewshot_skipped:
             _log.warning(fewshot_skipped)
+    return tower_cfg, source, data
+
+
+def _setup_tower(cfg: PretrainConfig, run: TrainingRun, tower_cfg, data: ClassData,
+                 source: dict | None, resuming: bool) -> tuple[torch.nn.Module, int]:
+    """(the tower, random or init_from's weights, sharded where the run is; its parameter count)."""
+    accelerator = run.accelerator
     torch.manual_seed(cfg.seed)
     # Sharded, the main process alone makes the weights (the others build the tower on the meta device,
     # no memory), and `shard_tower` sends each process its shards: a host holds one tower, not one per GPU.
-    weights_here = is_main or not sharded
+    weights_here = run.is_main or not run.sharded
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames),
                                device=None if weights_here else "meta", **cfg.tower.options)
-    if source is not None and not resuming:  # a resumed run restores its own (trained) weights below
+    if source is not None and not resuming:  # a resumed run restores its own (trained) weights
         keep_head, why = head_decision(source, data.classnames)
         if weights_here:
             load_init_weights(tower, source, keep_head)
@@ -216,80 +278,56 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                           "inputs normalized with its preprocess mean and std")
     num_params = sum(p.numel() for p in tower.parameters())
     tower.set_grad_checkpointing(cfg.grad_checkpointing)
-    if sharded:  # before the optimizer, which then holds (and updates) the shards
+    if run.sharded:  # before the optimizer, which then holds (and updates) the shards
         shard_tower(tower, accelerator.device)
-    optimizer = create_optimizer(tower, cfg.optim)
+    return tower, num_params
 
-    steps_per_epoch = data.train.steps_per_epoch
-    if steps_per_epoch == 0:
-        raise UserError(f"batch_size {global_batch} exceeds the {data.train.num_samples} training images")
-    total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * steps_per_epoch)
 
-    # ---- resume from the newest complete checkpoint in the run folder
-    step, checkpoint_meta, latest = resume_state(checkpoints_dir, tower, optimizer, total_steps,
-                                                 load=load_sharded_state if sharded else load_training_state)
-    if latest is not None:  # what the run started from, as its checkpoint recorded it (also if the folder is gone)
-        check_unchanged(checkpoint_meta.get("init_from"), source)
-        source = checkpoint_meta.get("init_from")
-    if source is not None:  # normalized as the source tower was trained (and the saved tower records)
-        data.mean, data.std = source["preprocess"]["mean"], source["preprocess"]["std"]
-    init_record = None if source is None else {k: v for k, v in source.items() if k != "classnames"}
-    # On the device once, not copied there with every batch (`normalize_batch`).
-    mean = torch.tensor(data.mean, dtype=torch.float32, device=accelerator.device)[:, None, None]
-    std = torch.tensor(data.std, dtype=torch.float32, device=accelerator.device)[:, None, None]
-    warning = long_warmup_warning(cfg.optim, total_steps)  # after every check: a refused run says one line
-    if warning and is_main:
-        _log.warning(warning)
-    train_seconds = checkpoint_meta.get("train_seconds", 0.0)
-    restore_loss_scaler(accelerator, checkpoint_meta.get("loss_scaler"))  # fp16: the scale it had reached
-    if latest is not None:
-        accelerator.print(f"resuming from {latest} (step {step} of {total_steps})")
-    tower_module = tower  # the plain module: saved, evaluated; `tower` may become DDP / compiled wrappers
-    if not sharded:  # a sharded tower is FSDP's already: DDP would wrap it again
-        tower, optimizer = accelerator.prepare(tower, optimizer)
-    compiled = resolve_compile(cfg.compile, accelerator.device)
-    if compiled:
-        tower = torch.compile(tower)  # shares parameters with the module we save
-    logger = open_run_folder(run_dir, cfg, step, is_main, total_steps, accelerator)
-    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
-                      f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
-                      f"{total_steps} steps of {global_batch}; on {accelerator.device}, "
-                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
-                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+class _RoutingStats:
+    """The sparse layers' balancing loss and fraction of tokens no expert processed: sums over the
+    open logging window (device tensors: no sync per step) and the dropped totals of the run (this
+    process's batches, for results.json). Saved in every checkpoint, restored from
+    `checkpoint_meta`."""
 
-    # ---- train
-    # The open logging window (sums since the last record) and the dropped-token totals are part of
-    # the checkpoint: a resumed run then logs, and reports in results.json, what the uninterrupted
-    # run does, also when a checkpoint falls between two records.
-    window = checkpoint_meta.get("log_window", {})
-    last_log_step, last_log_seconds = window.get("step", step), window.get("seconds", train_seconds)
-    is_moe = bool(tower_cfg.moe_layers)
-    window_aux = torch.tensor(window.get("aux", 0.0), device=accelerator.device)
-    window_dropped = torch.tensor(window.get("dropped", 0.0), device=accelerator.device)
-    # Over all steps of the run (this process's batches), for results.json.
-    dropped_steps, dropped_total = checkpoint_meta.get("dropped_steps", 0), checkpoint_meta.get("dropped_total", 0.0)
-    tower.train()
-    progress = tqdm(total=total_steps, initial=step, desc="pretrain", disable=not is_main,
-                    dynamic_ncols=True)
-    batches = _batches_from(data.train, step, steps_per_epoch)
-    while step < total_steps:
-        tic = time.perf_counter()
-        batch = next(batches)  # uint8 (local_batch, C, H, W), as the uninterrupted run's batch of this step
+    def __init__(self, checkpoint_meta: dict, window: dict, device: torch.device):
+        self.window_aux = torch.tensor(window.get("aux", 0.0), device=device)
+        self.window_dropped = torch.tensor(window.get("dropped", 0.0), device=device)
+        self.dropped_steps = checkpoint_meta.get("dropped_steps", 0)
+        self.dropped_total = checkpoint_meta.get("dropped_total", 0.0)
+
+    def close_window(self, window_steps: int) -> dict:
+        """The window's means per step, added to the run's totals; the window starts again."""
+        record = {"aux_loss": float(self.window_aux) / window_steps,
+                  "dropped_fraction": float(self.window_dropped) / window_steps}
+        self.dropped_steps += window_steps
+        self.dropped_total += float(self.window_dropped)
+        self.window_aux.zero_()
+        self.window_dropped.zero_()
+        return record
+
+
+def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, data: ClassData,
+                    normalization: tuple[torch.Tensor, torch.Tensor], routing: _RoutingStats,
+                    init_record: dict | None, is_moe: bool) -> StepFunctions:
+    """Pretraining's part of each step (`loop.StepFunctions`): `tower` runs the step (DDP- or
+    compile-wrapped), `tower_module` is the plain tower under it."""
+    accelerator, (mean, std) = run.accelerator, normalization
+    no_sync = run.no_sync(tower)
+
+    def forward_backward(batch) -> torch.Tensor:
+        # uint8 (local_batch, C, H, W), as the uninterrupted run's batch of this step
         pixels = normalize_batch(batch.images.to(accelerator.device, non_blocking=True), mean, std)
         labels = batch.labels.to(accelerator.device)
         if cfg.data.mixup:
-            pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), step, accelerator.process_index)
-
-        lr = lr_at(step, total_steps, cfg.optim)
-        set_lr(optimizer, lr)
+            pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), run.step,
+                                    accelerator.process_index)
         # accum_steps micro-batches, each loss / accum_steps: their gradients add up to the whole batch's
-        # (mixup above mixed the whole batch, as without them). DDP syncs the gradients after the last only;
-        # FSDP reduce-scatters after each, so that no process ever holds a whole gradient.
+        # (mixup above mixed the whole batch, as without them).
         loss = 0.0
         micro_batches = split_batch((pixels, labels), cfg.accum_steps)
         for index, (micro_pixels, micro_labels) in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if last or sharded else accelerator.no_sync(tower):
+            with contextlib.nullcontext() if last else no_sync():
                 with accelerator.autocast():
                     micro_loss = _loss_fn(cfg, tower(micro_pixels), micro_labels)
                     # The sparse layers' balancing losses from this forward (a zero tensor for other towers).
@@ -297,105 +335,84 @@ def _pretrain(cfg: PretrainConfig) -> dict:
                     micro_loss = (micro_loss + cfg.aux_loss_weight * aux_loss) / cfg.accum_steps
                 accelerator.backward(micro_loss)
             loss = loss + micro_loss.detach()
-            window_aux += aux_loss.detach() / cfg.accum_steps
-            window_dropped += tower_module.moe_dropped_fraction() / cfg.accum_steps  # tensors: no device sync
-        grad_norm = accelerator.clip_grad_norm_(tower.parameters(), cfg.optim.grad_clip) \
-            if cfg.optim.grad_clip > 0 else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        progress.update(1)
-        train_seconds += time.perf_counter() - tic
+            routing.window_aux += aux_loss.detach() / cfg.accum_steps
+            # A tensor: no device sync.
+            routing.window_dropped += tower_module.moe_dropped_fraction() / cfg.accum_steps
+        return loss
 
-        if step % cfg.log_every == 0 or step == total_steps:
-            loss_value = global_loss(accelerator, loss, step)
-            window_steps = step - last_log_step
-            images_per_s = global_batch * window_steps / max(train_seconds - last_log_seconds, 1e-9)
-            last_log_step, last_log_seconds = step, train_seconds
-            record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss_value, "lr": lr,
-                      "train_seconds": round(train_seconds, 2), "images_per_s": round(images_per_s, 1)}
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
-            if is_moe:  # means over the steps since the last record (this process's batches)
-                record["aux_loss"] = float(window_aux) / window_steps
-                record["dropped_fraction"] = float(window_dropped) / window_steps
-                dropped_steps, dropped_total = dropped_steps + window_steps, dropped_total + float(window_dropped)
-                window_aux.zero_()
-                window_dropped.zero_()
-            logger.log(record)
-            progress.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            # The main process alone, on the plain module (no collective): the others' score went
-            # unlogged, so their pass over the whole test set was wasted; they wait for it at the
-            # next step's gradient all-reduce instead. A sharded tower is gathered first (a collective)
-            # into a plain copy there.
-            eval_tower = gather_tower(tower_module, accelerator.device) if sharded else tower_module
-            if is_main:
-                logger.log({"step": step, "test_top1": _test_top1(eval_tower, data, mean, std, cfg, accelerator)})
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
-            # Also between log records (a log step checked it already): a diverged model is never
-            # saved, or a rerun would resume it.
-            if step % cfg.log_every and step != total_steps:
-                global_loss(accelerator, loss, step)
-            accelerator.wait_for_everyone()
-            meta = {"train_seconds": train_seconds, "dropped_steps": dropped_steps,
-                    "loss_scaler": loss_scaler_state(accelerator),
-                    **({"init_from": init_record} if init_record else {}), "dropped_total": dropped_total,
-                    "log_window": {"step": last_log_step, "seconds": last_log_seconds,
-                                   "aux": float(window_aux), "dropped": float(window_dropped)}}
-            if sharded:  # every process writes its shards
-                save_sharded_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer, meta=meta)
-            elif is_main:
-                save_training_state(checkpoints_dir / f"step_{step:08d}", step, tower_module, optimizer, meta=meta)
-            if is_main:
-                prune_checkpoints(checkpoints_dir, cfg.keep_checkpoints)
-    progress.close()
-    batches.close()  # a stream's loader workers stop reading
+    def log_record(window: LogWindow) -> dict:
+        record = {"step": window.step, "epoch": window.epoch, "loss": window.loss, "lr": window.lr,
+                  "train_seconds": round(run.train_seconds, 2),
+                  "images_per_s": round(window.rate, 1)}
+        if window.grad_norm is not None:
+            record["grad_norm"] = float(window.grad_norm)
+        if is_moe:  # means over the steps since the last record (this process's batches)
+            record.update(routing.close_window(window.steps))
+        return record
 
-    # ---- save the tower, then evaluate it: test top-1 and the few-shot linear probe on frozen
-    # features. An evaluation that fails must not cost the training (a rerun resumes at the last
-    # step and evaluates again); its results are added to the tower's config.json after.
-    results = {"tower": cfg.tower.name, "params": num_params, "steps": total_steps,
-               "train_seconds": round(train_seconds, 1)}
+    def evaluate() -> dict | None:
+        # The main process alone, on the plain module (no collective): the others go on to the next
+        # step and wait for it at the gradient all-reduce. A sharded tower is gathered first (a
+        # collective) into a plain copy there.
+        eval_tower = gather_tower(tower_module, accelerator.device) if run.sharded else tower_module
+        if not run.is_main:
+            return None
+        return {"test_top1": _test_top1(eval_tower, data, mean, std, cfg, accelerator)}
+
+    def checkpoint_meta() -> dict:
+        init_from = {"init_from": init_record} if init_record else {}
+        return {"dropped_steps": routing.dropped_steps, **init_from,
+                "dropped_total": routing.dropped_total,
+                "log_window": {"step": run.last_log_step, "seconds": run.last_log_seconds,
+                               "aux": float(routing.window_aux),
+                               "dropped": float(routing.window_dropped)}}
+
+    return StepFunctions(forward_backward, log_record, checkpoint_meta, evaluate=evaluate)
+
+
+def _save_and_evaluate(cfg: PretrainConfig, run: TrainingRun, tower_module, data: ClassData,
+                       normalization: tuple[torch.Tensor, torch.Tensor], num_params: int,
+                       init_record: dict | None, routing: _RoutingStats, is_moe: bool) -> dict:
+    """Save the tower (main process), then evaluate it: test top-1 and the few-shot linear probe
+    on frozen features. An evaluation that fails must not cost the training (a rerun resumes at the
+    last step and evaluates again); its results are added to the tower's config.json after.
+    → results."""
+    accelerator, (mean, std) = run.accelerator, normalization
+    results = {"tower": cfg.tower.name, "params": num_params, "steps": run.total_steps,
+               "train_seconds": round(run.train_seconds, 1)}
     if init_record:
         results["init_from"] = {k: init_record[k] for k in ("path", "tower_sha256", "head")}
-    if sharded:  # the main process saves and evaluates a plain tower with the full weights
-        tower_module = gather_tower(tower_module, accelerator.device)
-    if is_main:
-        pretrain_meta = {"config": str(run_dir / "config.yaml"), **results}
-        save_tower(run_dir / "tower", tower_module, extra={
-            "classnames": data.classnames,
-            "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std,
-                           "decode": cfg.data.decode},
-            "pretrain": pretrain_meta,
-        })
-        eval_tic = time.perf_counter()
-        test_features, test_logits, test_labels, test_dropped = _embed(
-            tower_module, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
-        results["test_top1"] = (test_logits.argmax(1) == test_labels).float().mean().item()
-        if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
-            results["dropped_fraction_train"] = dropped_total / max(dropped_steps, 1)
-            results["dropped_fraction_test"] = test_dropped
-        shots = data.shots(cfg.fewshot_shots, cfg.seed) if cfg.fewshot_shots > 0 else None
-        if isinstance(shots, str):  # why the probe cannot run
-            _log.warning(shots)
-            results["fewshot_skipped"] = shots
-        elif shots is not None:
-            shot_images, shot_labels = shots
-            shot_features, _, _, _ = _embed(tower_module, zip(shot_images.split(cfg.eval_batch_size),
-                                                              shot_labels.split(cfg.eval_batch_size)),
-                                            mean, std, accelerator, with_logits=False)
-            results.update(fewshot_probe(shot_features, shot_labels, test_features, test_labels,
-                                         shots=cfg.fewshot_shots))
-        results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
-        logger.log({"step": total_steps, **{k: v for k, v in results.items()
-                                            if k.startswith(("test_", "fewshot", "dropped_"))
-                                            and k != "fewshot_skipped"}})
-        update_tower_meta(run_dir / "tower", {"pretrain": {**pretrain_meta, **results}})
-        results["bad_samples"] = data.bad_samples()
-        write_text_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")  # never half a file
-        plot_curves(read_metrics(logger.path), run_dir / "curves.png",
-                    keys=("loss", "lr", "test_top1"), title=f"pretrain {cfg.tower.name}")
-    logger.close()
-    accelerator.wait_for_everyone()
+    if not run.is_main:
+        return results
+    pretrain_meta = {"config": str(run.run_dir / "config.yaml"), **results}
+    save_tower(run.run_dir / "tower", tower_module, extra={
+        "classnames": data.classnames,
+        "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std,
+                       "decode": cfg.data.decode},
+        "pretrain": pretrain_meta,
+    })
+    eval_tic = time.perf_counter()
+    test_features, test_logits, test_labels, test_dropped = _embed(
+        tower_module, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
+    results["test_top1"] = (test_logits.argmax(1) == test_labels).float().mean().item()
+    if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
+        results["dropped_fraction_train"] = routing.dropped_total / max(routing.dropped_steps, 1)
+        results["dropped_fraction_test"] = test_dropped
+    shots = data.shots(cfg.fewshot_shots, cfg.seed) if cfg.fewshot_shots > 0 else None
+    if isinstance(shots, str):  # why the probe cannot run
+        _log.warning(shots)
+        results["fewshot_skipped"] = shots
+    elif shots is not None:
+        shot_images, shot_labels = shots
+        shot_features, _, _, _ = _embed(tower_module, zip(shot_images.split(cfg.eval_batch_size),
+                                                          shot_labels.split(cfg.eval_batch_size)),
+                                        mean, std, accelerator, with_logits=False)
+        results.update(fewshot_probe(shot_features, shot_labels, test_features, test_labels,
+                                     shots=cfg.fewshot_shots))
+    results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)
+    run.logger.log({"step": run.total_steps, **{k: v for k, v in results.items()
+                                                if k.startswith(("test_", "fewshot", "dropped_"))
+                                                and k != "fewshot_skipped"}})
+    update_tower_meta(run.run_dir / "tower", {"pretrain": {**pretrain_meta, **results}})
+    results["bad_samples"] = data.bad_samples()
     return results
