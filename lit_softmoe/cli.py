@@ -11,7 +11,6 @@ import sys
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import full_disk_message, naming_full_disk
 from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
-from lit_softmoe.utils.device import available_cpus
 from lit_softmoe.utils.distributed import close_process_group, is_main_process
 from lit_softmoe.utils.paths import check_writable
 
@@ -34,6 +33,7 @@ def _write_data(args) -> None:
     options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
                            samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
     progress = sys.stderr.isatty()
+    from lit_softmoe.utils.device import available_cpus  # here: `--help` imports no torch
     workers = args.workers if args.workers is not None else available_cpus()
     if args.dataset == "from-folder":
         from lit_softmoe.data.captions import load_caption_templates

@@ -611,18 +611,18 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_rerun_resumes
     again) resumes from the checkpoint before and finishes the run."""
     import errno
 
+    from lit_softmoe import model_folders  # where a checkpoint's tensors file is written
     from lit_softmoe.cli import main
-    from lit_softmoe.train import checkpoint
 
-    real_save_file, written = checkpoint.save_file, []
+    real_save_file, written = model_folders.save_file, []
 
-    def save_file(tensors, path):
+    def save_file(tensors, path, **kwargs):
         written.append(str(path))
         if len(written) == 2:  # the checkpoint of step 6
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save_file(tensors, path)
+        return real_save_file(tensors, path, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(model_folders, "save_file", save_file)
     run_dir, config = tmp_path / "run", tmp_path / "empty.yaml"
     config.write_text("{}\n")
     argv = ["pretrain", "--config", str(config), f"data.train={small_shards / 'train'}",
@@ -637,7 +637,7 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_rerun_resumes
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003"]  # no temporary folder either
     assert not (run_dir / "tower").exists()
-    monkeypatch.setattr(checkpoint, "save_file", real_save_file)  # space again
+    monkeypatch.setattr(model_folders, "save_file", real_save_file)  # space again
     assert main(argv) == 0
     assert "resuming from" in capsys.readouterr().out
     trained = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
