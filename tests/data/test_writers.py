@@ -637,6 +637,23 @@ def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     assert not (tmp_path / "killed/train/.progress.json").exists()
 
 
+def _stopped_at(candidate: int, monkeypatch, src, out, options) -> None:
+    """A write of `src` to `out` interrupted (KeyboardInterrupt) while it encodes its `candidate`-th candidate,
+    in one process (where the patch holds)."""
+    calls, encode = [], sample_encoding._encode_candidate
+
+    def stopped(each, **kwargs):
+        calls.append(1)
+        if len(calls) == candidate:
+            raise KeyboardInterrupt
+        return encode(each, **kwargs)
+
+    monkeypatch.setattr(sample_encoding, "_encode_candidate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_shards(src, out, options)
+    monkeypatch.undo()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_an_interrupted_write_resumes_after_its_finished_shards(tmp_path, monkeypatch, workers):
     """Stopped while encoding the 23rd candidate (shards 0-1 of 7 samples in place; skips and resized
@@ -645,18 +662,7 @@ def test_an_interrupted_write_resumes_after_its_finished_shards(tmp_path, monkey
     _photo_folder(tmp_path / "src", 40, side=200)
     options = WriteOptions(samples_per_shard=7, image_format="jpg", max_size=64)
     straight = write_folder_shards(tmp_path / "src", tmp_path / "straight", options)
-    calls, encode = [], sample_encoding._encode_candidate
-
-    def stopped_at_the_23rd(candidate, **kwargs):
-        calls.append(1)
-        if len(calls) == 23:
-            raise KeyboardInterrupt
-        return encode(candidate, **kwargs)
-
-    monkeypatch.setattr(sample_encoding, "_encode_candidate", stopped_at_the_23rd)
-    with pytest.raises(KeyboardInterrupt):
-        write_folder_shards(tmp_path / "src", tmp_path / "out", options)  # one process: the patch holds
-    monkeypatch.undo()
+    _stopped_at(23, monkeypatch, tmp_path / "src", tmp_path / "out", options)
     split = tmp_path / "out" / "train"
     progress = json.loads((split / ".progress.json").read_text())
     assert progress["shards"] == {"0.tar": 7, "1.tar": 7} and sum(progress["skipped"].values()) > 0
@@ -672,18 +678,7 @@ def test_a_damaged_finished_shard_is_written_again_not_resumed_from(tmp_path, mo
     _photo_folder(tmp_path / "src", 30, side=120)
     options = WriteOptions(samples_per_shard=5, image_format="png")
     write_folder_shards(tmp_path / "src", tmp_path / "straight", options)
-    calls, encode = [], sample_encoding._encode_candidate
-
-    def stopped(candidate, **kwargs):
-        calls.append(1)
-        if len(calls) == 20:
-            raise KeyboardInterrupt
-        return encode(candidate, **kwargs)
-
-    monkeypatch.setattr(sample_encoding, "_encode_candidate", stopped)
-    with pytest.raises(KeyboardInterrupt):
-        write_folder_shards(tmp_path / "src", tmp_path / "out", options)
-    monkeypatch.undo()
+    _stopped_at(20, monkeypatch, tmp_path / "src", tmp_path / "out", options)
     shard = tmp_path / "out/train/0.tar"
     shard.write_bytes(shard.read_bytes()[:-1024])  # cut short after the run: not what was recorded
     write_folder_shards(tmp_path / "src", tmp_path / "out", options)
