@@ -17,6 +17,7 @@ from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
 from lit_softmoe.train import lit as lit_recipe
 from lit_softmoe.train.embed import embed_shards
+from lit_softmoe.train.logging import read_metrics
 
 
 def test_class_folder_caption_shards_train_a_text_tower(tmp_path, monkeypatch):
@@ -49,5 +50,5 @@ def test_class_folder_caption_shards_train_a_text_tower(tmp_path, monkeypatch):
     assert results["steps"] == 6 and 0 <= results["zeroshot_top1"] <= 1
     assert read_lines(tmp_path / "features" / "zeroshot_classification_templates.txt") == templates
     assert prompts_used == [templates]  # the eval prompts are the caption templates
-    losses = [r["loss"] for r in lit_recipe.read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
