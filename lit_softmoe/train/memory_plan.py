@@ -265,12 +265,12 @@ def count_lit(cfg: LiTConfig) -> ModelCount:
         layers = check_unlockable(tower, cfg.unlocked_blocks)
         n = cfg.unlocked_blocks
         last = [layers.block_parameters(i) for i in range(-n, 0)]  # each unlocked block's parameters
-        tower.requires_grad_(False)
+        trained = layers.unlocked(n)
         for name, param in tower.named_parameters():
-            param.requires_grad_(name in layers.unlocked(n))
+            param.requires_grad_(name in trained)
         sizes = {name: p.numel() for name, p in tower.named_parameters()}
         block_sizes = [sum(sizes[name] for name in block) for block in last]
-        unlocked = (sum(sizes[name] for name in layers.unlocked(n)), max(block_sizes))
+        unlocked = (sum(sizes[name] for name in trained), max(block_sizes))
         blocks = [modules_of(tower, block) for block in last]
         tower_saved = count_saved_bytes(tower, _pooled_step, dtype, blocks)  # spent: only sizes are read after
         # The tower runs first: its unlocked blocks come before the text tower's in the order blocks run.

@@ -537,12 +537,12 @@ def test_rank_0_stops_with_the_error_of_another_process(many_shards, tmp_path):
 
 _SLOW_EMBED = """
 import sys, time
-import lit_softmoe.train.embed as embed
-embed_batch = embed._embed_batch
+import lit_softmoe.train.embed_process as embed_process
+embed_batch = embed_process._embed_batch
 def slow(*args, **kwargs):  # a slower tower: the test's SIGKILL lands mid-run
     time.sleep(0.25)
     return embed_batch(*args, **kwargs)
-embed._embed_batch = slow
+embed_process._embed_batch = slow
 from lit_softmoe.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -859,7 +859,7 @@ def test_the_steady_waits_say_what_bounds_the_run(cache, tmp_path, monkeypatch):
     thread spent preparing batches. Batches made slow to prepare (50 ms each, a fast tiny tower) show as
     pixels waited for, prepared for most of the time, and no feature waited for (on the CPU the tower's
     forward has finished when `ToHost` is made)."""
-    import lit_softmoe.train.embed as embed_module
+    import lit_softmoe.train.embed_process as embed_module
     root = cache["root"]
     steady = cache["summary"]["steady_waits"]
     assert set(steady) == {"waiting_for_pixels", "waiting_for_features", "preparing"}
