@@ -172,12 +172,14 @@ def checkpoint_order(path: Path) -> tuple[int, str]:
 
 
 def checkpoints_newest_first(checkpoints_dir: str | Path) -> list[Path]:
-    """The complete `step_*` folders, newest first (temporary folders start with '.' and are ignored)."""
+    """The complete `step_*` folders, newest first. Temporary folders start with '.' and are ignored; so is
+    a link at a step's name: the run writes its checkpoints itself, so a link there is someone else's (one
+    into another run would continue that run's weights as this one's)."""
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
-    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / STATE_META).is_file()), key=checkpoint_order,
-                  reverse=True)
+    return sorted((p for p in checkpoints_dir.glob("step_*") if not p.is_symlink() and (p / STATE_META).is_file()),
+                  key=checkpoint_order, reverse=True)
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:

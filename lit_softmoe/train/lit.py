@@ -61,7 +61,7 @@ from lit_softmoe.train.sharding import gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
-from lit_softmoe.utils.paths import check_writable
+from lit_softmoe.utils.paths import check_folder_destination, check_writable
 
 _log = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict)
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
     check_writable(cfg.run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
+    check_folder_destination(Path(cfg.run_dir) / "model")  # a link there that loops: now, not after training
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _train_lit(cfg)
 

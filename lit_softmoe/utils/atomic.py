@@ -20,8 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from lit_softmoe.errors import UserError
-from lit_softmoe.utils.paths import broken_link
+from lit_softmoe.utils.paths import check_folder_destination
 
 T = TypeVar("T")
 
@@ -219,9 +218,7 @@ def write_folder_atomically(final_dir: str | Path, write: Callable[[Path], T], r
     """
     final_dir = Path(final_dir)
     if final_dir.is_symlink() and through_link:
-        if not final_dir.is_dir():
-            problem = broken_link(final_dir) or f"is a symbolic link to {os.readlink(final_dir)}, not to a folder"
-            raise UserError(f"{final_dir} {problem}; remove the link (rm {final_dir}) or write to another path")
+        check_folder_destination(final_dir)
         final_dir = final_dir.resolve()
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     recover(final_dir)

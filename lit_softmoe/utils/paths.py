@@ -36,6 +36,18 @@ def check_writable(path: str | Path, what: str, folder: bool) -> None:
                         f"choose another {what}") from None
 
 
+def check_folder_destination(path: str | Path) -> None:
+    """Refuse (one line) a path a folder cannot be written at: a symbolic link that loops, leads nowhere or to
+    a file, or a file. A link to a folder is fine: the folder it names takes the new contents. Called where
+    the folder is written, and before the work for a folder written at its end (a run's tower/ or model/)."""
+    path = Path(path)
+    if path.is_symlink() and not path.is_dir():
+        problem = broken_link(path) or f"is a symbolic link to {os.readlink(path)}, not to a folder"
+        raise UserError(f"{path} {problem}; remove the link (rm {path}) or write to another path")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} is a file, not a folder; remove it or write to another path")
+
+
 def broken_link(path: str | Path) -> str | None:
     """What is wrong with a symbolic link at `path` that leads to nothing ("is a symbolic link that loops",
     or to a missing target), for an error line; None for no link or one that leads to something."""

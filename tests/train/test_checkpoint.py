@@ -216,17 +216,22 @@ def test_every_checkpoint_damaged_is_one_user_error(tmp_path):
         resume_state(tmp_path, model, torch.optim.AdamW(model.parameters()), total_steps=10)
 
 
-@pytest.mark.parametrize("link", ["loop", "dangling"])
+@pytest.mark.parametrize("link", ["loop", "dangling", "another run's checkpoint"])
 def test_a_link_at_a_checkpoints_name_is_passed_over_then_replaced_by_the_checkpoint(tmp_path, link):
     """`ln -s step_00000003 step_00000003`: the resume fell back to step 2, then saving step 3 raised
     `RuntimeError: Symlink loop` on every rerun, so the run could never finish (a dangling link had the
-    checkpoint written wherever it pointed)."""
+    checkpoint written wherever it pointed). A link to an intact checkpoint of another run was resumed
+    from: that run's weights continued as this one's."""
     import shutil
 
     from lit_softmoe.train.runtime import resume_state
+    other_run = tmp_path / "other"
+    _three_checkpoints(other_run)
+    tmp_path = tmp_path / "run"
     _three_checkpoints(tmp_path)
     shutil.rmtree(tmp_path / "step_00000003")
-    (tmp_path / "step_00000003").symlink_to("step_00000003" if link == "loop" else str(tmp_path / "gone" / "x"))
+    target = {"loop": "step_00000003", "dangling": tmp_path / "gone" / "x"}.get(link, other_run / "step_00000003")
+    (tmp_path / "step_00000003").symlink_to(target)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 2
@@ -234,6 +239,7 @@ def test_a_link_at_a_checkpoints_name_is_passed_over_then_replaced_by_the_checkp
     assert not (tmp_path / "step_00000003").is_symlink() and not (tmp_path / "gone").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
     assert resume_state(tmp_path, model, opt, total_steps=10)[0] == 3
+    assert sorted(p.name for p in other_run.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
 
 
 def test_a_lit_checkpoint_holding_the_log_scale_under_another_name_is_refused(tmp_path):

@@ -76,6 +76,24 @@ def test_a_run_of_zero_steps_and_zero_epochs_is_refused(tmp_path, capsys, comman
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["pretrain", "train"])
+@pytest.mark.parametrize("link", ["loop", "dangling", "to a file"])
+def test_a_link_where_the_run_writes_its_model_is_refused_before_any_work(tmp_path, capsys, command, link):
+    """A link that loops at RUN/tower (pretrain) or RUN/model (train) was refused only when the model was
+    saved, after the whole training; the config here names no data, so any work would fail otherwise."""
+    run = tmp_path / "run"
+    run.mkdir()
+    output = run / ("tower" if command == "pretrain" else "model")
+    (tmp_path / "file").write_text("x")
+    output.symlink_to({"loop": output, "dangling": tmp_path / "gone", "to a file": tmp_path / "file"}[link])
+    (tmp_path / "c.yaml").write_text(f"run_dir: {run}\n")
+    line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none'}"])
+    problem = {"loop": "is a symbolic link that loops", "dangling": f"is a symbolic link to {tmp_path / 'gone'}, "
+               "which does not exist", "to a file": f"is a symbolic link to {tmp_path / 'file'}, not to a folder"}[link]
+    assert line == f"lit-softmoe {command}: error: {output} {problem}; remove the link (rm {output}) or write to another path"
+    assert sorted(p.name for p in run.iterdir()) == [output.name]  # nothing written: no config, no lock
+
+
 _HOLD = ("import sys, time\n"
          "from lit_softmoe.utils.locks import folder_lock\n"
          "with folder_lock(sys.argv[1]):\n"
