@@ -260,7 +260,7 @@ def is_feature_cache(split: str | Path) -> bool:
 def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str]) -> None:
     """UserError where the shards `spec` names are feature shards (our own output) given as a source of
     images: the embed.json beside them, or `.npy` samples without an image (`first_members`: those of
-    the first sample, `shard_batches.first_sample_members`). Every sample would be counted as
+    the first sample, `tar_reading.first_sample_members`). Every sample would be counted as
     missing_image, and the bad-fraction message would send the user the wrong way."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")

@@ -3,35 +3,14 @@ shard (`train.embed`) reads, one DataLoader worker per shard at a time.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.gopen import gopen
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.shard_stream import read_shard
 from lit_softmoe.data.tar_reading import read_class_members
-
-
-def _ignore(exn: Exception) -> bool:
-    return True  # webdataset handler: go on with the next shard
-
-
-def first_sample_members(first_url: str) -> set[str]:
-    """The members ("cls", "txt", "png"…) of the first sample of a shard (reads one sample)."""
-    # A broken first shard reads as no members: the main pass counts and reports it.
-    try:
-        stream = gopen(first_url)
-    except Exception:  # noqa: BLE001 — counted by the main pass
-        return set()
-    with contextlib.closing(stream):  # one sample read: the rest of the shard is left, its file closed now
-        files = tar_file_expander(iter([{"url": first_url, "stream": stream}]), handler=_ignore)
-        first = next(iter(group_by_keys(files, handler=_ignore)), None)
-    return {key for key in first if not key.startswith("__")} if first is not None else set()
-
 
 
 class ShardBatches(IterableDataset):

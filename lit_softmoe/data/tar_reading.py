@@ -8,6 +8,7 @@ counted too. The shard layout itself (split folders, nshards.txt, sizes.json) is
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -212,6 +213,15 @@ def read_class_members(urls: list[str]) -> dict[str, bytes]:
     counter = _QuietCounter()
     return {sample["__key__"]: sample["cls"].strip() for url in urls
             for sample in tar_samples(url, counter, select_files=is_class_member) if "cls" in sample}
+
+
+def first_sample_members(url: str) -> set[str]:
+    """The members ("cls", "txt", "png"…) of the first sample of a shard, reading that sample alone: what
+    kind of split it is. A shard that cannot be read gives none (the main pass over it counts it)."""
+    samples = tar_samples(url, _QuietCounter())
+    with contextlib.closing(samples):  # the rest of the shard is left unread, its file closed now
+        first = next(samples, None)
+    return {key for key in first if not key.startswith("__")} if first is not None else set()
 
 
 def num_samples(split_dir: str | Path) -> int:

@@ -57,9 +57,9 @@ from lit_softmoe.data.feature_cache import (
     work_folder,
     write_feature_split,
 )
-from lit_softmoe.data.shard_batches import ShardBatches, first_sample_members
+from lit_softmoe.data.shard_batches import ShardBatches
 from lit_softmoe.data.shards import dataset_dir, shard_urls, split_name
-from lit_softmoe.data.tar_reading import listed_sizes
+from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
 from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference

@@ -710,6 +710,28 @@ def test_lit_probe_set_of_one_sample_is_skipped_not_scored(data, tmp_path):
     assert (run / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("key", ["eval.probe_train", "eval.shards"])
+@pytest.mark.parametrize("kind", ["images", "features"])
+def test_a_probe_or_eval_split_without_class_labels_is_refused_before_training(data, tmp_path, key, kind):
+    """`eval.probe_train` at caption shards (no `.cls`) trained every step, then failed when the probe read
+    them: every sample `missing_cls`."""
+    from lit_softmoe.data.shards import write_split
+    from lit_softmoe.train.embed import embed_shards
+    write_split(iter([{"png": _png(), "txt": b"a photo"}] * 4), tmp_path / "captions", "train", samples_per_shard=2)
+    split = tmp_path / "captions" / "train"
+    if kind == "features":
+        embed_shards(data / "tower", str(split), tmp_path / "features", batch_size=4)
+        split = tmp_path / "features" / "train"
+    members = "png, txt" if kind == "images" else "npy, txt"
+    run = tmp_path / "run"
+    with pytest.raises(UserError) as refused:
+        train_lit(lit_config(data, run, "steps=2", f"{key}={split}"))
+    assert str(refused.value) == (
+        f"{key} {split} holds no class labels (its samples have {members}, no .cls); point {key} to a split of "
+        f"labelled images or their features, as `lit-softmoe data` and `embed` write them, or unset it ({key}=)")
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
 def test_lit_rerun_of_a_finished_run_logs_its_final_evaluation_once(data, tmp_path):
     run = tmp_path / "run"
     first = train_lit(lit_config(data, run, "steps=4", "eval.every=2"))
