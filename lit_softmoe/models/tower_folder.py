@@ -192,6 +192,15 @@ def check_preprocess(preprocess, channels: int | None, source: str | Path) -> No
             refuse(f".std is {preprocess[key]!r}: each must be above 0 (pixels are divided by it)")
 
 
+def resolution_change(tower: VisionTransformer | TimmTower, preprocess: dict) -> str | None:
+    """Words for a start line when `preprocess` resizes images to another size than the tower was built for
+    (a ViT's position embeddings are then resampled to the new patch grid); None when the two agree."""
+    built, size = getattr(tower.cfg, "image_size", None), preprocess.get("image_size")
+    if built is None or size is None or built == size:
+        return None
+    return f"images at {size} px (preprocess.image_size), not the {built} px the tower was built for"
+
+
 def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
                ) -> tuple[VisionTransformer | TimmTower, dict]:
     """Load a tower folder written by `save_tower` (or a `timm:` spec's) onto `device`, its floating weights in

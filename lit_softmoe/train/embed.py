@@ -63,7 +63,7 @@ from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
 from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.models.tower_folder import load_tower, resolution_change
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
 from lit_softmoe.utils.distributed import process_rank
@@ -246,7 +246,8 @@ def _embed_job(job: _EmbedJob) -> dict:
         print(f"embed: tower {job.tower_dir} on {job.device}, "
               f"{'bf16' if job.weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} ({job.decoder_why})",
+              f"JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} ({job.decoder_why})"
+              + (f", {resized}" if (resized := resolution_change(tower, preprocess)) else ""),
               file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not job.progress or job.rank != 0, dynamic_ncols=True)

@@ -41,7 +41,7 @@ from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
-from lit_softmoe.models.tower_folder import load_tower, tower_fingerprint, tower_folder
+from lit_softmoe.models.tower_folder import load_tower, resolution_change, tower_fingerprint, tower_folder
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.loop import (
     LogWindow,
@@ -305,6 +305,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
         model, optimizer = accelerator.prepare(model, optimizer)
     open_run(run)
     inputs = "cached features" if cached else "images"
+    resized = None if cached else resolution_change(model_module.image_tower, meta["preprocess"])
+    inputs += f", {resized}" if resized else ""
     held = f"in {precision_name(tower_dtype)} weights"
     if cfg.unlocked_blocks and tower_dtype != torch.float32:
         held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"

@@ -824,6 +824,32 @@ def test_the_default_choices_are_printed_once_at_the_start(cache, tmp_path, caps
                    f"{workers} worker(s) reading shards, JPEGs decoded on the CPU (auto: the tower runs on cpu)"]
 
 
+def test_a_tower_resized_to_another_image_size_says_so_in_the_start_line(cache, tmp_path, capsys):
+    """A tower folder whose preprocess.image_size is not the size its position embeddings were built for was
+    embedded at the new size without a word. A deliberate resolution change still runs."""
+    import shutil
+    root = cache["root"]
+    tower = tmp_path / "tower-56"
+    shutil.copytree(root / "tower", tower)
+    config = json.loads((tower / "config.json").read_text())
+    built = config["tower"]["image_size"]
+    config["preprocess"]["image_size"] = 2 * built
+    (tower / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["embed", "--tower", str(tower), "--shards", str(root / "fmnist" / "test"),
+                 "--out", str(tmp_path / "out"), "--workers", "1"]) == 0
+    start = [line for line in capsys.readouterr().err.splitlines() if line.startswith("embed:")]
+    assert len(start) == 1 and start[0].endswith(
+        f", images at {2 * built} px (preprocess.image_size), not the {built} px the tower was built for"), start
+    capsys.readouterr()
+    assert main(["embed", "--tower", str(root / "tower"), "--shards", str(root / "fmnist" / "test"),
+                 "--out", str(tmp_path / "same"), "--workers", "1"]) == 0
+    assert "px the tower was built for" not in capsys.readouterr().err  # the size it was built for: nothing said
+    resized, same = _features(tmp_path / "out" / "test"), _features(tmp_path / "same" / "test")
+    assert all(np.isfinite(features).all() for features in resized.values())
+    assert _cosines(resized, same).min() < 0.999  # embedded at the new size, not the old one
+
+
 def test_compile_auto_waits_for_a_run_long_enough_to_pay():
     from lit_softmoe.train.embed import COMPILE_MIN_IMAGES, _choose_compile
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
