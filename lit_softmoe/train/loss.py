@@ -16,6 +16,7 @@ the last incomplete batch).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lit_softmoe.utils.distributed import in_process_group, rank_and_world_size
@@ -33,9 +34,26 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     _, world_size = _world()
     if world_size == 1:
         return t
-    from torch.distributed.nn.functional import all_gather  # the autograd-aware all_gather
+    return _GatherRows.apply(t)  # (world_size·B, D)
 
-    return torch.cat(all_gather(t), dim=0)  # (world_size·B, D)
+
+class _GatherRows(torch.autograd.Function):
+    """all_gather with a backward (torch's `torch.distributed.nn.functional.all_gather` is deprecated, and its
+    replacement lives in a private module): every process computes a gradient for every gathered row, and a
+    process's own rows get the sum of them all. Runs on any backend (gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        ctx.rank = dist.get_rank()
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()  # (world_size·B, D), reduced in place
+        dist.all_reduce(grad)  # summed over processes
+        return grad.chunk(dist.get_world_size())[ctx.rank]
 
 
 def _global_batch(zimg: torch.Tensor, ztxt: torch.Tensor, gather: bool):
