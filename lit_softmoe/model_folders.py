@@ -13,6 +13,7 @@ suite's default output path all start from it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 RUN_CONFIG = "config.yaml"
 STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
 FILES_SHA256 = "files_sha256"  # an export's config.json: {the path of every other file in the export: its sha256}
+CONFIG_SHA256 = "config_sha256"  # an export's config.json: the sha256 of its own other keys (`export_config_sha256`)
 
 _EXPECTED = ("an export folder (from `lit-softmoe export`), a LiT run folder, its model/ folder, a LiT checkpoint "
              "folder RUN/checkpoints/step_N, or (for the image tower alone) a pretraining run or its tower/ folder")
@@ -109,9 +111,24 @@ def require_keys(record: dict, keys, source: Path | str, fix: str) -> dict:
     return record
 
 
+def export_config_sha256(config: dict) -> str:
+    """The sha256 an export's config.json records of itself (`CONFIG_SHA256`): of its other keys as sorted JSON,
+    the card's entry in `FILES_SHA256` left out (a card edited on purpose is recorded there by hand)."""
+    body = {key: value for key, value in config.items() if key != CONFIG_SHA256}
+    if isinstance(body.get(FILES_SHA256), dict):
+        body[FILES_SHA256] = {name: sha for name, sha in body[FILES_SHA256].items() if name != MODEL_CARD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_export_config(folder: Path) -> dict:
-    """An export's config.json, or one UserError line when it is of an export format this version does not read."""
+    """An export's config.json, or one UserError line when it is of an export format this version does not read,
+    or when it is not the file the export wrote: its contents do not give the sha256 it records of itself (an
+    export without the record is taken as it is). Every other file is checked against the config's `FILES_SHA256`
+    where it is read."""
     config = read_json(folder / EXPORT_CONFIG)
+    if not isinstance(config, dict):
+        raise UserError(f"{folder / EXPORT_CONFIG} holds a JSON {type(config).__name__}, not an export's settings; "
+                        "copy or download the export again")
     found = config.get("format")
     if isinstance(found, int) and not isinstance(found, bool) and found > EXPORT_FORMAT:
         raise UserError(f"{folder} has export format {found}, newer than this lit-softmoe reads ({EXPORT_FORMAT}); "
@@ -119,6 +136,10 @@ def read_export_config(folder: Path) -> dict:
     if found not in READ_FORMATS:
         raise UserError(f"{folder} has export format {found}, which this lit-softmoe does not read (it reads "
                         f"{' and '.join(map(str, READ_FORMATS))}); export the run again with this version")
+    if CONFIG_SHA256 in config and config[CONFIG_SHA256] != export_config_sha256(config):
+        raise UserError(f"{folder / EXPORT_CONFIG} is not the file the export wrote (its contents do not give the "
+                        f"{CONFIG_SHA256} it records): it was changed or damaged since; copy or download the export "
+                        "again, or export the run again")
     return config
 
 

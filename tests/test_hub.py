@@ -183,6 +183,7 @@ def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, 
     import shutil
 
     from lit_softmoe.errors import UserError
+    from lit_softmoe.model_folders import export_config_sha256
     from lit_softmoe.utils.hashing import file_sha256
     export, other_run = tmp_path / "export", tmp_path / "run"
     shutil.copytree(hub_export, export)
@@ -190,6 +191,7 @@ def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, 
     # As a writer that named the key so would record its file (else the sha256 check refuses it first).
     config = json.loads((export / "config.json").read_text())
     config["files_sha256"]["open_clip_model.safetensors"] = file_sha256(export / "open_clip_model.safetensors")
+    config["config_sha256"] = export_config_sha256(config)
     (export / "config.json").write_text(json.dumps(config))
     shutil.copytree(run, other_run)  # its model/config.json names the tower by absolute path: still found
     _rename_key(other_run / "model" / "model.safetensors", "logit_scale", "log_scale")

@@ -61,6 +61,7 @@ from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG, open_clip_config, ope
 from lit_softmoe.export.tokenizer_json import write_tokenizer
 from lit_softmoe.hub import load_run_pair, preprocess_spec
 from lit_softmoe.model_folders import (
+    CONFIG_SHA256,
     EXPORT_CONFIG,
     EXPORT_FORMAT,
     FILES_SHA256,
@@ -72,6 +73,7 @@ from lit_softmoe.model_folders import (
     TOKENIZER_DIR,
     ModelFolder,
     classify_folder,
+    export_config_sha256,
     is_export,
     read_json,
     require_keys,
@@ -231,6 +233,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
         # Every other file's sha256: `push` (dry run too) verifies them all before anything goes up.
         config[FILES_SHA256] = {path.relative_to(tmp).as_posix(): file_sha256(path)
                                 for path in sorted(tmp.rglob("*")) if path.is_file()}
+        config[CONFIG_SHA256] = export_config_sha256(config)  # and config.json's own: a byte changed there is found
         (tmp / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     try:

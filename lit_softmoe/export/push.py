@@ -24,6 +24,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import hub_card, hub_card_facts, hub_text_path, read_front_matter
 from lit_softmoe.export.open_clip import OPEN_CLIP_CONFIG
 from lit_softmoe.model_folders import (
+    CONFIG_SHA256,
     EXPORT_CONFIG,
     EXPORT_FORMAT,
     FILES_SHA256,
@@ -31,6 +32,7 @@ from lit_softmoe.model_folders import (
     TOKENIZER_DIR,
     TOKENIZER_JSON,
     classify_folder,
+    export_config_sha256,
     export_weight_files,
     read_export_config,
 )
@@ -95,6 +97,8 @@ def hub_config(config: dict, card: str) -> bytes:
     if isinstance(hub.get("card"), dict):
         hub["card"] = hub_card_facts(hub["card"])
     hub[FILES_SHA256] = {**hub[FILES_SHA256], MODEL_CARD: hashlib.sha256(card.encode()).hexdigest()}
+    if CONFIG_SHA256 in hub:  # changed above: the copy that goes up verifies itself too
+        hub[CONFIG_SHA256] = export_config_sha256(hub)
     return (json.dumps(hub, indent=2) + "\n").encode()
 
 

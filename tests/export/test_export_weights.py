@@ -138,7 +138,7 @@ def test_a_format_2_export_still_loads_and_push_asks_for_a_new_one(run, tmp_path
         shutil.copy(new / name, old / name)
     config = json.loads((ours / "config.json").read_text())
     config.update(format=2, open_clip=json.loads((new / "config.json").read_text())["open_clip"])
-    del config["weights"], config["files_sha256"]
+    del config["weights"], config["files_sha256"], config["config_sha256"]
     (old / "config.json").write_text(json.dumps(config))
     reference, _, tokenizer = load_pretrained(run)
     model, _, _ = load_pretrained(old)

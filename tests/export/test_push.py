@@ -14,9 +14,11 @@ from cli_errors import one_error_line
 from hf_models import tiny_bert
 from lit_runs import make_hf_run
 from lit_softmoe import cli
+from lit_softmoe.errors import UserError
 from lit_softmoe.export import export_pair
 from lit_softmoe.export.model_card import hub_card
 from lit_softmoe.hub import load_pretrained
+from lit_softmoe.model_folders import export_config_sha256
 
 FILES = ["README.md", "config.json", "image_tower_extra.safetensors", "open_clip_config.json",
          "open_clip_model.safetensors", "tokenizer.json", "tokenizer/bpe_simple_vocab_16e6.txt.gz"]
@@ -88,8 +90,10 @@ def test_push_creates_the_repo_and_uploads_the_export(export, hf_api, capsys):
             assert Path(run_path).is_absolute() and run_path not in json.dumps(uploaded)
             assert "/tmp" not in json.dumps(uploaded) and uploaded["source"]["path"] == Path(run_path).name
             assert uploaded["files_sha256"]["README.md"] == hashlib.sha256(card.encode()).hexdigest()
-            assert {k: v for k, v in uploaded.items() if k not in ("source", "card", "files_sha256")} == \
-                {k: v for k, v in config.items() if k not in ("source", "card", "files_sha256")}
+            changed = ("source", "card", "files_sha256", "config_sha256")
+            assert {k: v for k, v in uploaded.items() if k not in changed} == \
+                {k: v for k, v in config.items() if k not in changed}
+            assert uploaded["config_sha256"] == export_config_sha256(uploaded)  # it verifies itself once downloaded
             assert hub_card(uploaded, "org/name") == card  # the Hub's copy renders the same card
         else:
             assert op.path_or_fileobj == str(export / op.path_in_repo)
@@ -130,6 +134,7 @@ def test_an_incomplete_or_edited_export_is_refused_in_one_line(export, tmp_path,
     assert "open_clip_model.safetensors is not the file the export wrote" in line, line
     config = json.loads((edited / "config.json").read_text())  # its sha256 recorded anew: still not the tower
     config["files_sha256"]["open_clip_model.safetensors"] = file_sha256(edited / "open_clip_model.safetensors")
+    config["config_sha256"] = export_config_sha256(config)  # and config.json's own
     (edited / "config.json").write_text(json.dumps(config))
     line = one_error_line(capsys, cli.main(["push", str(edited), "org/name"]))
     assert line.endswith(f"the image tower in {edited / 'image_tower_extra.safetensors'}, "
@@ -165,7 +170,7 @@ def test_an_export_without_its_card_front_matter_or_files_sha256_is_refused_in_o
     assert f"{broken / 'README.md'}: its front matter is not YAML (" in line and line.endswith(
         "); fix it, or export the run again"), line
     config = json.loads((unverified / "config.json").read_text())
-    del config["files_sha256"]
+    del config["files_sha256"], config["config_sha256"]  # as another version wrote it
     (unverified / "config.json").write_text(json.dumps(config))
     line = one_error_line(capsys, cli.main(["push", str(unverified), "org/name"]))
     assert line.endswith(f"{unverified / 'config.json'} has no files_sha256 (the sha256 of each file), so its files "
@@ -213,6 +218,39 @@ def test_a_flipped_bit_in_any_file_is_refused_by_a_dry_run(export, tmp_path, cap
     recorded = json.loads((export / "config.json").read_text())["files_sha256"]
     assert recorded == {file: file_sha256(export / file) for file in FILES if file != "config.json"}
     assert len(check_export(export)) == len(FILES)  # the export itself verifies
+
+
+@pytest.mark.parametrize("where", ["a file's recorded sha256", "a setting"])
+def test_a_changed_byte_in_config_json_is_refused_naming_it(export, tmp_path, capsys, hf_api, where):
+    """A byte changed in config.json where it still parses: in the tokenizer's sha256, push blamed the tokenizer
+    file; in a setting, the export was pushed, and loaded, as another model than the one exported."""
+    flipped = tmp_path / "flipped"
+    shutil.copytree(export, flipped)
+    text = (flipped / "config.json").read_text()
+    config = json.loads(text)
+    if where == "a setting":
+        old = '"pooling": "mean"'
+        assert text.count(old) == 1
+        text = text.replace(old, '"pooling": "last"')
+    else:
+        sha = config["files_sha256"]["tokenizer.json"]
+        text = text.replace(sha, sha[:10] + ("0" if sha[10] != "0" else "1") + sha[11:])
+    (flipped / "config.json").write_text(text)
+    expected = (f"{flipped / 'config.json'} is not the file the export wrote (its contents do not give the "
+                "config_sha256 it records): it was changed or damaged since; copy or download the export again, or "
+                "export the run again")
+    line = one_error_line(capsys, cli.main(["push", str(flipped), "org/name", "--dry-run"]))
+    assert line == f"lit-softmoe push: error: {expected}"
+    line = one_error_line(capsys, cli.main(["eval", "--model", str(flipped), "--suite", "fashion-mnist",
+                                            "--out", str(tmp_path / "r.json")]))
+    assert line == f"lit-softmoe eval: error: {expected}"
+    with pytest.raises(UserError, match="its contents do not give the config_sha256 it records"):
+        load_pretrained(flipped)
+    assert hf_api.calls == []
+    # What goes up verifies too: the Hub's config.json (source paths by name, the Hub's card) records its own sha.
+    from lit_softmoe.export.push import hub_config
+    uploaded = json.loads(hub_config(json.loads((export / "config.json").read_text()), "a card\n"))
+    assert uploaded["config_sha256"] == export_config_sha256(uploaded) != config["config_sha256"]
 
 
 def test_a_file_added_to_the_export_is_refused_naming_it(export, tmp_path, capsys, hf_api):

@@ -90,7 +90,8 @@ def test_a_link_where_the_run_writes_its_model_is_refused_before_any_work(tmp_pa
     line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none'}"])
     problem = {"loop": "is a symbolic link that loops", "dangling": f"is a symbolic link to {tmp_path / 'gone'}, "
                "which does not exist", "to a file": f"is a symbolic link to {tmp_path / 'file'}, not to a folder"}[link]
-    assert line == f"lit-softmoe {command}: error: {output} {problem}; remove the link (rm {output}) or write to another path"
+    assert line == f"lit-softmoe {command}: error: {output} {problem}; remove the link (rm {output}) or write to " \
+                   "another path"
     assert sorted(p.name for p in run.iterdir()) == [output.name]  # nothing written: no config, no lock
 
 
