@@ -5,10 +5,12 @@ A user's mistake raises UserError anywhere below; it is printed here as one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
 import sys
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, out_of_memory
 from lit_softmoe.utils.atomic import full_disk_message, naming_full_disk
 from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
 from lit_softmoe.utils.distributed import close_process_group, is_main_process
@@ -81,7 +83,9 @@ def _cmd_pretrain(args) -> None:
     if cfg is None:
         return
     from lit_softmoe.train.pretrain import pretrain
-    results = pretrain(cfg)
+    options = "".join(f", {key}={value}" for key, value in cfg.tower.options.items())
+    with _run_size_on_out_of_memory(args, f"tower {cfg.tower.name}{options}, batch {cfg.batch_size}"):
+        results = pretrain(cfg)
     if "test_top1" in results and is_main_process():
         fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
         print(f"test top-1 {results['test_top1']:.4f}" +
@@ -96,13 +100,30 @@ def _cmd_train(args) -> None:
     if cfg is None:
         return
     from lit_softmoe.train.lit import train_lit
-    results = train_lit(cfg)
+    text = cfg.text.path if cfg.text.kind == "hf" else f"{cfg.text.width} wide × {cfg.text.layers} layers"
+    with _run_size_on_out_of_memory(args, f"text tower {text} against {cfg.image_tower}, batch {cfg.batch_size}"):
+        results = train_lit(cfg)
     scores = ""
     if "zeroshot_top1" in results:
         probe = f", linear-probe ceiling {results['linear_probe_top1']:.4f}" if "linear_probe_top1" in results else ""
         scores = f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; "
     if is_main_process():
         print(f"{scores}model saved to {cfg.run_dir}/model")
+
+
+@contextlib.contextmanager
+def _run_size_on_out_of_memory(args, size: str):
+    """Memory running out in a training run is one line naming the run's size and its memory levers."""
+    try:
+        yield
+    except Exception as err:
+        problem = out_of_memory(err)
+        if problem is None:
+            raise
+        plan = shlex.join(["lit-softmoe", args.command, "--config", args.config, *args.overrides, "--plan"])
+        raise UserError(f"{problem} in this run ({size}); `{plan}` shows what it needs per device: lower batch_size "
+                        "(raise accum_steps to keep it), or set grad_checkpointing=true, precision=bf16 (on a GPU) or "
+                        "sharding=fsdp over more GPUs") from None
 
 
 def _cmd_embed(args) -> None:
@@ -487,11 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 0
     except Exception as err:
-        full = full_disk_message(err)
-        if full is None:
+        problem = full_disk_message(err)
+        if problem is None and (memory := out_of_memory(err)) is not None:
+            where = {"embed": " (--batch-size)", "eval": " (batch_size=N)"}.get(args.command, "")
+            problem = f"{memory}; lower the batch size{where}, or run on a machine with more memory"
+        if problem is None:
             raise
         end_progress_bars()
-        print(f"lit-softmoe {args.command}: error: {full}", file=sys.stderr)
+        print(f"lit-softmoe {args.command}: error: {problem}", file=sys.stderr)
         return 2
     return 0
 

@@ -241,6 +241,61 @@ def test_a_full_disk_without_a_path_while_data_writes_shards_names_the_dataset(t
     assert not (out / "train" / "sizes.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_memory_running_out_in_training_is_one_line_naming_the_run_and_its_plan(data, tmp_path, command):
+    """`text.width=16384` under a memory limit ended in torch's `RuntimeError: ... can't allocate memory`
+    traceback. Run in a process of its own, its address space capped at 8 GiB (torch itself needs ~2 GiB)."""
+    import resource
+    import shlex
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    (tmp_path / "c.yaml").write_text("{}\n")
+    if command == "train":
+        overrides = [f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
+                     f"run_dir={tmp_path / 'run'}", "text.width=16384", "text.heads=16", "data.workers=0",
+                     "batch_size=64"]
+        size = f"text tower 16384 wide × 12 layers against {data / 'tower'}, batch 64"
+    else:
+        overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}",
+                     f"run_dir={tmp_path / 'run'}", "tower.name=soft-test-4e", "tower.options.width=16384",
+                     "tower.options.mlp_dim=65536", "data.workers=0", "batch_size=64"]
+        size = "tower soft-test-4e, width=16384, mlp_dim=65536, batch 64"
+    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", command, "--config", str(tmp_path / "c.yaml"),
+                             *overrides], capture_output=True, text=True, preexec_fn=cap_memory)
+    assert result.returncode == 2, result.stderr[-3000:]
+    plan = shlex.join(["lit-softmoe", command, "--config", str(tmp_path / "c.yaml"), *overrides, "--plan"])
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"lit-softmoe {command}: error: out of memory on the CPU (an allocation of "), line
+    assert line.endswith(f" GiB failed) in this run ({size}); `{plan}` shows what it needs per device: lower "
+                         "batch_size (raise accum_steps to keep it), or set grad_checkpointing=true, precision=bf16 "
+                         "(on a GPU) or sharding=fsdp over more GPUs"), line
+    assert "Traceback" not in result.stderr
+    # The command it names plans this very run (without the cap: the plan builds nothing, on the meta device).
+    planned = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *shlex.split(plan)[1:]], capture_output=True,
+                             text=True)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert planned.stdout.startswith("memory plan: ") and "batch 64 on 1 GPU" in planned.stdout, planned.stdout
+
+
+def test_memory_running_out_on_a_gpu_is_one_line_naming_the_lever(tmp_path, capsys, monkeypatch):
+    """CUDA's out-of-memory error (torch.OutOfMemoryError, in torch's own words) in a command without a run."""
+    import torch
+
+    from lit_softmoe.train import embed
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "79.11 GiB of which 1.06 GiB is free.")
+
+    monkeypatch.setattr(embed, "embed_shards", out_of_memory)
+    line = one_line_error(capsys, ["embed", "--tower", "t", "--shards", "s", "--out", str(tmp_path / "out")])
+    assert line == ("lit-softmoe embed: error: out of memory on the GPU (an allocation of 2.00 GiB failed); lower the "
+                    "batch size (--batch-size), or run on a machine with more memory")
+
+
 def test_data_from_folder_writes_captions_from_class_names(tmp_path, capsys):
     src, out = tmp_path / "src", tmp_path / "out"
     for name in ("cat", "dog"):
