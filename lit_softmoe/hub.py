@@ -22,7 +22,6 @@ from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
     MODEL_CARD,
     STATE_META,
-    STATE_TENSORS,
     TOKENIZER_DIR,
     TOKENIZER_JSON,
     DamagedCheckpoint,
@@ -30,7 +29,7 @@ from lit_softmoe.model_folders import (
     check_export_weights,
     classify_folder,
     export_weight_files,
-    load_step_tensors,
+    read_checkpoint_tensors,
     read_export_config,
     read_json,
     read_state_meta,
@@ -215,7 +214,7 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
     """A LiT run's model/ folder or a training checkpoint → (fp32 LiTModel, facts about it)."""
     info, step = _run_description(source)
     if source.kind == "checkpoint":
-        tensors = _checked(source.path, lambda path: load_step_tensors(path / STATE_TENSORS, step))
+        _, tensors = _checked(source.path, read_checkpoint_tensors)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     else:
         state = load_weights(source.path / TOWER_WEIGHTS)

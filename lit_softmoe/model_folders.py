@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 # A run folder's files.
 RUN_CONFIG = "config.yaml"
 STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
+CHECKPOINT_ID = "checkpoint_id"  # a checkpoint's state.json and its tensors files' metadata: `new_checkpoint_id`
 FILES_SHA256 = "files_sha256"  # an export's config.json: {the path of every other file in the export: its sha256}
 CONFIG_SHA256 = "config_sha256"  # an export's config.json: the sha256 of its own other keys (`export_config_sha256`)
 
@@ -61,25 +63,44 @@ class DamagedCheckpoint(Exception):
     agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
 
 
-def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, step: int) -> None:
-    """A checkpoint's tensors, the step they are of in the file's own metadata (`load_step_tensors` checks it)."""
-    save_file(tensors, path, metadata={"step": str(step)})
+def new_checkpoint_id() -> str:
+    """A checkpoint's own name (`CHECKPOINT_ID`): its state.json and each of its tensors files carry it, so a file
+    copied in from another checkpoint, of another step or of another run at the same step, is found."""
+    return uuid.uuid4().hex
 
 
-def load_step_tensors(path: Path, step: int) -> dict[str, torch.Tensor]:
-    """The tensors `save_step_tensors` wrote for `step`; DamagedCheckpoint when the file does not read back or
-    is of another step (its state.json and its folder's name say `step`). A file without the metadata (written
-    before it was recorded) is taken as it is."""
+def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, info: dict) -> None:
+    """A checkpoint's tensors, with what its state.json `info` says they are (the step, the checkpoint's id) in
+    the file's own metadata (`load_step_tensors` checks it)."""
+    metadata = {"step": str(info["step"]), **({CHECKPOINT_ID: info[CHECKPOINT_ID]} if CHECKPOINT_ID in info else {})}
+    save_file(tensors, path, metadata=metadata)
+
+
+def load_step_tensors(path: Path, info: dict) -> dict[str, torch.Tensor]:
+    """The tensors `save_step_tensors` wrote beside the state.json `info`; DamagedCheckpoint when the file does
+    not read back, or is another checkpoint's (of another step, or with another id). A file without the
+    metadata (written before it was recorded) is taken as it is."""
     try:
         with safe_open(path, framework="pt") as file:
-            written = (file.metadata() or {}).get("step")
+            written = file.metadata() or {}
         tensors = load_file(path)
     except (OSError, SafetensorError) as err:
         raise DamagedCheckpoint(f"{path.name}: {err}") from None
-    if written is not None and written != str(step):
-        raise DamagedCheckpoint(f"{path.name} is of step {written}, but {STATE_META} and the folder's name of step "
-                                f"{step} (a file copied from another checkpoint)")
+    step = written.get("step")
+    if step is not None and step != str(info["step"]):
+        raise DamagedCheckpoint(f"{path.name} is of step {step}, but {STATE_META} and the folder's name of step "
+                                f"{info['step']} (a file copied from another checkpoint)")
+    if CHECKPOINT_ID in written and written[CHECKPOINT_ID] != info.get(CHECKPOINT_ID):
+        raise DamagedCheckpoint(f"{path.name} was written with another {STATE_META} than the one beside it (a file "
+                                "copied from another checkpoint, of another run or another step)")
     return tensors
+
+
+def read_checkpoint_tensors(ckpt_dir: str | Path, name: str = STATE_TENSORS) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(state.json, the tensors file `name`) of a checkpoint folder, each checked against the other and against
+    the folder's name; DamagedCheckpoint says what is wrong."""
+    info = read_state_meta(ckpt_dir)
+    return info, load_step_tensors(Path(ckpt_dir) / name, info)
 
 
 def read_state_meta(ckpt_dir: str | Path) -> dict:

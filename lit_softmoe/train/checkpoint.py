@@ -20,12 +20,13 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import (  # the checkpoint folder's format: read by eval and export too
+    CHECKPOINT_ID,
     STATE_META,
     STATE_TENSORS,
     DamagedCheckpoint,
     checkpoint_order,
-    load_step_tensors,
-    read_state_meta,
+    new_checkpoint_id,
+    read_checkpoint_tensors,
     require_keys,
     save_step_tensors,
 )
@@ -51,11 +52,11 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
             tensors[f"rng.cuda.{i}"] = rng
     # The names behind the optimizer's numbered parameters: a resume maps the moments by name, so a
     # parameter frozen since (or a model whose parameter order changed) still finds its own.
-    info = {"step": step, "param_groups": opt_state["param_groups"],
+    info = {"step": step, CHECKPOINT_ID: new_checkpoint_id(), "param_groups": opt_state["param_groups"],
             "param_names": _optimizer_param_names(model, optimizer), **(meta or {})}
 
     def write(tmp: Path):
-        save_step_tensors({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS, step)
+        save_step_tensors({k: v.cpu() for k, v in tensors.items()}, tmp / STATE_TENSORS, info)
         (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
     # The run owns its checkpoints' names: a link there (even one that loops) is replaced, never followed.
@@ -64,9 +65,7 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
 
 def read_training_state(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(state.json, the tensors) of a checkpoint folder, read whole; DamagedCheckpoint says what is wrong."""
-    ckpt_dir = Path(ckpt_dir)
-    info = read_state_meta(ckpt_dir)
-    tensors = load_step_tensors(ckpt_dir / STATE_TENSORS, info["step"])
+    info, tensors = read_checkpoint_tensors(ckpt_dir)
     if "rng.cpu" not in tensors:
         raise DamagedCheckpoint(f"{STATE_TENSORS} holds no random number generator state")
     return info, tensors

@@ -45,9 +45,11 @@ from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import (
+    CHECKPOINT_ID,
     STATE_META,
     DamagedCheckpoint,
     load_step_tensors,
+    new_checkpoint_id,
     read_state_meta,
     save_step_tensors,
 )
@@ -91,22 +93,24 @@ def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, 
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     info = {"step": step, "processes": world_size, "param_groups": param_groups, **(meta or {})}
 
-    def write_own(folder: Path) -> None:
-        save_step_tensors(tensors, folder / shard_file(rank, world_size), step)
+    def write_own(folder: Path, checkpoint_id: str) -> None:
+        info[CHECKPOINT_ID] = checkpoint_id  # every process's file carries the one id of the checkpoint
+        save_step_tensors(tensors, folder / shard_file(rank, world_size), info)
         dist.barrier()  # every process's file is written
 
     if rank == 0:
         def write(tmp: Path) -> None:
-            dist.broadcast_object_list([str(tmp)], src=0)
-            write_own(tmp)
+            checkpoint_id = new_checkpoint_id()
+            dist.broadcast_object_list([str(tmp), checkpoint_id], src=0)
+            write_own(tmp, checkpoint_id)
             (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
         # The run owns its checkpoints' names: a link there is replaced, never followed.
         write_folder_atomically(ckpt_dir, write, through_link=False)
     else:
-        tmp = [None]
-        dist.broadcast_object_list(tmp, src=0)
-        write_own(Path(tmp[0]))
+        named = [None, None]
+        dist.broadcast_object_list(named, src=0)
+        write_own(Path(named[0]), named[1])
     dist.barrier()  # the folder has its final name before any process goes on (or prunes the old ones)
     return Path(ckpt_dir)
 
@@ -128,7 +132,7 @@ def _read_own(ckpt_dir: Path, model, optimizer) -> tuple[dict, dict, dict, dict]
         raise UserError(f"{ckpt_dir} was written by {info.get('processes')} processes and this run has {world_size}; "
                         f"resume it with {info.get('processes')} (each process's batches depend on their number), "
                         "or start a new run_dir")
-    tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info["step"])
+    tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info)
     if "rng.cpu" not in tensors:
         raise DamagedCheckpoint(f"{shard_file(rank, world_size)} holds no random number generator state")
     templates, _ = _sharded_state(model, optimizer)

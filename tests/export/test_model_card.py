@@ -78,8 +78,8 @@ def test_checkpoint_export_reports_its_own_step_and_evaluation(tmp_path):
     meta = json.loads((early / "state.json").read_text())
     (early / "state.json").write_text(json.dumps({**meta, "step": 5, "train_seconds": 1.04}))
     # The tensors file records its step too (a copy of step 10's would be a damaged checkpoint).
-    tensors = load_step_tensors(early / "state.safetensors", 10)
-    save_step_tensors(tensors, early / "state.safetensors", 5)
+    tensors = load_step_tensors(early / "state.safetensors", meta)
+    save_step_tensors(tensors, early / "state.safetensors", {**meta, "step": 5})
     (run / "eval").mkdir()
     for name, model, top1 in [("fm-step_00000005-1.json", early, 0.1111), ("fm-2.json", run, 0.9999)]:
         (run / "eval" / name).write_text(json.dumps({"model": str(model), "suite": "fm", "results": [

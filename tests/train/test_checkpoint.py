@@ -177,13 +177,19 @@ def _damage(ckpt, how: str) -> None:
         (ckpt / "state.json").write_bytes(b"\x00\x17{not json")
     elif how == "tensors of the step before":  # `cp step_2/state.safetensors step_3/`: its weights are step 2's
         shutil.copy(ckpt.parent / "step_00000002" / "state.safetensors", ckpt / "state.safetensors")
+    elif how.startswith("another run's"):  # the same step of another run: the step agrees, the run does not
+        other = ckpt.parent / "other-run"
+        _three_checkpoints(other)
+        name = "state.safetensors" if how.endswith("tensors") else "state.json"
+        shutil.copy(other / ckpt.name / name, ckpt / name)
+        shutil.rmtree(other)
     else:  # a step of the wrong type, or another step than the folder's name says
         info = json.loads((ckpt / "state.json").read_text())
         (ckpt / "state.json").write_text(json.dumps({**info, "step": "ten" if how == "step not a number" else 1}))
 
 
 @pytest.mark.parametrize("how", ["truncated tensors", "garbage json", "step not a number", "step not the folder's",
-                                 "tensors of the step before"])
+                                 "tensors of the step before", "another run's tensors", "another run's state.json"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, caplog, how):
     """It crashed every rerun with a traceback (safetensors' or json's error, or comparing "ten" with
     the run's length), so the intact checkpoints before it were never used. A step that is not the

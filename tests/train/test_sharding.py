@@ -332,12 +332,20 @@ def test_gathered_tower_is_a_plain_tower_with_the_full_weights(one_process_group
     assert torch.allclose(plain(pixels), tower(pixels), atol=1e-6)
 
 
-def test_damaged_shard_is_passed_over_for_the_checkpoint_before(one_process_group, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["truncated", "another run's of the same step"])
+def test_damaged_shard_is_passed_over_for_the_checkpoint_before(one_process_group, tmp_path, caplog, damage):
+    """A rank's file cut short, or copied in from another run's checkpoint of the same step (its step agrees:
+    it was resumed as this run's)."""
     tower, optimizer = _trained_sharded_tower()
     for step in (1, 2):
         save_sharded_state(tmp_path / f"step_{step:08d}", step, tower, optimizer)
     shard = tmp_path / "step_00000002" / shard_file(0, 1)
-    shard.write_bytes(shard.read_bytes()[:500])
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:500])
+    else:
+        other, other_optimizer = _trained_sharded_tower(seed=1)
+        save_sharded_state(tmp_path / "other" / "step_00000002", 2, other, other_optimizer)
+        shard.write_bytes((tmp_path / "other" / "step_00000002" / shard_file(0, 1)).read_bytes())
     with pytest.raises(DamagedCheckpoint, match="state.rank0-of-1.safetensors"):
         load_sharded_state(tmp_path / "step_00000002", tower, optimizer)
     with caplog.at_level("WARNING"):
