@@ -51,6 +51,7 @@ from lit_softmoe.models.tower_folder import (
     tower_skeleton,
 )
 from lit_softmoe.utils.device import inference_dtype
+from lit_softmoe.utils.folder_identity import check_same_folder
 from lit_softmoe.utils.hashing import weights_sha256
 
 HF_HUB_PREFIX = "hf-hub:"
@@ -217,6 +218,7 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
         _, tensors = _checked(source.path, read_checkpoint_tensors)
         state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     else:
+        check_same_folder(info, source.path / EXPORT_CONFIG, source.path / TOWER_WEIGHTS)
         state = load_weights(source.path / TOWER_WEIGHTS)
     text_cfg, loss = TextTowerConfig.from_dict(info["text"]), info["loss"]
     tower_dir = _find_tower(info["image_tower"])

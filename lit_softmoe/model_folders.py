@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.export_weights import IMAGE_WEIGHTS, OPEN_CLIP, OURS, TEXT_WEIGHTS
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
+from lit_softmoe.utils.folder_identity import FOLDER_ID
 from lit_softmoe.utils.hashing import file_sha256
 
 # An export folder's files.
@@ -40,7 +40,6 @@ TOKENIZER_JSON, TOKENIZER_DIR = "tokenizer.json", "tokenizer"
 # A run folder's files.
 RUN_CONFIG = "config.yaml"
 STATE_TENSORS, STATE_META = "state.safetensors", "state.json"
-CHECKPOINT_ID = "checkpoint_id"  # a checkpoint's state.json and its tensors files' metadata: `new_checkpoint_id`
 FILES_SHA256 = "files_sha256"  # an export's config.json: {the path of every other file in the export: its sha256}
 CONFIG_SHA256 = "config_sha256"  # an export's config.json: the sha256 of its own other keys (`export_config_sha256`)
 
@@ -63,16 +62,10 @@ class DamagedCheckpoint(Exception):
     agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
 
 
-def new_checkpoint_id() -> str:
-    """A checkpoint's own name (`CHECKPOINT_ID`): its state.json and each of its tensors files carry it, so a file
-    copied in from another checkpoint, of another step or of another run at the same step, is found."""
-    return uuid.uuid4().hex
-
-
 def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, info: dict) -> None:
-    """A checkpoint's tensors, with what its state.json `info` says they are (the step, the checkpoint's id) in
-    the file's own metadata (`load_step_tensors` checks it)."""
-    metadata = {"step": str(info["step"]), **({CHECKPOINT_ID: info[CHECKPOINT_ID]} if CHECKPOINT_ID in info else {})}
+    """A checkpoint's tensors, with what its state.json `info` says they are (the step, the checkpoint's
+    `FOLDER_ID`) in the file's own metadata (`load_step_tensors` checks it)."""
+    metadata = {"step": str(info["step"]), **({FOLDER_ID: info[FOLDER_ID]} if FOLDER_ID in info else {})}
     save_file(tensors, path, metadata=metadata)
 
 
@@ -90,7 +83,7 @@ def load_step_tensors(path: Path, info: dict) -> dict[str, torch.Tensor]:
     if step is not None and step != str(info["step"]):
         raise DamagedCheckpoint(f"{path.name} is of step {step}, but {STATE_META} and the folder's name of step "
                                 f"{info['step']} (a file copied from another checkpoint)")
-    if CHECKPOINT_ID in written and written[CHECKPOINT_ID] != info.get(CHECKPOINT_ID):
+    if FOLDER_ID in written and written[FOLDER_ID] != info.get(FOLDER_ID):
         raise DamagedCheckpoint(f"{path.name} was written with another {STATE_META} than the one beside it (a file "
                                 "copied from another checkpoint, of another run or another step)")
     return tensors

@@ -170,10 +170,14 @@ def test_hf_hub_spec_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch)
 # ---- what another version wrote is refused in one line that names what it lacks ------------------
 
 def _rename_key(file, old: str, new: str) -> None:
+    """As a writer that named the key so: the file's metadata (its folder's id, a checkpoint's step) kept."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
+    with safe_open(file, framework="pt") as opened:
+        metadata = opened.metadata()
     state = load_file(file)
     state[new] = state.pop(old)
-    save_file(state, file)
+    save_file(state, file, metadata=metadata)
 
 
 def test_weights_under_another_name_are_refused_naming_the_key(run, hub_export, tmp_path):
@@ -284,3 +288,21 @@ def test_open_clips_zero_shot_classifier_builds_ours_on_our_model(hub_export):
     ours = build_zeroshot_classifier(model.encode_text, tokenizer, classnames, templates)
     assert theirs.shape == ours.shape == (model.text_tower.embed_dim, len(classnames))
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
+
+
+def test_a_run_models_weights_copied_in_from_another_run_are_one_line(tmp_path, capsys):
+    """RUN/model's model.safetensors replaced by another run's (one architecture) was loaded, exported and scored
+    as this run's model."""
+    from lit_softmoe.errors import UserError
+    run, other = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    load_pretrained(run)  # as written, it loads
+    (run / "model" / "model.safetensors").write_bytes((other / "model" / "model.safetensors").read_bytes())
+    says = (f"{run / 'model' / 'model.safetensors'} was not written with the config.json beside it (it carries "
+            "another folder_id: a file copied in from another folder); copy the whole folder again, or write it anew")
+    with pytest.raises(UserError) as refused:
+        load_pretrained(run)
+    assert str(refused.value) == says
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "export")]) == 2
+    assert capsys.readouterr().err.strip() == f"lit-softmoe export: error: {says}"
+    assert not (tmp_path / "export").exists()

@@ -95,7 +95,8 @@ def test_eval_and_export_refuse_a_checkpoint_whose_files_disagree_with_its_name(
         info = json.loads((older / "state.json").read_text())
         (older / "state.json").write_text(json.dumps({**info, "step": 4}))
         from lit_softmoe.model_folders import load_step_tensors, save_step_tensors
-        save_step_tensors(load_step_tensors(older / "state.safetensors", info), older / "state.safetensors", {**info, "step": 4})
+        tensors = load_step_tensors(older / "state.safetensors", info)
+        save_step_tensors(tensors, older / "state.safetensors", {**info, "step": 4})
         shutil.copy(older / "state.safetensors", checkpoint / "state.safetensors")
     with pytest.raises(UserError, match=rf"checkpoint {checkpoint} is damaged .*; use the checkpoint before it"):
         load_pretrained(checkpoint)

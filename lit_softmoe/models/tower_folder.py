@@ -39,6 +39,7 @@ from lit_softmoe.models.timm_tower import (
 )
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
+from lit_softmoe.utils.folder_identity import FOLDER_ID, check_same_folder, new_folder_id
 from lit_softmoe.utils.hashing import safetensors_weights_sha256
 from lit_softmoe.utils.paths import check_writable
 
@@ -69,10 +70,10 @@ def save_tower(out_dir: str | Path, tower: VisionTransformer | TimmTower, extra:
         hub_keys = timm_hub_config(tower, extra["preprocess"])
     else:
         hub_keys = timm_hub_keys(tower.cfg, extra.get("preprocess"))
-    meta = {"tower": tower.cfg.to_dict(), **extra, **hub_keys}
+    meta = {"tower": tower.cfg.to_dict(), **extra, **hub_keys, FOLDER_ID: new_folder_id()}
 
     def write(tmp: Path):
-        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS)
+        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS, metadata={FOLDER_ID: meta[FOLDER_ID]})
         (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
     return write_folder_atomically(out_dir, write)
@@ -160,6 +161,7 @@ def read_tower_meta(path: str | Path) -> dict:
     if "preprocess" in meta:
         tower = meta.get("tower") if isinstance(meta.get("tower"), dict) else {}
         check_preprocess(meta["preprocess"], tower.get("in_channels"), config_file)
+    check_same_folder(meta, config_file, path / TOWER_WEIGHTS)  # not another tower's weights copied in
     return meta
 
 

@@ -20,18 +20,17 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import (  # the checkpoint folder's format: read by eval and export too
-    CHECKPOINT_ID,
     STATE_META,
     STATE_TENSORS,
     DamagedCheckpoint,
     checkpoint_order,
-    new_checkpoint_id,
     read_checkpoint_tensors,
     require_keys,
     save_step_tensors,
 )
 from lit_softmoe.models.tower_folder import check_state_dict, contiguous_state
 from lit_softmoe.utils.atomic import write_folder_atomically
+from lit_softmoe.utils.folder_identity import FOLDER_ID, new_folder_id
 
 
 def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
@@ -52,7 +51,7 @@ def save_training_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
             tensors[f"rng.cuda.{i}"] = rng
     # The names behind the optimizer's numbered parameters: a resume maps the moments by name, so a
     # parameter frozen since (or a model whose parameter order changed) still finds its own.
-    info = {"step": step, CHECKPOINT_ID: new_checkpoint_id(), "param_groups": opt_state["param_groups"],
+    info = {"step": step, FOLDER_ID: new_folder_id(), "param_groups": opt_state["param_groups"],
             "param_names": _optimizer_param_names(model, optimizer), **(meta or {})}
 
     def write(tmp: Path):

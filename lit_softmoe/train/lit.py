@@ -61,6 +61,7 @@ from lit_softmoe.train.sharding import gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
+from lit_softmoe.utils.folder_identity import FOLDER_ID, new_folder_id
 from lit_softmoe.utils.paths import check_folder_destination, check_writable
 
 _log = logging.getLogger(__name__)
@@ -225,10 +226,10 @@ def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict)
     from safetensors.torch import save_file
     locked = set(model.locked_image_keys())
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k not in locked}
-    info = {**description, "results": results}
+    info = {**description, "results": results, FOLDER_ID: new_folder_id()}
 
     def write(tmp: Path):
-        save_file(state, tmp / "model.safetensors")
+        save_file(state, tmp / "model.safetensors", metadata={FOLDER_ID: info[FOLDER_ID]})
         (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
 
     return write_folder_atomically(run_dir / "model", write)

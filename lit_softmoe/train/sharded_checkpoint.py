@@ -45,15 +45,14 @@ from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import (
-    CHECKPOINT_ID,
     STATE_META,
     DamagedCheckpoint,
     load_step_tensors,
-    new_checkpoint_id,
     read_state_meta,
     save_step_tensors,
 )
 from lit_softmoe.utils.atomic import write_folder_atomically
+from lit_softmoe.utils.folder_identity import FOLDER_ID, new_folder_id
 
 _TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 
@@ -93,16 +92,16 @@ def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, 
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     info = {"step": step, "processes": world_size, "param_groups": param_groups, **(meta or {})}
 
-    def write_own(folder: Path, checkpoint_id: str) -> None:
-        info[CHECKPOINT_ID] = checkpoint_id  # every process's file carries the one id of the checkpoint
+    def write_own(folder: Path, folder_id: str) -> None:
+        info[FOLDER_ID] = folder_id  # every process's file carries the one id of the checkpoint
         save_step_tensors(tensors, folder / shard_file(rank, world_size), info)
         dist.barrier()  # every process's file is written
 
     if rank == 0:
         def write(tmp: Path) -> None:
-            checkpoint_id = new_checkpoint_id()
-            dist.broadcast_object_list([str(tmp), checkpoint_id], src=0)
-            write_own(tmp, checkpoint_id)
+            folder_id = new_folder_id()
+            dist.broadcast_object_list([str(tmp), folder_id], src=0)
+            write_own(tmp, folder_id)
             (tmp / STATE_META).write_text(json.dumps(info, indent=2) + "\n")
 
         # The run owns its checkpoints' names: a link there is replaced, never followed.

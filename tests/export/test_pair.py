@@ -89,6 +89,7 @@ def test_a_partly_unlocked_runs_key_is_its_own_tower_weights_in_every_dtype(tmp_
     """A run that trained the tower's last blocks saves the tower in model.safetensors: those weights, not
     the tower folder's, are the pair's `image_tower_sha256`, and each export records the key of the tower
     tensors it holds (push verifies it from the file)."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from lit_softmoe.export.push import check_export
@@ -97,7 +98,9 @@ def test_a_partly_unlocked_runs_key_is_its_own_tower_weights_in_every_dtype(tmp_
     tower_dir = tmp_path / "pre" / "tower"
     trained = {k: v + 0.01 for k, v in load_file(tower_dir / "model.safetensors").items()}
     weights = run / "model" / "model.safetensors"
-    save_file({**load_file(weights), **{f"image_tower.{k}": v for k, v in trained.items()}}, weights)
+    with safe_open(weights, framework="pt") as opened:  # as the run wrote it: its folder's id kept
+        metadata = opened.metadata()
+    save_file({**load_file(weights), **{f"image_tower.{k}": v for k, v in trained.items()}}, weights, metadata=metadata)
     model, _, _ = load_pretrained(run)
     key = weights_sha256(trained)
     assert model.pretrained_info["image_tower_sha256"] == key != tower_fingerprint(tower_dir)["tower_sha256"]

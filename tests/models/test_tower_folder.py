@@ -87,3 +87,31 @@ def test_a_tower_config_that_no_image_could_go_through_is_one_line_naming_the_ke
                  "--out", str(tmp_path / "features")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(tmp_path / "tower" / "config.json") in err, err
+
+
+@pytest.mark.parametrize("copied", ["model.safetensors", "config.json"])
+def test_a_file_copied_in_from_another_tower_folder_is_one_line(tmp_path, capsys, copied):
+    """Two towers of one architecture: either file copied over the other folder's was read as that tower (its
+    weights with the other's preprocessing, classes and pretraining results), by every reader."""
+    from lit_softmoe.cli import main
+    from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+    from lit_softmoe.models.tower_folder import tower_fingerprint
+
+    write_fashion_mnist_shards(tmp_path / "fm", samples_per_shard=10, limit=10, allow_download=False)
+    for seed, name in ((0, "tower"), (1, "other")):
+        torch.manual_seed(seed)
+        save_tower(tmp_path / name, create_image_tower("soft-test-4e", num_classes=10),
+                   extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    load_tower(tmp_path / "tower")  # each folder as written reads
+    (tmp_path / "tower" / copied).write_bytes((tmp_path / "other" / copied).read_bytes())
+    weights = tmp_path / "tower" / "model.safetensors"
+    says = (f"{weights} was not written with the config.json beside it (it carries another folder_id: a file copied "
+            "in from another folder); copy the whole folder again, or write it anew")
+    for read in (load_tower, tower_fingerprint):
+        with pytest.raises(UserError) as refused:
+            read(tmp_path / "tower")
+        assert str(refused.value) == says
+    assert main(["embed", "--tower", str(tmp_path / "tower"), "--shards", str(tmp_path / "fm" / "test"),
+                 "--out", str(tmp_path / "features")]) == 2
+    assert capsys.readouterr().err.strip() == f"lit-softmoe embed: error: {says}"
+    assert not (tmp_path / "features").exists()

@@ -147,9 +147,13 @@ def test_a_run_from_a_folder_resumes_exactly_and_refuses_a_changed_source(shards
         shutil.rmtree(later)
     (run / "results.json").unlink()
 
-    # A source changed since the run started from it is refused before anything is trained.
+    # A source changed since the run started from it is refused before anything is trained (rewritten whole, as
+    # a writer of tower folders does: config.json and weights carry the new folder's id).
     weights = _weights(source)
-    save_file({k: v + 1 if k == "norm.weight" else v for k, v in weights.items()}, source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "folder_id": "rewritten"}))
+    save_file({k: v + 1 if k == "norm.weight" else v for k, v in weights.items()}, source / "model.safetensors",
+              metadata={"folder_id": "rewritten"})
     with pytest.raises(UserError, match=f"init_from {source} changed since this run started from it \\(its weights\\)"):
         pretrain(_cfg(shards, run, f"init_from={source}", *common))
 
