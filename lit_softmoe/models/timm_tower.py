@@ -24,8 +24,11 @@ size, bilinear, center crop), so that embed, LiT, eval and every export preproce
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -197,11 +200,39 @@ def _pretrained_model(spec: str) -> tuple[nn.Module, str, dict]:
     if file is not None:
         _check_checkpoint_file(spec, file)
     try:
-        model = timm.create_model(name, pretrained=True, num_classes=0, **overlay)
+        with _missing_keys_reported() as missing:
+            model = timm.create_model(name, pretrained=True, num_classes=0, **overlay)
     except (RuntimeError, OSError, ValueError, KeyError, SafetensorError) as err:
         raise UserError(f"timm cannot build {spec!r} ({first_line(err)}); check the model name (timm.list_models()) "
                         "and that its weights can be reached, or that the file is its checkpoint") from None
+    if missing:  # timm loads without its class head non-strictly: what the file lacked would stay random
+        raise UserError(f"image tower {spec!r}: the weights hold no {', '.join(missing[:3])}"
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} of {architecture}, which would "
+                        "stay randomly initialized; give a checkpoint of this architecture")
     return model.eval(), architecture.split(".")[0], model_args
+
+
+@contextlib.contextmanager
+def _missing_keys_reported():
+    """The model keys timm's `load_pretrained` found missing from the weights, collected from its log record (it
+    loads non-strictly once the class head is dropped, num_classes=0, and logs what the weights lacked)."""
+    missing: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found = re.match(r"Missing keys \((.*)\) discovered", record.getMessage())
+            if found:
+                missing.extend(key.strip() for key in found.group(1).split(","))
+
+    logger, handler = logging.getLogger("timm.models._builder"), Collect(level=logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the record is at INFO level: made only where the logger is enabled for it
+    try:
+        yield missing
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def pretrained_timm_tower(spec: str) -> tuple[nn.Module, dict]:

@@ -91,6 +91,21 @@ def test_an_unknown_model_is_one_line(cache, tmp_path):
     assert not (cache / "towers" / "timm").exists() or not any((cache / "towers" / "timm").iterdir())
 
 
+def test_a_checkpoint_of_another_architecture_is_one_line(cache, tmp_path):
+    """test_vit2's weights for test_vit: timm loads without the class head non-strictly and only logged (at INFO,
+    which the CLI hides) that cls_token and the final norm were missing: they stayed randomly initialized, and
+    the tower embedded without a word."""
+    _checkpoint(tmp_path / "vit2.safetensors", name="test_vit2")
+    spec = f"timm:test_vit?file={tmp_path / 'vit2.safetensors'}"
+    with pytest.raises(UserError, match=r"^image tower 'timm:test_vit\?file=.*vit2\.safetensors': the weights hold no "
+                                        r"cls_token, norm\.weight, norm\.bias of test_vit, which would stay randomly "
+                                        r"initialized; give a checkpoint of this architecture$"):
+        load_tower(spec)
+    assert not (cache / "towers" / "timm").exists() or not any((cache / "towers" / "timm").iterdir())
+    _checkpoint(tmp_path / "vit.safetensors")  # its own architecture's, class head and all: loads
+    assert isinstance(load_tower(f"timm:test_vit?file={tmp_path / 'vit.safetensors'}")[0], TimmTower)
+
+
 @pytest.mark.parametrize("name, final_norm", [("test_vit", "norm"), ("test_vit2", "fc_norm")])
 def test_lit_locks_a_timm_tower_but_its_unlocked_blocks_and_final_norm(cache, tmp_path, name, final_norm):
     """test_vit pools its class token after `norm`; test_vit2 averages the tokens and norms after (`fc_norm`)."""
