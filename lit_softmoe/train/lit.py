@@ -56,13 +56,12 @@ from lit_softmoe.train.loop import (
 )
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer
-from lit_softmoe.train.runtime import create_accelerator, run_folder_lock
+from lit_softmoe.train.runtime import check_run_dir, create_accelerator, run_folder_lock
 from lit_softmoe.train.sharding import gather_into, plain_copy, shard_lit_model
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.folder_identity import FOLDER_ID, new_folder_id
-from lit_softmoe.utils.paths import check_folder_destination, check_writable
 
 _log = logging.getLogger(__name__)
 
@@ -237,8 +236,7 @@ def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict)
 
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
-    check_writable(cfg.run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
-    check_folder_destination(Path(cfg.run_dir) / "model")  # a link there that loops: now, not after training
+    check_run_dir(cfg.run_dir, "model")  # a file, a dataset there, a read-only parent: one line, now
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _train_lit(cfg)
 

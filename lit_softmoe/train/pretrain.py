@@ -29,7 +29,6 @@ import contextlib
 import logging
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +61,9 @@ from lit_softmoe.train.loop import (
     train,
 )
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer
-from lit_softmoe.train.runtime import create_accelerator, run_folder_lock
+from lit_softmoe.train.runtime import check_run_dir, create_accelerator, run_folder_lock
 from lit_softmoe.train.sharding import gather_tower, shard_tower
 from lit_softmoe.utils.device import resolve_compile
-from lit_softmoe.utils.paths import check_folder_destination, check_writable
 
 _log = logging.getLogger(__name__)
 
@@ -172,8 +170,7 @@ def _mixup(cfg: PretrainConfig, pixels: torch.Tensor, labels: torch.Tensor, num_
 
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
-    check_writable(cfg.run_dir, "run_dir", folder=True)  # a file there, a read-only parent: one line, now
-    check_folder_destination(Path(cfg.run_dir) / "tower")  # a link there that loops: now, not after training
+    check_run_dir(cfg.run_dir, "tower")  # a file, a dataset there, a read-only parent: one line, now
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _pretrain(cfg)
 

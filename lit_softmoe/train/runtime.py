@@ -21,6 +21,7 @@ from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.device import autocast_dtype, precision_name
 from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.locks import LOCK_FILE, folder_lock
+from lit_softmoe.utils.paths import check_folder_destination, check_writable
 
 _log = logging.getLogger(__name__)
 
@@ -145,6 +146,20 @@ _UNSET = object()  # a key one of the two configs lacks
 
 def _show(value) -> str:
     return "(unset)" if value is _UNSET else repr(value) if value == "" else str(value)
+
+
+def check_run_dir(run_dir, output: str) -> None:
+    """Refuse (one line) before any work a `run_dir` the run cannot use: a file, a read-only place, a link that
+    loops where it writes its `output` folder (tower/ or model/) at the end, or a folder that holds something
+    other than a run (a dataset, an export, a feature cache, a tower), which a run written there would spoil."""
+    check_writable(run_dir, "run_dir", folder=True)
+    run_dir = Path(run_dir)
+    check_folder_destination(run_dir / output)  # now, not after training
+    held = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) if run_dir.is_dir() else []
+    if held and not (run_dir / RUN_CONFIG).is_file():  # a run writes its config.yaml before anything else
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise UserError(f"run_dir {run_dir} holds {shown} but no {RUN_CONFIG}, so it is no run folder (a dataset, an "
+                        "export or a tower?) and a run there would mix its files in; give a new or empty run_dir")
 
 
 def check_training_length(config) -> None:

@@ -95,6 +95,23 @@ def test_a_link_where_the_run_writes_its_model_is_refused_before_any_work(tmp_pa
     assert sorted(p.name for p in run.iterdir()) == [output.name]  # nothing written: no config, no lock
 
 
+@pytest.mark.parametrize("command", ["pretrain", "train"])
+def test_a_run_dir_holding_something_else_is_refused_before_any_work(tmp_path, capsys, command):
+    """`run_dir=` at a dataset, an export or a tower folder was taken: the run wrote its config.yaml, metrics and
+    checkpoints among their files (an export then failed push's file check)."""
+    held = tmp_path / "export"
+    held.mkdir()
+    for name in ("config.json", "open_clip_model.safetensors", "README.md"):
+        (held / name).write_text("x")
+    before = sorted(p.name for p in held.iterdir())
+    (tmp_path / "c.yaml").write_text(f"run_dir: {held}\n")
+    line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none'}"])
+    assert line == (f"lit-softmoe {command}: error: run_dir {held} holds README.md, config.json, "
+                    "open_clip_model.safetensors but no config.yaml, so it is no run folder (a dataset, an export or a "
+                    "tower?) and a run there would mix its files in; give a new or empty run_dir")
+    assert sorted(p.name for p in held.iterdir()) == before  # nothing written, no lock either
+
+
 _HOLD = ("import sys, time\n"
          "from lit_softmoe.utils.locks import folder_lock\n"
          "with folder_lock(sys.argv[1]):\n"
