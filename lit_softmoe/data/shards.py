@@ -236,6 +236,12 @@ def split_dir_urls(split_dir: Path) -> list[str]:
     # CLIP_benchmark names shards 0.tar…; zero-padded names are read too, at the width the first
     # shard has (img2dataset's 00000.tar, webdataset's 000000.tar).
     width = next((width for width in range(1, 10) if (split_dir / f"{0:0{width}d}.tar").exists()), 1)
+    present = sum(1 for _ in split_dir.glob("*.tar"))
+    if nshards > present:  # said before naming them all: a count of 10**20 made a list that filled the memory
+        first = next(split_dir / f"{index:0{width}d}.tar" for index in range(present + 1)
+                     if not (split_dir / f"{index:0{width}d}.tar").is_file())
+        raise UserError(f"{nshards_path} says {nshards} shards but {nshards - present} or more are missing (first: "
+                        f"{first}); rewrite the split's shards")
     urls = [str(split_dir / f"{index:0{width}d}.tar") for index in range(nshards)]
     missing = [url for url in urls if not Path(url).is_file()]
     if missing:
@@ -255,7 +261,8 @@ def split_dir_urls(split_dir: Path) -> list[str]:
 
 
 def read_sizes_file(path: Path) -> dict | None:
-    """sizes.json as {shard name: samples}, None where there is none."""
+    """sizes.json as {shard name: samples}, None where there is none; one UserError line for one that is not such
+    a mapping (it would turn off the check of every shard against its count)."""
     if not path.is_file():
         return None
     try:
@@ -263,7 +270,12 @@ def read_sizes_file(path: Path) -> dict | None:
     except ValueError:
         raise UserError(f"{path} is not valid JSON; rewrite the split's shards or delete it "
                         "and set data.samples_per_epoch") from None
-    return table if isinstance(table, dict) else None
+    counts = isinstance(table, dict) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in table.values())
+    if not counts:
+        raise UserError(f"{path} is not a mapping of shard names to sample counts; rewrite the split's shards or "
+                        "delete it and set data.samples_per_epoch")
+    return table
 
 
 _warned_unfinished: set[tuple[str, ...]] = set()

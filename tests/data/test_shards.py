@@ -80,7 +80,7 @@ def test_missing_shards_name_the_path_and_the_fix(tmp_path):
     (tmp_path / "test" / "nshards.txt").write_text("2\n")
     with pytest.raises(UserError, match="pass .*/test"):  # the dataset folder instead of a split
         shard_urls(tmp_path)
-    with pytest.raises(UserError, match="says 2 shards but 2 are missing"):
+    with pytest.raises(UserError, match="says 2 shards but 2 or more are missing"):
         shard_urls(tmp_path / "test")
     with pytest.raises(UserError, match="classnames.txt"):
         read_classnames(tmp_path)
@@ -420,6 +420,29 @@ def test_an_nshards_that_is_no_count_of_shards_is_refused_in_its_own_words(fmnis
     (split / "nshards.txt").write_text(f"{count}\n")
     with pytest.raises(UserError, match=rf"nshards.txt {says}; rewrite the split's shards$"):
         shard_urls(split)
+
+
+def test_an_nshards_beyond_the_tars_in_the_folder_is_refused_without_naming_them_all(fmnist_shards, tmp_path):
+    """`echo 100000000000000000000 > nshards.txt` built a list of 10**20 shard names: the reader filled the
+    memory (8 GB before it was killed) instead of saying the shards are missing."""
+    split = tmp_path / "train"
+    shutil.copytree(fmnist_shards[0] / "train", split)
+    (split / "nshards.txt").write_text(f"{10**20}\n")
+    with pytest.raises(UserError, match=rf"nshards.txt says {10**20} shards but {10**20 - 4} or more are missing "
+                                        rf"\(first: {split / '4.tar'}\); rewrite the split's shards$"):
+        shard_urls(split)
+
+
+@pytest.mark.parametrize("sizes", ["[1, 2]", '{"0.tar": "many"}', '{"0.tar": -1}', "7"])
+def test_a_sizes_json_that_is_no_table_of_counts_is_refused(fmnist_shards, tmp_path, sizes):
+    """A sizes.json holding a list (or a number) was taken for no sizes.json at all, which turned off the check
+    of every shard against its count; a count that is no number ended in int()'s ValueError."""
+    split = tmp_path / "train"
+    shutil.copytree(fmnist_shards[0] / "train", split)
+    (split / "sizes.json").write_text(sizes)
+    with pytest.raises(UserError, match=r"sizes.json is not a mapping of shard names to sample counts; rewrite the "
+                                        r"split's shards or delete it and set data.samples_per_epoch$"):
+        listed_sizes(shard_urls(split))
 
 
 def test_a_tar_cut_inside_a_member_or_a_header_is_damaged(fmnist_shards, tmp_path):
