@@ -127,7 +127,9 @@ def cached_image_features(model, spec: BenchmarkConfig, data: EvalData, cfg: Eva
 
     def write(tmp: Path) -> None:
         save_file({"features": features.contiguous()}, tmp / FEATURES_FILE)
-        meta = {"benchmark": spec.name, "targets": targets, "bad": bad, "sha256": file_sha256(tmp / FEATURES_FILE)}
+        # Its own key too: an entry whose files were copied from another entry is the other's, not this one.
+        meta = {"benchmark": spec.name, "key": folder.name, "targets": targets, "bad": bad,
+                "sha256": file_sha256(tmp / FEATURES_FILE)}
         (tmp / "meta.json").write_text(json.dumps(meta))
 
     try:
@@ -147,6 +149,8 @@ def _read_entry(folder: Path) -> tuple[torch.Tensor, list, int] | None:
     encoded again, where it crashed every later eval of its benchmark."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
+        if meta.get("key", folder.name) != folder.name:  # (an entry written before keys were recorded: as it is)
+            raise ValueError(f"meta.json is of the entry {meta['key']} (copied from another entry)")
         if file_sha256(folder / FEATURES_FILE) != meta["sha256"]:
             raise ValueError(f"{FEATURES_FILE} is not the file that was cached")
         features = load_file(folder / FEATURES_FILE)["features"]

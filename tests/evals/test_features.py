@@ -183,6 +183,27 @@ def test_a_damaged_cache_entry_is_said_and_encoded_again_to_a_fresh_evals_number
     assert again["image_cache"] == "hit" and again["metrics"] == fresh["metrics"]  # written anew, whole
 
 
+def test_a_cache_entry_holding_another_entrys_files_is_said_and_encoded_again(fmnist, tmp_path, caplog):
+    """Both files of an entry copied from another entry (another tower's features): each verified the other,
+    and the eval reported the other tower's top-1 as this one's."""
+    import shutil
+    cfg = suite_config(fmnist, tmp_path / "cache")
+    bundle, other = tiny_pair(), tiny_pair()
+    with torch.no_grad():
+        other[0].image_tower.patch_embed.weight.add_(0.5)
+    fresh = run_suite("m", cfg, out=tmp_path / "a.json", model_bundle=bundle)["results"][0]
+    [entry] = [p.parent for p in (tmp_path / "cache").glob("*/features.safetensors")]
+    run_suite("m", cfg, out=tmp_path / "b.json", model_bundle=other)
+    [other_entry] = [p.parent for p in (tmp_path / "cache").glob("*/features.safetensors") if p.parent != entry]
+    for name in ("meta.json", "features.safetensors"):
+        shutil.copy(other_entry / name, entry / name)
+    with caplog.at_level("WARNING"):
+        again = run_suite("m", cfg, out=tmp_path / "c.json", model_bundle=bundle)["results"][0]
+    assert again["image_cache"] == "miss" and again["metrics"] == fresh["metrics"]
+    assert f"ignoring the damaged image-feature cache entry {entry} (ValueError: meta.json is of the entry " \
+           f"{other_entry.name} (copied from another entry))" in caplog.text
+
+
 @pytest.mark.parametrize("error", ["safetensors", "oserror"])
 def test_a_full_disk_while_caching_features_still_returns_the_result(fmnist, tmp_path, caplog, monkeypatch, error):
     """safetensors reports a full disk in its own SafetensorError, not an OSError: it ended the eval in a
