@@ -62,14 +62,16 @@ class DamagedCheckpoint(Exception):
     agree with each other and with the folder's name (a file copied in from another step's checkpoint)."""
 
 
-def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, info: dict) -> None:
+def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, info: dict, rank: int | None = None) -> None:
     """A checkpoint's tensors, with what its state.json `info` says they are (the step, the checkpoint's
-    `FOLDER_ID`) in the file's own metadata (`load_step_tensors` checks it)."""
-    metadata = {"step": str(info["step"]), **({FOLDER_ID: info[FOLDER_ID]} if FOLDER_ID in info else {})}
+    `FOLDER_ID`) and, in a sharded checkpoint, the process whose shard they are, in the file's own metadata
+    (`load_step_tensors` checks it)."""
+    metadata = {"step": str(info["step"]), **({FOLDER_ID: info[FOLDER_ID]} if FOLDER_ID in info else {}),
+                **({"rank": str(rank)} if rank is not None else {})}
     save_file(tensors, path, metadata=metadata)
 
 
-def load_step_tensors(path: Path, info: dict) -> dict[str, torch.Tensor]:
+def load_step_tensors(path: Path, info: dict, rank: int | None = None) -> dict[str, torch.Tensor]:
     """The tensors `save_step_tensors` wrote beside the state.json `info`; DamagedCheckpoint when the file does
     not read back, or is another checkpoint's (of another step, or with another id). A file without the
     metadata (written before it was recorded) is taken as it is."""
@@ -86,6 +88,9 @@ def load_step_tensors(path: Path, info: dict) -> dict[str, torch.Tensor]:
     if FOLDER_ID in written and written[FOLDER_ID] != info.get(FOLDER_ID):
         raise DamagedCheckpoint(f"{path.name} was written with another {STATE_META} than the one beside it (a file "
                                 "copied from another checkpoint, of another run or another step)")
+    if rank is not None and written.get("rank", str(rank)) != str(rank):
+        raise DamagedCheckpoint(f"{path.name} holds process {written['rank']}'s shard, not process {rank}'s (files "
+                                "renamed or swapped)")
     return tensors
 
 

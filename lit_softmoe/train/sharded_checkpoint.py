@@ -94,7 +94,7 @@ def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, 
 
     def write_own(folder: Path, folder_id: str) -> None:
         info[FOLDER_ID] = folder_id  # every process's file carries the one id of the checkpoint
-        save_step_tensors(tensors, folder / shard_file(rank, world_size), info)
+        save_step_tensors(tensors, folder / shard_file(rank, world_size), info, rank=rank)
         dist.barrier()  # every process's file is written
 
     if rank == 0:
@@ -131,7 +131,7 @@ def _read_own(ckpt_dir: Path, model, optimizer) -> tuple[dict, dict, dict, dict]
         raise UserError(f"{ckpt_dir} was written by {info.get('processes')} processes and this run has {world_size}; "
                         f"resume it with {info.get('processes')} (each process's batches depend on their number), "
                         "or start a new run_dir")
-    tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info)
+    tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info, rank=rank)
     if "rng.cpu" not in tensors:
         raise DamagedCheckpoint(f"{shard_file(rank, world_size)} holds no random number generator state")
     templates, _ = _sharded_state(model, optimizer)

@@ -332,16 +332,21 @@ def test_gathered_tower_is_a_plain_tower_with_the_full_weights(one_process_group
     assert torch.allclose(plain(pixels), tower(pixels), atol=1e-6)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another run's of the same step"])
+@pytest.mark.parametrize("damage", ["truncated", "another run's of the same step", "another process's"])
 def test_damaged_shard_is_passed_over_for_the_checkpoint_before(one_process_group, tmp_path, caplog, damage):
-    """A rank's file cut short, or copied in from another run's checkpoint of the same step (its step agrees:
-    it was resumed as this run's)."""
+    """A rank's file cut short, copied in from another run's checkpoint of the same step (its step agrees: it
+    was resumed as this run's), or another process's file under this one's name (two rank files swapped were
+    refused as "another model", and the checkpoint before was never tried)."""
     tower, optimizer = _trained_sharded_tower()
     for step in (1, 2):
         save_sharded_state(tmp_path / f"step_{step:08d}", step, tower, optimizer)
     shard = tmp_path / "step_00000002" / shard_file(0, 1)
     if damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:500])
+    elif damage == "another process's":  # process 1's file of this very checkpoint, at process 0's name
+        from lit_softmoe.model_folders import load_step_tensors, read_state_meta, save_step_tensors
+        info = read_state_meta(shard.parent)
+        save_step_tensors(load_step_tensors(shard, info), shard, info, rank=1)
     else:
         other, other_optimizer = _trained_sharded_tower(seed=1)
         save_sharded_state(tmp_path / "other" / "step_00000002", 2, other, other_optimizer)
