@@ -26,6 +26,7 @@ from lit_softmoe.data.listing import (
     in_shuffled_order,
     sample_key,
 )
+from lit_softmoe.data.shards import class_name_difference, class_name_key
 from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import check_templates
@@ -150,9 +151,8 @@ def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
 def _check_classnames(src: Path, classnames: list[str]) -> None:
     """classnames.txt holds one name per line: a folder name with a newline (or another control
     character) would shift every later class onto another's name, and a blank one is refused by its
-    readers. Two names equal after Unicode NFC (`café` composed and decomposed) or but for spaces around
-    them (`cat` and `cat `: classnames.txt's readers strip each line) would be two classes of one name,
-    with identical prompts."""
+    readers. Two names that are one (`shards.class_name_difference`: `café` composed and decomposed, `cat` and
+    `cat `, `Cat` and `cat`) would be two classes with identical prompts."""
     seen: dict[str, str] = {}
     for name in classnames:
         if not name.strip():
@@ -161,10 +161,9 @@ def _check_classnames(src: Path, classnames: list[str]) -> None:
         if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
             raise UserError(f"class folder {name!r} in {src} has a control character or line break in its name, which "
                             "classnames.txt (one class name per line) cannot hold; rename the folder")
-        other = seen.setdefault(unicodedata.normalize("NFC", name).strip(), name)
+        other = seen.setdefault(class_name_key(name), name)
         if other != name:
-            same_form = unicodedata.normalize("NFC", other) == unicodedata.normalize("NFC", name)
-            how = "in two Unicode forms" if same_form else "but for the spaces around it"
+            how = class_name_difference(other, name)
             raise UserError(f"class folders {ascii(other)} and {ascii(name)} in {src} are one name {how} "
                             f"({name.strip()!r}), which would be two classes with the same prompts; merge them into "
                             "one folder or rename one")

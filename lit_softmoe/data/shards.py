@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -394,6 +395,29 @@ def read_classnames_file(path: str | Path) -> list[str] | None:
         raise UserError(f"{path} line {number} is blank: class names go one per line in label order (line n names "
                         f"class n-1); write class {number - 1}'s name on it, or delete it")
     return lines
+
+
+def class_name_difference(first: str, second: str) -> str | None:
+    """How two class names are one name, in words ("in two Unicode forms", "but for the spaces around it", "but
+    for letter case or letter width"), or None when they are two names. Names that differ only so would be two
+    classes with one set of prompts (classnames.txt's readers strip each line; CLIP's tokenizer lowercases and
+    reads `ｃａｔ` as `cat`)."""
+    if first == second:
+        return None
+    steps = (("in two Unicode forms", lambda name: unicodedata.normalize("NFC", name)),
+             ("but for the spaces around it", str.strip),
+             ("but for letter case or letter width", lambda name: unicodedata.normalize("NFKC", name).casefold()))
+    a, b = first, second
+    for words, step in steps:
+        a, b = step(a), step(b)
+        if a == b:
+            return words
+    return None
+
+
+def class_name_key(name: str) -> str:
+    """What two names that `class_name_difference` takes for one have in common."""
+    return unicodedata.normalize("NFKC", unicodedata.normalize("NFC", name).strip()).casefold()
 
 
 def same_classnames(path: str | Path, classnames: list[str]) -> bool | None:

@@ -21,7 +21,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from lit_softmoe.data.shards import read_classnames_file
+from lit_softmoe.data.shards import class_name_difference, class_name_key, read_classnames_file
 from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError
 
@@ -61,7 +61,7 @@ def load_classnames_file(path: str | Path) -> list[str]:
         raise UserError(f"cannot read --classnames {path} ({err}); {hint}") from None
     if not names:
         raise UserError(f"--classnames {path} holds no class names; {hint}")
-    return names
+    return [unicodedata.normalize("NFC", name) for name in names]  # as the table's cells are read
 
 
 def resolve_classes(values: list[str | int], file_names: list[str] | None, source: str,
@@ -72,6 +72,13 @@ def resolve_classes(values: list[str | int], file_names: list[str] | None, sourc
     if file_names is None:
         names = [str(value) for value in values]
         classnames = sorted(set(names))
+        seen: dict[str, str] = {}
+        for name in classnames:
+            other = seen.setdefault(class_name_key(name), name)
+            if other != name:
+                raise UserError(f"{source}: the classes {other!r} and {name!r} are one name "
+                                f"{class_name_difference(other, name)}, which would be two classes with the same "
+                                "prompts; write the name one way in every row")
         label_of = {name: label for label, name in enumerate(classnames)}
         note = None
         if names and all(_WHOLE_NUMBER.fullmatch(name) for name in names):

@@ -92,6 +92,22 @@ def test_class_folders_whose_names_differ_only_by_spaces_around_them_are_refused
     assert not (tmp_path / "out" / "train").exists()
 
 
+@pytest.mark.parametrize("other", ["Cat", "\uff43\uff41\uff54"], ids=["case", "full-width"])
+def test_class_folders_whose_names_differ_only_in_letter_case_or_width_are_refused(tmp_path, other):
+    """`Cat` and `cat` (or full-width `ｃａｔ`) are two folders and became two classes, whose prompts CLIP's tokenizer
+    (it lowercases, and reads width-variants as ASCII) made identical."""
+    for index, name in enumerate(("cat", other, "dog")):
+        gray_png(tmp_path / "src" / name / "0.png", 10 * index)
+    with pytest.raises(UserError) as raised:
+        write_folder_shards(tmp_path / "src", tmp_path / "out", layout="classes")
+    first, second = sorted(["cat", other])
+    assert str(raised.value) == (
+        f"class folders {ascii(first)} and {ascii(second)} in {tmp_path / 'src'} are one name but for letter case or "
+        f"letter width ({second!r}), which would be two classes with the same prompts; merge them into one folder "
+        "or rename one")
+    assert not (tmp_path / "out" / "train").exists()
+
+
 def test_class_folders_whose_names_differ_only_in_unicode_form_are_refused_in_one_line(tmp_path):
     """`café` composed (NFC, as macOS and most keyboards write it) and decomposed (NFD) are two folders
     on Linux: they became two classes whose prompts were identical."""

@@ -316,3 +316,42 @@ def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path):
               ((json.loads(s["json"]), int(s["cls"])) for s in read_split(tmp_path / "out" / "train").values())}
     assert labels == {"images/0.png": (composed, 0), "images/1.png": (composed, 0), "images/2.png": ("dog", 1),
                       "images/3.png": (composed, 0)}
+
+
+def test_a_class_names_file_in_another_unicode_form_names_the_tables_classes(tmp_path):
+    """A --classnames file holding `café` decomposed (NFD): the table's cells, read in NFC, were all skipped as
+    "not in the class-names file"."""
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    (tmp_path / "images").mkdir()
+    rows = []
+    for index, name in enumerate([composed, "dog", decomposed]):
+        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
+        rows.append({"path": f"images/{index}.png", "label": name})
+    table = tmp_path / "table.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "names.txt").write_text(f"dog\n{decomposed}\n")
+    assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
+                 "--classnames", str(tmp_path / "names.txt"), "--out", str(tmp_path / "out")]) == 0
+    assert read_classnames(tmp_path / "out") == ["dog", composed]
+    assert sorted(int(s["cls"]) for s in read_split(tmp_path / "out" / "train").values()) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("other", ["Cat", "\uff43\uff41\uff54"], ids=["case", "full-width"])
+def test_class_cells_that_differ_only_in_letter_case_or_width_are_refused(tmp_path, capsys, other):
+    """`Cat` and `cat` (or full-width `ｃａｔ`) became two classes, whose prompts CLIP's tokenizer (it lowercases
+    and reads width-variants as ASCII) made identical."""
+    (tmp_path / "images").mkdir()
+    rows = []
+    for index, name in enumerate(["cat", other, "dog"]):
+        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
+        rows.append({"path": f"images/{index}.png", "label": name})
+    table = tmp_path / "table.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
+                 "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    first, second = sorted([other, "cat"])
+    assert line == (f"lit-softmoe data: error: column 'label' of {table}: the classes {first!r} and {second!r} are one "
+                    "name but for letter case or letter width, which would be two classes with the same prompts; "
+                    "write the name one way in every row")
+    assert not (tmp_path / "out" / "train").exists()
