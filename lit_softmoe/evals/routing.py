@@ -250,6 +250,9 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
              f"{f' (predicted: {prediction})' if prediction else ''}\n"
              f"dispatch H {stats['dispatch_entropy_mean']:.2f}/{stats['dispatch_entropy_max']:.2f} nats, "
              f"{stats['distinct_argmax_tokens']} distinct argmax tokens of {stats['tokens']}")
+    # The figure and its statistics are one pair: an earlier run's report goes before the new figure takes its
+    # name, so a kill between the two renames leaves a figure without statistics, never another image's.
+    Path(out_png).with_suffix(".json").unlink(missing_ok=True)
     size = plot_routing(seen, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
     report = {"tower": str(tower_dir), "image": str(image_path), "plotted": {"block": layer, "slots": slots,
               "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers}

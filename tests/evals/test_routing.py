@@ -223,3 +223,27 @@ def test_a_full_disk_while_drawing_is_one_line_naming_the_figure(tower_and_image
     assert code == 2 and err == [f"lit-softmoe inspect-routing: error: no space left on the device while writing "
                                  f"{out}; free some space (or write to another disk) and rerun the same command"]
     assert list(tmp_path.iterdir()) == []  # no half figure under its name
+
+
+def test_a_run_killed_between_the_figure_and_its_statistics_leaves_no_other_images_statistics(
+        tower_and_image, tmp_path, monkeypatch):
+    """Each file was renamed into place alone: a kill after the new figure's rename left it beside the statistics
+    of the image an earlier run drew."""
+    from lit_softmoe.evals import routing
+    tower, image = tower_and_image
+    other = tmp_path / "other.png"
+    PIL.Image.new("L", (28, 28), 30).save(other)
+    out = tmp_path / "routing.png"
+    routing.inspect_routing(tower, image, out)
+    assert json.loads(out.with_suffix(".json").read_text())["image"] == str(image)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill between the two renames would stop it
+
+    monkeypatch.setattr(routing, "write_text_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        routing.inspect_routing(tower, other, out)
+    assert out.is_file() and not out.with_suffix(".json").exists()  # the new figure, and no statistics of another
+    monkeypatch.undo()
+    routing.inspect_routing(tower, other, out)  # the rerun writes the pair
+    assert json.loads(out.with_suffix(".json").read_text())["image"] == str(other)
