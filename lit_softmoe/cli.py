@@ -490,8 +490,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; key=value overrides may also follow a flag (`run_dir=r --plan sharding=fsdp`), which
+    argparse leaves over once the overrides before the flag filled their argument. They keep their order."""
+    parser = build_parser()
+    args, left = parser.parse_known_args(argv)
+    if left and isinstance(getattr(args, "overrides", None), list) and \
+            all("=" in word and not word.startswith("-") for word in left):
+        args.overrides += left
+    elif left:
+        parser.error(f"unrecognized arguments: {' '.join(left)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         with library_warnings_hidden(not args.verbose):
             args.func(args)

@@ -253,6 +253,9 @@ def config_path(schema: type, name: str | Path) -> Path:
         if parts and candidate.with_suffix(".yaml").is_file():
             return candidate.with_suffix(".yaml")
     what = "suite" if folder == "suites" else "config file"
+    if path.is_dir():
+        raise UserError(f"{what} {name} is a folder; give a YAML file in it, or a shipped one: "
+                        f"{', '.join(shipped_configs(schema))}")
     raise UserError(f"{what} {name} does not exist; give a YAML file or a shipped one: "
                     f"{', '.join(shipped_configs(schema))}")
 
@@ -322,6 +325,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: list
         except (ValidationError, OmegaConfBaseException) as err:
             key = getattr(err, "full_key", "?")
             msg = str(err).splitlines()[0]
+            if "is not a ListConfig" in msg:  # omegaconf's words for a single value given to a list key
+                msg = f"a list is needed: write it in brackets ({key}='[…]' on a shell's command line)"
             raise UserError(f"bad value for config key {key!r}{where}: {msg}") from None
     if isinstance(_select(merged, "compile"), str):  # YAML's true/false reach a str field as "True"/"False"
         merged.compile = merged.compile.lower()

@@ -354,3 +354,25 @@ def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys, text,
                          "(e.g. `batch_size: 256`)")
     path.write_text("")  # an empty file is no mistake: the defaults
     assert load_config(PretrainConfig, path).batch_size == PretrainConfig().batch_size
+
+
+def test_a_config_path_that_is_a_folder_or_a_list_key_given_one_value_says_so(tmp_path, capsys):
+    """A folder given as --config was said not to exist; one value for a list key (`data.crop_scale=0.5`) got
+    omegaconf's "AnyNode is not a ListConfig, TupleConfig, list, or tuple"."""
+    line = one_line_error(capsys, ["pretrain", "--config", str(tmp_path)])
+    assert line.startswith(f"lit-softmoe pretrain: error: config file {tmp_path} is a folder; give a YAML file in "
+                           "it, or a shipped one: pretrain/"), line
+    with pytest.raises(UserError) as refused:
+        load_config(PretrainConfig, None, ["data.crop_scale=0.5"])
+    assert str(refused.value) == ("bad value for config key 'data.crop_scale' on the command line: a list is needed: "
+                                  "write it in brackets (data.crop_scale='[…]' on a shell's command line)")
+
+
+def test_overrides_may_follow_a_flag_and_keep_their_order(tmp_path, capsys):
+    """`run_dir=r --plan data.crop=x`: argparse had filled the overrides before the flag, and called the ones after
+    it "unrecognized arguments"."""
+    (tmp_path / "c.yaml").write_text("{}\n")
+    line = one_line_error(capsys, ["pretrain", "--config", str(tmp_path / "c.yaml"), "data.crop=pad", "--plan",
+                                   "data.crop=nowhere"])
+    assert line == ("lit-softmoe pretrain: error: config key 'data.crop' is 'nowhere'; choose one of pad, "
+                    "random_resized")  # the later one, as on one run of overrides

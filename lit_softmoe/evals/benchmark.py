@@ -64,7 +64,8 @@ def evaluate_benchmark(model, preprocess, tokenizer, spec: BenchmarkConfig, cfg:
                         "index (.cls); for a set of images with .txt captions, set task: retrieval")
     if len(targets) == 0:
         return {"benchmark": spec.name, "task": data.task, "status": "skipped", "path": str(spec.root),
-                "reason": f"no readable images in {spec.root} ({bad} unreadable)"}
+                "reason": f"no readable images in {spec.root} ("
+                          + (f"{bad} unreadable)" if bad else "no sample could be read: see the shards named above)")}
     partial = _partial_read(spec, data, len(targets) + bad)
     uncaptioned = empty_captions = 0
     if data.task == "retrieval":

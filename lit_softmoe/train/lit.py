@@ -397,8 +397,9 @@ def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower
                  latest / STATE_META,
                  "the run cannot be resumed from it; start this one with another run_dir=...")
     if checkpoint_meta["image_tower_sha256"] != tower_sha:
-        raise UserError(f"the image tower at {cfg.image_tower} was rewritten after {latest} was saved (its weights "
-                        "differ), so the run cannot go on against it; put that tower back, or give a new run_dir")
+        raise UserError(f"{latest} was trained against other image tower weights than {cfg.image_tower} holds (the "
+                        "tower was rewritten since, or the checkpoint is another run's), so the run cannot go on "
+                        "against it; put that tower back, or give a new run_dir")
     text_sha = (checkpoint_meta.get("model") or {}).get("text_locked_sha256")
     if any(p.startswith("text_tower.") for p in frozen) and text_sha != text_hash:  # from text.path
         raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "

@@ -301,3 +301,21 @@ def test_a_shard_that_is_no_tar_at_all_is_said_to_be_none(tmp_path, content):
     assert entry["partial"].startswith(f"1 shard(s) are no tar archive at all (empty, or another kind of file; "
                                        f"first: {tar}) and gave no sample")
     assert "end inside a sample" not in entry["partial"]
+
+
+def test_a_set_whose_every_shard_is_unreadable_is_skipped_naming_no_false_count(tmp_path):
+    """A set whose one shard is no tar (a gzip of it) was skipped as "no readable images (0 unreadable)", right
+    after the shard was counted and named as bad."""
+    import gzip
+    images = foolbox_images("cifar10")[:3]
+    root = write_wds_benchmark(tmp_path / "cifar10", [(p.read_bytes(), "png", label) for p, label in images],
+                               classnames=list(benchmark_info("cifar10").classnames),
+                               templates=["a photo of a {c}."], per_shard=3)
+    tar = root / "test" / "0.tar"
+    tar.write_bytes(gzip.compress(tar.read_bytes()))
+    cfg = EvalSuiteConfig(name="s", workers=0, cache_dir=str(tmp_path / "c"),
+                          benchmarks=[BenchmarkConfig(name="cifar10", root=str(root))])
+    entry = run_suite("m", cfg, out=tmp_path / "r.json", model_bundle=tiny_pair(3, 32))["results"][0]
+    assert entry["status"] == "skipped"
+    assert entry["reason"] == (f"no readable images in {root} (no sample could be read: see the shards named "
+                               "above)")
