@@ -101,6 +101,10 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) ->
     if info is None:
         raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
                         f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
+    if info.get("split", split_dir.name) != split_dir.name:  # a folder's files replaced by another split's
+        raise UserError(f"feature cache {split_dir} holds the split {info['split']!r} (so says its {EMBED_FILE}: "
+                        f"another split's cache copied or moved here); rename the folder back to {info['split']}, "
+                        f"or {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
     expected = cache_fingerprint(tower_dir)
     if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
         raise UserError(f"feature cache {split_dir} was made with another tower (sha "

@@ -57,6 +57,19 @@ def cache(tmp_path_factory):
     return {"root": root, "tower": tower, "summary": summary}
 
 
+def test_a_split_folder_holding_another_splits_cache_is_refused(cache, tmp_path):
+    """train's split folder with the test split's feature shards and embed.json copied in: every file verified
+    against the other, and `train` trained on the test split's features without a word."""
+    root = cache["root"]
+    shutil.copytree(root / "features" / "test", tmp_path / "train")
+    with pytest.raises(UserError) as refused:
+        check_feature_cache(tmp_path / "train", root / "tower")
+    assert str(refused.value).startswith(
+        f"feature cache {tmp_path / 'train'} holds the split 'test' (so says its embed.json: another split's cache "
+        "copied or moved here); rename the folder back to test, or rerun `lit-softmoe embed")
+    check_feature_cache(root / "features" / "test", root / "tower")  # where it was embedded, it verifies
+
+
 def test_features_equal_the_tower_on_the_source_images(cache):
     root, tower = cache["root"], cache["tower"]
     assert cache["summary"]["split_dir"] == str(root / "features" / "test")  # split named after the source's
