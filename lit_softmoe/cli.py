@@ -176,7 +176,8 @@ def _cmd_inspect_routing(args) -> None:
     print(f"entropies in nats (max in brackets); dispatch weights of block {plotted['block']}, slots "
           f"{plotted['slots'][0]}-{plotted['slots'][-1]} drawn in {args.out}; statistics in "
           f"{plotted['png'].rsplit('.', 1)[0]}.json"
-          + (f"; predicted: {report['prediction']}" if report["prediction"] else ""))
+          + (f"; predicted: {report['prediction']}" if report["prediction"] else "")
+          + (f"; {report['resolution_change']}" if report["resolution_change"] else ""))
 
 
 def _cmd_models(args) -> None:

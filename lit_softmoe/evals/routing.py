@@ -205,7 +205,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     Returns the report written to `out_png` with suffix .json.
     """
     from lit_softmoe.data.transforms import preprocess_transform
-    from lit_softmoe.models.tower_folder import load_tower
+    from lit_softmoe.models.tower_folder import load_tower, resolution_change
 
     _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
     tower, meta = load_tower(tower_dir)
@@ -255,6 +255,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     Path(out_png).with_suffix(".json").unlink(missing_ok=True)
     size = plot_routing(seen, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
     report = {"tower": str(tower_dir), "image": str(image_path), "plotted": {"block": layer, "slots": slots,
-              "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers}
+              "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers,
+              "resolution_change": resolution_change(tower, pre)}
     write_text_atomic(Path(out_png).with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     return report

@@ -247,3 +247,24 @@ def test_a_run_killed_between_the_figure_and_its_statistics_leaves_no_other_imag
     monkeypatch.undo()
     routing.inspect_routing(tower, other, out)  # the rerun writes the pair
     assert json.loads(out.with_suffix(".json").read_text())["image"] == str(other)
+
+
+def test_a_tower_resized_to_another_image_size_says_so(tower_and_image, tmp_path, capsys):
+    """A tower whose preprocess.image_size is 56 where it was built for 28 was inspected on 64 tokens without a
+    word (a deliberate resolution change: it runs, and the line and the report say so)."""
+    import shutil
+    tower, image = tower_and_image
+    resized = tmp_path / "tower-56"
+    shutil.copytree(tower, resized)
+    config = json.loads((resized / "config.json").read_text())
+    config["preprocess"]["image_size"] = 56
+    (resized / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "routing.png"
+    assert main(["inspect-routing", "--tower", str(resized), "--image", str(image), "--out", str(out)]) == 0
+    note = "images at 56 px (preprocess.image_size), not the 28 px the tower was built for"
+    assert capsys.readouterr().out.rstrip().endswith(f"; {note}")
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["resolution_change"] == note and report["layers"][0]["tokens"] == 64
+    assert main(["inspect-routing", "--tower", str(tower), "--image", str(image), "--out", str(out)]) == 0
+    assert "px the tower was built for" not in capsys.readouterr().out
+    assert json.loads(out.with_suffix(".json").read_text())["resolution_change"] is None
