@@ -17,6 +17,7 @@ a half-written tower under the final name.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from lit_softmoe.utils.hashing import safetensors_weights_sha256
 from lit_softmoe.utils.paths import check_writable
 
 TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
+_log = logging.getLogger(__name__)
 
 
 def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -87,9 +89,18 @@ def tower_folder(path: str | Path) -> Path:
 
 def _timm_folder(spec: str) -> Path:
     """The tower folder of a `timm:` spec, written into the cache on first use (atomically: two processes that
-    race write the same folder, and the second keeps the first's)."""
+    race write the same folder, and the second keeps the first's). A cached folder whose files do not belong
+    together (one copied in from another) is said in a warning and written again, as every cache is."""
     folder = folder_for(spec)
-    if not ((folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file()):
+    complete = (folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file()
+    if complete:
+        try:
+            check_same_folder(json.loads((folder / TOWER_CONFIG).read_text()), folder / TOWER_CONFIG,
+                              folder / TOWER_WEIGHTS)
+        except (UserError, ValueError, AttributeError) as err:
+            _log.warning("the cached tower of %s is damaged (%s); writing it again", spec, err)
+            complete = False
+    if not complete:
         tower, preprocess = pretrained_timm_tower(spec)
         save_tower(folder, tower, extra={"preprocess": preprocess, "source": spec})
     return folder

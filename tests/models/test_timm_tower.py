@@ -91,6 +91,26 @@ def test_an_unknown_model_is_one_line(cache, tmp_path):
     assert not (cache / "towers" / "timm").exists() or not any((cache / "towers" / "timm").iterdir())
 
 
+def test_a_cached_folder_holding_another_folders_weights_is_written_again(cache, tmp_path, caplog):
+    """The cache folder of one checkpoint with another's model.safetensors copied in embedded the other's weights
+    under this one's name. A cache that does not verify is said and made again, as every cache is."""
+    import shutil
+    first = _checkpoint(tmp_path / "a.safetensors", seed=0)
+    _checkpoint(tmp_path / "b.safetensors", seed=1)
+    spec_a, spec_b = (f"timm:test_vit?file={tmp_path / name}" for name in ("a.safetensors", "b.safetensors"))
+    expected = tower_fingerprint(spec_a)["tower_sha256"]
+    assert tower_fingerprint(spec_b)["tower_sha256"] != expected
+    shutil.copy(folder_for(spec_b) / "model.safetensors", folder_for(spec_a) / "model.safetensors")
+    with caplog.at_level("WARNING"):
+        tower, _ = load_tower(spec_a)
+    assert f"the cached tower of {spec_a} is damaged" in caplog.text
+    assert tower_fingerprint(spec_a)["tower_sha256"] == expected
+    pixels = torch.randn(2, 3, 160, 160)
+    with torch.no_grad():
+        assert torch.equal(tower.forward_pooled(pixels),
+                           first.forward_head(first.forward_features(pixels), pre_logits=True))
+
+
 def test_a_checkpoint_of_another_architecture_is_one_line(cache, tmp_path):
     """test_vit2's weights for test_vit: timm loads without the class head non-strictly and only logged (at INFO,
     which the CLI hides) that cls_token and the final norm were missing: they stayed randomly initialized, and
