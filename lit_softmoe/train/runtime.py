@@ -155,11 +155,31 @@ def check_run_dir(run_dir, output: str) -> None:
     check_writable(run_dir, "run_dir", folder=True)
     run_dir = Path(run_dir)
     check_folder_destination(run_dir / output)  # now, not after training
-    held = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) if run_dir.is_dir() else []
-    if held and not (run_dir / RUN_CONFIG).is_file():  # a run writes its config.yaml before anything else
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-        raise UserError(f"run_dir {run_dir} holds {shown} but no {RUN_CONFIG}, so it is no run folder (a dataset, an "
-                        "export or a tower?) and a run there would mix its files in; give a new or empty run_dir")
+    held = _other_folder_kind(run_dir) if run_dir.is_dir() and not (run_dir / RUN_CONFIG).is_file() else None
+    if held is not None:  # (a run writes its config.yaml before anything else; a user's own log file is welcome)
+        raise UserError(f"run_dir {run_dir} holds {held}, not a run (it has no {RUN_CONFIG}), and a run there would "
+                        "mix its files in; give a new or empty run_dir")
+
+
+# What the folders lit-softmoe writes are recognized by: (a file or folder that only that kind holds, in words).
+_FOLDER_MARKS = (("config.json", "an export, a tower or a model (config.json)"),
+                 ("nshards.txt", "a dataset split (nshards.txt)"), ("sizes.json", "a dataset split (sizes.json)"),
+                 ("embed.json", "a feature cache (embed.json)"), ("classnames.txt", "a dataset (classnames.txt)"))
+
+
+def _other_folder_kind(folder: Path) -> str | None:
+    """The kind of folder `folder` is, in words, when it is one that lit-softmoe writes and no run: an export,
+    a tower, a dataset or one of its splits, a feature cache, a run's checkpoints; else None."""
+    for name, words in _FOLDER_MARKS:
+        if (folder / name).exists():
+            return words
+    if any(folder.glob("*.tar")):
+        return "shards (.tar files)"
+    if any(folder.glob("*/nshards.txt")) or any(folder.glob("*/embed.json")):
+        return "a dataset or feature cache (splits with nshards.txt or embed.json)"
+    if any(folder.glob("step_*/state.json")):
+        return "a run's checkpoints (step_N folders)"
+    return None
 
 
 def check_training_length(config) -> None:

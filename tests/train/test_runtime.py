@@ -106,10 +106,24 @@ def test_a_run_dir_holding_something_else_is_refused_before_any_work(tmp_path, c
     before = sorted(p.name for p in held.iterdir())
     (tmp_path / "c.yaml").write_text(f"run_dir: {held}\n")
     line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'none'}"])
-    assert line == (f"lit-softmoe {command}: error: run_dir {held} holds README.md, config.json, "
-                    "open_clip_model.safetensors but no config.yaml, so it is no run folder (a dataset, an export or a "
-                    "tower?) and a run there would mix its files in; give a new or empty run_dir")
+    assert line == (f"lit-softmoe {command}: error: run_dir {held} holds an export, a tower or a model "
+                    "(config.json), not a run (it has no config.yaml), and a run there would mix its files in; give a "
+                    "new or empty run_dir")
     assert sorted(p.name for p in held.iterdir()) == before  # nothing written, no lock either
+    for name, kind in (("nshards.txt", "a dataset split (nshards.txt)"), ("0.tar", "shards (.tar files)")):
+        split = tmp_path / f"split-{name}"
+        split.mkdir()
+        (split / name).write_text("1")
+        (tmp_path / "c.yaml").write_text(f"run_dir: {split}\n")
+        line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'x'}"])
+        assert f"run_dir {split} holds {kind}, not a run" in line, line
+    # A user's own file in a new run folder (`... > RUN/log.txt` made it first) is no other kind of folder.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "log.txt").write_text("")
+    (tmp_path / "c.yaml").write_text(f"run_dir: {mine}\n")
+    line = one_line_error(capsys, [command, "--config", str(tmp_path / "c.yaml"), f"data.train={tmp_path / 'x'}"])
+    assert "not a run" not in line and "mix its files" not in line, line
 
 
 _HOLD = ("import sys, time\n"
