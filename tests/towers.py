@@ -29,3 +29,16 @@ def images(cfg: ViTConfig, b=3, size=None, seed=1, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     size = size or cfg.image_size
     return torch.randn(b, cfg.in_channels, size, size, generator=g, dtype=dtype)
+
+
+def resized_copy(tower_dir, dest, size: int | None = None) -> tuple:
+    """A copy of the tower folder at `tower_dir` whose preprocess.image_size is `size` (default: twice the size
+    the tower was built for): a deliberate resolution change. → (the copy, the size it was built for)."""
+    import json
+    import shutil
+    shutil.copytree(tower_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    built = config["tower"]["image_size"]
+    config["preprocess"]["image_size"] = size or 2 * built
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest, built

@@ -4,6 +4,7 @@ pretraining's and evaluation's readers."""
 import csv
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -298,17 +299,23 @@ def test_class_column_mistakes_are_one_error_line(tmp_path, capsys, monkeypatch,
     assert not (tmp_path / "out").exists()
 
 
+def _class_table(folder, names) -> Path:
+    """A JSONL table of one image per row (images/N.png) and its class name in the column `label`."""
+    (folder / "images").mkdir()
+    rows = []
+    for index, name in enumerate(names):
+        (folder / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
+        rows.append({"path": f"images/{index}.png", "label": name})
+    table = folder / "table.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return table
+
+
 def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path):
     """`café` composed (NFC) in one row and decomposed (NFD) in another, as two systems type it: one class,
     not two classes of one name scored against each other."""
     composed, decomposed = "caf\u00e9", "cafe\u0301"
-    (tmp_path / "images").mkdir()
-    rows = []
-    for index, name in enumerate([composed, decomposed, "dog", decomposed]):
-        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
-        rows.append({"path": f"images/{index}.png", "label": name})
-    table = tmp_path / "table.jsonl"
-    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    table = _class_table(tmp_path, [composed, decomposed, "dog", decomposed])
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--out", str(tmp_path / "out")]) == 0
     assert read_classnames(tmp_path / "out") == [composed, "dog"]
@@ -322,13 +329,7 @@ def test_a_class_names_file_in_another_unicode_form_names_the_tables_classes(tmp
     """A --classnames file holding `café` decomposed (NFD): the table's cells, read in NFC, were all skipped as
     "not in the class-names file"."""
     composed, decomposed = "caf\u00e9", "cafe\u0301"
-    (tmp_path / "images").mkdir()
-    rows = []
-    for index, name in enumerate([composed, "dog", decomposed]):
-        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
-        rows.append({"path": f"images/{index}.png", "label": name})
-    table = tmp_path / "table.jsonl"
-    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    table = _class_table(tmp_path, [composed, "dog", decomposed])
     (tmp_path / "names.txt").write_text(f"dog\n{decomposed}\n")
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--classnames", str(tmp_path / "names.txt"), "--out", str(tmp_path / "out")]) == 0
@@ -340,13 +341,7 @@ def test_a_class_names_file_in_another_unicode_form_names_the_tables_classes(tmp
 def test_class_cells_that_differ_only_in_letter_case_or_width_are_refused(tmp_path, capsys, other):
     """`Cat` and `cat` (or full-width `ｃａｔ`) became two classes, whose prompts CLIP's tokenizer (it lowercases
     and reads width-variants as ASCII) made identical."""
-    (tmp_path / "images").mkdir()
-    rows = []
-    for index, name in enumerate(["cat", other, "dog"]):
-        (tmp_path / "images" / f"{index}.png").write_bytes(encode_image(rng_image(index)))
-        rows.append({"path": f"images/{index}.png", "label": name})
-    table = tmp_path / "table.jsonl"
-    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    table = _class_table(tmp_path, ["cat", other, "dog"])
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--out", str(tmp_path / "out")]) == 2
     [line] = capsys.readouterr().err.splitlines()

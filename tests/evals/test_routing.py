@@ -252,13 +252,9 @@ def test_a_run_killed_between_the_figure_and_its_statistics_leaves_no_other_imag
 def test_a_tower_resized_to_another_image_size_says_so(tower_and_image, tmp_path, capsys):
     """A tower whose preprocess.image_size is 56 where it was built for 28 was inspected on 64 tokens without a
     word (a deliberate resolution change: it runs, and the line and the report say so)."""
-    import shutil
+    from towers import resized_copy
     tower, image = tower_and_image
-    resized = tmp_path / "tower-56"
-    shutil.copytree(tower, resized)
-    config = json.loads((resized / "config.json").read_text())
-    config["preprocess"]["image_size"] = 56
-    (resized / "config.json").write_text(json.dumps(config))
+    resized, _ = resized_copy(tower, tmp_path / "tower-56", size=56)
     out = tmp_path / "routing.png"
     assert main(["inspect-routing", "--tower", str(resized), "--image", str(image), "--out", str(out)]) == 0
     note = "images at 56 px (preprocess.image_size), not the 28 px the tower was built for"

@@ -840,14 +840,9 @@ def test_the_default_choices_are_printed_once_at_the_start(cache, tmp_path, caps
 def test_a_tower_resized_to_another_image_size_says_so_in_the_start_line(cache, tmp_path, capsys):
     """A tower folder whose preprocess.image_size is not the size its position embeddings were built for was
     embedded at the new size without a word. A deliberate resolution change still runs."""
-    import shutil
+    from towers import resized_copy
     root = cache["root"]
-    tower = tmp_path / "tower-56"
-    shutil.copytree(root / "tower", tower)
-    config = json.loads((tower / "config.json").read_text())
-    built = config["tower"]["image_size"]
-    config["preprocess"]["image_size"] = 2 * built
-    (tower / "config.json").write_text(json.dumps(config))
+    tower, built = resized_copy(root / "tower", tmp_path / "tower-56")
     capsys.readouterr()
     assert main(["embed", "--tower", str(tower), "--shards", str(root / "fmnist" / "test"),
                  "--out", str(tmp_path / "out"), "--workers", "1"]) == 0

@@ -739,13 +739,8 @@ def test_a_probe_or_eval_split_without_class_labels_is_refused_before_training(d
 def test_a_tower_resized_to_another_image_size_says_so_in_the_start_line(data, tmp_path, capsys):
     """On images, a tower whose preprocess.image_size is not the size it was built for trained at the new
     size without a word (a deliberate resolution change is fine: it runs, and the start line says so)."""
-    import shutil
-    tower = tmp_path / "tower-56"
-    shutil.copytree(data / "tower", tower)
-    config = json.loads((tower / "config.json").read_text())
-    built = config["tower"]["image_size"]
-    config["preprocess"]["image_size"] = 2 * built
-    (tower / "config.json").write_text(json.dumps(config))
+    from towers import resized_copy
+    tower, built = resized_copy(data / "tower", tmp_path / "tower-56")
     capsys.readouterr()
     results = train_lit(lit_config(data, tmp_path / "run", "steps=1", f"image_tower={tower}",
                                    f"data.train={data / 'fmnist' / 'train'}", "eval.shards="))
