@@ -5,11 +5,10 @@ A user's mistake raises UserError anywhere below; it is printed here as one line
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shlex
 import sys
 
+from lit_softmoe.cli_memory import add_plan_arguments, byte_size, recipe_config, run_size_on_out_of_memory
 from lit_softmoe.errors import UserError, out_of_memory
 from lit_softmoe.utils.atomic import full_disk_message, naming_full_disk
 from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
@@ -52,39 +51,14 @@ def _write_data(args) -> None:
     print(summary.line())
 
 
-def _print_plan(args, cfg) -> None:
-    """`--plan`: the memory per GPU of the run `cfg` describes, and whether it fits; no work done."""
-    from lit_softmoe.train.memory_plan import plan_report, visible_gpu_bytes
-    from lit_softmoe.utils.distributed import rank_and_world_size
-    gpus = args.plan_gpus if args.plan_gpus is not None else rank_and_world_size()[1]
-    gpu_bytes = args.plan_gpu if args.plan_gpu is not None else visible_gpu_bytes() or 80 << 30
-    if gpus < 1 or gpu_bytes < 1:
-        raise UserError(f"--plan-gpus {gpus} and --plan-gpu {gpu_bytes}: give at least 1 GPU of some memory")
-    report, _ = plan_report(cfg, gpus, gpu_bytes)
-    if is_main_process():
-        print(report)
-
-
-def _recipe_config(args, config_class):
-    """The training command's config; None once `--plan` has printed its memory plan (no work then)."""
-    from lit_softmoe.config import load_config
-    if not args.plan and (args.plan_gpus is not None or args.plan_gpu is not None):
-        raise UserError("--plan-gpus and --plan-gpu go with --plan (which prints the memory plan and trains nothing)")
-    cfg = load_config(config_class, args.config, args.overrides)
-    if args.plan:
-        _print_plan(args, cfg)
-        return None
-    return cfg
-
-
 def _cmd_pretrain(args) -> None:
     from lit_softmoe.config import PretrainConfig
-    cfg = _recipe_config(args, PretrainConfig)
+    cfg = recipe_config(args, PretrainConfig)
     if cfg is None:
         return
     from lit_softmoe.train.pretrain import pretrain
     options = "".join(f", {key}={value}" for key, value in cfg.tower.options.items())
-    with _run_size_on_out_of_memory(args, f"tower {cfg.tower.name}{options}, batch {cfg.batch_size}"):
+    with run_size_on_out_of_memory(args, f"tower {cfg.tower.name}{options}, batch {cfg.batch_size}"):
         results = pretrain(cfg)
     if "test_top1" in results and is_main_process():
         fewshot_key = f"fewshot{cfg.fewshot_shots}_top1"
@@ -96,12 +70,12 @@ def _cmd_pretrain(args) -> None:
 
 def _cmd_train(args) -> None:
     from lit_softmoe.config import LiTConfig
-    cfg = _recipe_config(args, LiTConfig)
+    cfg = recipe_config(args, LiTConfig)
     if cfg is None:
         return
     from lit_softmoe.train.lit import train_lit
     text = cfg.text.path if cfg.text.kind == "hf" else f"{cfg.text.width} wide × {cfg.text.layers} layers"
-    with _run_size_on_out_of_memory(args, f"text tower {text} against {cfg.image_tower}, batch {cfg.batch_size}"):
+    with run_size_on_out_of_memory(args, f"text tower {text} against {cfg.image_tower}, batch {cfg.batch_size}"):
         results = train_lit(cfg)
     scores = ""
     if "zeroshot_top1" in results:
@@ -109,21 +83,6 @@ def _cmd_train(args) -> None:
         scores = f"zero-shot top-1 {results['zeroshot_top1']:.4f}{probe}; "
     if is_main_process():
         print(f"{scores}model saved to {cfg.run_dir}/model")
-
-
-@contextlib.contextmanager
-def _run_size_on_out_of_memory(args, size: str):
-    """Memory running out in a training run is one line naming the run's size and its memory levers."""
-    try:
-        yield
-    except Exception as err:
-        problem = out_of_memory(err)
-        if problem is None:
-            raise
-        plan = shlex.join(["lit-softmoe", args.command, "--config", args.config, *args.overrides, "--plan"])
-        raise UserError(f"{problem} in this run ({size}); `{plan}` shows what it needs per device: lower batch_size "
-                        "(raise accum_steps to keep it), or set grad_checkpointing=true, precision=bf16 (on a GPU) or "
-                        "sharding=fsdp over more GPUs") from None
 
 
 def _cmd_embed(args) -> None:
@@ -270,33 +229,6 @@ def _cmd_demo(args) -> None:
     run_demo(data_dir=args.data, runs_dir=args.runs, fast=args.fast)
 
 
-def _byte_size(text: str) -> int:
-    from lit_softmoe.data.writers import parse_byte_size
-    try:
-        return parse_byte_size(text)
-    except UserError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _gpu_memory(text: str) -> int:
-    """--plan-gpu's size: with its unit (80GB); a bare number, which the byte sizes read as bytes, is refused."""
-    if text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"give the unit: {text.strip()}GB (a bare {text.strip()} is bytes)")
-    return _byte_size(text)
-
-
-def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", action="store_true",
-                        help="print the memory per GPU (weights, gradients, AdamW, activations counted at the "
-                             "configured batch) and whether it fits, naming the levers that would make it fit; "
-                             "train nothing")
-    parser.add_argument("--plan-gpus", type=int, default=None, metavar="N",
-                        help="with --plan: the GPUs the run would use (default: the launcher's WORLD_SIZE, else 1)")
-    parser.add_argument("--plan-gpu", type=_gpu_memory, default=None, metavar="SIZE",
-                        help="with --plan: the memory of one GPU, e.g. 80GB or 24G (binary units: 80GB = 80 GiB; "
-                             "default: this machine's GPU, else 80GB)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-softmoe", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)  # options every command takes
@@ -358,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         writer.add_argument("--max-size", type=int, default=None, metavar="PIXELS",
                             help="shrink images whose longer side is larger than this")
         writer.add_argument("--samples-per-shard", type=int, default=10_000, help="default: 10000")
-        writer.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30, metavar="SIZE",
+        writer.add_argument("--max-shard-bytes", type=byte_size, default=1 << 30, metavar="SIZE",
                             help="start a new shard past this size, e.g. 500M (default: 1G)")
         writer.add_argument("--overwrite", action="store_true",
                             help="replace OUT/SPLIT if it holds other data (another source's shards)")
@@ -368,13 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", required=True,
                      help="a YAML file, or a shipped config by name, e.g. pretrain/fmnist-soft-tiny")
     pre.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=3e-4")
-    _add_plan_arguments(pre)
+    add_plan_arguments(pre)
     pre.set_defaults(func=_cmd_pretrain)
 
     train = command(sub, "train", "LiT: train a text tower against a locked image tower")
     train.add_argument("--config", required=True, help="a YAML file, or a shipped config by name, e.g. lit/fmnist-tiny")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. text.layers=4")
-    _add_plan_arguments(train)
+    add_plan_arguments(train)
     train.set_defaults(func=_cmd_train)
 
     embed = command(sub, "embed", "run a locked image tower once over image shards → feature shards "

@@ -28,8 +28,10 @@ from lit_softmoe.data.shards import (
     file_identity,
     is_local_url,
     read_sizes_file,
+    shard_urls,
     split_dir_urls,
 )
+from lit_softmoe.errors import UserError
 
 logger = logging.getLogger(__name__)
 # The tar members webdataset skips (tariterators.tar_file_iterator's `skip_meta` and `meta_prefix`).
@@ -222,6 +224,16 @@ def first_sample_members(url: str) -> set[str]:
     with contextlib.closing(samples):  # the rest of the shard is left unread, its file closed now
         first = next(samples, None)
     return {key for key in first if not key.startswith("__")} if first is not None else set()
+
+
+def require_class_labels(split: str, setting: str) -> None:
+    """One UserError line when the samples of `split` carry no class (`.cls`), judged by its first sample (none
+    for an unreadable shard: its reader counts it). `setting` is what the caller calls the split."""
+    members = first_sample_members(shard_urls(split)[0])
+    if members and "cls" not in members:
+        raise UserError(f"{setting} {split} holds no class labels (its samples have {', '.join(sorted(members))}, "
+                        f"no .cls); point {setting} to a split of labelled images or their features, as "
+                        f"`lit-softmoe data` and `embed` write them, or unset it ({setting}=)")
 
 
 def num_samples(split_dir: str | Path) -> int:

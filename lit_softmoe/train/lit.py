@@ -31,7 +31,7 @@ from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cach
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
 from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
-from lit_softmoe.data.tar_reading import first_sample_members, read_class_members
+from lit_softmoe.data.tar_reading import read_class_members, require_class_labels
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
@@ -362,8 +362,8 @@ def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) ->
         if cfg.unlocked_blocks and split and is_feature_cache(split):
             raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
                             f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
-        if split:
-            _check_class_split(str(split), key)
+        if split:  # read after training: a split without class labels is refused now
+            require_class_labels(str(split), key)
     # The batch splits evenly over processes and micro-batches, or one line says why not.
     micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
     local_batch = cfg.batch_size // accelerator.num_processes
@@ -377,16 +377,6 @@ def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) ->
                         f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
                         "lower batch_size or data.workers, or add data")
     return cached, loader
-
-
-def _check_class_split(split: str, key: str) -> None:
-    """The eval and probe sets are read after training: a split whose samples carry no class (`.cls`) is
-    refused now, from its first sample, not after every step has run."""
-    members = first_sample_members(shard_urls(split)[0])  # none for an unreadable shard: its reader counts it
-    if members and "cls" not in members:
-        raise UserError(f"{key} {split} holds no class labels (its samples have {', '.join(sorted(members))}, no "
-                        f".cls); point {key} to a split of labelled images or their features, as `lit-softmoe data` "
-                        f"and `embed` write them, or unset it ({key}=)")
 
 
 def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower_sha: str,
