@@ -299,7 +299,7 @@ def test_class_column_mistakes_are_one_error_line(tmp_path, capsys, monkeypatch,
     assert not (tmp_path / "out").exists()
 
 
-def _class_table(folder, names) -> Path:
+def _named_rows_table(folder, names) -> Path:
     """A JSONL table of one image per row (images/N.png) and its class name in the column `label`."""
     (folder / "images").mkdir()
     rows = []
@@ -315,7 +315,7 @@ def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path):
     """`café` composed (NFC) in one row and decomposed (NFD) in another, as two systems type it: one class,
     not two classes of one name scored against each other."""
     composed, decomposed = "caf\u00e9", "cafe\u0301"
-    table = _class_table(tmp_path, [composed, decomposed, "dog", decomposed])
+    table = _named_rows_table(tmp_path, [composed, decomposed, "dog", decomposed])
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--out", str(tmp_path / "out")]) == 0
     assert read_classnames(tmp_path / "out") == [composed, "dog"]
@@ -329,7 +329,7 @@ def test_a_class_names_file_in_another_unicode_form_names_the_tables_classes(tmp
     """A --classnames file holding `café` decomposed (NFD): the table's cells, read in NFC, were all skipped as
     "not in the class-names file"."""
     composed, decomposed = "caf\u00e9", "cafe\u0301"
-    table = _class_table(tmp_path, [composed, "dog", decomposed])
+    table = _named_rows_table(tmp_path, [composed, "dog", decomposed])
     (tmp_path / "names.txt").write_text(f"dog\n{decomposed}\n")
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--classnames", str(tmp_path / "names.txt"), "--out", str(tmp_path / "out")]) == 0
@@ -341,7 +341,7 @@ def test_a_class_names_file_in_another_unicode_form_names_the_tables_classes(tmp
 def test_class_cells_that_differ_only_in_letter_case_or_width_are_refused(tmp_path, capsys, other):
     """`Cat` and `cat` (or full-width `ｃａｔ`) became two classes, whose prompts CLIP's tokenizer (it lowercases
     and reads width-variants as ASCII) made identical."""
-    table = _class_table(tmp_path, ["cat", other, "dog"])
+    table = _named_rows_table(tmp_path, ["cat", other, "dog"])
     assert main(["data", "from-table", str(table), "--image-col", "path", "--class-col", "label",
                  "--out", str(tmp_path / "out")]) == 2
     [line] = capsys.readouterr().err.splitlines()
