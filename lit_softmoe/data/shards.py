@@ -397,27 +397,32 @@ def read_classnames_file(path: str | Path) -> list[str] | None:
     return lines
 
 
+# The ways two class names can be one name, each step applied after the ones before it. Names that differ
+# only so would be two classes with one set of prompts (classnames.txt's readers strip each line; CLIP's
+# tokenizer lowercases and reads `ｃａｔ` as `cat`).
+_SAME_NAME_STEPS = (
+    ("in two Unicode forms", lambda name: unicodedata.normalize("NFC", name)),
+    ("but for the spaces around it", str.strip),
+    ("but for letter case or letter width", lambda name: unicodedata.normalize("NFKC", name).casefold()),
+)
+
+
 def class_name_difference(first: str, second: str) -> str | None:
-    """How two class names are one name, in words ("in two Unicode forms", "but for the spaces around it", "but
-    for letter case or letter width"), or None when they are two names. Names that differ only so would be two
-    classes with one set of prompts (classnames.txt's readers strip each line; CLIP's tokenizer lowercases and
-    reads `ｃａｔ` as `cat`)."""
+    """How two class names are one name, in words (`_SAME_NAME_STEPS`), or None when they are two names."""
     if first == second:
         return None
-    steps = (("in two Unicode forms", lambda name: unicodedata.normalize("NFC", name)),
-             ("but for the spaces around it", str.strip),
-             ("but for letter case or letter width", lambda name: unicodedata.normalize("NFKC", name).casefold()))
-    a, b = first, second
-    for words, step in steps:
-        a, b = step(a), step(b)
-        if a == b:
+    for words, step in _SAME_NAME_STEPS:
+        first, second = step(first), step(second)
+        if first == second:
             return words
     return None
 
 
 def class_name_key(name: str) -> str:
-    """What two names that `class_name_difference` takes for one have in common."""
-    return unicodedata.normalize("NFKC", unicodedata.normalize("NFC", name).strip()).casefold()
+    """What two names that `class_name_difference` takes for one have in common: every step applied."""
+    for _, step in _SAME_NAME_STEPS:
+        name = step(name)
+    return name
 
 
 def same_classnames(path: str | Path, classnames: list[str]) -> bool | None:

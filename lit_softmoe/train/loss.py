@@ -51,7 +51,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()  # (world_size·B, D), reduced in place
+        grad = grad.clone(memory_format=torch.contiguous_format)  # (world_size·B, D), reduced in place
         dist.all_reduce(grad)  # summed over processes
         return grad.chunk(dist.get_world_size())[ctx.rank]
 
