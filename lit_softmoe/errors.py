@@ -1,5 +1,6 @@
-"""The one exception type for a user's mistake: the CLI prints its message as one line (exit code 2); and the
-words for an error that is the machine's limit, not a bug (memory ran out), which the CLI says in one line too."""
+"""The one exception type for a user's mistake: the CLI prints its message as one line (exit code
+2); and the words for an error that is the machine's limit, not a bug (memory ran out), which the
+CLI says in one line too."""
 from __future__ import annotations
 
 import re
@@ -29,15 +30,17 @@ _GPU_ALLOCATION = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 
 
 def out_of_memory(error: BaseException) -> str | None:
-    """Words for an error that says memory ran out ("out of memory on the CPU (an allocation of 3.0 GiB
-    failed)"), else None: Python's MemoryError, torch's CPU allocator failing (a RuntimeError that says "can't
-    allocate memory") and CUDA's `torch.OutOfMemoryError`. The caller adds the run's size and its levers."""
+    """Words for an error that says memory ran out ("out of memory on the CPU (an allocation of
+    3.0 GiB failed)"), else None: Python's MemoryError, torch's CPU allocator failing (a RuntimeError
+    that says "can't allocate memory") and CUDA's `torch.OutOfMemoryError`. The caller adds the
+    run's size and its levers."""
     message = str(error)
     if isinstance(error, MemoryError) or "can't allocate memory" in message:
-        found = _CPU_ALLOCATION.search(message)
-        failed = f" (an allocation of {int(found.group(1)) / 2**30:.1f} GiB failed)" if found else ""
-        return f"out of memory on the CPU{failed}"
-    if type(error).__name__ == "OutOfMemoryError" or "CUDA out of memory" in message:
-        found = _GPU_ALLOCATION.search(message)
-        return f"out of memory on the GPU{f' (an allocation of {found.group(1)} failed)' if found else ''}"
-    return None
+        where, found = "CPU", _CPU_ALLOCATION.search(message)
+        size = f"{int(found.group(1)) / 2**30:.1f} GiB" if found else None
+    elif type(error).__name__ == "OutOfMemoryError" or "CUDA out of memory" in message:
+        where, found = "GPU", _GPU_ALLOCATION.search(message)
+        size = found.group(1) if found else None
+    else:
+        return None
+    return f"out of memory on the {where}" + (f" (an allocation of {size} failed)" if size else "")

@@ -1,8 +1,9 @@
-"""One id for the files of a folder that are read together (a tower's config.json and weights, a LiT model's, a
-checkpoint's state.json and tensors): each file carries it (JSON as a key, safetensors in its metadata), so a file
-copied in from another folder of the same kind, which would read as this folder's, is found. Files that cannot
-carry it (an export's tokenizer, card and ONNX graphs) are named by their sha256 in the folder's config.json
-instead (`model_folders.FILES_SHA256`)."""
+"""One id for the files of a folder that are read together (a tower's config.json and weights, a
+LiT model's, a checkpoint's state.json and tensors): each file carries it (JSON as a key,
+safetensors in its metadata), so a file copied in from another folder of the same kind, which
+would read as this folder's, is found. Files that cannot carry it (an export's tokenizer, card and
+ONNX graphs) are named by their sha256 in the folder's config.json instead
+(`model_folders.FILES_SHA256`)."""
 from __future__ import annotations
 
 import uuid
@@ -21,7 +22,8 @@ def new_folder_id() -> str:
 
 
 def _metadata(path: str | Path) -> dict | None:
-    """A safetensors file's metadata ({} without any); None when it does not read (its loader names that)."""
+    """A safetensors file's metadata ({} without any); None when it does not read (its loader
+    names that)."""
     try:
         with safe_open(str(path), framework="pt") as file:
             return file.metadata() or {}
@@ -30,11 +32,13 @@ def _metadata(path: str | Path) -> dict | None:
 
 
 def check_same_folder(config: dict, config_file: Path, weights_file: Path) -> None:
-    """One UserError line when `weights_file` was not written with `config` (read from `config_file`): another
-    folder's weights copied in. A config without an id (written before ids were, or by hand) is not checked."""
+    """One UserError line when `weights_file` was not written with `config` (read from
+    `config_file`): another folder's weights copied in. A config without an id (written before ids
+    were, or by hand) is not checked."""
     expected, metadata = config.get(FOLDER_ID), _metadata(weights_file)
     if expected is None or metadata is None or metadata.get(FOLDER_ID) == expected:
         return
     carries = f"another {FOLDER_ID}" if FOLDER_ID in metadata else f"no {FOLDER_ID}"
-    raise UserError(f"{weights_file} was not written with the {Path(config_file).name} beside it (it carries "
-                    f"{carries}: a file copied in from another folder); copy the whole folder again, or write it anew")
+    raise UserError(f"{weights_file} was not written with the {Path(config_file).name} beside it "
+                    f"(it carries {carries}: a file copied in from another folder); copy the whole "
+                    "folder again, or write it anew")
