@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lit_softmoe.data.images import jpeg_min_side
-from lit_softmoe.data.transforms import eval_transform
+from lit_softmoe.data.transforms import image_transform
 from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import (
     EXPORT_CONFIG,
@@ -38,6 +38,7 @@ from lit_softmoe.model_folders import (
 from lit_softmoe.models.export_weights import WEIGHTS_FILES, load_export_weights
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.timm_tower import fill_computed_buffers
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
@@ -118,36 +119,26 @@ def _find_tower(recorded: str) -> Path:
                     "run's tower/ folder back there")
 
 
-def preprocess_spec(tower_cfg: dict, preprocess: dict | None) -> dict:
-    """Everything `eval_transform` does, spelled out so a reader without torch can redo it."""
-    if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
-        raise UserError("the tower's config.json has no preprocess entry (image_size, mean, std); "
-                        "re-save it with `lit-softmoe pretrain`")
-    channels, size = int(tower_cfg["in_channels"]), int(preprocess["image_size"])
-
-    def per_channel(values) -> list[float]:
-        values = [float(values)] if isinstance(values, (int, float)) else [float(v) for v in values]
-        return values * channels if len(values) == 1 else values
-
-    # Optional: pretraining records the decode it trained with; a tower without one (`convert`'s) decodes in full.
-    decode = preprocess.get("decode", "full")
-    return {"image_size": size, "channels": channels, "mode": "L" if channels == 1 else "RGB",
+def preprocess_spec(preprocess: Preprocess) -> dict:
+    """Everything the tower's `image_transform` does, spelled out so a reader without torch can redo it."""
+    return {"image_size": preprocess.image_size, "channels": preprocess.channels, "mode": preprocess.mode,
             # reduced: PIL's image.draft(image.mode, (jpeg_min_side,) * 2) on an opened JPEG whose shorter
             # side is at least 2 × jpeg_min_side, before anything loads it (libjpeg's DCT scaling).
-            "decode": decode, "jpeg_min_side": jpeg_min_side(decode, size),
+            "decode": preprocess.decode, "jpeg_min_side": jpeg_min_side(preprocess.decode, preprocess.image_size),
             "resize": "shorter side to image_size, bilinear, antialiased", "crop": "center",
-            "scale": "pixel / 255", "mean": per_channel(preprocess["mean"]), "std": per_channel(preprocess["std"]),
+            "scale": "pixel / 255", "mean": list(preprocess.mean), "std": list(preprocess.std),
             # RGB → gray for 1-channel towers: PIL's convert("L") (exact on gray content).
             "gray": "PIL convert('L')"}
 
 
-def make_preprocess(spec: dict):
-    """PIL image → normalized float32 (C, H, W): the tower's eval transform (RGB ↔ gray converted).
+def make_preprocess(spec: dict, source: str | Path = "the export's config.json"):
+    """PIL image → normalized float32 (C, H, W): the tower's `image_transform` (RGB ↔ gray converted)
+    from its description (`preprocess_spec`).
 
     With "decode": "reduced", a JPEG given as opened by `PIL.Image.open` (not yet loaded) is decoded at a
     reduced scale, as embed and eval decoded it; an image already loaded is taken as it is.
     """
-    return eval_transform(spec["image_size"], spec["channels"], spec["mean"], spec["std"], decode=spec["decode"])
+    return image_transform(Preprocess.from_settings(spec, spec.get("channels"), source))
 
 
 def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str, info: dict) -> None:
@@ -235,7 +226,8 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
              "loss": loss, "image_head": image_head, "image_tower_sha256": sha, "tower_dir": str(tower_dir),
              "tower_meta": tower_meta, "step": step,
              "checkpoint": str(source.path) if source.kind == "checkpoint" else None,
-             "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
+             "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta, tower.cfg.in_channels,
+                                                               tower_dir / TOWER_CONFIG))}
     return model.eval(), facts
 
 
@@ -316,7 +308,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", precis
     model.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower_cfg, "preprocess": preprocess_spec,
                              "tokenizer": getattr(model.text_tower, "tokenizer_spec", None)}
-    return model, make_preprocess(preprocess_spec), tokenizer
+    return model, make_preprocess(preprocess_spec, source.path), tokenizer
 
 
 def create_model_from_pretrained(path: str | Path, device: str | torch.device = "cpu", precision: str = "auto"):
@@ -352,7 +344,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"
     elif source.kind == "tower":
         tower, meta = load_tower(source.path)
-        spec = preprocess_spec(tower.cfg.to_dict(), meta.get("preprocess"))
+        spec = preprocess_spec(Preprocess.of_tower(meta, tower.cfg.in_channels, source.path / TOWER_CONFIG))
         sha, kind = tower_fingerprint(source.path)["tower_sha256"], "run"
     else:
         model, facts = load_run_pair(source)
@@ -361,6 +353,6 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
     tower = prepare_for_inference(tower.to(device), dtype=inference_dtype(precision, device))
     tower.pretrained_info = {"source": str(path), "kind": kind, "image_tower_sha256": sha,
                              "image_tower": tower.cfg.to_dict(), "preprocess": spec}
-    return tower, make_preprocess(spec)
+    return tower, make_preprocess(spec, source.path)
 
 

@@ -42,8 +42,9 @@ from lit_softmoe.data.feature_cache import feature_sample, npy_bytes, write_feat
 from lit_softmoe.data.shard_batches import ShardBatches  # noqa: E402
 from lit_softmoe.data.shards import is_safe_key, shard_urls, write_split  # noqa: E402
 from lit_softmoe.data.tar_reading import listed_sizes
-from lit_softmoe.data.transforms import pixels_and_normalization, preprocess_transform  # noqa: E402
+from lit_softmoe.data.transforms import BatchNormalize, image_transform, pixel_transform  # noqa: E402
 from lit_softmoe.models.inference import prepare_for_inference  # noqa: E402
+from lit_softmoe.models.preprocess import Preprocess  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
@@ -67,8 +68,9 @@ def _ceiling(tower, device: torch.device, batch: int, image_size: int, channels:
 
 def _normalization_matches(jpegs: list[bytes], preprocess: dict, channels: int, device: torch.device) -> bool:
     """Whether embed's uint8 batches normalized on `device` are bitwise the tower's whole transform on the CPU."""
-    transform = preprocess_transform(preprocess, channels)
-    pixels, normalize = pixels_and_normalization(transform)
+    described = Preprocess.from_settings(preprocess, channels, "the benchmark's tower")
+    transform, pixels, normalize = (image_transform(described), pixel_transform(described),
+                                    BatchNormalize(described))
     expected = torch.stack([transform(PIL.Image.open(io.BytesIO(data))) for data in jpegs])
     with torch.inference_mode():
         got = normalize(torch.stack([pixels(PIL.Image.open(io.BytesIO(data))) for data in jpegs]).to(device))
@@ -83,7 +85,8 @@ def _loop_before(tower, device: torch.device, shards: str, out: Path, batch: int
     alone. Same shards, tower, workers, DataLoader and shard writing as embed; its shards go to `out`."""
     urls = shard_urls(shards)
     todo = list(enumerate(urls))
-    dataset = ShardBatches(todo, "image-caption", preprocess_transform(preprocess, channels), batch,
+    transform = image_transform(Preprocess.from_settings(preprocess, channels, "the benchmark's tower"))
+    dataset = ShardBatches(todo, "image-caption", transform, batch,
                            listed_sizes(urls) or {}, with_cls=False)
     loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=min(workers, len(todo)),
                         pin_memory=device.type == "cuda")

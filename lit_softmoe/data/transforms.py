@@ -1,5 +1,9 @@
 """Image preprocessing: per-image torchvision v2 pipelines, and batch versions on in-memory tensors.
 
+A tower's own preprocessing (`models.preprocess.Preprocess`) gives two halves: `pixel_transform`
+(image → uint8 pixels, in loader workers) and `BatchNormalize` (uint8 batch → float32 input, where
+the tower runs); `image_transform` is the two image by image, for code that takes one image at a time.
+
 Per-image (`eval_transform`, `train_transform`): for streamed shards, as open_clip's
 `image_transform` (resize + center crop to eval; random-resized crop to train), plus the channel
 conversion a tower needs (grayscale ↔ RGB; palette and alpha images are converted in PIL first)
@@ -7,16 +11,14 @@ and, for tiny 28×28 sets, the CIFAR-style "pad and random crop" instead of a ra
 
 Per-batch (`batch_augment`, `normalize_batch`): pretraining keeps a small set such as
 Fashion-MNIST in memory as uint8 (N, C, H, W) and augments a whole batch with one gather, drawing
-its randomness from a torch.Generator so a run is repeatable — per-image transforms in Python
-would cost more than the tiny model's step on 2 CPU cores. `normalize_batch` is the one
-normalization of uint8 batches (pretraining, embed, the benchmarks), where the tower runs, bitwise
-the transforms' own last two steps.
+its randomness from a torch.Generator so a run is repeatable (per-image transforms in Python would
+cost more than a tiny model's step). `normalize_batch` is the one normalization of uint8 batches,
+bitwise the per-image transforms' own last two steps.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import PIL.Image
 import torch
@@ -24,6 +26,9 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from lit_softmoe.data.images import decode, jpeg_min_side, upright_l_or_rgb
+
+if TYPE_CHECKING:  # the description is plain data; importing the models package costs seconds
+    from lit_softmoe.models.preprocess import Preprocess
 
 # ITU-R 601-2 luma, the weights PIL's convert("L") and torchvision's Grayscale use.
 _LUMA_WEIGHTS = (0.299, 0.587, 0.114)
@@ -197,31 +202,39 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
     ])
 
 
-def preprocess_transform(preprocess: dict, in_channels: int) -> v2.Compose:
-    """The eval transform a tower folder's "preprocess" ({image_size, mean, std, decode}) describes.
-
-    Embedding, LiT on the fly, eval and a loaded model's `preprocess` all build theirs here, so they
-    decode alike; a dict without "decode" (written before the setting existed) decodes in full.
-    """
-    return eval_transform(preprocess["image_size"], in_channels, preprocess["mean"], preprocess["std"],
-                          decode=preprocess.get("decode", "full"))
+def pixel_transform(preprocess: Preprocess) -> v2.Compose:
+    """Image → uint8 (C, H, W) pixels, as `preprocess` prepares them for its tower (before the
+    normalization): the steps loader workers run, sending a quarter of float32's bytes through shared
+    memory, pinning and the copy to the GPU; `BatchNormalize` then runs where the tower runs."""
+    return eval_transform(preprocess.image_size, preprocess.channels, decode=preprocess.decode,
+                          normalize=False)
 
 
-def pixels_and_normalization(transform: v2.Compose) -> tuple[v2.Compose, Callable[[torch.Tensor], torch.Tensor]]:
-    """The tower's eval transform cut before its float steps: (image → uint8 (C, H, W) pixels, normalization
-    of a uint8 batch: `normalize_batch` with the transform's mean and std).
+def image_transform(preprocess: Preprocess) -> v2.Compose:
+    """Image → normalized float32 (C, H, W): `pixel_transform`'s steps, then the normalization, image
+    by image (bitwise `BatchNormalize` of the pixels). For readers that hand images one at a time to
+    code that is not ours: a loaded model's `preprocess`, the eval suite's loaders."""
+    return eval_transform(preprocess.image_size, preprocess.channels, preprocess.mean,
+                          preprocess.std, decode=preprocess.decode)
 
-    Loader workers can run the first part and send uint8 batches: a quarter of float32's bytes through
-    shared memory, pinning and the copy to the GPU. The normalization runs on the batch where the tower
-    runs, bitwise as the transform's own steps (`normalize_batch`), so the tower sees the pixels the whole
-    transform gives image by image (as eval and LiT see them).
-    """
-    steps = transform.transforms
-    if len(steps) < 3 or not isinstance(steps[-2], v2.ToDtype) or not isinstance(steps[-1], v2.Normalize) \
-            or steps[-2].dtype != torch.float32 or not steps[-2].scale:
-        raise ValueError(f"expected an eval transform ending in ToDtype(float32, scale=True) and Normalize, "
-                         f"got {transform}")
-    return v2.Compose(steps[:-2]), partial(normalize_batch, mean=steps[-1].mean, std=steps[-1].std)
+
+class BatchNormalize:
+    """uint8 (N, C, H, W) batch → the tower's float32 input, on the batch's device: `normalize_batch`
+    with the preprocessing's mean and std, which are copied to each device once, not per batch."""
+
+    def __init__(self, preprocess: Preprocess):
+        self.mean, self.std = preprocess.mean, preprocess.std
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.device not in self._on_device:
+            self._on_device[images.device] = (_channel_values(self.mean, images.device),
+                                              _channel_values(self.std, images.device))
+        mean, std = self._on_device[images.device]
+        return normalize_batch(images, mean, std)
+
+    def __repr__(self) -> str:
+        return f"BatchNormalize(mean={self.mean}, std={self.std})"
 
 
 def train_transform(

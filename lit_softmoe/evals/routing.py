@@ -204,8 +204,9 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
         num_slots: draw the first `num_slots` slots of that block.
     Returns the report written to `out_png` with suffix .json.
     """
-    from lit_softmoe.data.transforms import preprocess_transform
-    from lit_softmoe.models.tower_folder import load_tower, resolution_change
+    from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
+    from lit_softmoe.models.preprocess import Preprocess
+    from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower, resolution_change, tower_folder
 
     _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
     tower, meta = load_tower(tower_dir)
@@ -222,14 +223,11 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
         raise UserError(f"block {layer} has a dense MLP, not a Soft MoE layer; choose one of {blocks}")
     if num_slots < 1:
         raise UserError(f"--slots must be at least 1, got {num_slots}")
-    pre = meta.get("preprocess") or {}
-    if not {"image_size", "mean", "std"} <= set(pre):
-        raise UserError(f"{tower_dir}/config.json has no \"preprocess\" with image_size, mean and std; "
-                        "save the tower as pretraining does")
+    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels, tower_folder(tower_dir) / TOWER_CONFIG)
 
     image_path = Path(image_path)
-    transform = preprocess_transform(pre, tower.cfg.in_channels)
-    pixels = _read_image(image_path, transform).unsqueeze(0)  # (1, c, h, w)
+    seen = _read_image(image_path, pixel_transform(preprocess))  # uint8 (c, h, w): what the tower sees
+    pixels = BatchNormalize(preprocess)(seen.unsqueeze(0))  # (1, c, h, w), the tower's input
     routing = capture_routing(tower, pixels)
     with torch.no_grad():
         logits = tower(pixels)[0]
@@ -238,9 +236,6 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     dispatch = routing[layer][0][0].flatten(1)  # (m, S)
     slots = list(range(min(num_slots, dispatch.shape[1])))
     grid = (pixels.shape[2] // tower.cfg.patch_size, pixels.shape[3] // tower.cfg.patch_size)
-    mean = torch.tensor(pre["mean"], dtype=torch.float32).view(-1, 1, 1)
-    std = torch.tensor(pre["std"], dtype=torch.float32).view(-1, 1, 1)
-    seen = pixels[0] * std + mean  # undo the normalization: the image as the tower saw it
     prediction = None
     classnames = meta.get("classnames")
     if tower.cfg.num_classes and classnames and len(classnames) == tower.cfg.num_classes:
@@ -253,9 +248,9 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     # The figure and its statistics are one pair: an earlier run's report goes before the new figure takes its
     # name, so a kill between the two renames leaves a figure without statistics, never another image's.
     Path(out_png).with_suffix(".json").unlink(missing_ok=True)
-    size = plot_routing(seen, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
+    size = plot_routing(seen.float() / 255, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
     report = {"tower": str(tower_dir), "image": str(image_path), "plotted": {"block": layer, "slots": slots,
               "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers,
-              "resolution_change": resolution_change(tower, pre)}
+              "resolution_change": resolution_change(tower, meta["preprocess"])}
     write_text_atomic(Path(out_png).with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     return report

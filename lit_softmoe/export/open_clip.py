@@ -37,6 +37,7 @@ import torch
 
 from lit_softmoe.models.export_weights import IMAGE_EXTRA_WEIGHTS, OPEN_CLIP_WEIGHTS, open_clip_name
 from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.preprocess import per_channel
 from lit_softmoe.models.text import OpenClipTextTower
 from lit_softmoe.models.timm_config import timm_model_spec
 from lit_softmoe.models.timm_tower import TimmTower
@@ -110,11 +111,9 @@ def open_clip_config(model: LiTModel, preprocess: dict) -> dict:
     if model.logit_bias is not None:
         model_cfg["init_logit_bias"] = float(model.logit_bias.detach())
 
-    def rgb(values: list[float]) -> list[float]:
-        return values * 3 if len(values) == 1 else values
-
-    preprocess_cfg = {"size": preprocess["image_size"], "mode": "RGB", "mean": rgb(preprocess["mean"]),
-                      "std": rgb(preprocess["std"]), "interpolation": "bilinear", "resize_mode": "shortest"}
+    preprocess_cfg = {"size": preprocess["image_size"], "mode": "RGB",  # a gray tower's: RGB → luma
+                      "mean": list(per_channel(preprocess["mean"], 3)), "std": list(per_channel(preprocess["std"], 3)),
+                      "interpolation": "bilinear", "resize_mode": "shortest"}
     config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
     if not isinstance(tower, TimmTower):  # open_clip reads the two keys above and passes over any other
         config["note"] = (f"vision_cfg.timm_model_name {name} is lit-softmoe's tower: timm knows it once `import "

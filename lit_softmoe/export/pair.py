@@ -79,10 +79,11 @@ from lit_softmoe.model_folders import (
     require_keys,
 )
 from lit_softmoe.models.export_weights import OPEN_CLIP, OPEN_CLIP_WEIGHTS, OURS
+from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.timm_tower import TimmTower, is_timm_tower_config
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
-from lit_softmoe.models.tower_folder import load_tower
+from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
 from lit_softmoe.utils.hashing import file_sha256, weights_sha256
@@ -152,7 +153,8 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                             "runs trained against it")
         model = None
         facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
-                 "preprocess": preprocess_spec(tower.cfg.to_dict(), tower_meta.get("preprocess"))}
+                 "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta, tower.cfg.in_channels,
+                                                                   source.path / TOWER_CONFIG))}
         tower.eval().requires_grad_(False)
     else:
         model, facts = load_run_pair(source)

@@ -18,6 +18,7 @@ import binascii
 import json
 from dataclasses import replace
 
+from lit_softmoe.models.preprocess import per_channel
 from lit_softmoe.models.vit import ViTConfig
 
 # vmoe's input pipelines (and timm's vit_* weights) map pixels to [-1, 1]: mean = std = 0.5.
@@ -41,13 +42,10 @@ def timm_pretrained_cfg(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
     preprocess = preprocess or {}
     size = int(preprocess.get("image_size", cfg.image_size))
     grid = size // cfg.patch_size
-    # A preprocess may give one number for all channels (0.5, [0.5]) or one per channel.
-    mean, std = (preprocess.get(key, DEFAULT_MEAN_STD) for key in ("mean", "std"))
-    mean, std = ([value] if isinstance(value, (int, float)) else list(value) for value in (mean, std))
-    mean, std = (value * cfg.in_channels if len(value) == 1 else value for value in (mean, std))
+    mean, std = (per_channel(preprocess.get(key, DEFAULT_MEAN_STD), cfg.in_channels) for key in ("mean", "std"))
     return dict(num_classes=cfg.num_classes, input_size=(cfg.in_channels, size, size), pool_size=(grid, grid),
                 crop_pct=1.0, crop_mode="center", interpolation="bilinear", fixed_input_size=False,
-                mean=tuple(mean), std=tuple(std), first_conv="patch_embed", classifier="head",
+                mean=mean, std=std, first_conv="patch_embed", classifier="head",
                 license="apache-2.0")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.preprocess import check_settings, require_settings
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.timm_tower import (
     TimmTower,
@@ -171,38 +171,9 @@ def read_tower_meta(path: str | Path) -> dict:
                         "is damaged: save or copy it again")
     if "preprocess" in meta:
         tower = meta.get("tower") if isinstance(meta.get("tower"), dict) else {}
-        check_preprocess(meta["preprocess"], tower.get("in_channels"), config_file)
+        check_settings(meta["preprocess"], tower.get("in_channels"), config_file)
     check_same_folder(meta, config_file, path / TOWER_WEIGHTS)  # not another tower's weights copied in
     return meta
-
-
-def check_preprocess(preprocess, channels: int | None, source: str | Path) -> None:
-    """One UserError line, naming `source` and the key, for a "preprocess" entry no image could go through:
-    "image_size" not a positive whole number; "mean" or "std" not a number or a list of one number or one per
-    channel of the tower; a std of 0 or below (it made every embedding non-finite, blamed on the shards). Keys
-    left out are left to the readers that need them (`tower_fingerprint` asks for all three)."""
-    def refuse(what: str) -> None:
-        raise UserError(f"{source}: preprocess{what}; the tower folder is damaged or was edited by hand: save it "
-                        "again, or correct the key")
-
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    if not isinstance(preprocess, dict):
-        refuse(f" is a {type(preprocess).__name__}, not {{image_size, mean, std}}")
-    size = preprocess.get("image_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        refuse(f".image_size is {size!r}, not a whole number of pixels")
-    for key in ("mean", "std"):
-        if key not in preprocess:
-            continue
-        values = preprocess[key] if isinstance(preprocess[key], list) else [preprocess[key]]
-        if not values or not all(number(v) for v in values):
-            refuse(f".{key} is {preprocess[key]!r}, not a number or a list of numbers")
-        if isinstance(channels, int) and len(values) not in (1, channels):
-            refuse(f".{key} has {len(values)} values, but the tower takes {channels} channel(s)")
-        if key == "std" and any(v <= 0 for v in values):
-            refuse(f".std is {preprocess[key]!r}: each must be above 0 (pixels are divided by it)")
 
 
 def resolution_change(tower: VisionTransformer | TimmTower, preprocess: dict) -> str | None:
@@ -255,9 +226,7 @@ def tower_fingerprint(tower_dir: str | Path) -> dict:
     tower_dir = tower_folder(tower_dir)
     meta = read_tower_meta(tower_dir)
     preprocess = meta.get("preprocess")
-    if not isinstance(preprocess, dict) or not {"image_size", "mean", "std"} <= set(preprocess):
-        raise UserError(f"{tower_dir / TOWER_CONFIG} has no \"preprocess\" with image_size, mean and std; save the "
-                        "tower with save_tower(..., extra={\"preprocess\": {...}}) as pretraining does")
+    require_settings(preprocess, tower_dir / TOWER_CONFIG)
     return {"tower_sha256": safetensors_weights_sha256(tower_dir / TOWER_WEIGHTS), "tower": meta.get("tower"),
             "preprocess": preprocess}
 

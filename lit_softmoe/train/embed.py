@@ -60,10 +60,11 @@ from lit_softmoe.data.feature_cache import (
 from lit_softmoe.data.shard_batches import ShardBatches
 from lit_softmoe.data.shards import dataset_dir, shard_urls, split_name
 from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
-from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalization, preprocess_transform
+from lit_softmoe.data.transforms import BatchNormalize, decode_min_side, pixel_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.tower_folder import load_tower, resolution_change
+from lit_softmoe.models.preprocess import Preprocess
+from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower, resolution_change, tower_folder
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
 from lit_softmoe.utils.distributed import process_rank
@@ -229,16 +230,16 @@ def _embed_job(job: _EmbedJob) -> dict:
     # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
     # deterministic output.
     tower = prepare_for_inference(tower, dtype=job.weights, compile=compiled)
-    preprocess = meta["preprocess"]
-    transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
-    pixels, normalize = pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
+    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels, tower_folder(job.tower_dir) / TOWER_CONFIG)
+    pixels = pixel_transform(preprocess)  # uint8 from the workers (its decode too, as eval and LiT)
+    normalize = BatchNormalize(preprocess)  # on `device`
     workers = min(available_cpus(), len(todo)) if job.workers is None else min(job.workers, len(todo))
     gpu_decoder = None
     if job.decoder == "gpu":
         gpu_decoder = gpu_jpeg.JpegBatchDecoder(
-            job.device, preprocess["image_size"], tower.cfg.in_channels,
+            job.device, preprocess.image_size, tower.cfg.in_channels,
             host_decode=lambda data: pixels(PIL.Image.open(io.BytesIO(data))),
-            min_side=decode_min_side(transform))  # the tower's reduced decode, mimicked there
+            min_side=decode_min_side(pixels))  # the tower's reduced decode, mimicked there
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in job.members and "txt" not in job.members
@@ -247,7 +248,7 @@ def _embed_job(job: _EmbedJob) -> dict:
               f"{'bf16' if job.weights == torch.bfloat16 else 'fp32'} weights, "
               f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
               f"JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} ({job.decoder_why})"
-              + (f", {resized}" if (resized := resolution_change(tower, preprocess)) else ""),
+              + (f", {resized}" if (resized := resolution_change(tower, meta["preprocess"])) else ""),
               file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not job.progress or job.rank != 0, dynamic_ncols=True)

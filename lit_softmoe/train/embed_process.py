@@ -66,7 +66,7 @@ def embed_this_process_shards(todo: list[tuple[int, str]], work_dir: Path, datas
     """Embed the source shards in `todo`, writing each feature shard to `work_dir` as it completes.
 
     `dataset` yields uint8 pixels (or packed JPEGs, which `gpu_decoder` decodes on `device`); `normalize`
-    (`pixels_and_normalization`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
+    (`transforms.BatchNormalize`) turns them into the tower's input on `device`; `pad_to`: see `_embed_batch`.
     Batches are put on the device by a thread ahead of the tower (`DevicePrefetcher`); one stays queued
     on the device while the previous one's features are written.
 

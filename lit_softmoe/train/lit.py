@@ -32,16 +32,23 @@ from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
 from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
 from lit_softmoe.data.tar_reading import read_class_members, require_class_labels
-from lit_softmoe.data.transforms import preprocess_transform
+from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.evals.probes import linear_probe
 from lit_softmoe.metadata import check_templates
 from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
-from lit_softmoe.models.tower_folder import load_tower, resolution_change, tower_fingerprint, tower_folder
+from lit_softmoe.models.tower_folder import (
+    TOWER_CONFIG,
+    load_tower,
+    resolution_change,
+    tower_fingerprint,
+    tower_folder,
+)
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.loop import (
     LogWindow,
@@ -64,13 +71,6 @@ from lit_softmoe.utils.distributed import is_main_process
 from lit_softmoe.utils.folder_identity import FOLDER_ID, new_folder_id
 
 _log = logging.getLogger(__name__)
-
-
-def _image_transform(meta: dict, in_channels: int):
-    pre = meta.get("preprocess") or {}
-    if "mean" not in pre:
-        raise UserError("the tower's config.json has no preprocess entry; re-save it with `lit-softmoe pretrain`")
-    return preprocess_transform(pre, in_channels)
 
 
 def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
@@ -118,7 +118,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
 
 
 @torch.inference_mode()
-def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, accelerator):
+def _class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Preprocess, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
         check_feature_caches(split, cfg.image_tower)
@@ -126,21 +126,22 @@ def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, acce
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
     else:
-        loader = _shard_loader(cfg, split, "image-class", 256, transform=transform, exact=True)
+        loader = _shard_loader(cfg, split, "image-class", 256, transform=pixel_transform(preprocess),
+                               exact=True)
         loader.set_epoch(0)
-        batches = []
+        normalize, batches = BatchNormalize(preprocess), []
         for b in loader:
             with accelerator.autocast():
-                batches.append((model.image_tower.forward_pooled(b["image"].to(accelerator.device)).float().cpu(),
-                                b["label"]))
+                pixels = normalize(b["image"].to(accelerator.device))
+                batches.append((model.image_tower.forward_pooled(pixels).float().cpu(), b["label"]))
     return torch.cat([features for features, _ in batches]).float(), torch.cat([labels for _, labels in batches])
 
 
-def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, transform, accelerator) -> dict:
+def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, preprocess, accelerator) -> dict:
     if not model.image_tower_locked:
         # The tower's last blocks train: features computed earlier would score the current text
         # tower against an older image tower, so the eval images go through the current one.
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, eval_set["split"], model, transform,
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, eval_set["split"], model, preprocess,
                                                                    accelerator)
     model.eval()
     with torch.no_grad(), accelerator.autocast():
@@ -151,7 +152,7 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, t
     return {f"zeroshot_{k}": v for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
 
 
-def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
+def _setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
     if not cfg.eval.shards:
         return None
     split = str(cfg.eval.shards)
@@ -173,7 +174,7 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
         raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
     check_templates(eval_set["templates"], str(templates))  # now, not after training
     if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, transform, accelerator)
+        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, preprocess, accelerator)
         largest = int(eval_set["labels"].max())
     else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
         labels = [label for raw in read_class_members(shard_urls(split)).values()
@@ -263,7 +264,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
     model.hold_locked_image_in(tower_dtype)  # a partly unlocked tower's locked part (a locked one is cast already)
     model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
-    transform = _image_transform(meta, model.image_tower.cfg.in_channels)
+    preprocess = Preprocess.of_tower(meta, model.image_tower.cfg.in_channels,
+                                     tower_folder(cfg.image_tower) / TOWER_CONFIG)
     # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
     # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
@@ -280,7 +282,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
-    cached, loader = _setup_train_data(cfg, run, transform, tokenizer)
+    cached, loader = _setup_train_data(cfg, run, preprocess, tokenizer)
     run.steps_per_epoch = len(loader)
     run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
     if not sharded:  # a sharded model is on the device already
@@ -290,7 +292,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
-    eval_set = _setup_eval(cfg, plain if sharded else model, transform, accelerator) if is_main else None
+    eval_set = _setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main else None
 
     # ---- resume
     checkpoint_meta, latest = resume(run, model, optimizer, skip_prefixes=frozen)
@@ -320,9 +322,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
 
     def evaluate() -> dict | None:
         return _zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
-                                              transform)
+                                              preprocess)
 
-    steps = _step_functions(cfg, run, model, model_module, loader, cached, epoch_start,
+    normalize = None if cached else BatchNormalize(preprocess)  # uint8 pixels from the workers
+    steps = _step_functions(cfg, run, model, model_module, loader, normalize, epoch_start,
                             {"image_tower_sha256": tower_sha, "model": description}, evaluate)
     train(run, model, model_module, optimizer, _train_batches(loader, run, epoch_start), steps,
           desc="lit", eval_every=cfg.eval.every if cfg.eval.shards else 0, skip_prefixes=frozen)
@@ -339,7 +342,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
         raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
     if is_main:
-        probe_skipped = _final_evaluation(cfg, run, model_module, eval_set, tokenizer, transform,
+        probe_skipped = _final_evaluation(cfg, run, model_module, eval_set, tokenizer, preprocess,
                                           results) or probe_skipped
         if probe_skipped:
             _log.warning(probe_skipped)
@@ -349,7 +352,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                       title=f"LiT {cfg.text.kind} text tower")
 
 
-def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) -> tuple:
+def _setup_train_data(cfg: LiTConfig, run: TrainingRun, preprocess: Preprocess, tokenizer) -> tuple:
     """(whether data.train holds cached features, the training loader), the splits checked first."""
     accelerator = run.accelerator
     cached = is_feature_cache(cfg.data.train)
@@ -368,7 +371,7 @@ def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) ->
     micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
     local_batch = cfg.batch_size // accelerator.num_processes
     loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else transform, tokenizer=tokenizer,
+                           transform=None if cached else pixel_transform(preprocess), tokenizer=tokenizer,
                            pin_memory=accelerator.device.type == "cuda")
     if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
         # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
@@ -415,12 +418,13 @@ def _train_batches(loader, run: TrainingRun, epoch_start: dict):
 
 
 def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTModel, loader,
-                    cached: bool, epoch_start: dict, checkpoint_identity: dict,
+                    normalize: BatchNormalize | None, epoch_start: dict, checkpoint_identity: dict,
                     evaluate) -> StepFunctions:
     """LiT's part of each step (`loop.StepFunctions`): `model` runs the step (possibly
-    DDP-wrapped), `model_module` is the plain LiTModel under it. `checkpoint_identity`: what every
+    DDP-wrapped), `model_module` is the plain LiTModel under it. `normalize`: the image batches'
+    normalization on the device, None for cached features. `checkpoint_identity`: what every
     checkpoint records of the towers (checked by `_check_checkpoint` on resume)."""
-    accelerator = run.accelerator
+    accelerator, cached = run.accelerator, normalize is None
     last_outputs: list = []  # the step's last forward outputs: (zimg, ztxt, logit_scale, ...)
 
     def embed(micro_batch):  # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
@@ -437,6 +441,7 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
     def forward_backward(batch) -> torch.Tensor:
         text = batch["text"].to(accelerator.device, non_blocking=True)
         images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
+        images = images if cached else normalize(images)
         # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's
         # recompute scheme).
         micro_batches = split_batch((images, text), cfg.accum_steps)
@@ -466,25 +471,25 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
 
 
 def _zeroshot_eval_during_training(cfg: LiTConfig, run: TrainingRun, model_module: LiTModel, plain,
-                                   eval_set, tokenizer, transform) -> dict | None:
+                                   eval_set, tokenizer, preprocess) -> dict | None:
     """Called on every process: a sharded model is gathered into the main process's plain copy first
     (a collective); the main process alone scores it."""
     eval_model = gather_into(plain, model_module) if run.sharded else model_module
     if not run.is_main:
         return None
-    return _zeroshot_eval(cfg, eval_model, eval_set, tokenizer, transform, run.accelerator)
+    return _zeroshot_eval(cfg, eval_model, eval_set, tokenizer, preprocess, run.accelerator)
 
 
 def _final_evaluation(cfg: LiTConfig, run: TrainingRun, model: LiTModel, eval_set: dict | None,
-                      tokenizer, transform, results: dict) -> str | None:
+                      tokenizer, preprocess, results: dict) -> str | None:
     """Main process: the zero-shot scores and the linear probe into `results` and metrics.jsonl;
     → why the probe was skipped, if it was for want of samples."""
     if eval_set is None:
         return None
     probe_skipped = None
-    results.update(_zeroshot_eval(cfg, model, eval_set, tokenizer, transform, run.accelerator))
+    results.update(_zeroshot_eval(cfg, model, eval_set, tokenizer, preprocess, run.accelerator))
     if cfg.eval.probe_train:
-        train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model, transform,
+        train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model, preprocess,
                                                        run.accelerator)
         if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
             probe_skipped = (f"the linear probe is skipped: eval.probe_train {cfg.eval.probe_train} holds "

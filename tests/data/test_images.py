@@ -28,10 +28,11 @@ from lit_softmoe.data.shards import write_split
 from lit_softmoe.data.transforms import (
     decode_min_side,
     eval_transform,
-    preprocess_transform,
+    image_transform,
     to_l_or_rgb,
     train_transform,
 )
+from lit_softmoe.models.preprocess import Preprocess
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "scripts" / "onnx_example.py"
 RAMP8 = np.tile(np.linspace(0, 255, 16).round().astype(np.uint8), (12, 1))  # (12, 16): every 17th level
@@ -320,10 +321,13 @@ def test_a_transform_says_how_readers_must_decode_for_it():
 def test_preprocess_dicts_without_a_decode_key_decode_in_full():
     data = _large_jpeg()
     old = {"image_size": 64, "mean": [0.5], "std": [0.5]}  # a tower folder written before the setting
-    assert decode_min_side(preprocess_transform(old, 3)) is None
-    assert decode_min_side(preprocess_transform({**old, "decode": "reduced"}, 3)) == 128
+    def transform(settings: dict):
+        return image_transform(Preprocess.from_settings(settings, 3, "test"))
+
+    assert decode_min_side(transform(old)) is None
+    assert decode_min_side(transform({**old, "decode": "reduced"})) == 128
     lazy = lambda: PIL.Image.open(io.BytesIO(data))  # noqa: E731
-    full, reduced = preprocess_transform(old, 3)(lazy()), preprocess_transform({**old, "decode": "reduced"}, 3)(lazy())
+    full, reduced = transform(old)(lazy()), transform({**old, "decode": "reduced"})(lazy())
     assert torch.equal(full, eval_transform(64, 3, 0.5, 0.5)(open_image(data)))
     assert torch.equal(reduced, eval_transform(64, 3, 0.5, 0.5)(open_image(data, 128)))
     assert not torch.equal(full, reduced)  # the reduced decode was used

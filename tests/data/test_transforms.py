@@ -7,13 +7,16 @@ import torch
 from torchvision.transforms import v2
 
 from lit_softmoe.data.transforms import (
+    BatchNormalize,
     batch_augment,
     eval_transform,
+    image_transform,
     match_channels,
     normalize_batch,
-    pixels_and_normalization,
+    pixel_transform,
     train_transform,
 )
+from lit_softmoe.models.preprocess import Preprocess
 
 
 def test_eval_transform_shapes_values_and_channels():
@@ -109,10 +112,11 @@ def test_normalize_batch_is_bitwise_the_transforms_last_two_steps_in_any_memory_
     streamed one) as on a contiguous one, with mean and std given as values or as (C, 1, 1) tensors."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (4, 3, 20, 20), dtype=torch.uint8, generator=generator)
-    transform = eval_transform(20, 3, mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3))
-    pixels, normalize = pixels_and_normalization(transform)
+    preprocess = Preprocess(20, 3, mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3))
+    transform = image_transform(preprocess)
+    pixels, normalize = pixel_transform(preprocess), BatchNormalize(preprocess)
     expected = torch.stack([transform(image) for image in images])
-    assert torch.equal(pixels(images[0]), images[0])  # the cut keeps the uint8 steps
+    assert torch.equal(pixels(images[0]), images[0])  # the uint8 half keeps the pixels
     channels_last = images.contiguous(memory_format=torch.channels_last)
     as_tensors = (torch.tensor([0.3, 0.4, 0.5])[:, None, None], torch.tensor([0.2, 0.25, 0.3])[:, None, None])
     for got in (normalize(images), normalize(channels_last), normalize_batch(channels_last, *as_tensors)):

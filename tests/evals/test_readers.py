@@ -628,14 +628,15 @@ def test_pipeline_eval_readers_and_model_preprocess_decode_a_jpeg_alike(tmp_path
     preprocess, given the file as PIL.Image.open returns it, see the very same tensor."""
     from lit_softmoe.data.images import open_image
     from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-    from lit_softmoe.data.transforms import eval_transform, preprocess_transform
+    from lit_softmoe.data.transforms import eval_transform, image_transform
     from lit_softmoe.hub import make_preprocess, preprocess_spec
+    from lit_softmoe.models.preprocess import Preprocess
 
     jpegs = _photo_jpegs(3)
     pre = {"image_size": 32, "mean": [0.4, 0.5, 0.6], "std": [0.2, 0.25, 0.3]}
     if decode:
         pre["decode"] = decode
-    transform = preprocess_transform(pre, in_channels=3)
+    transform = image_transform(Preprocess.from_settings(pre, 3, "test"))
     min_side = 64 if decode == "reduced" else None
     expected = torch.stack([eval_transform(32, 3, pre["mean"], pre["std"])(open_image(d, min_side)) for d in jpegs])
     full = torch.stack([eval_transform(32, 3, pre["mean"], pre["std"])(open_image(d)) for d in jpegs])
@@ -655,7 +656,8 @@ def test_pipeline_eval_readers_and_model_preprocess_decode_a_jpeg_alike(tmp_path
     folder_data = read_benchmark("x", tmp_path / "folders", "test", transform, format="imagefolder")
     assert torch.equal(torch.stack([folder_data.dataset[i][1] for i in range(3)]), expected)
 
-    spec = preprocess_spec({"in_channels": 3}, pre)  # an export's: torch-free readers redo it from these
+    # An export's description: torch-free readers redo the preprocessing from these.
+    spec = preprocess_spec(Preprocess.from_settings(pre, 3, "test"))
     assert (spec["decode"], spec["jpeg_min_side"]) == (decode or "full", min_side)
     preprocess = make_preprocess(spec)
     opened = [PIL.Image.open(tmp_path / "folders" / f"class{i}" / "photo.jpg") for i in range(3)]

@@ -647,7 +647,8 @@ def test_a_tower_that_decodes_reduced_is_embedded_as_eval_decodes(tmp_path):
     """Large JPEGs (Fashion-MNIST upscaled to 240 px) and a tower whose preprocess says decode=reduced: the
     cache holds the features of the reduced decode that eval and a loaded model's preprocess use."""
     from lit_softmoe.data.fashion_mnist import read_fashion_mnist
-    from lit_softmoe.data.transforms import preprocess_transform
+    from lit_softmoe.data.transforms import image_transform
+    from lit_softmoe.models.preprocess import Preprocess
     images, _ = read_fashion_mnist("test", allow_download=False)
     jpegs = []
     for image in images[:40]:
@@ -667,7 +668,7 @@ def test_a_tower_that_decodes_reduced_is_embedded_as_eval_decodes(tmp_path):
     by_key = dict(zip((f"s{i:07d}" for i in range(len(jpegs))), jpegs))
 
     def features(decode: str) -> torch.Tensor:
-        transform = preprocess_transform({**PREPROCESS, "decode": decode}, 1)
+        transform = image_transform(Preprocess.from_settings({**PREPROCESS, "decode": decode}, 1, "test"))
         with torch.inference_mode():  # the file as PIL opens it: the transform's first step decodes it
             return tower.forward_pooled(torch.stack([transform(PIL.Image.open(io.BytesIO(by_key[k]))) for k in keys]))
 
@@ -698,7 +699,8 @@ def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(
     on the batch embed forms (a source shard's samples in its order, `batch_size` at a time) of images each
     preprocessed by the tower's own transform, as eval and a loaded model's preprocess do, and each shard keeps its
     source shard's keys in order. Any change in the pixels, their normalization or the order fails here."""
-    from lit_softmoe.data.transforms import preprocess_transform
+    from lit_softmoe.data.transforms import image_transform
+    from lit_softmoe.models.preprocess import Preprocess
     jpegs = _photo_like_jpegs(50, seed=in_channels)
     write_split(({"jpg": data, "txt": f"item {i}".encode()} for i, data in enumerate(jpegs)), tmp_path / "jpegs",
                 "train", samples_per_shard=20)  # shards of 20, 20, 10: batches of 8, 8, 4 and 8, 2
@@ -710,7 +712,7 @@ def test_each_feature_is_bitwise_the_towers_output_on_its_shards_batch_in_order(
     embed_shards(tmp_path / "tower", str(tmp_path / "jpegs" / "train"), tmp_path / "features", batch_size=8,
                  workers=workers)
 
-    transform = preprocess_transform(preprocess, in_channels)
+    transform = image_transform(Preprocess.from_settings(preprocess, in_channels, "test"))
     source = tmp_path / "jpegs" / "train"
     for index in range(3):
         read = list(wds.DataPipeline(wds.SimpleShardList([str(source / f"{index}.tar")]), wds.tarfile_to_samples()))
