@@ -39,10 +39,11 @@ from lit_softmoe.data.class_batches import (
     InMemoryClassBatches,
     StreamedClassBatches,
 )
-from lit_softmoe.data.transforms import normalize_batch
+from lit_softmoe.data.transforms import BatchNormalize
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.probes import fewshot_probe
 from lit_softmoe.model_folders import checkpoints_newest_first
+from lit_softmoe.models.preprocess import Preprocess, per_channel
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
@@ -121,13 +122,13 @@ def _loss_fn(cfg: PretrainConfig, logits: torch.Tensor, labels: torch.Tensor) ->
 
 
 @torch.inference_mode()
-def _embed(tower, batches, mean, std, accelerator, with_logits=True):
+def _embed(tower, batches, normalize: BatchNormalize, accelerator, with_logits=True):
     """(features (N, d), logits (N, C) or None, labels (N,), fraction of MoE tokens dropped) for
     batches of (uint8 images, labels), no gradient."""
     tower.eval()
     features, logits, labels, dropped, count = [], [], [], 0.0, 0
     for images, batch_labels in batches:
-        pixels = normalize_batch(images.to(accelerator.device), mean, std)
+        pixels = normalize(images.to(accelerator.device))
         with accelerator.autocast():
             tokens = tower.forward_features(pixels)  # (b, m, d)
             features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())  # pooled (b, d)
@@ -155,8 +156,8 @@ def _batches_from(train: InMemoryClassBatches | StreamedClassBatches, run: Train
         epoch, start = epoch + 1, 0
 
 
-def _test_top1(tower, data: ClassData, mean, std, cfg, accelerator) -> float:
-    _, logits, labels, _ = _embed(tower, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
+def _test_top1(tower, data: ClassData, normalize: BatchNormalize, cfg, accelerator) -> float:
+    _, logits, labels, _ = _embed(tower, data.test_batches(cfg.eval_batch_size), normalize, accelerator)
     return (logits.argmax(1) == labels).float().mean().item()
 
 
@@ -223,10 +224,11 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     run.last_log_step = window.get("step", run.step)
     run.last_log_seconds = window.get("seconds", run.train_seconds)
     routing = _RoutingStats(checkpoint_meta, window, accelerator.device)
-    # On the device once, not copied there with every batch (`normalize_batch`).
-    mean = torch.tensor(data.mean, dtype=torch.float32, device=accelerator.device)[:, None, None]
-    std = torch.tensor(data.std, dtype=torch.float32, device=accelerator.device)[:, None, None]
-    steps = _step_functions(cfg, run, tower, tower_module, data, (mean, std), routing, init_record,
+    # The preprocessing the saved tower records; uint8 batches are normalized on the device.
+    channels = tower_cfg.in_channels
+    normalize = BatchNormalize(Preprocess(tower_cfg.image_size, channels, per_channel(data.mean, channels),
+                                          per_channel(data.std, channels), cfg.data.decode))
+    steps = _step_functions(cfg, run, tower, tower_module, data, normalize, routing, init_record,
                             is_moe=bool(tower_cfg.moe_layers))
     train(run, tower, tower_module, optimizer, _batches_from(data.train, run), steps,
           desc="pretrain", eval_every=cfg.eval_every, time_data_wait=True)
@@ -234,7 +236,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     # ---- save the tower, then evaluate it
     if run.sharded:  # the main process saves and evaluates a plain tower with the full weights
         tower_module = gather_tower(tower_module, accelerator.device)
-    results = _save_and_evaluate(cfg, run, tower_module, data, (mean, std), num_params,
+    results = _save_and_evaluate(cfg, run, tower_module, data, normalize, num_params,
                                  init_record, routing, is_moe=bool(tower_cfg.moe_layers))
     return finish_run(run, results, curve_keys=("loss", "lr", "test_top1"),
                       title=f"pretrain {cfg.tower.name}")
@@ -306,16 +308,16 @@ class _RoutingStats:
 
 
 def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, data: ClassData,
-                    normalization: tuple[torch.Tensor, torch.Tensor], routing: _RoutingStats,
+                    normalize: BatchNormalize, routing: _RoutingStats,
                     init_record: dict | None, is_moe: bool) -> StepFunctions:
     """Pretraining's part of each step (`loop.StepFunctions`): `tower` runs the step (DDP- or
     compile-wrapped), `tower_module` is the plain tower under it."""
-    accelerator, (mean, std) = run.accelerator, normalization
+    accelerator = run.accelerator
     no_sync = run.no_sync(tower)
 
     def forward_backward(batch) -> torch.Tensor:
         # uint8 (local_batch, C, H, W), as the uninterrupted run's batch of this step
-        pixels = normalize_batch(batch.images.to(accelerator.device, non_blocking=True), mean, std)
+        pixels = normalize(batch.images.to(accelerator.device, non_blocking=True))
         labels = batch.labels.to(accelerator.device)
         if cfg.data.mixup:
             pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), run.step,
@@ -356,7 +358,7 @@ def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, 
         eval_tower = gather_tower(tower_module, accelerator.device) if run.sharded else tower_module
         if not run.is_main:
             return None
-        return {"test_top1": _test_top1(eval_tower, data, mean, std, cfg, accelerator)}
+        return {"test_top1": _test_top1(eval_tower, data, normalize, cfg, accelerator)}
 
     def checkpoint_meta() -> dict:
         init_from = {"init_from": init_record} if init_record else {}
@@ -370,13 +372,13 @@ def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, 
 
 
 def _save_and_evaluate(cfg: PretrainConfig, run: TrainingRun, tower_module, data: ClassData,
-                       normalization: tuple[torch.Tensor, torch.Tensor], num_params: int,
+                       normalize: BatchNormalize, num_params: int,
                        init_record: dict | None, routing: _RoutingStats, is_moe: bool) -> dict:
     """Save the tower (main process), then evaluate it: test top-1 and the few-shot linear probe
     on frozen features. An evaluation that fails must not cost the training (a rerun resumes at the
     last step and evaluates again); its results are added to the tower's config.json after.
     → results."""
-    accelerator, (mean, std) = run.accelerator, normalization
+    accelerator = run.accelerator
     results = {"tower": cfg.tower.name, "params": num_params, "steps": run.total_steps,
                "train_seconds": round(run.train_seconds, 1)}
     if init_record:
@@ -392,7 +394,7 @@ def _save_and_evaluate(cfg: PretrainConfig, run: TrainingRun, tower_module, data
     })
     eval_tic = time.perf_counter()
     test_features, test_logits, test_labels, test_dropped = _embed(
-        tower_module, data.test_batches(cfg.eval_batch_size), mean, std, accelerator)
+        tower_module, data.test_batches(cfg.eval_batch_size), normalize, accelerator)
     results["test_top1"] = (test_logits.argmax(1) == test_labels).float().mean().item()
     if is_moe:  # tokens no expert processed: in training (noisy routing) and on the test images
         results["dropped_fraction_train"] = routing.dropped_total / max(routing.dropped_steps, 1)
@@ -405,7 +407,7 @@ def _save_and_evaluate(cfg: PretrainConfig, run: TrainingRun, tower_module, data
         shot_images, shot_labels = shots
         shot_features, _, _, _ = _embed(tower_module, zip(shot_images.split(cfg.eval_batch_size),
                                                           shot_labels.split(cfg.eval_batch_size)),
-                                        mean, std, accelerator, with_logits=False)
+                                        normalize, accelerator, with_logits=False)
         results.update(fewshot_probe(shot_features, shot_labels, test_features, test_labels,
                                      shots=cfg.fewshot_shots))
     results["eval_seconds"] = round(time.perf_counter() - eval_tic, 1)

@@ -24,8 +24,9 @@ from lit_softmoe.data.class_batches import StreamedClassBatches
 from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.shards import shard_urls, write_split
 from lit_softmoe.data.tar_reading import BadSampleCounter, tar_samples
-from lit_softmoe.data.transforms import train_transform
+from lit_softmoe.data.transforms import BatchNormalize, train_transform
 from lit_softmoe.errors import UserError
+from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.class_data import memory_class_data, streamed_class_data
@@ -198,7 +199,7 @@ def test_streamed_and_in_memory_evaluations_agree(mixed, tmp_path):
     assert memory.mean == pytest.approx(streamed.mean, abs=1e-6) and memory.std == pytest.approx(streamed.std, abs=1e-6)
     torch.manual_seed(0)
     tower = create_image_tower(cfg.tower.name, num_classes=10, **cfg.tower.options)
-    mean, std = torch.tensor(memory.mean)[:, None, None], torch.tensor(memory.std)[:, None, None]
+    normalize = BatchNormalize(Preprocess(28, 1, tuple(memory.mean), tuple(memory.std)))
 
     class CPU:
         device = torch.device("cpu")
@@ -207,8 +208,8 @@ def test_streamed_and_in_memory_evaluations_agree(mixed, tmp_path):
         def autocast():
             return torch.autocast("cpu", enabled=False)
 
-    a = _embed(tower, memory.test_batches(64), mean, std, CPU)
-    b = _embed(tower, streamed.test_batches(64), mean, std, CPU)
+    a = _embed(tower, memory.test_batches(64), normalize, CPU)
+    b = _embed(tower, streamed.test_batches(64), normalize, CPU)
     # Two loader workers interleave their shards' batches: the same rows, in another order.
     order_a, order_b = a[0][:, 0].argsort(), b[0][:, 0].argsort()
     assert torch.equal(a[2][order_a], b[2][order_b])
