@@ -23,7 +23,6 @@ place from there whole (`write_feature_split`).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import shlex
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from lit_softmoe.data.samples import IMAGE_EXTENSIONS
+from lit_softmoe.data.samples import IMAGE_EXTENSIONS, npy_bytes
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     NSHARDS_FILE,
@@ -164,13 +163,6 @@ def _changed_source_file(source_stats: dict) -> str | None:
 
 # ---------------------------------------------------------------------------------- samples
 
-def npy_bytes(embedding: np.ndarray) -> bytes:
-    """An embedding as a `.npy` member, in its own dtype (embed writes float16); `read_npy` reads it back."""
-    buffer = io.BytesIO()
-    np.save(buffer, embedding, allow_pickle=False)
-    return buffer.getvalue()
-
-
 def npy_rows(embeddings: np.ndarray) -> list[bytes]:
     """`npy_bytes` of each row of (B, width): np.save's header depends on the dtype and shape alone, so it is
     made once a batch and each row's bytes appended (np.save row by row cost more than the rest of the loop)."""
@@ -213,27 +205,7 @@ def embedding_caption_sample(embedding: np.ndarray | torch.Tensor, caption: str)
     """
     if isinstance(embedding, torch.Tensor):
         embedding = embedding.detach().cpu().float().numpy()
-    buffer = io.BytesIO()
-    np.save(buffer, np.asarray(embedding, dtype=np.float32), allow_pickle=False)
-    return {"npy": buffer.getvalue(), "txt": caption.encode("utf-8")}
-
-
-def read_npy(data: bytes) -> np.ndarray:
-    """A `.npy` member's embedding as float32; ValueError, saying why, for anything but a finite float array."""
-    try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
-        # numpy's message for an object array names allow_pickle: a pickle is never loaded from a shard.
-        detail = "holds Python objects, which are never unpickled" if "allow_pickle" in str(exn) else exn
-        raise ValueError(f"{type(exn).__name__}: {detail}") from None
-    if array.dtype.kind != "f" or array.ndim == 0:
-        raise ValueError(f"expected a float array, got {array.dtype} with shape {array.shape}")
-    with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: checked below
-        array = array.astype(np.float32, copy=False)
-    # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a NaN.
-    if not np.isfinite(array).all():
-        raise ValueError("holds NaN or infinity (as float32)")
-    return array
+    return {"npy": npy_bytes(np.asarray(embedding, dtype=np.float32)), "txt": caption.encode("utf-8")}
 
 
 # ---------------------------------------------------------------------------------- detecting a cache
