@@ -29,13 +29,11 @@ anything changed embeds again (`feature_cache.finished_cache`, `check_feature_ca
 """
 from __future__ import annotations
 
-import io
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import PIL.Image
 import torch
 from tqdm import tqdm
 
@@ -57,6 +55,7 @@ from lit_softmoe.data.feature_cache import (
     work_folder,
     write_feature_split,
 )
+from lit_softmoe.data.images import open_image
 from lit_softmoe.data.shard_batches import ShardBatches
 from lit_softmoe.data.shards import dataset_dir, shard_urls, split_name
 from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
@@ -233,12 +232,12 @@ def _embed_job(job: _EmbedJob) -> dict:
     transform = preprocess_transform(preprocess, tower.cfg.in_channels)  # its decode too, as eval and LiT
     pixels, normalize = pixels_and_normalization(transform)  # uint8 from the workers, normalized on `device`
     workers = min(available_cpus(), len(todo)) if job.workers is None else min(job.workers, len(todo))
-    gpu_decoder = None
+    gpu_decoder, min_side = None, decode_min_side(transform)
     if job.decoder == "gpu":
         gpu_decoder = gpu_jpeg.JpegBatchDecoder(
             job.device, preprocess["image_size"], tower.cfg.in_channels,
-            host_decode=lambda data: pixels(PIL.Image.open(io.BytesIO(data))),
-            min_side=decode_min_side(transform))  # the tower's reduced decode, mimicked there
+            host_decode=lambda data: pixels(open_image(data, min_side)),  # as the workers decode
+            min_side=min_side)  # the tower's reduced decode, mimicked there
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in job.members and "txt" not in job.members
