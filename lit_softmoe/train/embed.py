@@ -21,9 +21,9 @@ while the host turns the previous one into samples and shards (`ToHost`). The ch
 at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
-on its own GPU; the processes share nothing but the output folder. Each feature shard is written
-atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
-shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
+on its own GPU; the processes share nothing but the output folder (`embed_job`). Each feature shard
+is written atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds
+only the shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
 presence means a finished cache: a rerun with the same tower and source files is skipped, one with
 anything changed embeds again (`feature_cache.finished_cache`, `check_feature_cache`).
 """
@@ -41,19 +41,11 @@ from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
-    clear_failure,
     copy_metadata,
     finished_cache,
-    finished_shard,
     refuse_feature_shards,
     refuse_other_metadata,
-    remove_leftovers,
-    report_failure,
-    seen_and_bad,
     source_stats,
-    wait_for_shards,
-    work_folder,
-    write_feature_split,
 )
 from lit_softmoe.data.images import open_image
 from lit_softmoe.data.shard_batches import ShardBatches
@@ -63,6 +55,16 @@ from lit_softmoe.data.transforms import decode_min_side, pixels_and_normalizatio
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.tower_folder import load_tower, resolution_change
+from lit_softmoe.train.embed_job import (
+    clear_failure,
+    finished_shard,
+    remove_leftovers,
+    report_failure,
+    seen_and_bad,
+    wait_for_shards,
+    work_folder,
+    write_feature_split,
+)
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
 from lit_softmoe.utils.distributed import process_rank
