@@ -192,7 +192,8 @@ def embedding_caption_sample(embedding: np.ndarray | torch.Tensor, caption: str)
     """
     if isinstance(embedding, torch.Tensor):
         embedding = embedding.detach().cpu().float().numpy()
-    return {"npy": npy_bytes(np.asarray(embedding, dtype=np.float32)), "txt": caption.encode("utf-8")}
+    npy = npy_bytes(np.asarray(embedding, dtype=np.float32))
+    return {"npy": npy, "txt": caption.encode("utf-8")}
 
 
 # ---------------------------------------------------------------------------------- detecting a cache

@@ -23,9 +23,10 @@ at the start.
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder (`embed_job`). Each feature shard
 is written atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds
-only the shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
-presence means a finished cache: a rerun with the same tower and source files is skipped, one with
-anything changed embeds again (`feature_cache.finished_cache`, `check_feature_cache`).
+only the shards it had not finished. When all are there, rank 0 puts the split folder in place
+whole, so its presence means a finished cache: a rerun with the same tower and source files is
+skipped, one with anything changed embeds again (`feature_cache.finished_cache`,
+`check_feature_cache`).
 """
 from __future__ import annotations
 
