@@ -38,7 +38,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this
 from benchlib import photo_jpegs, setup_device, time_step  # noqa: E402
 
-from lit_softmoe.data.feature_cache import feature_sample, npy_bytes, write_feature_shard  # noqa: E402
+from lit_softmoe.data.feature_cache import feature_sample  # noqa: E402
+from lit_softmoe.data.samples import npy_bytes  # noqa: E402
 from lit_softmoe.data.shard_batches import ShardBatches  # noqa: E402
 from lit_softmoe.data.shards import is_safe_key, shard_urls, write_split  # noqa: E402
 from lit_softmoe.data.tar_reading import listed_sizes
@@ -48,6 +49,7 @@ from lit_softmoe.models.preprocess import Preprocess  # noqa: E402
 from lit_softmoe.models.registry import create_image_tower  # noqa: E402
 from lit_softmoe.models.tower_folder import save_tower  # noqa: E402
 from lit_softmoe.train.embed import embed_shards  # noqa: E402
+from lit_softmoe.train.embed_job import write_feature_shard  # noqa: E402
 from lit_softmoe.utils.device import autocast_dtype, inference_dtype  # noqa: E402
 
 

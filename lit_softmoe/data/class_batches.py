@@ -33,8 +33,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.sample_decoding import sample_decoder
-from lit_softmoe.data.samples import SampleSkip, decode_label, is_class_member
+from lit_softmoe.data.samples import SampleSkip, decode_label, read_labels, sample_decoder
 from lit_softmoe.data.shards import shard_urls
 from lit_softmoe.data.tar_reading import BadSampleCounter, listed_sizes, tar_samples
 from lit_softmoe.data.transforms import batch_augment
@@ -159,15 +158,7 @@ def split_batches(urls: str, transform: Callable, batch_size: int, workers: int 
 def split_labels(urls: str, num_classes: int = 0) -> torch.Tensor:
     """The class index of every sample of a split that has a valid one, in shard order, reading the
     `.cls` members alone (an image is never decoded: this is fast on any split)."""
-    counter = BadSampleCounter()
-    labels = []
-    for url in shard_urls(urls):
-        for sample in tar_samples(url, counter, select_files=is_class_member):
-            try:
-                labels.append(decode_label(sample, num_classes))
-            except SampleSkip:
-                continue
-    return torch.tensor(labels, dtype=torch.int64)
+    return torch.tensor(read_labels(shard_urls(urls), num_classes), dtype=torch.int64)
 
 
 def read_samples(urls: str, positions: Sequence[int], transform: Callable,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import io
 import json
 import logging
 import zipfile
@@ -17,7 +16,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from lit_softmoe.data.images import upright_l_or_rgb, upright_shape
+from lit_softmoe.data.images import open_image, open_undecoded, upright_shape
 from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import (
     DECODED_CACHE_PREFIX,
@@ -46,6 +45,8 @@ class MixedSizesError(UserError):
 
 def _decode_class_sample(sample: dict, counter: BadSampleCounter,
                          decode: bool = True) -> tuple[PIL.Image.Image, int] | None:
+    # The image is checked before the class (the stream checks the class first): a sample with
+    # neither is counted as missing_image here, as it always was.
     where = f"{sample['__key__']} in {sample.get('__url__')}"
     image_key = image_extension(sample)
     if image_key is None:
@@ -57,9 +58,7 @@ def _decode_class_sample(sample: dict, counter: BadSampleCounter,
         counter.skip(skip.reason, f"{where}: {skip}" if str(skip) else where)
         return None
     try:
-        image = PIL.Image.open(io.BytesIO(sample[image_key]))
-        if decode:
-            image.load()
+        image = open_image(sample[image_key]) if decode else open_undecoded(sample[image_key])
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError… for broken files
         counter.skip("bad_image", f"{where}: {type(exn).__name__}: {exn}")
         return None
@@ -69,7 +68,8 @@ def _decode_class_sample(sample: dict, counter: BadSampleCounter,
 def iter_class_samples(
     urls: str | Path | list[str], counter: BadSampleCounter | None = None, decode: bool = True
 ) -> Iterator[tuple[PIL.Image.Image, int]]:
-    """Yield (PIL image, class index) from image + `.cls` shards, in shard order.
+    """Yield (PIL image, class index) from image + `.cls` shards, in shard order; the image
+    decoded as every reader decodes it (`images.open_image`: upright, in mode L or RGB).
 
     Args:
         urls: anything `shard_urls` accepts (a split folder, a brace pattern, a list).
@@ -231,7 +231,6 @@ def load_class_split(
 
     for image, label in iter_class_samples(split_dir, counter):
         note_bad()
-        image = upright_l_or_rgb(image)  # as every other path decodes (16-bit scaled, alpha on white)
         arrays.append(np.asarray(image))
         labels_list.append(label)
         if max_samples is not None and len(labels_list) >= max_samples:

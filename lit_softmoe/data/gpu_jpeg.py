@@ -25,7 +25,7 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
-from lit_softmoe.data.images import exif_orientation
+from lit_softmoe.data.images import exif_orientation, open_undecoded
 from lit_softmoe.errors import UserError, first_line
 
 DECODERS = ("auto", "gpu", "cpu")
@@ -44,7 +44,7 @@ def gpu_decodable(data: bytes) -> bool:
     if not data.startswith(_JPEG_START):
         return False
     try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
+        with open_undecoded(data) as image:
             return (image.format == "JPEG" and image.mode in ("L", "RGB")
                     and "adobe" not in image.info  # Adobe's marker: RGB or YCCK stored as-is
                     and not image.info.get("progressive") and not image.info.get("progression")

@@ -7,9 +7,11 @@ streaming pipeline, in-memory splits (`class_split.load_class_split`), the eval 
 inference the pixels it was trained on. `scripts/onnx_example.py` repeats it in a few PIL lines
 (it must run without torch or this package); keep the two equal.
 
-Decoding (`decode`) is shared the same way: the pipeline, the eval readers and a transform given a
-lazily opened file all call it, so a preprocessing's `decode` setting ("full" or "reduced", see
-`jpeg_min_side`) gives the same pixels for the same bytes everywhere.
+Opening a file (`open_undecoded`: its header alone, regular files only) and decoding it (`decode`;
+the two in one: `open_image`) are shared the same way: the sample decoder (`samples`), a class
+split read whole, embed's host decode, the eval readers and a transform given a lazily opened file
+all call them, so a preprocessing's `decode` setting ("full" or "reduced", see `jpeg_min_side`)
+gives the same pixels for the same bytes everywhere.
 
 Only numpy and PIL here: `writers` and `sample_encoding` import this without torch.
 """
@@ -19,6 +21,7 @@ import io
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -138,9 +141,18 @@ def decode(image: PIL.Image.Image, min_side: int | None = None) -> PIL.Image.Ima
     return upright_l_or_rgb(image)
 
 
+def open_undecoded(source: bytes | str | os.PathLike) -> PIL.Image.Image:
+    """An image file's bytes or path opened, not decoded (PIL reads the header alone): `decode` then
+    decodes it at the scale a transform asks for, or `upright_shape` reads its shape."""
+    # A FIFO would block, a device never end.
+    if not isinstance(source, bytes) and not Path(source).is_file():
+        raise ValueError(f"{source} is not a regular file")
+    return PIL.Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+
+
 def open_image(source: bytes | str | os.PathLike, min_side: int | None = None) -> PIL.Image.Image:
-    """`decode` of an image file's bytes or path."""
-    return decode(PIL.Image.open(io.BytesIO(source) if isinstance(source, bytes) else source), min_side)
+    """`decode` of an image file's bytes or path: what every reader of shards and files decodes."""
+    return decode(open_undecoded(source), min_side)
 
 
 # ---- re-encoding an image file for a shard ---------------------------------------------------
@@ -177,7 +189,9 @@ def prepare_image(data: bytes, image_format: str = "keep", max_size: int | None 
     Raises BadImageError for a file that does not decode, truncated ones included.
     """
     try:
-        image = PIL.Image.open(io.BytesIO(data))
+        # Not `open_image`: the format and size are read before the decode, and a JPEG is drafted
+        # for the shrink to `max_size` (`_draft_for_shrink`), not for a transform's side.
+        image = open_undecoded(data)
         source_extension = _KEPT_FORMATS.get(image.format or "")
         source_size = image.size
         _draft_for_shrink(image, max_size)

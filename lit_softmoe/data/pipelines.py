@@ -27,7 +27,7 @@ What differs from open_clip:
   `with_epoch`), because every process of a data-parallel run must take the same number of steps.
 
 Sample fields: an image (`.png`, `.jpg`, `.jpeg`, `.webp`), a caption (`.txt`, UTF-8), a class
-(`.cls`, ASCII digits) or an embedding (`.npy`, a float array; see `feature_cache.read_npy`).
+(`.cls`, ASCII digits) or an embedding (`.npy`, a float array; see `samples.read_npy`).
 """
 from __future__ import annotations
 

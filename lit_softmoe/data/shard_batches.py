@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_softmoe.data import gpu_jpeg
+from lit_softmoe.data.samples import read_class_members
 from lit_softmoe.data.shard_stream import read_shard
-from lit_softmoe.data.tar_reading import read_class_members
 
 
 class ShardBatches(IterableDataset):

@@ -20,8 +20,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from lit_softmoe.data.sample_decoding import sample_decoder, sample_seed
-from lit_softmoe.data.samples import SampleSkip
+from lit_softmoe.data.samples import SampleSkip, sample_decoder, sample_seed
 from lit_softmoe.data.tar_reading import BadSampleCounter, tar_samples
 
 

@@ -21,7 +21,6 @@ from typing import Callable, Iterable, Iterator
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from lit_softmoe.data.samples import is_class_member
 from lit_softmoe.data.shards import (
     SIZES_FILE,
     STATS_SUFFIX,
@@ -206,15 +205,6 @@ def _local_tar_files(url: str, handler: Callable[[Exception], bool],
     except (tarfile.TarError, OSError, EOFError) as exn:
         handler(exn)
     yield {}  # the end of the shard: its last sample is complete
-
-
-def read_class_members(urls: list[str]) -> dict[str, bytes]:
-    """{key: raw .cls bytes, stripped} of every sample, read with only `.cls` members extracted:
-    tar members that are not `.cls` are skipped unread, so this costs the I/O of one pass and no
-    image decoding. A bad shard is passed over quietly (the main pass over the shards counts it)."""
-    counter = _QuietCounter()
-    return {sample["__key__"]: sample["cls"].strip() for url in urls
-            for sample in tar_samples(url, counter, select_files=is_class_member) if "cls" in sample}
 
 
 def first_sample_members(url: str) -> set[str]:

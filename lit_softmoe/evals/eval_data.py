@@ -5,13 +5,13 @@ share.
 what the files say of it (class names, templates, the samples listed) and the signature its cached
 embeddings depend on; `evals.benchmark`, `features` and `prompts` take it. `MissingData` is raised
 for a benchmark whose files are absent: the suite reports the benchmark as skipped. Images are
-opened lazily, regular files only (`open_undecoded`), and decoded as the training pipeline decodes
-them for the tower's transform (`transformed_image`); a broken image comes out as None, which the
-encoder skips and counts. `IndexedImages` is the map-style dataset over (load image, target) items.
+opened lazily, regular files only (`images.open_undecoded`), and decoded as the training pipeline
+decodes them for the tower's transform (`transformed_image`); a broken image comes out as None,
+which the encoder skips and counts. `IndexedImages` is the map-style dataset over (load image,
+target) items.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -48,13 +48,6 @@ class EvalData:
     # Local shards that end inside a member or a header (`tar_reading.is_damaged_tar`): read up to the damage,
     # so the metrics cover part of the split.
     damaged_shards: list[str] = field(default_factory=list)
-
-
-def open_undecoded(data: bytes | str | Path) -> PIL.Image.Image:
-    """The file opened, not decoded: `transformed_image` decodes it at the scale the transform asks for."""
-    if not isinstance(data, bytes) and not Path(data).is_file():  # a FIFO would block, a device never end
-        raise ValueError(f"{data} is not a regular file")
-    return PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
 
 
 def transformed_image(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor | None:

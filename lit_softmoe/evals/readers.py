@@ -32,7 +32,8 @@ import PIL.Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_softmoe.data.folders import SOURCE_IMAGE_SUFFIXES
-from lit_softmoe.data.samples import class_index, image_extension
+from lit_softmoe.data.images import open_undecoded
+from lit_softmoe.data.samples import SampleSkip, decode_label, image_extension
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     NSHARDS_FILE,
@@ -46,7 +47,7 @@ from lit_softmoe.data.shards import (
 from lit_softmoe.data.tar_reading import BadSampleCounter, is_damaged_tar, listed_sizes, tar_samples
 from lit_softmoe.data.transforms import to_l_or_rgb
 from lit_softmoe.errors import UserError
-from lit_softmoe.evals.eval_data import EvalData, IndexedImages, MissingData, open_undecoded, transformed_image
+from lit_softmoe.evals.eval_data import EvalData, IndexedImages, MissingData, transformed_image
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ class _TarSamples(IterableDataset):
             else:
                 # No .cls is a bad sample (skipped and counted) like a .cls without a class index; as
                 # label -1 it failed the whole benchmark.
-                target = class_index(sample["cls"]) if "cls" in sample else None
+                try:
+                    target = decode_label(sample)
+                except SampleSkip:
+                    target = None
             extension = image_extension(sample)
             # A sample without a usable image or class is skipped and counted (image None), like the
             # training pipeline's bad_cls: one bad sample must not end the suite.

@@ -21,21 +21,20 @@ while the host turns the previous one into samples and shards (`ToHost`). The ch
 at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
-on its own GPU; the processes share nothing but the output folder. Each feature shard is written
-atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds only the
-shards it had not finished. When all are there, rank 0 puts the split folder in place whole, so its
-presence means a finished cache: a rerun with the same tower and source files is skipped, one with
-anything changed embeds again (`feature_cache.finished_cache`, `check_feature_cache`).
+on its own GPU; the processes share nothing but the output folder (`embed_job`). Each feature shard
+is written atomically into a work folder as soon as it is complete, so a killed run, rerun, embeds
+only the shards it had not finished. When all are there, rank 0 puts the split folder in place
+whole, so its presence means a finished cache: a rerun with the same tower and source files is
+skipped, one with anything changed embeds again (`feature_cache.finished_cache`,
+`check_feature_cache`).
 """
 from __future__ import annotations
 
-import io
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import PIL.Image
 import torch
 from tqdm import tqdm
 
@@ -43,20 +42,13 @@ from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.feature_cache import (
     EMBED_FILE,
     cache_fingerprint,
-    clear_failure,
     copy_metadata,
     finished_cache,
-    finished_shard,
     refuse_feature_shards,
     refuse_other_metadata,
-    remove_leftovers,
-    report_failure,
-    seen_and_bad,
     source_stats,
-    wait_for_shards,
-    work_folder,
-    write_feature_split,
 )
+from lit_softmoe.data.images import open_image
 from lit_softmoe.data.shard_batches import ShardBatches
 from lit_softmoe.data.shards import dataset_dir, shard_urls, split_name
 from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
@@ -65,6 +57,16 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower, resolution_change, tower_folder
+from lit_softmoe.train.embed_job import (
+    clear_failure,
+    finished_shard,
+    remove_leftovers,
+    report_failure,
+    seen_and_bad,
+    wait_for_shards,
+    work_folder,
+    write_feature_split,
+)
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
 from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
 from lit_softmoe.utils.distributed import process_rank
@@ -234,12 +236,12 @@ def _embed_job(job: _EmbedJob) -> dict:
     pixels = pixel_transform(preprocess)  # uint8 from the workers (its decode too, as eval and LiT)
     normalize = BatchNormalize(preprocess)  # on `device`
     workers = min(available_cpus(), len(todo)) if job.workers is None else min(job.workers, len(todo))
-    gpu_decoder = None
+    gpu_decoder, min_side = None, decode_min_side(pixels)
     if job.decoder == "gpu":
         gpu_decoder = gpu_jpeg.JpegBatchDecoder(
             job.device, preprocess.image_size, tower.cfg.in_channels,
-            host_decode=lambda data: pixels(PIL.Image.open(io.BytesIO(data))),
-            min_side=decode_min_side(pixels))  # the tower's reduced decode, mimicked there
+            host_decode=lambda data: pixels(open_image(data, min_side)),  # as the workers decode
+            min_side=min_side)  # the tower's reduced decode, mimicked there
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in job.members and "txt" not in job.members

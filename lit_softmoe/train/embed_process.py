@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader
 
 from lit_softmoe.data import gpu_jpeg
 from lit_softmoe.data.device_prefetch import DevicePrefetcher, ToHost
-from lit_softmoe.data.feature_cache import FeatureShardWriter, feature_samples, seen_and_bad
+from lit_softmoe.data.feature_cache import feature_samples
 from lit_softmoe.data.shard_batches import ShardBatches
 from lit_softmoe.data.shard_stream import MIN_SAMPLES_BEFORE_CHECK
 from lit_softmoe.errors import UserError
+from lit_softmoe.train.embed_job import FeatureShardWriter, seen_and_bad
 
 
 def _embed_batch(tower: torch.nn.Module, pixels: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor],

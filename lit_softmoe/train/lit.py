@@ -29,9 +29,9 @@ import torch
 from lit_softmoe.config import LiTConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.samples import class_index
+from lit_softmoe.data.samples import read_labels
 from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
-from lit_softmoe.data.tar_reading import read_class_members, require_class_labels
+from lit_softmoe.data.tar_reading import require_class_labels
 from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
@@ -177,9 +177,8 @@ def _setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
         eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, preprocess, accelerator)
         largest = int(eval_set["labels"].max())
     else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
-        labels = [label for raw in read_class_members(shard_urls(split)).values()
-                  if (label := class_index(raw)) is not None]
-        largest = max(labels, default=-1)
+        # Quiet: a side pass over shards whose bad samples each evaluation counts.
+        largest = max(read_labels(shard_urls(split), log=False), default=-1)
     if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
         raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
                         f"{len(eval_set['classnames'])} classes; set eval.classnames to a file naming every class "

@@ -8,9 +8,15 @@ import pytest
 from data_files import png_bytes
 from lit_softmoe.data.class_batches import split_labels
 from lit_softmoe.data.class_split import load_class_split
-from lit_softmoe.data.samples import SampleSkip, class_index, decode_label, image_extension
+from lit_softmoe.data.samples import (
+    SampleSkip,
+    class_index,
+    decode_label,
+    image_extension,
+    read_class_members,
+    read_labels,
+)
 from lit_softmoe.data.shards import shard_urls, write_split
-from lit_softmoe.data.tar_reading import read_class_members
 from lit_softmoe.evals.readers import read_wds
 
 
@@ -55,8 +61,7 @@ def test_every_reader_gives_the_same_labels(tmp_path):
     expected = [1, 3, 7]
     assert split_labels(str(tmp_path / "test")).tolist() == expected
     assert load_class_split(tmp_path / "test", cache=False)[1].tolist() == expected
-    eval_labels = [class_index(raw) for raw in read_class_members(shard_urls(tmp_path / "test")).values()]
-    assert [label for label in eval_labels if label is not None] == expected
+    assert read_labels(shard_urls(tmp_path / "test"), log=False) == expected  # LiT's eval labels
     suite = read_wds(tmp_path, "test", lambda image: image)
     assert [target for _, image, target in suite.dataset if image is not None] == expected
 
