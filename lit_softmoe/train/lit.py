@@ -43,6 +43,7 @@ from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, resolution_change, tower_fingerprint, tower_folder
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
+from lit_softmoe.train.embed import rerun_command
 from lit_softmoe.train.loop import (
     LogWindow,
     StepFunctions,
@@ -121,7 +122,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
 def _class_features(cfg: LiTConfig, split: str, model: LiTModel, transform, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
-        check_feature_caches(split, cfg.image_tower)
+        check_feature_caches(split, cfg.image_tower, rerun_command)
         loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
@@ -356,7 +357,7 @@ def _setup_train_data(cfg: LiTConfig, run: TrainingRun, transform, tokenizer) ->
     if cached:
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_caches(cfg.data.train, cfg.image_tower)
+        check_feature_caches(cfg.data.train, cfg.image_tower, rerun_command)
     probe_train = cfg.eval.probe_train if cfg.eval.shards else ""  # without an eval set the probe is skipped
     for split, key in ((cfg.eval.shards, "eval.shards"), (probe_train, "eval.probe_train")):
         if cfg.unlocked_blocks and split and is_feature_cache(split):
