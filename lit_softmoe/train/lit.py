@@ -30,7 +30,14 @@ from lit_softmoe.config import LiTConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import class_index
-from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    TEMPLATES_FILE,
+    dataset_dir,
+    read_classnames_file,
+    read_lines,
+    shard_urls,
+)
 from lit_softmoe.data.tar_reading import read_class_members, require_class_labels
 from lit_softmoe.data.transforms import preprocess_transform
 from lit_softmoe.errors import UserError
@@ -158,13 +165,13 @@ def _setup_eval(cfg: LiTConfig, model, transform, accelerator) -> dict | None:
     split = str(cfg.eval.shards)
     # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
     folder = dataset_dir(split)
-    for value, name, key in ((cfg.eval.classnames, "classnames.txt", "eval.classnames"),
-                             (cfg.eval.templates, "zeroshot_classification_templates.txt", "eval.templates")):
+    for value, name, key in ((cfg.eval.classnames, CLASSNAMES_FILE, "eval.classnames"),
+                             (cfg.eval.templates, TEMPLATES_FILE, "eval.templates")):
         if not value and folder is None:
             raise UserError(f"eval.shards {split} is not a local split, so there is no {name} beside it; "
                             f"set {key} to a file with one entry per line")
-    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / "classnames.txt"
-    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / "zeroshot_classification_templates.txt"
+    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / CLASSNAMES_FILE
+    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / TEMPLATES_FILE
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
