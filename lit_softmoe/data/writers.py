@@ -197,7 +197,7 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     (`errors.setting`; the CLI passes its flags: {"out_dir": "--out", "split": "--split", ...}); the
     options' `split` is "split".
     """
-    # With out_dir SRC itself, the split folder written into it is what must not be read back.
+    # With out_dir the source folder itself, the split folder written into it must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
     listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates,
                           class_names=class_names, setting_names=setting_names)
