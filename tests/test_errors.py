@@ -11,5 +11,5 @@ def test_a_setting_is_named_as_the_caller_knows_it():
     assert setting(None, "out_dir") == "out_dir"
     assert setting(flags, "split", "train") == "split=train"
     assert setting({}, "overwrite", True) == "overwrite=True"
-    assert spelled("jpeg_decoder", "gpu") == "jpeg_decoder=gpu" and spelled("--jpeg-decoder", "gpu") == \
-        "--jpeg-decoder gpu"
+    assert spelled("jpeg_decoder", "gpu") == "jpeg_decoder=gpu"
+    assert spelled("--jpeg-decoder", "gpu") == "--jpeg-decoder gpu"
