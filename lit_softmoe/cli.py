@@ -15,6 +15,14 @@ from lit_softmoe.utils.console import end_progress_bars, library_warnings_hidden
 from lit_softmoe.utils.distributed import close_process_group, is_main_process
 from lit_softmoe.utils.paths import check_writable
 
+# What the data writers' messages call their parameters: the `data` commands' flags
+# (`errors.setting`).
+_DATA_FLAGS = {"out_dir": "--out", "split": "--split", "overwrite": "--overwrite",
+               "limit": "--limit", "layout": "--layout", "caption_templates": "--caption-templates",
+               "class_names": "--class-names", "image_col": "--image-col",
+               "caption_col": "--caption-col", "key_col": "--key-col", "class_col": "--class-col",
+               "classnames_file": "--classnames", "root": "--root"}
+
 
 def _cmd_data(args) -> None:
     with naming_full_disk(args.out):  # the shard writer's stream names no path when the disk fills
@@ -25,12 +33,18 @@ def _write_data(args) -> None:
     if args.dataset == "fashion-mnist":
         from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
         summary = write_fashion_mnist_shards(args.out, source=args.source, limit=args.limit,
-                                             overwrite=args.overwrite)
+                                             overwrite=args.overwrite, setting_names=_DATA_FLAGS)
         counts = " + ".join(f"{n} {split}" for split, n in summary["samples"].items())
         verb = "already there, nothing written" if summary["skipped"] else f"written in {summary['seconds']:.0f} s"
         print(f"Fashion-MNIST {counts} samples in {sum(summary['shards'].values())} shards at {args.out}: {verb}")
         return
-    from lit_softmoe.data.writers import WriteOptions, write_folder_shards, write_table_shards
+    from lit_softmoe.data.writers import (
+        WriteOptions,
+        check_split_name,
+        write_folder_shards,
+        write_table_shards,
+    )
+    check_split_name(args.split, _DATA_FLAGS)  # WriteOptions checks it too, naming it "split"
     options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
                            samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_bytes)
     progress = sys.stderr.isatty()
@@ -41,11 +55,13 @@ def _write_data(args) -> None:
         templates = load_caption_templates(args.caption_templates) if args.caption_templates is not None else None
         summary = write_folder_shards(args.src, args.out, options, layout=args.layout, progress=progress,
                                       overwrite=args.overwrite, caption_templates=templates,
-                                      class_names=args.class_names, workers=workers)
+                                      class_names=args.class_names, workers=workers,
+                                      setting_names=_DATA_FLAGS)
     else:
         summary = write_table_shards(args.table, args.out, args.image_col, args.caption_col, options,
                                      key_col=args.key_col, progress=progress, overwrite=args.overwrite, root=args.root,
-                                     class_col=args.class_col, classnames_file=args.classnames, workers=workers)
+                                     class_col=args.class_col, classnames_file=args.classnames,
+                                     workers=workers, setting_names=_DATA_FLAGS)
     if summary.classnames_note:
         print(summary.classnames_note)
     print(summary.line())

@@ -23,6 +23,8 @@ from lit_softmoe.utils.paths import check_writable
 FAST_LIMIT = 10_000
 FAST_PRETRAIN = ["epochs=2", "optim.warmup=0.32", "log_every=10", "checkpoint_every=1000"]  # 50 of 156 steps
 FAST_LIT = ["epochs=4", "optim.warmup=20", "eval.every=0", "log_every=10"]
+# Each stage runs as its command (`_step` names it): messages name that command's flags.
+_DATA_FLAGS = {"out_dir": "--out", "limit": "--limit", "overwrite": "--overwrite"}
 
 
 def _headline(text: str) -> None:
@@ -129,7 +131,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     tic = time.perf_counter()
     with _step(f"lit-softmoe data fashion-mnist --out {shards}" + (f" --limit {FAST_LIMIT}" if fast else "")):
         with naming_full_disk(shards):  # the shard writer's stream names no path when the disk fills
-            summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None)
+            summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None,
+                                                 setting_names=_DATA_FLAGS)
     counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
     print(f"{counts} images {'already there' if summary['skipped'] else 'written'} in {shards}")
     timings["shards"] = time.perf_counter() - tic

@@ -4,6 +4,7 @@ CLI says in one line too."""
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 
 class UserError(Exception):
@@ -16,6 +17,25 @@ def check_known_keys(given, known, what: str) -> None:
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise UserError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
+
+
+def setting(names: Mapping[str, str] | None, parameter: str, value: object = None) -> str:
+    """How a message names `parameter`, in the caller's words: `names` maps parameters to the
+    names the caller knows them by (the CLI passes its flags, {"out_dir": "--out"}); a parameter
+    not in it goes by its own name. With `value`, the setting as the caller writes it (`spelled`):
+    the fix a message names."""
+    return spelled((names or {}).get(parameter, parameter), value)
+
+
+def spelled(name: str, value: object = None) -> str:
+    """A setting `name` with `value` as its caller writes it: `--layout classes` for a flag (a
+    switch's True: the flag alone), `layout=classes` for a parameter or config key; the name alone
+    without a value."""
+    if value is None:
+        return name
+    if name.startswith("-"):
+        return name if value is True else f"{name} {value}"
+    return f"{name}={value}"
 
 
 def first_line(error: BaseException) -> str:

@@ -277,7 +277,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if args.shards is None:
         # 2,500 samples a shard: 24 shards for the 60k training images, enough for any worker count here.
-        write_fashion_mnist_shards(args.out, samples_per_shard=2500, progress=True)
+        write_fashion_mnist_shards(args.out, samples_per_shard=2500, progress=True,
+                                   setting_names={"out_dir": "--out"})
         args.shards = args.out / "train"
     pattern = _split_pattern(args.shards)
     tokenizer = create_tokenizer("openclip-bpe", args.context_length)

@@ -84,11 +84,13 @@ def test_demo_folders_that_cannot_be_written_are_refused_before_any_stage(tmp_pa
 def test_demo_step_errors_say_which_command_the_flags_belong_to(tmp_path, capsys, monkeypatch):
     # The stage's fix names `--overwrite` and `--out`, which `lit-softmoe demo` does not have.
     from lit_softmoe.data import fashion_mnist as sources
-    from lit_softmoe.errors import UserError
+    from lit_softmoe.errors import UserError, setting
 
-    def refuse(out_dir, limit=None):
-        raise UserError(f"{out_dir}/train already holds other shards; pass --overwrite to replace it with "
-                        "Fashion-MNIST, or choose another --out")
+    def refuse(out_dir, limit=None, setting_names=None):  # naming its settings as the writer does
+        overwrite = setting(setting_names, "overwrite", True)
+        out = setting(setting_names, "out_dir")
+        raise UserError(f"{out_dir}/train already holds other shards; pass {overwrite} to replace "
+                        f"it with Fashion-MNIST, or choose another {out}")
     monkeypatch.setattr(sources, "write_fashion_mnist_shards", refuse)
     shards = tmp_path / "data" / "fashion-mnist-10k"
     argv = ["demo", "--fast", "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")]

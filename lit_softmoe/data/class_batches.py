@@ -94,8 +94,9 @@ class StreamedClassBatches:
             raise UserError(f"{urls}: streaming pretraining needs local shards (their sizes give an epoch's length); "
                             "copy the shards to a local disk")
         if len(self.urls) < world_size:
-            raise UserError(f"{len(self.urls)} shards cannot feed {world_size} processes (each reads shards of its "
-                            "own): write smaller shards (data from-folder --shard-size) or use fewer processes")
+            raise UserError(f"{len(self.urls)} shards cannot feed {world_size} processes "
+                            "(each reads shards of its own): write the split again with fewer "
+                            "samples per shard, or use fewer processes")
         # The largest share a process can get in any epoch's shard order: its steps are every process's.
         largest_share = sum(sorted(sizes.values(), reverse=True)[:math.ceil(len(self.urls) / world_size)])
         self.steps_per_epoch = math.ceil(largest_share / self.local_batch)

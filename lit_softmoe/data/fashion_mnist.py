@@ -17,7 +17,7 @@ import os
 import time
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import PIL.Image
@@ -35,7 +35,7 @@ from lit_softmoe.data.shards import (
     write_split,
 )
 from lit_softmoe.data.writers import other_split_data
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, ZEROSHOT_TEMPLATES
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock
@@ -211,6 +211,8 @@ def write_fashion_mnist_shards(
     allow_download: bool = True,
     progress: bool = False,
     overwrite: bool = False,
+    *,
+    setting_names: Mapping[str, str] | None = None,
 ) -> dict:
     """Write Fashion-MNIST as `out_dir/{train,test}/` shards + class names, templates, dataset type.
 
@@ -220,15 +222,18 @@ def write_fashion_mnist_shards(
     is skipped if `out_dir` already holds the complete set (its manifest.json, completed last,
     matches the arguments, and every sizes.json and shard is in place). A train/ or test/ folder
     holding other data (written by `data from-folder`, `embed`, …) is refused unless `overwrite`;
-    then it is replaced whole, in one swap.
+    then it is replaced whole, in one swap. `setting_names`: what messages call the parameters,
+    {parameter: the caller's name} (`errors.setting`; the CLI passes its flags, {"out_dir":
+    "--out", ...}).
 
     Returns:
         {"out_dir", "samples": {split: count}, "shards": {split: count}, "skipped", "seconds"}.
     """
     start = time.perf_counter()
-    out_dir = Path(out_dir)
+    out_dir, names = Path(out_dir), setting_names
     if limit is not None and limit < 1:  # images[:0] would write empty shards, images[:-5] drop the last five
-        raise UserError(f"--limit must be at least 1 (the first N images of each split), got {limit}")
+        raise UserError(f"{setting(names, 'limit')} must be at least 1 (the first N images of each "
+                        f"split), got {limit}")
     folder = find_fashion_mnist(source, allow_download)
     manifest = {
         "format": _FORMAT_VERSION, "dataset": "fashion-mnist", "limit": limit,
@@ -242,16 +247,19 @@ def write_fashion_mnist_shards(
         logger.info("%s already holds these Fashion-MNIST shards; nothing written", out_dir)
         return _summary(out_dir, written, skipped=True, start=start)
 
-    check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
+    out_setting = setting(names, "out_dir")
+    # A file there, or no permission: one line, not a traceback.
+    check_writable(out_dir, out_setting, folder=True)
     for split in FASHION_MNIST_FILES:
         if (out_dir / split).exists() and not (out_dir / split).is_dir():  # mkdir would raise FileExistsError
-            raise UserError(f"{out_dir / split} is a file, not a split folder; move it away or choose another --out")
-    _check_free(out_dir, overwrite)
+            raise UserError(f"{out_dir / split} is a file, not a split folder; move it away or "
+                            f"choose another {out_setting}")
+    _check_free(out_dir, overwrite, names)
     with folder_lock(out_dir):  # one writer of a dataset folder at a time; the checks again under the lock
         if _is_complete(out_dir, manifest):  # the same command, finished meanwhile
             return _summary(out_dir, json.loads((out_dir / MANIFEST_FILE).read_text())["splits"], skipped=True,
                             start=start)
-        others = _check_free(out_dir, overwrite)
+        others = _check_free(out_dir, overwrite, names)
         # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
         # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
         write_text_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
@@ -281,25 +289,28 @@ def write_fashion_mnist_shards(
         return _summary(out_dir, splits, skipped=False, start=start)
 
 
-def _check_free(out_dir: Path, overwrite: bool) -> dict[str, str | None]:
+def _check_free(out_dir: Path, overwrite: bool,
+                names: Mapping[str, str] | None) -> dict[str, str | None]:
     """{split: what train/ or test/ holds besides Fashion-MNIST}, refused without `overwrite`; and no
-    other split here may have other class names."""
+    other split here may have other class names. Messages call the parameters by `names`."""
     others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
     for split, other in others.items():
         if other and not overwrite:
-            raise UserError(f"{out_dir / split} already holds {other}; pass --overwrite to replace it with "
-                            "Fashion-MNIST, or choose another --out")
-    _check_other_classnames(out_dir)
+            raise UserError(f"{out_dir / split} already holds {other}; pass "
+                            f"{setting(names, 'overwrite', True)} to replace it with "
+                            f"Fashion-MNIST, or choose another {setting(names, 'out_dir')}")
+    _check_other_classnames(out_dir, names)
     return others
 
 
-def _check_other_classnames(out_dir: Path) -> None:
+def _check_other_classnames(out_dir: Path, names: Mapping[str, str] | None) -> None:
     """Refuse to rename the classes of a split here that is not train/ or test/ (`data from-folder`
     refuses the same for its splits): classnames.txt beside the splits describes them all."""
     others = splits_beside(out_dir, exclude=FASHION_MNIST_FILES)
     if same_classnames(out_dir / CLASSNAMES_FILE, list(FASHION_MNIST_CLASSNAMES)) is False and others:
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists other classes than Fashion-MNIST's for "
-                        f"the split(s) {', '.join(others)}; write Fashion-MNIST to another --out")
+                        f"the split(s) {', '.join(others)}; write Fashion-MNIST to another "
+                        f"{setting(names, 'out_dir')}")
 
 
 def _other_data(out_dir: Path, split: str) -> str | None:

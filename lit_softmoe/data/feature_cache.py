@@ -21,8 +21,8 @@ How embed's processes write a cache (its work folder, shard records, failure rep
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -65,45 +65,52 @@ def read_embed_json(split_dir: Path) -> dict | None:
         return None
 
 
-def _rerun_hint(tower_dir, source, split_dir: Path) -> str:
-    """The embed command that rebuilds the cache, each value quoted as a shell needs it: a `timm:...?file=`
-    tower (a glob) or brace-expanded shards would otherwise be rewritten by the shell a user pastes it into."""
-    words = ["lit-softmoe", "embed", "--tower", str(tower_dir), "--shards", str(source), "--out",
-             str(split_dir.parent), "--split", split_dir.name]
-    return f"rerun `{shlex.join(words)}`"
+# What a message tells to do to make a cache again: (tower_dir, the source shards embed.json records
+# or None, the split folder) → words, e.g. "embed SOURCE with the tower T into S again".
+RemakeHint = Callable[[str | Path, str | None, Path], str]
 
 
-def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path) -> dict:
+def remake_words(tower_dir: str | Path, source: str | None, split_dir: Path) -> str:
+    """How to make the cache in `split_dir` again, in the library's words (`check_feature_cache`'s
+    default; the commands name their own, `train.embed.rerun_command`)."""
+    source = source or "its source shards"
+    return f"embed {source} with the tower {tower_dir} into {split_dir} again"
+
+
+def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path,
+                        remake: RemakeHint = remake_words) -> dict:
     """Raise UserError unless `feature_split_dir` was embedded by the tower in `tower_dir`.
 
     Returns the cache's embed.json (its "dim" sizes the text tower's projection). A cache is
     refused when embed.json is missing (not a cache, or a run that did not finish), when the
     tower's weights, config or preprocessing differ from those it was made with, or when one of
     its local source shards still exists with another size or modification time, or when one of its
-    own shards is not the file embed wrote (damaged, truncated or replaced since).
+    own shards is not the file embed wrote (damaged, truncated or replaced since). Each refusal
+    ends in `remake(tower_dir, source, split_dir)`: how to make the cache again, in the caller's
+    words.
     """
     split_dir = Path(feature_split_dir)
     info = read_embed_json(split_dir)
     if info is None:
         raise UserError(f"feature cache {split_dir} has no {EMBED_FILE} (not made by `lit-softmoe embed`, or the "
-                        f"run did not finish); {_rerun_hint(tower_dir, 'SHARDS', split_dir)}")
+                        f"run did not finish); {remake(tower_dir, None, split_dir)}")
+    hint = remake(tower_dir, info.get("source"), split_dir)
     if info.get("split", split_dir.name) != split_dir.name:  # a folder's files replaced by another split's
         raise UserError(f"feature cache {split_dir} holds the split {info['split']!r} (so says its {EMBED_FILE}: "
                         f"another split's cache copied or moved here); rename the folder back to {info['split']}, "
-                        f"or {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+                        f"or {hint}")
     expected = cache_fingerprint(tower_dir)
     if any(info.get(key) != expected[key] for key in _FINGERPRINT_KEYS):
         raise UserError(f"feature cache {split_dir} was made with another tower (sha "
                         f"{str(info.get('tower_sha256'))[:12]} vs {expected['tower_sha256'][:12]}) or preprocessing; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+                        f"{hint}")
     changed = _changed_source_file(info.get("source_stats") or {})
     if changed is not None:
         raise UserError(f"feature cache {split_dir} is older than its source: {changed} changed since it was "
-                        f"embedded; {_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+                        f"embedded; {hint}")
     damaged = damaged_shard(split_dir, info.get("shard_sha256"))
     if damaged is not None:
-        raise UserError(f"feature cache {split_dir}: {damaged}; "
-                        f"{_rerun_hint(tower_dir, info.get('source', 'SHARDS'), split_dir)}")
+        raise UserError(f"feature cache {split_dir}: {damaged}; {hint}")
     return info
 
 
@@ -221,11 +228,13 @@ def is_feature_cache(split: str | Path) -> bool:
     return bool(feature_split_dirs(split))
 
 
-def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str]) -> None:
+def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str],
+                          shards_setting: str = "shards") -> None:
     """UserError where the shards `spec` names are feature shards (our own output) given as a source of
     images: the embed.json beside them, or `.npy` samples without an image (`first_members`: those of
     the first sample, `tar_reading.first_sample_members`). Every sample would be counted as
-    missing_image, and the bad-fraction message would send the user the wrong way."""
+    missing_image, and the bad-fraction message would send the user the wrong way. The message calls
+    the source `shards_setting`, the caller's name for it (embed's --shards)."""
     first = urls[0]
     local = "://" not in first and not first.startswith("pipe:")
     info = read_embed_json(Path(first).parent) if local else None
@@ -233,15 +242,15 @@ def refuse_feature_shards(spec: str, urls: list[str], first_members: set[str]) -
         if "npy" not in first_members or first_members & set(IMAGE_EXTENSIONS):
             return
         info = {}
-    source = f" (these came from --shards {info['source']})" if info.get("source") else ""
+    source = f" (these came from {shards_setting} {info['source']})" if info.get("source") else ""
     raise UserError(f"{spec} holds feature shards written by `lit-softmoe embed`, not images; pass the "
                     f"image shards to embed{source}")
 
 
-def check_feature_caches(spec: str | Path, tower_dir) -> None:
+def check_feature_caches(spec: str | Path, tower_dir, remake: RemakeHint = remake_words) -> None:
     """check_feature_cache for every split `spec` names (a stale one in a `::` list is refused too)."""
     for split_dir in feature_split_dirs(spec):
-        check_feature_cache(split_dir, tower_dir)
+        check_feature_cache(split_dir, tower_dir, remake)
 
 
 # ---------------------------------------------------------------------------------- dataset metadata
@@ -260,17 +269,19 @@ def copy_metadata(source_dir: Path | None, out_dir: Path) -> list[str]:
     return copied
 
 
-def refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str) -> None:
+def refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str,
+                          out_setting: str = "out_dir") -> None:
     """Refuse to replace classnames.txt & co. in `out_dir` while other feature splits there still use them:
-    embedding a second dataset into the same --out would rename the first one's classes."""
+    embedding a second dataset into the same folder would rename the first one's classes. The
+    message calls `out_dir` `out_setting`, the caller's name for it (embed's --out)."""
     others = splits_beside(out_dir, exclude={split})
     for name in METADATA_FILES if source_dir is not None and others else ():
         source, target = source_dir / name, out_dir / name
         if (source.is_file() and target.is_file()
                 and source.read_text(encoding="utf-8") != target.read_text(encoding="utf-8")):
             raise UserError(f"{target} differs from {source} and the feature split(s) {', '.join(others)} in "
-                            f"{out_dir} use it; embed another dataset into its own --out folder, or delete "
-                            f"{target} to take the new one")
+                            f"{out_dir} use it; embed another dataset into its own {out_setting} "
+                            f"folder, or delete {target} to take the new one")
 
 
 # ------------------------------------------------------------------------------- a finished cache

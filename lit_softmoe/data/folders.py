@@ -14,7 +14,7 @@ import os
 import unicodedata
 from collections import Counter
 from pathlib import Path, PurePosixPath
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from lit_softmoe.data.captions import class_caption
 from lit_softmoe.data.imagenet_folders import CLASS_NAMES, imagenet_classnames
@@ -28,7 +28,7 @@ from lit_softmoe.data.listing import (
 )
 from lit_softmoe.data.shards import class_name_difference, class_name_key
 from lit_softmoe.data.tar_reading import BadSampleCounter
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 from lit_softmoe.metadata import check_templates
 
 LAYOUTS = ("auto", "captions", "classes")
@@ -72,7 +72,8 @@ def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[Pu
 
 
 def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None,
-                caption_templates: Sequence[str] | None = None, class_names: str = "auto") -> Listing:
+                caption_templates: Sequence[str] | None = None, class_names: str = "auto", *,
+                setting_names: Mapping[str, str] | None = None) -> Listing:
     """The samples of a folder; `layout` is "captions", "classes" or "auto".
 
     Captions layout: the key is the file stem (img2dataset's numbered subfolders only bucket
@@ -86,6 +87,8 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     (`data.captions.class_caption`).
     Captioned images are listed in path order, class folders' images in a seeded random order
     (`data.listing.in_shuffled_order`: in path order every shard would hold one class).
+    `setting_names`: what messages call the parameters, {parameter: the caller's name}
+    (`errors.setting`).
     """
     src = Path(src)
     if not src.exists():
@@ -99,7 +102,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     if caption_templates is not None:
         caption_templates = list(caption_templates)
         check_templates(caption_templates, "caption templates")
-        _check_not_captions(src, layout)
+        _check_not_captions(src, layout, setting_names)
     # The output folder may lie inside the source: its files are not inputs.
     exclude = Path(exclude).resolve() if exclude is not None else None
     files = _walk_files(src, exclude)  # compared to real paths: the output may lie behind a link
@@ -111,7 +114,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     if layout == "auto":
         layout = _detect_layout(src, images, set(captions))
         if caption_templates is not None:
-            _check_not_captions(src, layout, detected=True)
+            _check_not_captions(src, layout, setting_names, detected=True)
     counter = BadSampleCounter()
     classnames, note = None, None
     if layout == "captions":
@@ -121,7 +124,7 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
         folders = sorted({image.parts[0] for image in images if len(image.parts) > 1})
         _check_classnames(src, folders)
         _check_no_empty_class_folders(src, folders, exclude)
-        found = imagenet_classnames(src, folders) if class_names == "auto" else None
+        found = imagenet_classnames(src, folders, setting_names) if class_names == "auto" else None
         classnames, note = found if found is not None else (folders, None)
         candidates = _class_candidates(src, images, folders, classnames, counter)
     read = images + (list(captions.values()) if layout == "captions" else [])
@@ -139,13 +142,14 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     return Listing(candidates, counter, fingerprint, classnames, caption_templates, note)
 
 
-def _check_not_captions(src: Path, layout: str, detected: bool = False) -> None:
+def _check_not_captions(src: Path, layout: str, names: Mapping[str, str] | None,
+                        detected: bool = False) -> None:
     """Caption templates name classes: a captions-layout folder has none (and captions of its own)."""
     if layout == "captions":
         found = " (found .txt captions beside its images)" if detected else ""
         raise UserError(f"caption templates write captions from class folder names, but {src} is read in the "
-                        f"captions layout{found}; pass --layout classes, or drop --caption-templates to keep "
-                        "the .txt captions")
+                        f"captions layout{found}; pass {setting(names, 'layout', 'classes')}, or "
+                        f"drop {setting(names, 'caption_templates')} to keep the .txt captions")
 
 
 def _check_classnames(src: Path, classnames: list[str]) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_softmoe.data.images import exif_orientation, open_undecoded
-from lit_softmoe.errors import UserError, first_line
+from lit_softmoe.errors import UserError, first_line, spelled
 
 DECODERS = ("auto", "gpu", "cpu")
 _JPEG_START = b"\xff\xd8\xff"
@@ -323,16 +323,20 @@ def gpu_decoder_works(device: torch.device) -> str | None:
     return None
 
 
-def choose_decoder(setting: str, device: torch.device) -> tuple[str, str]:
-    """("gpu" | "cpu", why) for `--jpeg-decoder` (one of `DECODERS`): auto takes the GPU where torchvision
-    can decode there (`gpu_decoder_works`); gpu where it cannot is a UserError."""
+def choose_decoder(setting: str, device: torch.device,
+                   setting_name: str = "jpeg_decoder") -> tuple[str, str]:
+    """("gpu" | "cpu", why) for the decoder `setting` (one of `DECODERS`): auto takes the GPU where
+    torchvision can decode there (`gpu_decoder_works`); gpu where it cannot is a UserError. The why
+    and the error call the setting `setting_name`, the caller's name for it (embed's
+    --jpeg-decoder)."""
     if setting == "cpu":
-        return "cpu", "--jpeg-decoder cpu"
+        return "cpu", spelled(setting_name, "cpu")
     problem = gpu_decoder_works(device)
     if setting == "gpu":
         if problem is not None:
-            raise UserError(f"--jpeg-decoder gpu: {problem}; leave it at auto (or cpu) to decode on the host")
-        return "gpu", "--jpeg-decoder gpu"
+            raise UserError(f"{spelled(setting_name, 'gpu')}: {problem}; leave it at auto (or "
+                            "cpu) to decode on the host")
+        return "gpu", spelled(setting_name, "gpu")
     return ("cpu", f"auto: {problem}") if problem else ("gpu", "auto: nvJPEG; other images on the host")
 
 

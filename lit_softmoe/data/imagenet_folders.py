@@ -13,19 +13,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Mapping
 
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 from lit_softmoe.metadata import benchmark_info, imagenet_wnids
 
-CLASS_NAMES = ("auto", "folders")  # --class-names: ImageNet's names for wnid folders (auto), or the folders' own
+# class_names: ImageNet's names for wnid folders (auto), or the folders' own.
+CLASS_NAMES = ("auto", "folders")
 _WNID = re.compile(r"n\d{8}")
 
 
-def imagenet_classnames(src: Path, folders: list[str]) -> tuple[list[str], str] | None:
+def imagenet_classnames(src: Path, folders: list[str],
+                        setting_names: Mapping[str, str] | None = None
+                        ) -> tuple[list[str], str] | None:
     """(the ImageNet class names of `folders`, in their order; one line saying so), or None when the
     folders are not all wnids (a folder with another name, or no wnid ImageNet-1k knows: an
     ImageNet-21k set keeps its folder names). Known and unknown wnids mixed are one error line:
-    the unknown ones would otherwise keep their ids among names."""
+    the unknown ones would otherwise keep their ids among names. The error and the note name the
+    fix as `setting_names` calls `class_names` (`errors.setting`; the CLI passes --class-names)."""
+    keep_folders = setting(setting_names, "class_names", "folders")
     if not folders or not all(_WNID.fullmatch(name) for name in folders):
         return None
     index_of = {wnid: index for index, wnid in enumerate(imagenet_wnids())}
@@ -37,7 +43,7 @@ def imagenet_classnames(src: Path, folders: list[str]) -> tuple[list[str], str] 
         raise UserError(f"{src} holds {known} ImageNet-1k class folder{'s' * (known != 1)} (WordNet ids) and "
                         f"{other} wnid-named folder{'s' * (other != 1)} that ImageNet-1k does not have, e.g. "
                         f"{unknown[0]!r}; remove or rename {'those' if other != 1 else 'it'}, or pass "
-                        "--class-names folders to keep every folder's name as its class name")
+                        f"{keep_folders} to keep every folder's name as its class name")
     names = benchmark_info("imagenet1k").classnames
     classnames = [names[index_of[name]] for name in folders]
     if len(folders) == len(names):
@@ -46,4 +52,4 @@ def imagenet_classnames(src: Path, folders: list[str]) -> tuple[list[str], str] 
     else:
         note = (f"class folders are {len(folders)} of ImageNet-1k's WordNet ids: classnames.txt holds their "
                 "shipped ImageNet class names, numbered in sorted wnid order")
-    return classnames, note + " (--class-names folders keeps the folder names)"
+    return classnames, f"{note} ({keep_folders} keeps the folder names)"

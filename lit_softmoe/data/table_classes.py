@@ -19,11 +19,11 @@ import math
 import re
 import unicodedata
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from lit_softmoe.data.shards import class_name_difference, class_name_key, read_classnames_file
 from lit_softmoe.data.tar_reading import BadSampleCounter
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 
 _WHOLE_NUMBER = re.compile(r"[+-]?\d+")
 
@@ -49,26 +49,31 @@ def class_cell(cell: Any) -> tuple[str | int | None, str | None]:
     return name, None
 
 
-def load_classnames_file(path: str | Path) -> list[str]:
-    """The class names of a `--classnames` file, one per line in label order (`shards.read_classnames_file`)."""
-    path = Path(path)
+def load_classnames_file(path: str | Path,
+                         setting_names: Mapping[str, str] | None = None) -> list[str]:
+    """The class names of a class-names file, one per line in label order
+    (`shards.read_classnames_file`). Messages call the file as `setting_names` calls
+    `classnames_file` (`errors.setting`; the CLI passes --classnames)."""
+    path, what = Path(path), setting(setting_names, "classnames_file")
     hint = "give a text file with one class name per line, in label order"
     if path.is_dir() or not path.exists():
-        raise UserError(f"--classnames {path} is {'a folder' if path.is_dir() else 'not found'}; {hint}")
+        raise UserError(f"{what} {path} is {'a folder' if path.is_dir() else 'not found'}; {hint}")
     try:
         names = read_classnames_file(path)
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read --classnames {path} ({err}); {hint}") from None
+        raise UserError(f"cannot read {what} {path} ({err}); {hint}") from None
     if not names:
-        raise UserError(f"--classnames {path} holds no class names; {hint}")
+        raise UserError(f"{what} {path} holds no class names; {hint}")
     return [unicodedata.normalize("NFC", name) for name in names]  # as the table's cells are read
 
 
 def resolve_classes(values: list[str | int], file_names: list[str] | None, source: str,
-                    counter: BadSampleCounter) -> tuple[list[int | None], list[str], str | None]:
+                    counter: BadSampleCounter, setting_names: Mapping[str, str] | None = None
+                    ) -> tuple[list[int | None], list[str], str | None]:
     """(each value's label, None where its row is skipped as unknown_class; the class names in label
     order; a line to print where the reading may surprise, else None). `source` names the column and
-    the file in messages."""
+    the file in messages; `setting_names` what they call the class-names file
+    (`classnames_file`)."""
     if file_names is None:
         names = [str(value) for value in values]
         classnames = sorted(set(names))
@@ -83,7 +88,8 @@ def resolve_classes(values: list[str | int], file_names: list[str] | None, sourc
         note = None
         if names and all(_WHOLE_NUMBER.fullmatch(name) for name in names):
             note = (f"{source} holds whole numbers, read as class names sorted as text (\"1\", \"10\", \"2\" …); "
-                    "pass --classnames FILE to read them as indices into FILE's names")
+                    f"pass {setting(setting_names, 'classnames_file', 'FILE')} to read them as "
+                    "indices into FILE's names")
         return [label_of[name] for name in names], classnames, note
     if all(isinstance(value, int) or _WHOLE_NUMBER.fullmatch(value) for value in values):
         labels = [int(value) for value in values]

@@ -9,7 +9,7 @@ import csv
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from lit_softmoe.data.listing import (
     Candidate,
@@ -22,7 +22,7 @@ from lit_softmoe.data.listing import (
 )
 from lit_softmoe.data.table_classes import class_cell, load_classnames_file, resolve_classes
 from lit_softmoe.data.tar_reading import BadSampleCounter
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 
 TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
                   ".parquet": "parquet"}
@@ -111,12 +111,13 @@ def _parquet_rows(table: Path) -> tuple[list[str], Iterator[dict]]:
 
 
 def _require_columns(table: Path, columns: Iterable[str], needed: dict[str, str]) -> None:
+    """Refuse a column of `needed` ({the setting naming it: column}) that the table lacks."""
     columns = list(columns)
-    for option, column in needed.items():
+    for name, column in needed.items():
         if column not in columns:
             listed = ", ".join(map(str, columns)) or "none"
             raise UserError(f"{table} has no column {column!r} (its columns: {listed}); "
-                            f"pass {option} with one of them")
+                            f"pass {name} with one of them")
 
 
 def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | bytes | None, str, str | None]:
@@ -144,7 +145,8 @@ def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | 
 
 def list_table(table: str | Path, image_col: str, caption_col: str | None, key_col: str | None = None,
                root: str | Path | None = None, class_col: str | None = None,
-               classnames_file: str | Path | None = None) -> Listing:
+               classnames_file: str | Path | None = None, *,
+               setting_names: Mapping[str, str] | None = None) -> Listing:
     """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
 
     `caption_col` gives each sample a `.txt` caption, `class_col` a `.cls` label and the listing its
@@ -157,27 +159,36 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
     The key is `key_col`'s value, else the image path without its extension (so two rows naming
     one image are a duplicate_key: give `key_col` to keep several captions per image), else the
     row number for embedded bytes. Columns other than these go to `.json` as "extra".
+
+    `setting_names`: what messages call the parameters, {parameter: the caller's name}
+    (`errors.setting`; the CLI passes its flags, {"class_col": "--class-col", ...}).
     """
-    table = Path(table)
+    table, names = Path(table), setting_names
     if caption_col is None and class_col is None:
-        raise UserError("a table gives captions, classes or both; pass --caption-col COL, --class-col COL, or both")
+        raise UserError(f"a table gives captions, classes or both; pass "
+                        f"{setting(names, 'caption_col', 'COL')}, "
+                        f"{setting(names, 'class_col', 'COL')}, or both")
     if classnames_file is not None and class_col is None:
-        raise UserError(f"--classnames {classnames_file} names the classes of a class column; pass --class-col COL "
-                        "too, or leave --classnames out")
+        file_setting = setting(names, "classnames_file")
+        raise UserError(f"{file_setting} {classnames_file} names the classes of a class column; "
+                        f"pass {setting(names, 'class_col', 'COL')} too, or leave {file_setting} "
+                        "out")
     if root is not None:
         root = Path(root).resolve()
         if not root.is_dir():
-            raise UserError(f"--root {root} is not a folder; give the folder the table's images must lie in")
+            raise UserError(f"{setting(names, 'root')} {root} is not a folder; give the folder the "
+                            "table's images must lie in")
     if table.is_dir():
         raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
                         "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
     if not table.is_file():
         raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
     kind = _table_kind(table)
-    file_names = load_classnames_file(classnames_file) if classnames_file is not None else None
+    file_names = None if classnames_file is None else load_classnames_file(classnames_file, names)
     counter = BadSampleCounter()
-    needed = {"--image-col": image_col, "--caption-col": caption_col, "--key-col": key_col, "--class-col": class_col}
-    needed = {option: column for option, column in needed.items() if column}
+    needed = {"image_col": image_col, "caption_col": caption_col, "key_col": key_col,
+              "class_col": class_col}
+    needed = {setting(names, parameter): column for parameter, column in needed.items() if column}
     if kind == "parquet":
         columns, rows = _parquet_rows(table)
     elif kind == "jsonl":
@@ -201,7 +212,8 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
     fingerprint = files_fingerprint([(table.name, table), *image_files])
     classnames, note = None, None
     if class_col is not None:
-        candidates, classnames, note = _label(candidates, file_names, f"column {class_col!r} of {table}", counter)
+        source = f"column {class_col!r} of {table}"
+        candidates, classnames, note = _label(candidates, file_names, source, counter, names)
     candidates = drop_duplicate_keys(candidates, counter)
     if class_col is not None:  # tables are often sorted by class: see `in_shuffled_order`
         candidates = in_shuffled_order(candidates)
@@ -209,10 +221,12 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
 
 
 def _label(candidates: list[Candidate], file_names: list[str] | None, source: str,
-           counter: BadSampleCounter) -> tuple[list[Candidate], list[str], str | None]:
+           counter: BadSampleCounter, names: Mapping[str, str] | None
+           ) -> tuple[list[Candidate], list[str], str | None]:
     """The candidates whose class is known, labelled; the class names; a line to print or None. Known
     only once every row is read: the column's values decide the class numbers."""
-    labels, classnames, note = resolve_classes([c.meta.pop("class") for c in candidates], file_names, source, counter)
+    values = [c.meta.pop("class") for c in candidates]
+    labels, classnames, note = resolve_classes(values, file_names, source, counter, names)
     labelled = []
     for candidate, label in zip(candidates, labels):
         if label is not None:

@@ -49,7 +49,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import PIL.Image
 from tqdm import tqdm
@@ -69,7 +69,7 @@ from lit_softmoe.data.shards import (
     write_split,
 )
 from lit_softmoe.data.tables import list_table
-from lit_softmoe.errors import UserError
+from lit_softmoe.errors import UserError, setting
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock
 from lit_softmoe.utils.paths import check_writable
@@ -111,12 +111,20 @@ class WriteOptions:
         if self.image_format not in IMAGE_FORMATS:
             raise UserError(f"unknown image format {self.image_format!r}; "
                             f"choose one of {', '.join(IMAGE_FORMATS)}")
-        if not self.split or self.split != Path(self.split).name or self.split.startswith("."):
-            raise UserError(f"split {self.split!r} is not a plain folder name; pass e.g. --split train")
+        check_split_name(self.split)
         for name in ("max_size", "samples_per_shard", "max_shard_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def check_split_name(split: str, setting_names: Mapping[str, str] | None = None) -> None:
+    """Refuse a split name that is not a plain folder name (a path, `..`, hidden). Messages call it
+    as `setting_names` calls `split` (`errors.setting`; the CLI passes --split, and checks it before
+    making its `WriteOptions`)."""
+    if not split or split != Path(split).name or split.startswith("."):
+        raise UserError(f"{setting(setting_names, 'split')} {split!r} is not a plain folder name; "
+                        f"pass e.g. {setting(setting_names, 'split', 'train')}")
 
 
 def parse_byte_size(text: str) -> int:
@@ -173,7 +181,8 @@ def _reasons(counts: dict[str, int]) -> str:
 def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
                         layout: str = "auto", progress: bool = False, overwrite: bool = False,
                         caption_templates: Sequence[str] | None = None, class_names: str = "auto",
-                        workers: int = 1) -> WriteSummary:
+                        workers: int = 1, *,
+                        setting_names: Mapping[str, str] | None = None) -> WriteSummary:
     """Write a folder of captioned images or of class subfolders as `out_dir/{split}/` shards.
 
     The classes layout also writes `out_dir/classnames.txt`; with `caption_templates` (`{c}`
@@ -184,15 +193,19 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     docstring for what is skipped, normalized and rewritten. A split holding other data is refused
     unless `overwrite` (see `_write_listing`). `workers`: processes that read, decode and encode the
     images (the CLI's default: one per core this process may use); the shards are the same bytes for
-    any number.
+    any number. `setting_names`: what messages call the parameters, {parameter: the caller's name}
+    (`errors.setting`; the CLI passes its flags: {"out_dir": "--out", "split": "--split", ...}); the
+    options' `split` is "split".
     """
-    # With --out SRC itself, the split folder written into it is what must not be read back.
+    # With out_dir the source folder itself, the split folder written into it must not be read back.
     exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
-    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates, class_names=class_names)
+    listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates,
+                          class_names=class_names, setting_names=setting_names)
     # class_names is not an argument: like the templates, other names rewrite this source's split
     # (the manifest records them), where another source's split is refused.
     arguments = {"source": "folder", "path": str(Path(src).resolve()), "layout": layout}
-    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src), overwrite, workers)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(src),
+                             overwrite, workers, setting_names)
     summary.classnames_note = listing.classnames_note
     return summary
 
@@ -201,29 +214,33 @@ def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, c
                        options: WriteOptions = WriteOptions(), key_col: str | None = None,
                        progress: bool = False, overwrite: bool = False, root: str | Path | None = None,
                        class_col: str | None = None, classnames_file: str | Path | None = None,
-                       workers: int = 1) -> WriteSummary:
+                       workers: int = 1, *,
+                       setting_names: Mapping[str, str] | None = None) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
     Image paths are relative to the table's folder (or absolute), confined to `root` if given; see
     `list_table` for keys and extra columns. With `class_col`, each sample also gets a `.cls` and
     `out_dir/classnames.txt` the class names: sorted, or those of `classnames_file` in its order
-    (`data.table_classes`). A split holding other data is refused unless `overwrite`. `workers`: as in
-    `write_folder_shards`.
+    (`data.table_classes`). A split holding other data is refused unless `overwrite`. `workers` and
+    `setting_names`: as in `write_folder_shards`.
     """
-    listing = list_table(table, image_col, caption_col, key_col, root, class_col, classnames_file)
+    listing = list_table(table, image_col, caption_col, key_col, root, class_col, classnames_file,
+                         setting_names=setting_names)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
                  "caption_col": caption_col, "key_col": key_col}
     if class_col is not None:  # the file's names are in the manifest's classnames: other names rewrite
         arguments["class_col"] = class_col
     if root is not None:
         arguments["root"] = str(Path(root).resolve())
-    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(table), overwrite, workers)
+    summary = _write_listing(listing, Path(out_dir), options, arguments, progress, str(table),
+                             overwrite, workers, setting_names)
     summary.classnames_note = listing.classnames_note
     return summary
 
 
 def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, arguments: dict,
-                   progress: bool, source_name: str, overwrite: bool = False, workers: int = 1) -> WriteSummary:
+                   progress: bool, source_name: str, overwrite: bool = False, workers: int = 1,
+                   names: Mapping[str, str] | None = None) -> WriteSummary:
     """Write `listing` to `out_dir/{split}/`.
 
     A split this source wrote before (same `arguments`: finished, interrupted, or with other
@@ -231,6 +248,7 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
     holding anything else (another source's shards, Fashion-MNIST, features) is refused unless
     `overwrite`; then the new split is written beside it and swapped in whole, and the dataset
     files beside the splits (classnames.txt & co.) go too when no other split uses them.
+    Messages call the parameters by `names` (`errors.setting`).
     """
     start = time.perf_counter()
     if workers < 1:
@@ -247,13 +265,17 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         logger.info("%s already holds these shards; nothing written", split_dir)
         finished.seconds = round(time.perf_counter() - start, 3)
         return finished
-    check_writable(out_dir, "--out", folder=True)  # a file there, or no permission: one line, not a traceback
+    out_setting, split_setting = setting(names, "out_dir"), setting(names, "split")
+    # A file there, or no permission: one line, not a traceback.
+    check_writable(out_dir, out_setting, folder=True)
     if split_dir.exists() and not split_dir.is_dir():  # mkdir would raise FileExistsError
-        raise UserError(f"{split_dir} is a file, not a split folder; move it away, or choose another --split or --out")
+        raise UserError(f"{split_dir} is a file, not a split folder; move it away, or choose "
+                        f"another {split_setting} or {out_setting}")
     if not listing.candidates:
         raise UserError(f"nothing to write from {source_name}: every sample was skipped"
                         f"{_reasons(dict(listing.counter.counts))}; fix the source and rerun")
-    _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames, overwrite)
+    _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames, overwrite,
+                      names)
     # Writers of one dataset folder run one after the other, each seeing what the one before wrote:
     # two splits written at once renamed each other's classes, and one command run twice at once
     # deleted the other's shards. So the checks are made again under the lock.
@@ -263,7 +285,7 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             finished.seconds = round(time.perf_counter() - start, 3)
             return finished
         other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames,
-                                                overwrite)
+                                                overwrite, names)
         counter, tally = listing.counter, ImageTally()
 
         def write(target: Path) -> WriteSummary:
@@ -378,14 +400,16 @@ def _write_templates(out_dir: Path, templates: list[str]) -> None:
 
 
 def _check_split_free(out_dir: Path, split_dir: Path, split: str, arguments: dict, classnames: list[str] | None,
-                      overwrite: bool) -> tuple[str | None, list[str]]:
+                      overwrite: bool, names: Mapping[str, str] | None
+                      ) -> tuple[str | None, list[str]]:
     """Refuse a split holding other data (without `overwrite`) or other class names than the dataset's
     other splits; returns (what the split holds, the other splits)."""
     other = other_split_data(split_dir, lambda written: written.get("arguments") == arguments)
     if other and not overwrite:
-        raise UserError(f"{split_dir} already holds {other}; pass --overwrite to replace that split, "
-                        "or choose another --out or --split")
-    _check_classnames(out_dir, split, classnames)
+        raise UserError(f"{split_dir} already holds {other}; pass "
+                        f"{setting(names, 'overwrite', True)} to replace that split, or choose "
+                        f"another {setting(names, 'out_dir')} or {setting(names, 'split')}")
+    _check_classnames(out_dir, split, classnames, names)
     return other, splits_beside(out_dir, exclude={split})
 
 
@@ -440,7 +464,8 @@ def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
         return None
 
 
-def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None) -> None:
+def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None,
+                      names: Mapping[str, str] | None) -> None:
     """Refuse to give this split other class numbers than the dataset's other splits have."""
     if classnames is None or same_classnames(out_dir / CLASSNAMES_FILE, classnames) is not False:
         return
@@ -449,4 +474,5 @@ def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None) -
         existing = len(read_lines(out_dir / CLASSNAMES_FILE) or [])
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {existing} classes for the split(s) "
                         f"{', '.join(others)}, but this folder has {len(classnames)} other ones; give every "
-                        "split the same class folders, or write to another --out")
+                        "split the same class folders, or write to another "
+                        f"{setting(names, 'out_dir')}")

@@ -30,6 +30,7 @@ skipped, one with anything changed embeds again (`feature_cache.finished_cache`,
 """
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -145,7 +146,7 @@ def embed_shards(
     rank, world_size = process_rank(rank, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
-    refuse_feature_shards(shards, urls, members)
+    refuse_feature_shards(shards, urls, members, "--shards")
     split = split or split_name(shards, urls)
     split_dir = out_dir / split
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
@@ -155,7 +156,7 @@ def embed_shards(
                         f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
     device = parse_device(str(device), "--device") if device is not None else process_device()
     weights = inference_dtype(precision, device)
-    decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device)
+    decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device, "--jpeg-decoder")
     fingerprint = cache_fingerprint(tower_dir)
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
@@ -164,7 +165,7 @@ def embed_shards(
               **({"gpu_jpeg_share": gpu_jpeg_share} if decoder == "gpu" else {})}
 
     source_dir = dataset_dir(shards, urls)
-    refuse_other_metadata(source_dir, out_dir, split)
+    refuse_other_metadata(source_dir, out_dir, split, "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
     done = finished_cache(split_dir, wanted)  # else embedded again: the new split replaces the old one atomically
     if done is not None:
@@ -292,6 +293,16 @@ def _embed_job(job: _EmbedJob) -> dict:
     rate = per_second(sum(r["num_samples"] for r in finished[resumed:]), mine_seconds)
     return _summary(job.split_dir, num_samples, tower.cfg.width, seconds, rate, bad, job.rank,
                     job.world_size, resumed_shards=resumed, rates=rates)
+
+
+def rerun_command(tower_dir, source: str | None, split_dir: Path) -> str:
+    """The embed command that makes the cache in `split_dir` again (the `remake` hint of
+    `feature_cache.check_feature_cache`), each value quoted as a shell needs it: a `timm:...?file=`
+    tower (a glob) or brace-expanded shards would otherwise be rewritten by the shell a user pastes
+    it into."""
+    words = ["lit-softmoe", "embed", "--tower", str(tower_dir), "--shards", source or "SHARDS",
+             "--out", str(split_dir.parent), "--split", split_dir.name]
+    return f"rerun `{shlex.join(words)}`"
 
 
 def _check_flags(batch_size: int, workers: int | None, jpeg_decoder: str, gpu_jpeg_share: float,

@@ -30,7 +30,14 @@ from lit_softmoe.config import LiTConfig, micro_batch_size
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import read_labels
-from lit_softmoe.data.shards import dataset_dir, read_classnames_file, read_lines, shard_urls
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    TEMPLATES_FILE,
+    dataset_dir,
+    read_classnames_file,
+    read_lines,
+    shard_urls,
+)
 from lit_softmoe.data.tar_reading import require_class_labels
 from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
 from lit_softmoe.errors import UserError
@@ -50,6 +57,7 @@ from lit_softmoe.models.tower_folder import (
     tower_folder,
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
+from lit_softmoe.train.embed import rerun_command
 from lit_softmoe.train.loop import (
     LogWindow,
     StepFunctions,
@@ -121,7 +129,7 @@ def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transfo
 def _class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Preprocess, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
-        check_feature_caches(split, cfg.image_tower)
+        check_feature_caches(split, cfg.image_tower, rerun_command)
         loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
@@ -158,13 +166,13 @@ def _setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
     split = str(cfg.eval.shards)
     # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
     folder = dataset_dir(split)
-    for value, name, key in ((cfg.eval.classnames, "classnames.txt", "eval.classnames"),
-                             (cfg.eval.templates, "zeroshot_classification_templates.txt", "eval.templates")):
+    for value, name, key in ((cfg.eval.classnames, CLASSNAMES_FILE, "eval.classnames"),
+                             (cfg.eval.templates, TEMPLATES_FILE, "eval.templates")):
         if not value and folder is None:
             raise UserError(f"eval.shards {split} is not a local split, so there is no {name} beside it; "
                             f"set {key} to a file with one entry per line")
-    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / "classnames.txt"
-    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / "zeroshot_classification_templates.txt"
+    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / CLASSNAMES_FILE
+    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / TEMPLATES_FILE
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
@@ -358,7 +366,7 @@ def _setup_train_data(cfg: LiTConfig, run: TrainingRun, preprocess: Preprocess, 
     if cached:
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_caches(cfg.data.train, cfg.image_tower)
+        check_feature_caches(cfg.data.train, cfg.image_tower, rerun_command)
     probe_train = cfg.eval.probe_train if cfg.eval.shards else ""  # without an eval set the probe is skipped
     for split, key in ((cfg.eval.shards, "eval.shards"), (probe_train, "eval.probe_train")):
         if cfg.unlocked_blocks and split and is_feature_cache(split):

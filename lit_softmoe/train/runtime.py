@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from lit_softmoe.config import to_yaml
+from lit_softmoe.data.shards import CLASSNAMES_FILE, NSHARDS_FILE, SIZES_FILE
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import RUN_CONFIG, checkpoints_newest_first, latest_checkpoint
 from lit_softmoe.train.checkpoint import DamagedCheckpoint, load_training_state
@@ -163,8 +164,10 @@ def check_run_dir(run_dir, output: str) -> None:
 
 # What the folders lit-softmoe writes are recognized by: (a file or folder that only that kind holds, in words).
 _FOLDER_MARKS = (("config.json", "an export, a tower or a model (config.json)"),
-                 ("nshards.txt", "a dataset split (nshards.txt)"), ("sizes.json", "a dataset split (sizes.json)"),
-                 ("embed.json", "a feature cache (embed.json)"), ("classnames.txt", "a dataset (classnames.txt)"))
+                 (NSHARDS_FILE, f"a dataset split ({NSHARDS_FILE})"),
+                 (SIZES_FILE, f"a dataset split ({SIZES_FILE})"),
+                 ("embed.json", "a feature cache (embed.json)"),
+                 (CLASSNAMES_FILE, f"a dataset ({CLASSNAMES_FILE})"))
 
 
 def _other_folder_kind(folder: Path) -> str | None:

@@ -264,8 +264,9 @@ def test_caption_templates_refuse_the_captions_layout(tmp_path):
     (tmp_path / "src" / "a.txt").write_text("a gray square")
     gray_png(tmp_path / "src" / "cat" / "0.png", 10)
     for layout, found in (("captions", ""), ("auto", r" \(found .txt captions beside its images\)")):
-        with pytest.raises(UserError, match=rf"read in the captions layout{found}; pass --layout classes, or drop "
-                                            "--caption-templates"):
+        # A Python caller's words (the command line's: test_cli).
+        with pytest.raises(UserError, match=rf"read in the captions layout{found}; pass "
+                                            "layout=classes, or drop caption_templates"):
             write_folder_shards(tmp_path / "src", tmp_path / "out", layout=layout, caption_templates=["a {c}"])
     with pytest.raises(UserError, match="has no {c}"):  # checked for library callers too, not only by the CLI
         list_folder(tmp_path / "src", "classes", caption_templates=["a photo"])
@@ -341,7 +342,7 @@ def test_all_1000_wnid_folders_give_the_standard_imagenet_labels(tmp_path):
 
     assert summary.classnames_note == ("class folders are ImageNet-1k's 1000 WordNet ids: classnames.txt holds the "
                                        "shipped ImageNet class names and .cls the standard ImageNet label index "
-                                       "(--class-names folders keeps the folder names)")
+                                       "(class_names=folders keeps the folder names)")
     classnames = read_classnames(out)
     assert classnames == list(benchmark_info("imagenet1k").classnames)
     assert (classnames[0], classnames[1], classnames[207]) == ("tench", "goldfish", "Golden Retriever")

@@ -144,8 +144,15 @@ def test_root_confines_a_tables_rows_to_a_folder(tmp_path, capsys):
     assert list(read_split(tmp_path / "cli" / "train")) == ["images/a", "images/inner"]
     everything = write_table_shards(table, tmp_path / "all", "filepath", "title")
     assert everything.samples == 6 and not everything.skipped
-    with pytest.raises(UserError, match="--root .* is not a folder"):
+    with pytest.raises(UserError, match="^root .* is not a folder"):
         write_table_shards(table, tmp_path / "none", "filepath", "title", root=tmp_path / "nowhere")
+    capsys.readouterr()
+    assert main(["data", "from-table", str(table), "--image-col", "filepath",
+                 "--caption-col", "title", "--root", str(tmp_path / "nowhere"),
+                 "--out", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == (f"lit-softmoe data: error: --root {tmp_path / 'nowhere'} "
+                                       "is not a folder; give the folder the table's images must "
+                                       "lie in\n")
 
 
 # ---- class columns (`--class-col`, `--classnames`) ---------------------------------------------------

@@ -35,15 +35,20 @@ from lock_holders import in_thread
 CIFAR10_CLASSNAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
-def test_parse_byte_size():
+def test_parse_byte_size(tmp_path, capsys):
     sizes = [parse_byte_size(text) for text in ("1048576", "64k", "500M", "1G", "2GiB")]
     assert sizes == [1 << 20, 64 << 10, 500 << 20, 1 << 30, 2 << 30]
     with pytest.raises(UserError):
         parse_byte_size("lots")
     with pytest.raises(UserError, match="unknown image format 'gif'"):
         WriteOptions(image_format="gif")
-    with pytest.raises(UserError, match="not a plain folder name"):
+    with pytest.raises(UserError, match=r"^split '../train' is not a plain folder name; "
+                                        r"pass e.g. split=train$"):
         WriteOptions(split="../train")
+    assert main(["data", "from-folder", str(tmp_path), "--out", str(tmp_path / "out"),
+                 "--split", "../train"]) == 2
+    assert capsys.readouterr().err == ("lit-softmoe data: error: --split '../train' is not a plain "
+                                       "folder name; pass e.g. --split train\n")
 
 
 def _captioned_folder(root, count=5):
@@ -299,7 +304,7 @@ def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
     _captioned_folder(tmp_path / "photos", count=3)
     before = _tree(out)
     with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 20 samples of "
-                                        r"fashion-mnist; pass --overwrite"):
+                                        r"fashion-mnist; pass overwrite=True"):  # a Python caller's
         write_folder_shards(tmp_path / "photos", out)
     assert _tree(out) == before
     # Replacing train keeps test and the class list it still uses; no shard of the old train is left.
@@ -308,8 +313,16 @@ def test_fashion_mnist_and_folders_do_not_replace_each_other(tmp_path, capsys):
     assert read_classnames(out) == list(FASHION_MNIST_CLASSNAMES) and (out / "test" / "2.tar").is_file()
     # Fashion-MNIST back over the folder's split: refused, then replaced whole with --overwrite.
     with pytest.raises(UserError, match=rf"^{re.escape(str(out / 'train'))} already holds 3 samples of "
-                                        rf"{re.escape(str((tmp_path / 'photos').resolve()))}; pass --overwrite"):
+                                        rf"{re.escape(str((tmp_path / 'photos').resolve()))}; "
+                                        "pass overwrite=True"):
         write_fashion_mnist_shards(out, samples_per_shard=8, limit=20, allow_download=False)
+    capsys.readouterr()
+    # The command line's words: its flags.
+    assert main(["data", "fashion-mnist", "--out", str(out), "--limit", "20"]) == 2
+    photos = (tmp_path / "photos").resolve()
+    assert capsys.readouterr().err == (f"lit-softmoe data: error: {out / 'train'} already holds 3 "
+                                       f"samples of {photos}; pass --overwrite to replace it with "
+                                       "Fashion-MNIST, or choose another --out\n")
     assert main(["data", "fashion-mnist", "--out", str(out), "--limit", "20", "--overwrite"]) == 0
     assert len(read_split(out / "train")) == 20 and not (out / "train" / "manifest.json").exists()
 
@@ -421,8 +434,9 @@ def test_a_second_writer_of_a_dataset_folder_waits_then_checks_what_the_first_wr
         assert second.already_complete and second.sizes == first.sizes == {"0.tar": 4}
     else:
         photos = (tmp_path / "photos").resolve()
-        assert str(outcome["error"]) == (f"{out / 'train'} already holds 3 samples of {photos}; pass --overwrite to "
-                                         "replace that split, or choose another --out or --split")
+        assert str(outcome["error"]) == (f"{out / 'train'} already holds 3 samples of {photos}; "
+                                         "pass overwrite=True to replace that split, or choose "
+                                         "another out_dir or split")
     assert _tree(out / "train") == written  # the first's split, untouched
 
 

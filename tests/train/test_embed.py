@@ -24,7 +24,7 @@ from lit_softmoe.data.transforms import eval_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
-from lit_softmoe.train.embed import embed_shards
+from lit_softmoe.train.embed import embed_shards, rerun_command
 from shard_cuts import cut_before_sample
 from shared_builds import built_once
 
@@ -63,7 +63,7 @@ def test_a_split_folder_holding_another_splits_cache_is_refused(cache, tmp_path)
     root = cache["root"]
     shutil.copytree(root / "features" / "test", tmp_path / "train")
     with pytest.raises(UserError) as refused:
-        check_feature_cache(tmp_path / "train", root / "tower")
+        check_feature_cache(tmp_path / "train", root / "tower", rerun_command)  # as `train` does
     assert str(refused.value).startswith(
         f"feature cache {tmp_path / 'train'} holds the split 'test' (so says its embed.json: another split's cache "
         "copied or moved here); rename the folder back to test, or rerun `lit-softmoe embed")
@@ -125,7 +125,12 @@ def test_another_tower_is_refused_then_rewritten(cache, tmp_path):
     other = _save_test_tower(tmp_path / "other", seed=1)
     with pytest.raises(UserError, match=r"made with another tower \(sha \w+ vs \w+\) or preprocessing; "
                                         r"rerun `lit-softmoe embed --tower .*other --shards .*test --out "):
+        check_feature_cache(root / "features" / "test", tmp_path / "other", rerun_command)
+    with pytest.raises(UserError) as refused:  # a Python caller's words: no command's flags
         check_feature_cache(root / "features" / "test", tmp_path / "other")
+    assert str(refused.value).endswith(
+        f"or preprocessing; embed {root / 'fmnist' / 'test'} with the tower {tmp_path / 'other'} "
+        f"into {root / 'features' / 'test'} again")
 
     out = tmp_path / "features"
     embed_shards(root / "tower", str(root / "fmnist" / "test"), out)
@@ -164,7 +169,7 @@ def test_a_rewritten_source_is_refused_and_a_deleted_one_is_not(cache, tmp_path)
     os.utime(rewritten, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten: same size, newer
     with pytest.raises(UserError, match=rf"is older than its source: .*{rewritten.name} changed since it was "
                                         r"embedded; rerun `lit-softmoe embed --tower "):
-        check_feature_cache(features, cache["root"] / "tower")
+        check_feature_cache(features, cache["root"] / "tower", rerun_command)
 
     shutil.rmtree(source)  # the images dropped once their features are cached: the cache still serves
     assert check_feature_cache(features, cache["root"] / "tower")["num_samples"] == LIMIT
@@ -417,13 +422,14 @@ def test_a_damaged_feature_shard_is_refused_by_train_and_embedded_again_by_embed
     damage(features / "test" / "1.tar")
     with pytest.raises(UserError, match=rf"^feature cache {features / 'test'}: its shard 1\.tar is not the one "
                                         r"embed wrote \(damaged or replaced since\); rerun `lit-softmoe embed "):
-        check_feature_cache(features / "test", cache["root"] / "tower")
+        check_feature_cache(features / "test", cache["root"] / "tower", rerun_command)
     (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\n")
     capsys.readouterr()  # embed's own start line
     assert main(["train", "--config", str(tmp_path / "c.yaml"), f"image_tower={cache['root'] / 'tower'}",
                  f"data.train={features / 'test'}", "data.workers=0", "steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its shard 1.tar is not the one embed wrote" in err[0], err
+    assert "; rerun `lit-softmoe embed --tower " in err[0], err  # train names the command to run
     again = embed_shards(cache["root"] / "tower", str(source), features, batch_size=64)
     assert not again["skipped"] and again["num_samples"] == LIMIT
     assert (features / "test" / "1.tar").read_bytes() == original  # embedded again, to the same bytes
@@ -435,7 +441,7 @@ def test_a_missing_feature_shard_is_refused(cache, tmp_path):
     embed_shards(cache["root"] / "tower", str(cache["root"] / "fmnist" / "test"), features, batch_size=64)
     (features / "test" / "2.tar").unlink()
     with pytest.raises(UserError, match=r"its shard 2\.tar is missing; rerun `lit-softmoe embed "):
-        check_feature_cache(features / "test", cache["root"] / "tower")
+        check_feature_cache(features / "test", cache["root"] / "tower", rerun_command)
 
 
 def test_hostile_sample_keys_are_never_written_into_feature_shards(cache, tmp_path):
@@ -877,7 +883,7 @@ def test_the_rerun_hint_quotes_what_a_shell_would_rewrite(tmp_path):
     (what embed recorded as the source) reach embed as written only quoted."""
     def hint(split, tower) -> list[str]:
         with pytest.raises(UserError) as err:
-            check_feature_cache(split, tower)
+            check_feature_cache(split, tower, rerun_command)
         return shlex.split(str(err.value).split("rerun `")[1].rstrip("`"))
 
     split = tmp_path / "features" / "train"

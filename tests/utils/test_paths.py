@@ -31,15 +31,19 @@ def test_eval_out_that_cannot_be_written(tmp_path, capsys, suite):
         assert "cannot write in /proc" in line
 
 
-def test_out_that_is_a_file_is_a_user_error(tmp_path):
+def test_out_that_is_a_file_is_a_user_error(tmp_path, capsys):
     src = tmp_path / "photos"
     src.mkdir()
     (src / "a.png").write_bytes(seeded_png(0))
     (src / "a.txt").write_text("a caption")
     out = tmp_path / "out"
     out.write_text("I am a file")
-    with pytest.raises(UserError, match="--out"):
+    problem = f"{out} is a file; give a folder path"
+    with pytest.raises(UserError, match=f"^out_dir {problem}"):  # a Python caller's name for it
         write_folder_shards(src, out)
-    with pytest.raises(UserError, match="--out"):
+    with pytest.raises(UserError, match=f"^out_dir {problem}"):
         write_fashion_mnist_shards(out, limit=5, allow_download=False)
+    # The command line's words: its flag.
+    for command in (["from-folder", str(src)], ["fashion-mnist", "--limit", "5"]):
+        assert f"--out {problem}" in one_line_error(capsys, ["data", *command, "--out", str(out)])
     assert out.read_text() == "I am a file"
