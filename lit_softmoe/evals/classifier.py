@@ -1,14 +1,15 @@
-"""Zero-shot classifiers as pure functions (as open_clip's `zero_shot_classifier.py` and big_vision's
-evaluator do): every (class, template) prompt is encoded, the normalized embeddings of one class
-are averaged over its templates and renormalized, giving a (D, C) matrix; an image's logits are its
-normalized embedding times that matrix.
+"""Zero-shot classifiers as pure functions (as open_clip's `zero_shot_classifier.py` and
+big_vision's evaluator do): every (class, template) prompt is encoded, the normalized embeddings of
+one class are averaged over its templates and renormalized, giving a (D, C) matrix; an image's
+logits are its normalized embedding times that matrix.
 
 All prompts go through the text tower in large batches (not one class per forward pass, the
 slowness CLIP_benchmark's users report).
 
 Templates write the class name as `{c}`, as CLIP_benchmark's template files and this package's
 metadata do (OpenAI CLIP's and big_vision's lists write `{}`: replace it with `{c}`);
-`metadata.check_templates` says so (it lives there because the data writers check caption templates too).
+`metadata.check_templates` says so (it lives there because the data writers check caption templates
+too).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A benchmark split as the readers (`evals.readers`) hand it to the suite, and the image loading they
-share.
+"""A benchmark split as the readers (`evals.readers`) hand it to the suite, and the image loading
+they share.
 
 `EvalData` holds the split's dataset, whose items are `(index, image tensor or None, target)`, with
 what the files say of it (class names, templates, the samples listed) and the signature its cached
@@ -36,23 +36,26 @@ class MissingData(Exception):
 class EvalData:
     """One benchmark split, ready to encode."""
     task: str  # "classification" | "retrieval"
-    dataset: Dataset | IterableDataset  # yields (index, image (C, H, W) or None if unreadable, target)
+    # yields (index, image (C, H, W) or None if unreadable, target)
+    dataset: Dataset | IterableDataset
     format: str
     classnames: list[str] | None = None  # from the dataset's own files, when it ships them
     templates: list[str] | None = None
-    signature: dict = field(default_factory=dict)  # what the cached embeddings depend on (files, sizes)
-    # The samples of a webdataset split (`tar_reading.listed_sizes`: lit-softmoe's sizes.json, img2dataset's
-    # _stats.json, or a count): reading fewer than listed means truncated shards, and metrics over a part
-    # of the split; it also sizes the progress bar. None for remote shards.
+    # what the cached embeddings depend on (files, sizes)
+    signature: dict = field(default_factory=dict)
+    # The samples of a webdataset split (`tar_reading.listed_sizes`: lit-softmoe's sizes.json,
+    # img2dataset's _stats.json, or a count): reading fewer than listed means truncated shards, and
+    # metrics over a part of the split; it also sizes the progress bar. None for remote shards.
     listed_samples: int | None = None
-    # Local shards that end inside a member or a header (`tar_reading.is_damaged_tar`): read up to the damage,
-    # so the metrics cover part of the split.
+    # Local shards that end inside a member or a header (`tar_reading.is_damaged_tar`): read up to
+    # the damage, so the metrics cover part of the split.
     damaged_shards: list[str] = field(default_factory=list)
 
 
 def transformed_image(load: Callable[[], PIL.Image.Image], transform) -> torch.Tensor | None:
-    """`load()`'s image decoded as the training pipeline decodes it for `transform` (full, or JPEGs at
-    the reduced scale of the tower's preprocessing), then transformed; None for a broken image."""
+    """`load()`'s image decoded as the training pipeline decodes it for `transform` (full, or JPEGs
+    at the reduced scale of the tower's preprocessing), then transformed; None for a broken
+    image."""
     try:
         return transform(decode(load(), decode_min_side(transform)))
     except Exception:  # a broken image is skipped and counted by the encoder, never fatal

@@ -3,7 +3,8 @@ recall) and retrieval (recall@k in both directions).
 
 Definitions follow CLIP_benchmark (`metrics/zeroshot_classification.py`, `zeroshot_retrieval.py`),
 so the two suites agree on the same embeddings:
-- top-k: the true class is among the k highest logits; top-5 only with >= 5 classes (undefined below);
+- top-k: the true class is among the k highest logits; top-5 only with >= 5 classes (undefined
+  below);
 - mean per-class recall (balanced accuracy): per-class recall averaged over the classes present in
   the labels — a class absent from the split has no recall and is left out, as in sklearn's
   `balanced_accuracy_score`;
@@ -37,8 +38,10 @@ def mean_per_class_recall(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return torch.stack(recalls).mean().item()
 
 
-def zeroshot_metrics(image_embeddings: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor) -> dict:
-    """top-1, top-5 (with >= 5 classes) and mean per-class recall for normalized image embeddings."""
+def zeroshot_metrics(image_embeddings: torch.Tensor, labels: torch.Tensor,
+                     classifier: torch.Tensor) -> dict:
+    """top-1, top-5 (with >= 5 classes) and mean per-class recall for normalized image
+    embeddings."""
     logits = image_embeddings.float() @ classifier.float().to(image_embeddings.device)  # (N, C)
     labels = labels.to(logits.device)
     metrics = {"top1": topk_accuracy(logits, labels, 1)}
@@ -59,16 +62,19 @@ def retrieval_metrics(image_embeddings: torch.Tensor, text_embeddings: torch.Ten
         chunk: rows of the (rows, N or M) score matrix held at once (COCO: 25k × 5k).
     """
     if len(text_embeddings) == 0 or len(image_embeddings) == 0:  # not a 0: there is nothing to rank
-        raise ValueError(f"retrieval needs images and captions; got {len(image_embeddings)} images and "
-                         f"{len(text_embeddings)} captions")
+        raise ValueError(f"retrieval needs images and captions; got {len(image_embeddings)} images "
+                         f"and {len(text_embeddings)} captions")
     images, texts = image_embeddings.float(), text_embeddings.float()
     text_to_image = text_to_image.to(images.device)
     kmax = max(ks)
     # text → image: the caption's own image among its top k images.
-    t2i_rank = torch.cat([_ranking(texts[s:s + chunk] @ images.T, kmax) for s in range(0, len(texts), chunk)])
+    t2i_rank = torch.cat([_ranking(texts[s:s + chunk] @ images.T, kmax)
+                          for s in range(0, len(texts), chunk)])
     # image → text: any caption of the image among its top k captions.
-    i2t_rank = torch.cat([_ranking(images[s:s + chunk] @ texts.T, kmax) for s in range(0, len(images), chunk)])
-    i2t_hits = text_to_image[i2t_rank] == torch.arange(len(images), device=images.device)[:, None]  # (N, kmax)
+    i2t_rank = torch.cat([_ranking(images[s:s + chunk] @ texts.T, kmax)
+                          for s in range(0, len(images), chunk)])
+    i2t_hits = (text_to_image[i2t_rank]
+                == torch.arange(len(images), device=images.device)[:, None])  # (N, kmax)
     t2i_hits = t2i_rank == text_to_image[:, None]  # (M, kmax)
     metrics = {}
     for k in ks:

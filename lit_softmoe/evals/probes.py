@@ -23,7 +23,8 @@ def sample_shots(labels: torch.Tensor, shots: int, seed: int = 0) -> torch.Tenso
     for cls in labels.unique(sorted=True):
         members = (labels == cls).nonzero().flatten()
         if len(members) < shots:
-            raise ValueError(f"class {int(cls)} has {len(members)} examples, fewer than {shots} shots")
+            raise ValueError(f"class {int(cls)} has {len(members)} examples, "
+                             f"fewer than {shots} shots")
         picked.append(members[torch.randperm(len(members), generator=generator)[:shots]])
     return torch.cat(picked)
 
@@ -61,11 +62,13 @@ def fewshot_probe(shot_features: torch.Tensor, shot_labels: torch.Tensor,
     num_classes = int(max(shot_labels.max(), test_labels.max())) + 1
     predict, l2, loo_acc = fit_ridge(shot_features, shot_labels, num_classes)
     acc = (predict(test_features) == test_labels).double().mean().item()
-    return {f"fewshot{shots}_top1": acc, f"fewshot{shots}_l2": l2, f"fewshot{shots}_loo_top1": loo_acc}
+    return {f"fewshot{shots}_top1": acc, f"fewshot{shots}_l2": l2,
+            f"fewshot{shots}_loo_top1": loo_acc}
 
 
-def linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor, test_features: torch.Tensor,
-                 test_labels: torch.Tensor, holdout: float = 0.1, seed: int = 0, l2_grid=L2_GRID) -> dict:
+def linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor,
+                 test_features: torch.Tensor, test_labels: torch.Tensor, holdout: float = 0.1,
+                 seed: int = 0, l2_grid=L2_GRID) -> dict:
     """Full linear probe (all training examples): ridge regression whose L2 penalty is chosen on a
     held-out slice of the training set, then refit on all of it. The ceiling a zero-shot classifier
     over the same frozen features can reach.
@@ -76,13 +79,15 @@ def linear_probe(train_features: torch.Tensor, train_labels: torch.Tensor, test_
     silently. (Larger sets keep the hold-out: leave-one-out's hat matrix is N × N.) The features are
     standardized, so fewer than 2 training examples are a ValueError."""
     if len(train_labels) < 2:
-        raise ValueError(f"the linear probe needs at least 2 training examples, got {len(train_labels)}")
+        raise ValueError("the linear probe needs at least 2 training examples, got "
+                         f"{len(train_labels)}")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     order = torch.randperm(len(train_labels), generator=torch.Generator().manual_seed(seed))
     cut = int(len(order) * holdout)
     if cut == 0:
-        _log.warning("linear probe: %d training examples are too few for a hold-out of %g of them; its L2 penalty "
-                     "is chosen by leave-one-out on all of them instead", len(order), holdout)
+        _log.warning("linear probe: %d training examples are too few for a hold-out of %g of them; "
+                     "its L2 penalty is chosen by leave-one-out on all of them instead",
+                     len(order), holdout)
         predict, best_l2, _ = fit_ridge(train_features, train_labels, num_classes, l2_grid)
         return {"linear_probe_top1": (predict(test_features) == test_labels).double().mean().item(),
                 "linear_probe_l2": best_l2}

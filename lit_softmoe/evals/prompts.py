@@ -1,4 +1,5 @@
-"""The prompts of a zero-shot benchmark: its class names and `{c}` templates, and where they came from.
+"""The prompts of a zero-shot benchmark: its class names and `{c}` templates, and where they came
+from.
 
 A benchmark without templates of its own does not silently borrow ImageNet's: the record names the
 templates used and says when they are borrowed.
@@ -15,7 +16,8 @@ from lit_softmoe.metadata import BenchmarkInfo, benchmark_info, check_templates
 
 
 def shipped_metadata(name: str) -> BenchmarkInfo | None:
-    """The shipped class names and templates of benchmark `name`; None for a user's own benchmark."""
+    """The shipped class names and templates of benchmark `name`; None for a user's own
+    benchmark."""
     try:
         return benchmark_info(name)
     except UserError:
@@ -41,7 +43,8 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
     meta = shipped_metadata(spec.name)
     if spec.classnames:
         classnames = _read_list(spec.classnames, "classnames")
-    elif data.format in ("wds", "imagefolder") and data.classnames:  # the reader lined these up with its labels
+    elif data.format in ("wds", "imagefolder") and data.classnames:
+        # the reader lined these up with its labels
         classnames = data.classnames
     elif meta is not None and meta.classnames:
         classnames = list(meta.classnames)
@@ -49,16 +52,18 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
         classnames = data.classnames
     own_names = {spec.name, meta.name if meta is not None else spec.name}
     if spec.templates and Path(spec.templates).is_file():
-        templates, source = _read_list(spec.templates, "templates"), {"from": spec.templates, "borrowed": False}
+        templates, source = (_read_list(spec.templates, "templates"),
+                             {"from": spec.templates, "borrowed": False})
     elif spec.templates:
         other = shipped_metadata(spec.templates)
         if other is None or not other.templates:
-            raise UserError(f"templates: {spec.templates!r} for {spec.name} is neither a file nor a benchmark "
-                            "with templates; give a path or a name such as imagenet1k")
+            raise UserError(f"templates: {spec.templates!r} for {spec.name} is neither a file nor "
+                            "a benchmark with templates; give a path or a name such as imagenet1k")
         templates = list(other.templates)
         source = {"from": other.templates_from, "borrowed": other.templates_from not in own_names}
     elif data.templates:
-        templates, source = data.templates, {"from": f"{spec.name} (dataset files)", "borrowed": False}
+        templates, source = (data.templates,
+                             {"from": f"{spec.name} (dataset files)", "borrowed": False})
     elif meta is not None and meta.templates:
         templates = list(meta.templates)
         source = {"from": meta.templates_from, "borrowed": meta.templates_from not in own_names}
@@ -66,12 +71,13 @@ def resolve_prompts(spec: BenchmarkConfig, data: EvalData) -> tuple[list[str], l
         templates, source = None, {}
     if not classnames or not templates:
         missing = "class names" if not classnames else "templates"
-        # Caption shards (`lit-softmoe data from-folder` writes no dataset_type.txt) are read as classes.
+        # Caption shards (`lit-softmoe data from-folder` writes no dataset_type.txt) are read as
+        # classes.
         captions = " (or, for a set of images with .txt captions, set task: retrieval)" \
             if data.format == "wds" and not classnames else ""
-        raise UserError(f"{spec.name}: no {missing}; put classnames.txt / zeroshot_classification_templates.txt "
-                        f"beside the split, or set {'classnames' if not classnames else 'templates'} in the suite"
-                        f"{captions}")
+        raise UserError(f"{spec.name}: no {missing}; put classnames.txt / "
+                        "zeroshot_classification_templates.txt beside the split, or set "
+                        f"{'classnames' if not classnames else 'templates'} in the suite{captions}")
     check_templates(templates, str(source.get("from", "templates")))
     source["count"] = len(templates)
     return classnames, templates, source

@@ -16,14 +16,16 @@ def summary_line(entry: dict) -> str:
     if entry["status"] != "ok":
         return f"{entry['benchmark']}: {entry['status']} ({entry['reason']})"
     metrics = ", ".join(f"{k} {percent(v)}" for k, v in entry["metrics"].items())
-    line = f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, {entry['seconds']:.1f} s, " \
-           f"image cache {entry['image_cache']})"
+    line = f"{entry['benchmark']}: {metrics} ({entry['num_samples']} images, " \
+           f"{entry['seconds']:.1f} s, image cache {entry['image_cache']})"
     return f"{line}; PARTIAL: {entry['partial']}" if entry.get("partial") else line
 
 
 def percent(value) -> str:
-    """A metric (a fraction) as the tables show it: a percentage with 2 decimals; anything else as it is."""
-    return f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    """A metric (a fraction) as the tables show it: a percentage with 2 decimals; anything else as
+    it is."""
+    return (f"{100 * value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else str(value))
 
 
 def markdown_row(cells: list[str]) -> str:
@@ -39,19 +41,23 @@ def markdown_separator(aligns: list[str]) -> str:
 def markdown_table(report: dict) -> str:
     present = {k for e in report["results"] if e["status"] == "ok" for k in e["metrics"]}
     columns = [c for c in _COLUMNS if c in present] + sorted(present - set(_COLUMNS))
-    lines = [f"Zero-shot results of `{report['model']}` on suite `{report['suite']}` ({report['device']})", "",
+    lines = [f"Zero-shot results of `{report['model']}` on suite `{report['suite']}` "
+             f"({report['device']})", "",
              markdown_row(["benchmark", "task", *columns, "samples", "templates", "seconds"]),
              markdown_separator(["---", "---", *["---:"] * len(columns), "---:", "---", "---:"])]
     for entry in report["results"]:
         if entry["status"] != "ok":
             lines.append(markdown_row([entry["benchmark"], entry["task"], *[""] * len(columns), "",
-                                       f"{entry['status']}: {entry['reason']}".replace("|", "\\|"), ""]))
+                                       f"{entry['status']}: {entry['reason']}".replace("|", "\\|"),
+                                       ""]))
             continue
         cells = [percent(entry["metrics"][c]) if c in entry["metrics"] else "–" for c in columns]
         templates = entry.get("templates") or {}
-        used = f"{templates['from']} ×{templates['count']}" + (" (borrowed)" if templates.get("borrowed") else "") \
-            if templates else "captions"
-        samples = f"{entry['num_samples']} (partial)" if entry.get("partial") else str(entry["num_samples"])
+        used = (f"{templates['from']} ×{templates['count']}"
+                + (" (borrowed)" if templates.get("borrowed") else "")
+                if templates else "captions")
+        samples = (f"{entry['num_samples']} (partial)" if entry.get("partial")
+                   else str(entry["num_samples"]))
         lines.append(markdown_row([entry["benchmark"], entry["task"], *cells, samples, used,
                                    f"{entry['seconds']:.1f}"]))
     return "\n".join(lines) + "\n"
@@ -81,18 +87,20 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """JSON, Markdown and PNG side by side, as one unit: all three are written to temporary files, then
-    renamed into place (the JSON last); on any failure the ones already renamed are removed, so the
-    set is at its final names whole or not at all."""
+    """JSON, Markdown and PNG side by side, as one unit: all three are written to temporary files,
+    then renamed into place (the JSON last); on any failure the ones already renamed are removed, so
+    the set is at its final names whole or not at all."""
     renamed: list[Path] = []
 
-    def mark(final: Path):  # runs after `final`'s rename, told whether it (and all before it) succeeded
+    # runs after `final`'s rename, told whether it (and all before it) succeeded
+    def mark(final: Path):
         return lambda exc_type, *_: renamed.append(final) if exc_type is None else None
 
     try:
         with contextlib.ExitStack() as stack:
             temporaries = []
-            for final in (out, out.with_suffix(".md"), out.with_suffix(".png")):  # renamed in reverse order
+            # renamed in reverse order
+            for final in (out, out.with_suffix(".md"), out.with_suffix(".png")):
                 stack.push(mark(final))
                 temporaries.append(stack.enter_context(replacing(final)))
             results, table, chart = temporaries

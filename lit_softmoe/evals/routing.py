@@ -6,14 +6,16 @@ mix of the slot outputs (combine weights C, softmax over all n·p slots). The pa
 and vmoe's SoftRouter metrics (`vmoe/projects/soft_moe/router.py`: min/max of both weights,
 similarities between slots) read the routing from exactly these two tensors; this module does the
 same for one image, with the layer's own `SoftMoE.routing_weights` called from a forward pre-hook
-(the layer's maths is untouched, and `nn/` stays free of I/O: statistics, plotting and files are here).
+(the layer's maths is untouched, and `nn/` stays free of I/O: statistics, plotting and files are
+here).
 
 Statistics per Soft MoE block, all in nats:
 - dispatch entropy: per slot, H(D[:, s]) over tokens, averaged over slots; its maximum is log m
   (a slot averaging all tokens uniformly), 0 a slot that copies one token;
 - combine entropy: per token, H(C[i, :]) over slots, averaged over tokens; maximum log(n·p);
 - argmax sharing: the token each slot weights most; how many distinct tokens those are, and the
-  size of the largest group of slots sharing one argmax token (many slots on one token = redundancy).
+  size of the largest group of slots sharing one argmax token (many slots on one token =
+  redundancy).
 """
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ def soft_moe_blocks(tower: torch.nn.Module) -> list[int]:
 
 
 @torch.no_grad()
-def capture_routing(tower: torch.nn.Module, pixels: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Run `tower` once on `pixels` (b, c, h, w); return {block: (dispatch, combine)}, each (b, m, n, p).
+def capture_routing(tower: torch.nn.Module,
+                    pixels: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Run `tower` once on `pixels` (b, c, h, w); return {block: (dispatch, combine)}, each
+    (b, m, n, p).
 
     A pre-hook on each Soft MoE layer recomputes its routing weights from the exact input the
     layer gets (the LayerNorm output). The tower runs in eval mode, so no logit noise is drawn and
@@ -99,8 +103,8 @@ def routing_stats(dispatch: torch.Tensor, combine: torch.Tensor) -> dict:
 
 def stats_table(layers: list[dict]) -> str:
     """A plain-text table, one row per Soft MoE block (entropies in nats, with their maxima)."""
-    rows = [("block", "tokens", "slots", "dispatch H (max)", "combine H (max)", "max D", "distinct argmax",
-             "largest group")]
+    rows = [("block", "tokens", "slots", "dispatch H (max)", "combine H (max)", "max D",
+             "distinct argmax", "largest group")]
     for s in layers:
         rows.append((str(s["block"]), str(s["tokens"]), str(s["slots"]),
                      f"{s['dispatch_entropy_mean']:.3f} ({s['dispatch_entropy_max']:.3f})",
@@ -120,9 +124,11 @@ def figure_size(num_slots: int) -> tuple[int, int]:
     return columns * PANEL_PIXELS, math.ceil(panels / columns) * PANEL_PIXELS + HEADER_PIXELS
 
 
-def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], grid: tuple[int, int],
-                 out_png: str | Path, title: str = "", slots_per_expert: int = 1) -> tuple[int, int]:
-    """Draw the image, then the dispatch weights of each chosen slot as a heatmap over the patch grid.
+def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int],
+                 grid: tuple[int, int], out_png: str | Path, title: str = "",
+                 slots_per_expert: int = 1) -> tuple[int, int]:
+    """Draw the image, then the dispatch weights of each chosen slot as a heatmap over the patch
+    grid.
 
     Args:
         image: (c, h, w) in [0, 1], the image as the tower saw it.
@@ -145,8 +151,8 @@ def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], 
     picture = picture[:, :, 0] if picture.shape[2] == 1 else picture
     h, w = picture.shape[:2]
     shown = dispatch[:, slots]  # (m, k)
-    # One colour scale for every slot, so panels compare; from the smallest weight shown, not 0, because
-    # dispatch weights near uniform (1/m) would otherwise all look alike.
+    # One colour scale for every slot, so panels compare; from the smallest weight shown, not 0,
+    # because dispatch weights near uniform (1/m) would otherwise all look alike.
     vmin, vmax = float(shown.min()), float(shown.max())
     ax = fig.add_subplot(rows, columns, 1)
     ax.imshow(picture, cmap=cmap, vmin=0, vmax=1)
@@ -158,10 +164,11 @@ def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], 
         heat = shown[:, k].reshape(grid).numpy()  # (rows, columns) of patches
         ax.imshow(heat, cmap="magma", vmin=vmin, vmax=vmax, alpha=0.75, extent=(0, w, h, 0),
                   interpolation="nearest")
-        ax.set_title(f"slot {slot} (expert {slot // slots_per_expert})\nmax {heat.max():.2f}", fontsize=8)
+        ax.set_title(f"slot {slot} (expert {slot // slots_per_expert})\nmax {heat.max():.2f}",
+                     fontsize=8)
         ax.axis("off")
-    fig.suptitle(f"{title}\ncolour scale: dispatch weight {vmin:.3f} (dark) to {vmax:.3f} (bright)".lstrip(),
-                 fontsize=8)
+    fig.suptitle((f"{title}\ncolour scale: dispatch weight {vmin:.3f} (dark) to "
+                  f"{vmax:.3f} (bright)").lstrip(), fontsize=8)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - (HEADER_PIXELS + 25) / height,
                         wspace=0.05, hspace=0.3)
     with replacing(out_png) as temporary:  # never half a figure; a full disk names the path
@@ -174,7 +181,8 @@ def plot_routing(image: torch.Tensor, dispatch: torch.Tensor, slots: list[int], 
 def _read_image(path: Path, transform) -> torch.Tensor:
     import PIL.Image
     try:
-        # Decoded by the transform (at the scale the tower's preprocessing asks for), as eval decodes.
+        # Decoded by the transform (at the scale the tower's preprocessing asks for), as eval
+        # decodes.
         with PIL.Image.open(path) as image:
             return transform(image)
     except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
@@ -183,15 +191,17 @@ def _read_image(path: Path, transform) -> torch.Tensor:
 
 
 def _check_out(out_png: Path) -> None:
-    """--out must be a writable file whose suffix names a format matplotlib writes (the JSON goes beside it)."""
+    """--out must be a writable file whose suffix names a format matplotlib writes (the JSON goes
+    beside it)."""
     from matplotlib.backend_bases import FigureCanvasBase
     check_writable(out_png, "--out", folder=False)
     suffix = out_png.suffix.lstrip(".").lower()
     if not suffix:  # matplotlib would write OUT.png, and the report and message would name OUT
-        raise UserError(f"--out {out_png} has no file suffix; give the figure's file, e.g. {out_png}.png")
+        raise UserError(f"--out {out_png} has no file suffix; give the figure's file, e.g. "
+                        f"{out_png}.png")
     if suffix not in FigureCanvasBase.get_supported_filetypes():
-        raise UserError(f"--out {out_png}: cannot write a .{suffix} figure; give a .png (or .pdf, .svg, .jpg) "
-                        f"file, e.g. {out_png.with_suffix('.png')}")
+        raise UserError(f"--out {out_png}: cannot write a .{suffix} figure; give a .png (or .pdf, "
+                        f".svg, .jpg) file, e.g. {out_png.with_suffix('.png')}")
 
 
 def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str | Path,
@@ -206,13 +216,20 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     """
     from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
     from lit_softmoe.models.preprocess import Preprocess
-    from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower, resolution_change, tower_folder
+    from lit_softmoe.models.tower_folder import (
+        TOWER_CONFIG,
+        load_tower,
+        resolution_change,
+        tower_folder,
+    )
 
-    _check_out(Path(out_png))  # before the work: matplotlib would fail only after it, with a traceback
+    # before the work: matplotlib would fail only after it, with a traceback
+    _check_out(Path(out_png))
     tower, meta = load_tower(tower_dir)
     blocks = soft_moe_blocks(tower)
     if not blocks:
-        raise UserError(f"{tower_dir} has no Soft MoE block (a dense tower); inspect a soft-* tower")
+        raise UserError(f"{tower_dir} has no Soft MoE block (a dense tower); "
+                        "inspect a soft-* tower")
     if layer is None:
         layer = blocks[-1]
     if not -tower.cfg.depth <= layer < tower.cfg.depth:
@@ -220,13 +237,16 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
                         f"its Soft MoE blocks are {blocks}")
     layer %= tower.cfg.depth
     if layer not in blocks:
-        raise UserError(f"block {layer} has a dense MLP, not a Soft MoE layer; choose one of {blocks}")
+        raise UserError(f"block {layer} has a dense MLP, not a Soft MoE layer; "
+                        f"choose one of {blocks}")
     if num_slots < 1:
         raise UserError(f"--slots must be at least 1, got {num_slots}")
-    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels, tower_folder(tower_dir) / TOWER_CONFIG)
+    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels,
+                                     tower_folder(tower_dir) / TOWER_CONFIG)
 
     image_path = Path(image_path)
-    seen = _read_image(image_path, pixel_transform(preprocess))  # uint8 (c, h, w): what the tower sees
+    # uint8 (c, h, w): what the tower sees
+    seen = _read_image(image_path, pixel_transform(preprocess))
     pixels = BatchNormalize(preprocess)(seen.unsqueeze(0))  # (1, c, h, w), the tower's input
     routing = capture_routing(tower, pixels)
     with torch.no_grad():
@@ -243,14 +263,18 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     stats = next(s for s in layers if s["block"] == layer)
     title = (f"{image_path.name}: block {layer}, dispatch weights of slots {slots[0]}-{slots[-1]}"
              f"{f' (predicted: {prediction})' if prediction else ''}\n"
-             f"dispatch H {stats['dispatch_entropy_mean']:.2f}/{stats['dispatch_entropy_max']:.2f} nats, "
+             f"dispatch H {stats['dispatch_entropy_mean']:.2f}/"
+             f"{stats['dispatch_entropy_max']:.2f} nats, "
              f"{stats['distinct_argmax_tokens']} distinct argmax tokens of {stats['tokens']}")
-    # The figure and its statistics are one pair: an earlier run's report goes before the new figure takes its
-    # name, so a kill between the two renames leaves a figure without statistics, never another image's.
+    # The figure and its statistics are one pair: an earlier run's report goes before the new figure
+    # takes its name, so a kill between the two renames leaves a figure without statistics, never
+    # another image's.
     Path(out_png).with_suffix(".json").unlink(missing_ok=True)
-    size = plot_routing(seen.float() / 255, dispatch, slots, grid, out_png, title, tower.cfg.slots_per_expert)
-    report = {"tower": str(tower_dir), "image": str(image_path), "plotted": {"block": layer, "slots": slots,
-              "png": str(out_png), "size": list(size)}, "prediction": prediction, "layers": layers,
+    size = plot_routing(seen.float() / 255, dispatch, slots, grid, out_png, title,
+                        tower.cfg.slots_per_expert)
+    report = {"tower": str(tower_dir), "image": str(image_path),
+              "plotted": {"block": layer, "slots": slots, "png": str(out_png), "size": list(size)},
+              "prediction": prediction, "layers": layers,
               "resolution_change": resolution_change(tower, meta["preprocess"])}
     write_text_atomic(Path(out_png).with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     return report

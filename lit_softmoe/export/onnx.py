@@ -1,5 +1,5 @@
-"""ONNX graphs of an export: `image_encoder.onnx` (pixels → embedding) and `text_encoder.onnx` (ids →
-embedding), each checked against PyTorch with onnxruntime before it is kept."""
+"""ONNX graphs of an export: `image_encoder.onnx` (pixels → embedding) and `text_encoder.onnx`
+(ids → embedding), each checked against PyTorch with onnxruntime before it is kept."""
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +28,8 @@ class _ImageEncoder(nn.Module):
         self.model, self.tower = model, tower
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) → (B, D)
-        return self.model.encode_image(pixels) if self.model is not None else self.tower.forward_pooled(pixels)
+        return (self.model.encode_image(pixels) if self.model is not None
+                else self.tower.forward_pooled(pixels))
 
 
 class _TextEncoder(nn.Module):
@@ -51,7 +52,8 @@ def _silenced_output():
         os.dup2(nowhere.fileno(), 1)
         os.dup2(nowhere.fileno(), 2)
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 yield
         finally:
             os.dup2(saved[0], 1)
@@ -72,28 +74,34 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
     try:
         import onnxruntime
     except ImportError:
-        raise UserError("--onnx needs onnx, onnxscript and onnxruntime: pip install 'lit-softmoe[onnx]'") from None
+        raise UserError("--onnx needs onnx, onnxscript and onnxruntime: "
+                        "pip install 'lit-softmoe[onnx]'") from None
     module = module.eval()
     # > 2 GB of weights does not fit one protobuf: then the weights go to FILE.data beside it.
     external = sum(p.numel() * 4 for p in module.parameters()) > 1.5 * 2 ** 30
     errors = []
     for exporter in ("dynamo", "torchscript"):
-        kwargs = (dict(dynamic_shapes={input_name: {0: torch.export.Dim("batch")}}) if exporter == "dynamo" else
+        kwargs = (dict(dynamic_shapes={input_name: {0: torch.export.Dim("batch")}})
+                  if exporter == "dynamo" else
                   dict(dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}}))
         try:
-            # The exporter reports progress (and its optimizer's harmless constant-folding misses) on
-            # stdout and stderr; the CLI prints one line, and a real failure raises anyway.
+            # The exporter reports progress (and its optimizer's harmless constant-folding misses)
+            # on stdout and stderr; the CLI prints one line, and a real failure raises anyway.
             with _silenced_output(), torch.no_grad():
-                torch.onnx.export(module, (example,), str(file), input_names=[input_name], output_names=[output_name],
-                                  dynamo=exporter == "dynamo", external_data=external, verbose=False, **kwargs)
+                torch.onnx.export(module, (example,), str(file), input_names=[input_name],
+                                  output_names=[output_name], dynamo=exporter == "dynamo",
+                                  external_data=external, verbose=False, **kwargs)
             break
         except Exception as err:  # noqa: BLE001 — any exporter failure: try the other, then say why
-            message = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # no terminal colour codes in the one line
-            errors.append(f"{exporter}: {type(err).__name__}: {message.splitlines()[0] if message else ''}")
+            # no terminal colour codes in the one line
+            message = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+            errors.append(f"{exporter}: {type(err).__name__}: "
+                          f"{message.splitlines()[0] if message else ''}")
             for leftover in (file, file.with_name(file.name + ".data")):
                 leftover.unlink(missing_ok=True)
     else:
-        raise UserError(f"ONNX export of the {what} failed ({'; '.join(errors)}); export without --onnx")
+        raise UserError(f"ONNX export of the {what} failed ({'; '.join(errors)}); "
+                        "export without --onnx")
     try:
         session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
         ours = session.run(None, {input_name: check.numpy()})[0]  # (B, D)
@@ -102,24 +110,30 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
                         f"{first_line(err)}); export without --onnx") from None
     with torch.no_grad():
         reference = module(check)  # (B, D)
-    difference = float((torch.from_numpy(ours) - reference).abs().max()) if ours.shape == reference.shape else math.inf
-    # Embeddings are unit vectors; raw features (image-only export) are checked relative to their size.
+    difference = (float((torch.from_numpy(ours) - reference).abs().max())
+                  if ours.shape == reference.shape else math.inf)
+    # Embeddings are unit vectors; raw features (image-only export) are checked relative to
+    # their size.
     scale = max(1.0, float(reference.abs().max()))
     if not difference < ONNX_TOLERANCE * scale:
-        raise UserError(f"the ONNX {what} differs from PyTorch by {difference:.3g} (max abs, tolerance "
-                        f"{ONNX_TOLERANCE:g}); export without --onnx")
+        raise UserError(f"the ONNX {what} differs from PyTorch by {difference:.3g} (max abs, "
+                        f"tolerance {ONNX_TOLERANCE:g}); export without --onnx")
     return {"file": file.name, "exporter": exporter, "input": input_name, "output": output_name,
             "max_abs_diff": difference}
 
 
 def _onnx_inputs(tower: VisionTransformer, tokenizer=None):
-    """Example inputs (batch 2, traced) and check inputs (batch 3: proves the batch axis is dynamic)."""
+    """Example inputs (batch 2, traced) and check inputs (batch 3: proves the batch axis is
+    dynamic)."""
     size, channels = tower.cfg.image_size, tower.cfg.in_channels
-    pixels = torch.randn(5, channels, size, size, generator=torch.Generator().manual_seed(0))  # (5, C, H, W)
+    pixels = torch.randn(5, channels, size, size,
+                         generator=torch.Generator().manual_seed(0))  # (5, C, H, W)
     if tokenizer is None:
         return pixels[:2], pixels[2:], None, None
-    ids = tokenizer(["a photo of a cat.", "two dogs playing in the snow", "a t-shirt", "an ankle boot",
-                     "a very long caption that goes on well past the context length of the text tower"])  # (5, L)
+    ids = tokenizer(["a photo of a cat.", "two dogs playing in the snow", "a t-shirt",
+                     "an ankle boot",
+                     "a very long caption that goes on well past the context length of the "
+                     "text tower"])  # (5, L)
     return pixels[:2], pixels[2:], ids[:2], ids[2:]
 
 
@@ -129,10 +143,11 @@ def write_onnx(tmp: Path, model: LiTModel | None, tower: VisionTransformer, toke
     started = time.perf_counter()
     pixels, check_pixels, ids, check_ids = _onnx_inputs(tower, tokenizer)
     if model is None:
-        image = _export_onnx(_ImageEncoder(tower=tower), pixels, check_pixels, tmp / IMAGE_ONNX, "pixels",
-                             "image_features", "image tower")
+        image = _export_onnx(_ImageEncoder(tower=tower), pixels, check_pixels, tmp / IMAGE_ONNX,
+                             "pixels", "image_features", "image tower")
         return {"image": image, "seconds": round(time.perf_counter() - started, 1)}
-    image = _export_onnx(_ImageEncoder(model=model), pixels, check_pixels, tmp / IMAGE_ONNX, "pixels",
-                         "image_embedding", "image tower")
-    text = _export_onnx(_TextEncoder(model), ids, check_ids, tmp / TEXT_ONNX, "ids", "text_embedding", "text tower")
+    image = _export_onnx(_ImageEncoder(model=model), pixels, check_pixels, tmp / IMAGE_ONNX,
+                         "pixels", "image_embedding", "image tower")
+    text = _export_onnx(_TextEncoder(model), ids, check_ids, tmp / TEXT_ONNX, "ids",
+                        "text_embedding", "text tower")
     return {"image": image, "text": text, "seconds": round(time.perf_counter() - started, 1)}
