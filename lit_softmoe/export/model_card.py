@@ -243,9 +243,10 @@ def render_body(config: dict, card: dict, location: str, hub: bool = False) -> s
         if text.get("locked"):
             unlocked = text.get("unlocked_layers")
             state = f"locked but its last {unlocked} layer(s), trained" if unlocked else "locked"
+        own = not hub or text["kind"] == "transformer"  # a hub encoder's tokenizer is its own
+        tokenizer_name = config["tokenizer"]["spec"] if own else "its own"
         lines += [f"- Text ({state}): {shape}, context {text['context_length']} tokens, tokenizer "
-                  f"""`{config['tokenizer']['spec']
-                        if not hub or text['kind'] == 'transformer' else 'its own'}`; """
+                  f"`{tokenizer_name}`; "
                   f"{card['text_params'] / 1e6:.2f}M parameters",
                   f"- Embedding width {config['embed_dim']}, {config['loss']} loss, temperature "
                   f"{config['temperature']:.3f}"
