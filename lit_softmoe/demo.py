@@ -1,9 +1,10 @@
 """`lit-softmoe demo`: the whole product on real data, end to end, with a headline per stage.
 
 Fashion-MNIST → shards → pretrain the tiny Soft MoE tower → cache its features (embed) → LiT-train a
-text tower against the locked tower → zero-shot eval suite (cross-checked with CLIP_benchmark when it
-is installed) → export the pair with ONNX → load the export and classify five test images by text
-prompts. Every stage skips work that is already done, so a second run only re-evaluates and re-exports.
+text tower against the locked tower → zero-shot eval suite (cross-checked with CLIP_benchmark when
+it is installed) → export the pair with ONNX → load the export and classify five test images by
+text prompts. Every stage skips work that is already done, so a second run only re-evaluates and
+re-exports.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from lit_softmoe.utils.paths import check_writable
 
 # --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
 FAST_LIMIT = 10_000
-FAST_PRETRAIN = ["epochs=2", "optim.warmup=0.32", "log_every=10", "checkpoint_every=1000"]  # 50 of 156 steps
+FAST_PRETRAIN = ["epochs=2", "optim.warmup=0.32",  # 50 of 156 steps
+                 "log_every=10", "checkpoint_every=1000"]
 FAST_LIT = ["epochs=4", "optim.warmup=20", "eval.every=0", "log_every=10"]
 # Each stage runs as its command (`_step` names it): messages name that command's flags.
 _DATA_FLAGS = {"out_dir": "--out", "limit": "--limit", "overwrite": "--overwrite"}
@@ -33,25 +35,29 @@ def _headline(text: str) -> None:
 
 @contextlib.contextmanager
 def _step(command: str):
-    """A step's mistake names the flags of the command it runs (`--out`, `--overwrite`), which the demo
-    does not have: say which command that is, so the user can run it by hand or give other --data/--runs."""
+    """A step's mistake names the flags of the command it runs (`--out`, `--overwrite`), which the
+    demo does not have: say which command that is, so the user can run it by hand or give other
+    --data/--runs."""
     try:
         yield
     except UserError as err:
-        raise UserError(f"{err} (the demo ran this step as `{command}`; or give the demo another --data "
-                        "or --runs)") from None
+        raise UserError(f"{err} (the demo ran this step as `{command}`; or give the demo another "
+                        "--data or --runs)") from None
 
 
 def _peer_line(peer: dict) -> str:
-    """What CLIP_benchmark's cross-check found; the headline promised one, so a failed or skipped one says why."""
+    """What CLIP_benchmark's cross-check found; the headline promised one, so a failed or skipped
+    one says why."""
     if peer.get("status") == "ok":
-        return (f"CLIP_benchmark on the same model and files: top-1 {100 * peer['metrics']['top1']:.2f} "
-                f"(largest gap {peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
+        return ("CLIP_benchmark on the same model and files: top-1 "
+                f"{100 * peer['metrics']['top1']:.2f} (largest gap "
+                f"{peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
     return f"CLIP_benchmark cross-check {peer.get('status')}: {peer.get('reason', '')}"
 
 
 def _reason(text: str) -> str:
-    """A recorded skip reason without its own "the … probe is skipped: " lead (the cell says skipped)."""
+    """A recorded skip reason without its own "the … probe is skipped: " lead (the cell says
+    skipped)."""
     return text.split(" is skipped: ", 1)[-1]
 
 
@@ -71,18 +77,22 @@ def _eval_cell(entry: dict, metric: str) -> str:
     return f"{value:.4f}" if value is not None else f"not measured ({metric} is undefined here)"
 
 
-def results_rows(tower_name: str, shots: int, tower_results: dict, lit_results: dict, eval_entry: dict,
-                 timings: dict) -> list[tuple[str, str]]:
-    """The demo's closing table as (what, value) rows. A probe that was skipped or an eval that was skipped
-    or failed says so with its reason: indexing the missing numbers ended a long demo in a KeyError."""
+def results_rows(tower_name: str, shots: int, tower_results: dict, lit_results: dict,
+                 eval_entry: dict, timings: dict) -> list[tuple[str, str]]:
+    """The demo's closing table as (what, value) rows. A probe that was skipped or an eval that was
+    skipped or failed says so with its reason: indexing the missing numbers ended a long demo in a
+    KeyError."""
     params = tower_results.get("params")
-    return [("image tower", tower_name + (f" ({params / 1e6:.2f}M params)" if params is not None else "")),
-            ("tower test top-1 (classifier head)", _probe_cell(tower_results, "test_top1", "", "not measured")),
+    return [("image tower",
+             tower_name + (f" ({params / 1e6:.2f}M params)" if params is not None else "")),
+            ("tower test top-1 (classifier head)",
+             _probe_cell(tower_results, "test_top1", "", "not measured")),
             (f"tower {shots}-shot linear probe",
              _probe_cell(tower_results, f"fewshot{shots}_top1", "fewshot_skipped",
                          "off (fewshot_shots is 0)" if shots <= 0 else "not measured")),
             ("tower linear probe, all train images",
-             _probe_cell(lit_results, "linear_probe_top1", "probe_skipped", "not run (eval.probe_train is not set)")),
+             _probe_cell(lit_results, "linear_probe_top1", "probe_skipped",
+                         "not run (eval.probe_train is not set)")),
             ("LiT zero-shot top-1 (unseen prompts)", _eval_cell(eval_entry, "top1")),
             ("LiT zero-shot top-5", _eval_cell(eval_entry, "top5")),
             *[(f"time: {stage}", f"{seconds:.0f} s") for stage, seconds in timings.items()],
@@ -90,14 +100,17 @@ def results_rows(tower_name: str, shots: int, tower_results: dict, lit_results: 
 
 
 def _classify_with_export(export_dir: Path, shards: Path, count: int = 5) -> list[dict]:
-    """Load the export as a user would and pick, for each test image, the best of the class prompts."""
+    """Load the export as a user would and pick, for each test image, the best of the class
+    prompts."""
     import torch
 
     from lit_softmoe.evals.readers import read_benchmark
     from lit_softmoe.hub import load_pretrained
     model, preprocess, tokenizer = load_pretrained(export_dir)
-    test = read_benchmark("fashion-mnist", shards, "test", preprocess)  # the eval suite's own reader
-    images = list(itertools.islice(test.dataset, count))  # (index, pixels, label) of the first `count`
+    # the eval suite's own reader
+    test = read_benchmark("fashion-mnist", shards, "test", preprocess)
+    # (index, pixels, label) of the first `count`
+    images = list(itertools.islice(test.dataset, count))
     classnames = test.classnames
     prompts = [f"a product photo of the {name}." for name in classnames]
     with torch.no_grad():
@@ -119,7 +132,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     from lit_softmoe.train.lit import train_lit
     from lit_softmoe.train.pretrain import pretrain
 
-    check_writable(data_dir, "--data", folder=True)  # before the first stage, not at the export 10 minutes in
+    # before the first stage, not at the export 10 minutes in
+    check_writable(data_dir, "--data", folder=True)
     check_writable(runs_dir, "--runs", folder=True)
     timings = {}
     name = "fashion-mnist-10k" if fast else "fashion-mnist"
@@ -129,8 +143,10 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
 
     _headline("1/7 Fashion-MNIST → webdataset shards")
     tic = time.perf_counter()
-    with _step(f"lit-softmoe data fashion-mnist --out {shards}" + (f" --limit {FAST_LIMIT}" if fast else "")):
-        with naming_full_disk(shards):  # the shard writer's stream names no path when the disk fills
+    with _step(f"lit-softmoe data fashion-mnist --out {shards}"
+               + (f" --limit {FAST_LIMIT}" if fast else "")):
+        # the shard writer's stream names no path when the disk fills
+        with naming_full_disk(shards):
             summary = write_fashion_mnist_shards(shards, limit=FAST_LIMIT if fast else None,
                                                  setting_names=_DATA_FLAGS)
     counts = ", ".join(f"{n} {split}" for split, n in summary["samples"].items())
@@ -141,7 +157,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     tic = time.perf_counter()
     config = config_path(PretrainConfig, "pretrain/fmnist-soft-tiny")
     overrides = (FAST_PRETRAIN if fast else []) + [
-        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_root / 'pretrain'}"]
+        f"data.train={shards / 'train'}", f"data.test={shards / 'test'}",
+        f"run_dir={run_root / 'pretrain'}"]
     with _step(f"lit-softmoe pretrain --config {config} {' '.join(overrides)}"):
         pretrain_cfg = load_config(PretrainConfig, config, overrides)
         tower_results = pretrain(pretrain_cfg)
@@ -151,7 +168,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     _headline("3/7 run the locked tower once over every image (feature cache)")
     tic = time.perf_counter()
     for split in ("train", "test"):
-        with _step(f"lit-softmoe embed --tower {tower_dir} --shards {shards / split} --out {features}"):
+        with _step(f"lit-softmoe embed --tower {tower_dir} --shards {shards / split} "
+                   f"--out {features}"):
             cached = embed_shards(tower_dir, str(shards / split), features, split=split)
         print(f"{split}: {cached['num_samples']} embeddings of width {cached['dim']} "
               f"{'already there' if cached['skipped'] else 'written'} in {features / split}")
@@ -161,8 +179,9 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     tic = time.perf_counter()
     config = config_path(LiTConfig, "lit/fmnist-tiny")
     overrides = (FAST_LIT if fast else []) + [
-        f"image_tower={tower_dir}", f"data.train={features / 'train'}", f"eval.shards={features / 'test'}",
-        f"eval.probe_train={features / 'train'}", f"run_dir={run_root / 'lit'}"]
+        f"image_tower={tower_dir}", f"data.train={features / 'train'}",
+        f"eval.shards={features / 'test'}", f"eval.probe_train={features / 'train'}",
+        f"run_dir={run_root / 'lit'}"]
     with _step(f"lit-softmoe train --config {config} {' '.join(overrides)}"):
         lit_results = train_lit(load_config(LiTConfig, config, overrides))
     timings["lit"] = time.perf_counter() - tic
@@ -180,13 +199,16 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     timings["eval"] = time.perf_counter() - tic
 
     with_onnx = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
-    _headline("6/7 export the pair" + (" (safetensors + ONNX checked with onnxruntime)" if with_onnx else
-                                       " (safetensors; pip install 'lit-softmoe[onnx]' adds ONNX)"))
+    _headline("6/7 export the pair"
+              + (" (safetensors + ONNX checked with onnxruntime)" if with_onnx else
+                 " (safetensors; pip install 'lit-softmoe[onnx]' adds ONNX)"))
     tic = time.perf_counter()
     export_dir = export_pair(run_root / "lit", run_root / "export", onnx=with_onnx, overwrite=True)
     onnx = json.loads((export_dir / "config.json").read_text()).get("onnx", {})
-    diffs = ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in onnx.items() if isinstance(info, dict))
-    print(f"exported to {export_dir}" + (f" (ONNX vs PyTorch max abs difference: {diffs})" if diffs else ""))
+    diffs = ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in onnx.items()
+                      if isinstance(info, dict))
+    print(f"exported to {export_dir}"
+          + (f" (ONNX vs PyTorch max abs difference: {diffs})" if diffs else ""))
     timings["export"] = time.perf_counter() - tic
 
     _headline("7/7 load the export and classify five test images by text prompts")
@@ -194,20 +216,26 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     picks = _classify_with_export(export_dir, shards)
     for i, pick in enumerate(picks):
         mark = "ok" if pick["right"] else "wrong"
-        print(f"  test image {i} ({pick['label']}): \"{pick['prompt']}\" p={pick['prob']:.2f} [{mark}]")
+        print(f"  test image {i} ({pick['label']}): \"{pick['prompt']}\" "
+              f"p={pick['prob']:.2f} [{mark}]")
     timings["classify"] = time.perf_counter() - tic
 
     _headline("results")
-    rows = results_rows(pretrain_cfg.tower.name, pretrain_cfg.fewshot_shots, tower_results, lit_results, entry,
-                        timings)
+    rows = results_rows(pretrain_cfg.tower.name, pretrain_cfg.fewshot_shots, tower_results,
+                        lit_results, entry, timings)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     written = report.get("paths", {}).get("json")
-    print(f"\nartifacts:\n  shards          {shards}\n  tower           {tower_dir}\n"
-          f"  feature cache   {features}\n  LiT run         {run_root / 'lit'}\n"
-          f"  eval results    {f'{written} (+ .md, .png)' if written else 'none written (the benchmark did not run)'}\n"
-          f"  export          {export_dir} (README.md model card, *.safetensors, *.onnx, tokenizer.json)\n"
-          f"  metrics, curves {run_root / 'pretrain'}, {run_root / 'lit'} (metrics.jsonl, curves.png)")
-    return {"pretrain": tower_results, "lit": lit_results, "eval": report, "export": str(export_dir),
-            "classified": picks, "timings": timings}
+    print(
+        f"\nartifacts:\n  shards          {shards}\n  tower           {tower_dir}\n"
+        f"  feature cache   {features}\n  LiT run         {run_root / 'lit'}\n"
+        "  eval results    "
+        f"{f'{written} (+ .md, .png)' if written else 'none written (the benchmark did not run)'}"
+        "\n"
+        f"  export          {export_dir} (README.md model card, *.safetensors, *.onnx, "
+        "tokenizer.json)\n"
+        f"  metrics, curves {run_root / 'pretrain'}, {run_root / 'lit'} (metrics.jsonl, "
+        "curves.png)")
+    return {"pretrain": tower_results, "lit": lit_results, "eval": report,
+            "export": str(export_dir), "classified": picks, "timings": timings}

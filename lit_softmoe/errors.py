@@ -8,12 +8,13 @@ from typing import Mapping
 
 
 class UserError(Exception):
-    """A problem the user can fix (bad path, unknown key, wrong checkpoint); the message names the fix."""
+    """A problem the user can fix (bad path, unknown key, wrong checkpoint); the message names the
+    fix."""
 
 
 def check_known_keys(given, known, what: str) -> None:
-    """One UserError line naming the keys of `given` not among `known` (a config read from a file: `what`
-    says which, e.g. "tower config"), and the keys it may hold."""
+    """One UserError line naming the keys of `given` not among `known` (a config read from a file:
+    `what` says which, e.g. "tower config"), and the keys it may hold."""
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise UserError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
@@ -39,8 +40,8 @@ def spelled(name: str, value: object = None) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (a library's may run to a page), or its type's name when it
-    has none: what a one-line error quotes of a cause."""
+    """The first line of an exception's message (a library's may run to a page), or its type's name
+    when it has none: what a one-line error quotes of a cause."""
     message = str(error).strip()
     return message.splitlines()[0] if message else type(error).__name__
 
@@ -51,9 +52,9 @@ _GPU_ALLOCATION = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 
 def out_of_memory(error: BaseException) -> str | None:
     """Words for an error that says memory ran out ("out of memory on the CPU (an allocation of
-    3.0 GiB failed)"), else None: Python's MemoryError, torch's CPU allocator failing (a RuntimeError
-    that says "can't allocate memory") and CUDA's `torch.OutOfMemoryError`. The caller adds the
-    run's size and its levers."""
+    3.0 GiB failed)"), else None: Python's MemoryError, torch's CPU allocator failing (a
+    RuntimeError that says "can't allocate memory") and CUDA's `torch.OutOfMemoryError`. The caller
+    adds the run's size and its levers."""
     message = str(error)
     if isinstance(error, MemoryError) or "can't allocate memory" in message:
         where, found = "CPU", _CPU_ALLOCATION.search(message)
