@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 
 # Public name → the module that defines it.
 _PUBLIC = {
-    "SoftMoE": "lit_softmoe.nn", "TokensChoiceMoE": "lit_softmoe.nn", "ExpertsChoiceMoE": "lit_softmoe.nn",
+    "SoftMoE": "lit_softmoe.nn", "TokensChoiceMoE": "lit_softmoe.nn",
+    "ExpertsChoiceMoE": "lit_softmoe.nn",
     "ViTConfig": "lit_softmoe.models", "VisionTransformer": "lit_softmoe.models",
     "create_image_tower": "lit_softmoe.models", "list_image_towers": "lit_softmoe.models",
     "TextTowerConfig": "lit_softmoe.models", "create_text_tower": "lit_softmoe.models",
@@ -32,13 +33,18 @@ _PUBLIC = {
     "prepare_for_inference": "lit_softmoe.models.inference",
     "upcycle_tower": "lit_softmoe.models.upcycle",
 }
-__all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE", "ViTConfig",
-           "VisionTransformer", "create_image_tower", "create_model_from_pretrained", "create_text_tower",
-           "get_tokenizer", "list_image_towers", "load_image_tower", "load_pretrained", "prepare_for_inference",
-           "upcycle_tower"]  # the keys of _PUBLIC
+__all__ = ["ExpertsChoiceMoE", "LiTModel", "SoftMoE", "TextTowerConfig", "TokensChoiceMoE",
+           "ViTConfig", "VisionTransformer", "create_image_tower", "create_model_from_pretrained",
+           "create_text_tower", "get_tokenizer", "list_image_towers", "load_image_tower",
+           "load_pretrained", "prepare_for_inference", "upcycle_tower"]  # the keys of _PUBLIC
 
 if TYPE_CHECKING:  # what editors and type checkers see
-    from lit_softmoe.hub import create_model_from_pretrained, get_tokenizer, load_image_tower, load_pretrained
+    from lit_softmoe.hub import (
+        create_model_from_pretrained,
+        get_tokenizer,
+        load_image_tower,
+        load_pretrained,
+    )
     from lit_softmoe.models import (
         LiTModel,
         TextTowerConfig,
@@ -69,15 +75,17 @@ def _register_with_timm() -> None:
     try:
         importlib.import_module("lit_softmoe.integrations.timm")
     except Exception as err:  # a timm this version cannot work with must not break `import timm`
-        warnings.warn(f"lit-softmoe could not register its towers with timm: {type(err).__name__}: {err}",
+        warnings.warn("lit-softmoe could not register its towers with timm: "
+                      f"{type(err).__name__}: {err}",
                       stacklevel=2)
 
 
 class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):
     """Finds timm as Python would, and has its module register our towers once it has run.
 
-    Stays in `sys.meta_path` until timm is imported: libraries ask `importlib.util.find_spec("timm")`
-    only to learn whether it is installed (transformers does), and that import may come later."""
+    Stays in `sys.meta_path` until timm is imported: libraries ask
+    `importlib.util.find_spec("timm")` only to learn whether it is installed (transformers does),
+    and that import may come later."""
 
     _finding = False
 

@@ -194,7 +194,8 @@ def _cmd_clip_benchmark(args) -> None:
 
 
 def _cmd_eval(args) -> None:
-    from lit_softmoe.config import EvalSuiteConfig, load_config
+    from lit_softmoe.config import EvalSuiteConfig
+    from lit_softmoe.config_loading import load_config
     from lit_softmoe.evals.reports import markdown_table, summary_line
     from lit_softmoe.evals.suite import failed_benchmarks, nothing_evaluated, run_suite
     from lit_softmoe.utils.device import parse_device

@@ -60,7 +60,7 @@ def _print_plan(args, cfg) -> None:
 
 def recipe_config(args, config_class):
     """The training command's config; None once `--plan` has printed its memory plan (no work)."""
-    from lit_softmoe.config import load_config
+    from lit_softmoe.config_loading import load_config
     if not args.plan and (args.plan_gpus is not None or args.plan_gpu is not None):
         raise UserError("--plan-gpus and --plan-gpu go with --plan (which prints the memory plan "
                         "and trains nothing)")

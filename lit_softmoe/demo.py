@@ -15,7 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, config_path, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig
+from lit_softmoe.config_loading import config_path, load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import naming_full_disk
 from lit_softmoe.utils.paths import check_writable

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_softmoe.config import PretrainConfig, load_config, to_yaml
+from lit_softmoe.config import PretrainConfig, to_yaml
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.models.registry import image_tower_config
 from lit_softmoe.models.vit import VisionTransformer, ViTConfig
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.models.upcycle import upcycle_checkpoint

@@ -79,7 +79,8 @@ def foolbox_benchmark(root: Path, dataset: str, classnames, templates) -> Path:
 def save_pair(root: Path, in_channels: int = 1, image_size: int = 28, seed: int = 0) -> Path:
     """A LiT run folder (tower + model/) around `tiny_pair`, written by the recipes' own writers,
     so `load_pretrained(run)` — and CLIP_benchmark through our loader — load it from disk."""
-    from lit_softmoe.config import LiTConfig, load_config
+    from lit_softmoe.config import LiTConfig
+    from lit_softmoe.config_loading import load_config
     from lit_softmoe.models.tower_folder import save_tower, tower_fingerprint
     from lit_softmoe.train.lit import model_description, save_model
     model, _, _ = tiny_pair(in_channels, image_size, seed)

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.config import LiTConfig, load_config
+from lit_softmoe.config import LiTConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config, to_yaml
+from lit_softmoe.config import LiTConfig, PretrainConfig, to_yaml
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import create_text_tower

@@ -15,9 +15,9 @@ from lit_softmoe.config import (
     EvalSuiteConfig,
     LiTConfig,
     PretrainConfig,
-    load_config,
     micro_batch_size,
 )
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.metadata import benchmark_info

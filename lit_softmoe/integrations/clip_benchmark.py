@@ -23,7 +23,8 @@ from unittest import mock
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "lit_softmoe"
-_BUNDLES: dict[str, tuple] = {}  # path → (model, preprocess, tokenizer) already loaded in this process
+# path → (model, preprocess, tokenizer) already loaded in this process
+_BUNDLES: dict[str, tuple] = {}
 
 
 def clip_benchmark_available() -> bool:
@@ -35,7 +36,8 @@ def clip_benchmark_available() -> bool:
 
 
 def _load_for_clip_benchmark(model_name: str, pretrained: str, cache_dir=None, device="cpu"):
-    """CLIP_benchmark's loader signature → (model, transform, tokenizer); `pretrained` is our path."""
+    """CLIP_benchmark's loader signature → (model, transform, tokenizer); `pretrained`
+    is our path."""
     if pretrained in _BUNDLES:
         return _BUNDLES[pretrained]
     from lit_softmoe.hub import load_pretrained
@@ -43,8 +45,9 @@ def _load_for_clip_benchmark(model_name: str, pretrained: str, cache_dir=None, d
 
 
 def _accuracy_numpy2(output, target, topk=(1,)):
-    """clip_benchmark 1.6.2's `accuracy`, formula unchanged, with `.item()` where it calls float() on a
-    1-element array — a TypeError under NumPy 2 (the released package fails every classification)."""
+    """clip_benchmark 1.6.2's `accuracy`, formula unchanged, with `.item()` where it calls
+    float() on a 1-element array — a TypeError under NumPy 2 (the released package fails every
+    classification)."""
     pred = output.topk(max(topk), 1, True, True)[1].t()
     correct = pred.eq(target.view(1, -1).expand_as(pred))
     return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
@@ -52,15 +55,16 @@ def _accuracy_numpy2(output, target, topk=(1,)):
 
 @contextlib.contextmanager
 def _numpy2_accuracy():
-    """CLIP_benchmark's `accuracy` replaced by `_accuracy_numpy2` for one run, then restored: the rest
-    of the process (a user's own CLIP_benchmark runs) keeps the library as installed."""
+    """CLIP_benchmark's `accuracy` replaced by `_accuracy_numpy2` for one run, then restored:
+    the rest of the process (a user's own CLIP_benchmark runs) keeps the library as installed."""
     import clip_benchmark.metrics.zeroshot_classification as zeroshot
     with mock.patch.object(zeroshot, "accuracy", _accuracy_numpy2):
         yield
 
 
 def register_with_clip_benchmark() -> None:
-    """Add our loader to CLIP_benchmark's model types (`TYPE2FUNC`, the extension point it documents)."""
+    """Add our loader to CLIP_benchmark's model types (`TYPE2FUNC`, the extension point
+    it documents)."""
     import clip_benchmark.models as models
     if MODEL_TYPE not in models.TYPE2FUNC:
         models.TYPE2FUNC[MODEL_TYPE] = _load_for_clip_benchmark
@@ -68,16 +72,18 @@ def register_with_clip_benchmark() -> None:
 
 
 def clip_benchmark_cli(argv: list[str]) -> None:
-    """CLIP_benchmark's own command line (`clip_benchmark ARGV`) in this process, with our towers registered
-    with timm (so open_clip's `local-dir:` / `hf-hub:` load a Soft MoE export), our loader as `--model_type
-    lit_softmoe`, and its NumPy-2 `accuracy` fix for this run only: `lit-softmoe clip-benchmark -- ARGV`."""
+    """CLIP_benchmark's own command line (`clip_benchmark ARGV`) in this process, with our towers
+    registered with timm (so open_clip's `local-dir:` / `hf-hub:` load a Soft MoE export),
+    our loader as `--model_type lit_softmoe`, and its NumPy-2 `accuracy` fix for this run only:
+    `lit-softmoe clip-benchmark -- ARGV`."""
     from lit_softmoe.errors import UserError
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not clip_benchmark_available():
         raise UserError("CLIP_benchmark is not installed; pip install clip-benchmark")
     if not argv:
-        raise UserError("give clip_benchmark's own arguments after --, e.g. lit-softmoe clip-benchmark -- eval "
-                        "--model_type open_clip --model local-dir:EXPORT --dataset wds/cifar10 --dataset_root DIR")
+        raise UserError("give clip_benchmark's own arguments after --, e.g. lit-softmoe "
+                        "clip-benchmark -- eval --model_type open_clip --model local-dir:EXPORT "
+                        "--dataset wds/cifar10 --dataset_root DIR")
     from clip_benchmark import cli
 
     import lit_softmoe.integrations.timm  # noqa: F401 (timm.create_model must know our towers)
@@ -90,23 +96,26 @@ def clip_benchmark_cli(argv: list[str]) -> None:
         sys.argv = saved_argv
 
 
-def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str, split: str = "test",
-                       batch_size: int = 64, workers: int = 0, recall_k=(1, 5, 10), bundle=None, task: str = "",
-                       classnames=None, templates=None, model_type: str = MODEL_TYPE) -> dict:
+def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str,
+                       split: str = "test", batch_size: int = 64, workers: int = 0,
+                       recall_k=(1, 5, 10), bundle=None, task: str = "", classnames=None,
+                       templates=None, model_type: str = MODEL_TYPE) -> dict:
     """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON.
 
     `model_type`: "lit_softmoe" (our loader, registered here) or "open_clip" (CLIP_benchmark's own
     open_clip loader on `local-dir:EXPORT`, an export's open_clip files; only our timm towers are
     registered, so nothing of ours loads the model).
 
-    `task` ("classification" | "retrieval"): CLIP_benchmark otherwise picks it by the dataset's name, so
-    a caption set of the user's own name is run as classification (and fails). `classnames` and
-    `templates`: the prompts our suite used, handed over as its custom JSON files, so both score the
-    same prompts even where the suite set them or the dataset has no files of its own."""
+    `task` ("classification" | "retrieval"): CLIP_benchmark otherwise picks it by the dataset's
+    name, so a caption set of the user's own name is run as classification (and fails). `classnames`
+    and `templates`: the prompts our suite used, handed over as its custom JSON files, so both score
+    the same prompts even where the suite set them or the dataset has no files of its own."""
     from clip_benchmark import cli
     if model_type == "open_clip":
-        import lit_softmoe.integrations.timm  # noqa: F401 (timm.create_model must know the export's tower)
-        model_args = ["--model", f"local-dir:{model_path}", "--pretrained", "export"]  # open_clip ignores it
+        import lit_softmoe.integrations.timm  # noqa: F401 (timm.create_model must know the
+        # export's tower)
+        model_args = ["--model", f"local-dir:{model_path}",
+                      "--pretrained", "export"]  # open_clip ignores it
     elif model_type == MODEL_TYPE:
         register_with_clip_benchmark()
         model_args = ["--model", "lit-softmoe", "--pretrained", str(model_path)]
@@ -127,7 +136,8 @@ def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset
                 "--recall_k", *[str(k) for k in recall_k]]
         if task:
             argv += ["--task", f"zeroshot_{task}"]
-        for flag, values in (("--custom_classname_file", classnames), ("--custom_template_file", templates)):
+        for flag, values in (("--custom_classname_file", classnames),
+                             ("--custom_template_file", templates)):
             if values:  # keyed by the dataset's short name, which it looks up for wds/NAME
                 path = Path(tmp) / f"{flag.strip('-')}.json"
                 path.write_text(json.dumps({dataset_name: list(values)}))
@@ -163,17 +173,19 @@ def in_our_names(metrics: dict) -> dict:
 def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kwargs) -> dict:
     """CLIP_benchmark's metrics for one of our result entries, and the largest gap in points.
 
-    A CLIP_benchmark that fails is recorded as status "failed" with its error: the cross-check must not
-    take the suite's own results down with it."""
+    A CLIP_benchmark that fails is recorded as status "failed" with its error: the cross-check must
+    not take the suite's own results down with it."""
     if not clip_benchmark_available():
-        return {"status": "skipped", "reason": "clip-benchmark is not installed (pip install clip-benchmark)"}
+        return {"status": "skipped",
+                "reason": "clip-benchmark is not installed (pip install clip-benchmark)"}
     tic = time.perf_counter()
     try:
-        run = run_clip_benchmark(model_path, spec.root, spec.name, spec.split, bundle=bundle, task=entry["task"],
-                                 **kwargs)
+        run = run_clip_benchmark(model_path, spec.root, spec.name, spec.split, bundle=bundle,
+                                 task=entry["task"], **kwargs)
     except Exception as err:  # its asserts, a dataset it cannot read …
         reason = f"clip_benchmark failed: {type(err).__name__}: {err}"
-        logger.warning("%s: %s", spec.name, reason)  # on the console too, not only in the results JSON
+        # on the console too, not only in the results JSON
+        logger.warning("%s: %s", spec.name, reason)
         return {"status": "failed", "reason": reason}
     theirs = in_our_names(run["metrics"])
     shared = [k for k in entry["metrics"] if k in theirs]
@@ -181,6 +193,6 @@ def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kw
     result = {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap,
               "seconds": round(time.perf_counter() - tic, 2)}
     if entry.get("empty_captions"):  # a gap these explain is no disagreement of the metrics
-        result["note"] = (f"CLIP_benchmark scores the {entry['empty_captions']} blank caption line(s) we leave out "
-                          "as empty captions, so recall@k can differ")
+        result["note"] = (f"CLIP_benchmark scores the {entry['empty_captions']} blank caption "
+                          "line(s) we leave out as empty captions, so recall@k can differ")
     return result

@@ -73,10 +73,12 @@ def check_templates(templates: Sequence[str], source: str = "templates") -> None
     LiT: after training), and one without a placeholder gives every class the same prompt.
     """
     if not templates:
-        raise UserError(f"{source} holds no templates; give one prompt per line, such as 'a photo of a {{c}}.'")
+        raise UserError(f"{source} holds no templates; "
+                        "give one prompt per line, such as 'a photo of a {c}.'")
     for template in templates:
         try:
-            fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+            fields = [field for _, field, _, _ in string.Formatter().parse(template)
+                      if field is not None]
         except ValueError as err:  # a lone brace
             problem = f"is not a format string ({err})"
         else:
@@ -87,8 +89,8 @@ def check_templates(templates: Sequence[str], source: str = "templates") -> None
                 problem = "has no {c}, so every class would get the same prompt"
             else:
                 continue
-        raise UserError(f"{source}: template {template!r} {problem}; write the class name as {{c}}, "
-                        "e.g. 'a photo of a {c}.' (a literal brace as {{ or }})")
+        raise UserError(f"{source}: template {template!r} {problem}; write the class name as "
+                        "{c}, e.g. 'a photo of a {c}.' (a literal brace as {{ or }})")
 
 
 @dataclass(frozen=True)
@@ -121,12 +123,14 @@ def _load(filename: str):
 
 
 def imagenet_wnids() -> tuple[str, ...]:
-    """The 1000 ImageNet-1k WordNet ids in label order (sorted, as torchvision's ImageNet/ImageFolder)."""
+    """The 1000 ImageNet-1k WordNet ids in label order (sorted, as torchvision's
+    ImageNet/ImageFolder)."""
     return tuple(_load("imagenet_wnids.json"))
 
 
 def list_benchmarks(task: str | None = None) -> list[str]:
-    """Canonical benchmark names, sorted; only those of `task` ("classification"/"retrieval") if given."""
+    """Canonical benchmark names, sorted; only those of `task` ("classification"/"retrieval")
+    if given."""
     if task is not None and task not in TASKS:
         raise UserError(f"unknown task {task!r}; use one of {', '.join(TASKS)}")
     entries = {name: entry["task"] for name, entry in _load("benchmarks.json").items()}
@@ -135,7 +139,8 @@ def list_benchmarks(task: str | None = None) -> list[str]:
 
 
 def canonical_name(name: str) -> str:
-    """Resolve aliases and "wds/" / "vtab/" prefixes to our canonical name (not checked to exist)."""
+    """Resolve aliases and "wds/" / "vtab/" prefixes to our canonical name
+    (not checked to exist)."""
     key = name.strip().lower()
     key = key.removeprefix("wds/")
     if key.startswith("vtab/"):

@@ -1,5 +1,5 @@
-"""What a command shows on the terminal besides its own lines: other libraries' warnings kept out of the way,
-and progress bars closed before an error's one line."""
+"""What a command shows on the terminal besides its own lines: other libraries' warnings kept out of
+the way, and progress bars closed before an error's one line."""
 from __future__ import annotations
 
 import contextlib
@@ -10,15 +10,17 @@ import warnings
 
 @contextlib.contextmanager
 def library_warnings_hidden(hidden: bool):
-    """Keep other libraries' warnings (Pillow's, torchvision's, transformers' and accelerate's notices)
-    out of the progress bars and one-line errors while a command runs; lit-softmoe's own warnings and
-    log lines still show. DataLoader workers forked meanwhile inherit the filters."""
-    loggers = [logging.getLogger(name) for name in ("transformers", "huggingface_hub", "accelerate")]
+    """Keep other libraries' warnings (Pillow's, torchvision's, transformers' and accelerate's
+    notices) out of the progress bars and one-line errors while a command runs; lit-softmoe's own
+    warnings and log lines still show. DataLoader workers forked meanwhile inherit the filters."""
+    loggers = [logging.getLogger(name)
+               for name in ("transformers", "huggingface_hub", "accelerate")]
     levels = [logger.level for logger in loggers]
     with warnings.catch_warnings():
         if hidden:
             warnings.filterwarnings("ignore")
-            warnings.filterwarnings("default", module=r"lit_softmoe(\.|$)")  # later filters take precedence
+            # later filters take precedence
+            warnings.filterwarnings("default", module=r"lit_softmoe(\.|$)")
             for logger in loggers:
                 logger.setLevel(logging.ERROR)
         try:

@@ -1,11 +1,11 @@
 """sha256s: of a file's bytes, and of a set of weights (the one identity of a tower's weights).
 
-`weights_sha256` is the identity lit-softmoe records for weights (`image_tower_sha256`, a tower folder's
-`tower_sha256`): a hash of the tensors themselves, so the same weights have the same key whether they
-are in memory, in a tower folder's model.safetensors or in an export. `safetensors_weights_sha256`
-gives the same value from a file, one tensor at a time. `file_sha256` is for a file's integrity
-(a written file still the one written), not for the identity of weights. `cache_key` names a cache
-entry by what it depends on (a JSON-able description).
+`weights_sha256` is the identity lit-softmoe records for weights (`image_tower_sha256`, a
+tower folder's `tower_sha256`): a hash of the tensors themselves, so the same weights have the
+same key whether they are in memory, in a tower folder's model.safetensors or in an export.
+`safetensors_weights_sha256` gives the same value from a file, one tensor at a time. `file_sha256`
+is for a file's integrity (a written file still the one written), not for the identity of weights.
+`cache_key` names a cache entry by what it depends on (a JSON-able description).
 """
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ def file_sha256(path: str | Path) -> str:
 
 
 def _update(digest, name: str, tensor: torch.Tensor) -> None:
-    # One JSON line per tensor (JSON escapes newlines, so a name cannot run into the next field), then
-    # its raw bytes: their length follows from the dtype and shape, so nothing else is needed to parse it.
+    # One JSON line per tensor (JSON escapes newlines, so a name cannot run into the next field),
+    # then its raw bytes: their length follows from the dtype and shape, so nothing else is
+    # needed to parse it.
     tensor = tensor.detach().cpu().contiguous()
     dtype = str(tensor.dtype).removeprefix("torch.")
     digest.update((json.dumps([name, dtype, list(tensor.shape)]) + "\n").encode())
-    digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # raw bytes, any dtype, in memory order
+    # raw bytes, any dtype, in memory order
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -56,7 +58,8 @@ def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
-    """The hex sha256 of a set of weights: every tensor's name, dtype, shape and bytes, in name order.
+    """The hex sha256 of a set of weights: every tensor's name, dtype, shape and bytes,
+    in name order.
 
     The same tensors give the same value wherever they are held (any device, any storage layout);
     another dtype is other weights (a bf16 copy of fp32 weights has a key of its own), and so is a
@@ -74,21 +77,23 @@ def _safetensors_sha256(path: str, size: int, mtime_ns: int, prefix: str) -> str
 
 
 def safetensors_weights_sha256(path: str | Path, prefix: str = "") -> str:
-    """`weights_sha256` of the tensors a safetensors file holds, read one at a time; with `prefix`, of
-    those whose names start with it, under their names without it (an export's `image_tower.*` are the
-    tower's own weights). Computed once per file version in a process, as `file_sha256` is."""
+    """`weights_sha256` of the tensors a safetensors file holds, read one at a time;
+    with `prefix`, of those whose names start with it, under their names without it
+    (an export's `image_tower.*` are the tower's own weights). Computed once per file version in a
+    process, as `file_sha256` is."""
     from safetensors import SafetensorError
     path = Path(path).resolve()
     try:
         stat = os.stat(path)
         return _safetensors_sha256(str(path), stat.st_size, stat.st_mtime_ns, prefix)
     except (OSError, SafetensorError) as err:
-        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
-                        "copy it again or write it anew") from None
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is "
+                        "incomplete or damaged: copy it again or write it anew") from None
 
 
 def cache_key(description, length: int = 16) -> str:
-    """A short name for a cache entry: the sha256 of `description` as canonical JSON (keys sorted; what JSON
-    cannot hold, as its str), its first `length` hex digits."""
-    text = description if isinstance(description, str) else json.dumps(description, sort_keys=True, default=str)
+    """A short name for a cache entry: the sha256 of `description` as canonical JSON
+    (keys sorted; what JSON cannot hold, as its str), its first `length` hex digits."""
+    text = (description if isinstance(description, str)
+            else json.dumps(description, sort_keys=True, default=str))
     return hashlib.sha256(text.encode()).hexdigest()[:length]

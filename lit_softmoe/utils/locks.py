@@ -47,9 +47,9 @@ def _holder(lock_path: Path) -> str:
 
 
 def _is_current(handle, lock_path: Path) -> bool:
-    """Whether the file locked through `handle` is still the one at `lock_path`: a holder that removed
-    its lock file on the way out (a run folder it created and leaves empty) may have done so between
-    our open and our lock, and a lock on the removed file excludes nobody."""
+    """Whether the file locked through `handle` is still the one at `lock_path`: a holder that
+    removed its lock file on the way out (a run folder it created and leaves empty) may have done so
+    between our open and our lock, and a lock on the removed file excludes nobody."""
     try:
         return os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
     except FileNotFoundError:
@@ -60,9 +60,9 @@ def _is_current(handle, lock_path: Path) -> bool:
 def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]:
     """Hold the lock of `folder` (created if missing) for the block.
 
-    When another process holds it: with `refuse` (the fix to name), raise UserError at once; without,
-    say so and wait for it (writers of one dataset folder then run one after the other, each seeing
-    what the one before wrote).
+    When another process holds it: with `refuse` (the fix to name), raise UserError at once;
+    without, say so and wait for it (writers of one dataset folder then run one after the other,
+    each seeing what the one before wrote).
     """
     folder = Path(folder)
     if fcntl is None:
@@ -78,7 +78,8 @@ def folder_lock(folder: str | Path, refuse: str | None = None) -> Iterator[None]
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if refuse is not None:
-                    raise UserError(f"{folder} is in use by {_holder(lock_path)}; {refuse}") from None
+                    raise UserError(
+                        f"{folder} is in use by {_holder(lock_path)}; {refuse}") from None
                 logger.warning("waiting for %s, which is writing %s", _holder(lock_path), folder)
                 fcntl.flock(handle, fcntl.LOCK_EX)
             if _is_current(handle, lock_path):

@@ -215,7 +215,8 @@ def test_trackers_example_trains_with_its_metrics_in_tensorboard(data, tmp_path,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lit_softmoe import cli
-    from lit_softmoe.config import LiTConfig, config_path, load_config
+    from lit_softmoe.config import LiTConfig
+    from lit_softmoe.config_loading import config_path, load_config
     from lit_softmoe.train.logging import read_metrics
     lines = [line for line in _example("trackers").splitlines() if not line.startswith("#")]
     assert [line.split()[0] for line in lines] == ["lit-softmoe", "tensorboard"]

@@ -22,7 +22,8 @@ from evalkit import (
     wds_set,
     write_wds_benchmark,
 )
-from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, load_config
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, suite, zeroshot_metrics
 from lit_softmoe.evals.suite import run_suite

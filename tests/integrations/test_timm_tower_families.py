@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from lit_softmoe import load_pretrained
 from lit_softmoe.cli import main
-from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, LiTConfig, load_config
+from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, LiTConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.evals.suite import run_suite
 from lit_softmoe.export import export_pair

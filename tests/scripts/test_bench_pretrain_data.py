@@ -150,7 +150,8 @@ def test_memory_harness_samples_the_whole_process_tree(bench, tmp_path, monkeypa
 
 
 def test_pretrain_command_holds_only_keys_pretrain_knows(bench, tmp_path):
-    from lit_softmoe.config import PretrainConfig, load_config
+    from lit_softmoe.config import PretrainConfig
+    from lit_softmoe.config_loading import load_config
 
     args = argparse.Namespace(steps=5, loader_keys="", extra=["batch_size=8"])
     command = bench.pretrain_command(tmp_path, tmp_path / "run", args)

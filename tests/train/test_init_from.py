@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError

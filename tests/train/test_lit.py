@@ -25,7 +25,8 @@ from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
 from launch import torchrun_args
 from lit_data import PREPROCESS, lit_config
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import CAPTION_TEMPLATES, write_fashion_mnist_shards
 from lit_softmoe.data.feature_cache import is_feature_cache
 from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from cli_errors import one_line_error
 from lit_softmoe.cli import main
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower

@@ -14,7 +14,8 @@ import pytest
 
 from evalkit import foolbox_images, needs_foolbox
 from lit_softmoe.cli import main
-from lit_softmoe.config import SHIPPED_CONFIGS, PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import SHIPPED_CONFIGS, load_config
 from lit_softmoe.metadata import imagenet_wnids
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics

@@ -18,7 +18,8 @@ from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
 from data_files import cut_at_sample
 from launch import torchrun_args
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower

@@ -19,7 +19,8 @@ import torch
 
 from cli_errors import one_line_error
 from launch import torchrun_args
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.class_batches import StreamedClassBatches
 from lit_softmoe.data.fashion_mnist import _png_bytes, read_fashion_mnist, write_fashion_mnist_shards
 from lit_softmoe.data.shards import shard_urls, write_split

@@ -9,7 +9,7 @@ import torch
 
 from cli_errors import one_line_error
 from lit_runs import ROOT
-from lit_softmoe.config import load_config
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.train.runtime import create_accelerator, loss_scaler_state, restore_loss_scaler
 

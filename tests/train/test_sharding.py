@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cli_errors import one_line_error
-from lit_softmoe.config import LiTConfig, PretrainConfig, load_config
+from lit_softmoe.config import LiTConfig, PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.hub import load_pretrained
 from lit_softmoe.models.lit import LiTModel

@@ -11,7 +11,8 @@ from accelerate.utils import LoggerType
 
 from cli_errors import one_line_error
 from lit_data import lit_config
-from lit_softmoe.config import PretrainConfig, load_config
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.train import trackers
 from lit_softmoe.train.lit import train_lit
