@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +55,6 @@ import PIL.Image
 from tqdm import tqdm
 
 from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.images import IMAGE_FORMATS
 from lit_softmoe.data.listing import Listing
 from lit_softmoe.data.sample_encoding import ImageTally, encoded_samples
 from lit_softmoe.data.shards import (
@@ -70,6 +68,7 @@ from lit_softmoe.data.shards import (
     write_split,
 )
 from lit_softmoe.data.tables import list_table
+from lit_softmoe.data.write_options import WriteOptions
 from lit_softmoe.errors import UserError, setting
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock
@@ -86,55 +85,6 @@ DATASET_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt", MANIFEST_F
 # Bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys; 3: JPEGs
 # shrunk by --max-size are decoded at a reduced scale first).
 _FORMAT_VERSION = 3
-
-
-# ---------------------------------------------------------------------------------------- options
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How a split is written; the same for folders and tables.
-
-    Args:
-        split: the split folder's name under the output folder, e.g. "train" or "test".
-        image_format: "keep" (the file's own format: png, jpg or webp; others become png), or the
-            format every image is stored in.
-        max_size: shrink images whose longer side is larger to this many pixels (None: never).
-        samples_per_shard: a new shard starts after this many samples …
-        max_shard_bytes: … or once a shard holds this many bytes.
-    """
-
-    split: str = "train"
-    image_format: str = "keep"
-    max_size: int | None = None
-    samples_per_shard: int = 10_000
-    max_shard_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.image_format not in IMAGE_FORMATS:
-            raise UserError(f"unknown image format {self.image_format!r}; "
-                            f"choose one of {', '.join(IMAGE_FORMATS)}")
-        check_split_name(self.split)
-        for name in ("max_size", "samples_per_shard", "max_shard_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {value}")
-
-
-def check_split_name(split: str, setting_names: Mapping[str, str] | None = None) -> None:
-    """Refuse a split name that is not a plain folder name (a path, `..`, hidden). Messages call it
-    as `setting_names` calls `split` (`errors.setting`; the CLI passes --split, and checks it before
-    making its `WriteOptions`)."""
-    if not split or split != Path(split).name or split.startswith("."):
-        raise UserError(f"{setting(setting_names, 'split')} {split!r} is not a plain folder name; "
-                        f"pass e.g. {setting(setting_names, 'split', 'train')}")
-
-
-def parse_byte_size(text: str) -> int:
-    """`"1G"`, `"500M"`, `"64k"` or a plain number of bytes → bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
-    if match is None:
-        raise UserError(f"cannot read {text!r} as a size in bytes; write e.g. 1G, 500M or 1048576")
-    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
 
 
 # ---------------------------------------------------------------------------------------- summary
