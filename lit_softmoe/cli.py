@@ -42,12 +42,8 @@ def _write_data(args) -> None:
         print(f"Fashion-MNIST {counts} samples in {sum(summary['shards'].values())} shards at "
               f"{args.out}: {verb}")
         return
-    from lit_softmoe.data.writers import (
-        WriteOptions,
-        check_split_name,
-        write_folder_shards,
-        write_table_shards,
-    )
+    from lit_softmoe.data.write_options import WriteOptions, check_split_name
+    from lit_softmoe.data.writers import write_folder_shards, write_table_shards
     check_split_name(args.split, _DATA_FLAGS)  # WriteOptions checks it too, naming it "split"
     options = WriteOptions(split=args.split, image_format=args.image_format, max_size=args.max_size,
                            samples_per_shard=args.samples_per_shard,

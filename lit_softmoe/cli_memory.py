@@ -13,7 +13,7 @@ from lit_softmoe.utils.distributed import is_main_process
 
 def byte_size(text: str) -> int:
     """A size with its unit (64MB, 1G) as an argparse type."""
-    from lit_softmoe.data.writers import parse_byte_size
+    from lit_softmoe.data.write_options import parse_byte_size
     try:
         return parse_byte_size(text)
     except UserError as err:

@@ -8,8 +8,8 @@ CLIP_benchmark use) filled with the sample's class name. The template is cycled:
 class in path order gets template i mod T (`data from-folder`; `data fashion-mnist` counts along the
 split in the set's own order). Cycled rather than drawn by a hash of the sample key, because a class
 then gets every template in equal shares (±1) and as many different ones as it has images, where a
-hash repeats some and skips others; and the same input gives the same captions, so a rerun writes the
-same bytes. The price, that adding an image shifts the captions after it in its class, costs
+hash repeats some and skips others; and the same input gives the same captions, so a rerun writes
+the same bytes. The price, that adding an image shifts the captions after it in its class, costs
 nothing here: any change to the inputs rewrites the whole split anyway.
 
 The built-in set (`--caption-templates default`) is CLIP's 80 ImageNet templates (shipped in
@@ -28,8 +28,9 @@ from lit_softmoe.metadata import benchmark_info, check_templates
 
 DEFAULT_TEMPLATES = "default"
 _DEFAULT_SET = "imagenet1k"  # CLIP's 80 ImageNet templates
-_HINT = (f"give a file with one template per line writing the class name as {{c}} (e.g. 'a photo of a {{c}}.'), "
-         f"`{DEFAULT_TEMPLATES}` (CLIP's 80 ImageNet templates) or a benchmark's name such as cifar10")
+_HINT = (f"give a file with one template per line writing the class name as {{c}} "
+         f"(e.g. 'a photo of a {{c}}.'), `{DEFAULT_TEMPLATES}` (CLIP's 80 ImageNet templates) or a "
+         "benchmark's name such as cifar10")
 
 
 def load_caption_templates(spec: str | Path) -> list[str]:
@@ -40,7 +41,8 @@ def load_caption_templates(spec: str | Path) -> list[str]:
         try:
             templates, source = read_lines(path), str(path)
         except (OSError, UnicodeDecodeError) as err:
-            raise UserError(f"cannot read the caption templates file {path} ({err}); {_HINT}") from None
+            raise UserError(f"cannot read the caption templates file {path} ({err}); "
+                            f"{_HINT}") from None
     elif path.is_dir():
         raise UserError(f"caption templates {path} is a folder; {_HINT}")
     else:
@@ -50,12 +52,15 @@ def load_caption_templates(spec: str | Path) -> list[str]:
         except UserError:
             info = None
         if info is None or not info.templates:
-            raise UserError(f"caption templates {str(spec)!r}: no such file, and not a shipped template set; {_HINT}")
-        templates, source = list(info.templates), f"{spec} (shipped templates of {info.templates_from})"
+            raise UserError(f"caption templates {str(spec)!r}: no such file, and not a shipped "
+                            f"template set; {_HINT}")
+        templates, source = (list(info.templates),
+                             f"{spec} (shipped templates of {info.templates_from})")
     check_templates(templates, f"caption templates {source}")
     return templates
 
 
 def class_caption(templates: Sequence[str], classname: str, position: int) -> str:
-    """The caption of the sample at `position` (see the module docstring), whose class is `classname`."""
+    """The caption of the sample at `position` (see the module docstring), whose class is
+    `classname`."""
     return templates[position % len(templates)].format(c=classname)

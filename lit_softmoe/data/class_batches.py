@@ -4,10 +4,11 @@ Pretraining takes its batches from one of two sources with one interface — `st
 `epoch(epoch, start)`, which yields this process's `ClassBatch`es of uint8 images (normalized later,
 on the device):
 
-- `InMemoryClassBatches`: a small split decoded once (`class_split.load_class_split`; Fashion-MNIST's
-  60k × 28×28 is 47 MB), the epoch's order a permutation seeded with (seed, epoch), each batch cut
-  from it and augmented at once (`transforms.batch_augment`: the padded crop + flip of
-  `train_transform(crop_padding=...)`, one gather for the batch instead of a Python call per image).
+- `InMemoryClassBatches`: a small split decoded once (`class_split.load_class_split`;
+  Fashion-MNIST's 60k × 28×28 is 47 MB), the epoch's order a permutation seeded with (seed, epoch),
+  each batch cut from it and augmented at once (`transforms.batch_augment`: the padded crop + flip
+  of `train_transform(crop_padding=...)`, one gather for the batch instead of a Python call per
+  image).
 - `StreamedClassBatches`: the shards through `pipelines.ShardLoader`, the loader LiT reads with
   (shard order a function of (seed, epoch), split by process and then by worker, a seeded shuffle
   buffer, decoding and the per-image `train_transform` in the workers, bad samples skipped and
@@ -18,7 +19,8 @@ on the device):
 
 In both, every batch is a function of (seed, epoch, rank, world size) — and for streams the number
 of workers — and a sample's random crop of (seed, epoch, its key): `epoch(e, start=k)` yields what
-`epoch(e)` yields from its k-th batch on, so a resumed run sees the batches the killed one would have.
+`epoch(e)` yields from its k-th batch on, so a resumed run sees the batches the killed one would
+have.
 
 Also here, for evaluating on streamed splits: `split_batches` (a split read once by one process),
 `split_labels` (its labels alone, without decoding an image) and `read_samples` (the images at
@@ -49,69 +51,80 @@ class ClassBatch(NamedTuple):
 class InMemoryClassBatches:
     """Batches of a split held in memory as uint8 (N, C, H, W)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int, seed: int, rank: int = 0,
-                 world_size: int = 1, augment: bool = False, crop_padding: int = 2):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int, seed: int,
+                 rank: int = 0, world_size: int = 1, augment: bool = False, crop_padding: int = 2):
         self.images, self.labels = images, labels
-        self.global_batch, self.seed, self.rank, self.world_size = global_batch, seed, rank, world_size
+        self.global_batch, self.seed, self.rank, self.world_size = (
+            global_batch, seed, rank, world_size)
         self.augment, self.crop_padding = augment, crop_padding
         self.steps_per_epoch = len(labels) // global_batch  # the last partial batch is dropped
         self.num_samples = len(labels)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[ClassBatch]:
-        order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        order = torch.randperm(
+            len(self.labels), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         for index in range(start, self.steps_per_epoch):
             batch_ids = order[index * self.global_batch:(index + 1) * self.global_batch]
             batch_ids = batch_ids[self.rank::self.world_size]  # (local_batch,)
             images = self.images[batch_ids]
             if self.augment:
                 step = epoch * self.steps_per_epoch + index
-                generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1009 + self.rank)
+                generator = torch.Generator().manual_seed(
+                    (self.seed * 1_000_003 + step) * 1009 + self.rank)
                 images = batch_augment(images, generator, padding=self.crop_padding)
             yield ClassBatch(images, self.labels[batch_ids], None)
 
 
 class StreamedClassBatches:
-    """Batches of this process's share of a split's shards, decoded and transformed by loader workers.
+    """Batches of this process's share of a split's shards, decoded and transformed by loader
+    workers.
 
     Args:
         urls: the split (a folder, a pattern, a '::' list: `shards.shard_urls`); local shards, whose
             sizes fix the epoch's length.
         global_batch: over all processes; each yields global_batch / world_size samples a step.
-        transform: PIL image → uint8 (C, H, W) at the tower's size (`train_transform(normalize=False)`).
+        transform: PIL image → uint8 (C, H, W) at the tower's size
+            (`train_transform(normalize=False)`).
         workers, shuffle_buffer, max_bad_fraction: as in `pipelines.ShardDataConfig`.
         num_classes: class indices from it on are skipped as bad_cls.
     """
 
     def __init__(self, urls: str, global_batch: int, transform: Callable, *, seed: int, rank: int,
-                 world_size: int, workers: int = 2, shuffle_buffer: int = 5000, max_bad_fraction: float = 0.01,
-                 num_classes: int = 0):
+                 world_size: int, workers: int = 2, shuffle_buffer: int = 5000,
+                 max_bad_fraction: float = 0.01, num_classes: int = 0):
         if global_batch % world_size:
             raise UserError(f"batch_size {global_batch} does not split over {world_size} processes")
         self.local_batch, self.rank, self.world_size = global_batch // world_size, rank, world_size
         self.urls = shard_urls(urls)
         sizes = listed_sizes(self.urls)
         if sizes is None:
-            raise UserError(f"{urls}: streaming pretraining needs local shards (their sizes give an epoch's length); "
-                            "copy the shards to a local disk")
+            raise UserError(f"{urls}: streaming pretraining needs local shards (their sizes give "
+                            "an epoch's length); copy the shards to a local disk")
         if len(self.urls) < world_size:
             raise UserError(f"{len(self.urls)} shards cannot feed {world_size} processes "
                             "(each reads shards of its own): write the split again with fewer "
                             "samples per shard, or use fewer processes")
-        # The largest share a process can get in any epoch's shard order: its steps are every process's.
-        largest_share = sum(sorted(sizes.values(), reverse=True)[:math.ceil(len(self.urls) / world_size)])
+        # The largest share a process can get in any epoch's shard order: its steps are every
+        # process's.
+        largest_share = sum(
+            sorted(sizes.values(), reverse=True)[:math.ceil(len(self.urls) / world_size)])
         self.steps_per_epoch = math.ceil(largest_share / self.local_batch)
         self.num_samples = sum(sizes.values())
         self.loader = create_shard_loader(ShardDataConfig(
-            urls=urls, batch_size=self.local_batch, workers=workers, shuffle=True, shuffle_buffer=shuffle_buffer,
-            seed=seed, exact_epoch=True, max_bad_fraction=max_bad_fraction, rank=rank, world_size=world_size,
+            urls=urls, batch_size=self.local_batch, workers=workers, shuffle=True,
+            shuffle_buffer=shuffle_buffer, seed=seed, exact_epoch=True,
+            max_bad_fraction=max_bad_fraction, rank=rank, world_size=world_size,
             seed_transforms=True, num_classes=num_classes), "image-class", transform)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[ClassBatch]:
-        """This process's batches of `epoch` from the `start`-th on (the ones before are read, not yielded)."""
+        """This process's batches of `epoch` from the `start`-th on (the ones before are read, not
+        yielded)."""
         self.loader.set_epoch(epoch)
-        pending: list[ClassBatch] = []  # the loader's batches (one per worker in turn, partial at their ends)
+        # the loader's batches (one per worker in turn, partial at their ends)
+        pending: list[ClassBatch] = []
         pending_count, emitted = 0, 0
-        for _ in itertools.count():  # a pass over this process's shards; a second one pads the last batches
+        # a pass over this process's shards; a second one pads the last batches
+        for _ in itertools.count():
             read = 0
             for batch in self.loader:
                 read += len(batch["label"])
@@ -126,8 +139,9 @@ class StreamedClassBatches:
                     if emitted == self.steps_per_epoch:
                         return
             if read == 0:
-                raise UserError(f"process {self.rank} read no usable sample from its shards of {self.loader.cfg.urls} "
-                                f"(skipped: {dict(self.loader.bad.counts)}); check the shards")
+                raise UserError(f"process {self.rank} read no usable sample from its shards of "
+                                f"{self.loader.cfg.urls} (skipped: "
+                                f"{dict(self.loader.bad.counts)}); check the shards")
 
     def metrics(self) -> dict[str, int]:
         return self.loader.metrics()
@@ -142,16 +156,19 @@ def _take(pending: list[ClassBatch], count: int) -> tuple[ClassBatch, list[Class
     return ClassBatch(images[:count], labels[:count], keys[:count]), rest
 
 
-# ---------------------------------------------------------------------------------- evaluation reads
+# ----------------------------------------------------------------------------------
+# evaluation reads
 
-def split_batches(urls: str, transform: Callable, batch_size: int, workers: int = 2, num_classes: int = 0,
+def split_batches(urls: str, transform: Callable, batch_size: int, workers: int = 2,
+                  num_classes: int = 0,
                   max_bad_fraction: float = 0.01) -> tuple[Iterator[ClassBatch], object]:
     """A whole split once, by this process alone: (its batches, the loader whose `bad` counts the
     skipped samples once the batches are read). With workers, their shards' batches interleave; with
     none, the samples come in shard order."""
     loader = create_shard_loader(ShardDataConfig(
-        urls=urls, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True, rank=0, world_size=1,
-        max_bad_fraction=max_bad_fraction, num_classes=num_classes), "image-class", transform)
+        urls=urls, batch_size=batch_size, workers=workers, shuffle=False, exact_epoch=True,
+        rank=0, world_size=1, max_bad_fraction=max_bad_fraction, num_classes=num_classes),
+        "image-class", transform)
     batches = (ClassBatch(b["image"], b["label"], b["key"]) for b in loader)
     return batches, loader
 
@@ -189,4 +206,5 @@ def read_samples(urls: str, positions: Sequence[int], transform: Callable,
         if passed == len(wanted):
             break
     order = sorted(found)
-    return torch.stack([found[i][0] for i in order]), torch.tensor([found[i][1] for i in order], dtype=torch.int64)
+    return (torch.stack([found[i][0] for i in order]),
+            torch.tensor([found[i][1] for i in order], dtype=torch.int64))

@@ -40,7 +40,8 @@ _DECODED_CACHE_VERSION = 4
 
 
 class MixedSizesError(UserError):
-    """A split whose images differ in size (it cannot be held as one array; the stream resizes them)."""
+    """A split whose images differ in size (it cannot be held as one array; the stream resizes
+    them)."""
 
 
 def _decode_class_sample(sample: dict, counter: BadSampleCounter,
@@ -74,12 +75,13 @@ def iter_class_samples(
     Args:
         urls: anything `shard_urls` accepts (a split folder, a brace pattern, a list).
         counter: receives the counts of skipped samples and shards; pass one to read them after.
-        decode: False yields each image opened, not decoded: its header (size, mode) read, its pixels not
-            (an image whose pixels turn out broken is then not skipped).
+        decode: False yields each image opened, not decoded: its header (size, mode) read, its
+            pixels not (an image whose pixels turn out broken is then not skipped).
 
     A sample without an image or a `.cls`, or whose image does not decode, is skipped and counted;
     a damaged or unreadable tar is counted and reading goes on with the next shard, and a shard that
-    holds fewer samples than its sizes.json lists is counted as truncated (`tar_reading.tar_samples`).
+    holds fewer samples than its sizes.json lists is counted as truncated
+    (`tar_reading.tar_samples`).
     """
     counter = counter if counter is not None else BadSampleCounter()
     shards = shard_urls(urls)
@@ -149,26 +151,31 @@ def _read_decoded_cache(path: Path) -> tuple[torch.Tensor, torch.Tensor, list] |
             if str(cached["digest"]) != _digest(images, labels, bad_json):
                 raise ValueError("its digest does not match its arrays")
         return torch.from_numpy(images), torch.from_numpy(labels), json.loads(bad_json)
-    except Exception as err:  # noqa: BLE001 — a damaged zip, a missing array, other bytes: never trusted
+    except Exception as err:  # noqa: BLE001 — a damaged zip, a missing array,
+        # other bytes: never trusted
         logger.warning("ignoring the decoded cache %s (%s: %s); decoding the shards again", path,
                        type(err).__name__, err)
         return None
 
 
-def holds_images_of(split_dir: str | Path, channels: int, size: int, max_samples: int | None = None) -> bool:
-    """Whether `load_class_split(split_dir, max_samples)` would give (N, `channels`, `size`, `size`) images,
-    found without decoding a pixel: from the decoded cache's array header where there is one, else from
-    each image's header (`images.upright_shape`: size, mode, EXIF orientation), stopping at the first image
-    that rules it out (another size; color for a gray `channels`). True also where no image is readable:
-    the load then says so. What `data.loader=auto` decides by before a split is decoded."""
+def holds_images_of(split_dir: str | Path, channels: int, size: int,
+                    max_samples: int | None = None) -> bool:
+    """Whether `load_class_split(split_dir, max_samples)` would give (N, `channels`, `size`, `size`)
+    images, found without decoding a pixel: from the decoded cache's array header where there is
+    one, else from each image's header (`images.upright_shape`: size, mode, EXIF orientation),
+    stopping at the first image that rules it out (another size; color for a gray `channels`). True
+    also where no image is readable: the load then says so. What `data.loader=auto` decides by
+    before a split is decoded."""
     cache_path = _decoded_cache_path(split_dir)
-    shape = _cached_images_shape(cache_path) if cache_path is not None and cache_path.is_file() else None
+    shape = (_cached_images_shape(cache_path) if cache_path is not None and cache_path.is_file()
+             else None)
     if shape is not None:
         return tuple(shape[1:]) == (channels, size, size)
     color, count = False, 0
     for image, _ in iter_class_samples(split_dir, decode=False):
         image_channels, height, width = upright_shape(image)
-        color = color or image_channels == 3  # one color image makes the split RGB, as the load reads it
+        # one color image makes the split RGB, as the load reads it
+        color = color or image_channels == 3
         if (height, width) != (size, size) or (color and channels != 3):
             return False
         count += 1
@@ -178,8 +185,8 @@ def holds_images_of(split_dir: str | Path, channels: int, size: int, max_samples
 
 
 def _cached_images_shape(path: Path) -> tuple[int, ...] | None:
-    """The shape of a decoded cache's images array, from its .npy header (the array is not read); None
-    where the file cannot say (the load then decodes or reads it as before)."""
+    """The shape of a decoded cache's images array, from its .npy header (the array is not read);
+    None where the file cannot say (the load then decodes or reads it as before)."""
     try:
         with zipfile.ZipFile(path) as archive, archive.open("images.npy") as stream:
             version = np.lib.format.read_magic(stream)
@@ -200,19 +207,22 @@ def load_class_split(
 
     For small sets (Fashion-MNIST: 60k × 28×28 is 47 MB) that pretraining keeps in memory and
     augments per batch. Grayscale images give C=1; if any image is in color, all become RGB (C=3).
-    Decoding goes through Python's tarfile and PIL, sample by sample, so a split folder's full decode
-    is cached beside its shards (`.decoded-<hash>.npz`, one array read) unless `cache` is False.
+    Decoding goes through Python's tarfile and PIL, sample by sample, so a split folder's full
+    decode is cached beside its shards (`.decoded-<hash>.npz`, one array read) unless `cache` is
+    False.
 
     Returns:
         images: (N, C, H, W) uint8; labels: (N,) int64; counts: skipped samples by reason.
     """
     counter = counter if counter is not None else BadSampleCounter()
     cache_path = _decoded_cache_path(split_dir) if cache else None
-    cached = _read_decoded_cache(cache_path) if cache_path is not None and cache_path.is_file() else None
+    cached = (_read_decoded_cache(cache_path) if cache_path is not None and cache_path.is_file()
+              else None)
     if cached is not None:
         images, labels, bad = cached
         # Count what decoding the first `max_samples` would have met: the bad samples read before
-        # the last good one kept, not the whole split's (all of them when the split is read to its end).
+        # the last good one kept, not the whole split's (all of them when the split is read to its
+        # end).
         reads_all = max_samples is None or max_samples > len(labels)
         for position, reason, count in bad:
             if reads_all or position < max_samples:
@@ -226,7 +236,8 @@ def load_class_split(
 
     def note_bad() -> None:
         if counter.total != sum(seen.values()):
-            bad.extend((len(labels_list), reason, count) for reason, count in (counter.counts - seen).items())
+            bad.extend((len(labels_list), reason, count)
+                       for reason, count in (counter.counts - seen).items())
             seen.update(counter.counts - seen)
 
     for image, label in iter_class_samples(split_dir, counter):
@@ -237,19 +248,22 @@ def load_class_split(
             break
     note_bad()  # the bad samples after the last good one
     if not arrays:
-        raise UserError(f"no readable image+cls samples in {split_dir} (skipped: {dict(counter.counts)}); "
+        raise UserError(f"no readable image+cls samples in {split_dir} "
+                        f"(skipped: {dict(counter.counts)}); "
                         "check that its shards hold an image and a .cls per sample")
     shapes = {array.shape[:2] for array in arrays}
     if len(shapes) > 1:
-        raise MixedSizesError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. {sorted(shapes)[:2]}); "
-                              "loading a split into memory needs one size: set data.loader=stream (it resizes "
-                              "every image) or resize the images when writing the shards")
+        raise MixedSizesError(f"images in {split_dir} have {len(shapes)} different sizes (e.g. "
+                              f"{sorted(shapes)[:2]}); loading a split into memory needs one size: "
+                              "set data.loader=stream (it resizes every image) or resize the "
+                              "images when writing the shards")
     color = sum(array.ndim == 3 for array in arrays)
     if color:
         if color < len(arrays):
-            logger.warning("%d of the %d images of %s are in color and the rest gray: the split is read as RGB",
-                           color, len(arrays), split_dir)
-        arrays = [array if array.ndim == 3 else np.repeat(array[:, :, None], 3, axis=2) for array in arrays]
+            logger.warning("%d of the %d images of %s are in color and the rest gray: the split is "
+                           "read as RGB", color, len(arrays), split_dir)
+        arrays = [array if array.ndim == 3 else np.repeat(array[:, :, None], 3, axis=2)
+                  for array in arrays]
         images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W)
     else:
         images = torch.from_numpy(np.stack(arrays)).unsqueeze(1)  # (N, 1, H, W)

@@ -1,15 +1,15 @@
 """Batches put on the device ahead of the loop that uses them, by a thread of their own.
 
 A loop that runs a locked tower spends host time on each batch before the tower can start on it:
-copying pixels to the device, and with `gpu_jpeg` decoding and resizing JPEGs there, a few kernels per
-image launched from Python. Done in the loop, that time adds to the tower's. `DevicePrefetcher` does it
-in a thread, `depth` batches ahead, while the loop launches the tower on the batch before: on a GPU,
-PyTorch releases the GIL in each kernel launch and copy, so the two threads interleave.
+copying pixels to the device, and with `gpu_jpeg` decoding and resizing JPEGs there, a few kernels
+per image launched from Python. Done in the loop, that time adds to the tower's. `DevicePrefetcher`
+does it in a thread, `depth` batches ahead, while the loop launches the tower on the batch before:
+on a GPU, PyTorch releases the GIL in each kernel launch and copy, so the two threads interleave.
 
-Streams: the thread works on a CUDA stream of its own (copies and decodes there do not queue behind the
-tower). The loop's stream waits for each batch's event before using it, and the batch's tensors are
-marked as used on the loop's stream, so the caching allocator does not hand their memory to the thread's
-next batch while the tower still reads it.
+Streams: the thread works on a CUDA stream of its own (copies and decodes there do not queue behind
+the tower). The loop's stream waits for each batch's event before using it, and the batch's tensors
+are marked as used on the loop's stream, so the caching allocator does not hand their memory to the
+thread's next batch while the tower still reads it.
 
 `ToHost` is the way back: a batch's results copied to the host without waiting for them.
 """
@@ -25,12 +25,13 @@ import torch
 
 
 class DevicePrefetcher:
-    """Iterates `to_device(batch)` for each batch of `batches`, computed in a thread up to `depth` batches
-    ahead. `to_device` returns (anything, tensor on `device` or None); the tensor is what the consumer's
-    stream must wait for. Order is kept; an exception in the thread is raised in the consumer; a consumer
-    that stops early (an exception, a break) stops the thread."""
+    """Iterates `to_device(batch)` for each batch of `batches`, computed in a thread up to `depth`
+    batches ahead. `to_device` returns (anything, tensor on `device` or None); the tensor is what
+    the consumer's stream must wait for. Order is kept; an exception in the thread is raised in the
+    consumer; a consumer that stops early (an exception, a break) stops the thread."""
 
-    def __init__(self, batches: Iterable, to_device: Callable[[Any], tuple[Any, torch.Tensor | None]],
+    def __init__(self, batches: Iterable,
+                 to_device: Callable[[Any], tuple[Any, torch.Tensor | None]],
                  device: torch.device, depth: int = 2):
         self.batches, self.to_device, self.device, self.depth = batches, to_device, device, depth
 
@@ -98,9 +99,9 @@ _DONE = object()
 class ToHost:
     """A batch's features on their way to the host, with the batch's keys, captions and classes.
 
-    On a GPU the copy is asynchronous (into pinned memory, then a CUDA event), so the loop queues the next
-    batch on the GPU before it waits for this one: the GPU computes while the host writes samples and
-    shards, instead of each waiting for the other as with a `.cpu()` after every batch.
+    On a GPU the copy is asynchronous (into pinned memory, then a CUDA event), so the loop queues
+    the next batch on the GPU before it waits for this one: the GPU computes while the host writes
+    samples and shards, instead of each waiting for the other as with a `.cpu()` after every batch.
     """
 
     def __init__(self, batch: dict, features: torch.Tensor):
@@ -109,8 +110,8 @@ class ToHost:
         self.event = None
         if features.is_cuda:
             self.event = torch.cuda.Event()
-            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless set),
-            # which LOCAL_RANK's GPU need not be.
+            # On the features' GPU, where the copy was queued: not the current device (cuda:0 unless
+            # set), which LOCAL_RANK's GPU need not be.
             self.event.record(torch.cuda.current_stream(features.device))
 
     def wait(self) -> np.ndarray:

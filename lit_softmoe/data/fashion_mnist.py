@@ -60,7 +60,8 @@ SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashi
 CACHE_DIR = Path("~/.cache/lit_softmoe").expanduser()  # where torchvision's download goes
 MANIFEST_FILE = "manifest.json"
 _FORMAT_VERSION = 2  # bump when the shard content changes, so old sets get rewritten
-_INSTALL_HINT = "install it with `apt-get install -y dataset-fashion-mnist` or set LIT_SOFTMOE_DATA=DIR"
+_INSTALL_HINT = ("install it with `apt-get install -y dataset-fashion-mnist` or set "
+                 "LIT_SOFTMOE_DATA=DIR")
 
 
 # ---------------------------------------------------------------------------------------- finding
@@ -73,7 +74,8 @@ def _file_in(folder: Path, name: str) -> Path | None:
 
 
 def _holding_folder(root: Path) -> Path | None:
-    """The folder under `root` holding the four idx files (itself, `fashion-mnist/`, or torchvision's)."""
+    """The folder under `root` holding the four idx files (itself, `fashion-mnist/`, or
+    torchvision's)."""
     for folder in (root, root / "fashion-mnist", root / "FashionMNIST" / "raw"):
         if all(_file_in(folder, name) for names in FASHION_MNIST_FILES.values() for name in names):
             return folder
@@ -91,8 +93,9 @@ def find_fashion_mnist(source: str | Path | None = None, allow_download: bool = 
     if source is not None:
         found = _holding_folder(Path(source))
         if found is None:
-            raise UserError(f"Fashion-MNIST not found in {source} (the source given): it needs the four files "
-                            f"train-images-idx3-ubyte.gz … t10k-labels-idx1-ubyte.gz; {_INSTALL_HINT}")
+            raise UserError(f"Fashion-MNIST not found in {source} (the source given): it needs the "
+                            "four files train-images-idx3-ubyte.gz … t10k-labels-idx1-ubyte.gz; "
+                            f"{_INSTALL_HINT}")
         return found
     tried = []
     for root in (os.environ.get("LIT_SOFTMOE_DATA"), SYSTEM_DIR, CACHE_DIR):
@@ -125,18 +128,21 @@ def read_idx(path: str | Path) -> np.ndarray:
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
             data = file.read()
-    except (EOFError, zlib.error, gzip.BadGzipFile) as exn:  # a cut-off download, or not gzip at all
-        raise UserError(f"{path} is a damaged gzip file ({exn}); reinstall the dataset ({_INSTALL_HINT})") from None
+    # a cut-off download, or not gzip at all
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exn:
+        raise UserError(f"{path} is a damaged gzip file ({exn}); reinstall the dataset "
+                        f"({_INSTALL_HINT})") from None
     # Header: two zero bytes, a type code (0x08 = uint8), the number of dims, then each dim as a
     # big-endian uint32.
     if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
         raise UserError(f"{path} is not a uint8 idx file; reinstall the dataset ({_INSTALL_HINT})")
     ndim = data[3]
     if len(data) < 4 + 4 * ndim:  # cut off inside the header: numpy would raise a bare ValueError
-        raise UserError(f"{path} is truncated ({len(data)} bytes, its header alone needs {4 + 4 * ndim}); "
-                        f"reinstall the dataset ({_INSTALL_HINT})")
+        raise UserError(f"{path} is truncated ({len(data)} bytes, its header alone needs "
+                        f"{4 + 4 * ndim}); reinstall the dataset ({_INSTALL_HINT})")
     shape = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
-    if len(data) != 4 + 4 * ndim + math.prod(shape):  # Python ints: a damaged header cannot overflow
+    # Python ints: a damaged header cannot overflow
+    if len(data) != 4 + 4 * ndim + math.prod(shape):
         raise UserError(f"{path} is truncated or padded ({len(data)} bytes for shape {shape}); "
                         f"reinstall the dataset ({_INSTALL_HINT})")
     return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
@@ -146,13 +152,15 @@ def read_fashion_mnist(split: str, source: str | Path | None = None,
                        allow_download: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Images (N, 28, 28) uint8 and labels (N,) uint8 of the "train" (60k) or "test" (10k) split."""
     if split not in FASHION_MNIST_FILES:
-        raise UserError(f"unknown Fashion-MNIST split {split!r}; choose one of {sorted(FASHION_MNIST_FILES)}")
+        raise UserError(f"unknown Fashion-MNIST split {split!r}; choose one of "
+                        f"{sorted(FASHION_MNIST_FILES)}")
     folder = find_fashion_mnist(source, allow_download)
     images_name, labels_name = FASHION_MNIST_FILES[split]
-    images, labels = read_idx(_file_in(folder, images_name)), read_idx(_file_in(folder, labels_name))
+    images, labels = (read_idx(_file_in(folder, images_name)),
+                      read_idx(_file_in(folder, labels_name)))
     if images.ndim != 3 or labels.shape != images.shape[:1]:
-        raise UserError(f"{folder}: {split} images {images.shape} do not match labels {labels.shape}; "
-                        f"reinstall the dataset ({_INSTALL_HINT})")
+        raise UserError(f"{folder}: {split} images {images.shape} do not match labels "
+                        f"{labels.shape}; reinstall the dataset ({_INSTALL_HINT})")
     return images, labels
 
 
@@ -170,7 +178,8 @@ def _fashion_mnist_samples(images: np.ndarray, labels: np.ndarray, split: str,
                            progress: bool) -> Iterator[dict[str, bytes]]:
     for index in tqdm(range(len(labels)), desc=f"fashion-mnist {split}", disable=not progress):
         label = int(labels[index])
-        caption = class_caption(CAPTION_TEMPLATES, FASHION_MNIST_CLASSNAMES[label], index)  # cycled: see data.captions
+        # cycled: see data.captions
+        caption = class_caption(CAPTION_TEMPLATES, FASHION_MNIST_CLASSNAMES[label], index)
         meta = {"source": "fashion-mnist", "split": split, "index": index}
         yield {
             "png": _png_bytes(images[index]),
@@ -181,7 +190,8 @@ def _fashion_mnist_samples(images: np.ndarray, labels: np.ndarray, split: str,
 
 
 def _is_complete(out_dir: Path, manifest: dict) -> bool:
-    """True if `out_dir` holds the set `manifest` describes (same arguments, every file in place)."""
+    """True if `out_dir` holds the set `manifest` describes (same arguments, every file in
+    place)."""
     try:
         written = json.loads((out_dir / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
@@ -231,7 +241,8 @@ def write_fashion_mnist_shards(
     """
     start = time.perf_counter()
     out_dir, names = Path(out_dir), setting_names
-    if limit is not None and limit < 1:  # images[:0] would write empty shards, images[:-5] drop the last five
+    # images[:0] would write empty shards, images[:-5] drop the last five
+    if limit is not None and limit < 1:
         raise UserError(f"{setting(names, 'limit')} must be at least 1 (the first N images of each "
                         f"split), got {limit}")
     folder = find_fashion_mnist(source, allow_download)
@@ -251,14 +262,16 @@ def write_fashion_mnist_shards(
     # A file there, or no permission: one line, not a traceback.
     check_writable(out_dir, out_setting, folder=True)
     for split in FASHION_MNIST_FILES:
-        if (out_dir / split).exists() and not (out_dir / split).is_dir():  # mkdir would raise FileExistsError
+        # mkdir would raise FileExistsError
+        if (out_dir / split).exists() and not (out_dir / split).is_dir():
             raise UserError(f"{out_dir / split} is a file, not a split folder; move it away or "
                             f"choose another {out_setting}")
     _check_free(out_dir, overwrite, names)
-    with folder_lock(out_dir):  # one writer of a dataset folder at a time; the checks again under the lock
+    # one writer of a dataset folder at a time; the checks again under the lock
+    with folder_lock(out_dir):
         if _is_complete(out_dir, manifest):  # the same command, finished meanwhile
-            return _summary(out_dir, json.loads((out_dir / MANIFEST_FILE).read_text())["splits"], skipped=True,
-                            start=start)
+            return _summary(out_dir, json.loads((out_dir / MANIFEST_FILE).read_text())["splits"],
+                            skipped=True, start=start)
         others = _check_free(out_dir, overwrite, names)
         # Before any shard, without "splits" (which mark the set complete): tells a rerun that the
         # splits here are Fashion-MNIST's, so an interrupted run is rewritten, not refused.
@@ -270,9 +283,10 @@ def write_fashion_mnist_shards(
 
             def write(split_dir: Path) -> None:
                 sizes = write_split(_fashion_mnist_samples(images, labels, split, progress),
-                                    split_dir.parent, split_dir.name, samples_per_shard=samples_per_shard)
-                # The PNGs are lossless, so these arrays are what decoding the shards gives: cache them now
-                # and the first `load_class_split` of this split costs no decoding.
+                                    split_dir.parent, split_dir.name,
+                                    samples_per_shard=samples_per_shard)
+                # The PNGs are lossless, so these arrays are what decoding the shards gives: cache
+                # them now and the first `load_class_split` of this split costs no decoding.
                 cache_decoded_split(split_dir, torch.from_numpy(images[:, None].copy()),
                                     torch.from_numpy(labels.astype(np.int64)))
                 nbytes = {name: (split_dir / name).stat().st_size for name in sizes}
@@ -285,14 +299,15 @@ def write_fashion_mnist_shards(
         write_text_atomic(out_dir / CLASSNAMES_FILE, "\n".join(FASHION_MNIST_CLASSNAMES) + "\n")
         write_text_atomic(out_dir / TEMPLATES_FILE, "\n".join(ZEROSHOT_TEMPLATES) + "\n")
         write_text_atomic(out_dir / "dataset_type.txt", "classification\n")
-        write_text_atomic(out_dir / MANIFEST_FILE, json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
+        write_text_atomic(out_dir / MANIFEST_FILE,
+                          json.dumps({**manifest, "splits": splits}, indent=1) + "\n")
         return _summary(out_dir, splits, skipped=False, start=start)
 
 
 def _check_free(out_dir: Path, overwrite: bool,
                 names: Mapping[str, str] | None) -> dict[str, str | None]:
-    """{split: what train/ or test/ holds besides Fashion-MNIST}, refused without `overwrite`; and no
-    other split here may have other class names. Messages call the parameters by `names`."""
+    """{split: what train/ or test/ holds besides Fashion-MNIST}, refused without `overwrite`; and
+    no other split here may have other class names. Messages call the parameters by `names`."""
     others = {split: _other_data(out_dir, split) for split in FASHION_MNIST_FILES}
     for split, other in others.items():
         if other and not overwrite:
@@ -307,7 +322,8 @@ def _check_other_classnames(out_dir: Path, names: Mapping[str, str] | None) -> N
     """Refuse to rename the classes of a split here that is not train/ or test/ (`data from-folder`
     refuses the same for its splits): classnames.txt beside the splits describes them all."""
     others = splits_beside(out_dir, exclude=FASHION_MNIST_FILES)
-    if same_classnames(out_dir / CLASSNAMES_FILE, list(FASHION_MNIST_CLASSNAMES)) is False and others:
+    if (same_classnames(out_dir / CLASSNAMES_FILE, list(FASHION_MNIST_CLASSNAMES)) is False
+            and others):
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists other classes than Fashion-MNIST's for "
                         f"the split(s) {', '.join(others)}; write Fashion-MNIST to another "
                         f"{setting(names, 'out_dir')}")
@@ -323,7 +339,8 @@ def _other_data(out_dir: Path, split: str) -> str | None:
         ours = json.loads((out_dir / MANIFEST_FILE).read_text()).get("dataset") == "fashion-mnist"
     except (OSError, ValueError, AttributeError):
         ours = False
-    if ours and not (out_dir / split / MANIFEST_FILE).exists() and not (out_dir / split / "embed.json").exists():
+    if (ours and not (out_dir / split / MANIFEST_FILE).exists()
+            and not (out_dir / split / "embed.json").exists()):
         return None
     return other_split_data(out_dir / split, lambda written: False)
 

@@ -1,9 +1,10 @@
-"""A folder of images as samples (`lit-softmoe data from-folder`): captioned images or class folders.
+"""A folder of images as samples (`lit-softmoe data from-folder`): captioned images or class
+folders.
 
 - captions: each image with a same-stem `.txt` caption beside it (img2dataset's output,
   `00000/000000001.jpg` + `00000/000000001.txt`);
-- classes: one subfolder per class (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`), numbered in
-  sorted folder-name order as ImageFolder numbers them, each class named by its folder, or by
+- classes: one subfolder per class (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`), numbered
+  in sorted folder-name order as ImageFolder numbers them, each class named by its folder, or by
   ImageNet's class name where the folders are ImageNet wnids (`data.imagenet_folders`); with caption
   templates, each sample also gets a caption from its class name (`data.captions`), so the set can
   train a text tower.
@@ -61,14 +62,15 @@ def _walk_files(src: Path, exclude: Path | None) -> list[PurePosixPath]:
     return sorted(found, key=lambda path: path.parts)
 
 
-def _detect_layout(src: Path, images: list[PurePosixPath], caption_stems: set[PurePosixPath]) -> str:
+def _detect_layout(src: Path, images: list[PurePosixPath],
+                   caption_stems: set[PurePosixPath]) -> str:
     if any(image.with_suffix("") in caption_stems for image in images):
         return "captions"
     if any(len(image.parts) > 1 for image in images):
         return "classes"
-    raise UserError(f"{src} holds {len(images)} images but no .txt caption beside any (x.jpg + x.txt) and no "
-                    "class subfolders; add captions, sort the images into one folder per class, or use "
-                    "`lit-softmoe data from-table` with a caption column")
+    raise UserError(f"{src} holds {len(images)} images but no .txt caption beside any (x.jpg + "
+                    "x.txt) and no class subfolders; add captions, sort the images into one folder "
+                    "per class, or use `lit-softmoe data from-table` with a caption column")
 
 
 def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | None = None,
@@ -94,11 +96,13 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     if not src.exists():
         raise UserError(f"source folder {src} not found; pass a folder of images")
     if not src.is_dir():
-        raise UserError(f"{src} is not a folder; for a table use `lit-softmoe data from-table {src} …`")
+        raise UserError(f"{src} is not a folder; for a table use "
+                        f"`lit-softmoe data from-table {src} …`")
     if layout not in LAYOUTS:
         raise UserError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if class_names not in CLASS_NAMES:
-        raise UserError(f"unknown class names {class_names!r}; choose one of {', '.join(CLASS_NAMES)}")
+        raise UserError(f"unknown class names {class_names!r}; choose one of "
+                        f"{', '.join(CLASS_NAMES)}")
     if caption_templates is not None:
         caption_templates = list(caption_templates)
         check_templates(caption_templates, "caption templates")
@@ -132,10 +136,12 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
     candidates = drop_duplicate_keys(candidates, counter)
     if caption_templates is not None:
         # The i-th image of a class in path order (after the duplicates went) gets template i mod T:
-        # every template in equal shares (±1) within each class, whatever order the samples are written in.
+        # every template in equal shares (±1) within each class, whatever order the samples are
+        # written in.
         seen = Counter()
         for candidate in candidates:
-            candidate.caption = class_caption(caption_templates, candidate.meta["class"], seen[candidate.label])
+            candidate.caption = class_caption(caption_templates, candidate.meta["class"],
+                                              seen[candidate.label])
             seen[candidate.label] += 1
     if layout == "classes":  # one class after another otherwise: see `in_shuffled_order`
         candidates = in_shuffled_order(candidates)
@@ -144,57 +150,68 @@ def list_folder(src: str | Path, layout: str = "auto", exclude: str | Path | Non
 
 def _check_not_captions(src: Path, layout: str, names: Mapping[str, str] | None,
                         detected: bool = False) -> None:
-    """Caption templates name classes: a captions-layout folder has none (and captions of its own)."""
+    """Caption templates name classes: a captions-layout folder has none (and captions of its
+    own)."""
     if layout == "captions":
         found = " (found .txt captions beside its images)" if detected else ""
-        raise UserError(f"caption templates write captions from class folder names, but {src} is read in the "
-                        f"captions layout{found}; pass {setting(names, 'layout', 'classes')}, or "
-                        f"drop {setting(names, 'caption_templates')} to keep the .txt captions")
+        raise UserError(f"caption templates write captions from class folder names, but {src} is "
+                        f"read in the captions layout{found}; pass "
+                        f"{setting(names, 'layout', 'classes')}, or drop "
+                        f"{setting(names, 'caption_templates')} to keep the .txt captions")
 
 
 def _check_classnames(src: Path, classnames: list[str]) -> None:
     """classnames.txt holds one name per line: a folder name with a newline (or another control
     character) would shift every later class onto another's name, and a blank one is refused by its
-    readers. Two names that are one (`shards.class_name_difference`: `café` composed and decomposed, `cat` and
-    `cat `, `Cat` and `cat`) would be two classes with identical prompts."""
+    readers. Two names that are one (`shards.class_name_difference`: `café` composed and decomposed,
+    `cat` and `cat `, `Cat` and `cat`) would be two classes with identical prompts."""
     seen: dict[str, str] = {}
     for name in classnames:
         if not name.strip():
-            raise UserError(f"class folder {name!r} in {src} has a blank name, which classnames.txt (one class name "
-                            "per line) cannot hold; rename the folder")
+            raise UserError(f"class folder {name!r} in {src} has a blank name, which "
+                            "classnames.txt (one class name per line) cannot hold; "
+                            "rename the folder")
         if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
-            raise UserError(f"class folder {name!r} in {src} has a control character or line break in its name, which "
-                            "classnames.txt (one class name per line) cannot hold; rename the folder")
+            raise UserError(f"class folder {name!r} in {src} has a control character or line break "
+                            "in its name, which classnames.txt (one class name per line) cannot "
+                            "hold; rename the folder")
         other = seen.setdefault(class_name_key(name), name)
         if other != name:
             how = class_name_difference(other, name)
-            raise UserError(f"class folders {ascii(other)} and {ascii(name)} in {src} are one name {how} "
-                            f"({name.strip()!r}), which would be two classes with the same prompts; merge them into "
-                            "one folder or rename one")
+            raise UserError(f"class folders {ascii(other)} and {ascii(name)} in {src} are one name "
+                            f"{how} ({name.strip()!r}), which would be two classes with the same "
+                            "prompts; merge them into one folder or rename one")
 
 
 def _check_no_empty_class_folders(src: Path, folders: list[str], exclude: Path | None) -> None:
-    """A folder without images is no class of the listing: dropped, it would renumber every later class
-    against the user's folder list. Refused, as torchvision's ImageFolder refuses it; but a folder of
-    shards (an earlier `--out` inside the source: `.tar` files in it or its splits) is not a class."""
+    """A folder without images is no class of the listing: dropped, it would renumber every later
+    class against the user's folder list. Refused, as torchvision's ImageFolder refuses it; but a
+    folder of shards (an earlier `--out` inside the source: `.tar` files in it or its splits) is not
+    a class."""
     real_src = src.resolve()
     empty = sorted(entry.name for entry in os.scandir(src)
-                   if entry.is_dir() and not entry.name.startswith(".") and entry.name not in folders
+                   if entry.is_dir() and not entry.name.startswith(".")
+                   and entry.name not in folders
                    and Path(entry.path).resolve() not in (exclude, real_src)
-                   and not any(Path(entry.path).glob("*.tar")) and not any(Path(entry.path).glob("*/*.tar")))
+                   and not any(Path(entry.path).glob("*.tar"))
+                   and not any(Path(entry.path).glob("*/*.tar")))
     if empty:
-        raise UserError(f"class folder{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} in {src} "
-                        f"hold{'' if len(empty) > 1 else 's'} no image files ({', '.join(SOURCE_IMAGE_SUFFIXES)}); "
-                        f"add images, or move {'them' if len(empty) > 1 else 'it'} out of {src}")
+        raise UserError(f"class folder{'s' if len(empty) > 1 else ''} "
+                        f"{', '.join(map(repr, empty))} in {src} "
+                        f"hold{'' if len(empty) > 1 else 's'} no image files "
+                        f"({', '.join(SOURCE_IMAGE_SUFFIXES)}); add images, or move "
+                        f"{'them' if len(empty) > 1 else 'it'} out of {src}")
 
 
-def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[PurePosixPath, PurePosixPath],
+def _caption_candidates(src: Path, images: list[PurePosixPath],
+                        captions: dict[PurePosixPath, PurePosixPath],
                         counter: BadSampleCounter) -> list[Candidate]:
     candidates, captioned = [], set()
     for image in images:
         caption = captions.get(image.with_suffix(""))
         if caption is None:
-            counter.skip("missing_caption", f"{image} has no {image.with_suffix('.txt').name} beside it")
+            counter.skip("missing_caption",
+                         f"{image} has no {image.with_suffix('.txt').name} beside it")
             continue
         captioned.add(caption)
         candidates.append(Candidate(sample_key(image.stem), str(image), src / image, src / caption))
@@ -204,17 +221,18 @@ def _caption_candidates(src: Path, images: list[PurePosixPath], captions: dict[P
     return candidates
 
 
-def _class_candidates(src: Path, images: list[PurePosixPath], folders: list[str], classnames: list[str],
-                      counter: BadSampleCounter) -> list[Candidate]:
-    """Candidates of the images in class folders: label = the folder's place in `folders`, "class" its
-    name in `classnames` (the folder's own, or ImageNet's for a wnid)."""
+def _class_candidates(src: Path, images: list[PurePosixPath], folders: list[str],
+                      classnames: list[str], counter: BadSampleCounter) -> list[Candidate]:
+    """Candidates of the images in class folders: label = the folder's place in `folders`, "class"
+    its name in `classnames` (the folder's own, or ImageNet's for a wnid)."""
     label_of = {name: label for label, name in enumerate(folders)}
     candidates = []
     for image in images:
         if len(image.parts) == 1:
-            counter.skip("outside_class_folder", f"{image} lies beside the class folders, not in one")
+            counter.skip("outside_class_folder",
+                         f"{image} lies beside the class folders, not in one")
             continue
         label = label_of[image.parts[0]]
-        candidates.append(Candidate(sample_key(image.with_suffix("")), str(image), src / image, None,
-                                    label=label, meta={"class": classnames[label]}))
+        candidates.append(Candidate(sample_key(image.with_suffix("")), str(image), src / image,
+                                    None, label=label, meta={"class": classnames[label]}))
     return candidates

@@ -40,16 +40,17 @@ def imagenet_classnames(src: Path, folders: list[str],
         return None
     if unknown:
         known, other = len(folders) - len(unknown), len(unknown)
-        raise UserError(f"{src} holds {known} ImageNet-1k class folder{'s' * (known != 1)} (WordNet ids) and "
-                        f"{other} wnid-named folder{'s' * (other != 1)} that ImageNet-1k does not have, e.g. "
-                        f"{unknown[0]!r}; remove or rename {'those' if other != 1 else 'it'}, or pass "
-                        f"{keep_folders} to keep every folder's name as its class name")
+        raise UserError(f"{src} holds {known} ImageNet-1k class folder{'s' * (known != 1)} "
+                        f"(WordNet ids) and {other} wnid-named folder{'s' * (other != 1)} that "
+                        f"ImageNet-1k does not have, e.g. {unknown[0]!r}; remove or rename "
+                        f"{'those' if other != 1 else 'it'}, or pass {keep_folders} to keep every "
+                        "folder's name as its class name")
     names = benchmark_info("imagenet1k").classnames
     classnames = [names[index_of[name]] for name in folders]
     if len(folders) == len(names):
-        note = (f"class folders are ImageNet-1k's {len(names)} WordNet ids: classnames.txt holds the shipped "
-                "ImageNet class names and .cls the standard ImageNet label index")
+        note = (f"class folders are ImageNet-1k's {len(names)} WordNet ids: classnames.txt holds "
+                "the shipped ImageNet class names and .cls the standard ImageNet label index")
     else:
-        note = (f"class folders are {len(folders)} of ImageNet-1k's WordNet ids: classnames.txt holds their "
-                "shipped ImageNet class names, numbered in sorted wnid order")
+        note = (f"class folders are {len(folders)} of ImageNet-1k's WordNet ids: classnames.txt "
+                "holds their shipped ImageNet class names, numbered in sorted wnid order")
     return classnames, f"{note} ({keep_folders} keeps the folder names)"

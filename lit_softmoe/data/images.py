@@ -1,5 +1,5 @@
-"""Image files and pixels: one conversion of a decoded PIL image into what a tower reads (upright, in
-mode "L" or "RGB"), and the re-encoding of an image file for a shard (`prepare_image`).
+"""Image files and pixels: one conversion of a decoded PIL image into what a tower reads (upright,
+in mode "L" or "RGB"), and the re-encoding of an image file for a shard (`prepare_image`).
 
 Every path goes through `upright_l_or_rgb` — writing shards (`normalize_image`), the
 streaming pipeline, in-memory splits (`class_split.load_class_split`), the eval readers and the
@@ -31,8 +31,10 @@ _EXIF_ORIENTATION = 0x0112
 
 
 def exif_orientation(image: PIL.Image.Image) -> int:
-    if "exif" not in image.info and not hasattr(image, "tag_v2") and "Raw profile type exif" not in image.info:
-        return 1  # no EXIF block (most PNGs): skip getexif's parse, a third of a small PNG's decode time
+    if ("exif" not in image.info and not hasattr(image, "tag_v2")
+            and "Raw profile type exif" not in image.info):
+        # no EXIF block (most PNGs): skip getexif's parse, a third of a small PNG's decode time
+        return 1
     try:
         return int(image.getexif().get(_EXIF_ORIENTATION, 1))
     except Exception:  # a damaged EXIF block: the pixels are still good, so treat it as upright
@@ -40,7 +42,8 @@ def exif_orientation(image: PIL.Image.Image) -> int:
 
 
 def upright(image: PIL.Image.Image) -> PIL.Image.Image:
-    """`image` with its EXIF orientation applied (a viewer rotates it so; re-encoding drops the tag)."""
+    """`image` with its EXIF orientation applied (a viewer rotates it so; re-encoding drops the
+    tag)."""
     if exif_orientation(image) in range(2, 9):
         return PIL.ImageOps.exif_transpose(image)
     return image
@@ -73,8 +76,8 @@ def l_or_rgb(image: PIL.Image.Image) -> tuple[PIL.Image.Image, str | None]:
 
 
 def l_or_rgb_mode(image: PIL.Image.Image) -> str:
-    """The mode, "L" or "RGB", that `l_or_rgb` gives `image`: known from its header (mode, transparency),
-    before any pixel is decoded."""
+    """The mode, "L" or "RGB", that `l_or_rgb` gives `image`: known from its header (mode,
+    transparency), before any pixel is decoded."""
     mode = image.mode
     if mode.startswith("I;16") or mode == "I":
         return "L"
@@ -84,8 +87,8 @@ def l_or_rgb_mode(image: PIL.Image.Image) -> str:
 
 
 def upright_shape(image: PIL.Image.Image) -> tuple[int, int, int]:
-    """(channels, height, width) of `upright_l_or_rgb(image)`, from an opened file's header alone (size, mode,
-    transparency, EXIF orientation): nothing is decoded."""
+    """(channels, height, width) of `upright_l_or_rgb(image)`, from an opened file's header alone
+    (size, mode, transparency, EXIF orientation): nothing is decoded."""
     width, height = image.size
     if exif_orientation(image) in (5, 6, 7, 8):  # transposed or turned a quarter: the sides swap
         width, height = height, width
@@ -108,7 +111,8 @@ REDUCED_DECODE_FACTOR = 2
 
 
 def jpeg_min_side(decode: str, side: int) -> int | None:
-    """The shorter side a JPEG keeps when decoded for a transform resizing it to `side` px (None: full).
+    """The shorter side a JPEG keeps when decoded for a transform resizing it to `side` px (None:
+    full).
 
     Preprocessing dicts written before the setting existed have no "decode" and mean "full".
     """
@@ -118,16 +122,17 @@ def jpeg_min_side(decode: str, side: int) -> int | None:
 
 
 def draft_jpeg(image: PIL.Image.Image, min_side: int | None) -> PIL.Image.Image:
-    """Ask libjpeg to decode a not yet loaded JPEG at 1/2, 1/4 or 1/8 scale, the smallest keeping its
-    shorter side ≥ `min_side` (PIL's `Image.draft`: the DCT is scaled, so the skipped pixels cost
-    nothing). A no-op for other formats, loaded images, `min_side` None, or when no scale fits — so
-    small JPEGs decode exactly as in full. The mode is kept: libjpeg's own YCbCr → L would differ from
-    PIL's convert("L").
+    """Ask libjpeg to decode a not yet loaded JPEG at 1/2, 1/4 or 1/8 scale, the smallest keeping
+    its shorter side ≥ `min_side` (PIL's `Image.draft`: the DCT is scaled, so the skipped pixels
+    cost nothing). A no-op for other formats, loaded images, `min_side` None, or when no scale fits
+    — so small JPEGs decode exactly as in full. The mode is kept: libjpeg's own YCbCr → L would
+    differ from PIL's convert("L").
     """
     if not min_side or image.format not in ("JPEG", "MPO") or len(getattr(image, "tile", ())) != 1:
         return image
     if min(image.size) // min_side >= 2:
-        image.draft(image.mode, (min_side, min_side))  # scale = min(w // min_side, h // min_side), floored to 8/4/2/1
+        # scale = min(w // min_side, h // min_side), floored to 8/4/2/1
+        image.draft(image.mode, (min_side, min_side))
     return image
 
 
@@ -163,7 +168,8 @@ _KEPT_FORMATS = {"PNG": "png", "JPEG": "jpg", "MPO": "jpg", "WEBP": "webp"}
 # Fixed encoder settings: equal pixels give equal bytes (PIL writes no timestamps).
 _ENCODERS = {
     "png": ("PNG", {"compress_level": 6, "optimize": False}),
-    "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False, "progressive": False}),
+    "jpg": ("JPEG", {"quality": 95, "subsampling": "4:2:0", "optimize": False,
+                     "progressive": False}),
     "webp": ("WEBP", {"quality": 90, "method": 4, "lossless": False}),
 }
 
@@ -181,7 +187,8 @@ class PreparedImage:
     reencoded: bool             # False: `data` is the file's own bytes
 
 
-def prepare_image(data: bytes, image_format: str = "keep", max_size: int | None = None) -> PreparedImage:
+def prepare_image(data: bytes, image_format: str = "keep",
+                  max_size: int | None = None) -> PreparedImage:
     """Decode an image file's bytes fully, normalize it, and give the bytes to store.
 
     The file's own bytes are kept when its format is the one asked for (or `keep` and it is png,
@@ -200,19 +207,22 @@ def prepare_image(data: bytes, image_format: str = "keep", max_size: int | None 
         target = (source_extension or "png") if image_format == "keep" else image_format
         if not changes and target == source_extension:
             return PreparedImage(target, data, source_size, (), reencoded=False)
-        return PreparedImage(target, encode_image(image, target), source_size, changes, reencoded=True)
+        return PreparedImage(target, encode_image(image, target), source_size, changes,
+                             reencoded=True)
     except PIL.UnidentifiedImageError as exn:
         raise BadImageError("not an image file PIL can read") from exn
-    except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError, struct.error… for broken files
+    # PIL raises OSError, SyntaxError, ValueError, struct.error… for broken files
+    except Exception as exn:
         raise BadImageError(f"{type(exn).__name__}: {exn}") from exn
 
 
 def _draft_for_shrink(image: PIL.Image.Image, max_size: int | None) -> None:
-    """A JPEG that `_shrink` will bring to `max_size` is decoded by libjpeg at the smallest of 1/2, 1/4, 1/8
-    scale that keeps its longer side ≥ 2 × max_size (PIL's `Image.draft`, as its `thumbnail` does with
-    reducing_gap=2): the resize still averages ≥ 2 pixels into one, and the skipped pixels cost nothing
-    (a 1,200 px photo → 256 px decodes at 1/2). The whole file is still read, so a truncated one still
-    fails. Other formats, and JPEGs needing no shrink, decode in full."""
+    """A JPEG that `_shrink` will bring to `max_size` is decoded by libjpeg at the smallest of 1/2,
+    1/4, 1/8 scale that keeps its longer side ≥ 2 × max_size (PIL's `Image.draft`, as its
+    `thumbnail` does with reducing_gap=2): the resize still averages ≥ 2 pixels into one, and the
+    skipped pixels cost nothing (a 1,200 px photo → 256 px decodes at 1/2). The whole file is still
+    read, so a truncated one still fails. Other formats, and JPEGs needing no shrink, decode in
+    full."""
     if max_size is None or image.format not in ("JPEG", "MPO") or max(image.size) <= max_size:
         return
     scale = 2 * max_size / max(image.size)

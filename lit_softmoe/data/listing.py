@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 from lit_softmoe.data.tar_reading import BadSampleCounter
 
-# \w is Unicode-aware: 日本語.jpg keeps its own key (ASCII-only keys turned every such name into "_").
+# \w is Unicode-aware: 日本語.jpg keeps its own key (ASCII-only keys turned every such name
+# into "_").
 _UNSAFE_KEY_CHARACTERS = re.compile(r"[^\w-]+")
 
 
@@ -24,7 +25,8 @@ class Candidate:
     sample, so each costs as little as it can)."""
 
     key: str
-    source: str                    # the image as the source names it (a relative path): for .json and messages
+    source: str                    # the image as the source names it (a relative path): for .json
+                                   # and messages
     image: Path | bytes            # a file to read, or bytes embedded in a table
     caption: Path | str | None     # a caption file, the caption, or None where no caption is wanted
     label: int | None = None
@@ -34,14 +36,17 @@ class Candidate:
 @dataclass
 class Listing:
     """A source's candidates in write order, the problems found listing them, and its identity.
-    Labelled sources (with `classnames`) are in `in_shuffled_order`, others in the source's order."""
+    Labelled sources (with `classnames`) are in `in_shuffled_order`, others in the source's
+    order."""
 
     candidates: list[Candidate]
     counter: BadSampleCounter
     fingerprint: str               # sha256 over the name, size and mtime of every input file
     classnames: list[str] | None = None
-    templates: list[str] | None = None  # the `{c}` templates captions were written from (classes layout)
-    classnames_note: str | None = None  # one line on where the class names came from, where not the obvious place
+    # the `{c}` templates captions were written from (classes layout)
+    templates: list[str] | None = None
+    # one line on where the class names came from, where not the obvious place
+    classnames_note: str | None = None
 
 
 def sample_key(path: str | PurePosixPath) -> str:
@@ -52,10 +57,12 @@ def sample_key(path: str | PurePosixPath) -> str:
     end the key). Names are NFC-normalized first: macOS stores `é` as `e` + a combining accent.
     """
     parts = [part for part in PurePosixPath(path).parts if part not in (".", "..", "/")]
-    return "/".join(_UNSAFE_KEY_CHARACTERS.sub("_", unicodedata.normalize("NFC", part)) for part in parts)
+    return "/".join(_UNSAFE_KEY_CHARACTERS.sub("_", unicodedata.normalize("NFC", part))
+                    for part in parts)
 
 
-def drop_duplicate_keys(candidates: Iterable[Candidate], counter: BadSampleCounter) -> list[Candidate]:
+def drop_duplicate_keys(candidates: Iterable[Candidate],
+                        counter: BadSampleCounter) -> list[Candidate]:
     """The first candidate of each key, in order; later ones are counted as duplicate_key."""
     kept: dict[str, Candidate] = {}
     for candidate in candidates:

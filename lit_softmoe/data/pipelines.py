@@ -4,7 +4,7 @@ Follows open_clip's `get_wds_dataset` (open_clip_train/data.py) and its webdatas
 stage a small function in `shard_stream`, composed in its `ShardStream` (which runs inside each
 DataLoader worker):
 
-    shard urls ─► this epoch's shard order ─► split by node ─► split by worker   (or: resampled draws)
+    shard urls ─► this epoch's shard order ─► split by node ─► split by worker (or: resampled draws)
       ─► tar → samples (a bad shard is counted, reading goes on)
       ─► sample shuffle buffer ─► decode + transform (a bad sample is counted and skipped)
       ─► batch + collate (tokenizes captions) ─► epoch length
@@ -68,7 +68,8 @@ def _node(cfg: ShardDataConfig) -> tuple[int, int]:
     rank = cfg.rank if cfg.rank >= 0 else rank
     world_size = cfg.world_size if cfg.world_size > 0 else world_size
     if not 0 <= rank < world_size:
-        raise UserError(f"data rank {rank} is not in [0, world_size={world_size}); set data.rank below data.world_size")
+        raise UserError(f"data rank {rank} is not in [0, world_size={world_size}); set data.rank "
+                        "below data.world_size")
     return rank, world_size
 
 
@@ -76,8 +77,9 @@ def _check_config(cfg: ShardDataConfig, kind: str) -> None:
     if kind not in SAMPLE_KINDS:
         raise UserError(f"unknown sample kind {kind!r}; choose one of {', '.join(SAMPLE_KINDS)}")
     if not cfg.urls:
-        raise UserError("data.urls is empty; set it to a split folder (holding nshards.txt, or img2dataset's "
-                        "output), a pattern such as DIR/{0..9}.tar, or several joined with '::'")
+        raise UserError("data.urls is empty; set it to a split folder (holding nshards.txt, or "
+                        "img2dataset's output), a pattern such as DIR/{0..9}.tar, or several "
+                        "joined with '::'")
     if cfg.batch_size < 1:
         raise UserError(f"data.batch_size must be at least 1, got {cfg.batch_size}")
     if cfg.workers < 0:
@@ -85,13 +87,15 @@ def _check_config(cfg: ShardDataConfig, kind: str) -> None:
     if not 0.0 <= cfg.max_bad_fraction <= 1.0:
         raise UserError(f"data.max_bad_fraction must be in [0, 1], got {cfg.max_bad_fraction}")
     if cfg.exact_epoch and cfg.resampled:
-        raise UserError("data.exact_epoch reads each sample once and data.resampled draws shards with replacement; "
-                        "set only one of them")
+        raise UserError("data.exact_epoch reads each sample once and data.resampled draws shards "
+                        "with replacement; set only one of them")
     if cfg.exact_epoch and cfg.samples_per_epoch:
-        raise UserError("data.samples_per_epoch sets a training epoch's length; with data.exact_epoch an epoch is "
-                        "the shards themselves: set samples_per_epoch=0")
+        raise UserError("data.samples_per_epoch sets a training epoch's length; with "
+                        "data.exact_epoch an epoch is the shards themselves: set "
+                        "samples_per_epoch=0")
     if cfg.samples_per_epoch < 0:
-        raise UserError(f"data.samples_per_epoch must be 0 (the shards' sizes) or more, got {cfg.samples_per_epoch}")
+        raise UserError("data.samples_per_epoch must be 0 (the shards' sizes) or more, got "
+                        f"{cfg.samples_per_epoch}")
 
 
 class ShardLoader:
@@ -129,14 +133,17 @@ class ShardLoader:
             batches_per_worker = None
             self.num_samples = sum(self._sizes.values()) if self._sizes is not None else None
         else:
-            total = cfg.samples_per_epoch or (sum(self._sizes.values()) if self._sizes is not None else 0)
+            total = cfg.samples_per_epoch or (
+                sum(self._sizes.values()) if self._sizes is not None else 0)
             if total <= 0:
-                unknown = "remote shards list no sizes" if self._sizes is None else "its shards hold no sample"
-                raise UserError(f"the epoch length of {cfg.urls} is unknown ({unknown}); set data.samples_per_epoch")
+                unknown = ("remote shards list no sizes" if self._sizes is None
+                           else "its shards hold no sample")
+                raise UserError(f"the epoch length of {cfg.urls} is unknown ({unknown}); set "
+                                "data.samples_per_epoch")
             if not cfg.resampled and len(self.urls) < self.world_size * workers:
-                raise UserError(f"{len(self.urls)} shards cannot feed {self.world_size} processes × {workers} workers "
-                                "(each needs a shard of its own): write smaller shards, lower data.workers, "
-                                "or set data.resampled=true")
+                raise UserError(f"{len(self.urls)} shards cannot feed {self.world_size} processes "
+                                f"× {workers} workers (each needs a shard of its own): write "
+                                "smaller shards, lower data.workers, or set data.resampled=true")
             # Every worker yields the same number of full batches, as open_clip's `with_epoch`.
             global_batch = cfg.batch_size * self.world_size
             batches_per_worker = math.ceil(math.ceil(total / global_batch) / workers)
@@ -144,15 +151,18 @@ class ShardLoader:
         self._batches_per_worker = batches_per_worker
         self.smallest_pass = None
         if not cfg.exact_epoch and not cfg.resampled and self._sizes is not None:
-            # A stream gets every world_size-th shard, then every workers-th of those: at least this many.
+            # A stream gets every world_size-th shard, then every workers-th of those: at least this
+            # many.
             fewest_shards = len(self.urls) // self.world_size // workers
             self.smallest_pass = sum(sorted(self._sizes.values())[:fewest_shards])
 
         self._epoch = multiprocessing.Value("i", 0)
-        self.dataset = ShardStream(self.urls, kind, cfg, self.rank, self.world_size, batches_per_worker,
-                                    self._epoch, transform, tokenizer, self._sizes)
-        self.dataloader = DataLoader(self.dataset, batch_size=None, shuffle=False, num_workers=cfg.workers,
-                                     persistent_workers=cfg.workers > 0, pin_memory=cfg.pin_memory)
+        self.dataset = ShardStream(self.urls, kind, cfg, self.rank, self.world_size,
+                                   batches_per_worker, self._epoch, transform, tokenizer,
+                                   self._sizes)
+        self.dataloader = DataLoader(self.dataset, batch_size=None, shuffle=False,
+                                     num_workers=cfg.workers, persistent_workers=cfg.workers > 0,
+                                     pin_memory=cfg.pin_memory)
         self.bad = BadSampleCounter()
         self.samples_read = 0
 
@@ -174,12 +184,14 @@ class ShardLoader:
         order = epoch_shard_order(self.urls, self.cfg.shuffle, self.cfg.seed, self.epoch)
         mine = share_of(order, self.rank, self.world_size)
         workers = max(1, self.cfg.workers)
-        return sum(math.ceil(sum(self._sizes[url] for url in share_of(mine, worker, workers)) / self.cfg.batch_size)
+        return sum(math.ceil(sum(self._sizes[url] for url in share_of(mine, worker, workers))
+                             / self.cfg.batch_size)
                    for worker in range(workers))
 
     def __len__(self) -> int:
         if self.num_batches is None:
-            raise TypeError(f"the number of batches of {self.cfg.urls} is unknown: remote shards list no sizes")
+            raise TypeError(f"the number of batches of {self.cfg.urls} is unknown: remote shards "
+                            "list no sizes")
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -192,11 +204,13 @@ class ShardLoader:
     # -- bad samples
 
     def _absorb(self, report: dict[str, Any]) -> None:
-        """Add a worker's report to the run's counts; log each reason the first time any worker meets it."""
+        """Add a worker's report to the run's counts; log each reason the first time any worker
+        meets it."""
         self.samples_read += report["read"]
         for reason, count in report["bad"].items():
             if self.bad.counts[reason] == 0:
-                self.bad.skip(reason, report["first"].get(reason, "(no detail)"))  # logs, counts one
+                # logs, counts one
+                self.bad.skip(reason, report["first"].get(reason, "(no detail)"))
                 count -= 1
             self.bad.counts[reason] += count
         if report["fatal"]:
@@ -208,20 +222,25 @@ class ShardLoader:
         """Raise a UserError if more than `max_bad_fraction` of what was read so far was skipped."""
         bad = self.bad.total
         # What was read, and what should have been: samples, damaged shards and samples they lost.
-        seen = self.samples_read + sum(self.bad.counts[reason] for reason in (*SHARD_REASONS, "missing_samples"))
+        seen = self.samples_read + sum(self.bad.counts[reason]
+                                       for reason in (*SHARD_REASONS, "missing_samples"))
         if seen and bad / seen > self.cfg.max_bad_fraction:
-            raise UserError(f"{bad} of {seen} samples were bad ({format_reasons(self.bad.counts)}), over "
-                            f"max_bad_fraction={self.cfg.max_bad_fraction}; fix the shards or raise "
-                            "data.max_bad_fraction")
+            raise UserError(f"{bad} of {seen} samples were bad "
+                            f"({format_reasons(self.bad.counts)}), over "
+                            f"max_bad_fraction={self.cfg.max_bad_fraction}; fix the shards or "
+                            "raise data.max_bad_fraction")
 
     def metrics(self) -> dict[str, int]:
         """Counts for the run's metrics: samples read, samples (and shards) skipped, by reason."""
         return {"data/samples_read": self.samples_read, "data/bad_samples": self.bad.total,
-                **{f"data/bad/{reason}": count for reason, count in sorted(self.bad.counts.items()) if count}}
+                **{f"data/bad/{reason}": count
+                   for reason, count in sorted(self.bad.counts.items()) if count}}
 
 
-def create_shard_loader(cfg: ShardDataConfig, kind: str, transform: Callable | None = None,
-                        tokenizer: Callable[[list[str]], torch.Tensor] | None = None) -> ShardLoader:
+def create_shard_loader(
+    cfg: ShardDataConfig, kind: str, transform: Callable | None = None,
+    tokenizer: Callable[[list[str]], torch.Tensor] | None = None,
+) -> ShardLoader:
     """A `ShardLoader` for `kind` samples: "image-caption", "image-class", "embedding-caption" or
     "embedding-class".
 
@@ -230,7 +249,8 @@ def create_shard_loader(cfg: ShardDataConfig, kind: str, transform: Callable | N
         kind: the sample type; a sample without the fields it needs is skipped and counted.
         transform: PIL image → tensor for image samples (`transforms.eval_transform` or
             `train_transform`); None gives uint8 (C, H, W) tensors, which then need one size.
-            JPEGs are decoded as the transform's `decode` setting says (`transforms.decode_min_side`).
+            JPEGs are decoded as the transform's `decode` setting says
+            (`transforms.decode_min_side`).
         tokenizer: list of captions → (B, L) ids (`tokenizers.create_tokenizer`), applied in the
             workers' collate; None leaves only the raw "caption" strings.
     """

@@ -34,8 +34,8 @@ MAX_INPUT_BYTES = 256 << 20
 
 
 def _read_file(path: Path, missing: str) -> tuple[bytes | None, str | None]:
-    """(the file's bytes, None) or (None, the reason to skip it). Only regular files are read: a FIFO
-    would block forever and a device (/dev/zero) never end."""
+    """(the file's bytes, None) or (None, the reason to skip it). Only regular files are read: a
+    FIFO would block forever and a device (/dev/zero) never end."""
     try:
         stat = path.stat()
     except FileNotFoundError:
@@ -103,19 +103,23 @@ def encoded_samples(candidates: Iterable[Candidate], image_format: str, max_size
     """The samples to write for `candidates`, in their order; the skipped ones counted in `counter`,
     the images' changes in `tally`. `image_format` and `max_size`: as in `writers.WriteOptions`.
 
-    `workers` > 1: candidates are read, decoded, resized and encoded in that many processes, a window of
-    them at a time (two windows in flight, so memory stays flat however many there are), and their
-    results taken back in the candidates' order: the samples, counts and skip messages are the ones a
-    single process gives, whatever the number of workers. `done(n)`: called as each sample is taken."""
+    `workers` > 1: candidates are read, decoded, resized and encoded in that many processes, a
+    window of them at a time (two windows in flight, so memory stays flat however many there are),
+    and their results taken back in the candidates' order: the samples, counts and skip messages are
+    the ones a single process gives, whatever the number of workers. `done(n)`: called as each
+    sample is taken."""
     encode = functools.partial(_encode_candidate, image_format=image_format, max_size=max_size)
     if workers <= 1:
         results: Iterator[_Encoded] = map(encode, candidates)
         yield from _taken(results, counter, tally, done)
         return
-    # fork: the workers start at once with the listing's code loaded (spawn would import torch in each).
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    # fork: the workers start at once with the listing's code loaded (spawn would import torch in
+    # each).
+    context = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     with context.Pool(workers) as pool:
-        yield from _taken(_in_order(pool, encode, candidates, window=64 * workers), counter, tally, done)
+        yield from _taken(_in_order(pool, encode, candidates, window=64 * workers),
+                          counter, tally, done)
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,8 @@ def _taken(results: Iterable[_Encoded], counter: BadSampleCounter, tally: ImageT
 
 
 def _in_order(pool, function: Callable, items: Iterable, window: int) -> Iterator:
-    """`function` over `items` in `pool`, results in the items' order; at most two windows of `window`
-    items submitted ahead of the one being taken."""
+    """`function` over `items` in `pool`, results in the items' order; at most two windows of
+    `window` items submitted ahead of the one being taken."""
     items = iter(items)
     pending: collections.deque = collections.deque()
 

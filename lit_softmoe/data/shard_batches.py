@@ -1,5 +1,5 @@
-"""Source shards read whole, batch by batch, in each shard's own order: what a job that works shard by
-shard (`train.embed`) reads, one DataLoader worker per shard at a time.
+"""Source shards read whole, batch by batch, in each shard's own order: what a job that works shard
+by shard (`train.embed`) reads, one DataLoader worker per shard at a time.
 """
 from __future__ import annotations
 
@@ -30,15 +30,18 @@ class ShardBatches(IterableDataset):
         super().__init__()
         self.shards, self.kind, self.transform = shards, kind, transform
         self.batch_size, self.listed, self.with_cls = batch_size, listed, with_cls
-        self.defer = defer  # `gpu_jpeg.DeferToGpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
+        # `gpu_jpeg.DeferToGpu`: JPEGs pass on undecoded, batches are `gpu_jpeg.pack`ed
+        self.defer = defer
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for index, url in self.shards[worker::num_workers]:
-            # The image-caption stream carries no class: `.cls` members are read apart, unextracted others skipped.
+            # The image-caption stream carries no class: `.cls` members are read apart, unextracted
+            # others skipped.
             classes = read_class_members([url]) if self.with_cls else {}
-            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url), defer=self.defer)
+            samples, counter = read_shard(url, self.kind, self.transform, self.listed.get(url),
+                                          defer=self.defer)
             batch: list[tuple] = []
             for sample in samples:
                 batch.append(sample)
@@ -52,7 +55,8 @@ class ShardBatches(IterableDataset):
     def _collate(self, index: int, samples: list[tuple], classes: dict[str, bytes]) -> dict:
         keys, images, targets = zip(*samples)
         captions = list(targets) if self.kind == "image-caption" else [None] * len(keys)
-        batch = {"shard": index, "key": list(keys), "caption": captions, "cls": [classes.get(key) for key in keys]}
+        batch = {"shard": index, "key": list(keys), "caption": captions,
+                 "cls": [classes.get(key) for key in keys]}
         if self.defer is None:
             batch["image"] = torch.stack(images)  # (B, C, H, W)
         else:

@@ -28,25 +28,33 @@ from lit_softmoe.data.tar_reading import BadSampleCounter, tar_samples
 class ShardDataConfig:
     """How to read one stream of shards; every pipeline takes this, never a CLI namespace."""
 
-    # A split folder (its nshards.txt, or img2dataset's output), a brace pattern DIR/{0..9}.tar, `pipe:CMD`,
-    # several joined with `::`.
+    # A split folder (its nshards.txt, or img2dataset's output), a brace pattern DIR/{0..9}.tar,
+    # `pipe:CMD`, several joined with `::`.
     urls: str = ""
     batch_size: int = 256  # per process: the global batch is batch_size × world_size
     workers: int = 2  # DataLoader worker processes (per process); 0 reads in the main process
-    shuffle: bool = True  # shuffle the shard order every epoch and the samples in a buffer; False: read in order
-    shuffle_buffer: int = 5000  # samples (still encoded) held by the sample shuffle; 0 or 1: shard order only
-    seed: int = 0  # shard order is a function of (seed, epoch); the sample shuffle of (seed, epoch, node, worker)
+    # shuffle the shard order every epoch and the samples in a buffer; False: read in order
+    shuffle: bool = True
+    # samples (still encoded) held by the sample shuffle; 0 or 1: shard order only
+    shuffle_buffer: int = 5000
+    # shard order is a function of (seed, epoch); the sample shuffle of (seed, epoch, node, worker)
+    seed: int = 0
     resampled: bool = False  # draw shards with replacement: an endless stream, cut into epochs
-    samples_per_epoch: int = 0  # all processes together; 0: the shards' sizes (`tar_reading.listed_sizes`)
-    exact_epoch: bool = False  # every sample exactly once per epoch, partial last batches (embedding, evaluation)
+    # all processes together; 0: the shards' sizes (`tar_reading.listed_sizes`)
+    samples_per_epoch: int = 0
+    # every sample exactly once per epoch, partial last batches (embedding, evaluation)
+    exact_epoch: bool = False
     max_bad_fraction: float = 0.01  # more skipped samples than this fraction stops the run
-    rank: int = -1  # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
+    # this process's index among world_size; -1: from torch.distributed or RANK / WORLD_SIZE
+    rank: int = -1
     world_size: int = 0  # 0: from torch.distributed or WORLD_SIZE (1 if neither)
     pin_memory: bool = False
-    # Random transforms draw from a generator seeded with (seed, epoch, sample key): the same sample gets
-    # the same crop in an epoch whatever process, worker or pass reads it (exact resume, padding passes).
+    # Random transforms draw from a generator seeded with (seed, epoch, sample key): the same sample
+    # gets the same crop in an epoch whatever process, worker or pass reads it (exact resume,
+    # padding passes).
     seed_transforms: bool = False
-    num_classes: int = 0  # class samples: a class index ≥ this is skipped as bad_cls; 0 checks nothing
+    # class samples: a class index ≥ this is skipped as bad_cls; 0 checks nothing
+    num_classes: int = 0
 
 
 # The bad-sample fraction is checked at the end of every epoch, and during one once this many
@@ -76,37 +84,46 @@ class _StreamCounter(BadSampleCounter):
         self.counts[reason] += count
 
     def report(self) -> dict[str, Any]:
-        """What changed since the last report: samples read, skips by reason, first detail of each."""
-        bad = {reason: count - self._reported_counts.get(reason, 0) for reason, count in self.counts.items()
+        """What changed since the last report: samples read, skips by reason, first detail of
+        each."""
+        bad = {reason: count - self._reported_counts.get(reason, 0)
+               for reason, count in self.counts.items()
                if count > self._reported_counts.get(reason, 0)}
-        first = {reason: self._first[reason] for reason in bad if reason not in self._reported_counts}
-        report = {"read": self.read - self._reported_read, "bad": bad, "first": first, "fatal": self.fatal}
+        first = {reason: self._first[reason] for reason in bad
+                 if reason not in self._reported_counts}
+        report = {"read": self.read - self._reported_read, "bad": bad, "first": first,
+                  "fatal": self.fatal}
         self._reported_counts = dict(self.counts)
         self._reported_read = self.read
         return report
 
 
-def read_shard(url: str, kind: str, transform: Callable | None = None, listed: int | None = None,
-               defer: Callable[[str, bytes], Any] | None = None) -> tuple[Iterator[tuple], BadSampleCounter]:
+def read_shard(
+    url: str, kind: str, transform: Callable | None = None, listed: int | None = None,
+    defer: Callable[[str, bytes], Any] | None = None,
+) -> tuple[Iterator[tuple], BadSampleCounter]:
     """One shard's decoded samples, in the shard's order, and the counter they are counted in.
 
     The stages of a stream (tar → decode → skip and count) without shuffling, splitting or
     batching: for jobs that work shard by shard (`train.embed`). Yields (key, input, target) as
     `sample_decoder(kind, transform)` makes them; the counter's `counts` (bad samples and shards by
     reason) and `read` are complete once the iterator is exhausted. `listed`: the shard's count in
-    its sizes.json, if known (a shard that holds fewer is counted as truncated). `defer`: images decoded
-    later, elsewhere (`_decode_image`).
+    its sizes.json, if known (a shard that holds fewer is counted as truncated). `defer`: images
+    decoded later, elsewhere (`_decode_image`).
     """
     counter = _StreamCounter()
-    samples = _decode_stage(_open_tars(iter([url]), counter, {url: listed} if listed is not None else None),
-                            sample_decoder(kind, transform, defer=defer), counter, give_up_without_good=False)
+    samples = _decode_stage(_open_tars(iter([url]), counter,
+                                       {url: listed} if listed is not None else None),
+                            sample_decoder(kind, transform, defer=defer), counter,
+                            give_up_without_good=False)
     return samples, counter
 
 
 # ---------------------------------------------------------------------------------- stages
 
 def epoch_shard_order(urls: Sequence[str], shuffle: bool, seed: int, epoch: int) -> list[str]:
-    """This epoch's shard order: the same on every node and worker, so splitting it partitions it."""
+    """This epoch's shard order: the same on every node and worker, so splitting it partitions
+    it."""
     order = list(urls)
     if shuffle:
         random.Random(f"shards/{seed}/{epoch}").shuffle(order)
@@ -120,7 +137,8 @@ def share_of(items: list[str], index: int, count: int) -> list[str]:
 
 def _nothing_read(opened: int, example: str, counter: _StreamCounter) -> str:
     return (f"no sample could be read from {opened} shards (such as {example}; skipped: "
-            f"{format_reasons(counter.counts) or 'nothing'}); check that the shards are tar files of samples")
+            f"{format_reasons(counter.counts) or 'nothing'}); check that the shards are tar files "
+            "of samples")
 
 
 def _open_tars(urls: Iterator[str], counter: _StreamCounter, listed: dict[str, int] | None,
@@ -128,9 +146,9 @@ def _open_tars(urls: Iterator[str], counter: _StreamCounter, listed: dict[str, i
     """Tar stage: raw samples ({"__key__", "__url__", extension: bytes}) from each shard in turn.
 
     A shard that fails to open or read is counted and skipped, one that holds fewer samples than
-    `listed` (its sizes.json) is counted as truncated (`tar_reading.tar_samples`). For an endless shard
-    stream, `patience` shards opened without a single sample read stops the stream (`counter.fatal`)
-    instead of spinning forever on unreadable or empty shards.
+    `listed` (its sizes.json) is counted as truncated (`tar_reading.tar_samples`). For an endless
+    shard stream, `patience` shards opened without a single sample read stops the stream
+    (`counter.fatal`) instead of spinning forever on unreadable or empty shards.
     """
     for opened, url in enumerate(urls):
         if patience is not None and opened >= patience and counter.raw == 0:
@@ -151,7 +169,8 @@ def _decode_stage(samples: Iterator[dict], decode: Callable[[dict], tuple], coun
         except SampleSkip as skip:
             detail = f": {skip}" if str(skip) else ""
             counter.skip(skip.reason, f"{sample.get('__key__')} in {sample.get('__url__')}{detail}")
-            if give_up_without_good and counter.good == 0 and counter.read >= MIN_SAMPLES_BEFORE_CHECK:
+            if (give_up_without_good and counter.good == 0
+                    and counter.read >= MIN_SAMPLES_BEFORE_CHECK):
                 counter.fatal = (f"none of the first {counter.read} samples could be used "
                                  f"({format_reasons(counter.counts)}); fix the shards")
                 return
@@ -171,14 +190,16 @@ class ShardStream(IterableDataset):
     """One process's shard stream; iterated inside each DataLoader worker (or in-process)."""
 
     def __init__(self, urls: list[str], kind: str, cfg: ShardDataConfig, rank: int, world_size: int,
-                 batches_per_worker: int | None, epoch, transform: Callable | None, tokenizer: Callable | None,
-                 listed: dict[str, int] | None):
+                 batches_per_worker: int | None, epoch, transform: Callable | None,
+                 tokenizer: Callable | None, listed: dict[str, int] | None):
         super().__init__()
         self.urls, self.kind, self.cfg = urls, kind, cfg
-        self.listed = listed  # {url: samples} from sizes.json: a shard that holds fewer is truncated
+        # {url: samples} from sizes.json: a shard that holds fewer is truncated
+        self.listed = listed
         self.rank, self.world_size = rank, world_size
         self.batches_per_worker = batches_per_worker  # None: exact epoch, every sample once
-        self.epoch = epoch  # a multiprocessing.Value shared with the workers (open_clip's SharedEpoch)
+        # a multiprocessing.Value shared with the workers (open_clip's SharedEpoch)
+        self.epoch = epoch
         self.transform, self.tokenizer = transform, tokenizer
 
     def __iter__(self) -> Iterator[dict]:
@@ -189,24 +210,28 @@ class ShardStream(IterableDataset):
 
         epoch = self.epoch.value
         decoded = self._decoded_samples(epoch, worker, num_workers, counter, endless)
-        batches = wds.batched(self.cfg.batch_size, collation_fn=self._collate, partial=not endless)(decoded)
+        batches = wds.batched(self.cfg.batch_size, collation_fn=self._collate,
+                              partial=not endless)(decoded)
         if endless:
             batches = itertools.islice(batches, self.batches_per_worker)
         for batch in batches:
             batch[REPORT_KEY] = counter.report()
             yield batch
-        yield {REPORT_KEY: counter.report()}  # counts after the last batch, and why a stream stopped early
+        # counts after the last batch, and why a stream stopped early
+        yield {REPORT_KEY: counter.report()}
 
     def _decoded_samples(self, epoch: int, worker: int, num_workers: int, counter: _StreamCounter,
                          endless: bool) -> Iterator[tuple]:
-        """This worker's decoded samples: one pass over its shards, or passes until its batches are out.
+        """This worker's decoded samples: one pass over its shards, or passes until its batches are
+        out.
 
         Each pass shuffles within itself, so a pass holds each of its samples once (a roll-over
         never mixes the next pass's samples into this one's).
         """
         cfg, decode = self.cfg, self._decoder(epoch)
         if cfg.resampled:
-            # Each node and worker draws its own shards, with replacement (open_clip's ResampledShards2).
+            # Each node and worker draws its own shards, with replacement (open_clip's
+            # ResampledShards2).
             rng = random.Random(f"resampled/{cfg.seed}/{epoch}/{self.rank}/{worker}")
             draws = (rng.choice(self.urls) for _ in itertools.count())
             patience = max(3 * len(self.urls), 64)  # draws without a single sample before giving up
@@ -233,27 +258,32 @@ class ShardStream(IterableDataset):
         if cfg.shuffle and cfg.shuffle_buffer > 1:
             rng = random.Random(f"samples/{cfg.seed}/{shuffle_key}")
             # Starts yielding at a fifth of the buffer, as open_clip does (1,000 of 5,000).
-            samples = wds.shuffle(cfg.shuffle_buffer, max(1, cfg.shuffle_buffer // 5), rng=rng)(samples)
+            samples = wds.shuffle(cfg.shuffle_buffer, max(1, cfg.shuffle_buffer // 5),
+                                  rng=rng)(samples)
         return _decode_stage(samples, decode, counter, give_up_without_good)
 
     def _decoder(self, epoch: int) -> Callable[[dict], tuple]:
-        seed_of = (lambda key: sample_seed(self.cfg.seed, epoch, key)) if self.cfg.seed_transforms else None
+        seed_of = ((lambda key: sample_seed(self.cfg.seed, epoch, key)) if self.cfg.seed_transforms
+                   else None)
         return sample_decoder(self.kind, self.transform, seed_of, self.cfg.num_classes)
 
     def _collate(self, samples: list[tuple]) -> dict[str, Any]:
         keys, inputs, targets = zip(*samples)
         input_name = "image" if self.kind.startswith("image") else "embedding"
         # default_collate stacks straight into shared memory in a worker; a plain torch.stack is
-        # copied there again when the batch is sent (a float 224-px batch of 64: 38 MB more to copy).
+        # copied there again when the batch is sent (a float 224-px batch of 64: 38 MB more to
+        # copy).
         if inputs[0].dim() == 3:
-            # An image is (C, H, W) over PIL's (H, W, C) memory (kept by the crop, resize and casts):
-            # stacked as (B, H, W, C) the batch is one plain copy, where stacking (C, H, W) moved every
-            # byte apart. The batch is (B, C, H, W) in channels-last memory.
-            stacked = default_collate([image.permute(1, 2, 0) for image in inputs]).permute(0, 3, 1, 2)
+            # An image is (C, H, W) over PIL's (H, W, C) memory (kept by the crop, resize and
+            # casts): stacked as (B, H, W, C) the batch is one plain copy, where stacking (C, H, W)
+            # moved every byte apart. The batch is (B, C, H, W) in channels-last memory.
+            stacked = default_collate([image.permute(1, 2, 0)
+                                       for image in inputs]).permute(0, 3, 1, 2)
         else:
             stacked = default_collate(list(inputs))  # (B, D) embeddings
         if self.kind.endswith("-class"):
-            return {input_name: stacked, "label": torch.tensor(targets, dtype=torch.int64), "key": list(keys)}
+            return {input_name: stacked, "label": torch.tensor(targets, dtype=torch.int64),
+                    "key": list(keys)}
         batch = {input_name: stacked, "caption": list(targets), "key": list(keys)}
         if self.tokenizer is not None:
             batch["text"] = self.tokenizer(list(targets))  # (B, L)

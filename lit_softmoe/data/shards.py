@@ -55,9 +55,9 @@ _STATS_NAME = re.compile(r"^(\d+)_stats\.json$")
 _PARTIAL_SUFFIX = ".partial"
 DECODED_CACHE_PREFIX = ".decoded-"
 _LAYOUT_HINT = (
-    "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout), or 00000.tar … with "
-    "00000_stats.json … beside them (img2dataset's output); or pass a brace pattern such as DIR/{0..9}.tar, "
-    "or several patterns joined with '::'"
+    "a split folder holds nshards.txt and 0.tar … N-1.tar (CLIP_benchmark layout), or 00000.tar … "
+    "with 00000_stats.json … beside them (img2dataset's output); or pass a brace pattern such as "
+    "DIR/{0..9}.tar, or several patterns joined with '::'"
 )
 
 
@@ -115,17 +115,20 @@ def write_split(
     failed, closing = False, False
 
     def publish(temporary_name: str) -> None:
-        # ShardWriter calls this after closing each shard; `writer.count` is still that shard's count.
+        # ShardWriter calls this after closing each shard; `writer.count` is still that shard's
+        # count.
         if failed:
             os.unlink(temporary_name)
             return
-        final = split_dir / Path(temporary_name).name[1:].rsplit(".", 2)[0]  # .3.tar.PID.partial → 3.tar
+        # .3.tar.PID.partial → 3.tar
+        final = split_dir / Path(temporary_name).name[1:].rsplit(".", 2)[0]
         os.replace(temporary_name, final)
         sizes[final.name] = writer.count
         if on_shard is not None:
             on_shard(dict(sizes), closing)
 
-    # Temporary names carry the writer's pid: two writers of one split never delete each other's shard.
+    # Temporary names carry the writer's pid: two writers of one split never delete each other's
+    # shard.
     pattern = str(split_dir).replace("%", "%%") + f"/.%d.tar.{os.getpid()}{_PARTIAL_SUFFIX}"
     writer = wds.ShardWriter(
         pattern, maxcount=samples_per_shard, maxsize=max_bytes, post=publish, verbose=0,
@@ -167,9 +170,9 @@ def _remove_partial_shards(split_dir: Path, stale_only: bool) -> None:
 
 
 def is_safe_key(key: Any) -> bool:
-    """Whether `key` can name a sample's tar members: a relative path of non-empty parts, none of them
-    `..`, no control characters or backslashes, and no dot in its last part (webdataset splits a
-    member name into key and extension at that dot). Keys read from someone else's shards can be
+    """Whether `key` can name a sample's tar members: a relative path of non-empty parts, none of
+    them `..`, no control characters or backslashes, and no dot in its last part (webdataset splits
+    a member name into key and extension at that dot). Keys read from someone else's shards can be
     `../x` or `/abs/x`, which an extracting tool would write outside its folder."""
     if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key:
         return False
@@ -182,7 +185,8 @@ def is_safe_key(key: Any) -> bool:
 def _checked_key(key: Any, seen_keys: set[str]) -> str:
     """`key` if webdataset can read it back as one sample's key; ValueError otherwise."""
     if not is_safe_key(key):
-        raise ValueError(f"sample key {key!r} is not a relative path of plain parts without a dot in its last part")
+        raise ValueError(f"sample key {key!r} is not a relative path of plain parts without a dot "
+                         "in its last part")
     if key in seen_keys:
         raise ValueError(f"sample key {key!r} repeats an earlier sample's key")
     seen_keys.add(key)
@@ -225,45 +229,51 @@ def split_dir_urls(split_dir: Path) -> list[str]:
         if urls:
             return urls
         splits = sorted(p.parent.name for p in split_dir.glob(f"*/{NSHARDS_FILE}"))
-        guess = f" (it holds the splits {', '.join(splits)}: pass {split_dir}/{splits[0]})" if splits else ""
+        guess = (f" (it holds the splits {', '.join(splits)}: pass {split_dir}/{splits[0]})"
+                 if splits else "")
         raise UserError(f"no {NSHARDS_FILE} in {split_dir}{guess}; {_LAYOUT_HINT}")
     try:
         nshards = int(nshards_path.read_text().strip())
     except ValueError:
-        raise UserError(f"{nshards_path} does not hold a number; rewrite the split's shards") from None
+        raise UserError(f"{nshards_path} does not hold a number; "
+                        "rewrite the split's shards") from None
     if nshards < 1:  # no writer writes an empty split: a count below one is a damaged file
-        raise UserError(f"{nshards_path} counts {nshards} shards, but a split holds at least one; rewrite the "
-                        "split's shards")
+        raise UserError(f"{nshards_path} counts {nshards} shards, but a split holds at least one; "
+                        "rewrite the split's shards")
     # CLIP_benchmark names shards 0.tar…; zero-padded names are read too, at the width the first
     # shard has (img2dataset's 00000.tar, webdataset's 000000.tar).
-    width = next((width for width in range(1, 10) if (split_dir / f"{0:0{width}d}.tar").exists()), 1)
+    width = next((width for width in range(1, 10)
+                  if (split_dir / f"{0:0{width}d}.tar").exists()), 1)
     present = sum(1 for _ in split_dir.glob("*.tar"))
-    if nshards > present:  # said before naming them all: a count of 10**20 made a list that filled the memory
+    # said before naming them all: a count of 10**20 made a list that filled the memory
+    if nshards > present:
         first = next(split_dir / f"{index:0{width}d}.tar" for index in range(present + 1)
                      if not (split_dir / f"{index:0{width}d}.tar").is_file())
-        raise UserError(f"{nshards_path} says {nshards} shards but {nshards - present} or more are missing (first: "
-                        f"{first}); rewrite the split's shards")
+        raise UserError(f"{nshards_path} says {nshards} shards but {nshards - present} or more are "
+                        f"missing (first: {first}); rewrite the split's shards")
     urls = [str(split_dir / f"{index:0{width}d}.tar") for index in range(nshards)]
     missing = [url for url in urls if not Path(url).is_file()]
     if missing:
         raise UserError(
-            f"{nshards_path} says {nshards} shards but {len(missing)} are missing (first: {missing[0]}); "
-            "rewrite the split's shards"
+            f"{nshards_path} says {nshards} shards but {len(missing)} are missing (first: "
+            f"{missing[0]}); rewrite the split's shards"
         )
-    # Shards that sizes.json lists but nshards.txt leaves out would never be read, their samples never
-    # counted as missing: the split would pass for complete with part of it.
+    # Shards that sizes.json lists but nshards.txt leaves out would never be read, their samples
+    # never counted as missing: the split would pass for complete with part of it.
     listed = read_sizes_file(split_dir / SIZES_FILE) or {}
-    unread = sorted((name for name in listed if (match := _SHARD_NAME.match(name)) and int(match.group(1)) >= nshards),
+    unread = sorted((name for name in listed
+                     if (match := _SHARD_NAME.match(name)) and int(match.group(1)) >= nshards),
                     key=lambda name: int(_SHARD_NAME.match(name).group(1)))
     if unread:
-        raise UserError(f"{split_dir / SIZES_FILE} lists {len(listed)} shards, {nshards_path} counts {nshards}: "
-                        f"{len(unread)} would not be read (first: {unread[0]}); rewrite the split's shards")
+        raise UserError(f"{split_dir / SIZES_FILE} lists {len(listed)} shards, {nshards_path} "
+                        f"counts {nshards}: {len(unread)} would not be read (first: {unread[0]}); "
+                        "rewrite the split's shards")
     return urls
 
 
 def read_sizes_file(path: Path) -> dict | None:
-    """sizes.json as {shard name: samples}, None where there is none; one UserError line for one that is not such
-    a mapping (it would turn off the check of every shard against its count)."""
+    """sizes.json as {shard name: samples}, None where there is none; one UserError line for one
+    that is not such a mapping (it would turn off the check of every shard against its count)."""
     if not path.is_file():
         return None
     try:
@@ -274,8 +284,8 @@ def read_sizes_file(path: Path) -> dict | None:
     counts = isinstance(table, dict) and all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in table.values())
     if not counts:
-        raise UserError(f"{path} is not a mapping of shard names to sample counts; rewrite the split's shards or "
-                        "delete it and set data.samples_per_epoch")
+        raise UserError(f"{path} is not a mapping of shard names to sample counts; rewrite the "
+                        "split's shards or delete it and set data.samples_per_epoch")
     return table
 
 
@@ -296,26 +306,32 @@ def img2dataset_urls(split_dir: Path) -> list[str]:
              if (m := _STATS_NAME.match(p.name))}
     if not stats:
         return []
-    tars = {int(m.group(1)): m.group(1) for p in split_dir.glob("*.tar") if (m := _SHARD_NAME.match(p.name))}
+    tars = {int(m.group(1)): m.group(1) for p in split_dir.glob("*.tar")
+            if (m := _SHARD_NAME.match(p.name))}
     missing = sorted(set(stats) - set(tars))
     if missing:
         first = stats[missing[0]]
-        raise UserError(f"{split_dir / (first + STATS_SUFFIX)} describes a shard whose tar {first}.tar is missing "
-                        f"({len(missing)} such); restore the tars, or delete their {STATS_SUFFIX} files and rerun "
-                        "img2dataset with --incremental_mode incremental")
+        raise UserError(f"{split_dir / (first + STATS_SUFFIX)} describes a shard whose tar "
+                        f"{first}.tar is missing ({len(missing)} such); restore the tars, or "
+                        f"delete their {STATS_SUFFIX} files and rerun img2dataset with "
+                        "--incremental_mode incremental")
     unfinished = tuple(str(split_dir / f"{tars[n]}.tar") for n in sorted(set(tars) - set(stats)))
-    if unfinished and unfinished not in _warned_unfinished:  # once per process, not per loader built
+    # once per process, not per loader built
+    if unfinished and unfinished not in _warned_unfinished:
         _warned_unfinished.add(unfinished)
-        logger.warning("%s: %d tar(s) have no %s, which img2dataset writes once a shard is complete: left out as "
-                       "unfinished (first: %s); rerun img2dataset with --incremental_mode incremental to finish them",
+        logger.warning("%s: %d tar(s) have no %s, which img2dataset writes once a shard is "
+                       "complete: left out as unfinished (first: %s); rerun img2dataset with "
+                       "--incremental_mode incremental to finish them",
                        split_dir, len(unfinished), STATS_SUFFIX, unfinished[0])
     return [str(split_dir / f"{stats[number]}.tar") for number in sorted(stats)]
 
 
 def is_split_folder(path: str | Path) -> bool:
-    """A local folder `split_dir_urls` reads: nshards.txt (ours, CLIP_benchmark's) or img2dataset's stats."""
+    """A local folder `split_dir_urls` reads: nshards.txt (ours, CLIP_benchmark's) or img2dataset's
+    stats."""
     path = Path(path)
-    return (path / NSHARDS_FILE).is_file() or any(_STATS_NAME.match(p.name) for p in path.glob(f"*{STATS_SUFFIX}"))
+    return ((path / NSHARDS_FILE).is_file()
+            or any(_STATS_NAME.match(p.name) for p in path.glob(f"*{STATS_SUFFIX}")))
 
 
 def shard_urls(spec: str | Path | list[str]) -> list[str]:
@@ -346,9 +362,9 @@ def shard_urls(spec: str | Path | list[str]) -> list[str]:
 
 
 def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
-    """The local folder holding a split folder, where classnames.txt and the templates lie: DATA/x for
-    DATA/x/train, for a pattern DATA/x/train/{0..9}.tar, and for the first part of a '::' list of
-    either; None for remote shards. `urls`: the spec's `shard_urls`, when the caller has them."""
+    """The local folder holding a split folder, where classnames.txt and the templates lie: DATA/x
+    for DATA/x/train, for a pattern DATA/x/train/{0..9}.tar, and for the first part of a '::' list
+    of either; None for remote shards. `urls`: the spec's `shard_urls`, when the caller has them."""
     first = str(spec).split("::")[0]
     if is_local_url(first) and Path(first).is_dir():
         return Path(first).resolve().parent
@@ -357,8 +373,8 @@ def dataset_dir(spec: str | Path, urls: list[str] | None = None) -> Path | None:
 
 
 def split_name(spec: str | Path, urls: list[str]) -> str:
-    """The split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar). `urls`: the
-    spec's `shard_urls`."""
+    """The split folder's name ("train" for DATA/fashion-mnist/train or DATA/x/train/{0..9}.tar).
+    `urls`: the spec's `shard_urls`."""
     if Path(str(spec)).is_dir():
         return Path(str(spec)).resolve().name
     return Path(os.path.dirname(urls[0])).name or "train"
@@ -372,8 +388,8 @@ def splits_beside(out_dir: str | Path, exclude: Iterable[str] = ()) -> list[str]
 
 
 def read_lines(path: str | Path) -> list[str] | None:
-    """The stripped, non-empty lines of a text file (templates, dataset_type.txt); None if it is absent.
-    Class names, where a line's place is its class, are read by `read_classnames_file`."""
+    """The stripped, non-empty lines of a text file (templates, dataset_type.txt); None if it is
+    absent. Class names, where a line's place is its class, are read by `read_classnames_file`."""
     lines = _stripped_lines(path)
     return None if lines is None else [line for line in lines if line]
 
@@ -383,8 +399,8 @@ def read_classnames_file(path: str | Path) -> list[str] | None:
     is absent. Every reader of class names (pretraining, LiT's eval set, the zero-shot suite, the
     writers) reads them here, so all number the classes alike.
 
-    Blank lines at the end are dropped. A blank line before a name is a UserError: read as a class it
-    has no name, skipped it moves every later name onto the class before it."""
+    Blank lines at the end are dropped. A blank line before a name is a UserError: read as a class
+    it has no name, skipped it moves every later name onto the class before it."""
     lines = _stripped_lines(path)
     if lines is None:
         return None
@@ -392,23 +408,26 @@ def read_classnames_file(path: str | Path) -> list[str] | None:
         lines.pop()
     if "" in lines:
         number = lines.index("") + 1
-        raise UserError(f"{path} line {number} is blank: class names go one per line in label order (line n names "
-                        f"class n-1); write class {number - 1}'s name on it, or delete it")
+        raise UserError(f"{path} line {number} is blank: class names go one per line in label "
+                        "order (line n names class n-1); "
+                        f"write class {number - 1}'s name on it, or delete it")
     return lines
 
 
-# The ways two class names can be one name, each step applied after the ones before it. Names that differ
-# only so would be two classes with one set of prompts (classnames.txt's readers strip each line; CLIP's
-# tokenizer lowercases and reads `ｃａｔ` as `cat`).
+# The ways two class names can be one name, each step applied after the ones before it. Names that
+# differ only so would be two classes with one set of prompts (classnames.txt's readers strip each
+# line; CLIP's tokenizer lowercases and reads `ｃａｔ` as `cat`).
 _SAME_NAME_STEPS = (
     ("in two Unicode forms", lambda name: unicodedata.normalize("NFC", name)),
     ("but for the spaces around it", str.strip),
-    ("but for letter case or letter width", lambda name: unicodedata.normalize("NFKC", name).casefold()),
+    ("but for letter case or letter width",
+     lambda name: unicodedata.normalize("NFKC", name).casefold()),
 )
 
 
 def class_name_difference(first: str, second: str) -> str | None:
-    """How two class names are one name, in words (`_SAME_NAME_STEPS`), or None when they are two names."""
+    """How two class names are one name, in words (`_SAME_NAME_STEPS`), or None when they are two
+    names."""
     if first == second:
         return None
     for words, step in _SAME_NAME_STEPS:
@@ -419,15 +438,16 @@ def class_name_difference(first: str, second: str) -> str | None:
 
 
 def class_name_key(name: str) -> str:
-    """What two names that `class_name_difference` takes for one have in common: every step applied."""
+    """What two names that `class_name_difference` takes for one have in common: every step
+    applied."""
     for _, step in _SAME_NAME_STEPS:
         name = step(name)
     return name
 
 
 def same_classnames(path: str | Path, classnames: list[str]) -> bool | None:
-    """Whether the class-names file `path` names `classnames` as its readers read it; None if there is
-    no such file. A file `read_classnames_file` refuses names other classes."""
+    """Whether the class-names file `path` names `classnames` as its readers read it; None if there
+    is no such file. A file `read_classnames_file` refuses names other classes."""
     try:
         existing = read_classnames_file(path)
     except (UserError, OSError, UnicodeDecodeError):
@@ -452,8 +472,9 @@ def read_classnames(dataset_dir: str | Path) -> list[str]:
         names = read_classnames_file(folder / CLASSNAMES_FILE)
         if names is not None:
             return names
-    raise UserError(f"no {CLASSNAMES_FILE} in {dataset_dir}: pass the dataset folder (the one holding "
-                    "classnames.txt beside its split folders), or write one class name per line there")
+    raise UserError(f"no {CLASSNAMES_FILE} in {dataset_dir}: pass the dataset folder "
+                    "(the one holding classnames.txt beside its split folders), "
+                    "or write one class name per line there")
 
 
 

@@ -1,5 +1,5 @@
-"""Class labels from a table's class column (`lit-softmoe data from-table --class-col`): each row's cell
-becomes the sample's `.cls` and `.json` "class", and the classes become `classnames.txt`, as
+"""Class labels from a table's class column (`lit-softmoe data from-table --class-col`): each row's
+cell becomes the sample's `.cls` and `.json` "class", and the classes become `classnames.txt`, as
 `data from-folder --layout classes` writes them, so pretraining and zero-shot evaluation read both.
 
 Without a class-names file the cells are names: the classes are the names met, numbered in sorted
@@ -29,8 +29,10 @@ _WHOLE_NUMBER = re.compile(r"[+-]?\d+")
 
 
 def class_cell(cell: Any) -> tuple[str | int | None, str | None]:
-    """(the class a cell names: a name or a whole number, None) or (None, the reason to skip its row)."""
-    if cell is None or (isinstance(cell, float) and math.isnan(cell)):  # Parquet's null, pandas' NaN
+    """(the class a cell names: a name or a whole number, None) or (None, the reason to skip its
+    row)."""
+    # Parquet's null, pandas' NaN
+    if cell is None or (isinstance(cell, float) and math.isnan(cell)):
         return None, "empty_class"
     if isinstance(cell, bool):
         return None, "bad_class"
@@ -40,12 +42,14 @@ def class_cell(cell: Any) -> tuple[str | int | None, str | None]:
         return (int(cell), None) if cell.is_integer() else (None, "bad_class")
     if not isinstance(cell, str):
         return None, "bad_class"
-    # NFC: `café` typed on two systems (composed and decomposed) is one class, as it is one caption word.
+    # NFC: `café` typed on two systems (composed and decomposed) is one class, as it is one caption
+    # word.
     name = unicodedata.normalize("NFC", cell).strip()
     if not name:
         return None, "empty_class"
     if any(unicodedata.category(char) in ("Cc", "Zl", "Zp") for char in name):
-        return None, "bad_class"  # one name per line of classnames.txt: a line break would shift the rest
+        # one name per line of classnames.txt: a line break would shift the rest
+        return None, "bad_class"
     return name, None
 
 
@@ -82,21 +86,22 @@ def resolve_classes(values: list[str | int], file_names: list[str] | None, sourc
             other = seen.setdefault(class_name_key(name), name)
             if other != name:
                 raise UserError(f"{source}: the classes {other!r} and {name!r} are one name "
-                                f"{class_name_difference(other, name)}, which would be two classes with the same "
-                                "prompts; write the name one way in every row")
+                                f"{class_name_difference(other, name)}, which would be two classes "
+                                "with the same prompts; write the name one way in every row")
         label_of = {name: label for label, name in enumerate(classnames)}
         note = None
         if names and all(_WHOLE_NUMBER.fullmatch(name) for name in names):
-            note = (f"{source} holds whole numbers, read as class names sorted as text (\"1\", \"10\", \"2\" …); "
-                    f"pass {setting(setting_names, 'classnames_file', 'FILE')} to read them as "
-                    "indices into FILE's names")
+            note = (f"{source} holds whole numbers, read as class names sorted as text (\"1\", "
+                    f"\"10\", \"2\" …); pass {setting(setting_names, 'classnames_file', 'FILE')} "
+                    "to read them as indices into FILE's names")
         return [label_of[name] for name in names], classnames, note
     if all(isinstance(value, int) or _WHOLE_NUMBER.fullmatch(value) for value in values):
         labels = [int(value) for value in values]
         labels = [label if 0 <= label < len(file_names) else None for label in labels]
         for value, label in zip(values, labels):
             if label is None:
-                counter.skip("unknown_class", f"{source}: index {value} is outside 0…{len(file_names) - 1}")
+                counter.skip("unknown_class",
+                             f"{source}: index {value} is outside 0…{len(file_names) - 1}")
         return labels, file_names, None
     label_of: dict[str, int] = {}
     repeated = set()
@@ -107,9 +112,9 @@ def resolve_classes(values: list[str | int], file_names: list[str] | None, sourc
     labels = []
     for value in map(str, values):
         if value in repeated:
-            raise UserError(f"{source}: the class {value!r} is listed twice in the class-names file, so its name "
-                            "cannot tell the two classes apart; give the table a column of class indices, or make "
-                            "the file's names unique")
+            raise UserError(f"{source}: the class {value!r} is listed twice in the class-names "
+                            "file, so its name cannot tell the two classes apart; give the table a "
+                            "column of class indices, or make the file's names unique")
         label = label_of.get(value)
         if label is None:
             counter.skip("unknown_class", f"{source}: {value!r} is not in the class-names file")

@@ -24,19 +24,20 @@ from lit_softmoe.data.table_classes import class_cell, load_classnames_file, res
 from lit_softmoe.data.tar_reading import BadSampleCounter
 from lit_softmoe.errors import UserError, setting
 
-TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                  ".parquet": "parquet"}
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl",
+                  ".ndjson": "jsonl", ".parquet": "parquet"}
 
 
 def _table_kind(table: Path) -> str:
     kind = TABLE_SUFFIXES.get(table.suffix.lower())
     if kind is None:
-        raise UserError(f"cannot tell the format of {table} from its extension; name it .csv, .tsv, "
-                        ".jsonl or .parquet")
+        raise UserError(f"cannot tell the format of {table} from its extension; name it .csv, "
+                        ".tsv, .jsonl or .parquet")
     return kind
 
 
-def _csv_rows(table: Path, delimiter: str, counter: BadSampleCounter) -> tuple[list[str], Iterator[dict]]:
+def _csv_rows(table: Path, delimiter: str,
+              counter: BadSampleCounter) -> tuple[list[str], Iterator[dict]]:
     def open_table():
         # surrogateescape: a non-UTF-8 byte spoils its row only, which is then counted and skipped.
         return open(table, encoding="utf-8-sig", errors="surrogateescape", newline="")
@@ -61,8 +62,8 @@ def _csv_rows(table: Path, delimiter: str, counter: BadSampleCounter) -> tuple[l
                 if not cells:
                     continue  # a blank line
                 if len(cells) != len(header):
-                    counter.skip("bad_row", f"{table} line {reader.line_num}: {len(cells)} fields, the header "
-                                            f"has {len(header)}")
+                    counter.skip("bad_row", f"{table} line {reader.line_num}: {len(cells)} fields, "
+                                            f"the header has {len(header)}")
                 elif not all(is_utf8_text(cell) for cell in cells):
                     counter.skip("non_utf8_text", f"{table} line {reader.line_num}")
                 else:
@@ -88,7 +89,8 @@ def _jsonl_rows(table: Path, counter: BadSampleCounter) -> tuple[None, Iterator[
                 if isinstance(row, dict):
                     yield row
                 else:
-                    counter.skip("bad_row", f"{table} line {line_number}: a {type(row).__name__}, not an object")
+                    counter.skip("bad_row", f"{table} line {line_number}: a {type(row).__name__}, "
+                                            "not an object")
 
     return None, rows()  # JSONL has no header: the columns are checked after reading
 
@@ -120,7 +122,8 @@ def _require_columns(table: Path, columns: Iterable[str], needed: dict[str, str]
                             f"pass {name} with one of them")
 
 
-def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | bytes | None, str, str | None]:
+def _table_image(cell: Any, table_dir: Path,
+                 root: Path | None) -> tuple[Path | bytes | None, str, str | None]:
     """(image file or bytes, the name the table gives it, a reason to skip or None). With `root`, a
     path that resolves outside it (`../`, absolute, through a link) is skipped as outside_root."""
     data, name = None, None
@@ -143,8 +146,9 @@ def _table_image(cell: Any, table_dir: Path, root: Path | None) -> tuple[Path | 
     return path, name, None
 
 
-def list_table(table: str | Path, image_col: str, caption_col: str | None, key_col: str | None = None,
-               root: str | Path | None = None, class_col: str | None = None,
+def list_table(table: str | Path, image_col: str, caption_col: str | None,
+               key_col: str | None = None, root: str | Path | None = None,
+               class_col: str | None = None,
                classnames_file: str | Path | None = None, *,
                setting_names: Mapping[str, str] | None = None) -> Listing:
     """The rows of a CSV / TSV / JSONL / Parquet table as samples, in row order.
@@ -179,8 +183,9 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
             raise UserError(f"{setting(names, 'root')} {root} is not a folder; give the folder the "
                             "table's images must lie in")
     if table.is_dir():
-        raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or .parquet file "
-                        "(for a folder of images with .txt captions or class subfolders, use `data from-folder`)")
+        raise UserError(f"{table} is a folder; `data from-table` reads one .csv, .tsv, .jsonl or "
+                        ".parquet file (for a folder of images with .txt captions or class "
+                        "subfolders, use `data from-folder`)")
     if not table.is_file():
         raise UserError(f"table {table} not found; pass a .csv, .tsv, .jsonl or .parquet file")
     kind = _table_kind(table)
@@ -201,7 +206,8 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
     candidates, seen_columns = [], {}
     for index, row in enumerate(rows):
         seen_columns.update(dict.fromkeys(row))
-        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, class_col, counter, root)
+        candidate = _table_candidate(row, index, table, image_col, caption_col, key_col, class_col,
+                                     counter, root)
         if candidate is not None:
             candidates.append(candidate)
     if columns is None and seen_columns:
@@ -223,8 +229,8 @@ def list_table(table: str | Path, image_col: str, caption_col: str | None, key_c
 def _label(candidates: list[Candidate], file_names: list[str] | None, source: str,
            counter: BadSampleCounter, names: Mapping[str, str] | None
            ) -> tuple[list[Candidate], list[str], str | None]:
-    """The candidates whose class is known, labelled; the class names; a line to print or None. Known
-    only once every row is read: the column's values decide the class numbers."""
+    """The candidates whose class is known, labelled; the class names; a line to print or None.
+    Known only once every row is read: the column's values decide the class numbers."""
     values = [c.meta.pop("class") for c in candidates]
     labels, classnames, note = resolve_classes(values, file_names, source, counter, names)
     labelled = []

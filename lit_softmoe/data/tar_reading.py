@@ -1,5 +1,5 @@
-"""Reading tar shards: their samples (`tar_samples`), what is bad in them (`BadSampleCounter`), and how
-many samples they hold (`listed_sizes`, `count_samples`) or lost (`is_damaged_tar`).
+"""Reading tar shards: their samples (`tar_samples`), what is bad in them (`BadSampleCounter`), and
+how many samples they hold (`listed_sizes`, `count_samples`) or lost (`is_damaged_tar`).
 
 Reading follows open_clip's `get_wds_dataset`: explicit webdataset stages, and a handler that skips
 and counts a bad shard instead of ending the run (`BadSampleCounter`); a bad *sample* is skipped and
@@ -65,8 +65,9 @@ def listed_sizes(urls: Iterable[str]) -> dict[str, int] | None:
 
 
 def img2dataset_successes(url: str) -> int | None:
-    """"successes" of the `NNNNN_stats.json` img2dataset wrote beside `NNNNN.tar`: the samples of the
-    tar. None where there is none, or it does not hold a count (then the tar is counted instead)."""
+    """"successes" of the `NNNNN_stats.json` img2dataset wrote beside `NNNNN.tar`: the samples of
+    the tar. None where there is none, or it does not hold a count (then the tar is counted
+    instead)."""
     if not url.endswith(".tar"):
         return None
     path = Path(url[: -len(".tar")] + STATS_SUFFIX)
@@ -83,8 +84,8 @@ def img2dataset_successes(url: str) -> int | None:
 
 
 def count_samples(url: str) -> int:
-    """The samples of a local tar as webdataset groups them (consecutive members sharing a key), read
-    from its member headers alone (no member's data); those before the damage of a damaged tar.
+    """The samples of a local tar as webdataset groups them (consecutive members sharing a key),
+    read from its member headers alone (no member's data); those before the damage of a damaged tar.
 
     Remembered per file identity (path, size, mtime, ctime) for the life of the process: the train
     loader, the eval set and a progress bar each ask, and a rewritten tar is counted again. Not
@@ -99,9 +100,10 @@ def count_samples(url: str) -> int:
 
 
 def is_damaged_tar(url: str) -> bool:
-    """Whether a local tar ends inside a member or a header (cut short, or garbage after its members): its
-    readers lose what follows the damage. Read from the member headers alone, as `count_samples`
-    (the same walk, remembered per file identity); a file that cannot be read counts as damaged."""
+    """Whether a local tar ends inside a member or a header (cut short, or garbage after its
+    members): its readers lose what follows the damage. Read from the member headers alone, as
+    `count_samples` (the same walk, remembered per file identity); a file that cannot be read counts
+    as damaged."""
     try:
         identity = file_identity(url)
     except OSError:
@@ -110,8 +112,8 @@ def is_damaged_tar(url: str) -> bool:
 
 
 def is_tar_archive(url: str) -> bool:
-    """Whether a local file starts as a tar archive does: a first header block whose checksum holds (an empty
-    file, a text file or an HTML error page saved under a shard's name does not)."""
+    """Whether a local file starts as a tar archive does: a first header block whose checksum holds
+    (an empty file, a text file or an HTML error page saved under a shard's name does not)."""
     try:
         with open(url, "rb") as stream:
             tarfile.TarInfo.frombuf(stream.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape")
@@ -131,12 +133,14 @@ def _walk_tar(identity: tuple[str, int, int, int]) -> tuple[int, bool]:
                 end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 if not member.isreg() or _WDS_META_MEMBER.match(member.name):
                     continue
-                key, _ = base_plus_ext(member.name)  # webdataset's own split: its samples are counted
+                # webdataset's own split: its samples are counted
+                key, _ = base_plus_ext(member.name)
                 if key is not None and key != previous:
                     count, previous = count + 1, key
     except (tarfile.TarError, OSError, EOFError):
         return count, True  # the samples before the damage
-    # tarfile takes a file cut inside a member's data, or inside the next header, for the archive's end.
+    # tarfile takes a file cut inside a member's data, or inside the next header, for the archive's
+    # end.
     return count, end > size or _has_data_after(path, end)
 
 
@@ -156,17 +160,19 @@ def tar_samples(url: str, counter: BadSampleCounter, listed: int | None = None,
 
     A shard that fails to open or read is counted by `counter.handler` and its samples before the
     damage are kept; one that ends before the `listed` samples of its sizes.json is counted as
-    truncated (`BadSampleCounter.shard_ended`). One webdataset tar stage per shard: webdataset ends a
-    shard's last sample at an end-of-shard marker that a damaged shard never sends, and the next
+    truncated (`BadSampleCounter.shard_ended`). One webdataset tar stage per shard: webdataset ends
+    a shard's last sample at an end-of-shard marker that a damaged shard never sends, and the next
     shard's first files would join that sample.
     """
     counter.shard = url  # for the handler's message
     read = 0
     if _is_local_tar(url):
         files = _local_tar_files(url, counter.handler, select_files)
-        samples = wds.tariterators.group_by_keys(files, handler=counter.handler)  # webdataset's own grouping
+        # webdataset's own grouping
+        samples = wds.tariterators.group_by_keys(files, handler=counter.handler)
     else:  # pipe:, http(s), compressed tars: webdataset's opener and stream reader
-        samples = wds.tarfile_to_samples(handler=counter.handler, select_files=select_files)(iter([{"url": url}]))
+        samples = wds.tarfile_to_samples(handler=counter.handler,
+                                         select_files=select_files)(iter([{"url": url}]))
     for sample in samples:
         read += 1
         yield sample
@@ -180,13 +186,15 @@ def _is_local_tar(url: str) -> bool:
 def _local_tar_files(url: str, handler: Callable[[Exception], bool],
                      select_files: Callable[[str], bool] | None = None) -> Iterator[dict]:
     """The regular files of a local uncompressed tar as webdataset's tar stage gives them
-    ({"fname", "data", "__url__"}, then {} at the end of the shard), read faster (scripts/bench_data.py).
+    ({"fname", "data", "__url__"}, then {} at the end of the shard), read faster
+    (scripts/bench_data.py).
 
     Webdataset reads a tar as a stream (`tarfile` mode "r|*") and copies each member through an
-    extract-file object, a cost of the order of decoding and cropping a small JPEG. A local file can be
-    read in `tarfile`'s random-access mode instead, each member's bytes taken at its offset. Headers are
-    still parsed by `tarfile` (pax and GNU long names included); a member cut short by the file's end,
-    or a header that fails, goes to `handler` with the files before it kept, as webdataset's reader does.
+    extract-file object, a cost of the order of decoding and cropping a small JPEG. A local file can
+    be read in `tarfile`'s random-access mode instead, each member's bytes taken at its offset.
+    Headers are still parsed by `tarfile` (pax and GNU long names included); a member cut short by
+    the file's end, or a header that fails, goes to `handler` with the files before it kept, as
+    webdataset's reader does.
     """
     try:
         with open(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
@@ -208,8 +216,9 @@ def _local_tar_files(url: str, handler: Callable[[Exception], bool],
 
 
 def first_sample_members(url: str) -> set[str]:
-    """The members ("cls", "txt", "png"…) of the first sample of a shard, reading that sample alone: what
-    kind of split it is. A shard that cannot be read gives none (the main pass over it counts it)."""
+    """The members ("cls", "txt", "png"…) of the first sample of a shard, reading that sample alone:
+    what kind of split it is. A shard that cannot be read gives none (the main pass over it counts
+    it)."""
     samples = tar_samples(url, _QuietCounter())
     with contextlib.closing(samples):  # the rest of the shard is left unread, its file closed now
         first = next(samples, None)
@@ -217,13 +226,15 @@ def first_sample_members(url: str) -> set[str]:
 
 
 def require_class_labels(split: str, setting: str) -> None:
-    """One UserError line when the samples of `split` carry no class (`.cls`), judged by its first sample (none
-    for an unreadable shard: its reader counts it). `setting` is what the caller calls the split."""
+    """One UserError line when the samples of `split` carry no class (`.cls`), judged by its first
+    sample (none for an unreadable shard: its reader counts it). `setting` is what the caller calls
+    the split."""
     members = first_sample_members(shard_urls(split)[0])
     if members and "cls" not in members:
-        raise UserError(f"{setting} {split} holds no class labels (its samples have {', '.join(sorted(members))}, "
-                        f"no .cls); point {setting} to a split of labelled images or their features, as "
-                        f"`lit-softmoe data` and `embed` write them, or unset it ({setting}=)")
+        raise UserError(f"{setting} {split} holds no class labels (its samples have "
+                        f"{', '.join(sorted(members))}, no .cls); point {setting} to a split of "
+                        "labelled images or their features, as `lit-softmoe data` and `embed` "
+                        f"write them, or unset it ({setting}=)")
 
 
 def num_samples(split_dir: str | Path) -> int:
@@ -246,7 +257,8 @@ class BadSampleCounter:
     SHARD_REASONS = ("bad_shard", "unreadable_shard", "truncated_shard")
 
     def __init__(self, log: bool = True) -> None:
-        self.log = log  # False in all but one of several readers of the same shards (each would warn alike)
+        # False in all but one of several readers of the same shards (each would warn alike)
+        self.log = log
         self.counts: collections.Counter[str] = collections.Counter()
         self.shard: str | None = None  # the shard being read, set by `tar_samples`
         self._bad_shards: set[tuple[str, str | None]] = set()
@@ -270,9 +282,9 @@ class BadSampleCounter:
         return True
 
     def shard_ended(self, url: str, read: int, listed: int | None) -> None:
-        """A shard read to its end gave `read` samples where its sizes.json lists `listed`: count what
-        is missing. A tar cut at a sample boundary reads as a complete, shorter archive; without this,
-        a third of a split read as the whole of it."""
+        """A shard read to its end gave `read` samples where its sizes.json lists `listed`: count
+        what is missing. A tar cut at a sample boundary reads as a complete, shorter archive;
+        without this, a third of a split read as the whole of it."""
         if listed is None or read >= listed:
             return
         where = f"{url}: {read} of the {listed} samples its {SIZES_FILE} lists"

@@ -2,7 +2,8 @@
 
 A tower's own preprocessing (`models.preprocess.Preprocess`) gives two halves: `pixel_transform`
 (image → uint8 pixels, in loader workers) and `BatchNormalize` (uint8 batch → float32 input, where
-the tower runs); `image_transform` is the two image by image, for code that takes one image at a time.
+the tower runs); `image_transform` is the two image by image, for code that takes one image at a
+time.
 
 Per-image (`eval_transform`, `train_transform`): for streamed shards, as open_clip's
 `image_transform` (resize + center crop to eval; random-resized crop to train), plus the channel
@@ -66,7 +67,8 @@ def _channel_conversion(in_channels: int) -> tuple[list[v2.Transform], list[v2.T
     if in_channels == 3:
         return [], [v2.RGB()]  # 1 channel → 3 equal channels; 3 stay 3
     if in_channels == 1:
-        return [v2.Grayscale(num_output_channels=1)], []  # tensors only: PIL images arrive as "L" already
+        # tensors only: PIL images arrive as "L" already
+        return [v2.Grayscale(num_output_channels=1)], []
     raise ValueError(f"in_channels must be 1 or 3, got {in_channels}")
 
 
@@ -82,8 +84,9 @@ def to_l(image: PIL.Image.Image) -> PIL.Image.Image:
 
 
 class _Decode:
-    """A transform's first step on PIL inputs: `images.decode` (a lazily opened JPEG is decoded at the
-    reduced scale `min_side` allows, as the pipeline and the eval readers decode it), then L or RGB."""
+    """A transform's first step on PIL inputs: `images.decode` (a lazily opened JPEG is decoded at
+    the reduced scale `min_side` allows, as the pipeline and the eval readers decode it), then L or
+    RGB."""
 
     def __init__(self, in_channels: int, min_side: int | None):
         self.in_channels, self.min_side = in_channels, min_side
@@ -122,15 +125,15 @@ def decode_min_side(transform: Any) -> int | None:
 
 class _RandomAreaCropFlip:
     """The random half of RandomResizedCrop (Szegedy et al., 2015: an area fraction in `scale`, an
-    aspect ratio in 3/4-4/3 drawn log-uniformly, up to 10 tries, else the center crop — torchvision's
-    `RandomResizedCrop.get_params` algorithm), cropped from the image as it is, then a horizontal flip
-    with probability 0.5; the resize to the tower's size follows on the tensor.
+    aspect ratio in 3/4-4/3 drawn log-uniformly, up to 10 tries, else the center crop —
+    torchvision's `RandomResizedCrop.get_params` algorithm), cropped from the image as it is, then a
+    horizontal flip with probability 0.5; the resize to the tower's size follows on the tensor.
 
     Why not torchvision's own steps: its `get_params` makes a dozen one-element tensors per image
-    (costing about as much as the resize), so the draws here come from one `torch.rand` on torch's default
-    generator (which the pipeline seeds per sample); and cropping and flipping the PIL image copies
-    the crop alone, and a smaller tensor is made from it. `scripts/bench_pretrain_data.py` measures
-    the loader against timm's. Tensors (C, H, W) are cropped and flipped alike.
+    (costing about as much as the resize), so the draws here come from one `torch.rand` on torch's
+    default generator (which the pipeline seeds per sample); and cropping and flipping the PIL image
+    copies the crop alone, and a smaller tensor is made from it. `scripts/bench_pretrain_data.py`
+    measures the loader against timm's. Tensors (C, H, W) are cropped and flipped alike.
     """
 
     ratio = (3 / 4, 4 / 3)
@@ -147,7 +150,8 @@ class _RandomAreaCropFlip:
         for attempt in range(10):
             target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * uniform[2 * attempt])
             aspect = math.exp(log_low + (log_high - log_low) * uniform[2 * attempt + 1])
-            crop_width, crop_height = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+            crop_width, crop_height = (round(math.sqrt(target * aspect)),
+                                       round(math.sqrt(target / aspect)))
             if 0 < crop_width <= width and 0 < crop_height <= height:
                 top = int(uniform[20] * (height - crop_height + 1))
                 left = int(uniform[21] * (width - crop_width + 1))
@@ -176,19 +180,22 @@ class _RandomAreaCropFlip:
 def _to_normalized_float(in_channels: int, mean, std) -> list[v2.Transform]:
     return [
         v2.ToDtype(torch.float32, scale=True),  # uint8 [0, 255] → [0, 1]
-        v2.Normalize(_per_channel(mean, in_channels, "mean"), _per_channel(std, in_channels, "std")),
+        v2.Normalize(_per_channel(mean, in_channels, "mean"),
+                     _per_channel(std, in_channels, "std")),
     ]
 
 
 def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence[float] = 0.5,
-                   std: float | Sequence[float] = 0.5, decode: str = "full", normalize: bool = True) -> v2.Compose:
-    """PIL image or uint8 (C, H, W) tensor → normalized float32 (in_channels, image_size, image_size).
+                   std: float | Sequence[float] = 0.5, decode: str = "full",
+                   normalize: bool = True) -> v2.Compose:
+    """PIL image or uint8 (C, H, W) tensor → normalized float32 (in_channels, image_size,
+    image_size).
 
-    Resizes the shorter side to `image_size`, then takes the center square. `decode="reduced"` decodes
-    JPEGs at a DCT scale keeping the shorter side ≥ `images.REDUCED_DECODE_FACTOR` × `image_size`
-    (in the pipeline, the eval readers, and here for a PIL image opened but not yet loaded).
-    `normalize=False` stops at uint8 (a quarter of the bytes between processes; `normalize_batch`
-    then runs on the batch, on the device).
+    Resizes the shorter side to `image_size`, then takes the center square. `decode="reduced"`
+    decodes JPEGs at a DCT scale keeping the shorter side ≥ `images.REDUCED_DECODE_FACTOR` ×
+    `image_size` (in the pipeline, the eval readers, and here for a PIL image opened but not yet
+    loaded). `normalize=False` stops at uint8 (a quarter of the bytes between processes;
+    `normalize_batch` then runs on the batch, on the device).
     """
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
@@ -204,23 +211,25 @@ def eval_transform(image_size: int, in_channels: int = 3, mean: float | Sequence
 
 def pixel_transform(preprocess: Preprocess) -> v2.Compose:
     """Image → uint8 (C, H, W) pixels, as `preprocess` prepares them for its tower (before the
-    normalization): the steps loader workers run, sending a quarter of float32's bytes through shared
-    memory, pinning and the copy to the GPU; `BatchNormalize` then runs where the tower runs."""
+    normalization): the steps loader workers run, sending a quarter of float32's bytes through
+    shared memory, pinning and the copy to the GPU; `BatchNormalize` then runs where the tower
+    runs."""
     return eval_transform(preprocess.image_size, preprocess.channels, decode=preprocess.decode,
                           normalize=False)
 
 
 def image_transform(preprocess: Preprocess) -> v2.Compose:
-    """Image → normalized float32 (C, H, W): `pixel_transform`'s steps, then the normalization, image
-    by image (bitwise `BatchNormalize` of the pixels). For readers that hand images one at a time to
-    code that is not ours: a loaded model's `preprocess`, the eval suite's loaders."""
+    """Image → normalized float32 (C, H, W): `pixel_transform`'s steps, then the normalization,
+    image by image (bitwise `BatchNormalize` of the pixels). For readers that hand images one at a
+    time to code that is not ours: a loaded model's `preprocess`, the eval suite's loaders."""
     return eval_transform(preprocess.image_size, preprocess.channels, preprocess.mean,
                           preprocess.std, decode=preprocess.decode)
 
 
 class BatchNormalize:
-    """uint8 (N, C, H, W) batch → the tower's float32 input, on the batch's device: `normalize_batch`
-    with the preprocessing's mean and std, which are copied to each device once, not per batch."""
+    """uint8 (N, C, H, W) batch → the tower's float32 input, on the batch's device:
+    `normalize_batch` with the preprocessing's mean and std, which are copied to each device once,
+    not per batch."""
 
     def __init__(self, preprocess: Preprocess):
         self.mean, self.std = preprocess.mean, preprocess.std
@@ -261,13 +270,15 @@ def train_transform(
         decode: "reduced" decodes JPEGs at a reduced scale relative to the smallest random crop,
             not to the image: that crop (side ≥ √(scale[0] · 3/4) of the shorter one) is upscaled to
             `image_size`, so it must keep `REDUCED_DECODE_FACTOR` × `image_size` pixels itself.
-        randaugment: (num_ops, magnitude) of torchvision's RandAugment (Cubuk et al., 2020) after the
-            crop and flip, on uint8 pixels (the ViT/V-MoE ImageNet-21k recipes use (2, 15)); () for none.
+        randaugment: (num_ops, magnitude) of torchvision's RandAugment (Cubuk et al., 2020) after
+            the crop and flip, on uint8 pixels (the ViT/V-MoE ImageNet-21k recipes use (2, 15)); ()
+            for none.
         normalize: False stops at uint8 (see `eval_transform`).
     """
     side = image_size
     if crop_padding is None and random_resized_crop:
-        side = math.ceil(image_size / math.sqrt(scale[0] * 3 / 4))  # RandomResizedCrop's ratio ≥ 3/4
+        # RandomResizedCrop's ratio ≥ 3/4
+        side = math.ceil(image_size / math.sqrt(scale[0] * 3 / 4))
     crop_flip = []  # before the tensor: on the PIL image
     flip = [v2.RandomHorizontalFlip()] if hflip else []
     if crop_padding is not None:
@@ -280,7 +291,8 @@ def train_transform(
         geometry = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size), *flip]
     if randaugment and len(randaugment) != 2:
         raise ValueError(f"randaugment takes (num_ops, magnitude), got {list(randaugment)}")
-    augment = [v2.RandAugment(num_ops=int(randaugment[0]), magnitude=int(randaugment[1]))] if randaugment else []
+    augment = ([v2.RandAugment(num_ops=int(randaugment[0]), magnitude=int(randaugment[1]))]
+               if randaugment else [])
     before, after = _channel_conversion(in_channels)
     return v2.Compose([
         _pil_modes(in_channels, jpeg_min_side(decode, side)),
@@ -339,15 +351,17 @@ def match_channels(images: torch.Tensor, in_channels: int) -> torch.Tensor:
 
 
 def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] | torch.Tensor = 0.5,
-                    std: float | Sequence[float] | torch.Tensor = 0.5, in_channels: int | None = None) -> torch.Tensor:
-    """uint8 (N, C, H, W) → float32 (N, C', H, W), contiguous: (x × (1/255) − mean) / std per channel, on the
-    batch's device.
+                    std: float | Sequence[float] | torch.Tensor = 0.5,
+                    in_channels: int | None = None) -> torch.Tensor:
+    """uint8 (N, C, H, W) → float32 (N, C', H, W), contiguous: (x × (1/255) − mean) / std per
+    channel, on the batch's device.
 
-    Bitwise what a transform's last two steps (`v2.ToDtype(float32, scale=True)`, `v2.Normalize`) give image
-    by image: the same float32 operations in the same order, each exactly rounded on the CPU and the GPU
-    alike. So pretraining normalizes its batches as the saved tower's `preprocess` does at evaluation, and
-    embed's batches hold the pixels eval and LiT on the fly feed the tower. (`x / 255` is not the same: on
-    the CPU a true division rounds otherwise than the multiplication by 1/255 in float32.)
+    Bitwise what a transform's last two steps (`v2.ToDtype(float32, scale=True)`, `v2.Normalize`)
+    give image by image: the same float32 operations in the same order, each exactly rounded on the
+    CPU and the GPU alike. So pretraining normalizes its batches as the saved tower's `preprocess`
+    does at evaluation, and embed's batches hold the pixels eval and LiT on the fly feed the tower.
+    (`x / 255` is not the same: on the CPU a true division rounds otherwise than the multiplication
+    by 1/255 in float32.)
 
     Args:
         images: uint8 (N, C, H, W), in any memory format: a streamed batch is channels-last
@@ -364,12 +378,17 @@ def normalize_batch(images: torch.Tensor, mean: float | Sequence[float] | torch.
     if in_channels is not None:
         images = match_channels(images, in_channels)
     mean, std = _channel_values(mean, images.device), _channel_values(std, images.device)
-    # In place on the cast copy but for a mean that broadcasts the channels (a gray batch, an RGB tower).
-    pixels = images.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)  # v2.ToDtype's
-    pixels = pixels.sub_(mean) if len(mean) in (1, pixels.shape[1]) else pixels.sub(mean)  # v2.Normalize's
+    # In place on the cast copy but for a mean that broadcasts the channels (a gray batch, an RGB
+    # tower).
+    # v2.ToDtype's
+    pixels = images.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)
+    # v2.Normalize's
+    pixels = pixels.sub_(mean) if len(mean) in (1, pixels.shape[1]) else pixels.sub(mean)
     return pixels.div_(std)
 
 
-def _channel_values(values: float | Sequence[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """float32 (C, 1, 1) on `device` (as v2.Normalize holds its mean and std); a tensor already there is a view."""
+def _channel_values(values: float | Sequence[float] | torch.Tensor,
+                    device: torch.device) -> torch.Tensor:
+    """float32 (C, 1, 1) on `device` (as v2.Normalize holds its mean and std); a tensor already
+    there is a view."""
     return torch.as_tensor(values, dtype=torch.float32, device=device).reshape(-1, 1, 1)

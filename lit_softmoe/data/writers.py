@@ -6,18 +6,19 @@ Sources (listed by `data.folders` and `data.tables`):
 - a folder of class subfolders (torchvision's ImageFolder: `cat/1.jpg`, `dog/1.jpg`): writes `.cls`
   and `classnames.txt`, classes numbered in sorted folder-name order as ImageFolder numbers them;
   with caption templates also a `.txt` caption from the class name (`data.captions`) and the
-  templates as `zeroshot_classification_templates.txt`, so zero-shot evaluation prompts the same way;
+  templates as `zeroshot_classification_templates.txt`, so zero-shot evaluation prompts the same
+  way;
 - a table (CSV, TSV, JSONL, Parquet) with an image column (paths relative to the table, or bytes
-  embedded as img2dataset's and Hugging Face datasets' Parquet files hold them) and a caption column,
-  a class column (`.cls` and `classnames.txt`, as class folders give: `data.table_classes`) or both;
-  its other columns go to each sample's `.json`.
+  embedded as img2dataset's and Hugging Face datasets' Parquet files hold them) and a caption
+  column, a class column (`.cls` and `classnames.txt`, as class folders give: `data.table_classes`)
+  or both; its other columns go to each sample's `.json`.
 
 Captioned sources are written in their own order; labelled ones (class folders, a class column) in a
 seeded random order, so each shard holds every class (`data.listing.in_shuffled_order`).
-Output is shards.py's layout, written by `write_split` (rollover by sample count and by bytes, atomic
-shards, fixed tar headers): `DIR/{split}/0.tar … N-1.tar`, `nshards.txt`, `sizes.json`. A sample
-keeps its source's key (a file stem, as img2dataset's keys are) and holds the image, `.txt` and/or
-`.cls`, and `.json` {"key", "path", "width", "height", "file_bytes", ["class"], ["extra"]}.
+Output is shards.py's layout, written by `write_split` (rollover by sample count and by bytes,
+atomic shards, fixed tar headers): `DIR/{split}/0.tar … N-1.tar`, `nshards.txt`, `sizes.json`. A
+sample keeps its source's key (a file stem, as img2dataset's keys are) and holds the image, `.txt`
+and/or `.cls`, and `.json` {"key", "path", "width", "height", "file_bytes", ["class"], ["extra"]}.
 
 Bad input never ends a run (open_clip's log-and-continue handlers; `sample_encoding` reads and
 checks each sample's files): a sample with a missing or broken image, an empty or non-UTF-8 caption
@@ -45,7 +46,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,7 +55,6 @@ import PIL.Image
 from tqdm import tqdm
 
 from lit_softmoe.data.folders import list_folder
-from lit_softmoe.data.images import IMAGE_FORMATS
 from lit_softmoe.data.listing import Listing
 from lit_softmoe.data.sample_encoding import ImageTally, encoded_samples
 from lit_softmoe.data.shards import (
@@ -69,6 +68,7 @@ from lit_softmoe.data.shards import (
     write_split,
 )
 from lit_softmoe.data.tables import list_table
+from lit_softmoe.data.write_options import WriteOptions
 from lit_softmoe.errors import UserError, setting
 from lit_softmoe.utils.atomic import write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.locks import folder_lock
@@ -77,62 +77,14 @@ from lit_softmoe.utils.paths import check_writable
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
-# Rewritten as each shard is in place: where a killed write resumes (hidden: not part of the dataset).
+# Rewritten as each shard is in place: where a killed write resumes (hidden: not part of the
+# dataset).
 PROGRESS_FILE = ".progress.json"
 # Beside the splits, describing them all (CLIP_benchmark's files; `data fashion-mnist`'s manifest).
 DATASET_FILES = (CLASSNAMES_FILE, TEMPLATES_FILE, "dataset_type.txt", MANIFEST_FILE)
-# Bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys; 3: JPEGs shrunk by
-# --max-size are decoded at a reduced scale first).
+# Bump when the shard content changes, so old splits get rewritten (2: non-ASCII keys; 3: JPEGs
+# shrunk by --max-size are decoded at a reduced scale first).
 _FORMAT_VERSION = 3
-
-
-# ---------------------------------------------------------------------------------------- options
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How a split is written; the same for folders and tables.
-
-    Args:
-        split: the split folder's name under the output folder, e.g. "train" or "test".
-        image_format: "keep" (the file's own format: png, jpg or webp; others become png), or the
-            format every image is stored in.
-        max_size: shrink images whose longer side is larger to this many pixels (None: never).
-        samples_per_shard: a new shard starts after this many samples …
-        max_shard_bytes: … or once a shard holds this many bytes.
-    """
-
-    split: str = "train"
-    image_format: str = "keep"
-    max_size: int | None = None
-    samples_per_shard: int = 10_000
-    max_shard_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.image_format not in IMAGE_FORMATS:
-            raise UserError(f"unknown image format {self.image_format!r}; "
-                            f"choose one of {', '.join(IMAGE_FORMATS)}")
-        check_split_name(self.split)
-        for name in ("max_size", "samples_per_shard", "max_shard_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UserError(f"{name.replace('_', '-')} must be at least 1, got {value}")
-
-
-def check_split_name(split: str, setting_names: Mapping[str, str] | None = None) -> None:
-    """Refuse a split name that is not a plain folder name (a path, `..`, hidden). Messages call it
-    as `setting_names` calls `split` (`errors.setting`; the CLI passes --split, and checks it before
-    making its `WriteOptions`)."""
-    if not split or split != Path(split).name or split.startswith("."):
-        raise UserError(f"{setting(setting_names, 'split')} {split!r} is not a plain folder name; "
-                        f"pass e.g. {setting(setting_names, 'split', 'train')}")
-
-
-def parse_byte_size(text: str) -> int:
-    """`"1G"`, `"500M"`, `"64k"` or a plain number of bytes → bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
-    if match is None:
-        raise UserError(f"cannot read {text!r} as a size in bytes; write e.g. 1G, 500M or 1048576")
-    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
 
 
 # ---------------------------------------------------------------------------------------- summary
@@ -146,7 +98,8 @@ class WriteSummary:
     skipped: dict[str, int]        # {reason: samples skipped}
     normalized: dict[str, int]     # {change: images changed}
     reencoded: int                 # images stored in other bytes than their file's own
-    shard_bytes: dict[str, int] = field(default_factory=dict)  # {shard: file size}, for the rerun check
+    # {shard: file size}, for the rerun check
+    shard_bytes: dict[str, int] = field(default_factory=dict)
     already_complete: bool = False
     seconds: float = 0.0
     classnames_note: str | None = None  # printed above `line()`: where the class names came from
@@ -166,9 +119,10 @@ class WriteSummary:
             parts.append(f"{self.reencoded} images re-encoded{_reasons(self.normalized)}")
         parts.append(f"skipped {sum(self.skipped.values())}{_reasons(self.skipped)}")
         if self.already_complete:  # what the write that made them did, not this run
-            return (f"{self.split_dir} already holds these {self.samples} samples in {shards}; nothing written "
-                    f"(when they were written: {'; '.join(parts)})")
-        return "; ".join([f"written {self.samples} samples in {shards} to {self.split_dir}", *parts])
+            return (f"{self.split_dir} already holds these {self.samples} samples in {shards}; "
+                    f"nothing written (when they were written: {'; '.join(parts)})")
+        return "; ".join([f"written {self.samples} samples in {shards} to {self.split_dir}",
+                          *parts])
 
 
 def _reasons(counts: dict[str, int]) -> str:
@@ -178,7 +132,8 @@ def _reasons(counts: dict[str, int]) -> str:
 
 # ---------------------------------------------------------------------------------------- writing
 
-def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOptions = WriteOptions(),
+def write_folder_shards(src: str | Path, out_dir: str | Path,
+                        options: WriteOptions = WriteOptions(),
                         layout: str = "auto", progress: bool = False, overwrite: bool = False,
                         caption_templates: Sequence[str] | None = None, class_names: str = "auto",
                         workers: int = 1, *,
@@ -198,7 +153,8 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     options' `split` is "split".
     """
     # With out_dir the source folder itself, the split folder written into it must not be read back.
-    exclude = Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve() else out_dir
+    exclude = (Path(out_dir) / options.split if Path(out_dir).resolve() == Path(src).resolve()
+               else out_dir)
     listing = list_folder(src, layout, exclude=exclude, caption_templates=caption_templates,
                           class_names=class_names, setting_names=setting_names)
     # class_names is not an argument: like the templates, other names rewrite this source's split
@@ -210,11 +166,11 @@ def write_folder_shards(src: str | Path, out_dir: str | Path, options: WriteOpti
     return summary
 
 
-def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, caption_col: str | None,
-                       options: WriteOptions = WriteOptions(), key_col: str | None = None,
-                       progress: bool = False, overwrite: bool = False, root: str | Path | None = None,
-                       class_col: str | None = None, classnames_file: str | Path | None = None,
-                       workers: int = 1, *,
+def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str,
+                       caption_col: str | None, options: WriteOptions = WriteOptions(),
+                       key_col: str | None = None, progress: bool = False, overwrite: bool = False,
+                       root: str | Path | None = None, class_col: str | None = None,
+                       classnames_file: str | Path | None = None, workers: int = 1, *,
                        setting_names: Mapping[str, str] | None = None) -> WriteSummary:
     """Write the rows of a CSV / TSV / JSONL / Parquet table as `out_dir/{split}/` shards.
 
@@ -228,7 +184,8 @@ def write_table_shards(table: str | Path, out_dir: str | Path, image_col: str, c
                          setting_names=setting_names)
     arguments = {"source": "table", "path": str(Path(table).resolve()), "image_col": image_col,
                  "caption_col": caption_col, "key_col": key_col}
-    if class_col is not None:  # the file's names are in the manifest's classnames: other names rewrite
+    # the file's names are in the manifest's classnames: other names rewrite
+    if class_col is not None:
         arguments["class_col"] = class_col
     if root is not None:
         arguments["root"] = str(Path(root).resolve())
@@ -255,10 +212,13 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         raise UserError(f"workers must be at least 1, got {workers}")
     split_dir = out_dir / options.split
     manifest = {"format": _FORMAT_VERSION, "pillow": PIL.__version__, "arguments": arguments,
-                "options": asdict(options), "inputs": listing.fingerprint, "classnames": listing.classnames}
-    if listing.templates is not None:  # like the options, not the arguments: other templates rewrite the split
+                "options": asdict(options), "inputs": listing.fingerprint,
+                "classnames": listing.classnames}
+    # like the options, not the arguments: other templates rewrite the split
+    if listing.templates is not None:
         manifest["caption_templates"] = listing.templates
-    if listing.classnames is not None:  # labelled: shuffled, so a split written in path order is rewritten
+    # labelled: shuffled, so a split written in path order is rewritten
+    if listing.classnames is not None:
         manifest["order"] = "shuffled"
     finished = _finished_summary(split_dir, manifest)
     if finished is not None:
@@ -284,28 +244,32 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         if finished is not None:
             finished.seconds = round(time.perf_counter() - start, 3)
             return finished
-        other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments, listing.classnames,
-                                                overwrite, names)
+        other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments,
+                                                listing.classnames, overwrite, names)
         counter, tally = listing.counter, ImageTally()
 
         def write(target: Path) -> WriteSummary:
             target.mkdir(parents=True, exist_ok=True)
             resume = _resume_point(target, manifest)
-            # Before any shard: tells a rerun that these shards are this source's (an interrupted run
-            # is resumed, not refused). Without its "summary" it does not mark the split complete.
+            # Before any shard: tells a rerun that these shards are this source's (an interrupted
+            # run is resumed, not refused). Without its "summary" it does not mark the split
+            # complete.
             write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
             first = resume["next"] if resume else 0
-            listed = collections.Counter(counter.counts)  # found listing: counted again by every run
+            # found listing: counted again by every run
+            listed = collections.Counter(counter.counts)
             if resume:
                 counter.counts.update(resume["skipped"])
                 tally.changes.update(resume["changes"])
                 tally.reencoded += resume["reencoded"]
-                logger.info("%s: resuming after its %d finished shards", split_dir, len(resume["shards"]))
-            taken = [first]  # candidates taken so far, and the counts before the last one was applied
+                logger.info("%s: resuming after its %d finished shards", split_dir,
+                            len(resume["shards"]))
+            # candidates taken so far, and the counts before the last one was applied
+            taken = [first]
             before = [_progress({}, first, counter.counts - listed, tally)]
             processes = min(workers, len(listing.candidates) - first) or 1
-            with tqdm(total=len(listing.candidates), initial=first, desc=f"shards {split_dir}", unit="img",
-                      disable=not progress) as bar:
+            with tqdm(total=len(listing.candidates), initial=first, desc=f"shards {split_dir}",
+                      unit="img", disable=not progress) as bar:
                 def done(count: int) -> None:
                     before[0] = _progress({}, taken[0], counter.counts - listed, tally)
                     taken[0] += count
@@ -316,14 +280,15 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
                 def shard_done(shards: dict[str, int], last: bool) -> None:
                     if last:  # the summary comes next; a kill before it redoes the last shard
                         return
-                    # Closed mid-stream: the sample being written (the last taken) starts the next shard, so
-                    # a resume takes it again, with the counts from before it.
+                    # Closed mid-stream: the sample being written (the last taken) starts the next
+                    # shard, so a resume takes it again, with the counts from before it.
                     record = {**before[0], "shards": shards,
                               "bytes": {name: (target / name).stat().st_size for name in shards}}
                     write_text_atomic(target / PROGRESS_FILE, json.dumps(record) + "\n")
 
-                samples = encoded_samples(listing.candidates[first:], options.image_format, options.max_size,
-                                          counter, tally, workers=processes, done=done)
+                samples = encoded_samples(listing.candidates[first:], options.image_format,
+                                          options.max_size, counter, tally,
+                                          workers=processes, done=done)
                 sizes = write_split(samples, target.parent, target.name,
                                     samples_per_shard=options.samples_per_shard,
                                     max_bytes=options.max_shard_bytes, keep_keys=True,
@@ -331,13 +296,16 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             (target / PROGRESS_FILE).unlink(missing_ok=True)
             skipped = dict(sorted(counter.counts.items()))
             if sum(sizes.values()) == 0:
-                raise UserError(f"no sample of {source_name} could be written: skipped {sum(skipped.values())}"
-                                f"{_reasons(skipped)}; fix the source and rerun")
-            summary = WriteSummary(str(split_dir), sizes, skipped, dict(sorted(tally.changes.items())), tally.reencoded,
+                raise UserError(f"no sample of {source_name} could be written: skipped "
+                                f"{sum(skipped.values())}{_reasons(skipped)}; "
+                                "fix the source and rerun")
+            summary = WriteSummary(str(split_dir), sizes, skipped,
+                                   dict(sorted(tally.changes.items())), tally.reencoded,
                                    {name: (target / name).stat().st_size for name in sizes})
             recorded = {k: v for k, v in asdict(summary).items()
                         if k not in ("already_complete", "seconds", "classnames_note")}
-            write_text_atomic(target / MANIFEST_FILE, json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
+            write_text_atomic(target / MANIFEST_FILE,
+                              json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
             return summary
 
         # Still under the lock: the checks above hold only while nobody else writes.
@@ -351,7 +319,8 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
         else:
             summary = write(split_dir)
         if listing.classnames is not None:
-            write_text_atomic(out_dir / CLASSNAMES_FILE, "".join(f"{name}\n" for name in listing.classnames))
+            write_text_atomic(out_dir / CLASSNAMES_FILE,
+                              "".join(f"{name}\n" for name in listing.classnames))
         if listing.templates is not None:
             _write_templates(out_dir, listing.templates)
         summary.seconds = round(time.perf_counter() - start, 3)
@@ -360,15 +329,16 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
 
 def _progress(shards: dict[str, int], next_candidate: int, skipped: collections.Counter,
               tally: ImageTally) -> dict:
-    """What a resume needs: the shards in place, the candidate the next shard starts at, and what encoding
-    the candidates before it counted (skips, image changes)."""
-    return {"shards": shards, "next": next_candidate, "skipped": dict(skipped), "changes": dict(tally.changes),
-            "reencoded": tally.reencoded}
+    """What a resume needs: the shards in place, the candidate the next shard starts at, and what
+    encoding the candidates before it counted (skips, image changes)."""
+    return {"shards": shards, "next": next_candidate, "skipped": dict(skipped),
+            "changes": dict(tally.changes), "reencoded": tally.reencoded}
 
 
 def _resume_point(split_dir: Path, manifest: dict) -> dict | None:
-    """The progress an interrupted write of this same `manifest` (the same inputs and options) left in
-    `split_dir`, when every shard it records is in place, at its recorded size; None: write it all."""
+    """The progress an interrupted write of this same `manifest` (the same inputs and options) left
+    in `split_dir`, when every shard it records is in place, at its recorded size; None: write it
+    all."""
     try:
         written = json.loads((split_dir / MANIFEST_FILE).read_text())
         record = json.loads((split_dir / PROGRESS_FILE).read_text())
@@ -394,16 +364,17 @@ def _write_templates(out_dir: Path, templates: list[str]) -> None:
     except (OSError, ValueError):
         existing = None
     if existing is not None and existing != templates:
-        logger.warning("%s held %d other templates; replaced by the %d caption templates of this split",
+        logger.warning("%s held %d other templates; "
+                       "replaced by the %d caption templates of this split",
                        out_dir / TEMPLATES_FILE, len(existing), len(templates))
     write_text_atomic(out_dir / TEMPLATES_FILE, "".join(f"{template}\n" for template in templates))
 
 
-def _check_split_free(out_dir: Path, split_dir: Path, split: str, arguments: dict, classnames: list[str] | None,
-                      overwrite: bool, names: Mapping[str, str] | None
-                      ) -> tuple[str | None, list[str]]:
-    """Refuse a split holding other data (without `overwrite`) or other class names than the dataset's
-    other splits; returns (what the split holds, the other splits)."""
+def _check_split_free(out_dir: Path, split_dir: Path, split: str, arguments: dict,
+                      classnames: list[str] | None, overwrite: bool,
+                      names: Mapping[str, str] | None) -> tuple[str | None, list[str]]:
+    """Refuse a split holding other data (without `overwrite`) or other class names than the
+    dataset's other splits; returns (what the split holds, the other splits)."""
     other = other_split_data(split_dir, lambda written: written.get("arguments") == arguments)
     if other and not overwrite:
         raise UserError(f"{split_dir} already holds {other}; pass "
@@ -439,7 +410,8 @@ def other_split_data(split_dir: Path, is_own: Callable[[dict], bool]) -> str | N
             source = json.loads((split_dir.parent / MANIFEST_FILE).read_text()).get("dataset")
         except (OSError, ValueError, AttributeError):
             pass
-    return f"{samples} of {source}" if isinstance(source, str) else f"{samples} written from another source"
+    return (f"{samples} of {source}" if isinstance(source, str)
+            else f"{samples} written from another source")
 
 
 def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
@@ -447,14 +419,17 @@ def _finished_summary(split_dir: Path, manifest: dict) -> WriteSummary | None:
     try:
         written = json.loads((split_dir / MANIFEST_FILE).read_text())
         recorded = written.pop("summary")
-        if written != manifest or json.loads((split_dir / SIZES_FILE).read_text()) != recorded["sizes"]:
+        if (written != manifest
+                or json.loads((split_dir / SIZES_FILE).read_text()) != recorded["sizes"]):
             return None
         if (split_dir / NSHARDS_FILE).read_text().strip() != str(len(recorded["sizes"])):
             return None
-        if any((split_dir / name).stat().st_size != nbytes for name, nbytes in recorded["shard_bytes"].items()):
+        if any((split_dir / name).stat().st_size != nbytes
+               for name, nbytes in recorded["shard_bytes"].items()):
             return None
         classnames = manifest["classnames"]
-        if classnames is not None and not same_classnames(split_dir.parent / CLASSNAMES_FILE, classnames):
+        if (classnames is not None
+                and not same_classnames(split_dir.parent / CLASSNAMES_FILE, classnames)):
             return None
         templates = manifest.get("caption_templates")
         if templates is not None and read_lines(split_dir.parent / TEMPLATES_FILE) != templates:
@@ -473,6 +448,6 @@ def _check_classnames(out_dir: Path, split: str, classnames: list[str] | None,
     if others:
         existing = len(read_lines(out_dir / CLASSNAMES_FILE) or [])
         raise UserError(f"{out_dir / CLASSNAMES_FILE} lists {existing} classes for the split(s) "
-                        f"{', '.join(others)}, but this folder has {len(classnames)} other ones; give every "
-                        "split the same class folders, or write to another "
+                        f"{', '.join(others)}, but this folder has {len(classnames)} other ones; "
+                        "give every split the same class folders, or write to another "
                         f"{setting(names, 'out_dir')}")

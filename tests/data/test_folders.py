@@ -19,7 +19,8 @@ from lit_softmoe.data.class_split import iter_class_samples
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist
 from lit_softmoe.data.folders import list_folder
 from lit_softmoe.data.shards import read_classnames, read_lines, shard_urls
-from lit_softmoe.data.writers import WriteOptions, write_folder_shards
+from lit_softmoe.data.write_options import WriteOptions
+from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES, benchmark_info, imagenet_wnids
 

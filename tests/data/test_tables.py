@@ -13,7 +13,8 @@ from evalkit import foolbox_images, needs_foolbox
 from lit_softmoe.cli import main
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.shards import read_classnames
-from lit_softmoe.data.writers import WriteOptions, write_table_shards
+from lit_softmoe.data.write_options import WriteOptions
+from lit_softmoe.data.writers import write_table_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.readers import read_wds
 from lit_softmoe.metadata import benchmark_info

@@ -26,7 +26,8 @@ from lit_softmoe.data import sample_encoding, writers
 from lit_softmoe.data.class_split import load_class_split
 from lit_softmoe.data.fashion_mnist import find_fashion_mnist
 from lit_softmoe.data.shards import read_classnames
-from lit_softmoe.data.writers import WriteOptions, parse_byte_size, write_folder_shards
+from lit_softmoe.data.write_options import WriteOptions, parse_byte_size
+from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.errors import UserError
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.utils.locks import folder_lock

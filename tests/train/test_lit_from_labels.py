@@ -11,7 +11,8 @@ from lit_data import PREPROCESS, lit_config
 from lit_softmoe.data.captions import load_caption_templates
 from lit_softmoe.data.fashion_mnist import read_fashion_mnist
 from lit_softmoe.data.shards import read_lines
-from lit_softmoe.data.writers import WriteOptions, write_folder_shards
+from lit_softmoe.data.write_options import WriteOptions
+from lit_softmoe.data.writers import write_folder_shards
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
