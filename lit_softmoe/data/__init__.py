@@ -3,10 +3,10 @@ cache's format.
 
 - Shards on disk: their layout and metadata files (`shards`), reading tars and counting what is bad
   in them (`tar_reading`), one sample's fields and how each decodes (`samples`).
-- Writing shards: from image folders and tables (`writers`; what a folder or table holds:
-  `listing`, `folders`, `tables`, `table_classes`, `imagenet_folders`), a listed candidate turned
-  into a sample (`sample_encoding`), captions from class names (`captions`), Fashion-MNIST
-  (`fashion_mnist`).
+- Writing shards: from image folders and tables (`writers`, its options `write_options`; what a
+  folder or table holds: `listing`, `folders`, `tables`, `table_classes`, `imagenet_folders`), a
+  listed candidate turned into a sample (`sample_encoding`), captions from class names
+  (`captions`), Fashion-MNIST (`fashion_mnist`).
 - Images and pixels: decoding and re-encoding image files (`images`), preprocessing and batch
   augmentation (`transforms`), JPEGs decoded on the GPU (`gpu_jpeg`).
 - Reading for training: the streaming loader (`pipelines`, each worker's stream `shard_stream`),

@@ -101,7 +101,8 @@ def encoded_samples(candidates: Iterable[Candidate], image_format: str, max_size
                     counter: BadSampleCounter, tally: ImageTally, workers: int = 1,
                     done: Callable[[int], None] | None = None) -> Iterator[dict[str, Any]]:
     """The samples to write for `candidates`, in their order; the skipped ones counted in `counter`,
-    the images' changes in `tally`. `image_format` and `max_size`: as in `writers.WriteOptions`.
+    the images' changes in `tally`. `image_format` and `max_size`: as in
+    `write_options.WriteOptions`.
 
     `workers` > 1: candidates are read, decoded, resized and encoded in that many processes, a
     window of them at a time (two windows in flight, so memory stays flat however many there are),
