@@ -1,5 +1,5 @@
 """The training commands' memory on the command line: `--plan` (and the GPUs it plans for), and
-what a run that runs out of memory is told. `lit_softmoe.cli` adds these options to `pretrain`
+what a run that runs out of memory is told. `lit_softmoe.cli_parser` adds these options to `pretrain`
 and `train`."""
 from __future__ import annotations
 
