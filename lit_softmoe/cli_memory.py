@@ -1,6 +1,6 @@
 """The training commands' memory on the command line: `--plan` (and the GPUs it plans for), and
-what a run that runs out of memory is told. `lit_softmoe.cli_parser` adds these options to `pretrain`
-and `train`."""
+what a run that runs out of memory is told. `lit_softmoe.cli_parser` adds these options to
+`pretrain` and `train`."""
 from __future__ import annotations
 
 import argparse
