@@ -1,5 +1,5 @@
-"""Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in the experiment trackers
-(`log_with`: TensorBoard by default, through accelerate), PNG curves.
+"""Run metrics: one JSON line per record in `metrics.jsonl`, the same scalars in the experiment
+trackers (`log_with`: TensorBoard by default, through accelerate), PNG curves.
 
 metrics.jsonl is the record the toolkit reads back (curves.png, resume, tests); the trackers get a
 copy of each record's numbers. Only the main process writes. On resume, records past the resumed
@@ -33,13 +33,14 @@ def _parse_records(path: Path) -> list[dict]:
             if number < len(lines):
                 raise UserError(f"{path} line {number} is not JSON ({line[:60]!r}); "
                                 "fix or delete that line") from None
-            logger.warning("%s: dropping its torn last line %r (a run killed while logging)", path, line[:60])
+            logger.warning("%s: dropping its torn last line %r (a run killed while logging)", path,
+                           line[:60])
     return records
 
 
 class RunLogger:
-    """Appends records to RUN/metrics.jsonl and sends their numbers to `accelerator`'s trackers (those
-    `init_trackers` started; none without an accelerator)."""
+    """Appends records to RUN/metrics.jsonl and sends their numbers to `accelerator`'s trackers
+    (those `init_trackers` started; none without an accelerator)."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, accelerator=None):
         self.run_dir = Path(run_dir)
@@ -69,17 +70,20 @@ class RunLogger:
         self.send_to_trackers(record)
 
     def send_to_trackers(self, record: dict) -> None:
-        """The record's numbers to the trackers, at its step (a record without one has no place on a curve)."""
+        """The record's numbers to the trackers, at its step (a record without one has no place on a
+        curve)."""
         if self._accelerator is None or not self._accelerator.trackers or "step" not in record:
             return
         numbers = {key: value for key, value in record.items()
-                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+                   if key != "step" and isinstance(value, (int, float))
+                   and not isinstance(value, bool)}
         if numbers:
             self._accelerator.log(numbers, step=record["step"])
 
     def close(self) -> None:
-        """Finish the trackers (flush and close their files or runs). Not `accelerator.end_training()`:
-        that also destroys the process group, which the recipe still waits on after this."""
+        """Finish the trackers (flush and close their files or runs). Not
+        `accelerator.end_training()`: that also destroys the process group, which the recipe still
+        waits on after this."""
         if self._accelerator is not None:
             for tracker in self._accelerator.trackers:
                 tracker.finish()
@@ -92,8 +96,10 @@ def read_metrics(path: str | Path) -> list[dict]:
     return _parse_records(path)
 
 
-def plot_curves(records: list[dict], out_png: str | Path, keys: tuple[str, ...], title: str = "") -> Path | None:
-    """One panel per metric in `keys` against step; returns the PNG path (None if nothing to plot)."""
+def plot_curves(records: list[dict], out_png: str | Path, keys: tuple[str, ...],
+                title: str = "") -> Path | None:
+    """One panel per metric in `keys` against step; returns the PNG path
+    (None if nothing to plot)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -104,7 +110,8 @@ def plot_curves(records: list[dict], out_png: str | Path, keys: tuple[str, ...],
     fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.4), squeeze=False)
     for ax, key in zip(axes[0], present):
         points = [(r["step"], r[key]) for r in records if key in r and "step" in r]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30 else None)
+        ax.plot([p[0] for p in points], [p[1] for p in points],
+                marker="." if len(points) < 30 else None)
         ax.set_xlabel("step")
         ax.set_title(key)
         ax.grid(alpha=0.3)

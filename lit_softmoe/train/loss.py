@@ -1,4 +1,5 @@
-"""Image–text losses over the global batch: CLIP's softmax contrastive loss and SigLIP's sigmoid loss.
+"""Image–text losses over the global batch: CLIP's softmax contrastive loss and SigLIP's sigmoid
+loss.
 
 - Softmax: CLIP (Radford et al., 2021), as LiT (Zhai et al., CVPR 2022) trains it — symmetric
   cross-entropy over the image→text and text→image similarity rows of the whole (all-device) batch.
@@ -23,7 +24,8 @@ from lit_softmoe.utils.distributed import in_process_group, rank_and_world_size
 
 
 def _world() -> tuple[int, int]:
-    """(rank, world_size) of the process group the features are gathered over; (0, 1) without one."""
+    """(rank, world_size) of the process group the features are gathered over; (0, 1) without
+    one."""
     return rank_and_world_size() if in_process_group() else (0, 1)
 
 
@@ -38,9 +40,10 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 class _GatherRows(torch.autograd.Function):
-    """all_gather with a backward (torch's `torch.distributed.nn.functional.all_gather` is deprecated, and its
-    replacement lives in a private module): every process computes a gradient for every gathered row, and a
-    process's own rows get the sum of them all. Runs on any backend (gloo has no reduce-scatter)."""
+    """all_gather with a backward (torch's `torch.distributed.nn.functional.all_gather` is
+    deprecated, and its replacement lives in a private module): every process computes a gradient
+    for every gathered row, and a process's own rows get the sum of them all. Runs on any backend
+    (gloo has no reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +54,8 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone(memory_format=torch.contiguous_format)  # (world_size·B, D), reduced in place
+        # (world_size·B, D), reduced in place
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad)  # summed over processes
         return grad.chunk(dist.get_world_size())[ctx.rank]
 
@@ -59,7 +63,8 @@ class _GatherRows(torch.autograd.Function):
 def _global_batch(zimg: torch.Tensor, ztxt: torch.Tensor, gather: bool):
     """→ (all images (N, D), all texts (N, D), index of this process's first row in them)."""
     if zimg.shape != ztxt.shape:
-        raise ValueError(f"image and text embeddings differ in shape: {tuple(zimg.shape)} vs {tuple(ztxt.shape)}")
+        raise ValueError(f"image and text embeddings differ in shape: {tuple(zimg.shape)} vs "
+                         f"{tuple(ztxt.shape)}")
     rank, world_size = _world() if gather else (0, 1)
     if world_size == 1:
         return zimg, ztxt, 0
@@ -69,24 +74,28 @@ def _global_batch(zimg: torch.Tensor, ztxt: torch.Tensor, gather: bool):
 def contrastive_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor,
                      gather: bool = True) -> torch.Tensor:
     """CLIP's symmetric softmax cross-entropy; zimg, ztxt (B, D) local, normalized; scalar loss.
-    `logit_scale` is the scale itself (`LiTModel(...)[2]`, the parameter `model.logit_scale` exp'd), as the
-    argument of open_clip's ClipLoss, so `contrastive_loss(*model(image, text))` works."""
+    `logit_scale` is the scale itself (`LiTModel(...)[2]`, the parameter `model.logit_scale` exp'd),
+    as the argument of open_clip's ClipLoss, so `contrastive_loss(*model(image, text))` works."""
     all_img, all_txt, offset = _global_batch(zimg, ztxt, gather)
     logits_per_image = logit_scale * zimg @ all_txt.T  # (B, N): my images vs every text
     logits_per_text = logit_scale * ztxt @ all_img.T  # (B, N): my texts vs every image
-    labels = offset + torch.arange(zimg.shape[0], device=zimg.device)  # my positives sit at rank·B + i
-    return 0.5 * (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels))
+    # my positives sit at rank·B + i
+    labels = offset + torch.arange(zimg.shape[0], device=zimg.device)
+    return 0.5 * (F.cross_entropy(logits_per_image, labels)
+                  + F.cross_entropy(logits_per_text, labels))
 
 
 def sigmoid_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor,
                  logit_bias: torch.Tensor, gather: bool = True) -> torch.Tensor:
-    """SigLIP's pairwise sigmoid loss; zimg, ztxt (B, D) local, normalized; scalar loss. `logit_scale` is
-    the scale itself, as in `contrastive_loss`: `sigmoid_loss(*model(image, text))`.
+    """SigLIP's pairwise sigmoid loss; zimg, ztxt (B, D) local, normalized; scalar loss.
+    `logit_scale` is the scale itself, as in `contrastive_loss`:
+    `sigmoid_loss(*model(image, text))`.
 
     Every pair enters once (my images × all texts), so only the texts need gathering.
     """
     if zimg.shape != ztxt.shape:
-        raise ValueError(f"image and text embeddings differ in shape: {tuple(zimg.shape)} vs {tuple(ztxt.shape)}")
+        raise ValueError(f"image and text embeddings differ in shape: {tuple(zimg.shape)} vs "
+                         f"{tuple(ztxt.shape)}")
     rank, world_size = _world() if gather else (0, 1)
     all_txt = gather_with_grad(ztxt) if world_size > 1 else ztxt  # (N, D)
     local_batch = zimg.shape[0]

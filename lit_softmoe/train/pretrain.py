@@ -6,22 +6,23 @@ checkpoint; train (this recipe's part of a step: `_step_functions`); save the to
 JSON for the LiT stage; evaluate it (test top-1 and the paper's 10-shot linear probe), adding the
 results to its JSON.
 
-Towers with the sparse baselines (Tokens Choice / Experts Choice, `lit_softmoe.nn.routers`) add their
-balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report the fraction of
-tokens no expert processed (`dropped_fraction`, in metrics.jsonl and results.json); Soft MoE and
+Towers with the sparse baselines (Tokens Choice / Experts Choice, `lit_softmoe.nn.routers`) add
+their balancing losses to the task loss (`aux_loss_weight`, V-MoE's 0.005) and report the fraction
+of tokens no expert processed (`dropped_fraction`, in metrics.jsonl and results.json); Soft MoE and
 dense towers have neither (0), so their training is unchanged.
 
 The training split is either decoded into memory once (small sets of one size: Fashion-MNIST is
 47 MB) or streamed from its shards by loader workers every epoch (any size, flat memory):
-`data.loader`, and `lit_softmoe.data.class_batches` for both. Either way every batch is a function of
-(seed, epoch, rank) and its position in the epoch, so a killed run resumed from its checkpoint
+`data.loader`, and `lit_softmoe.data.class_batches` for both. Either way every batch is a function
+of (seed, epoch, rank) and its position in the epoch, so a killed run resumed from its checkpoint
 replays exactly the batches the uninterrupted run would have seen. The test split and the few-shot
 probe's shots are read the way the training split is. A rerun into a run folder resumes only with
-the same config, up to `runtime.RESUMABLE_KEYS` (training length, frequencies, speed); another config
-there is refused, naming the keys that differ.
+the same config, up to `runtime.RESUMABLE_KEYS` (training length, frequencies, speed); another
+config there is refused, naming the keys that differ.
 
 `init_from=FOLDER` starts a fresh run from a tower folder's weights (`upcycle`'s, `convert`'s, an
-earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what is kept and checked.
+earlier run's) instead of a random init: `lit_softmoe.train.init_from` says what is kept and
+checked.
 """
 from __future__ import annotations
 
@@ -49,7 +50,12 @@ from lit_softmoe.models.tower_folder import save_tower, update_tower_meta
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.train.accumulation import split_batch
 from lit_softmoe.train.class_data import ClassData, fewshot_skip_reason, setup_class_data
-from lit_softmoe.train.init_from import check_unchanged, head_decision, load_init_weights, read_init_source
+from lit_softmoe.train.init_from import (
+    check_unchanged,
+    head_decision,
+    load_init_weights,
+    read_init_source,
+)
 from lit_softmoe.train.loop import (
     LogWindow,
     StepFunctions,
@@ -72,8 +78,8 @@ _log = logging.getLogger(__name__)
 def _validate_tower(cfg: PretrainConfig):
     """The tower's config, checked before any data is read (unknown names and options fail fast)."""
     if "num_classes" in cfg.tower.options:  # create_image_tower gets it from the class names below
-        raise UserError("tower.options.num_classes cannot be set: the head has one output per class name of "
-                        "data.train (its classnames.txt); leave the option out")
+        raise UserError("tower.options.num_classes cannot be set: the head has one output per "
+                        "class name of data.train (its classnames.txt); leave the option out")
     try:
         tower_cfg = image_tower_config(cfg.tower.name, **cfg.tower.options)
         # The layers' own checks (slots_per_expert, a capacity_factor that leaves an expert no
@@ -83,7 +89,8 @@ def _validate_tower(cfg: PretrainConfig):
                 block.mlp.capacity(tower_cfg.num_patches)
         return tower_cfg
     except (TypeError, ValueError) as err:  # e.g. a width that the number of heads does not divide
-        raise UserError(f"tower {cfg.tower.name!r} with options {dict(cfg.tower.options)}: {err}") from None
+        raise UserError(f"tower {cfg.tower.name!r} with options {dict(cfg.tower.options)}: "
+                        f"{err}") from None
 
 
 def _check_normalization(cfg: PretrainConfig, tower_cfg) -> None:
@@ -92,30 +99,36 @@ def _check_normalization(cfg: PretrainConfig, tower_cfg) -> None:
     mean, std, channels = list(cfg.data.mean), list(cfg.data.std), tower_cfg.in_channels
     if not mean and not std:
         return
-    example = f"data.mean=[{','.join(['0.5'] * channels)}] data.std=[{','.join(['0.25'] * channels)}]"
+    example = (f"data.mean=[{','.join(['0.5'] * channels)}] "
+               f"data.std=[{','.join(['0.25'] * channels)}]")
     if len(mean) != channels or len(std) != channels:
-        raise UserError(f"data.mean has {len(mean)} values and data.std {len(std)}, but tower {cfg.tower.name!r} takes "
-                        f"{channels}-channel images; give one value per channel (e.g. {example}), or set both to [] "
-                        "to compute them from the training images")
+        raise UserError(f"data.mean has {len(mean)} values and data.std {len(std)}, but tower "
+                        f"{cfg.tower.name!r} takes {channels}-channel images; give one value per "
+                        f"channel (e.g. {example}), or set both to [] to compute them from the "
+                        "training images")
     if min(std) <= 0:
-        raise UserError(f"data.std {std} holds a value ≤ 0 (pixels are divided by it); give positive values, or set "
-                        "data.mean=[] data.std=[] to compute them from the training images")
+        raise UserError(f"data.std {std} holds a value ≤ 0 (pixels are divided by it); give "
+                        "positive values, or set data.mean=[] data.std=[] to compute them from the "
+                        "training images")
 
 
 def _check_settings(cfg: PretrainConfig) -> None:
-    """Settings torch refuses only once training runs (a traceback after the data is read), checked first."""
+    """Settings torch refuses only once training runs (a traceback after the data is read), checked
+    first."""
     if not 0.0 <= cfg.label_smoothing <= 1.0:
         raise UserError(f"label_smoothing must be in [0, 1], got {cfg.label_smoothing}")
-    if cfg.label_smoothing and cfg.loss != "softmax":  # _loss_fn's sigmoid loss has none: it would be ignored
-        raise UserError(f"label_smoothing={cfg.label_smoothing:g} applies to loss=softmax only; set label_smoothing=0 "
-                        f"with loss={cfg.loss}")
+    # _loss_fn's sigmoid loss has none: it would be ignored
+    if cfg.label_smoothing and cfg.loss != "softmax":
+        raise UserError(f"label_smoothing={cfg.label_smoothing:g} applies to loss=softmax only; "
+                        f"set label_smoothing=0 with loss={cfg.loss}")
     check_optim_settings(cfg.optim)
 
 
 def _loss_fn(cfg: PretrainConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """labels: class indices (B,), or class probabilities (B, C) where mixup mixed the batch."""
     if cfg.loss == "sigmoid":
-        targets = labels.to(logits.dtype) if labels.ndim == 2 else F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+        targets = (labels.to(logits.dtype) if labels.ndim == 2
+                   else F.one_hot(labels, logits.shape[-1]).to(logits.dtype))
         # Summed over classes, averaged over examples: big_vision's sigmoid_xent.
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
     return F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
@@ -131,7 +144,8 @@ def _embed(tower, batches, normalize: BatchNormalize, accelerator, with_logits=T
         pixels = normalize(images.to(accelerator.device))
         with accelerator.autocast():
             tokens = tower.forward_features(pixels)  # (b, m, d)
-            features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())  # pooled (b, d)
+            # pooled (b, d)
+            features.append(tower.forward_head(tokens, pre_logits=True).float().cpu())
             if with_logits:
                 logits.append(tower.forward_head(tokens).float().cpu())
         labels.append(batch_labels)
@@ -157,11 +171,13 @@ def _batches_from(train: InMemoryClassBatches | StreamedClassBatches, run: Train
 
 
 def _test_top1(tower, data: ClassData, normalize: BatchNormalize, cfg, accelerator) -> float:
-    _, logits, labels, _ = _embed(tower, data.test_batches(cfg.eval_batch_size), normalize, accelerator)
+    _, logits, labels, _ = _embed(tower, data.test_batches(cfg.eval_batch_size), normalize,
+                                  accelerator)
     return (logits.argmax(1) == labels).float().mean().item()
 
 
-def _mixup(cfg: PretrainConfig, pixels: torch.Tensor, labels: torch.Tensor, num_classes: int, step: int, rank: int):
+def _mixup(cfg: PretrainConfig, pixels: torch.Tensor, labels: torch.Tensor, num_classes: int,
+           step: int, rank: int):
     """torchvision's MixUp on a normalized batch (one Beta(alpha, alpha) ratio, the batch mixed with
     itself rolled by one, as big_vision's mixup), its draw seeded with (seed, step, rank)."""
     with torch.random.fork_rng(devices=[]):
@@ -171,7 +187,8 @@ def _mixup(cfg: PretrainConfig, pixels: torch.Tensor, labels: torch.Tensor, num_
 
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train the tower of `cfg` on its class shards; returns the final metrics."""
-    check_run_dir(cfg.run_dir, "tower")  # a file, a dataset there, a read-only parent: one line, now
+    # a file, a dataset there, a read-only parent: one line, now
+    check_run_dir(cfg.run_dir, "tower")
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _pretrain(cfg)
 
@@ -210,11 +227,12 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if compiled:
         tower = torch.compile(tower)  # shares parameters with the module we save
     open_run(run)
-    accelerator.print(f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
-                      f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
-                      f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
-                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
-                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+    accelerator.print(
+        f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
+        f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
+        f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+        f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
+        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
     # The open logging window and the dropped-token totals are part of the checkpoint: a resumed
@@ -226,7 +244,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     routing = _RoutingStats(checkpoint_meta, window, accelerator.device)
     # The preprocessing the saved tower records; uint8 batches are normalized on the device.
     channels = tower_cfg.in_channels
-    normalize = BatchNormalize(Preprocess(tower_cfg.image_size, channels, per_channel(data.mean, channels),
+    normalize = BatchNormalize(Preprocess(tower_cfg.image_size, channels,
+                                          per_channel(data.mean, channels),
                                           per_channel(data.std, channels), cfg.data.decode))
     steps = _step_functions(cfg, run, tower, tower_module, data, normalize, routing, init_record,
                             is_moe=bool(tower_cfg.moe_layers))
@@ -248,8 +267,8 @@ def _setup_data(cfg: PretrainConfig, run: TrainingRun, resuming: bool) -> tuple:
     accelerator = run.accelerator
     tower_cfg = _validate_tower(cfg)
     _check_normalization(cfg, tower_cfg)
-    source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options, tower_cfg, resuming) \
-        if cfg.init_from else None
+    source = read_init_source(cfg.init_from, cfg.run_dir, cfg.tower.name, cfg.tower.options,
+                              tower_cfg, resuming) if cfg.init_from else None
     # The batch splits evenly over processes and micro-batches, or one line says why not.
     micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
     data = setup_class_data(cfg, tower_cfg, accelerator.process_index, accelerator.num_processes)
@@ -265,8 +284,9 @@ def _setup_tower(cfg: PretrainConfig, run: TrainingRun, tower_cfg, data: ClassDa
     """(the tower, random or init_from's weights, sharded where the run is; its parameter count)."""
     accelerator = run.accelerator
     torch.manual_seed(cfg.seed)
-    # Sharded, the main process alone makes the weights (the others build the tower on the meta device,
-    # no memory), and `shard_tower` sends each process its shards: a host holds one tower, not one per GPU.
+    # Sharded, the main process alone makes the weights (the others build the tower on the meta
+    # device, no memory), and `shard_tower` sends each process its shards: a host holds one tower,
+    # not one per GPU.
     weights_here = run.is_main or not run.sharded
     tower = create_image_tower(cfg.tower.name, num_classes=len(data.classnames),
                                device=None if weights_here else "meta", **cfg.tower.options)
@@ -275,8 +295,9 @@ def _setup_tower(cfg: PretrainConfig, run: TrainingRun, tower_cfg, data: ClassDa
         if weights_here:
             load_init_weights(tower, source, keep_head)
         source["head"] = "kept" if keep_head else "replaced"
-        accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head {source['head']} ({why}); "
-                          "inputs normalized with its preprocess mean and std")
+        accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head "
+                          f"{source['head']} ({why}); inputs normalized with its preprocess mean "
+                          "and std")
     num_params = sum(p.numel() for p in tower.parameters())
     tower.set_grad_checkpointing(cfg.grad_checkpointing)
     if run.sharded:  # before the optimizer, which then holds (and updates) the shards
@@ -322,8 +343,8 @@ def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, 
         if cfg.data.mixup:
             pixels, labels = _mixup(cfg, pixels, labels, len(data.classnames), run.step,
                                     accelerator.process_index)
-        # accum_steps micro-batches, each loss / accum_steps: their gradients add up to the whole batch's
-        # (mixup above mixed the whole batch, as without them).
+        # accum_steps micro-batches, each loss / accum_steps: their gradients add up to the whole
+        # batch's (mixup above mixed the whole batch, as without them).
         loss = 0.0
         micro_batches = split_batch((pixels, labels), cfg.accum_steps)
         for index, (micro_pixels, micro_labels) in enumerate(micro_batches):
@@ -331,7 +352,8 @@ def _step_functions(cfg: PretrainConfig, run: TrainingRun, tower, tower_module, 
             with contextlib.nullcontext() if last else no_sync():
                 with accelerator.autocast():
                     micro_loss = _loss_fn(cfg, tower(micro_pixels), micro_labels)
-                    # The sparse layers' balancing losses from this forward (a zero tensor for other towers).
+                    # The sparse layers' balancing losses from this forward (a zero tensor for other
+                    # towers).
                     aux_loss = tower_module.moe_aux_loss()
                     micro_loss = (micro_loss + cfg.aux_loss_weight * aux_loss) / cfg.accum_steps
                 accelerator.backward(micro_loss)
@@ -388,8 +410,8 @@ def _save_and_evaluate(cfg: PretrainConfig, run: TrainingRun, tower_module, data
     pretrain_meta = {"config": str(run.run_dir / "config.yaml"), **results}
     save_tower(run.run_dir / "tower", tower_module, extra={
         "classnames": data.classnames,
-        "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean, "std": data.std,
-                       "decode": cfg.data.decode},
+        "preprocess": {"image_size": tower_module.cfg.image_size, "mean": data.mean,
+                       "std": data.std, "decode": cfg.data.decode},
         "pretrain": pretrain_meta,
     })
     eval_tic = time.perf_counter()

@@ -1,23 +1,24 @@
 """A sharded training state on disk (`sharding: fsdp`): every process writes its own shards.
 
     RUN/checkpoints/step_00000500/
-        state.rank0-of-2.safetensors   process 0's pieces: model.<name>, optim.<name>.<moment>, rng.cpu, rng.cuda
+        state.rank0-of-2.safetensors   process 0's pieces: model.<name>, optim.<name>.<moment>,
+                                       rng.cpu, rng.cuda
         state.rank1-of-2.safetensors   process 1's
-        state.json                     as an unsharded checkpoint's (the step, the optimizer's groups, what the
-                                       recipe adds), plus "processes"
+        state.json                     as an unsharded checkpoint's (the step, the optimizer's
+                                       groups, what the recipe adds), plus "processes"
 
-Frozen parameters (LiT's locked image tower) are left out, as an unsharded checkpoint leaves them out:
-no step changes them, and the run rebuilds them from where they came from (the tower folder, whose
-weights identity the run checks on resume).
+Frozen parameters (LiT's locked image tower) are left out, as an unsharded checkpoint leaves them
+out: no step changes them, and the run rebuilds them from where they came from (the tower folder,
+whose weights identity the run checks on resume).
 
 The tensors are each process's local pieces of the sharded parameters and AdamW moments, named as
 PyTorch's distributed state-dict API names them (`get_model_state_dict`, `get_optimizer_state_dict`:
-by parameter name) and put back through it (`set_state_dict`). Safetensors and JSON, nothing pickled,
-as `checkpoint`'s unsharded state. torch.distributed.checkpoint's own files (`dcp.save`) were not
-taken: their `.metadata` index is a pickle and non-tensor values (the optimizer's groups) are
-torch.save'd; and what they add, loading onto another number of processes, would not resume the same
-run (batches, augmentation and mixup draws depend on the process and their number). A checkpoint of
-N processes resumes on N; another number is refused in one line.
+by parameter name) and put back through it (`set_state_dict`). Safetensors and JSON, nothing
+pickled, as `checkpoint`'s unsharded state. torch.distributed.checkpoint's own files (`dcp.save`)
+were not taken: their `.metadata` index is a pickle and non-tensor values (the optimizer's groups)
+are torch.save'd; and what they add, loading onto another number of processes, would not resume the
+same run (batches, augmentation and mixup draws depend on the process and their number). A
+checkpoint of N processes resumes on N; another number is refused in one line.
 
 The guarantees are the unsharded checkpoint's. Atomic: the main process makes the temporary folder
 (`write_folder_atomically`) and names it to the others; each writes its file there; once every file
@@ -64,13 +65,14 @@ def shard_file(rank: int, world_size: int) -> str:
 def _local(value: torch.Tensor) -> torch.Tensor:
     """This process's piece of a sharded tensor; a replicated one (AdamW's step count) whole."""
     value = value.to_local() if isinstance(value, DTensor) else torch.as_tensor(value)
-    return value.detach().contiguous().cpu().clone()  # safetensors refuses shared or strided storage
+    # safetensors refuses shared or strided storage
+    return value.detach().contiguous().cpu().clone()
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """{"model.<name>": tensor, "optim.<name>.<moment>": tensor} as DTensors and step counts, and the
-    optimizer's groups (parameters by name); frozen parameters left out. On a fresh optimizer the API
-    first makes the moments (a step at lr 0)."""
+    """{"model.<name>": tensor, "optim.<name>.<moment>": tensor} as DTensors and step counts, and
+    the optimizer's groups (parameters by name); frozen parameters left out. On a fresh optimizer
+    the API first makes the moments (a step at lr 0)."""
     model_state = get_model_state_dict(model, options=_TRAINED_ONLY)
     optim_state = get_optimizer_state_dict(model, optimizer)
     tensors = {f"model.{name}": value for name, value in model_state.items()}
@@ -79,10 +81,10 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return tensors, optim_state["param_groups"]
 
 
-def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       meta: dict | None = None) -> Path:
-    """Collective (every process calls it): the sharded model, its AdamW moments and each process's RNG
-    at `step`, written atomically into `ckpt_dir`."""
+def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer, meta: dict | None = None) -> Path:
+    """Collective (every process calls it): the sharded model, its AdamW moments and each process's
+    RNG at `step`, written atomically into `ckpt_dir`."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sharded, param_groups = _sharded_state(model, optimizer)
     tensors = {name: _local(value) for name, value in sharded.items()}
@@ -110,40 +112,47 @@ def save_sharded_state(ckpt_dir: str | Path, step: int, model: torch.nn.Module, 
         named = [None, None]
         dist.broadcast_object_list(named, src=0)
         write_own(Path(named[0]), named[1])
-    dist.barrier()  # the folder has its final name before any process goes on (or prunes the old ones)
+    # the folder has its final name before any process goes on (or prunes the old ones)
+    dist.barrier()
     return Path(ckpt_dir)
 
 
 def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as the piece of a tensor sharded as `template` is."""
     if isinstance(template, DTensor):
-        return DTensor.from_local(local.to(template.device), template.device_mesh, template.placements,
-                                  run_check=False, shape=template.shape, stride=template.stride())
+        return DTensor.from_local(local.to(template.device), template.device_mesh,
+                                  template.placements, run_check=False, shape=template.shape,
+                                  stride=template.stride())
     return local.to(template.device)
 
 
 def _read_own(ckpt_dir: Path, model, optimizer) -> tuple[dict, dict, dict, dict]:
-    """(state.json, the model's sharded state, the optimizer's, the file's tensors) from this process's
-    file, checked whole before anything is restored; DamagedCheckpoint or UserError says what is wrong."""
+    """(state.json, the model's sharded state, the optimizer's, the file's tensors) from this
+    process's file, checked whole before anything is restored; DamagedCheckpoint or UserError says
+    what is wrong."""
     info = read_state_meta(ckpt_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if info.get("processes") != world_size:
-        raise UserError(f"{ckpt_dir} was written by {info.get('processes')} processes and this run has {world_size}; "
-                        f"resume it with {info.get('processes')} (each process's batches depend on their number), "
-                        "or start a new run_dir")
+        raise UserError(f"{ckpt_dir} was written by {info.get('processes')} processes and this run "
+                        f"has {world_size}; resume it with {info.get('processes')} (each process's "
+                        "batches depend on their number), or start a new run_dir")
     tensors = load_step_tensors(ckpt_dir / shard_file(rank, world_size), info, rank=rank)
     if "rng.cpu" not in tensors:
-        raise DamagedCheckpoint(f"{shard_file(rank, world_size)} holds no random number generator state")
+        raise DamagedCheckpoint(f"{shard_file(rank, world_size)} holds no random number generator "
+                                "state")
     templates, _ = _sharded_state(model, optimizer)
     wrong = sorted(set(templates) ^ (set(tensors) - {"rng.cpu", "rng.cuda"})) + [
         f"{name} {tuple(tensors[name].shape)} vs {tuple(_local(value).shape)}"
-        for name, value in templates.items() if name in tensors and tensors[name].shape != _local(value).shape]
+        for name, value in templates.items()
+        if name in tensors and tensors[name].shape != _local(value).shape]
     if wrong:
-        raise UserError(f"{ckpt_dir} holds the training state of another model ({', '.join(wrong[:3])}"
-                        f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}); resume with the run's own "
-                        "settings, or start a new run_dir")
+        raise UserError(f"{ckpt_dir} holds the training state of another model "
+                        f"({', '.join(wrong[:3])}"
+                        f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}); resume with "
+                        "the run's own settings, or start a new run_dir")
     restored = {name: _like(template, tensors[name]) for name, template in templates.items()}
-    model_state = {name[len("model."):]: value for name, value in restored.items() if name.startswith("model.")}
+    model_state = {name[len("model."):]: value for name, value in restored.items()
+                   if name.startswith("model.")}
     optim_state: dict[str, dict] = {}
     for name, value in restored.items():
         if name.startswith("optim."):
@@ -152,18 +161,19 @@ def _read_own(ckpt_dir: Path, model, optimizer) -> tuple[dict, dict, dict, dict]
     return info, model_state, {"state": optim_state, "param_groups": info["param_groups"]}, tensors
 
 
-def load_sharded_state(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_sharded_state(ckpt_dir: str | Path, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer,
                        skip_prefixes: tuple[str, ...] = ()) -> dict:
     """Collective: restore what `save_sharded_state` wrote; returns its state.json (with "step"). A
     checkpoint damaged on any process raises DamagedCheckpoint on every process before anything is
-    restored (`runtime.resume_state` then tries the one before, on all of them). `skip_prefixes`, the
-    parts an unsharded checkpoint leaves out, must name frozen parameters only: a sharded one leaves
-    every frozen parameter out."""
+    restored (`runtime.resume_state` then tries the one before, on all of them). `skip_prefixes`,
+    the parts an unsharded checkpoint leaves out, must name frozen parameters only: a sharded one
+    leaves every frozen parameter out."""
     trained = [name for name, param in model.named_parameters()
                if skip_prefixes and param.requires_grad and name.startswith(skip_prefixes)]
     if trained:
-        raise ValueError(f"skip_prefixes {skip_prefixes} name trained parameters ({trained[0]}, ...), which a "
-                         "sharded checkpoint holds")
+        raise ValueError(f"skip_prefixes {skip_prefixes} name trained parameters ({trained[0]}, "
+                         "...), which a sharded checkpoint holds")
     ckpt_dir = Path(ckpt_dir)
     try:
         info, model_state, optim_state, tensors = _read_own(ckpt_dir, model, optimizer)
@@ -175,7 +185,8 @@ def load_sharded_state(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: 
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         raise first
-    # Not strict: the frozen parameters are missing on purpose (`_read_own` checked every other name).
+    # Not strict: the frozen parameters are missing on purpose (`_read_own` checked every other
+    # name).
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(tensors["rng.cpu"])

@@ -1,4 +1,5 @@
-"""Sharded data parallelism (`sharding: fsdp`) for pretraining and LiT: PyTorch's FSDP2, `fully_shard`.
+"""Sharded data parallelism (`sharding: fsdp`) for pretraining and LiT: PyTorch's FSDP2,
+`fully_shard`.
 
 With N processes each one holds 1/N of every parameter, of its gradient and of its AdamW moments.
 A block's full weights exist only while it runs: FSDP all-gathers them before its forward and again
@@ -19,13 +20,13 @@ The parameters stay float32 and autocast casts the gathered weights, as in an un
 `sharded_checkpoint` saves and restores the sharded state; `gather_tower` gives the main process a
 plain tower with the full weights, for evaluation and the tower folder.
 
-LiT (`shard_lit_model`) shards what trains: the text tower's layers, the image tower's unlocked blocks,
-and at the root the rest (embeddings, final norms, heads, the scale and bias). The locked part of the
-image tower is left out (`ignored_params`): it has no gradients and no optimizer moments, the states
-sharding divides, and whole on every GPU it runs with no all-gather at all (its weights, in the dtype
-it runs in, are what the memory plan counts whole). The main process keeps a plain copy of the model
-(`plain_copy`, sharing that locked tower) into which `gather_into` puts the trained weights, for
-evaluation and the model folder.
+LiT (`shard_lit_model`) shards what trains: the text tower's layers, the image tower's unlocked
+blocks, and at the root the rest (embeddings, final norms, heads, the scale and bias). The locked
+part of the image tower is left out (`ignored_params`): it has no gradients and no optimizer
+moments, the states sharding divides, and whole on every GPU it runs with no all-gather at all (its
+weights, in the dtype it runs in, are what the memory plan counts whole). The main process keeps a
+plain copy of the model (`plain_copy`, sharing that locked tower) into which `gather_into` puts the
+trained weights, for evaluation and the model folder.
 """
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -46,31 +51,35 @@ from lit_softmoe.utils.distributed import in_process_group
 
 
 def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMAND") -> None:
-    """FSDP shards over the processes of a distributed launch: it needs the launch's process group, which
-    accelerate forms under torchrun and `accelerate launch --multi_gpu`, for one process too. Decided by
-    the group, not by the number of processes: `torchrun --nproc_per_node 1` is how a one-GPU machine runs
-    the sharded path and writes sharded checkpoints (its one shard is the whole tower); a process started
-    without a launcher has no group to shard over. `command`: the CLI command the launch lines name.
-    fp16's loss scaler is applied by the optimizer accelerate prepares; a sharded tower's optimizer is not prepared."""
+    """FSDP shards over the processes of a distributed launch: it needs the launch's process group,
+    which accelerate forms under torchrun and `accelerate launch --multi_gpu`, for one process too.
+    Decided by the group, not by the number of processes: `torchrun --nproc_per_node 1` is how a
+    one-GPU machine runs the sharded path and writes sharded checkpoints (its one shard is the whole
+    tower); a process started without a launcher has no group to shard over. `command`: the CLI
+    command the launch lines name. fp16's loss scaler is applied by the optimizer accelerate
+    prepares; a sharded tower's optimizer is not prepared."""
     if sharding == "fsdp" and precision == "fp16":
-        raise UserError("sharding=fsdp runs in bf16 or fp32, not fp16 (its loss scaler is not wired to sharded "
-                        "gradients); set precision=bf16 (GPUs of compute capability 8.0 or more) or precision=fp32")
+        raise UserError("sharding=fsdp runs in bf16 or fp32, not fp16 (its loss scaler is not "
+                        "wired to sharded gradients); set precision=bf16 (GPUs of compute "
+                        "capability 8.0 or more) or precision=fp32")
     if sharding == "fsdp" and not in_process_group():
-        raise UserError("sharding=fsdp shards the tower over the processes of a distributed launch, but this run "
-                        f"was not launched as one; launch it with `torchrun --nproc_per_node N -m lit_softmoe.cli "
-                        f"{command} ...` (N=1 included) or `accelerate launch --multi_gpu --num_processes N -m "
-                        f"lit_softmoe.cli {command} ...` (N of 2 or more), or set sharding=none")
+        raise UserError("sharding=fsdp shards the tower over the processes of a distributed "
+                        "launch, but this run was not launched as one; launch it with `torchrun "
+                        f"--nproc_per_node N -m lit_softmoe.cli {command} ...` (N=1 included) or "
+                        "`accelerate launch --multi_gpu --num_processes N -m lit_softmoe.cli "
+                        f"{command} ...` (N of 2 or more), or set sharding=none")
 
 
 def _scalars_as_vectors(module: nn.Module, keep: set[nn.Parameter] = frozenset()) -> None:
-    """Hold each 0-d parameter (Soft MoE's `scale`, LiT's logit scale and bias) but those in `keep` as a
-    (1,) one, in place: `fully_shard` shards dim 0 and refuses scalars. The forward broadcasts it to the
-    same values; `gather_tower` and `gather_into` give it back its 0-d shape, so saved folders keep
-    their format."""
+    """Hold each 0-d parameter (Soft MoE's `scale`, LiT's logit scale and bias) but those in `keep`
+    as a (1,) one, in place: `fully_shard` shards dim 0 and refuses scalars. The forward broadcasts
+    it to the same values; `gather_tower` and `gather_into` give it back its 0-d shape, so saved
+    folders keep their format."""
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if param.ndim == 0 and param not in keep:
-                setattr(owner, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+                setattr(owner, name, nn.Parameter(param.detach().reshape(1),
+                                                  requires_grad=param.requires_grad))
 
 
 def _mesh(device: torch.device):
@@ -78,19 +87,20 @@ def _mesh(device: torch.device):
 
 
 def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransformer:
-    """Shard `tower` in place over every process of the group (the sharded parameters are DTensors on
-    `device`); build its optimizer after this, on the sharded parameters.
+    """Shard `tower` in place over every process of the group (the sharded parameters are DTensors
+    on `device`); build its optimizer after this, on the sharded parameters.
 
     The main process's tower holds the weights; the others' may be on the meta device (built without
-    memory): each process's shards are then sent from the main process's weights (a broadcast, FSDP's
-    `broadcast_from_rank0`), so no process but the main one ever holds the whole tower."""
+    memory): each process's shards are then sent from the main process's weights (a broadcast,
+    FSDP's `broadcast_from_rank0`), so no process but the main one ever holds the whole tower."""
     mesh = _mesh(device)
     _scalars_as_vectors(tower)
     on_meta = [name for name, param in tower.named_parameters() if param.is_meta]
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, bool(on_meta))
     if dist.get_rank() == 0 and on_meta:
-        raise ValueError(f"the main process's tower must hold the weights, but {on_meta[0]} is on the meta device")
+        raise ValueError(f"the main process's tower must hold the weights, but {on_meta[0]} is on "
+                         "the meta device")
     full = tower.state_dict() if any(flags) and dist.get_rank() == 0 else {}  # the weights to send
     for block in tower.blocks:
         fully_shard(block, mesh=mesh)
@@ -98,25 +108,29 @@ def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransfo
     if any(flags):
         if on_meta:
             tower.to_empty(device=device)  # this process's shards, in memory, filled below
-        set_model_state_dict(tower, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(tower, full, options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=True))
     return tower
 
 
 def plain_copy(model: LiTModel) -> LiTModel:
-    """A deep copy of `model` made before it is sharded, sharing its locked image parameters (nothing of
-    a locked tower is copied): what `gather_into` fills with the trained weights."""
-    return copy.deepcopy(model, memo={id(param): param for param in model.locked_image_parameters().values()})
+    """A deep copy of `model` made before it is sharded, sharing its locked image parameters
+    (nothing of a locked tower is copied): what `gather_into` fills with the trained weights."""
+    return copy.deepcopy(model, memo={id(param): param
+                                      for param in model.locked_image_parameters().values()})
 
 
 def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
-    """Shard what trains in `model` in place over every process of the group: one unit per text layer and
-    per unlocked image block, the root for the rest; the locked image parameters stay whole (they must be
-    on `device` already). Build the optimizer after this, on the sharded parameters."""
+    """Shard what trains in `model` in place over every process of the group: one unit per text
+    layer and per unlocked image block, the root for the rest; the locked image parameters stay
+    whole (they must be on `device` already). Build the optimizer after this, on the sharded
+    parameters."""
     mesh = _mesh(device)
     locked = set(model.locked_image_parameters().values())  # whole on every process, never sharded
     _scalars_as_vectors(model, keep=locked)
     units = list(model.text_tower.blocks())
-    if model.unlocked_blocks:  # each unlocked block by the tower's own layer numbering: its modules, one unit
+    # each unlocked block by the tower's own layer numbering: its modules, one unit
+    if model.unlocked_blocks:
         layers = tower_layers(model.image_tower)
         units += [modules_of(model.image_tower, layers.block_parameters(i))
                   for i in range(-model.unlocked_blocks, 0)]
@@ -126,12 +140,14 @@ def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
     return model
 
 
-def gather_into(plain: nn.Module | None, model: nn.Module, frozen: bool = False) -> nn.Module | None:
+def gather_into(plain: nn.Module | None, model: nn.Module,
+                frozen: bool = False) -> nn.Module | None:
     """Collective (every process calls it): the main process's `plain` copy (`plain_copy`) gets the
-    sharded `model`'s current weights and is returned; the others pass and get None. Frozen parameters
-    are gathered only with `frozen`: they never change, and the copy holds them (or shares them)
-    already, but a check that they did not change needs the model's own."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not frozen)
+    sharded `model`'s current weights and is returned; the others pass and get None. Frozen
+    parameters are gathered only with `frozen`: they never change, and the copy holds them
+    (or shares them) already, but a check that they did not change needs the model's own."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                               ignore_frozen_params=not frozen)
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return None
@@ -143,13 +159,16 @@ def gather_into(plain: nn.Module | None, model: nn.Module, frozen: bool = False)
 
 
 def gather_tower(tower: VisionTransformer, device: torch.device) -> VisionTransformer | None:
-    """Collective (every process calls it): the main process gets a plain, unsharded copy of `tower` with
-    its full weights on `device`; the others get None. The sharded tower's forward would all-gather from
-    every process, so what the main process runs alone (evaluation, the tower folder) runs on the copy."""
-    state = get_model_state_dict(tower, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Collective (every process calls it): the main process gets a plain, unsharded copy of `tower`
+    with its full weights on `device`; the others get None. The sharded tower's forward would
+    all-gather from every process, so what the main process runs alone
+    (evaluation, the tower folder) runs on the copy."""
+    state = get_model_state_dict(tower, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
     if dist.get_rank() != 0:
         return None
     plain = VisionTransformer(tower.cfg, device="meta", global_pool=tower.global_pool)
     shapes = {name: value.shape for name, value in plain.state_dict().items()}
-    plain.load_state_dict({name: value.reshape(shapes[name]) for name, value in state.items()}, assign=True)
+    plain.load_state_dict({name: value.reshape(shapes[name]) for name, value in state.items()},
+                          assign=True)
     return plain.to(device).train(tower.training)

@@ -25,7 +25,7 @@ from lit_softmoe.export import export_pair
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.models.tower_layers import tower_layers
 from lit_softmoe.train.lit import train_lit
-from lit_softmoe.train.memory_plan import count_lit
+from lit_softmoe.train.model_count import count_lit
 from shared_builds import built_once
 from timm_families import TIMM_FAMILIES
 

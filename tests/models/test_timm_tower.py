@@ -147,7 +147,7 @@ def test_the_memory_plan_counts_a_timm_tower(cache, tmp_path):
     """`train --plan` on a timm tower: its weights are the locked bytes, its last block and final norm train."""
     from lit_softmoe.config import LiTConfig
     from lit_softmoe.config_loading import load_config
-    from lit_softmoe.train.memory_plan import count_lit
+    from lit_softmoe.train.model_count import count_lit
 
     reference = _checkpoint(tmp_path / "vit.safetensors")
     spec = f"timm:test_vit?file={tmp_path / 'vit.safetensors'}"

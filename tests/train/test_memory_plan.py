@@ -35,14 +35,16 @@ from lit_softmoe.train.memory_plan import (
     GPU_FILL,
     Levers,
     MemoryPlan,
+    levers_that_fit,
+    plan_memory,
+    plan_report,
+)
+from lit_softmoe.train.model_count import (
     ModelCount,
     _pooled_step,
     count_config,
     count_lit,
     count_pretrain,
-    levers_that_fit,
-    plan_memory,
-    plan_report,
 )
 from lit_softmoe.train.optim import create_optimizer
 from lit_softmoe.train.pretrain import _loss_fn as pretrain_loss
