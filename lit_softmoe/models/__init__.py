@@ -8,7 +8,8 @@ from lit_softmoe.models.registry import (
     register_image_tower,
 )
 from lit_softmoe.models.text import TextTower, TextTowerConfig, create_text_tower
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 __all__ = ["LiTModel", "TextTower", "TextTowerConfig", "ViTConfig", "VisionTransformer",
            "create_image_tower", "create_text_tower", "image_tower_config", "list_image_towers",

@@ -39,7 +39,8 @@ import torch
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import image_tower_config
 from lit_softmoe.models.tower_folder import key_problems
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 
 def _dense_t(kernel: np.ndarray) -> np.ndarray:

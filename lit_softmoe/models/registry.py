@@ -10,7 +10,8 @@ import difflib
 from dataclasses import fields, replace
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 
 class UnknownTowerError(UserError, KeyError):

@@ -20,7 +20,7 @@ import json
 from dataclasses import replace
 
 from lit_softmoe.models.preprocess import per_channel
-from lit_softmoe.models.vit import ViTConfig
+from lit_softmoe.models.vit_config import ViTConfig
 
 # vmoe's input pipelines (and timm's vit_* weights) map pixels to [-1, 1]: mean = std = 0.5.
 DEFAULT_MEAN_STD = 0.5

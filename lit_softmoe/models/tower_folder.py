@@ -39,7 +39,8 @@ from lit_softmoe.models.timm_tower import (
     pretrained_timm_tower,
     timm_hub_config,
 )
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.folder_identity import FOLDER_ID, check_same_folder, new_folder_id
 from lit_softmoe.utils.hashing import safetensors_weights_sha256

@@ -39,7 +39,8 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import image_tower_config, list_image_towers
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 _EXPERT_KEY = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w1|b1|w2|b2)")
