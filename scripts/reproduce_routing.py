@@ -40,7 +40,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_softmoe.config import PretrainConfig, to_yaml
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.models.registry import image_tower_config
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOWERS = ["vit-tiny-p7", "soft-tiny-p7-16e", "ec-tiny-p7-16e", "tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2"]

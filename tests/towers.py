@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 JFT_CLASSES = 29_593
 

@@ -25,7 +25,8 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from lit_softmoe.models.registry import image_tower_config, list_image_towers
 from lit_softmoe.models.timm_config import config_tag_fields, timm_name, timm_pretrained_cfg
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 _OURS = {timm_name(n): n for n in list_image_towers() if timm_name(n)}  # timm name → registry name
 _FIELDS = {f.name for f in fields(ViTConfig)}

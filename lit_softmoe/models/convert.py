@@ -19,7 +19,8 @@ Name and layout map (flax Dense kernels are (in, out), nn.Linear weights (out, i
       SelfAttention/out/kernel (heads, head_dim, d) → attn.proj.weight (d, d)ᵀ
       Mlp/Dense_{0,1}/kernel                       → mlp.fc1 / fc2 (dense blocks), transposed
       Moe/Router/mu (d, n, p), scale ()             → mlp.phi, mlp.scale (same layout)
-      Moe/Mlp/Dense_0/kernel (n, d, k), bias (n, k) → mlp.experts.w1, b1 (same layout: (in, out) per expert)
+      Moe/Mlp/Dense_0/kernel (n, d, k), bias (n, k) → mlp.experts.w1, b1 (same layout: (in, out)
+                                                     per expert)
       Moe/Mlp/Dense_1/kernel (n, k, d), bias (n, d) → mlp.experts.w2, b2
     Encoder/encoder_norm                           → norm
     head/kernel (d, classes), bias                 → head.weight (classes, d), head.bias
@@ -38,7 +39,8 @@ import torch
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import image_tower_config
 from lit_softmoe.models.tower_folder import key_problems
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 
 def _dense_t(kernel: np.ndarray) -> np.ndarray:
@@ -62,7 +64,8 @@ def vmoe_names(cfg: ViTConfig) -> dict[str, list[tuple[str, callable]]]:
     same = np.asarray
     plan: dict[str, list] = {
         "pos_embed": [("Encoder/posembed_input/pos_embedding", same)],
-        "patch_embed.weight": [("embedding/kernel", lambda k: k.transpose(3, 2, 0, 1))],  # HWIO → OIHW
+        # HWIO → OIHW
+        "patch_embed.weight": [("embedding/kernel", lambda k: k.transpose(3, 2, 0, 1))],
         "patch_embed.bias": [("embedding/bias", same)],
     }
     for i in range(cfg.depth):
@@ -70,13 +73,17 @@ def vmoe_names(cfg: ViTConfig) -> dict[str, list[tuple[str, callable]]]:
         att = f"{src}/SelfAttention"
         plan[f"{dst}.norm1.weight"] = [(f"{src}/LayerNorm_0/scale", same)]
         plan[f"{dst}.norm1.bias"] = [(f"{src}/LayerNorm_0/bias", same)]
-        plan[f"{dst}.attn.qkv.weight"] = [(f"{att}/{n}/kernel", _heads_in) for n in ("query", "key", "value")]
-        plan[f"{dst}.attn.qkv.bias"] = [(f"{att}/{n}/bias", lambda b: b.reshape(-1)) for n in ("query", "key", "value")]
+        plan[f"{dst}.attn.qkv.weight"] = [(f"{att}/{n}/kernel", _heads_in)
+                                          for n in ("query", "key", "value")]
+        plan[f"{dst}.attn.qkv.bias"] = [(f"{att}/{n}/bias", lambda b: b.reshape(-1))
+                                        for n in ("query", "key", "value")]
         if cfg.qk_norm:
             for ours, theirs in (("q_norm", "query_ln"), ("k_norm", "key_ln")):
                 plan[f"{dst}.attn.{ours}.weight"] = [(f"{att}/{theirs}/scale", same)]
-                if cfg.qk_norm_bias:  # a tower asked for with the biases: flax has none, they start at 0
-                    plan[f"{dst}.attn.{ours}.bias"] = [(f"{att}/{theirs}/bias?", same)]  # '?': optional, else 0
+                # a tower asked for with the biases: flax has none, they start at 0
+                if cfg.qk_norm_bias:
+                    # '?': optional, else 0
+                    plan[f"{dst}.attn.{ours}.bias"] = [(f"{att}/{theirs}/bias?", same)]
         plan[f"{dst}.attn.proj.weight"] = [(f"{att}/out/kernel", _heads_out)]
         plan[f"{dst}.attn.proj.bias"] = [(f"{att}/out/bias", same)]
         plan[f"{dst}.norm2.weight"] = [(f"{src}/LayerNorm_1/scale", same)]
@@ -85,7 +92,8 @@ def vmoe_names(cfg: ViTConfig) -> dict[str, list[tuple[str, callable]]]:
             moe = f"{src}/Moe"
             plan[f"{dst}.mlp.phi"] = [(f"{moe}/Router/mu", same)]
             plan[f"{dst}.mlp.scale"] = [(f"{moe}/Router/scale", same)]
-            # vmoe vmaps flax's MlpBlock over a leading expert axis: (n, in, out) is already our layout.
+            # vmoe vmaps flax's MlpBlock over a leading expert axis: (n, in, out) is already our
+            # layout.
             for ours, theirs in (("w1", "Dense_0/kernel"), ("b1", "Dense_0/bias"),
                                  ("w2", "Dense_1/kernel"), ("b2", "Dense_1/bias")):
                 plan[f"{dst}.mlp.experts.{ours}"] = [(f"{moe}/Mlp/{theirs}", same)]
@@ -117,20 +125,22 @@ def _as_numbers(key: str, array) -> np.ndarray:
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:
         return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     if array.dtype.kind not in "fiub":
-        raise UserError(f"{key} holds {array.dtype} values, not numbers; save the tree's arrays as float32 "
-                        "(or bfloat16) with np.savez(path, **flat_params)")
+        raise UserError(f"{key} holds {array.dtype} values, not numbers; save the tree's arrays as "
+                        "float32 (or bfloat16) with np.savez(path, **flat_params)")
     return array
 
 
 def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig,
                   tower_setting: str = "tower_name") -> dict[str, torch.Tensor]:
-    """A flat vmoe tree ('/'-joined names → arrays) → our state dict for `cfg`. Pure and loud: raises
-    UserError naming missing keys, unused keys, or the first array whose shape does not fit; its advice
-    calls the choice of tower `tower_setting`, the caller's name for it (the CLI passes "--to")."""
+    """A flat vmoe tree ('/'-joined names → arrays) → our state dict for `cfg`. Pure and loud:
+    raises UserError naming missing keys, unused keys, or the first array whose shape does not fit;
+    its advice calls the choice of tower `tower_setting`, the caller's name for it (the CLI passes
+    "--to")."""
     arrays = _strip_prefix(arrays)
     expected = VisionTransformer(cfg, device="meta").state_dict()
     plan = vmoe_names(cfg)
-    assert set(plan) == set(expected), sorted(set(plan) ^ set(expected))  # the plan covers our tower exactly
+    # the plan covers our tower exactly
+    assert set(plan) == set(expected), sorted(set(plan) ^ set(expected))
     state, used, missing = {}, set(), []
     for name, ref in expected.items():
         parts = []
@@ -152,17 +162,19 @@ def vmoe_to_state(arrays: dict[str, np.ndarray], cfg: ViTConfig,
         if tuple(value.shape) != tuple(ref.shape):
             first = plan[name][0][0].rstrip("?")
             source_shape = tuple(_as_numbers(first, arrays[first]).shape)
-            relaid = f" (→ {tuple(value.shape)} in our layout)" if tuple(value.shape) != source_shape else ""
-            raise UserError(f"{first} {source_shape} does not fit {name} {tuple(ref.shape)}{relaid}; the "
-                            f"checkpoint was trained as another tower: pick the {tower_setting} name with its "
-                            "width, depth, patch, image size and number of experts")
+            relaid = (f" (→ {tuple(value.shape)} in our layout)"
+                      if tuple(value.shape) != source_shape else "")
+            raise UserError(f"{first} {source_shape} does not fit {name} "
+                            f"{tuple(ref.shape)}{relaid}; the checkpoint was trained as another "
+                            f"tower: pick the {tower_setting} name with its width, depth, patch, "
+                            "image size and number of experts")
         state[name] = torch.from_numpy(np.ascontiguousarray(value)).to(torch.float32)
     unused = sorted(set(arrays) - used)
     problems = key_problems(missing, unused=unused)
     if problems:
-        raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the {tower_setting} "
-                        "tower the checkpoint was trained as (GAP, qk-norm, learned position embeddings), or check the "
-                        "keys are flattened with '/'")
+        raise UserError(f"the vmoe tree does not fit the tower: {'; '.join(problems)}; use the "
+                        f"{tower_setting} tower the checkpoint was trained as (GAP, qk-norm, "
+                        "learned position embeddings), or check the keys are flattened with '/'")
     return state
 
 
@@ -174,15 +186,18 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     try:
         loaded = np.load(path, allow_pickle=False)  # no pickles from a user's file
         if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy: one array, no names to map
-            raise UserError(f"{path} holds a single array (.npy), not the named arrays of a parameter tree; save "
-                            "the tree with np.savez(path, **flat_params)")
+            raise UserError(f"{path} holds a single array (.npy), not the named arrays of a "
+                            "parameter tree; save the tree with np.savez(path, **flat_params)")
         with loaded as npz:
             return {k: npz[k] for k in npz.files}
     except (OSError, ValueError, zipfile.BadZipFile) as err:
-        # numpy's message for object arrays names allow_pickle: never advise loading a user's pickle.
-        reason = "it holds Python objects, which are never unpickled" if "allow_pickle" in str(err) else err
+        # numpy's message for object arrays names allow_pickle: never advise loading a user's
+        # pickle.
+        reason = ("it holds Python objects, which are never unpickled" if "allow_pickle" in str(err)
+                  else err)
         raise UserError(f"cannot read {path} as .npz ({reason}); "
-                        "save the tree with np.savez(path, **flat_params) of numeric arrays") from None
+                        "save the tree with np.savez(path, **flat_params) of numeric "
+                        "arrays") from None
 
 
 def load_vmoe_tower(path: str | Path, tower_name: str, tower_setting: str = "tower_name",
@@ -193,15 +208,17 @@ def load_vmoe_tower(path: str | Path, tower_name: str, tower_setting: str = "tow
     arrays = _strip_prefix(read_npz(path))
     head = arrays.get("head/kernel")
     overrides.setdefault("num_classes", 0 if head is None else int(head.shape[-1]))
-    # vmoe's SoftRouter takes num_slots or derives p from a capacity factor; the registry's towers all
-    # have p = 1 (the released configs), and a --to name cannot say otherwise.
-    mu = next((v for k, v in arrays.items() if k.endswith("/Moe/Router/mu") and np.ndim(v) == 3), None)
+    # vmoe's SoftRouter takes num_slots or derives p from a capacity factor; the registry's towers
+    # all have p = 1 (the released configs), and a --to name cannot say otherwise.
+    mu = next((v for k, v in arrays.items() if k.endswith("/Moe/Router/mu") and np.ndim(v) == 3),
+              None)
     if mu is not None and np.shape(mu)[-1] >= 1:
         overrides.setdefault("slots_per_expert", int(np.shape(mu)[-1]))
     cfg = image_tower_config(tower_name, **overrides)
     if cfg.moe_layers and cfg.moe_type != "soft":
-        raise UserError(f"{tower_name} is a {cfg.moe_type} tower; vmoe's Soft MoE checkpoints load into soft-* "
-                        f"(or dense vit-*) towers: give one of those as {tower_setting}")
+        raise UserError(f"{tower_name} is a {cfg.moe_type} tower; vmoe's Soft MoE checkpoints load "
+                        "into soft-* (or dense vit-*) towers: give one of those as "
+                        f"{tower_setting}")
     state = vmoe_to_state(arrays, cfg, tower_setting)
     tower = VisionTransformer(cfg, device="meta")
     tower.load_state_dict(state, assign=True)
@@ -218,11 +235,12 @@ def convert_vmoe_checkpoint(path: str | Path, tower_name: str, out_dir: str | Pa
     The *_setting names are what messages call those parameters (the CLI passes its flags).
     """
     from lit_softmoe.models.tower_folder import check_tower_out, save_tower
-    check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite, source=path,
-                    out_setting=out_setting, overwrite_setting=overwrite_setting)
+    check_tower_out(out_dir, "converted", {"from": str(path), "tower": tower_name}, overwrite,
+                    source=path, out_setting=out_setting, overwrite_setting=overwrite_setting)
     tower = load_vmoe_tower(path, tower_name, tower_setting)
     # vmoe's input pipelines map pixels to [-1, 1] (value_range(-1, 1)): mean = std = 0.5.
     preprocess = {"image_size": tower.cfg.image_size, "mean": [0.5], "std": [0.5]}
     save_tower(out_dir, tower, extra={"preprocess": preprocess,
-                                      "converted": {"from": str(path), "format": "vmoe npz", "tower": tower_name}})
+                                      "converted": {"from": str(path), "format": "vmoe npz",
+                                                    "tower": tower_name}})
     return tower

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 
-def prepare_for_inference(tower: nn.Module, dtype: torch.dtype | None = torch.bfloat16, compile: bool = False,
-                          mode: str | None = None, backend: str = "inductor") -> nn.Module:
+def prepare_for_inference(tower: nn.Module, dtype: torch.dtype | None = torch.bfloat16,
+                          compile: bool = False, mode: str | None = None,
+                          backend: str = "inductor") -> nn.Module:
     """Convert `tower` in place for inference and return it.
 
     Args:
@@ -36,8 +37,8 @@ def prepare_for_inference(tower: nn.Module, dtype: torch.dtype | None = torch.bf
     tower.requires_grad_(False)
     if compile:
         if hasattr(tower, "forward_features"):
-            tower.forward_features = torch.compile(tower.forward_features, mode=mode, backend=backend,
-                                                   dynamic=False)
+            tower.forward_features = torch.compile(tower.forward_features, mode=mode,
+                                                   backend=backend, dynamic=False)
         tower.compile(mode=mode, backend=backend, dynamic=False)
     return tower
 

@@ -34,7 +34,8 @@ def check_settings(settings, channels: int | None, source: str | Path) -> None:
                         "hand: save it again, or correct the key")
 
     def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
 
     if not isinstance(settings, dict):
         refuse(f" is a {type(settings).__name__}, not {{image_size, mean, std}}")
@@ -54,11 +55,12 @@ def check_settings(settings, channels: int | None, source: str | Path) -> None:
 
 
 def require_settings(settings, source: str | Path) -> None:
-    """One UserError line naming `source` when a "preprocess" entry lacks a key every reader needs."""
+    """One UserError line naming `source` when a "preprocess" entry lacks a key every reader
+    needs."""
     if not isinstance(settings, dict) or not {"image_size", "mean", "std"} <= set(settings):
-        raise UserError(f"{source} has no \"preprocess\" with image_size, mean and std, so its images "
-                        "cannot be prepared as the tower was trained; save the tower as pretraining "
-                        "does (save_tower(..., extra={\"preprocess\": {...}}))")
+        raise UserError(f"{source} has no \"preprocess\" with image_size, mean and std, so its "
+                        "images cannot be prepared as the tower was trained; save the tower as "
+                        "pretraining does (save_tower(..., extra={\"preprocess\": {...}}))")
 
 
 @dataclass(frozen=True)

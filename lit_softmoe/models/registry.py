@@ -10,7 +10,8 @@ import difflib
 from dataclasses import fields, replace
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 
 
 class UnknownTowerError(UserError, KeyError):
@@ -47,11 +48,15 @@ def _register_paper_towers():
             register_image_tower(f"vit-{size}{patch}", ViTConfig(
                 patch_size=patch, width=width, depth=depth, num_heads=heads, mlp_dim=mlp_dim))
     # The Soft MoE towers of the paper (Tables 8-9): MoE in the contiguous last half, one slot each.
-    for name, size, patch, experts in [("soft-s16-128e", "s", 16, 128), ("soft-s14-256e", "s", 14, 256),
-                                       ("soft-b16-128e", "b", 16, 128), ("soft-l16-128e", "l", 16, 128),
-                                       ("soft-h14-128e", "h", 14, 128), ("soft-h14-256e", "h", 14, 256)]:
+    for name, size, patch, experts in [("soft-s16-128e", "s", 16, 128),
+                                       ("soft-s14-256e", "s", 14, 256),
+                                       ("soft-b16-128e", "b", 16, 128),
+                                       ("soft-l16-128e", "l", 16, 128),
+                                       ("soft-h14-128e", "h", 14, 128),
+                                       ("soft-h14-256e", "h", 14, 256)]:
         base = _REGISTRY[f"vit-{size}{patch}"]
-        register_image_tower(name, replace(base, moe_layers=_last_half(base.depth), num_experts=experts))
+        register_image_tower(name, replace(base, moe_layers=_last_half(base.depth),
+                                           num_experts=experts))
     # The sparse baselines of Table 9, in the same blocks: Tokens Choice (K = 1 or 2, BPR) and
     # Experts Choice, capacity factor 1.
     for size in ("s", "b"):
@@ -59,8 +64,8 @@ def _register_paper_towers():
         for experts in (32, 64):
             for k in (1, 2):
                 register_image_tower(f"tc-{size}16-{experts}e-k{k}", replace(
-                    base, moe_layers=_last_half(base.depth), num_experts=experts, moe_type="tokens_choice",
-                    num_selected_experts=k))
+                    base, moe_layers=_last_half(base.depth), num_experts=experts,
+                    moe_type="tokens_choice", num_selected_experts=k))
         register_image_tower(f"ec-{size}16-32e", replace(
             base, moe_layers=_last_half(base.depth), num_experts=32, moe_type="experts_choice"))
 
@@ -68,8 +73,8 @@ def _register_paper_towers():
 def _register_sparse_variants(prefix: str, soft: ViTConfig, suffix: str) -> None:
     """`tc-{suffix}-k1`, `tc-{suffix}-k2` and `ec-{suffix}`: a Soft MoE tower's sparse twins."""
     for k in (1, 2):
-        register_image_tower(f"tc-{prefix}-{suffix}-k{k}", replace(soft, moe_type="tokens_choice",
-                                                                   num_selected_experts=k))
+        register_image_tower(f"tc-{prefix}-{suffix}-k{k}",
+                             replace(soft, moe_type="tokens_choice", num_selected_experts=k))
     register_image_tower(f"ec-{prefix}-{suffix}", replace(soft, moe_type="experts_choice"))
 
 
@@ -78,18 +83,23 @@ def _register_tiny_towers():
     tiny = ViTConfig(image_size=28, patch_size=4, in_channels=1, width=128, depth=6, num_heads=4,
                      mlp_dim=256)
     register_image_tower("vit-tiny-p4", tiny)
-    register_image_tower("soft-tiny-p4-16e", replace(tiny, moe_layers=_last_half(tiny.depth), num_experts=16))
+    register_image_tower("soft-tiny-p4-16e",
+                         replace(tiny, moe_layers=_last_half(tiny.depth), num_experts=16))
     # Patch 7 → 16 tokens: on 2 CPU cores twice as fast per epoch as patch 4 and, measured on
     # Fashion-MNIST, more accurate after one epoch (83.1% vs 81.0%): the default CPU towers.
     tiny_p7 = replace(tiny, patch_size=7)
     register_image_tower("vit-tiny-p7", tiny_p7)
-    register_image_tower("soft-tiny-p7-16e", replace(tiny_p7, moe_layers=_last_half(tiny.depth), num_experts=16))
-    _register_sparse_variants("tiny", _REGISTRY["soft-tiny-p7-16e"], "p7-16e")  # tc-tiny-p7-16e-k1, ...
+    register_image_tower("soft-tiny-p7-16e",
+                         replace(tiny_p7, moe_layers=_last_half(tiny.depth), num_experts=16))
+    # tc-tiny-p7-16e-k1, ...
+    _register_sparse_variants("tiny", _REGISTRY["soft-tiny-p7-16e"], "p7-16e")
     # Smallest sizes, for unit tests that only need shapes to flow.
-    test = ViTConfig(image_size=28, patch_size=7, in_channels=1, width=32, depth=2, num_heads=2, mlp_dim=64)
+    test = ViTConfig(image_size=28, patch_size=7, in_channels=1, width=32, depth=2, num_heads=2,
+                     mlp_dim=64)
     register_image_tower("vit-test", test)
     register_image_tower("soft-test-4e", replace(test, moe_layers=(1,), num_experts=4))
-    _register_sparse_variants("test", _REGISTRY["soft-test-4e"], "4e")  # tc-test-4e-k1, ..., ec-test-4e
+    # tc-test-4e-k1, ..., ec-test-4e
+    _register_sparse_variants("test", _REGISTRY["soft-test-4e"], "4e")
 
 
 _register_paper_towers()
@@ -105,7 +115,8 @@ def image_tower_config(name: str, **overrides) -> ViTConfig:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise UnknownTowerError(f"unknown image tower {name!r}{hint} (`lit-softmoe models` lists them all)")
+        raise UnknownTowerError(f"unknown image tower {name!r}{hint} (`lit-softmoe models` lists "
+                                "them all)")
     base = _REGISTRY[name]
     unknown = sorted(set(overrides) - {f.name for f in fields(ViTConfig)})
     if unknown:

@@ -1,15 +1,16 @@
 """What timm knows of our towers, as plain data (no timm import): names, pretrained cfgs, hub keys.
 
 `lit_softmoe.integrations.timm` registers the towers with timm from these; the tower folder (and an
-image-only export) writes `timm_hub_keys` into its config.json so that `timm.create_model("local-dir:TOWER")` builds it
-(timm's `_hub.py` reads "architecture", "num_classes", "pretrained_cfg" and "model_args").
+image-only export) writes `timm_hub_keys` into its config.json so that
+`timm.create_model("local-dir:TOWER")` builds it (timm's `_hub.py` reads "architecture",
+"num_classes", "pretrained_cfg" and "model_args").
 
 A tower whose config is no registered one's is named by a registered name plus a *config tag*:
-`soft_moe_tiny_p7_16e.cfg-<base64url JSON of the fields that differ>`. timm splits a name at its first
-"." and hands the tag to the entry point as `pretrained_cfg` (as for `resnet50.a1_in1k`); ours reads
-the fields from it. open_clip's timm towers (`vision_cfg.timm_model_name`) take a name and nothing
-else, so this is how an export's open_clip config names a tower of any shape. base64url because timm
-refuses names holding ":" or "/".
+`soft_moe_tiny_p7_16e.cfg-<base64url JSON of the fields that differ>`. timm splits a name at its
+first "." and hands the tag to the entry point as `pretrained_cfg` (as for `resnet50.a1_in1k`); ours
+reads the fields from it. open_clip's timm towers (`vision_cfg.timm_model_name`) take a name and
+nothing else, so this is how an export's open_clip config names a tower of any shape. base64url
+because timm refuses names holding ":" or "/".
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ import json
 from dataclasses import replace
 
 from lit_softmoe.models.preprocess import per_channel
-from lit_softmoe.models.vit import ViTConfig
+from lit_softmoe.models.vit_config import ViTConfig
 
 # vmoe's input pipelines (and timm's vit_* weights) map pixels to [-1, 1]: mean = std = 0.5.
 DEFAULT_MEAN_STD = 0.5
 # Registry towers timm gets: dense and Soft MoE. Not Tokens Choice: timm's training loop would drop
-# their balancing loss (`moe_aux_loss()`) silently. Not Experts Choice: its sparse twins are baselines only.
+# their balancing loss (`moe_aux_loss()`) silently. Not Experts Choice: its sparse twins are
+# baselines only.
 TIMM_PREFIXES = {"soft-": "soft_moe_", "vit-": "lit_softmoe_vit_"}
 
 
 def timm_name(name: str) -> str | None:
-    """Our registry name → timm's identifier (`soft-s16-128e` → `soft_moe_s16_128e`), None if not for timm."""
+    """Our registry name → timm's identifier (`soft-s16-128e` → `soft_moe_s16_128e`), None if not
+    for timm."""
     for ours, theirs in TIMM_PREFIXES.items():
         if name.startswith(ours):
             return theirs + name[len(ours):].replace("-", "_")
@@ -42,20 +45,24 @@ def timm_pretrained_cfg(cfg: ViTConfig, preprocess: dict | None = None) -> dict:
     preprocess = preprocess or {}
     size = int(preprocess.get("image_size", cfg.image_size))
     grid = size // cfg.patch_size
-    mean, std = (per_channel(preprocess.get(key, DEFAULT_MEAN_STD), cfg.in_channels) for key in ("mean", "std"))
-    return dict(num_classes=cfg.num_classes, input_size=(cfg.in_channels, size, size), pool_size=(grid, grid),
-                crop_pct=1.0, crop_mode="center", interpolation="bilinear", fixed_input_size=False,
-                mean=mean, std=std, first_conv="patch_embed", classifier="head",
-                license="apache-2.0")
+    mean, std = (per_channel(preprocess.get(key, DEFAULT_MEAN_STD), cfg.in_channels)
+                 for key in ("mean", "std"))
+    return dict(num_classes=cfg.num_classes, input_size=(cfg.in_channels, size, size),
+                pool_size=(grid, grid), crop_pct=1.0, crop_mode="center", interpolation="bilinear",
+                fixed_input_size=False, mean=mean, std=std, first_conv="patch_embed",
+                classifier="head", license="apache-2.0")
 
 
-def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None, weights_file: str | None = None) -> dict:
-    """The keys of timm's hub config.json for a tower folder, beside ours. "model_args" carries the whole
-    tower config (timm's names for classes, channels and size), so the architecture is a label.
-    `weights_file`: the weights' file name where it is not timm's model.safetensors (timm's `hf-hub:`
-    loader reads the pretrained cfg's "hf_hub_filename"; `local-dir:` takes a folder's one safetensors)."""
+def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None,
+                  weights_file: str | None = None) -> dict:
+    """The keys of timm's hub config.json for a tower folder, beside ours. "model_args" carries the
+    whole tower config (timm's names for classes, channels and size), so the architecture is a
+    label. `weights_file`: the weights' file name where it is not timm's model.safetensors (timm's
+    `hf-hub:` loader reads the pretrained cfg's "hf_hub_filename"; `local-dir:` takes a folder's one
+    safetensors)."""
     same = [n for n, c in _registered().items() if c == replace(cfg, num_classes=0)]
-    architecture = same[0] if same else ("soft_moe_s16_128e" if cfg.moe_layers else "lit_softmoe_vit_b16")
+    architecture = same[0] if same else ("soft_moe_s16_128e" if cfg.moe_layers
+                                         else "lit_softmoe_vit_b16")
     args = cfg.to_dict()
     model_args = {"in_chans": args.pop("in_channels"), "img_size": args.pop("image_size"), **args}
     model_args.pop("num_classes")
@@ -67,7 +74,8 @@ def timm_hub_keys(cfg: ViTConfig, preprocess: dict | None = None, weights_file: 
 
 
 def _registered() -> dict[str, ViTConfig]:
-    from lit_softmoe.models.registry import image_tower_config, list_image_towers  # the registry imports vit too
+    # the registry imports vit too
+    from lit_softmoe.models.registry import image_tower_config, list_image_towers
     return {timm_name(n): image_tower_config(n) for n in list_image_towers() if timm_name(n)}
 
 
@@ -97,7 +105,8 @@ def timm_model_spec(cfg: ViTConfig) -> str:
 
 
 def config_tag_fields(tag) -> dict | None:
-    """The tower config fields a config tag holds; None for anything else (a real pretrained tag)."""
+    """The tower config fields a config tag holds; None for anything else (a real pretrained
+    tag)."""
     if not isinstance(tag, str) or not tag.startswith(CONFIG_TAG_PREFIX):
         return None
     encoded = tag[len(CONFIG_TAG_PREFIX):]

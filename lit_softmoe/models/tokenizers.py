@@ -6,13 +6,14 @@ a (B, context_length) LongTensor of ids, so the collate function of a shard pipe
 zero-shot classifier builder tokenize the same way whatever the text tower is.
 
 Specs:
-    "openclip-bpe"     open_clip's `SimpleTokenizer` (the object `open_clip.get_tokenizer` returns for
-                       CLIP models): byte-level BPE, vocabulary 49,408, <start_of_text> 49406,
-                       <end_of_text> 49407, zero padding; a text that is too long is cut and its last
-                       kept token replaced by <end_of_text>, because CLIP towers pool at that token.
-    "hf:PATH_OR_ID"    `transformers.AutoTokenizer.from_pretrained(PATH_OR_ID)`: a local folder (works
-                       offline) or a hub id; padded on the right to `context_length`, truncated keeping the closing
-                       special token ([SEP] for BERT).
+    "openclip-bpe"     open_clip's `SimpleTokenizer` (the object `open_clip.get_tokenizer` returns
+                       for CLIP models): byte-level BPE, vocabulary 49,408, <start_of_text> 49406,
+                       <end_of_text> 49407, zero padding; a text that is too long is cut and its
+                       last kept token replaced by <end_of_text>, because CLIP towers pool at that
+                       token.
+    "hf:PATH_OR_ID"    `transformers.AutoTokenizer.from_pretrained(PATH_OR_ID)`: a local folder
+                       (works offline) or a hub id; padded on the right to `context_length`,
+                       truncated keeping the closing special token ([SEP] for BERT).
 
 Tokenizers are plain picklable objects: DataLoader workers tokenize inside the collate function.
 """
@@ -28,7 +29,8 @@ from lit_softmoe.errors import UserError, first_line
 LIT_CONTEXT_LENGTH = 16  # the LiT paper's text length
 OPENCLIP_BPE = "openclip-bpe"
 HF_PREFIX = "hf:"
-_SPEC_HINT = f"use '{OPENCLIP_BPE}' (CLIP's BPE) or '{HF_PREFIX}PATH_OR_ID' (a Hugging Face tokenizer folder or hub id)"
+_SPEC_HINT = (f"use '{OPENCLIP_BPE}' (CLIP's BPE) or '{HF_PREFIX}PATH_OR_ID' (a Hugging Face "
+              "tokenizer folder or hub id)")
 
 
 @runtime_checkable
@@ -85,17 +87,20 @@ class HFTokenizer:
             self._tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except (OSError, ValueError) as exn:
             raise UserError(
-                f"cannot load the Hugging Face tokenizer {name_or_path!r} ({first_line(exn)}); pass a local folder "
-                "holding tokenizer.json (or vocab.txt) and tokenizer_config.json, or a hub id with network access"
+                f"cannot load the Hugging Face tokenizer {name_or_path!r} ({first_line(exn)}); "
+                "pass a local folder holding tokenizer.json (or vocab.txt) and "
+                "tokenizer_config.json, or a hub id with network access"
             ) from None
         if self._tokenizer.pad_token_id is None:
             if self._tokenizer.eos_token is None:
-                raise UserError(f"the tokenizer {name_or_path!r} has neither a padding nor an end token; "
-                                "pick a tokenizer that defines pad_token")
-            self._tokenizer.pad_token = self._tokenizer.eos_token  # GPT-2 style: pad with the end token
-        # Padding after the text, whatever the saved tokenizer says (many decoder tokenizers pad on the
-        # left): the HF tower takes [CLS] at position 0 and the last real token at `mask.sum() - 1`,
-        # and with left padding they would be pads, and a text's embedding would change with context_length.
+                raise UserError(f"the tokenizer {name_or_path!r} has neither a padding nor an end "
+                                "token; pick a tokenizer that defines pad_token")
+            # GPT-2 style: pad with the end token
+            self._tokenizer.pad_token = self._tokenizer.eos_token
+        # Padding after the text, whatever the saved tokenizer says (many decoder tokenizers pad on
+        # the left): the HF tower takes [CLS] at position 0 and the last real token at
+        # `mask.sum() - 1`, and with left padding they would be pads, and a text's embedding would
+        # change with context_length.
         self._tokenizer.padding_side = "right"
         self.name_or_path = name_or_path
         self.context_length = context_length
@@ -112,10 +117,11 @@ class HFTokenizer:
 
 
 def create_tokenizer(spec: str, context_length: int = LIT_CONTEXT_LENGTH) -> Tokenizer:
-    """The tokenizer named by `spec` ("openclip-bpe" or "hf:PATH_OR_ID"), cutting texts to `context_length`."""
+    """The tokenizer named by `spec` ("openclip-bpe" or "hf:PATH_OR_ID"), cutting texts to
+    `context_length`."""
     if not isinstance(context_length, int) or context_length < 2:
-        raise UserError(f"context_length must be an integer of at least 2 (a start and an end token), "
-                        f"got {context_length!r}")
+        raise UserError(f"context_length must be an integer of at least 2 (a start and an end "
+                        f"token), got {context_length!r}")
     spec = str(spec).strip()
     if spec == OPENCLIP_BPE:
         return OpenClipBPETokenizer(context_length)

@@ -2,17 +2,18 @@
 
     TOWER/
         model.safetensors   the VisionTransformer's state dict
-        config.json         {"tower": ViTConfig as a dict, "preprocess": {"image_size", "mean", "std"},
-                             ...what its writer adds: "classnames", "pretrain", "upcycled_from", ...,
-                             and timm's hub keys beside ours: "architecture", "num_classes",
+        config.json         {"tower": ViTConfig as a dict,
+                             "preprocess": {"image_size", "mean", "std"},
+                             ...what its writer adds: "classnames", "pretrain", "upcycled_from",
+                             ..., and timm's hub keys beside ours: "architecture", "num_classes",
                              "num_features", "pretrained_cfg", "model_args" (models.timm_config), so
                              that `timm.create_model("local-dir:TOWER")` builds it}
 
 Pretraining, `upcycle` and `convert` write it; LiT, `embed`, `eval`, `export` and `inspect-routing`
 read it. A timm model named `timm:NAME` (models.timm_tower) is written into one on first use: its
-"tower" is a `TimmTowerConfig`, its weights the timm model's, and the readers here take either. It is
-written into a temporary sibling folder and renamed into place, so a run killed mid-write never leaves
-a half-written tower under the final name.
+"tower" is a `TimmTowerConfig`, its weights the timm model's, and the readers here take either. It
+is written into a temporary sibling folder and renamed into place, so a run killed mid-write never
+leaves a half-written tower under the final name.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from lit_softmoe.models.timm_tower import (
     pretrained_timm_tower,
     timm_hub_config,
 )
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.folder_identity import FOLDER_ID, check_same_folder, new_folder_id
 from lit_softmoe.utils.hashing import safetensors_weights_sha256
@@ -48,9 +50,11 @@ TOWER_WEIGHTS, TOWER_CONFIG = "model.safetensors", "config.json"
 _log = logging.getLogger(__name__)
 
 
-def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """`module`'s state dict as safetensors takes it: it refuses shared or non-contiguous storage, so a tensor
-    that is either is copied; the others are written as they are (a paper-scale tower is not held twice)."""
+def contiguous_state(module: torch.nn.Module,
+                     skip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """`module`'s state dict as safetensors takes it: it refuses shared or non-contiguous storage,
+    so a tensor that is either is copied; the others are written as they are (a paper-scale tower is
+    not held twice)."""
     state, storages = {}, set()
     for name, value in module.state_dict().items():
         if name.startswith(skip_prefixes):
@@ -64,9 +68,11 @@ def contiguous_state(module: torch.nn.Module, skip_prefixes: tuple[str, ...] = (
     return state
 
 
-def save_tower(out_dir: str | Path, tower: VisionTransformer | TimmTower, extra: dict | None = None) -> Path:
-    """Save a tower (ours or a timm model's) as safetensors + config.json: its config under "tower", `extra`
-    (which a timm tower's must give "preprocess"), and timm's hub keys, so that timm's `local-dir:` builds it."""
+def save_tower(out_dir: str | Path, tower: VisionTransformer | TimmTower,
+               extra: dict | None = None) -> Path:
+    """Save a tower (ours or a timm model's) as safetensors + config.json: its config under "tower",
+    `extra` (which a timm tower's must give "preprocess"), and timm's hub keys, so that timm's
+    `local-dir:` builds it."""
     extra = extra or {}
     if isinstance(tower, TimmTower):
         hub_keys = timm_hub_config(tower, extra["preprocess"])
@@ -75,28 +81,30 @@ def save_tower(out_dir: str | Path, tower: VisionTransformer | TimmTower, extra:
     meta = {"tower": tower.cfg.to_dict(), **extra, **hub_keys, FOLDER_ID: new_folder_id()}
 
     def write(tmp: Path):
-        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS, metadata={FOLDER_ID: meta[FOLDER_ID]})
+        save_file(contiguous_state(tower), tmp / TOWER_WEIGHTS,
+                  metadata={FOLDER_ID: meta[FOLDER_ID]})
         (tmp / TOWER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
     return write_folder_atomically(out_dir, write)
 
 
 def tower_folder(path: str | Path) -> Path:
-    """The folder a tower setting names: a folder as given, or a `timm:` spec's cached folder (written
-    on first use)."""
+    """The folder a tower setting names: a folder as given, or a `timm:` spec's cached folder
+    (written on first use)."""
     return _timm_folder(path) if is_timm_spec(path) else Path(path)
 
 
 def _timm_folder(spec: str) -> Path:
-    """The tower folder of a `timm:` spec, written into the cache on first use (atomically: two processes that
-    race write the same folder, and the second keeps the first's). A cached folder whose files do not belong
-    together (one copied in from another) is said in a warning and written again, as every cache is."""
+    """The tower folder of a `timm:` spec, written into the cache on first use (atomically: two
+    processes that race write the same folder, and the second keeps the first's). A cached folder
+    whose files do not belong together (one copied in from another) is said in a warning and written
+    again, as every cache is."""
     folder = folder_for(spec)
     complete = (folder / TOWER_CONFIG).is_file() and (folder / TOWER_WEIGHTS).is_file()
     if complete:
         try:
-            check_same_folder(json.loads((folder / TOWER_CONFIG).read_text()), folder / TOWER_CONFIG,
-                              folder / TOWER_WEIGHTS)
+            check_same_folder(json.loads((folder / TOWER_CONFIG).read_text()),
+                              folder / TOWER_CONFIG, folder / TOWER_WEIGHTS)
         except (UserError, ValueError, AttributeError) as err:
             _log.warning("the cached tower of %s is damaged (%s); writing it again", spec, err)
             complete = False
@@ -107,9 +115,11 @@ def _timm_folder(spec: str) -> Path:
 
 
 def update_tower_meta(tower_dir: str | Path, updates: dict) -> None:
-    """Merge `updates` into a saved tower's config.json (rewritten atomically; weights untouched)."""
+    """Merge `updates` into a saved tower's config.json (rewritten atomically; weights
+    untouched)."""
     path = Path(tower_dir) / TOWER_CONFIG
-    write_text_atomic(path, json.dumps({**json.loads(path.read_text()), **updates}, indent=2) + "\n")
+    write_text_atomic(path,
+                      json.dumps({**json.loads(path.read_text()), **updates}, indent=2) + "\n")
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
@@ -122,32 +132,39 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
                   for k, v in expected.items() if k in state and state[k].shape != v.shape]
     problems = key_problems(missing, unexpected=unexpected)
     if mismatched:
-        problems.append(f"{len(mismatched)} shapes differ, checkpoint vs tower (e.g. {'; '.join(mismatched[:2])})")
+        problems.append(f"{len(mismatched)} shapes differ, checkpoint vs tower (e.g. "
+                        f"{'; '.join(mismatched[:2])})")
     if problems:
         raise UserError(f"{source} does not fit the tower: {'; '.join(problems)}; "
                         "use the tower name and options the checkpoint was trained with")
 
 
-def key_problems(missing: list[str], unexpected: list[str] = (), unused: list[str] = ()) -> list[str]:
-    """What a checkpoint and a model disagree on, in words: how many keys of each kind, and the first few."""
-    kinds = (("missing {} keys", missing), ("unexpected {} keys", unexpected), ("{} keys left unused", unused))
-    return [f"{words.format(len(keys))} (e.g. {', '.join(keys[:3])})" for words, keys in kinds if keys]
+def key_problems(missing: list[str], unexpected: list[str] = (),
+                 unused: list[str] = ()) -> list[str]:
+    """What a checkpoint and a model disagree on, in words: how many keys of each kind, and the
+    first few."""
+    kinds = (("missing {} keys", missing), ("unexpected {} keys", unexpected),
+             ("{} keys left unused", unused))
+    return [f"{words.format(len(keys))} (e.g. {', '.join(keys[:3])})"
+            for words, keys in kinds if keys]
 
 
-def load_weights(path: str | Path, device="cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, device="cpu",
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
-    copied only in part, a truncated download). `dtype`: its floating tensors cast to it one at a time as
-    they are read, so that only the cast weights are ever held whole."""
+    copied only in part, a truncated download). `dtype`: its floating tensors cast to it one at a
+    time as they are read, so that only the cast weights are ever held whole."""
     device = torch.device(device)
-    device = device.type if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0" (accelerate's, in DDP)
+    # safetensors refuses "cpu:0" (accelerate's, in DDP)
+    device = device.type if device.type == "cpu" else str(device)
     try:
         if dtype is None:
             return load_file(path, device=device)
         with safe_open(path, framework="pt", device=device) as file:
             return {name: _cast(file.get_tensor(name), dtype) for name in file.keys()}
     except (OSError, SafetensorError) as err:
-        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is incomplete or damaged: "
-                        "copy it again or write it anew") from None
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is "
+                        "incomplete or damaged: copy it again or write it anew") from None
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -155,41 +172,46 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def read_tower_meta(path: str | Path) -> dict:
-    """A tower folder's (or `timm:` spec's) config.json, or one UserError line saying why `path` is no tower folder."""
+    """A tower folder's (or `timm:` spec's) config.json, or one UserError line saying why `path` is
+    no tower folder."""
     path = tower_folder(path)
     config_file = path / TOWER_CONFIG
     if not config_file.is_file() or not (path / TOWER_WEIGHTS).is_file():
-        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
-                        "point to the `tower` folder of a finished pretraining run")
+        raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and "
+                        f"{TOWER_WEIGHTS}); point to the `tower` folder of a finished pretraining "
+                        "run")
     try:
         meta = json.loads(config_file.read_text())
     except ValueError as err:
         raise UserError(f"{config_file} is not valid JSON ({err}); "
                         "the tower folder is damaged: save or copy it again") from None
     if not isinstance(meta, dict):
-        raise UserError(f"{config_file} holds a JSON {type(meta).__name__}, not a tower's settings; the tower folder "
-                        "is damaged: save or copy it again")
+        raise UserError(f"{config_file} holds a JSON {type(meta).__name__}, not a tower's "
+                        "settings; the tower folder is damaged: save or copy it again")
     if "preprocess" in meta:
         tower = meta.get("tower") if isinstance(meta.get("tower"), dict) else {}
         check_settings(meta["preprocess"], tower.get("in_channels"), config_file)
-    check_same_folder(meta, config_file, path / TOWER_WEIGHTS)  # not another tower's weights copied in
+    # not another tower's weights copied in
+    check_same_folder(meta, config_file, path / TOWER_WEIGHTS)
     return meta
 
 
 def resolution_change(tower: VisionTransformer | TimmTower, preprocess: dict) -> str | None:
-    """Words for a start line when `preprocess` resizes images to another size than the tower was built for
-    (a ViT's position embeddings are then resampled to the new patch grid); None when the two agree."""
+    """Words for a start line when `preprocess` resizes images to another size than the tower was
+    built for (a ViT's position embeddings are then resampled to the new patch grid); None when the
+    two agree."""
     built, size = getattr(tower.cfg, "image_size", None), preprocess.get("image_size")
     if built is None or size is None or built == size:
         return None
-    return f"images at {size} px (preprocess.image_size), not the {built} px the tower was built for"
+    return (f"images at {size} px (preprocess.image_size), not the {built} px the tower was built "
+            "for")
 
 
 def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
                ) -> tuple[VisionTransformer | TimmTower, dict]:
-    """Load a tower folder written by `save_tower` (or a `timm:` spec's) onto `device`, its floating weights in
-    `dtype` (None: as stored; cast as they are read, see `load_weights`); returns (tower, its config.json
-    contents)."""
+    """Load a tower folder written by `save_tower` (or a `timm:` spec's) onto `device`, its floating
+    weights in `dtype` (None: as stored; cast as they are read, see `load_weights`); returns (tower,
+    its config.json contents)."""
     path = tower_folder(path)
     if not path.exists():
         try:
@@ -204,9 +226,11 @@ def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
     return fill_computed_buffers(tower), meta
 
 
-def tower_skeleton(tower_cfg: dict | None, path: str | Path = "the tower folder") -> VisionTransformer | TimmTower:
-    """The tower a config.json's "tower" entry describes (ours, or a timm model's), on the meta device (no
-    memory, no weights); after loading its weights, `fill_computed_buffers` gives it the buffers they lack."""
+def tower_skeleton(tower_cfg: dict | None,
+                   path: str | Path = "the tower folder") -> VisionTransformer | TimmTower:
+    """The tower a config.json's "tower" entry describes (ours, or a timm model's), on the meta
+    device (no memory, no weights); after loading its weights, `fill_computed_buffers` gives it the
+    buffers they lack."""
     try:
         if is_timm_tower_config(tower_cfg):
             return build_timm_tower(TimmTowerConfig.from_dict(tower_cfg))
@@ -218,17 +242,17 @@ def tower_skeleton(tower_cfg: dict | None, path: str | Path = "the tower folder"
 def tower_fingerprint(tower_dir: str | Path) -> dict:
     """What a tower's outputs depend on: its weights, its config and its preprocessing.
 
-    Returns {"tower_sha256", "tower", "preprocess"} (caches of its embeddings are keyed by it), where
-    "tower_sha256" is the weights' identity (`utils.hashing.weights_sha256` of its model.safetensors);
-    raises UserError if `tower_dir` is not a tower folder or its config.json has no preprocessing
-    (a cache would not know how the images were resized and normalized).
+    Returns {"tower_sha256", "tower", "preprocess"} (caches of its embeddings are keyed by it),
+    where "tower_sha256" is the weights' identity (`utils.hashing.weights_sha256` of its
+    model.safetensors); raises UserError if `tower_dir` is not a tower folder or its config.json has
+    no preprocessing (a cache would not know how the images were resized and normalized).
     """
     tower_dir = tower_folder(tower_dir)
     meta = read_tower_meta(tower_dir)
     preprocess = meta.get("preprocess")
     require_settings(preprocess, tower_dir / TOWER_CONFIG)
-    return {"tower_sha256": safetensors_weights_sha256(tower_dir / TOWER_WEIGHTS), "tower": meta.get("tower"),
-            "preprocess": preprocess}
+    return {"tower_sha256": safetensors_weights_sha256(tower_dir / TOWER_WEIGHTS),
+            "tower": meta.get("tower"), "preprocess": preprocess}
 
 
 def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrite: bool,
@@ -249,8 +273,10 @@ def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrit
     if target == source or target in source.parents:
         raise UserError(f"{out_setting} {out_dir} holds the input {source}; pick another folder")
     if (source / TOWER_CONFIG).is_file() and source in target.parents:
-        # Saving the source tower again (a pretraining rerun) replaces its folder whole, with this one.
-        raise UserError(f"{out_setting} {out_dir} is inside the input tower folder {source}; pick a folder outside it")
+        # Saving the source tower again (a pretraining rerun) replaces its folder whole, with this
+        # one.
+        raise UserError(f"{out_setting} {out_dir} is inside the input tower folder {source}; "
+                        "pick a folder outside it")
     if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     try:
@@ -258,6 +284,7 @@ def check_tower_out(out_dir: str | Path, record_key: str, record: dict, overwrit
     except (OSError, ValueError, AttributeError):
         written = {}
     own_files = {p.name for p in out_dir.iterdir()} <= {TOWER_CONFIG, TOWER_WEIGHTS}
-    if not (own_files and isinstance(written, dict) and all(written.get(k) == v for k, v in record.items())):
-        raise UserError(f"{out_setting} {out_dir} exists and is not empty; pass {overwrite_setting} to replace it, "
-                        "or pick another folder")
+    if not (own_files and isinstance(written, dict)
+            and all(written.get(k) == v for k, v in record.items())):
+        raise UserError(f"{out_setting} {out_dir} exists and is not empty; pass "
+                        f"{overwrite_setting} to replace it, or pick another folder")

@@ -16,12 +16,13 @@ What is copied and what is fresh, per tensor of the target tower:
 
 The dense checkpoint is one of our tower folders or a timm `vit_*` state dict (.safetensors, or
 .pth/.pt/.bin read with `torch.load(weights_only=True)`). A timm checkpoint is recognized by its
-telltale keys and renamed to ours, as timm's `checkpoint_filter_fn` (timm/models/vision_transformer.py)
-recognizes and rewrites foreign checkpoints. What cannot map from timm (see `timm_to_ours`): the class
-token (our towers pool by global average, so it and its position embedding are dropped), LayerScale,
-register tokens and pre-norms (refused). timm's GELU is the exact erf form and ours the tanh form
-(they differ by at most 5e-4 per activation), so even the dense part is not the same function; weights map
-exactly, the function is recovered by fine-tuning, as in sparse upcycling.
+telltale keys and renamed to ours, as timm's `checkpoint_filter_fn`
+(timm/models/vision_transformer.py) recognizes and rewrites foreign checkpoints. What cannot map
+from timm (see `timm_to_ours`): the class token (our towers pool by global average, so it and its
+position embedding are dropped), LayerScale, register tokens and pre-norms (refused). timm's GELU is
+the exact erf form and ours the tanh form (they differ by at most 5e-4 per activation), so even the
+dense part is not the same function; weights map exactly, the function is recovered by fine-tuning,
+as in sparse upcycling.
 
 Everything works on the meta device: `upcycle_tower(dense, "soft-h14-256e", device="meta")` maps
 a 54B-parameter tower's names and shapes without allocating any weight.
@@ -38,7 +39,8 @@ import torch
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import image_tower_config, list_image_towers
-from lit_softmoe.models.vit import VisionTransformer, ViTConfig
+from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.models.vit_config import ViTConfig
 from lit_softmoe.nn.soft_moe import SoftMoE
 
 _EXPERT_KEY = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w1|b1|w2|b2)")
@@ -56,7 +58,8 @@ def is_timm_vit_state(state: dict) -> bool:
 
 
 def _strip_wrappers(state: dict) -> dict:
-    """Drop the prefixes that timm's own loader strips (DDP's `module.`, open_clip's `visual.trunk.`)."""
+    """Drop the prefixes that timm's own loader strips (DDP's `module.`, open_clip's
+    `visual.trunk.`)."""
     for prefix in ("module.", "visual.trunk."):
         if state and all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}
@@ -70,11 +73,13 @@ def timm_to_ours(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     [q; k; v] with heads inside each, patches in row-major order. The notes say what did not map.
     """
     state = _strip_wrappers(state)
-    refused = [k for k in state if re.search(r"(^|\.)(ls[12]\.|reg_token|norm_pre\.|attn_pool\.)", k)]
+    refused = [k for k in state
+               if re.search(r"(^|\.)(ls[12]\.|reg_token|norm_pre\.|attn_pool\.)", k)]
     if refused:
-        raise UserError(f"the timm checkpoint has parts our towers do not have ({refused[0]}; LayerScale, "
-                        "register tokens, pre-norm and attention pooling cannot be upcycled); use a plain "
-                        "timm vit_* checkpoint such as vit_small_patch16_224")
+        raise UserError(f"the timm checkpoint has parts our towers do not have ({refused[0]}; "
+                        "LayerScale, register tokens, pre-norm and attention pooling cannot be "
+                        "upcycled); use a plain timm vit_* checkpoint such as "
+                        "vit_small_patch16_224")
     out, notes = {}, []
     for key, value in state.items():
         if key.startswith("patch_embed.proj."):
@@ -82,18 +87,22 @@ def timm_to_ours(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
         elif key == "cls_token":
             notes.append("cls_token dropped: our towers pool by global average (no class token)")
         elif key == "pos_embed":
-            # (1, 1 + m, d) when the class token has a position of its own: keep the m patch positions.
+            # (1, 1 + m, d) when the class token has a position of its own: keep the m patch
+            # positions.
             grid = math.isqrt(value.shape[1] - 1)
             if "cls_token" in state and grid * grid == value.shape[1] - 1:
                 value = value[:, 1:]
                 notes.append("pos_embed of the class token dropped")
             out["pos_embed"] = value
         elif key.startswith("fc_norm."):
-            # timm's GAP variants normalize after pooling, ours before: the closest place is our final norm.
+            # timm's GAP variants normalize after pooling, ours before: the closest place is our
+            # final norm.
             out["norm." + key[len("fc_norm."):]] = value
-            notes.append("fc_norm (after pooling in timm) became the final norm (before pooling in ours)")
+            notes.append("fc_norm (after pooling in timm) became the final norm (before pooling in "
+                         "ours)")
         else:
-            out[key] = value  # blocks.*, norm.*, head.* share our names; anything else is reported unused
+            # blocks.*, norm.*, head.* share our names; anything else is reported unused
+            out[key] = value
     notes.append("timm's MLP uses the exact (erf) GELU, ours the tanh form")
     return out, notes
 
@@ -110,18 +119,23 @@ def read_dense_checkpoint(path: str | Path, path_setting: str = "path",
 
         from lit_softmoe.models.tower_folder import TOWER_CONFIG, TOWER_WEIGHTS
         if not (path / TOWER_WEIGHTS).is_file() or not (path / TOWER_CONFIG).is_file():
-            raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and {TOWER_WEIGHTS}); "
-                            "give a tower folder or a timm vit_* .safetensors/.pth file")
+            raise UserError(f"{path} is not a tower checkpoint (needs {TOWER_CONFIG} and "
+                            f"{TOWER_WEIGHTS}); give a tower folder or a timm vit_* "
+                            ".safetensors/.pth file")
         try:
             meta = json.loads((path / TOWER_CONFIG).read_text())
         except ValueError as err:
-            raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); save the tower again") from None
-        _refuse_moe_source(f"{path_setting} {path}", (meta.get("tower") or {}) if isinstance(meta, dict) else {})
+            raise UserError(f"{path / TOWER_CONFIG} is not valid JSON ({err}); "
+                            "save the tower again") from None
+        _refuse_moe_source(f"{path_setting} {path}",
+                           (meta.get("tower") or {}) if isinstance(meta, dict) else {})
         extra = {k: meta[k] for k in ("preprocess", "classnames") if k in meta}
-        extra["num_heads"] = (meta.get("tower") or {}).get("num_heads") if isinstance(meta, dict) else None
+        extra["num_heads"] = ((meta.get("tower") or {}).get("num_heads") if isinstance(meta, dict)
+                              else None)
         return load_file(path / TOWER_WEIGHTS), extra, []
     if not path.is_file():
-        raise UserError(f"{path} does not exist; give a tower folder or a timm vit_* .safetensors/.pth file")
+        raise UserError(f"{path} does not exist; give a tower folder or a timm vit_* "
+                        ".safetensors/.pth file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -130,9 +144,11 @@ def read_dense_checkpoint(path: str | Path, path_setting: str = "path",
             # weights_only: a checkpoint handed to us is never unpickled into arbitrary objects.
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the user's to fix
-        # torch's weights-only message runs over several lines and suggests weights_only=False: keep one line.
+        # torch's weights-only message runs over several lines and suggests weights_only=False: keep
+        # one line.
         reason = ("not a pickle of tensors only" if isinstance(err, pickle.UnpicklingError) else
-                  next((line for line in str(err).splitlines() if line.strip()), "empty or truncated file"))
+                  next((line for line in str(err).splitlines() if line.strip()),
+                       "empty or truncated file"))
         raise UserError(f"cannot read {path} as a state dict ({type(err).__name__}: {reason}); "
                         "give a .safetensors file or a .pth/.bin holding only tensors") from None
     for wrapper in ("state_dict", "model"):  # training checkpoints nest the weights
@@ -142,8 +158,8 @@ def read_dense_checkpoint(path: str | Path, path_setting: str = "path",
         raise UserError(f"{path} holds no flat state dict of tensors; save `model.state_dict()`")
     state = _strip_wrappers(state)
     if not is_timm_vit_state(state):
-        raise UserError(f"{path} is not a timm ViT state dict (no patch_embed.proj.weight / attn.qkv keys); "
-                        "give a timm vit_* checkpoint or one of our tower folders")
+        raise UserError(f"{path} is not a timm ViT state dict (no patch_embed.proj.weight / "
+                        "attn.qkv keys); give a timm vit_* checkpoint or one of our tower folders")
     state, notes = timm_to_ours(state)
     # timm's vit_* weights (augreg and the original) take [-1, 1] inputs: mean = std = 0.5.
     return state, {"preprocess": {"mean": [0.5], "std": [0.5]}}, notes
@@ -153,10 +169,11 @@ def _refuse_moe_source(what: str, tower_cfg: dict) -> None:
     """Upcycling copies each dense MLP into the experts: a tower that has experts already has no
     dense MLP there, and "upcycling" it would only report nothing new."""
     if tower_cfg.get("moe_layers"):
-        kind = {"soft": "Soft MoE"}.get(tower_cfg.get("moe_type", "soft"), f"{tower_cfg.get('moe_type')} MoE")
+        kind = {"soft": "Soft MoE"}.get(tower_cfg.get("moe_type", "soft"),
+                                        f"{tower_cfg.get('moe_type')} MoE")
         raise UserError(f"{what} is already a {kind} tower (experts in blocks "
-                        f"{list(tower_cfg['moe_layers'])}); give the dense vit-* tower folder or timm vit_* "
-                        "weights to upcycle, or train this tower as it is")
+                        f"{list(tower_cfg['moe_layers'])}); give the dense vit-* tower folder or "
+                        "timm vit_* weights to upcycle, or train this tower as it is")
 
 
 # ---- mapping ------------------------------------------------------------------------------------
@@ -200,7 +217,8 @@ def _matching_targets(state: dict[str, torch.Tensor]) -> list[str]:
     for name in list_image_towers():
         cfg = image_tower_config(name)
         same_shape = all(getattr(cfg, k) == v for k, v in sig.items() if k != "num_patches")
-        if cfg.moe_layers and cfg.moe_type == "soft" and same_shape and cfg.num_patches == sig["num_patches"]:
+        if (cfg.moe_layers and cfg.moe_type == "soft" and same_shape
+                and cfg.num_patches == sig["num_patches"]):
             names.append(name)
     return names
 
@@ -208,15 +226,16 @@ def _matching_targets(state: dict[str, torch.Tensor]) -> list[str]:
 def _mismatch(source_key: str, got: tuple, target_key: str, want: tuple, state) -> UserError:
     matches = _matching_targets(state)
     fix = (f"targets that fit this checkpoint: {', '.join(matches)}" if matches else
-           "choose a Soft MoE target with the dense tower's width, depth, MLP width, patch and image size "
-           "(e.g. vit-s16 → soft-s16-128e; `lit-softmoe models` lists them)")
+           "choose a Soft MoE target with the dense tower's width, depth, MLP width, patch and "
+           "image size (e.g. vit-s16 → soft-s16-128e; `lit-softmoe models` lists them)")
     return UserError(f"{source_key} has shape {got} but the target's {target_key} needs {want}: "
                      f"the dense checkpoint is not the dense counterpart of the target; {fix}")
 
 
 def upcycle_state(dense_state: dict[str, torch.Tensor], target_cfg: ViTConfig, seed: int = 0,
                   device=None) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Map a dense state dict (our names) onto `target_cfg`; returns (target state, fresh tensor names).
+    """Map a dense state dict (our names) onto `target_cfg`; returns (target state, fresh tensor
+    names).
 
     Pure: reads only the dense tensors' shapes and values. Works on meta tensors (nothing is
     allocated: expert copies are `expand` views, made contiguous only for real tensors so that an
@@ -263,46 +282,52 @@ def upcycle_state(dense_state: dict[str, torch.Tensor], target_cfg: ViTConfig, s
             missing.append(name)
     if missing:
         raise UserError(f"the dense checkpoint has no tensor for {len(missing)} target tensors "
-                        f"(e.g. {', '.join(missing[:3])}); it is not a ViT of this family, or the target "
-                        "has parts (qk-norm, a head) that the checkpoint lacks")
+                        f"(e.g. {', '.join(missing[:3])}); it is not a ViT of this family, or the "
+                        "target has parts (qk-norm, a head) that the checkpoint lacks")
     unused = [k for k in dense_state if k not in used]
     if unused:
-        raise UserError(f"{len(unused)} tensors of the dense checkpoint have no place in the target "
-                        f"(e.g. {', '.join(unused[:3])}); the checkpoint is not a plain ViT of this family")
+        raise UserError(f"{len(unused)} tensors of the dense checkpoint have no place in the "
+                        f"target (e.g. {', '.join(unused[:3])}); the checkpoint is not a plain ViT "
+                        "of this family")
     return state, fresh
 
 
 def target_config(dense_state: dict[str, torch.Tensor], target_name: str,
                   qk_norm: bool | None = None, dense_num_heads: int | None = None) -> ViTConfig:
-    """The registered `target_name`, with the head and (by default) qk-norm taken from the checkpoint.
+    """The registered `target_name`, with the head and (by default) qk-norm taken from the
+    checkpoint.
 
     The head is copied, so its class count follows the dense tower. qk-norm follows the dense
     tower too unless `qk_norm` says otherwise: a fresh qk-norm would change every pretrained
-    attention map, while leaving it out keeps the attention exact. `dense_num_heads`, where known (our
-    tower folders record it; a timm state dict does not), must be the target's: without qk-norm no
-    tensor shape depends on it, and the same weights split into other heads compute another attention.
+    attention map, while leaving it out keeps the attention exact. `dense_num_heads`, where known
+    (our tower folders record it; a timm state dict does not), must be the target's: without qk-norm
+    no tensor shape depends on it, and the same weights split into other heads compute another
+    attention.
     """
     base = image_tower_config(target_name)
     if not base.moe_layers or getattr(base, "moe_type", "soft") != "soft":
         kind = getattr(base, "moe_type", "soft") if base.moe_layers else "dense"
-        raise UserError(f"{target_name} is a {kind} tower; upcycling makes Soft MoE towers, so give a soft-* "
-                        "target (`lit-softmoe models` lists them)")
+        raise UserError(f"{target_name} is a {kind} tower; upcycling makes Soft MoE towers, so "
+                        "give a soft-* target (`lit-softmoe models` lists them)")
     patch = dense_state.get("patch_embed.weight")
-    same_width = patch is not None and patch.shape[0] == base.width  # else a shape error names the misfit
+    # else a shape error names the misfit
+    same_width = patch is not None and patch.shape[0] == base.width
     if dense_num_heads is not None and dense_num_heads != base.num_heads and same_width:
-        raise UserError(f"the dense tower has {dense_num_heads} attention heads and {target_name} has "
-                        f"{base.num_heads}: its attention weights would be split into other heads and compute "
-                        f"another function; upcycle a dense tower with {base.num_heads} heads into {target_name}")
+        raise UserError(f"the dense tower has {dense_num_heads} attention heads and {target_name} "
+                        f"has {base.num_heads}: its attention weights would be split into other "
+                        "heads and compute another function; upcycle a dense tower with "
+                        f"{base.num_heads} heads into {target_name}")
     head = dense_state.get("head.weight")
     has_qk_norm = any(k.endswith(".attn.q_norm.weight") for k in dense_state)
     if qk_norm is False and has_qk_norm:
-        raise UserError("the dense tower has qk-norm (LayerNorm on queries and keys) and qk_norm=False would drop "
-                        "its trained norms, changing every attention map; leave qk_norm unset to follow the dense "
-                        "tower (or pass qk_norm=True)")
+        raise UserError("the dense tower has qk-norm (LayerNorm on queries and keys) and "
+                        "qk_norm=False would drop its trained norms, changing every attention map; "
+                        "leave qk_norm unset to follow the dense tower (or pass qk_norm=True)")
     # A dense qk-norm with biases (timm's, or a tower built with qk_norm_bias) keeps them.
     has_qk_bias = any(k.endswith(".attn.q_norm.bias") for k in dense_state)
     return image_tower_config(target_name, num_classes=0 if head is None else head.shape[0],
-                              qk_norm=has_qk_norm if qk_norm is None else qk_norm, qk_norm_bias=has_qk_bias)
+                              qk_norm=has_qk_norm if qk_norm is None else qk_norm,
+                              qk_norm_bias=has_qk_bias)
 
 
 def upcycle_tower(dense_tower: VisionTransformer, target_name: str, seed: int = 0, device=None,
@@ -332,15 +357,18 @@ def _fresh_qk_norms(cfg: ViTConfig, dense_state) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(cfg.depth):
         for which in ("q_norm", "k_norm"):
-            out[f"blocks.{i}.attn.{which}.weight"] = torch.ones(head_dim, dtype=some.dtype, device=some.device)
+            out[f"blocks.{i}.attn.{which}.weight"] = torch.ones(head_dim, dtype=some.dtype,
+                                                                device=some.device)
             if cfg.qk_norm_bias:
-                out[f"blocks.{i}.attn.{which}.bias"] = torch.zeros(head_dim, dtype=some.dtype, device=some.device)
+                out[f"blocks.{i}.attn.{which}.bias"] = torch.zeros(head_dim, dtype=some.dtype,
+                                                                   device=some.device)
     return out
 
 
 def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path, seed: int = 0,
-                       qk_norm: bool | None = None, overwrite: bool = False, *, source_setting: str = "source",
-                       out_setting: str = "out_dir", seed_setting: str = "seed",
+                       qk_norm: bool | None = None, overwrite: bool = False, *,
+                       source_setting: str = "source", out_setting: str = "out_dir",
+                       seed_setting: str = "seed",
                        overwrite_setting: str = "overwrite=True") -> dict:
     """Read a dense checkpoint, upcycle it into `target_name`, write a tower folder atomically.
 
@@ -350,10 +378,13 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     The *_setting names are what messages call those parameters (the CLI passes its flags).
     """
     from lit_softmoe.models.tower_folder import check_tower_out, save_tower
-    if not -2**63 <= seed < 2**63:  # block b's router is drawn with seed + b: torch takes [-2**63, 2**64)
-        raise UserError(f"{seed_setting} {seed} is out of range; give an integer such as 0 (|seed| < 2**63)")
+    # block b's router is drawn with seed + b: torch takes [-2**63, 2**64)
+    if not -2**63 <= seed < 2**63:
+        raise UserError(f"{seed_setting} {seed} is out of range; give an integer such as 0 "
+                        "(|seed| < 2**63)")
     check_tower_out(out_dir, "upcycled", {"from": str(source), "target": target_name, "seed": seed},
-                    overwrite, source=source, out_setting=out_setting, overwrite_setting=overwrite_setting)
+                    overwrite, source=source, out_setting=out_setting,
+                    overwrite_setting=overwrite_setting)
     dense_state, extra, notes = read_dense_checkpoint(source, source_setting)
     dense_num_heads = extra.pop("num_heads", None)
     # Towers are float32 everywhere downstream (embed, LiT, export feed them float32 pixels); a half
@@ -372,6 +403,7 @@ def upcycle_checkpoint(source: str | Path, target_name: str, out_dir: str | Path
     preprocess = dict(extra.get("preprocess") or {})
     preprocess.setdefault("image_size", cfg.image_size)
     info = {"from": str(source), "target": target_name, "seed": seed,
-            "moe_blocks": list(cfg.moe_layers), "fresh": fresh + sorted(fresh_norms), "notes": notes}
+            "moe_blocks": list(cfg.moe_layers), "fresh": fresh + sorted(fresh_norms),
+            "notes": notes}
     save_tower(out_dir, tower, extra={**extra, "preprocess": preprocess, "upcycled": info})
     return info

@@ -1,4 +1,5 @@
-"""Vision Transformer towers with dense, Soft MoE or sparse MoE blocks (named variants: `models.registry`).
+"""Vision Transformer towers with dense, Soft MoE or sparse MoE blocks (named variants:
+`models.registry`).
 
 The architecture follows the Soft MoE paper's released configs (google-research/vmoe,
 `vmoe/nn/vit_moe.py` and `vmoe/projects/soft_moe/configs/`): pre-LN blocks, LayerNorm on queries and
@@ -6,12 +7,12 @@ keys (qk-norm), learned position embeddings, no class token, global average pool
 contiguous last half of the MLP blocks replaced by Soft MoE, as the released configs place it.
 The paper's sparse baselines (Tokens Choice, Experts Choice) sit in the same blocks, so
 `tc-*` / `ec-*` towers differ from `soft-*` ones only in the MoE layer (`moe_type`).
-The methods follow timm's contract (`timm/models/vision_transformer.py`): `forward_features` → tokens
-`(B, N, C)` after the final norm, `forward_head(x, pre_logits=True)` → pooled `(B, C)`, plus
-`reset_classifier`, `get_classifier`, `num_features`, `group_matcher` and `set_grad_checkpointing`, and
-for timm's `features_only` wrapper (`FeatureGetterNet`) `feature_info`, `forward_intermediates` (block
-outputs as `(B, C, H, W)` maps) and `prune_intermediate_layers`; `forward_pooled` is the pooled
-embedding that embedding, LiT and the evals call.
+The methods follow timm's contract (`timm/models/vision_transformer.py`): `forward_features` →
+tokens `(B, N, C)` after the final norm, `forward_head(x, pre_logits=True)` → pooled `(B, C)`, plus
+`reset_classifier`, `get_classifier`, `num_features`, `group_matcher` and `set_grad_checkpointing`,
+and for timm's `features_only` wrapper (`FeatureGetterNet`) `feature_info`, `forward_intermediates`
+(block outputs as `(B, C, H, W)` maps) and `prune_intermediate_layers`; `forward_pooled` is the
+pooled embedding that embedding, LiT and the evals call.
 
 Read bottom-up: Attention → Mlp → Block → VisionTransformer.
 """
@@ -19,97 +20,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_softmoe.errors import check_known_keys
+from lit_softmoe.models.vit_config import ViTConfig, _is_int
 from lit_softmoe.nn.qk_norm import can_fuse_qk_norm, fused_qk_norm
 from lit_softmoe.nn.routers import ExpertsChoiceMoE, TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import SoftMoE
 
-MOE_TYPES = ("soft", "tokens_choice", "experts_choice")
 GLOBAL_POOLS = ("avg", "")  # timm's: "" = no pooling, forward returns the tokens
 OUTPUT_FMTS = ("NCHW", "NLC")  # forward_intermediates: maps (b, d, rows, cols) or tokens (b, m, d)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class ViTConfig:
-    """Everything that fixes a tower's shapes; saved as JSON beside its weights."""
-    image_size: int = 224
-    patch_size: int = 16
-    in_channels: int = 3
-    width: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    mlp_dim: int = 3072
-    num_classes: int = 0  # 0: no head, the tower returns its pooled embedding
-    moe_layers: tuple[int, ...] = ()  # indices of the blocks whose MLP is a MoE layer
-    num_experts: int = 0
-    slots_per_expert: int = 1  # Soft MoE only
-    shared_expert_init: bool = True
-    qk_norm: bool = True
-    # flax's qk LayerNorm (vmoe's towers) has a scale and no bias. A bias on k is dead weight (it adds
-    # the same score to every key of a query) and one on q adds a per-key logit the paper's model lacks.
-    qk_norm_bias: bool = False
-    # Which MoE layer: "soft" (Soft MoE), or the paper's sparse baselines "tokens_choice" / "experts_choice".
-    # The fields below are read by the sparse layers only (defaults: the paper's sparse baselines).
-    moe_type: str = "soft"
-    num_selected_experts: int = 1  # Tokens Choice K
-    capacity_factor: float = 1.0  # TC: C = ceil(m·K·cf / n) → multiple of 4; EC: C = round(m·cf / n)
-    batch_priority: bool = True  # TC: Batch Priority Routing (V-MoE)
-    router_noise: float = 1.0  # logit noise in training has std router_noise / num_experts; 0 = off
-
-    def __post_init__(self):
-        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
-        # Checked first: a 0 here would end in a ZeroDivisionError below or in an init, a negative in
-        # torch's "negative dimension", and a moe_layers entry such as 1.5 matches no block (a dense tower).
-        for name in ("image_size", "patch_size", "in_channels", "width", "depth", "num_heads", "mlp_dim"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not _is_int(self.num_classes) or self.num_classes < 0:
-            raise ValueError(f"num_classes must be an integer >= 0 (0: no head), got {self.num_classes!r}")
-        if not all(_is_int(i) for i in self.moe_layers):
-            raise ValueError(f"moe_layers must be block indices (integers), got {list(self.moe_layers)}")
-        if self.width % self.num_heads:
-            raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        bad = [i for i in self.moe_layers if not 0 <= i < self.depth]
-        if bad:
-            raise ValueError(f"moe_layers {bad} fall outside the tower's {self.depth} blocks")
-        if self.moe_layers and self.num_experts < 1:
-            raise ValueError("a tower with moe_layers needs num_experts >= 1")
-        if self.moe_type not in MOE_TYPES:
-            raise ValueError(f"moe_type {self.moe_type!r} is not one of {', '.join(MOE_TYPES)}")
-        if not self.router_noise >= 0:  # a negative std would silently mean no noise
-            raise ValueError(f"router_noise is a noise std and must be >= 0 (0: off), got {self.router_noise!r}")
-        if self.moe_type == "tokens_choice" and self.moe_layers and \
-                not 1 <= self.num_selected_experts <= self.num_experts:
-            raise ValueError(f"num_selected_experts {self.num_selected_experts} must be in [1, {self.num_experts}]")
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["moe_layers"] = list(self.moe_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ViTConfig":
-        """The config `to_dict` wrote; a key it lacks takes the field's default, an unknown key is a UserError
-        (an impossible value stays a ValueError, as from the constructor)."""
-        check_known_keys(d, {f.name for f in fields(cls)}, "tower config")
-        return cls(**d)
 
 
 class Attention(nn.Module):
@@ -129,8 +53,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, m, d = x.shape
         qkv = self.qkv(x)  # (b, m, 3·d)
-        q, k, v = qkv.view(b, m, 3, self.num_heads, self.head_dim).unbind(2)  # each (b, m, heads, head_dim)
-        # CUDA inference: one Triton kernel each for q and k (None where it cannot run: PyTorch's path).
+        # each (b, m, heads, head_dim)
+        q, k, v = qkv.view(b, m, 3, self.num_heads, self.head_dim).unbind(2)
+        # CUDA inference: one Triton kernel each for q and k (None where it cannot run: PyTorch's
+        # path).
         fused = fused_qk_norm(qkv, self.num_heads, self.q_norm, self.k_norm) \
             if can_fuse_qk_norm(qkv, self.q_norm, self.k_norm) else None
         if fused is not None:
@@ -168,12 +94,15 @@ def _moe_layer(cfg: ViTConfig, device=None, dtype=None) -> nn.Module:
     """The MoE layer `cfg.moe_type` names, built from the tower config."""
     factory = dict(device=device, dtype=dtype)
     if cfg.moe_type == "tokens_choice":
-        return TokensChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, num_selected=cfg.num_selected_experts,
-                               capacity_factor=cfg.capacity_factor, batch_priority=cfg.batch_priority,
-                               noise_std=cfg.router_noise, shared_expert_init=cfg.shared_expert_init, **factory)
+        return TokensChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim,
+                               num_selected=cfg.num_selected_experts,
+                               capacity_factor=cfg.capacity_factor,
+                               batch_priority=cfg.batch_priority, noise_std=cfg.router_noise,
+                               shared_expert_init=cfg.shared_expert_init, **factory)
     if cfg.moe_type == "experts_choice":
-        return ExpertsChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, capacity_factor=cfg.capacity_factor,
-                                noise_std=cfg.router_noise, shared_expert_init=cfg.shared_expert_init, **factory)
+        return ExpertsChoiceMoE(cfg.width, cfg.num_experts, cfg.mlp_dim,
+                                capacity_factor=cfg.capacity_factor, noise_std=cfg.router_noise,
+                                shared_expert_init=cfg.shared_expert_init, **factory)
     return SoftMoE(cfg.width, cfg.num_experts, cfg.mlp_dim, slots_per_expert=cfg.slots_per_expert,
                    shared_expert_init=cfg.shared_expert_init, **factory)
 
@@ -203,34 +132,41 @@ def _channels(count: int) -> str:
 
 def _channel_fix(wanted: int, given: int) -> str:
     if wanted == 1 and given == 3:
-        return ("convert the images to gray first: PIL's image.convert('L'), timm's create_dataset(..., "
-                "input_img_mode='L'), or the tower's own preprocess (lit_softmoe.load_pretrained); open_clip's "
-                "RGB transforms need the export (lit-softmoe export)")
+        return ("convert the images to gray first: PIL's image.convert('L'), timm's "
+                "create_dataset(..., input_img_mode='L'), or the tower's own preprocess "
+                "(lit_softmoe.load_pretrained); open_clip's RGB transforms need the export "
+                "(lit-softmoe export)")
     if wanted == 3 and given == 1:
-        return "convert the images to RGB first: PIL's image.convert('RGB'), or the tower's own preprocess"
+        return ("convert the images to RGB first: PIL's image.convert('RGB'), or the tower's own "
+                "preprocess")
     return "give images of the tower's channel count"
 
 
-def _take_indices(depth: int, indices: int | list[int] | tuple[int, ...] | None) -> tuple[list[int], int]:
-    """Which blocks' outputs to take, as timm's `feature_take_indices`: None → all, an int n → the last
-    n, a sequence → those indices (negative ones count from the end). Returns (indices, the largest)."""
+def _take_indices(depth: int,
+                  indices: int | list[int] | tuple[int, ...] | None) -> tuple[list[int], int]:
+    """Which blocks' outputs to take, as timm's `feature_take_indices`: None → all, an int n → the
+    last n, a sequence → those indices (negative ones count from the end). Returns (indices, the
+    largest)."""
     if indices is None:
         indices = depth
     if _is_int(indices):
         if not 0 < indices <= depth:
-            raise ValueError(f"indices={indices} asks for the last {indices} blocks of a tower of {depth}")
+            raise ValueError(f"indices={indices} asks for the last {indices} blocks of a tower of "
+                             f"{depth}")
         take = list(range(depth - indices, depth))
     else:
         take = [i + depth if i < 0 else i for i in indices]
         bad = [i for i, t in zip(indices, take) if not 0 <= t < depth]
         if bad or not take:
-            raise ValueError(f"indices {list(indices)} are no block indices of a tower of {depth} blocks")
+            raise ValueError(f"indices {list(indices)} are no block indices of a tower of {depth} "
+                             "blocks")
     return take, max(take)
 
 
 def _check_pool(global_pool: str) -> str:
     if global_pool not in GLOBAL_POOLS:
-        raise ValueError(f"global_pool {global_pool!r} is not one of {GLOBAL_POOLS} (the tower has no class token)")
+        raise ValueError(f"global_pool {global_pool!r} is not one of {GLOBAL_POOLS} (the tower has "
+                         "no class token)")
     return global_pool
 
 
@@ -239,14 +175,16 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, cfg: ViTConfig, device=None, dtype=None, global_pool: str = "avg"):
         super().__init__()
-        # Built on the meta device, then drawn once by `reset_parameters`: built in place, every nn.Linear
-        # would first draw PyTorch's default init, which ours replaces (twice the time to build a tower).
+        # Built on the meta device, then drawn once by `reset_parameters`: built in place, every
+        # nn.Linear would first draw PyTorch's default init, which ours replaces (twice the time to
+        # build a tower).
         factory = dict(device="meta", dtype=dtype)
         self.cfg = cfg
         self.embed_dim = self.num_features = self.head_hidden_size = cfg.width  # timm's names
         self.global_pool = _check_pool(global_pool)
         self.grad_checkpointing = False
-        self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, cfg.patch_size, **factory)
+        self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, cfg.patch_size,
+                                     **factory)
         self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches, cfg.width, **factory))
         self.blocks = nn.ModuleList(
             Block(cfg, use_moe=i in cfg.moe_layers, **factory) for i in range(cfg.depth))
@@ -254,7 +192,8 @@ class VisionTransformer(nn.Module):
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=cfg.width, reduction=cfg.patch_size)
                              for i in range(cfg.depth)]
         self.norm = nn.LayerNorm(cfg.width, eps=1e-6, **factory)
-        self.head = nn.Linear(cfg.width, cfg.num_classes, **factory) if cfg.num_classes else nn.Identity()
+        self.head = (nn.Linear(cfg.width, cfg.num_classes, **factory) if cfg.num_classes
+                     else nn.Identity())
         target = torch.empty(0, device=device).device  # `device`, or torch's default device
         if target.type != "meta":
             self.to_empty(device=target).reset_parameters()
@@ -268,34 +207,38 @@ class VisionTransformer(nn.Module):
         drawn = {self, self.patch_embed, self.head}  # the tower's own tensors: drawn here and below
         for module in self.modules():
             if isinstance(module, Attention):
-                # flax's attention (vmoe: kernel_init=xavier_uniform): q, k, v are three (d, d) kernels, each
-                # xavier on its own (over the fused (3d, d) weight: sqrt(2) too narrow); zero biases.
+                # flax's attention (vmoe: kernel_init=xavier_uniform): q, k, v are three (d, d)
+                # kernels, each xavier on its own (over the fused (3d, d) weight: sqrt(2) too
+                # narrow); zero biases.
                 for kernel in module.qkv.weight.chunk(3, dim=0):
                     nn.init.xavier_uniform_(kernel)
                 nn.init.xavier_uniform_(module.proj.weight)
                 nn.init.zeros_(module.qkv.bias)
                 nn.init.zeros_(module.proj.bias)
                 drawn |= {module, module.qkv, module.proj}
-            elif isinstance(module, Mlp):  # vmoe's MlpBlock: xavier-uniform kernels, N(0, 1e-6) biases
+            elif isinstance(module, Mlp):
+                # vmoe's MlpBlock: xavier-uniform kernels, N(0, 1e-6) biases
                 for linear in (module.fc1, module.fc2):
                     nn.init.xavier_uniform_(linear.weight)
                     nn.init.normal_(linear.bias, std=1e-6)
                 drawn |= {module, module.fc1, module.fc2}
             elif isinstance(module, (nn.LayerNorm, SoftMoE, TokensChoiceMoE, ExpertsChoiceMoE)):
-                module.reset_parameters()  # ones and zeros; an MoE layer's router and experts (official inits)
+                # ones and zeros; an MoE layer's router and experts (official inits)
+                module.reset_parameters()
                 drawn |= set(module.modules())
-        undrawn = [n for n, m in self.named_modules() if m not in drawn and next(m.parameters(False), None) is not None]
+        undrawn = [n for n, m in self.named_modules()
+                   if m not in drawn and next(m.parameters(False), None) is not None]
         if undrawn:
             raise TypeError(f"VisionTransformer.reset_parameters draws no init for {undrawn}")
-        # vmoe's `embedding` is a flax nn.Conv with its defaults: lecun-normal kernel (fan_in = c·p·p,
-        # truncated at ±2σ; 0.8796 is the std of a unit normal truncated there), zero bias.
+        # vmoe's `embedding` is a flax nn.Conv with its defaults: lecun-normal kernel (fan_in =
+        # c·p·p, truncated at ±2σ; 0.8796 is the std of a unit normal truncated there), zero bias.
         # PyTorch's Conv2d default would be sqrt(3) narrower, with a uniform bias.
         std = 1.0 / math.sqrt(self.patch_embed.weight[0].numel()) / 0.87962566103423978
         nn.init.trunc_normal_(self.patch_embed.weight, std=std, a=-2 * std, b=2 * std)
         nn.init.zeros_(self.patch_embed.bias)
         if isinstance(self.head, nn.Linear):
-            # Zero weights and a bias of -log(C): every class starts at probability 1/C, which is what
-            # the sigmoid cross-entropy of the released configs wants (harmless for softmax).
+            # Zero weights and a bias of -log(C): every class starts at probability 1/C, which is
+            # what the sigmoid cross-entropy of the released configs wants (harmless for softmax).
             nn.init.zeros_(self.head.weight)
             nn.init.constant_(self.head.bias, -math.log(self.cfg.num_classes))
 
@@ -310,34 +253,40 @@ class VisionTransformer(nn.Module):
             p.ndim <= 1 or name.endswith(("pos_embed", ".phi")) or ".b1" in name or ".b2" in name)}
 
     def _sparse_moe_layers(self) -> list[nn.Module]:
-        return [block.mlp for block in self.blocks if isinstance(block.mlp, (TokensChoiceMoE, ExpertsChoiceMoE))]
+        return [block.mlp for block in self.blocks
+                if isinstance(block.mlp, (TokensChoiceMoE, ExpertsChoiceMoE))]
 
     def moe_aux_loss(self) -> torch.Tensor:
-        """Sum of the MoE layers' auxiliary losses from the last forward (0 for dense / Soft MoE / EC)."""
+        """Sum of the MoE layers' auxiliary losses from the last forward (0 for dense / Soft MoE /
+        EC)."""
         losses = [layer.aux_loss for layer in self._sparse_moe_layers()]
         # A plain zero on the weights' device (`new_zeros` of a sharded weight would be a DTensor).
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.pos_embed.device)
+        return (torch.stack(losses).sum() if losses
+                else torch.zeros((), device=self.pos_embed.device))
 
     def moe_dropped_fraction(self) -> torch.Tensor:
-        """Mean over the MoE layers of the fraction of tokens no expert processed, in the last forward.
+        """Mean over the MoE layers of the fraction of tokens no expert processed, in the last
+        forward.
 
         Soft MoE layers count as 0 (they drop nothing); a dense tower reports 0. Detached.
         """
         moe_layers = [block.mlp for block in self.blocks if not isinstance(block.mlp, Mlp)]
-        fractions = [layer.dropped_fraction.to(self.pos_embed.device) for layer in self._sparse_moe_layers()]
+        fractions = [layer.dropped_fraction.to(self.pos_embed.device)
+                     for layer in self._sparse_moe_layers()]
         if not fractions:
             return torch.zeros((), device=self.pos_embed.device)
         return torch.stack(fractions).sum() / len(moe_layers)
 
     def _pos_embed(self, num_patches: int, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        """Position embeddings (1, num_patches, d) for a (rows, cols) patch grid (default: square)."""
+        """Position embeddings (1, num_patches, d) for a (rows, cols) patch grid (default:
+        square)."""
         rows, cols = grid if grid is not None else (math.isqrt(num_patches),) * 2
         old = math.isqrt(self.pos_embed.shape[1])
         if (rows, cols) == (old, old):
             return self.pos_embed
         # Another resolution or aspect ratio: resample the learned grid to the image's own rows and
-        # columns (a non-square image has rows != cols), as timm's `resample_abs_pos_embed` does, but
-        # bilinearly where timm is bicubic: the results measured with our towers used bilinear.
+        # columns (a non-square image has rows != cols), as timm's `resample_abs_pos_embed` does,
+        # but bilinearly where timm is bicubic: the results measured with our towers used bilinear.
         learned = self.pos_embed.reshape(1, old, old, -1).permute(0, 3, 1, 2)  # (1, d, old, old)
         learned = F.interpolate(learned, size=(rows, cols), mode="bilinear", align_corners=False)
         return learned.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)  # (1, rows·cols, d)
@@ -345,25 +294,29 @@ class VisionTransformer(nn.Module):
     def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (b, c, h, w) → patch embeddings (b, m, d), token-major and contiguous.
 
-        The function of `self.patch_embed` (a p×p convolution with stride p, whose weights it uses) as
-        one matmul over the flattened patches. Two reasons. The convolution's (b, d, h/p, w/p) output
-        needs a transpose, and elementwise ops keep their first input's layout, so the whole residual
-        stream would inherit it: every residual add would run as a strided kernel and every LayerNorm
-        copy its input. And the convolution is slow for what it computes (cuDNN's layout conversions);
-        scripts/bench_patches.py times both forms.
+        The function of `self.patch_embed` (a p×p convolution with stride p, whose weights it uses)
+        as one matmul over the flattened patches. Two reasons. The convolution's (b, d, h/p, w/p)
+        output needs a transpose, and elementwise ops keep their first input's layout, so the whole
+        residual stream would inherit it: every residual add would run as a strided kernel and every
+        LayerNorm copy its input. And the convolution is slow for what it computes (cuDNN's layout
+        conversions); scripts/bench_patches.py times both forms.
         """
         b, c, h, w = pixels.shape
         p = self.cfg.patch_size
         if c != self.cfg.in_channels:  # else a matmul shape error that names neither count
-            raise ValueError(f"the tower takes {_channels(self.cfg.in_channels)} images, got {_channels(c)} ones "
-                             f"(pixels of shape {tuple(pixels.shape)}); {_channel_fix(self.cfg.in_channels, c)}")
+            raise ValueError(f"the tower takes {_channels(self.cfg.in_channels)} images, got "
+                             f"{_channels(c)} ones (pixels of shape {tuple(pixels.shape)}); "
+                             f"{_channel_fix(self.cfg.in_channels, c)}")
         if h < p or w < p:  # no patch at all: F.interpolate would fail on an empty position grid
-            raise ValueError(f"image of {h}x{w} pixels is smaller than one {p}x{p} patch; resize it to at least "
-                             f"{p}x{p} (the tower was trained at {self.cfg.image_size}x{self.cfg.image_size})")
+            raise ValueError(f"image of {h}x{w} pixels is smaller than one {p}x{p} patch; resize "
+                             f"it to at least {p}x{p} (the tower was trained at "
+                             f"{self.cfg.image_size}x{self.cfg.image_size})")
         rows, cols = h // p, w // p
         pixels = pixels[:, :, :rows * p, :cols * p]  # as the convolution does, drop a remainder
-        patches = pixels.reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5)  # (b, rows, cols, c, p, p)
-        patches = patches.reshape(b, rows * cols, c * p * p)  # (b, m, c·p·p), the conv kernel's order
+        # (b, rows, cols, c, p, p)
+        patches = pixels.reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5)
+        # (b, m, c·p·p), the conv kernel's order
+        patches = patches.reshape(b, rows * cols, c * p * p)
         return F.linear(patches, self.patch_embed.weight.flatten(1), self.patch_embed.bias)
 
     @property
@@ -378,7 +331,8 @@ class VisionTransformer(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A new head of `num_classes` (0: none), initialized as at construction; `global_pool` None keeps it."""
+        """A new head of `num_classes` (0: none), initialized as at construction; `global_pool` None
+        keeps it."""
         if global_pool is not None:
             self.global_pool = _check_pool(global_pool)
         self.cfg = replace(self.cfg, num_classes=num_classes)  # validates num_classes
@@ -395,19 +349,22 @@ class VisionTransformer(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
-        """Parameter groups for layer-wise lr decay and open_clip's `--lock-image-unlocked-groups`, as timm's ViT."""
+        """Parameter groups for layer-wise lr decay and open_clip's `--lock-image-unlocked-groups`,
+        as timm's ViT."""
         return dict(stem=r"^pos_embed|patch_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def layer_ids(self) -> dict[str, int]:
-        """Each parameter's layer (names as in `named_parameters()`), as timm's `param_groups_layer_decay` numbers
-        them from `group_matcher`: 0 the patch and position embeddings, i + 1 block i, the final norm with the last
-        block (timm's MATCH_PREV_GROUP), depth + 1 the head. Layer-wise lr decay (`train.optim.layer_depths`)
-        scales a layer's rate by decay ** (the largest id - id)."""
+        """Each parameter's layer (names as in `named_parameters()`), as timm's
+        `param_groups_layer_decay` numbers them from `group_matcher`: 0 the patch and position
+        embeddings, i + 1 block i, the final norm with the last block (timm's MATCH_PREV_GROUP),
+        depth + 1 the head. Layer-wise lr decay (`train.optim.layer_depths`) scales a layer's rate
+        by decay ** (the largest id - id)."""
         depth, ids = len(self.blocks), {}
         for name, _ in self.named_parameters():
             block = re.match(r"blocks\.(\d+)\.", name)
-            ids[name] = (int(block.group(1)) + 1 if block else 0 if name.startswith(("pos_embed", "patch_embed.")) else
+            ids[name] = (int(block.group(1)) + 1 if block else
+                         0 if name.startswith(("pos_embed", "patch_embed.")) else
                          depth if name.startswith("norm.") else depth + 1)
         return ids
 
@@ -416,10 +373,11 @@ class VisionTransformer(nn.Module):
         self.grad_checkpointing = enable
 
     def _embed(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        """pixels (b, c, h, w) → tokens with their position embeddings (b, m, d), and the (rows, cols) grid."""
+        """pixels (b, c, h, w) → tokens with their position embeddings (b, m, d), and the (rows,
+        cols) grid."""
         p = self.cfg.patch_size
-        # A tower held in bf16 for inference takes the float32 pixels every transform gives (a no-op in
-        # fp32, and under autocast the matmul casts anyway).
+        # A tower held in bf16 for inference takes the float32 pixels every transform gives (a no-op
+        # in fp32, and under autocast the matmul casts anyway).
         pixels = pixels.to(self.patch_embed.weight.dtype)
         grid = (pixels.shape[-2] // p, pixels.shape[-1] // p)
         x = self.embed_patches(pixels)  # (b, m, d), m = rows · cols
@@ -438,22 +396,26 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
     def forward_intermediates(self, pixels: torch.Tensor, indices: int | list[int] | None = None,
-                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
-                              output_fmt: str = "NCHW", intermediates_only: bool = False,
+                              return_prefix_tokens: bool = False, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW",
+                              intermediates_only: bool = False,
                               ) -> tuple[torch.Tensor, list[torch.Tensor]] | list[torch.Tensor]:
         """timm's ViT contract: the outputs of the blocks `indices` picks, and the final tokens.
 
         Args:
             pixels: images (b, c, h, w).
-            indices: None → every block, an int n → the last n, a list → those blocks (negative from the end).
-            return_prefix_tokens: timm's flag, accepted for its callers; the towers have no prefix tokens
-                (no class token: they pool by the mean), so it changes nothing.
+            indices: None → every block, an int n → the last n, a list → those blocks (negative from
+                the end).
+            return_prefix_tokens: timm's flag, accepted for its callers; the towers have no prefix
+                tokens (no class token: they pool by the mean), so it changes nothing.
             norm: pass each intermediate through the final LayerNorm.
-            stop_early: run no block after the last one taken (the final tokens are then that block's, normed).
+            stop_early: run no block after the last one taken (the final tokens are then that
+                block's, normed).
             output_fmt: "NCHW" → maps (b, d, rows, cols); "NLC" → tokens (b, m, d).
             intermediates_only: return the list alone.
 
-        Returns (forward_features' tokens (b, m, d), [intermediates]) or, with `intermediates_only`, the list.
+        Returns (forward_features' tokens (b, m, d), [intermediates]) or, with `intermediates_only`,
+        the list.
         """
         if output_fmt not in OUTPUT_FMTS:
             raise ValueError(f"output_fmt {output_fmt!r} is not one of {OUTPUT_FMTS}")
@@ -473,12 +435,14 @@ class VisionTransformer(nn.Module):
 
     def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> list[int]:
-        """Drop the blocks after the last of `indices` (and the final norm, the head), as timm's ViT does
-        for its `features_only` wrapper; returns the absolute block indices to take."""
+        """Drop the blocks after the last of `indices` (and the final norm, the head), as timm's ViT
+        does for its `features_only` wrapper; returns the absolute block indices to take."""
         take, last = _take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[:last + 1]
-        # cfg describes the blocks the tower has, so that a pruned tower saved with its cfg loads back.
-        self.cfg = replace(self.cfg, depth=last + 1, moe_layers=tuple(i for i in self.cfg.moe_layers if i <= last))
+        # cfg describes the blocks the tower has, so that a pruned tower saved with its cfg loads
+        # back.
+        self.cfg = replace(self.cfg, depth=last + 1,
+                           moe_layers=tuple(i for i in self.cfg.moe_layers if i <= last))
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
@@ -486,13 +450,14 @@ class VisionTransformer(nn.Module):
         return take
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """tokens (b, m, d) → logits (b, num_classes), or the pooled embedding (b, d) with `pre_logits`
-        or without a head; with `global_pool=""` the tokens pass through unpooled."""
+        """tokens (b, m, d) → logits (b, num_classes), or the pooled embedding (b, d) with
+        `pre_logits` or without a head; with `global_pool=""` the tokens pass through unpooled."""
         x = tokens.mean(dim=1) if self.global_pool == "avg" else tokens  # (b, d)
         return x if pre_logits else self.head(x)
 
     def forward_pooled(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels (b, c, h, w) → the pooled embedding (b, d) that embedding, LiT and the evals use."""
+        """pixels (b, c, h, w) → the pooled embedding (b, d) that embedding, LiT and the evals
+        use."""
         return self.forward_features(pixels).mean(dim=1)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,8 @@ def tokens_choice_capacity(num_tokens: int, num_experts: int, num_selected: int,
     """
     capacity = math.ceil(num_tokens * num_selected * capacity_factor / num_experts)
     if capacity < 1:
-        raise ValueError(f"capacity_factor={capacity_factor} gives no buffer place for {num_tokens} tokens "
-                         f"and {num_experts} experts")
+        raise ValueError(f"capacity_factor={capacity_factor} gives no buffer place for "
+                         f"{num_tokens} tokens and {num_experts} experts")
     if multiple_of > 1:
         capacity += (-capacity) % multiple_of
     return capacity
@@ -59,8 +59,10 @@ def experts_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: 
     """Tokens per expert: round(m·cf / n), as in the Soft MoE paper's comparison (never above m)."""
     capacity = round(num_tokens * capacity_factor / num_experts)
     if capacity < 1:
-        raise ValueError(f"capacity_factor={capacity_factor} with {num_tokens} tokens and {num_experts} experts "
-                         f"gives {num_tokens * capacity_factor / num_experts:.3f} tokens per expert (< 1)")
+        raise ValueError(f"capacity_factor={capacity_factor} with {num_tokens} tokens and "
+                         f"{num_experts} experts gives "
+                         f"{num_tokens * capacity_factor / num_experts:.3f} tokens per expert "
+                         "(< 1)")
     if multiple_of > 1:
         capacity += (-capacity) % multiple_of
     return min(capacity, num_tokens)
@@ -74,13 +76,15 @@ def _cv_squared(values: torch.Tensor) -> torch.Tensor:
 def importance_loss(gates: torch.Tensor) -> torch.Tensor:
     """V-MoE's importance loss: CV² over experts of each expert's summed gate, per group, averaged.
 
-    gates: (b, m, n) softmax of the noise-free logits. Zero when every expert gets the same total gate.
+    gates: (b, m, n) softmax of the noise-free logits. Zero when every expert gets the same total
+    gate.
     """
     importance = gates.sum(dim=1)  # (b, n)
     return _cv_squared(importance).mean()
 
 
-def load_loss(logits: torch.Tensor, noisy_logits: torch.Tensor, noise_std: float, num_selected: int) -> torch.Tensor:
+def load_loss(logits: torch.Tensor, noisy_logits: torch.Tensor, noise_std: float,
+              num_selected: int) -> torch.Tensor:
     """V-MoE's load loss: CV² over experts of the probability that each expert is among a token's
     top-K if the noise were drawn again, summed over tokens, per group, averaged over groups.
 
@@ -99,12 +103,13 @@ class _SparseMoE(nn.Module):
     def __init__(self, dim: int, num_experts: int, hidden_dim: int, noise_std: float,
                  shared_expert_init: bool, device=None, dtype=None):
         super().__init__()
-        if not noise_std >= 0:  # `noise_std > 0` switches noise on: a negative one would silently mean none
+        # `noise_std > 0` switches noise on: a negative one would silently mean none
+        if not noise_std >= 0:
             raise ValueError(f"noise_std must be >= 0 (0: no noise), got {noise_std!r}")
         factory = dict(device=device, dtype=dtype)
         self.dim, self.num_experts, self.noise_std = dim, num_experts, noise_std
-        # A bare parameter, not nn.Linear: the router has no bias, and the tower's init of its Linear
-        # layers (xavier, biases ~ N(0, 1e-6)) is not the router's.
+        # A bare parameter, not nn.Linear: the router has no bias, and the tower's init of its
+        # Linear layers (xavier, biases ~ N(0, 1e-6)) is not the router's.
         self.router = nn.Parameter(torch.empty(dim, num_experts, **factory))  # (d, n)
         self.experts = BatchedExperts(num_experts, dim, hidden_dim, shared_expert_init, **factory)
         self.aux_loss = torch.zeros(())
@@ -125,7 +130,8 @@ class _SparseMoE(nn.Module):
         return self.noise_std / self.num_experts  # vmoe: noise_std · (1 / num_experts)
 
     def _logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(clean, used) logits, each (b, m, n) in fp32 at least; `used` carries noise in training."""
+        """(clean, used) logits, each (b, m, n) in fp32 at least; `used` carries noise in
+        training."""
         logits = x @ self.router.to(x.dtype)  # (b, m, n)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.training and self.noise_std > 0:
@@ -133,8 +139,8 @@ class _SparseMoE(nn.Module):
         return logits, logits
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(clean logits, used logits, gates), each (b, m, n); gates = softmax over the experts of the
-        used (noisy in training) logits, as in vmoe: they both route and weight the outputs."""
+        """(clean logits, used logits, gates), each (b, m, n); gates = softmax over the experts of
+        the used (noisy in training) logits, as in vmoe: they both route and weight the outputs."""
         logits, used_logits = self._logits(x)
         return logits, used_logits, used_logits.softmax(dim=-1)
 
@@ -154,7 +160,8 @@ class TokensChoiceMoE(_SparseMoE):
         num_experts: number of experts n.
         hidden_dim: hidden width of each expert MLP.
         num_selected: K, experts chosen per token.
-        capacity_factor: buffer places per expert = ceil(m·K·cf / n), rounded up to `capacity_multiple_of`.
+        capacity_factor: buffer places per expert = ceil(m·K·cf / n), rounded up to
+            `capacity_multiple_of`.
         capacity_multiple_of: 4 as in vmoe (1 = no rounding).
         batch_priority: Batch Priority Routing: tokens with the largest top-1 gate are served first
             (otherwise earlier positions are).
@@ -165,8 +172,9 @@ class TokensChoiceMoE(_SparseMoE):
     """
 
     def __init__(self, dim: int, num_experts: int, hidden_dim: int, num_selected: int = 1,
-                 capacity_factor: float = 1.0, capacity_multiple_of: int = 4, batch_priority: bool = False,
-                 noise_std: float = 1.0, importance_weight: float = 1.0, load_weight: float = 1.0,
+                 capacity_factor: float = 1.0, capacity_multiple_of: int = 4,
+                 batch_priority: bool = False, noise_std: float = 1.0,
+                 importance_weight: float = 1.0, load_weight: float = 1.0,
                  shared_expert_init: bool = True, device=None, dtype=None):
         if not 1 <= num_selected <= num_experts:
             raise ValueError(f"num_selected must be in [1, {num_experts}], got {num_selected}")
@@ -176,8 +184,8 @@ class TokensChoiceMoE(_SparseMoE):
         self.importance_weight, self.load_weight = importance_weight, load_weight
 
     def capacity(self, num_tokens: int) -> int:
-        return tokens_choice_capacity(num_tokens, self.num_experts, self.num_selected, self.capacity_factor,
-                                      self.capacity_multiple_of)
+        return tokens_choice_capacity(num_tokens, self.num_experts, self.num_selected,
+                                      self.capacity_factor, self.capacity_multiple_of)
 
     def route(self, gates: torch.Tensor, capacity: int):
         """Assign buffer places. gates: (b, m, n).
@@ -192,7 +200,8 @@ class TokensChoiceMoE(_SparseMoE):
             order = gate_values[..., 0].argsort(dim=1, descending=True, stable=True)  # (b, m)
         else:
             order = torch.arange(m, device=gates.device).expand(b, m)
-        ordered = expert_index.gather(1, order[..., None].expand(-1, -1, self.num_selected))  # (b, m, K)
+        # (b, m, K)
+        ordered = expert_index.gather(1, order[..., None].expand(-1, -1, self.num_selected))
         # K-major: every token's top-1 choice is counted before any top-2 choice.
         choices = ordered.transpose(1, 2).reshape(b, self.num_selected * m)  # (b, K·m)
         one_hot = F.one_hot(choices, n)  # (b, K·m, n)
@@ -212,27 +221,33 @@ class TokensChoiceMoE(_SparseMoE):
         logits, used_logits, gates = self._gates(x)  # (b, m, n) each
         aux = self.importance_weight * importance_loss(logits.softmax(dim=-1))
         if used_logits is not logits and self.load_weight > 0:
-            aux = aux + self.load_weight * load_loss(logits, used_logits, self.logit_noise_std, self.num_selected)
+            aux = aux + self.load_weight * load_loss(logits, used_logits, self.logit_noise_std,
+                                                     self.num_selected)
         self.aux_loss = aux
 
         expert_index, position, kept, gate_values = self.route(gates, capacity)
-        # Flat place in the (n·C + 1)-long buffer; every dropped choice goes to the last, discarded place.
+        # Flat place in the (n·C + 1)-long buffer; every dropped choice goes to the last, discarded
+        # place.
         place = torch.where(kept, expert_index * capacity + position, n * capacity)  # (b, m, K)
         place = place.reshape(b, m * self.num_selected)  # (b, m·K)
         tokens = x.repeat_interleave(self.num_selected, dim=1)  # (b, m·K, d), row i·K + k = token i
-        buffers = x.new_zeros(b, n * capacity + 1, d).scatter_add(1, place[..., None].expand(-1, -1, d), tokens)
-        outputs = self._run_experts(buffers[:, :-1].view(b, n, capacity, d)).reshape(b, n * capacity, d)
-        outputs = torch.cat([outputs, outputs.new_zeros(b, 1, d)], dim=1)  # the discard place outputs 0
-        picked = outputs.gather(1, place[..., None].expand(-1, -1, d)).view(b, m, self.num_selected, d)
+        buffers = x.new_zeros(b, n * capacity + 1, d).scatter_add(
+            1, place[..., None].expand(-1, -1, d), tokens)
+        outputs = self._run_experts(buffers[:, :-1].view(b, n, capacity, d)).reshape(
+            b, n * capacity, d)
+        # the discard place outputs 0
+        outputs = torch.cat([outputs, outputs.new_zeros(b, 1, d)], dim=1)
+        picked = outputs.gather(1, place[..., None].expand(-1, -1, d)).view(
+            b, m, self.num_selected, d)
         weights = (gate_values * kept).to(x.dtype)  # (b, m, K): the gate itself, 0 where dropped
         y = (weights[..., None] * picked).sum(dim=2)  # (b, m, d)
         self.dropped_fraction = (~kept.any(dim=-1)).float().mean().detach()
         return y
 
     def extra_repr(self) -> str:
-        return (f"dim={self.dim}, num_experts={self.num_experts}, num_selected={self.num_selected}, "
-                f"capacity_factor={self.capacity_factor}, batch_priority={self.batch_priority}, "
-                f"noise_std={self.noise_std}")
+        return (f"dim={self.dim}, num_experts={self.num_experts}, "
+                f"num_selected={self.num_selected}, capacity_factor={self.capacity_factor}, "
+                f"batch_priority={self.batch_priority}, noise_std={self.noise_std}")
 
 
 class ExpertsChoiceMoE(_SparseMoE):
@@ -240,20 +255,23 @@ class ExpertsChoiceMoE(_SparseMoE):
 
     Args:
         dim, num_experts, hidden_dim, noise_std, shared_expert_init: as for `TokensChoiceMoE`.
-        capacity_factor: tokens per expert C = round(m·cf / n), rounded up to `capacity_multiple_of`.
+        capacity_factor: tokens per expert C = round(m·cf / n), rounded up to
+            `capacity_multiple_of`.
     """
 
     def __init__(self, dim: int, num_experts: int, hidden_dim: int, capacity_factor: float = 1.0,
-                 capacity_multiple_of: int = 1, noise_std: float = 1.0, shared_expert_init: bool = True,
-                 device=None, dtype=None):
+                 capacity_multiple_of: int = 1, noise_std: float = 1.0,
+                 shared_expert_init: bool = True, device=None, dtype=None):
         super().__init__(dim, num_experts, hidden_dim, noise_std, shared_expert_init, device, dtype)
         self.capacity_factor, self.capacity_multiple_of = capacity_factor, capacity_multiple_of
 
     def capacity(self, num_tokens: int) -> int:
-        return experts_choice_capacity(num_tokens, self.num_experts, self.capacity_factor, self.capacity_multiple_of)
+        return experts_choice_capacity(num_tokens, self.num_experts, self.capacity_factor,
+                                       self.capacity_multiple_of)
 
     def route(self, gates: torch.Tensor, capacity: int):
-        """gates (b, m, n) → (token_index, gate_values), each (b, n, C): each expert's chosen tokens."""
+        """gates (b, m, n) → (token_index, gate_values), each (b, n, C): each expert's chosen
+        tokens."""
         gate_values, token_index = gates.transpose(1, 2).topk(capacity, dim=-1)  # (b, n, C)
         return token_index, gate_values
 
@@ -275,5 +293,5 @@ class ExpertsChoiceMoE(_SparseMoE):
         return y
 
     def extra_repr(self) -> str:
-        return (f"dim={self.dim}, num_experts={self.num_experts}, capacity_factor={self.capacity_factor}, "
-                f"noise_std={self.noise_std}")
+        return (f"dim={self.dim}, num_experts={self.num_experts}, "
+                f"capacity_factor={self.capacity_factor}, noise_std={self.noise_std}")

@@ -1,4 +1,5 @@
-"""Soft Mixture of Experts (Puigcerver et al., "From Sparse to Soft Mixtures of Experts", ICLR 2024).
+"""Soft Mixture of Experts (Puigcerver et al., "From Sparse to Soft Mixtures of Experts", ICLR
+2024).
 
 Follows the official JAX router (google-research/vmoe, `vmoe/projects/soft_moe/router.py`) step by
 step. One image is one routing group: every softmax runs inside an example, never across the batch.
@@ -15,10 +16,10 @@ projection, no Python loop over experts.
 x̂ are never materialized; the routing (norms, logits, both softmaxes and their sums) runs in fp32
 while the matmuls run in the activations' dtype (bf16 weights or autocast: one explicit cast per
 operand), and the slots go to the experts expert-major as strided views (no copy when p = 1; cuBLAS
-reads the strides). `routing_weights` returns the weights of that same computation (`soft_moe_logits`
-→ `soft_moe_weights`). `SoftMoE(..., compiled=True)` runs it through `torch.compile`, which fuses the
-norm, the fp32 routing and the casts into a few kernels around the five matmuls. The tests hold a
-step-by-step oracle of the algorithm above that the layer must equal.
+reads the strides). `routing_weights` returns the weights of that same computation
+(`soft_moe_logits` → `soft_moe_weights`). `SoftMoE(..., compiled=True)` runs it through
+`torch.compile`, which fuses the norm, the fp32 routing and the casts into a few kernels around the
+five matmuls. The tests hold a step-by-step oracle of the algorithm above that the layer must equal.
 """
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ class BatchedExperts(nn.Module):
         for weight in (self.w1, self.w2):
             fan_in, fan_out = weight.shape[1:]
             bound = math.sqrt(6.0 / (fan_in + fan_out))
-            # Drawn on the CPU (the same values wherever the layer lives), moved before the expand: an
-            # expanded CPU source would first be materialized in full (1.2 GB per B/16 layer) on the host.
-            weight.copy_(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound).to(weight).expand_as(weight))
+            # Drawn on the CPU (the same values wherever the layer lives), moved before the expand:
+            # an expanded CPU source would first be materialized in full (1.2 GB per B/16 layer) on
+            # the host.
+            weight.copy_(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound).to(weight)
+                         .expand_as(weight))
         for bias in (self.b1, self.b2):
             bias.copy_(torch.empty(n, bias.shape[1]).normal_(std=1e-6).to(bias).expand_as(bias))
 
@@ -75,13 +78,15 @@ class BatchedExperts(nn.Module):
         # x: (n, tokens, d), expert-major so each projection is a single bmm.
         # Weights cast to x's dtype: a no-op for weights already in it; under autocast x is fp32 or
         # already cast, and autocast casts as before.
-        # bmm, then the bias: under torch.compile the first bias add fuses into the GELU kernel and the
-        # second into the next pointwise op. baddbmm would broadcast-copy each bias into its whole
-        # (n, tokens, ·) output and have the GEMM read it back as strided copies (profiled in
+        # bmm, then the bias: under torch.compile the first bias add fuses into the GELU kernel and
+        # the second into the next pointwise op. baddbmm would broadcast-copy each bias into its
+        # whole (n, tokens, ·) output and have the GEMM read it back as strided copies (profiled in
         # docs/benchmarks.md, "What the changes bought").
-        hidden = torch.bmm(x, self.w1.to(x.dtype)) + self.b1.to(x.dtype).unsqueeze(1)  # (n, tokens, hidden)
+        # (n, tokens, hidden)
+        hidden = torch.bmm(x, self.w1.to(x.dtype)) + self.b1.to(x.dtype).unsqueeze(1)
         hidden = F.gelu(hidden, approximate="tanh")  # flax's nn.gelu default is the tanh form
-        return torch.bmm(hidden, self.w2.to(x.dtype)) + self.b2.to(x.dtype).unsqueeze(1)  # (n, tokens, d)
+        # (n, tokens, d)
+        return torch.bmm(hidden, self.w2.to(x.dtype)) + self.b2.to(x.dtype).unsqueeze(1)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
@@ -105,7 +110,8 @@ def _l2_normalize(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The matmuls' dtype: autocast's when it is on for x's device, else x's own."""
     device_type = x.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and x.is_floating_point():
+    if (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+            and x.is_floating_point()):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
 
@@ -115,7 +121,8 @@ def _autocast_off(x: torch.Tensor):
             else contextlib.nullcontext())
 
 
-def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, noise_std: float = 0.0) -> torch.Tensor:
+def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor,
+                    noise_std: float = 0.0) -> torch.Tensor:
     """Routing logits scale · cos(x, φ) (+ noise), (b, m, n·p) in fp32 (fp64 for fp64 inputs).
 
     x: (b, m, d) in the matmuls' dtype, padding already zeroed; phi: (d, n, p); scale: ().
@@ -123,25 +130,31 @@ def soft_moe_logits(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, noi
     routing_dtype = torch.promote_types(x.dtype, torch.float32)
     # scale · <x/|x|, φ/|φ|> = (x @ (scale · φ̂)) / |x|: the small (d, n·p) side is normalized and
     # scaled, the tokens only contribute one fp32 norm each.
-    phi_hat = _l2_normalize(phi.to(routing_dtype), dim=0).flatten(1) * scale.to(routing_dtype)  # (d, n·p)
+    # (d, n·p)
+    phi_hat = _l2_normalize(phi.to(routing_dtype), dim=0).flatten(1) * scale.to(routing_dtype)
     token_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=routing_dtype)  # (b, m, 1)
-    logits = (x @ phi_hat.to(x.dtype)).to(routing_dtype) * torch.rsqrt(token_norm.square() + _NORM_EPS)
+    logits = ((x @ phi_hat.to(x.dtype)).to(routing_dtype)
+              * torch.rsqrt(token_norm.square() + _NORM_EPS))
     if noise_std > 0:
         logits = logits + noise_std * torch.randn_like(logits)
     return logits
 
 
-def soft_moe_weights(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_moe_weights(logits: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dispatch, combine), each (b, m, n·p) in `logits`' dtype: dispatch is a softmax over the m
-    tokens (each slot mixes tokens), combine a softmax over all n·p slots (each token mixes slots)."""
+    tokens (each slot mixes tokens), combine a softmax over all n·p slots (each token mixes
+    slots)."""
     # The most negative finite value, not -inf: an example that is all padding then dispatches
     # (zeroed) padding instead of NaN (a softmax over -inf only), which its zero output discards.
-    dispatch_logits = logits if mask is None else logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min)
+    dispatch_logits = (logits if mask is None
+                       else logits.masked_fill(~mask[:, :, None], torch.finfo(logits.dtype).min))
     return dispatch_logits.softmax(dim=1), logits.softmax(dim=2)
 
 
-def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, experts: "BatchedExperts",
-                     mask: torch.Tensor | None = None, noise_std: float = 0.0) -> torch.Tensor:
+def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor,
+                     experts: "BatchedExperts", mask: torch.Tensor | None = None,
+                     noise_std: float = 0.0) -> torch.Tensor:
     """Soft MoE as one function (so `torch.compile` sees all of it).
 
     x: (b, m, d); phi: (d, n, p); scale: (); experts: maps (n, tokens, d) → (n, tokens, d) in its
@@ -156,13 +169,15 @@ def soft_moe_forward(x: torch.Tensor, phi: torch.Tensor, scale: torch.Tensor, ex
         if mask is not None:
             # Zero the padding itself: a zero dispatch weight times an inf or NaN pad is still NaN.
             x = x.masked_fill(~mask[:, :, None], 0.0)
-        dispatch, combine = soft_moe_weights(soft_moe_logits(x, phi, scale, noise_std), mask)  # (b, m, n·p) each
+        # (b, m, n·p) each
+        dispatch, combine = soft_moe_weights(soft_moe_logits(x, phi, scale, noise_std), mask)
         dispatch, combine = dispatch.to(dtype), combine.to(dtype)
         slots = dispatch.transpose(1, 2) @ x  # (b, n·p, d): weighted sums of the raw tokens
         # Expert-major views: for p = 1 these are strided views, not copies.
         slots = slots.view(b, n, p, d).transpose(0, 1).reshape(n, b * p, d)  # (n, b·p, d)
         slot_outputs = experts(slots)  # (n, b·p, d)
-        slot_outputs = slot_outputs.view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)  # (b, n·p, d)
+        # (b, n·p, d)
+        slot_outputs = slot_outputs.view(n, b, p, d).transpose(0, 1).reshape(b, n * p, d)
         y = combine @ slot_outputs  # (b, m, d)
         if mask is not None:
             y = y * mask[:, :, None].to(y.dtype)
@@ -173,7 +188,8 @@ _COMPILED: dict = {}
 
 
 def compiled_soft_moe_forward(mode: str | None = None, backend: str = "inductor"):
-    """`soft_moe_forward` through `torch.compile` (built once per mode and backend, shared by every layer)."""
+    """`soft_moe_forward` through `torch.compile` (built once per mode and backend, shared by every
+    layer)."""
     key = (mode, backend)
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(soft_moe_forward, mode=mode, backend=backend, dynamic=False)
@@ -195,7 +211,8 @@ class SoftMoE(nn.Module):
         noise_std: std of Gaussian noise added to the logits in training (0 = off, as released).
         shared_expert_init: all experts start from the same init (default, as released).
         compiled: run the forward through `torch.compile` (`compiled_soft_moe_forward`); the first
-            call per shape compiles (seconds). Compiling the whole tower instead has the same effect.
+            call per shape compiles (seconds). Compiling the whole tower instead has the same
+            effect.
     """
 
     def __init__(self, dim: int, num_experts: int, hidden_dim: int,
@@ -205,11 +222,13 @@ class SoftMoE(nn.Module):
         super().__init__()
         if slots_per_expert is None:
             if capacity_factor is None or num_tokens is None:
-                raise ValueError("give slots_per_expert, or capacity_factor together with num_tokens")
+                raise ValueError("give slots_per_expert, or capacity_factor together with "
+                                 "num_tokens")
             slots_per_expert = slots_for_capacity(num_tokens, num_experts, capacity_factor)
         if slots_per_expert < 1:
             raise ValueError(f"slots_per_expert must be >= 1, got {slots_per_expert}")
-        if not noise_std >= 0:  # `noise_std > 0` switches noise on: a negative one would silently mean none
+        # `noise_std > 0` switches noise on: a negative one would silently mean none
+        if not noise_std >= 0:
             raise ValueError(f"noise_std must be >= 0 (0: no noise), got {noise_std!r}")
         factory = dict(device=device, dtype=dtype)
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
@@ -242,14 +261,16 @@ class SoftMoE(nn.Module):
         return x if mask is None else x.masked_fill(~mask[:, :, None], 0.0)
 
     def routing_logits(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits `forward` routes `x` (b, m, d) with: (b, m, n·p), fp32 or wider; training noise
-        included when the layer is training."""
+        """The logits `forward` routes `x` (b, m, d) with: (b, m, n·p), fp32 or wider; training
+        noise included when the layer is training."""
         x = self._routing_input(x, mask)  # outside _autocast_off: autocast's dtype is read from it
         with _autocast_off(x):
-            return soft_moe_logits(x, self.phi, self.scale, self.noise_std if self.training else 0.0)
+            return soft_moe_logits(x, self.phi, self.scale,
+                                   self.noise_std if self.training else 0.0)
 
     def routing_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None):
-        """`(dispatch, combine)` that `forward` routes `x` with, each of shape (b, m, n, p), fp32 or wider."""
+        """`(dispatch, combine)` that `forward` routes `x` with, each of shape (b, m, n, p), fp32 or
+        wider."""
         dispatch, combine = soft_moe_weights(self.routing_logits(x, mask), mask)
         shape = (*x.shape[:2], self.num_experts, self.slots_per_expert)
         return dispatch.view(shape), combine.view(shape)
@@ -257,7 +278,8 @@ class SoftMoE(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (b, m, d); mask: optional (b, m) bool, True for real tokens. Returns (b, m, d)."""
         forward = compiled_soft_moe_forward() if self.compiled else soft_moe_forward
-        return forward(x, self.phi, self.scale, self.experts, mask, self.noise_std if self.training else 0.0)
+        return forward(x, self.phi, self.scale, self.experts, mask,
+                       self.noise_std if self.training else 0.0)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_experts={self.num_experts}, "

@@ -34,7 +34,7 @@ from lit_softmoe.models.tower_folder import (
     read_tower_meta,
     tower_fingerprint,
 )
-from lit_softmoe.models.vit import ViTConfig
+from lit_softmoe.models.vit_config import ViTConfig
 
 _log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from torch import nn
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 from lit_softmoe.models.tower_folder import load_tower, save_tower
-from lit_softmoe.models.vit import Mlp, ViTConfig
+from lit_softmoe.models.vit import Mlp
+from lit_softmoe.models.vit_config import ViTConfig
 from lit_softmoe.nn.routers import TokensChoiceMoE
 from lit_softmoe.nn.soft_moe import BatchedExperts, SoftMoE
 from soft_moe_layers import randn
@@ -378,7 +379,7 @@ def test_qk_norm_has_no_bias_as_flax_unless_asked_and_its_config_says_which(tmp_
     from lit_softmoe.errors import UserError
     from lit_softmoe.models.registry import create_image_tower
     from lit_softmoe.models.tower_folder import load_tower, save_tower
-    from lit_softmoe.models.vit import ViTConfig
+    from lit_softmoe.models.vit_config import ViTConfig
     tower = create_image_tower("soft-test-4e")
     assert tower.blocks[0].attn.q_norm.bias is None and tower.blocks[0].attn.k_norm.bias is None
     assert not [k for k in tower.state_dict() if k.endswith(("q_norm.bias", "k_norm.bias"))]
