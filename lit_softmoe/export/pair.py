@@ -159,61 +159,11 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {list(DTYPES)}")
-    source = classify_folder(run)
-    if source.kind == "export":
-        raise UserError(f"{run} is already an export; copy the folder instead of exporting it "
-                        "again")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, _read_from(source), overwrite)
-    if source.kind == "tower":
-        tower, tower_meta = load_tower(source.path)
-        if is_timm_tower_config(tower_meta.get("tower")):
-            raise UserError(f"{run} is a timm model's tower folder ({tower_meta.get('source')}): "
-                            "timm loads it as it is, "
-                            f"timm.create_model(\"local-dir:{source.path}\", pretrained=True); "
-                            "export the LiT runs trained against it")
-        model = None
-        facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
-                 "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta,
-                                                                   tower.cfg.in_channels,
-                                                                   source.path / TOWER_CONFIG))}
-        tower.eval().requires_grad_(False)
-    else:
-        model, facts = load_run_pair(source)
-        tower = model.image_tower
-        # now the tower is known
-        _check_out_dir(out_dir, _read_from(source, Path(facts["tower_dir"])), overwrite)
+    source, model, tower, facts = _read_source(run, out_dir, overwrite)
     run_dir = source.run_dir
-    results = (read_json(run_dir / "results.json")
-               if run_dir and (run_dir / "results.json").is_file() else {})
-    if source.kind == "checkpoint":
-        # The run's results.json describes its final model, not this checkpoint: keep only what the
-        # whole run shares, and take the step and training time from the checkpoint itself.
-        state_meta = require_keys(read_json(source.path / STATE_META), ("step", "train_seconds"),
-                                  source.path / STATE_META, "train the run again with this version")
-        results = {"steps": state_meta["step"],
-                   "train_seconds": round(state_meta["train_seconds"], 1),
-                   **({"cached_features": results["cached_features"]}
-                      if "cached_features" in results else {})}
-
-    # The state to write, in the export's dtype; the model then takes these exact (rounded) values
-    # so that the ONNX graphs and their check see what a user loading the export gets.
-    target = DTYPES[dtype]
-    full = ({f"image_tower.{k}": v for k, v in tower.state_dict().items()} if model is None
-            else model.state_dict())
-    # No copy where none is needed: in fp32 these are the parameters themselves (safetensors takes
-    # them as they are: contiguous, no storage shared), so a paper-scale tower is held once, not
-    # twice, while it is written.
-    state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous()
-             for k, v in full.items()}
-    image_state = {k: v for k, v in state.items() if k.startswith(("image_tower.", "image_head."))}
-    # The key of the tower weights written (see the module docstring): in fp32 the run's own.
-    image_tower_sha256 = weights_sha256({k[len("image_tower."):]: v for k, v in image_state.items()
-                                         if k.startswith("image_tower.")})
-    text_state = {k: v for k, v in state.items() if k not in image_state}
-    if dtype != "fp32":
-        # the rounded values, copied into the fp32 parameters (copy_ upcasts exactly)
-        (model if model is not None else _Prefixed(tower)).load_state_dict(state)
+    results = _run_results(source)
+    state, image_state, text_state, image_tower_sha256 = _state_to_write(model, tower, dtype)
 
     config = {"format": EXPORT_FORMAT, "kind": "pair" if model is not None else "image",
               "lit_softmoe_version": _version(), "dtype": dtype,
@@ -294,6 +244,76 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
                         "to replace it, or pick another folder") from None
 
 
+
+
+def _read_source(run: str | Path, out_dir: Path, overwrite: bool) -> tuple:
+    """(the folder, the pair or None for a tower folder, the image tower, what the export records of
+    them), `out_dir` checked against every folder the export reads."""
+    source = classify_folder(run)
+    if source.kind == "export":
+        raise UserError(f"{run} is already an export; copy the folder instead of exporting it "
+                        "again")
+    _check_out_dir(out_dir, _read_from(source), overwrite)
+    if source.kind == "tower":
+        tower, tower_meta = load_tower(source.path)
+        if is_timm_tower_config(tower_meta.get("tower")):
+            raise UserError(f"{run} is a timm model's tower folder ({tower_meta.get('source')}): "
+                            "timm loads it as it is, "
+                            f"timm.create_model(\"local-dir:{source.path}\", pretrained=True); "
+                            "export the LiT runs trained against it")
+        model = None
+        facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
+                 "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta,
+                                                                   tower.cfg.in_channels,
+                                                                   source.path / TOWER_CONFIG))}
+        tower.eval().requires_grad_(False)
+    else:
+        model, facts = load_run_pair(source)
+        tower = model.image_tower
+        # now the tower is known
+        _check_out_dir(out_dir, _read_from(source, Path(facts["tower_dir"])), overwrite)
+    return source, model, tower, facts
+
+
+def _run_results(source: ModelFolder) -> dict:
+    """The run's results.json as far as it describes what is exported."""
+    run_dir = source.run_dir
+    results = (read_json(run_dir / "results.json")
+               if run_dir and (run_dir / "results.json").is_file() else {})
+    if source.kind == "checkpoint":
+        # The run's results.json describes its final model, not this checkpoint: keep only what the
+        # whole run shares, and take the step and training time from the checkpoint itself.
+        state_meta = require_keys(read_json(source.path / STATE_META), ("step", "train_seconds"),
+                                  source.path / STATE_META, "train the run again with this version")
+        results = {"steps": state_meta["step"],
+                   "train_seconds": round(state_meta["train_seconds"], 1),
+                   **({"cached_features": results["cached_features"]}
+                      if "cached_features" in results else {})}
+    return results
+
+
+def _state_to_write(model, tower: nn.Module, dtype: str) -> tuple[dict, dict, dict, str]:
+    """(the state in the export's dtype, its image and text parts, the sha256 of the tower weights
+    written); the model takes these exact (rounded) values."""
+    # The model takes the rounded values so that the ONNX graphs and their check see what a user
+    # loading the export gets.
+    target = DTYPES[dtype]
+    full = ({f"image_tower.{k}": v for k, v in tower.state_dict().items()} if model is None
+            else model.state_dict())
+    # No copy where none is needed: in fp32 these are the parameters themselves (safetensors takes
+    # them as they are: contiguous, no storage shared), so a paper-scale tower is held once, not
+    # twice, while it is written.
+    state = {k: (v.to(target) if v.is_floating_point() else v).detach().contiguous()
+             for k, v in full.items()}
+    image_state = {k: v for k, v in state.items() if k.startswith(("image_tower.", "image_head."))}
+    # The key of the tower weights written (see the module docstring): in fp32 the run's own.
+    image_tower_sha256 = weights_sha256({k[len("image_tower."):]: v for k, v in image_state.items()
+                                         if k.startswith("image_tower.")})
+    text_state = {k: v for k, v in state.items() if k not in image_state}
+    if dtype != "fp32":
+        # the rounded values, copied into the fp32 parameters (copy_ upcasts exactly)
+        (model if model is not None else _Prefixed(tower)).load_state_dict(state)
+    return state, image_state, text_state, image_tower_sha256
 
 
 class _Prefixed(nn.Module):
