@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.config import LiTConfig, micro_batch_size
+from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
 from lit_softmoe.data.samples import read_labels
 from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
@@ -38,7 +37,6 @@ from lit_softmoe.data.shards import (
     read_lines,
     shard_urls,
 )
-from lit_softmoe.data.tar_reading import require_class_labels
 from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
@@ -58,6 +56,13 @@ from lit_softmoe.models.tower_folder import (
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.embed import rerun_command
+from lit_softmoe.train.lit_loaders import (
+    data_counts,
+    restore_data_counts,
+    setup_train_data,
+    shard_loader,
+    train_batches,
+)
 from lit_softmoe.train.loop import (
     LogWindow,
     StepFunctions,
@@ -110,31 +115,16 @@ def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
     return create_optimizer(model, cfg.optim)
 
 
-def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
-                  exact: bool = False, pin_memory: bool = False):
-    # pin_memory: batches land in page-locked memory, so the copies to the GPU run asynchronously
-    # (non_blocking) while the workers prefetch the next batches.
-    # exact (the eval and probe sets): read by the main process alone, so every shard, not this
-    # process's share of them (under torchrun the loader would split them by rank).
-    node = {"rank": 0, "world_size": 1} if exact else {}
-    data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
-                               shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
-                               resampled=cfg.data.resampled and not exact,
-                               samples_per_epoch=0 if exact else cfg.data.samples_per_epoch,
-                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
-    return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
-
-
 @torch.inference_mode()
 def _class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Preprocess, accelerator):
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
     if is_feature_cache(split):
         check_feature_caches(split, cfg.image_tower, rerun_command)
-        loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
+        loader = shard_loader(cfg, split, "embedding-class", 1024, exact=True)
         loader.set_epoch(0)
         batches = [(b["embedding"], b["label"]) for b in loader]
     else:
-        loader = _shard_loader(cfg, split, "image-class", 256, transform=pixel_transform(preprocess),
+        loader = shard_loader(cfg, split, "image-class", 256, transform=pixel_transform(preprocess),
                                exact=True)
         loader.set_epoch(0)
         normalize, batches = BatchNormalize(preprocess), []
@@ -192,17 +182,6 @@ def _setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
                         f"{len(eval_set['classnames'])} classes; set eval.classnames to a file naming every class "
                         "of the split, one per line in class order")
     return eval_set
-
-
-def _data_counts(loader) -> dict:
-    """The loader's counts of the run so far, as a checkpoint stores them."""
-    return {"samples_read": loader.samples_read, "bad": dict(loader.bad.counts)}
-
-
-def _restore_data_counts(loader, counts: dict) -> None:
-    """Put a checkpoint's counts back into a fresh loader."""
-    loader.samples_read = counts["samples_read"]
-    loader.bad.counts.update(counts["bad"])
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
@@ -289,7 +268,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
-    cached, loader = _setup_train_data(cfg, run, preprocess, tokenizer)
+    cached, loader = setup_train_data(cfg, run, preprocess, tokenizer)
     run.steps_per_epoch = len(loader)
     run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
     if not sharded:  # a sharded model is on the device already
@@ -307,7 +286,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
         _check_checkpoint(cfg, checkpoint_meta, latest, tower_sha, text_hash, frozen)
     announce_resume(run, latest)
     if latest is not None and is_main:  # the counts saved are the main process's, the ones reported
-        _restore_data_counts(loader, checkpoint_meta["data_counts"])
+        restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
     if not sharded:  # a sharded model is FSDP's already: DDP would wrap it again
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -325,7 +304,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                       f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
-    epoch_start: dict = {}  # the loader's counts as the current epoch started (`_train_batches`)
+    epoch_start: dict = {}  # the loader's counts as the current epoch started (`train_batches`)
 
     def evaluate() -> dict | None:
         return _zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
@@ -334,7 +313,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     normalize = None if cached else BatchNormalize(preprocess)  # uint8 pixels from the workers
     steps = _step_functions(cfg, run, model, model_module, loader, normalize, epoch_start,
                             {"image_tower_sha256": tower_sha, "model": description}, evaluate)
-    train(run, model, model_module, optimizer, _train_batches(loader, run, epoch_start), steps,
+    train(run, model, model_module, optimizer, train_batches(loader, run, epoch_start), steps,
           desc="lit", eval_every=cfg.eval.every if cfg.eval.shards else 0, skip_prefixes=frozen)
     loader.check_bad_fraction()
 
@@ -359,36 +338,6 @@ def _train_lit(cfg: LiTConfig) -> dict:
                       title=f"LiT {cfg.text.kind} text tower")
 
 
-def _setup_train_data(cfg: LiTConfig, run: TrainingRun, preprocess: Preprocess, tokenizer) -> tuple:
-    """(whether data.train holds cached features, the training loader), the splits checked first."""
-    accelerator = run.accelerator
-    cached = is_feature_cache(cfg.data.train)
-    if cached:
-        if cfg.unlocked_blocks:
-            raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_caches(cfg.data.train, cfg.image_tower, rerun_command)
-    probe_train = cfg.eval.probe_train if cfg.eval.shards else ""  # without an eval set the probe is skipped
-    for split, key in ((cfg.eval.shards, "eval.shards"), (probe_train, "eval.probe_train")):
-        if cfg.unlocked_blocks and split and is_feature_cache(split):
-            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
-                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
-        if split:  # read after training: a split without class labels is refused now
-            require_class_labels(str(split), key)
-    # The batch splits evenly over processes and micro-batches, or one line says why not.
-    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
-    local_batch = cfg.batch_size // accelerator.num_processes
-    loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else pixel_transform(preprocess), tokenizer=tokenizer,
-                           pin_memory=accelerator.device.type == "cuda")
-    if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
-        # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
-        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
-        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
-                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
-                        "lower batch_size or data.workers, or add data")
-    return cached, loader
-
-
 def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower_sha: str,
                       text_hash: str | None, frozen: tuple[str, ...]) -> None:
     """A checkpoint resumes only against the towers it was trained with: their locked weights are
@@ -404,24 +353,6 @@ def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower
     if any(p.startswith("text_tower.") for p in frozen) and text_sha != text_hash:  # from text.path
         raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
                         "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
-
-
-def _train_batches(loader, run: TrainingRun, epoch_start: dict):
-    """The training batches of steps `run.step` to `run.total_steps` - 1. The shard order of an
-    epoch is a function of (seed, epoch): a resumed run replays the interrupted epoch and skips the
-    batches it had trained on. As the loop it replaces did, a batch past the last step may be read
-    (and counted) before the end is seen. `epoch_start["counts"]`: the loader's counts as the
-    current epoch started, what a resume into that epoch restores."""
-    while run.step < run.total_steps:
-        epoch, done_in_epoch = divmod(run.step, run.steps_per_epoch)
-        loader.set_epoch(epoch)
-        epoch_start["counts"] = _data_counts(loader)
-        for index, batch in enumerate(loader):
-            if index < done_in_epoch:
-                continue  # already trained on before the interruption
-            if run.step >= run.total_steps or index >= run.steps_per_epoch:
-                break
-            yield batch  # `train` takes its step before asking for the next one
 
 
 def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTModel, loader,
@@ -469,7 +400,7 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
         # epoch's end starts the next: the counts as of then (this epoch's stream read nothing
         # past its last batch). The main process's counts are the ones recorded.
         at_epoch_end = run.step % run.steps_per_epoch == 0
-        return {"data_counts": _data_counts(loader) if at_epoch_end else epoch_start["counts"],
+        return {"data_counts": data_counts(loader) if at_epoch_end else epoch_start["counts"],
                 **checkpoint_identity}
 
     # after_update: CLIP's cap on the logit scale parameter itself (see LiTModel).
