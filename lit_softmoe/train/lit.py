@@ -3,9 +3,9 @@ a text tower learns to match a locked image tower. The recipe behind `lit-softmo
 
 Read top to bottom: accelerate → locked image tower + text tower → data (image shards, or the
 feature shards `lit-softmoe embed` cached, so the tower runs once per image instead of once per
-epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only the
-class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and the
-eval images go through it again at every evaluation) → train with checkpoints and exact resume →
+epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only
+the class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and
+the eval images go through it again at every evaluation) → train with checkpoints and exact resume →
 final evaluation and the trained pair saved. The run's start, resume, step loop and checkpoint
 cadence are the skeleton both recipes share (`train.loop`); this recipe's part of a step is
 `_step_functions`.
@@ -78,61 +78,70 @@ _log = logging.getLogger(__name__)
 
 def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
                  locked_dtype: torch.dtype | None = None) -> tuple[LiTModel, dict]:
-    """The pair, its image tower read from its folder onto `device`, not into host memory first (every process
-    holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of host memory on the way). A
-    fully locked tower is cast to `locked_dtype` as it is read, so that only the cast tower is ever held whole:
-    L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the way to its 26 GB in bf16. A partly unlocked one is
-    read in fp32, whatever its folder holds: its last blocks train (`hold_locked_image_in` casts the rest)."""
+    """The pair, its image tower read from its folder onto `device`, not into host memory first
+    (every process holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of
+    host memory on the way). A fully locked tower is cast to `locked_dtype` as it is read, so that
+    only the cast tower is ever held whole: L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the
+    way to its 26 GB in bf16. A partly unlocked one is read in fp32, whatever its folder holds: its
+    last blocks train (`hold_locked_image_in` casts the rest)."""
     tower, meta = load_tower(cfg.image_tower, device=device,
                              dtype=torch.float32 if cfg.unlocked_blocks else locked_dtype)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
-                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks, text_locked=cfg.text.locked,
-                     text_unlocked_layers=cfg.text.unlocked_layers)
+                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks,
+                     text_locked=cfg.text.locked, text_unlocked_layers=cfg.text.unlocked_layers)
     return model, meta
 
 
 def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
-    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as it does;
-    # optim.layer_decay scales each tower's layers on its own.
+    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as
+    # it does; optim.layer_decay scales each tower's layers on its own.
     trained = [name for name, param in model.named_parameters() if param.requires_grad]
-    if not trained:  # the logit scale always trains, so a LiTModel never gets here; a subclass might
-        raise UserError("nothing in this model trains; unlock a part (text.locked=false, unlocked_blocks, "
-                        "text.unlocked_layers or image_head)")
+    # the logit scale always trains, so a LiTModel never gets here; a subclass might
+    if not trained:
+        raise UserError("nothing in this model trains; unlock a part (text.locked=false, "
+                        "unlocked_blocks, text.unlocked_layers or image_head)")
     if set(trained) <= {"logit_scale", "logit_bias"} and is_main_process():
-        _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; unlock a part "
-                     "(text.locked=false, text.unlocked_layers, unlocked_blocks or image_head) to learn more")
+        _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; "
+                     "unlock a part (text.locked=false, text.unlocked_layers, unlocked_blocks or "
+                     "image_head) to learn more")
     return create_optimizer(model, cfg.optim)
 
 
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
-    """What training checkpoints leave out: the image tower's locked part (`LiTModel.locked_image_keys`) and the
-    locked parameters of a Hugging Face text tower (text.path holds them, checked by `locked_text_sha256`).
-    A from-scratch text tower's locked parameters stay in: its random init has no other copy."""
+    """What training checkpoints leave out: the image tower's locked part
+    (`LiTModel.locked_image_keys`) and the locked parameters of a Hugging Face text tower (text.path
+    holds them, checked by `locked_text_sha256`). A from-scratch text tower's locked parameters stay
+    in: its random init has no other copy."""
     image = tuple(model.locked_image_keys())
     if not (model.text_locked and model.text_tower.cfg.kind == "hf"):
         return image
-    return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters() if not p.requires_grad)
+    return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters()
+                         if not p.requires_grad)
 
 
 def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
-    """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's state.json
-    ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
-    (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
-    (even with the same architecture), which would pair this text tower with other image features."""
+    """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's
+    state.json ("model"): loading either needs no training config. `tower_sha`: the tower's weights
+    identity (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder
+    rewritten since (even with the same architecture), which would pair this text tower with other
+    image features."""
     locked_text = {"text_locked_sha256": model.locked_text_sha256()} if model.text_locked else {}
-    return {"image_tower": str(tower_folder(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
-            "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
-            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "unlocked_blocks": cfg.unlocked_blocks,
-            **locked_text}
+    return {"image_tower": str(tower_folder(cfg.image_tower).resolve()),
+            "image_tower_config": meta["tower"], "image_tower_sha256": tower_sha,
+            "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss,
+            "unlocked_blocks": cfg.unlocked_blocks, **locked_text}
 
 
 def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict) -> Path:
-    """The trained pair: text side (locked parts too), the image tower's trained blocks if any, and the
-    temperature as safetensors, and what rebuilds the rest (the tower's locked part: its folder)."""
+    """The trained pair: text side (locked parts too), the image tower's trained blocks if any, and
+    the temperature as safetensors, and what rebuilds the rest (the tower's locked part: its
+    folder)."""
     from safetensors.torch import save_file
     locked = set(model.locked_image_keys())
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k not in locked}
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+             if k not in locked}
     info = {**description, "results": results, FOLDER_ID: new_folder_id()}
 
     def write(tmp: Path):
@@ -144,7 +153,8 @@ def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict)
 
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
-    check_run_dir(cfg.run_dir, "model")  # a file, a dataset there, a read-only parent: one line, now
+    # a file, a dataset there, a read-only parent: one line, now
+    check_run_dir(cfg.run_dir, "model")
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _train_lit(cfg)
 
@@ -157,32 +167,40 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # probe: said now and at the end, and recorded in results.json.
     probe_skipped = None
     if cfg.eval.probe_train and not cfg.eval.shards:
-        probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on "
-                         "(eval.shards is empty); set eval.shards to a labelled split to run it")
+        probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set "
+                         "to score it on (eval.shards is empty); set eval.shards to a labelled "
+                         "split to run it")
         if is_main:
             _log.warning(probe_skipped)
 
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
-    # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast
-    # once instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
+    # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16
+    # autocast), cast once instead of by autocast at every step. Unlocked blocks train in fp32 with
+    # the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device)
     model, meta = _setup_model(cfg, accelerator.device, tower_dtype)
-    model.hold_locked_image_in(tower_dtype)  # a partly unlocked tower's locked part (a locked one is cast already)
-    model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
+    # a partly unlocked tower's locked part (a locked one is cast already)
+    model.hold_locked_image_in(tower_dtype)
+    # the text tower's blocks (and unlocked image blocks)
+    model.set_grad_checkpointing(cfg.grad_checkpointing)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     preprocess = Preprocess.of_tower(meta, model.image_tower.cfg.in_channels,
                                      tower_folder(cfg.image_tower) / TOWER_CONFIG)
-    # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
-    # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
+    # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled
+    # with the trained weights by `gather_into`; the shards are made before the optimizer, which
+    # holds them.
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
-    # The tower's locked part must end exactly as it started (checked after training); unlocked blocks train.
+    # The tower's locked part must end exactly as it started (checked after training); unlocked
+    # blocks train.
     tower_hash = model.locked_image_sha256()
-    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
-    # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
+    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an
+    # export refuses a tower folder rewritten since (a retrained tower would pair with this text
+    # tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
-    text_hash = description.get("text_locked_sha256")  # a locked text tower's locked parameters: checked the same
+    # a locked text tower's locked parameters: checked the same
+    text_hash = description.get("text_locked_sha256")
     plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
     if sharded:
         shard_lit_model(model.to(accelerator.device), accelerator.device)
@@ -199,7 +217,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
-    eval_set = setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main else None
+    eval_set = (setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main
+                else None)
 
     # ---- resume
     checkpoint_meta, latest = resume(run, model, optimizer, skip_prefixes=frozen)
@@ -218,18 +237,19 @@ def _train_lit(cfg: LiTConfig) -> dict:
     held = f"in {precision_name(tower_dtype)} weights"
     if cfg.unlocked_blocks and tower_dtype != torch.float32:
         held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"
-    accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
-                      f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
-                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, image tower "
-                      f"{held}, "
-                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+    accelerator.print(
+        f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
+        f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+        f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
+        f"image tower {held}, "
+        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
     epoch_start: dict = {}  # the loader's counts as the current epoch started (`train_batches`)
 
     def evaluate() -> dict | None:
         return zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
-                                              preprocess)
+                                             preprocess)
 
     normalize = None if cached else BatchNormalize(preprocess)  # uint8 pixels from the workers
     steps = _step_functions(cfg, run, model, model_module, loader, normalize, epoch_start,
@@ -241,16 +261,18 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": run.total_steps, "train_seconds": round(run.train_seconds, 1),
                "cached_features": cached, "bad_samples": dict(loader.bad.counts)}
-    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
-        # locked text layers' current ones, for the check below)
+    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights
+        # (and the locked text layers' current ones, for the check below)
         model_module = gather_into(plain, model_module, frozen=text_hash is not None)
     if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
-        raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
+        raise RuntimeError("the locked image tower changed during training; this is a bug, please "
+                           "report it")
     if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
-        raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
+        raise RuntimeError("the locked text layers changed during training; this is a bug, please "
+                           "report it")
     if is_main:
         probe_skipped = final_evaluation(cfg, run, model_module, eval_set, tokenizer, preprocess,
-                                          results) or probe_skipped
+                                         results) or probe_skipped
         if probe_skipped:
             _log.warning(probe_skipped)
             results["probe_skipped"] = probe_skipped
@@ -267,13 +289,15 @@ def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower
                  latest / STATE_META,
                  "the run cannot be resumed from it; start this one with another run_dir=...")
     if checkpoint_meta["image_tower_sha256"] != tower_sha:
-        raise UserError(f"{latest} was trained against other image tower weights than {cfg.image_tower} holds (the "
-                        "tower was rewritten since, or the checkpoint is another run's), so the run cannot go on "
-                        "against it; put that tower back, or give a new run_dir")
+        raise UserError(f"{latest} was trained against other image tower weights than "
+                        f"{cfg.image_tower} holds (the tower was rewritten since, or the "
+                        "checkpoint is another run's), so the run cannot go on against it; put "
+                        "that tower back, or give a new run_dir")
     text_sha = (checkpoint_meta.get("model") or {}).get("text_locked_sha256")
     if any(p.startswith("text_tower.") for p in frozen) and text_sha != text_hash:  # from text.path
-        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
-                        "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
+        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its "
+                        "locked weights differ), so the run cannot go on with it; put that model "
+                        "back, or give a new run_dir")
 
 
 def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTModel, loader,
@@ -286,7 +310,8 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
     accelerator, cached = run.accelerator, normalize is None
     last_outputs: list = []  # the step's last forward outputs: (zimg, ztxt, logit_scale, ...)
 
-    def embed(micro_batch):  # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+    # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+    def embed(micro_batch):
         micro_images, micro_text = micro_batch
         with accelerator.autocast():
             if cached:

@@ -14,18 +14,20 @@ from lit_softmoe.train.embed import rerun_command
 from lit_softmoe.train.loop import TrainingRun
 
 
-def shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
-                  exact: bool = False, pin_memory: bool = False):
+def shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None,
+                 tokenizer=None, exact: bool = False, pin_memory: bool = False):
     # pin_memory: batches land in page-locked memory, so the copies to the GPU run asynchronously
     # (non_blocking) while the workers prefetch the next batches.
     # exact (the eval and probe sets): read by the main process alone, so every shard, not this
     # process's share of them (under torchrun the loader would split them by rank).
     node = {"rank": 0, "world_size": 1} if exact else {}
-    data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
-                               shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
+    data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers,
+                               seed=cfg.seed, shuffle=not exact,
+                               shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
                                resampled=cfg.data.resampled and not exact,
                                samples_per_epoch=0 if exact else cfg.data.samples_per_epoch,
-                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
+                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory,
+                               **node)
     return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
 
 
@@ -48,25 +50,29 @@ def setup_train_data(cfg: LiTConfig, run: TrainingRun, preprocess: Preprocess, t
         if cfg.unlocked_blocks:
             raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
         check_feature_caches(cfg.data.train, cfg.image_tower, rerun_command)
-    probe_train = cfg.eval.probe_train if cfg.eval.shards else ""  # without an eval set the probe is skipped
+    # without an eval set the probe is skipped
+    probe_train = cfg.eval.probe_train if cfg.eval.shards else ""
     for split, key in ((cfg.eval.shards, "eval.shards"), (probe_train, "eval.probe_train")):
         if cfg.unlocked_blocks and split and is_feature_cache(split):
-            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
-                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
+            raise UserError(f"{key} holds cached features of the initial tower, but "
+                            f"unlocked_blocks={cfg.unlocked_blocks} trains part of it; point {key} "
+                            "to image shards")
         if split:  # read after training: a split without class labels is refused now
             require_class_labels(str(split), key)
     # The batch splits evenly over processes and micro-batches, or one line says why not.
     micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
     local_batch = cfg.batch_size // accelerator.num_processes
-    loader = shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else pixel_transform(preprocess), tokenizer=tokenizer,
-                           pin_memory=accelerator.device.type == "cuda")
+    loader = shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption",
+                          local_batch, transform=None if cached else pixel_transform(preprocess),
+                          tokenizer=tokenizer, pin_memory=accelerator.device.type == "cuda")
     if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
         # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
-        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
-        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
-                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
-                        "lower batch_size or data.workers, or add data")
+        streams = (f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data "
+                   "worker(s)")
+        raise UserError(f"data.train is read as {streams}, and one of them holds only "
+                        f"{loader.smallest_pass} samples, fewer than its batch of {local_batch}, "
+                        "so batches would repeat samples; lower batch_size or data.workers, or add "
+                        "data")
     return cached, loader
 
 
