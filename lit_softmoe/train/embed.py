@@ -11,14 +11,14 @@ inference mode (bf16 autocast on GPUs that have it) and writes feature shards in
 layout, feature shard i for source shard i, as `data.feature_cache` describes the cache (its
 folder, samples and embed.json).
 
-Keeping a GPU fed, by default: the tower runs in bf16 weights on GPUs (`prepare_for_inference`, cast once),
-one DataLoader worker per available core reads the shards, and JPEGs travel to the GPU undecoded, where
-nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other images, and every image
-on the CPU, are decoded, resized and cropped by the workers, which send uint8 batches (a quarter of
-float32's bytes through shared memory, pinning and the copy). The normalization runs on the device,
-bitwise as the transform computes it (`transforms.normalize_batch`). One batch stays queued on the GPU
-while the host turns the previous one into samples and shards (`ToHost`). The choices are printed once
-at the start.
+Keeping a GPU fed, by default: the tower runs in bf16 weights on GPUs (`prepare_for_inference`, cast
+once), one DataLoader worker per available core reads the shards, and JPEGs travel to the GPU
+undecoded, where nvJPEG decodes a whole batch and the resize and crop run (`data.gpu_jpeg`); other
+images, and every image on the CPU, are decoded, resized and cropped by the workers, which send
+uint8 batches (a quarter of float32's bytes through shared memory, pinning and the copy). The
+normalization runs on the device, bitwise as the transform computes it
+(`transforms.normalize_batch`). One batch stays queued on the GPU while the host turns the previous
+one into samples and shards (`ToHost`). The choices are printed once at the start.
 
 Scale: under `torchrun` / `accelerate launch` each process embeds every world_size-th source shard
 on its own GPU; the processes share nothing but the output folder (`embed_job`). Each feature shard
@@ -57,7 +57,12 @@ from lit_softmoe.data.transforms import BatchNormalize, decode_min_side, pixel_t
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.models.preprocess import Preprocess
-from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower, resolution_change, tower_folder
+from lit_softmoe.models.tower_folder import (
+    TOWER_CONFIG,
+    load_tower,
+    resolution_change,
+    tower_folder,
+)
 from lit_softmoe.train.embed_job import (
     clear_failure,
     finished_shard,
@@ -69,11 +74,17 @@ from lit_softmoe.train.embed_job import (
     write_feature_split,
 )
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
-from lit_softmoe.utils.device import available_cpus, inference_dtype, parse_device, process_device, resolve_compile
+from lit_softmoe.utils.device import (
+    available_cpus,
+    inference_dtype,
+    parse_device,
+    process_device,
+    resolve_compile,
+)
 from lit_softmoe.utils.distributed import process_rank
 
-# `compile: auto` compiles the tower for runs of at least this many images: below it the compile time is
-# not earned back (docs/benchmarks.md, "embed").
+# `compile: auto` compiles the tower for runs of at least this many images: below it the compile
+# time is not earned back (docs/benchmarks.md, "embed").
 COMPILE_MIN_IMAGES = 1_000_000
 
 
@@ -95,7 +106,8 @@ def embed_shards(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> dict:
-    """Embed every image of `shards` with the tower in `tower_dir`; write feature shards to `out_dir/split/`.
+    """Embed every image of `shards` with the tower in `tower_dir`; write feature shards to
+    `out_dir/split/`.
 
     Feature shard `i.tar` holds the embeddings of source shard i, in that shard's order. Under
     `torchrun` or `accelerate launch` each process embeds every world_size-th source shard; the
@@ -111,18 +123,20 @@ def embed_shards(
         out_dir: the feature dataset folder; gets `split/` and the source's classnames.txt & co.
         split: the feature split's name; default: the source split folder's name (e.g. "train").
         batch_size: images per tower forward (a batch never spans two source shards).
-        workers: DataLoader workers reading (and decoding) images, each reading whole shards; 0 decodes in this
-            process; None: one per CPU core this process may use, at most one per shard to embed. The output
-            is the same for any number of workers and processes.
-        device: where the tower runs; default the process's GPU (LOCAL_RANK) when there is one, else the CPU.
-        precision: the tower's weight dtype: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16.
-        compile: torch.compile the tower: auto (on a GPU, for runs of at least `COMPILE_MIN_IMAGES` images,
-            where the compile time is earned back) | true | false.
-        jpeg_decoder: auto (on the GPU when the tower runs on one and torchvision has nvJPEG, `gpu_jpeg`) |
-            gpu | cpu (the workers decode every image).
-        gpu_jpeg_share: with the GPU decoder, the fraction of the JPEGs it decodes; below 1 the workers
-            decode the rest, so both decoders work (chosen by sample key: the same shards give the same
-            features).
+        workers: DataLoader workers reading (and decoding) images, each reading whole shards; 0
+            decodes in this process; None: one per CPU core this process may use, at most one per
+            shard to embed. The output is the same for any number of workers and processes.
+        device: where the tower runs; default the process's GPU (LOCAL_RANK) when there is one,
+            else the CPU.
+        precision: the tower's weight dtype: auto (bf16 on GPUs that support it, else fp32) | fp32 |
+            bf16.
+        compile: torch.compile the tower: auto (on a GPU, for runs of at least `COMPILE_MIN_IMAGES`
+            images, where the compile time is earned back) | true | false.
+        jpeg_decoder: auto (on the GPU when the tower runs on one and torchvision has nvJPEG,
+            `gpu_jpeg`) | gpu | cpu (the workers decode every image).
+        gpu_jpeg_share: with the GPU decoder, the fraction of the JPEGs it decodes; below 1 the
+            workers decode the rest, so both decoders work (chosen by sample key: the same shards
+            give the same features).
         max_bad_fraction: stop (UserError) when more than this fraction of samples is unreadable;
             fewer are skipped and counted in "bad".
         progress: show a progress bar (images/s, shards done, time left) on rank 0.
@@ -131,13 +145,13 @@ def embed_shards(
 
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
-        "skipped", "resumed_shards", "rank", "world_size", "startup_seconds", "steady_images_per_second",
-        "steady_waits"}; the last three split this process's time at its first embedded batch (None where it
-        embedded nothing, or nothing after the first batch), the waits saying what bounded the steady rate
-        (`_rates`); "skipped" is True when the split already
-        held this tower's embeddings of these shards, unchanged since (nothing was written). On ranks
-        other than 0, "num_samples", "bad" and "images_per_second" are this process's share and
-        "split_dir" is written by rank 0.
+        "skipped", "resumed_shards", "rank", "world_size", "startup_seconds",
+        "steady_images_per_second", "steady_waits"}; the last three split this process's time at its
+        first embedded batch (None where it embedded nothing, or nothing after the first batch), the
+        waits saying what bounded the steady rate (`_rates`); "skipped" is True when the split
+        already held this tower's embeddings of these shards, unchanged since (nothing was written).
+        On ranks other than 0, "num_samples", "bad" and "images_per_second" are this process's share
+        and "split_dir" is written by rank 0.
     """
     start = time.perf_counter()
     started = time.time()
@@ -152,8 +166,9 @@ def embed_shards(
     # The split is replaced whole at the end: only an earlier feature cache may be. `--out DATA`
     # for `--shards DATA/train` (the dataset folder, not a new one) replaced the images themselves.
     if split_dir.is_dir() and any(split_dir.iterdir()) and not (split_dir / EMBED_FILE).is_file():
-        raise UserError(f"{split_dir} holds other data (not a feature cache of `lit-softmoe embed`), which embedding "
-                        f"would replace; give a new --out folder (e.g. {out_dir}-features) or another --split")
+        raise UserError(f"{split_dir} holds other data (not a feature cache of "
+                        "`lit-softmoe embed`), which embedding would replace; give a new --out "
+                        f"folder (e.g. {out_dir}-features) or another --split")
     device = parse_device(str(device), "--device") if device is not None else process_device()
     weights = inference_dtype(precision, device)
     decoder, decoder_why = gpu_jpeg.choose_decoder(jpeg_decoder, device, "--jpeg-decoder")
@@ -161,18 +176,21 @@ def embed_shards(
     # What the features depend on besides the tower: a cache of another weight dtype or JPEG decoder
     # differs within rounding (cosine >= 0.999), and is made again rather than mixed with this one.
     wanted = {**fingerprint, "source": str(shards), "source_stats": source_stats(urls),
-              "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32", "jpeg_decoder": decoder,
+              "precision": "bf16 weights" if weights == torch.bfloat16 else "fp32",
+              "jpeg_decoder": decoder,
               **({"gpu_jpeg_share": gpu_jpeg_share} if decoder == "gpu" else {})}
 
     source_dir = dataset_dir(shards, urls)
     refuse_other_metadata(source_dir, out_dir, split, "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = finished_cache(split_dir, wanted)  # else embedded again: the new split replaces the old one atomically
+    # else embedded again: the new split replaces the old one atomically
+    done = finished_cache(split_dir, wanted)
     if done is not None:
         return _summary(split_dir, done["num_samples"], done["dim"],
                         round(time.perf_counter() - start, 3), None, done.get("bad", {}), rank,
                         world_size, skipped=True)
-    # The work folder of this tower and these sources: a killed run's finished shards are kept there.
+    # The work folder of this tower and these sources: a killed run's finished shards are
+    # kept there.
     work_dir = work_folder(out_dir, split, wanted)
     if rank == 0:
         remove_leftovers(out_dir, split, keep=work_dir)
@@ -223,8 +241,10 @@ def _embed_job(job: _EmbedJob) -> dict:
     the split in place. → `embed_shards`' result."""
     tower, meta = load_tower(job.tower_dir, device=job.device)
     listed = listed_sizes(job.urls) or {}
-    mine = [(index, url) for index, url in enumerate(job.urls) if index % job.world_size == job.rank]
-    kept = {index: finished_shard(job.work_dir, index) for index, _ in mine}  # a killed run's finished shards
+    mine = [(index, url) for index, url in enumerate(job.urls)
+            if index % job.world_size == job.rank]
+    # a killed run's finished shards
+    kept = {index: finished_shard(job.work_dir, index) for index, _ in mine}
     finished = [record for record in kept.values() if record is not None]
     todo = [(index, url) for index, url in mine if kept[index] is None]
     known = all(url in listed for _, url in todo)
@@ -233,10 +253,12 @@ def _embed_job(job: _EmbedJob) -> dict:
     # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
     # deterministic output.
     tower = prepare_for_inference(tower, dtype=job.weights, compile=compiled)
-    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels, tower_folder(job.tower_dir) / TOWER_CONFIG)
+    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels,
+                                     tower_folder(job.tower_dir) / TOWER_CONFIG)
     pixels = pixel_transform(preprocess)  # uint8 from the workers (its decode too, as eval and LiT)
     normalize = BatchNormalize(preprocess)  # on `device`
-    workers = min(available_cpus(), len(todo)) if job.workers is None else min(job.workers, len(todo))
+    workers = (min(available_cpus(), len(todo)) if job.workers is None
+               else min(job.workers, len(todo)))
     gpu_decoder, min_side = None, decode_min_side(pixels)
     if job.decoder == "gpu":
         gpu_decoder = gpu_jpeg.JpegBatchDecoder(
@@ -246,38 +268,48 @@ def _embed_job(job: _EmbedJob) -> dict:
     # Class shards without captions (`data from-folder --layout classes`: a labelled eval set) are
     # cached with their class alone, for zero-shot evaluation; everything else needs its caption.
     class_only = "cls" in job.members and "txt" not in job.members
-    if job.rank == 0 and todo:  # what runs, once, where a user sees it (the result line goes to stdout)
+    # what runs, once, where a user sees it (the result line goes to stdout)
+    if job.rank == 0 and todo:
         print(f"embed: tower {job.tower_dir} on {job.device}, "
               f"{'bf16' if job.weights == torch.bfloat16 else 'fp32'} weights, "
-              f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading shards, "
-              f"JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} ({job.decoder_why})"
-              + (f", {resized}" if (resized := resolution_change(tower, meta["preprocess"])) else ""),
+              f"{'compiled' if compiled else 'eager'} ({compile_why}), {workers} worker(s) reading "
+              f"shards, JPEGs decoded {gpu_jpeg.decoder_words(job.decoder, job.gpu_jpeg_share)} "
+              f"({job.decoder_why})"
+              + (f", {resized}" if (resized := resolution_change(tower, meta["preprocess"]))
+                 else ""),
               file=sys.stderr, flush=True)
     progress_bar = tqdm(total=images_to_embed, desc="embed", unit="img",
                         disable=not job.progress or job.rank != 0, dynamic_ncols=True)
     progress_bar.set_postfix(shards=f"{len(finished)}/{len(mine)}")
     resumed = len(finished)
-    timing = {"later_images": 0, "waiting_for_pixels": 0.0, "waiting_for_features": 0.0, "preparing": 0.0}
+    timing = {"later_images": 0, "waiting_for_pixels": 0.0, "waiting_for_features": 0.0,
+              "preparing": 0.0}
     try:
         if todo:
-            dataset = ShardBatches(todo, "image-class" if class_only else "image-caption", pixels, job.batch_size,
-                                   listed, with_cls="cls" in job.members,
-                                   defer=gpu_jpeg.DeferToGpu(job.gpu_jpeg_share) if gpu_decoder else None)
+            dataset = ShardBatches(todo, "image-class" if class_only else "image-caption", pixels,
+                                   job.batch_size, listed, with_cls="cls" in job.members,
+                                   defer=(gpu_jpeg.DeferToGpu(job.gpu_jpeg_share)
+                                          if gpu_decoder else None))
             embed_this_process_shards(todo, job.work_dir, dataset, tower, normalize, job.device,
-                                          job.batch_size if compiled else None, gpu_decoder, workers,
-                                          job.max_bad_fraction, str(job.shards), finished, progress_bar, timing)
+                                      job.batch_size if compiled else None, gpu_decoder, workers,
+                                      job.max_bad_fraction, str(job.shards), finished, progress_bar,
+                                      timing)
         mine_seconds = time.perf_counter() - job.start
         rates = _rates(job.start, timing)
         if job.rank != 0:  # rank 0 puts the split in place
             fresh = sum(record["num_samples"] for record in finished[resumed:])
             return _summary(job.split_dir, sum(r["num_samples"] for r in finished), tower.cfg.width,
-                            round(mine_seconds, 3), per_second(fresh, mine_seconds), seen_and_bad(finished)[2],
-                            job.rank, job.world_size, resumed_shards=resumed, rates=rates)
-        records = wait_for_shards(job.work_dir, len(job.urls), job.started, lambda found: progress_bar.set_postfix(
-            shards=f"{found}/{len(job.urls)} (all processes)")) if job.world_size > 1 else \
-            [finished_shard(job.work_dir, index) for index in range(len(job.urls))]
+                            round(mine_seconds, 3), per_second(fresh, mine_seconds),
+                            seen_and_bad(finished)[2], job.rank, job.world_size,
+                            resumed_shards=resumed, rates=rates)
+        records = (wait_for_shards(job.work_dir, len(job.urls), job.started,
+                                   lambda found: progress_bar.set_postfix(
+                                       shards=f"{found}/{len(job.urls)} (all processes)"))
+                   if job.world_size > 1 else
+                   [finished_shard(job.work_dir, index) for index in range(len(job.urls))])
     except UserError as err:
-        if job.world_size > 1:  # tells rank 0, which waits for this process's shards, why they will not come
+        # tells rank 0, which waits for this process's shards, why they will not come
+        if job.world_size > 1:
             report_failure(job.work_dir, job.rank, str(err))
         raise
     finally:
@@ -287,8 +319,8 @@ def _embed_job(job: _EmbedJob) -> dict:
     num_samples, bad = _check_split(records, str(job.shards), class_only, job.max_bad_fraction)
     seconds = round(time.perf_counter() - job.start, 3)
     info = {**job.wanted, "split": job.split, "num_samples": num_samples, "dim": tower.cfg.width,
-            "dtype": "float16", "with_cls": "cls" in job.members, "with_txt": not class_only, "bad": bad,
-            "seconds": seconds, "processes": job.world_size}
+            "dtype": "float16", "with_cls": "cls" in job.members, "with_txt": not class_only,
+            "bad": bad, "seconds": seconds, "processes": job.world_size}
     write_feature_split(job.work_dir, job.split_dir, records, info)
     rate = per_second(sum(r["num_samples"] for r in finished[resumed:]), mine_seconds)
     return _summary(job.split_dir, num_samples, tower.cfg.width, seconds, rate, bad, job.rank,
@@ -313,10 +345,11 @@ def _check_flags(batch_size: int, workers: int | None, jpeg_decoder: str, gpu_jp
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
     if jpeg_decoder not in gpu_jpeg.DECODERS:
-        raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, got {jpeg_decoder!r}")
+        raise UserError(f"--jpeg-decoder must be one of {', '.join(gpu_jpeg.DECODERS)}, "
+                        f"got {jpeg_decoder!r}")
     if not 0.0 <= gpu_jpeg_share <= 1.0:
-        raise UserError(f"--gpu-jpeg-share must be in [0, 1] (the fraction of the JPEGs the GPU decodes), "
-                        f"got {gpu_jpeg_share}")
+        raise UserError(f"--gpu-jpeg-share must be in [0, 1] (the fraction of the JPEGs the GPU "
+                        f"decodes), got {gpu_jpeg_share}")
     if split is not None and (split in ("", ".", "..") or "/" in split or "\\" in split):
         raise UserError(f"--split {split!r} must be a folder name (e.g. train), not a path; "
                         "give the parent folder as --out")
@@ -330,8 +363,8 @@ def _check_split(records: list[dict], source: str, class_only: bool,
     _, _, bad = seen_and_bad(records)
     if num_samples == 0:
         needed = "an image and a .cls" if class_only else "an image and a .txt (or a .cls)"
-        raise UserError(f"no sample of {source} could be embedded (skipped: {bad or 'nothing'}); check that its "
-                        f"shards hold {needed} per sample")
+        raise UserError(f"no sample of {source} could be embedded (skipped: {bad or 'nothing'}); "
+                        f"check that its shards hold {needed} per sample")
     error = bad_fraction_error(source, records, max_bad_fraction)
     if error:
         raise UserError(error)
@@ -350,33 +383,40 @@ def _summary(split_dir: Path, num_samples: int, dim: int, seconds: float,
             "resumed_shards": resumed_shards, "rank": rank, "world_size": world_size, **rates}
 
 
-def _choose_compile(setting: str | bool, device: torch.device, images: int | None) -> tuple[bool, str]:
-    """(compile the tower?, why) for `--compile`: auto compiles on a GPU for long runs (`COMPILE_MIN_IMAGES`)."""
+def _choose_compile(setting: str | bool, device: torch.device,
+                    images: int | None) -> tuple[bool, str]:
+    """(compile the tower?, why) for `--compile`: auto compiles on a GPU for long runs
+    (`COMPILE_MIN_IMAGES`)."""
     if str(setting).strip().lower() != "auto":
         return resolve_compile(setting, device), f"--compile {str(setting).lower()}"
     if not resolve_compile("auto", device):
         return False, f"auto: the tower runs on {device.type}"
     if images is not None and images < COMPILE_MIN_IMAGES:
-        return False, f"auto: {images:,} images, fewer than the {COMPILE_MIN_IMAGES:,} that earn the compile back"
+        return False, (f"auto: {images:,} images, fewer than the {COMPILE_MIN_IMAGES:,} that earn "
+                       "the compile back")
     return True, "auto: a long run on a GPU"
 
 
 def per_second(count: float, seconds: float) -> float:
-    """`count` / `seconds` to one decimal, or to three significant digits below 1: a large tower on a CPU
-    embeds under one image a second, which one decimal rounded to 0."""
+    """`count` / `seconds` to one decimal, or to three significant digits below 1: a large tower on
+    a CPU embeds under one image a second, which one decimal rounded to 0."""
     rate = count / max(seconds, 1e-9)
     return round(rate, 1) if rate >= 1 else float(f"{rate:.3g}")
 
 
 def _rates(start: float, timing: dict) -> dict:
-    """The seconds before the first batch was embedded (hashing and loading the tower, starting the workers,
-    their first shards) and the images/s after it: on a large tower and a short run they differ most.
-    "steady_waits": the shares of the steady time the loop waited for pixels and for features, and the
-    share the device thread spent preparing batches (see `embed_this_process_shards`)."""
+    """The seconds before the first batch was embedded (hashing and loading the tower, starting the
+    workers, their first shards) and the images/s after it: on a large tower and a short run they
+    differ most. "steady_waits": the shares of the steady time the loop waited for pixels and for
+    features, and the share the device thread spent preparing batches (see
+    `embed_this_process_shards`)."""
     if "first_batch" not in timing:
         return {"startup_seconds": None, "steady_images_per_second": None, "steady_waits": None}
     later = time.perf_counter() - timing["first_batch"]
-    steady = per_second(timing["later_images"], later) if timing["later_images"] and later > 0 else None
-    waits = {key: round(timing[key] / later, 3) for key in ("waiting_for_pixels", "waiting_for_features", "preparing")}
-    return {"startup_seconds": round(timing["first_batch"] - start, 3), "steady_images_per_second": steady,
+    steady = (per_second(timing["later_images"], later) if timing["later_images"] and later > 0
+              else None)
+    waits = {key: round(timing[key] / later, 3)
+             for key in ("waiting_for_pixels", "waiting_for_features", "preparing")}
+    return {"startup_seconds": round(timing["first_batch"] - start, 3),
+            "steady_images_per_second": steady,
             "steady_waits": waits if later > 0 else None}

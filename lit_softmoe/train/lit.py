@@ -3,9 +3,9 @@ a text tower learns to match a locked image tower. The recipe behind `lit-softmo
 
 Read top to bottom: accelerate → locked image tower + text tower → data (image shards, or the
 feature shards `lit-softmoe embed` cached, so the tower runs once per image instead of once per
-epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only the
-class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and the
-eval images go through it again at every evaluation) → train with checkpoints and exact resume →
+epoch) → zero-shot eval set (its image embeddings computed once when the tower is locked, so only
+the class prompts are re-encoded at each evaluation; with `unlocked_blocks` the tower trains, and
+the eval images go through it again at every evaluation) → train with checkpoints and exact resume →
 final evaluation and the trained pair saved. The run's start, resume, step loop and checkpoint
 cadence are the skeleton both recipes share (`train.loop`); this recipe's part of a step is
 `_step_functions`.
@@ -26,24 +26,9 @@ from pathlib import Path
 
 import torch
 
-from lit_softmoe.config import LiTConfig, micro_batch_size
-from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
-from lit_softmoe.data.pipelines import ShardDataConfig, create_shard_loader
-from lit_softmoe.data.samples import read_labels
-from lit_softmoe.data.shards import (
-    CLASSNAMES_FILE,
-    TEMPLATES_FILE,
-    dataset_dir,
-    read_classnames_file,
-    read_lines,
-    shard_urls,
-)
-from lit_softmoe.data.tar_reading import require_class_labels
-from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
+from lit_softmoe.config import LiTConfig
+from lit_softmoe.data.transforms import BatchNormalize
 from lit_softmoe.errors import UserError
-from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
-from lit_softmoe.evals.probes import linear_probe
-from lit_softmoe.metadata import check_templates
 from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.preprocess import Preprocess
@@ -57,7 +42,17 @@ from lit_softmoe.models.tower_folder import (
     tower_folder,
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
-from lit_softmoe.train.embed import rerun_command
+from lit_softmoe.train.lit_eval import (
+    final_evaluation,
+    setup_eval,
+    zeroshot_eval_during_training,
+)
+from lit_softmoe.train.lit_loaders import (
+    data_counts,
+    restore_data_counts,
+    setup_train_data,
+    train_batches,
+)
 from lit_softmoe.train.loop import (
     LogWindow,
     StepFunctions,
@@ -83,156 +78,70 @@ _log = logging.getLogger(__name__)
 
 def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
                  locked_dtype: torch.dtype | None = None) -> tuple[LiTModel, dict]:
-    """The pair, its image tower read from its folder onto `device`, not into host memory first (every process
-    holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of host memory on the way). A
-    fully locked tower is cast to `locked_dtype` as it is read, so that only the cast tower is ever held whole:
-    L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the way to its 26 GB in bf16. A partly unlocked one is
-    read in fp32, whatever its folder holds: its last blocks train (`hold_locked_image_in` casts the rest)."""
+    """The pair, its image tower read from its folder onto `device`, not into host memory first
+    (every process holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of
+    host memory on the way). A fully locked tower is cast to `locked_dtype` as it is read, so that
+    only the cast tower is ever held whole: L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the
+    way to its 26 GB in bf16. A partly unlocked one is read in fp32, whatever its folder holds: its
+    last blocks train (`hold_locked_image_in` casts the rest)."""
     tower, meta = load_tower(cfg.image_tower, device=device,
                              dtype=torch.float32 if cfg.unlocked_blocks else locked_dtype)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
-                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks, text_locked=cfg.text.locked,
-                     text_unlocked_layers=cfg.text.unlocked_layers)
+                     image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks,
+                     text_locked=cfg.text.locked, text_unlocked_layers=cfg.text.unlocked_layers)
     return model, meta
 
 
 def _setup_optimizer(cfg: LiTConfig, model: LiTModel) -> torch.optim.AdamW:
-    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as it does;
-    # optim.layer_decay scales each tower's layers on its own.
+    # Pretraining's rule (`optim.param_groups`): unlocked tower blocks decay Soft MoE's `scale` as
+    # it does; optim.layer_decay scales each tower's layers on its own.
     trained = [name for name, param in model.named_parameters() if param.requires_grad]
-    if not trained:  # the logit scale always trains, so a LiTModel never gets here; a subclass might
-        raise UserError("nothing in this model trains; unlock a part (text.locked=false, unlocked_blocks, "
-                        "text.unlocked_layers or image_head)")
+    # the logit scale always trains, so a LiTModel never gets here; a subclass might
+    if not trained:
+        raise UserError("nothing in this model trains; unlock a part (text.locked=false, "
+                        "unlocked_blocks, text.unlocked_layers or image_head)")
     if set(trained) <= {"logit_scale", "logit_bias"} and is_main_process():
-        _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; unlock a part "
-                     "(text.locked=false, text.unlocked_layers, unlocked_blocks or image_head) to learn more")
+        _log.warning("warning: both towers are locked, so only the logit scale (and bias) train; "
+                     "unlock a part (text.locked=false, text.unlocked_layers, unlocked_blocks or "
+                     "image_head) to learn more")
     return create_optimizer(model, cfg.optim)
 
 
-def _shard_loader(cfg: LiTConfig, urls: str, kind: str, batch_size: int, transform=None, tokenizer=None,
-                  exact: bool = False, pin_memory: bool = False):
-    # pin_memory: batches land in page-locked memory, so the copies to the GPU run asynchronously
-    # (non_blocking) while the workers prefetch the next batches.
-    # exact (the eval and probe sets): read by the main process alone, so every shard, not this
-    # process's share of them (under torchrun the loader would split them by rank).
-    node = {"rank": 0, "world_size": 1} if exact else {}
-    data_cfg = ShardDataConfig(urls=urls, batch_size=batch_size, workers=cfg.data.workers, seed=cfg.seed,
-                               shuffle=not exact, shuffle_buffer=cfg.data.shuffle_buffer, exact_epoch=exact,
-                               resampled=cfg.data.resampled and not exact,
-                               samples_per_epoch=0 if exact else cfg.data.samples_per_epoch,
-                               max_bad_fraction=cfg.data.max_bad_fraction, pin_memory=pin_memory, **node)
-    return create_shard_loader(data_cfg, kind, transform=transform, tokenizer=tokenizer)
-
-
-@torch.inference_mode()
-def _class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Preprocess, accelerator):
-    """(features (N, D) of the locked tower, labels (N,)) for a class split, images or cached features."""
-    if is_feature_cache(split):
-        check_feature_caches(split, cfg.image_tower, rerun_command)
-        loader = _shard_loader(cfg, split, "embedding-class", 1024, exact=True)
-        loader.set_epoch(0)
-        batches = [(b["embedding"], b["label"]) for b in loader]
-    else:
-        loader = _shard_loader(cfg, split, "image-class", 256, transform=pixel_transform(preprocess),
-                               exact=True)
-        loader.set_epoch(0)
-        normalize, batches = BatchNormalize(preprocess), []
-        for b in loader:
-            with accelerator.autocast():
-                pixels = normalize(b["image"].to(accelerator.device))
-                batches.append((model.image_tower.forward_pooled(pixels).float().cpu(), b["label"]))
-    return torch.cat([features for features, _ in batches]).float(), torch.cat([labels for _, labels in batches])
-
-
-def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, preprocess, accelerator) -> dict:
-    if not model.image_tower_locked:
-        # The tower's last blocks train: features computed earlier would score the current text
-        # tower against an older image tower, so the eval images go through the current one.
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, eval_set["split"], model, preprocess,
-                                                                   accelerator)
-    model.eval()
-    with torch.no_grad(), accelerator.autocast():
-        classifier = build_zeroshot_classifier(model.encode_text, tokenizer, eval_set["classnames"],
-                                               eval_set["templates"], device=accelerator.device)
-        images = model.encode_image_features(eval_set["features"].to(accelerator.device)).float()
-    model.train()
-    return {f"zeroshot_{k}": v for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
-
-
-def _setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
-    if not cfg.eval.shards:
-        return None
-    split = str(cfg.eval.shards)
-    # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
-    folder = dataset_dir(split)
-    for value, name, key in ((cfg.eval.classnames, CLASSNAMES_FILE, "eval.classnames"),
-                             (cfg.eval.templates, TEMPLATES_FILE, "eval.templates")):
-        if not value and folder is None:
-            raise UserError(f"eval.shards {split} is not a local split, so there is no {name} beside it; "
-                            f"set {key} to a file with one entry per line")
-    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / CLASSNAMES_FILE
-    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / TEMPLATES_FILE
-    for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
-        if not path.is_file():
-            raise UserError(f"{path} not found; set {key} to a file with one entry per line")
-    eval_set = {"split": split, "classnames": read_classnames_file(classnames), "templates": read_lines(templates),
-                "features": None, "labels": None}
-    if not eval_set["classnames"]:
-        raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with one per line")
-    check_templates(eval_set["templates"], str(templates))  # now, not after training
-    if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
-        eval_set["features"], eval_set["labels"] = _class_features(cfg, split, model, preprocess, accelerator)
-        largest = int(eval_set["labels"].max())
-    else:  # the labels alone, from the `.cls` members: no tower pass over the eval images just for them
-        # Quiet: a side pass over shards whose bad samples each evaluation counts.
-        largest = max(read_labels(shard_urls(split), log=False), default=-1)
-    if largest >= len(eval_set["classnames"]):  # its images would all count as misses: a wrong score
-        raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
-                        f"{len(eval_set['classnames'])} classes; set eval.classnames to a file naming every class "
-                        "of the split, one per line in class order")
-    return eval_set
-
-
-def _data_counts(loader) -> dict:
-    """The loader's counts of the run so far, as a checkpoint stores them."""
-    return {"samples_read": loader.samples_read, "bad": dict(loader.bad.counts)}
-
-
-def _restore_data_counts(loader, counts: dict) -> None:
-    """Put a checkpoint's counts back into a fresh loader."""
-    loader.samples_read = counts["samples_read"]
-    loader.bad.counts.update(counts["bad"])
-
-
 def _frozen_prefixes(model: LiTModel) -> tuple[str, ...]:
-    """What training checkpoints leave out: the image tower's locked part (`LiTModel.locked_image_keys`) and the
-    locked parameters of a Hugging Face text tower (text.path holds them, checked by `locked_text_sha256`).
-    A from-scratch text tower's locked parameters stay in: its random init has no other copy."""
+    """What training checkpoints leave out: the image tower's locked part
+    (`LiTModel.locked_image_keys`) and the locked parameters of a Hugging Face text tower (text.path
+    holds them, checked by `locked_text_sha256`). A from-scratch text tower's locked parameters stay
+    in: its random init has no other copy."""
     image = tuple(model.locked_image_keys())
     if not (model.text_locked and model.text_tower.cfg.kind == "hf"):
         return image
-    return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters() if not p.requires_grad)
+    return image + tuple(f"text_tower.{n}" for n, p in model.text_tower.named_parameters()
+                         if not p.requires_grad)
 
 
 def model_description(cfg: LiTConfig, meta: dict, model: LiTModel, tower_sha: str) -> dict:
-    """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's state.json
-    ("model"): loading either needs no training config. `tower_sha`: the tower's weights identity
-    (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder rewritten since
-    (even with the same architecture), which would pair this text tower with other image features."""
+    """What rebuilds the pair beside its weights, in model/config.json and in every checkpoint's
+    state.json ("model"): loading either needs no training config. `tower_sha`: the tower's weights
+    identity (`tower_fingerprint`'s tower_sha256); exports and load_pretrained refuse a tower folder
+    rewritten since (even with the same architecture), which would pair this text tower with other
+    image features."""
     locked_text = {"text_locked_sha256": model.locked_text_sha256()} if model.text_locked else {}
-    return {"image_tower": str(tower_folder(cfg.image_tower).resolve()), "image_tower_config": meta["tower"],
-            "image_tower_sha256": tower_sha, "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
-            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss, "unlocked_blocks": cfg.unlocked_blocks,
-            **locked_text}
+    return {"image_tower": str(tower_folder(cfg.image_tower).resolve()),
+            "image_tower_config": meta["tower"], "image_tower_sha256": tower_sha,
+            "preprocess": meta.get("preprocess"), "text": cfg.text.to_dict(),
+            "embed_dim": model.image_tower.embed_dim, "loss": cfg.loss,
+            "unlocked_blocks": cfg.unlocked_blocks, **locked_text}
 
 
 def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict) -> Path:
-    """The trained pair: text side (locked parts too), the image tower's trained blocks if any, and the
-    temperature as safetensors, and what rebuilds the rest (the tower's locked part: its folder)."""
+    """The trained pair: text side (locked parts too), the image tower's trained blocks if any, and
+    the temperature as safetensors, and what rebuilds the rest (the tower's locked part: its
+    folder)."""
     from safetensors.torch import save_file
     locked = set(model.locked_image_keys())
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if k not in locked}
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+             if k not in locked}
     info = {**description, "results": results, FOLDER_ID: new_folder_id()}
 
     def write(tmp: Path):
@@ -244,7 +153,8 @@ def save_model(run_dir: Path, model: LiTModel, description: dict, results: dict)
 
 def train_lit(cfg: LiTConfig) -> dict:
     """Train the text tower of `cfg` against its locked image tower; returns the final metrics."""
-    check_run_dir(cfg.run_dir, "model")  # a file, a dataset there, a read-only parent: one line, now
+    # a file, a dataset there, a read-only parent: one line, now
+    check_run_dir(cfg.run_dir, "model")
     with run_folder_lock(cfg.run_dir):  # one run in a run folder at a time
         return _train_lit(cfg)
 
@@ -257,39 +167,47 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # probe: said now and at the end, and recorded in results.json.
     probe_skipped = None
     if cfg.eval.probe_train and not cfg.eval.shards:
-        probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set to score it on "
-                         "(eval.shards is empty); set eval.shards to a labelled split to run it")
+        probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set "
+                         "to score it on (eval.shards is empty); set eval.shards to a labelled "
+                         "split to run it")
         if is_main:
             _log.warning(probe_skipped)
 
     # ---- model: locked image tower + text tower; tokenizer; optimizer
     torch.manual_seed(cfg.seed)
-    # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16 autocast), cast
-    # once instead of by autocast at every step. Unlocked blocks train in fp32 with the rest of the model.
+    # The tower's locked part only runs forward: held in the dtype it runs in (bf16 under bf16
+    # autocast), cast once instead of by autocast at every step. Unlocked blocks train in fp32 with
+    # the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device)
     model, meta = _setup_model(cfg, accelerator.device, tower_dtype)
-    model.hold_locked_image_in(tower_dtype)  # a partly unlocked tower's locked part (a locked one is cast already)
-    model.set_grad_checkpointing(cfg.grad_checkpointing)  # the text tower's blocks (and unlocked image blocks)
+    # a partly unlocked tower's locked part (a locked one is cast already)
+    model.hold_locked_image_in(tower_dtype)
+    # the text tower's blocks (and unlocked image blocks)
+    model.set_grad_checkpointing(cfg.grad_checkpointing)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
     preprocess = Preprocess.of_tower(meta, model.image_tower.cfg.in_channels,
                                      tower_folder(cfg.image_tower) / TOWER_CONFIG)
-    # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled with
-    # the trained weights by `gather_into`; the shards are made before the optimizer, which holds them.
+    # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled
+    # with the trained weights by `gather_into`; the shards are made before the optimizer, which
+    # holds them.
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
-    # The tower's locked part must end exactly as it started (checked after training); unlocked blocks train.
+    # The tower's locked part must end exactly as it started (checked after training); unlocked
+    # blocks train.
     tower_hash = model.locked_image_sha256()
-    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an export
-    # refuses a tower folder rewritten since (a retrained tower would pair with this text tower).
+    # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an
+    # export refuses a tower folder rewritten since (a retrained tower would pair with this text
+    # tower).
     tower_sha = tower_fingerprint(cfg.image_tower)["tower_sha256"]
     description = model_description(cfg, meta, model, tower_sha)
-    text_hash = description.get("text_locked_sha256")  # a locked text tower's locked parameters: checked the same
+    # a locked text tower's locked parameters: checked the same
+    text_hash = description.get("text_locked_sha256")
     plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
     if sharded:
         shard_lit_model(model.to(accelerator.device), accelerator.device)
     optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
-    cached, loader = _setup_train_data(cfg, run, preprocess, tokenizer)
+    cached, loader = setup_train_data(cfg, run, preprocess, tokenizer)
     run.steps_per_epoch = len(loader)
     run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
     if not sharded:  # a sharded model is on the device already
@@ -299,7 +217,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
-    eval_set = _setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main else None
+    eval_set = (setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main
+                else None)
 
     # ---- resume
     checkpoint_meta, latest = resume(run, model, optimizer, skip_prefixes=frozen)
@@ -307,7 +226,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
         _check_checkpoint(cfg, checkpoint_meta, latest, tower_sha, text_hash, frozen)
     announce_resume(run, latest)
     if latest is not None and is_main:  # the counts saved are the main process's, the ones reported
-        _restore_data_counts(loader, checkpoint_meta["data_counts"])
+        restore_data_counts(loader, checkpoint_meta["data_counts"])
     model_module = model
     if not sharded:  # a sharded model is FSDP's already: DDP would wrap it again
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -318,75 +237,48 @@ def _train_lit(cfg: LiTConfig) -> dict:
     held = f"in {precision_name(tower_dtype)} weights"
     if cfg.unlocked_blocks and tower_dtype != torch.float32:
         held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"
-    accelerator.print(f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
-                      f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
-                      f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, image tower "
-                      f"{held}, "
-                      f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+    accelerator.print(
+        f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
+        f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
+        f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
+        f"image tower {held}, "
+        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
 
     # ---- train
-    epoch_start: dict = {}  # the loader's counts as the current epoch started (`_train_batches`)
+    epoch_start: dict = {}  # the loader's counts as the current epoch started (`train_batches`)
 
     def evaluate() -> dict | None:
-        return _zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
-                                              preprocess)
+        return zeroshot_eval_during_training(cfg, run, model_module, plain, eval_set, tokenizer,
+                                             preprocess)
 
     normalize = None if cached else BatchNormalize(preprocess)  # uint8 pixels from the workers
     steps = _step_functions(cfg, run, model, model_module, loader, normalize, epoch_start,
                             {"image_tower_sha256": tower_sha, "model": description}, evaluate)
-    train(run, model, model_module, optimizer, _train_batches(loader, run, epoch_start), steps,
+    train(run, model, model_module, optimizer, train_batches(loader, run, epoch_start), steps,
           desc="lit", eval_every=cfg.eval.every if cfg.eval.shards else 0, skip_prefixes=frozen)
     loader.check_bad_fraction()
 
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": run.total_steps, "train_seconds": round(run.train_seconds, 1),
                "cached_features": cached, "bad_samples": dict(loader.bad.counts)}
-    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights (and the
-        # locked text layers' current ones, for the check below)
+    if sharded:  # the main process evaluates and saves the plain copy, with the trained weights
+        # (and the locked text layers' current ones, for the check below)
         model_module = gather_into(plain, model_module, frozen=text_hash is not None)
     if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
-        raise RuntimeError("the locked image tower changed during training; this is a bug, please report it")
+        raise RuntimeError("the locked image tower changed during training; this is a bug, please "
+                           "report it")
     if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
-        raise RuntimeError("the locked text layers changed during training; this is a bug, please report it")
+        raise RuntimeError("the locked text layers changed during training; this is a bug, please "
+                           "report it")
     if is_main:
-        probe_skipped = _final_evaluation(cfg, run, model_module, eval_set, tokenizer, preprocess,
-                                          results) or probe_skipped
+        probe_skipped = final_evaluation(cfg, run, model_module, eval_set, tokenizer, preprocess,
+                                         results) or probe_skipped
         if probe_skipped:
             _log.warning(probe_skipped)
             results["probe_skipped"] = probe_skipped
         save_model(run.run_dir, model_module, description, results)
     return finish_run(run, results, curve_keys=("loss", "temperature", "zeroshot_top1"),
                       title=f"LiT {cfg.text.kind} text tower")
-
-
-def _setup_train_data(cfg: LiTConfig, run: TrainingRun, preprocess: Preprocess, tokenizer) -> tuple:
-    """(whether data.train holds cached features, the training loader), the splits checked first."""
-    accelerator = run.accelerator
-    cached = is_feature_cache(cfg.data.train)
-    if cached:
-        if cfg.unlocked_blocks:
-            raise UserError("unlocked_blocks needs image shards (data.train), not cached features")
-        check_feature_caches(cfg.data.train, cfg.image_tower, rerun_command)
-    probe_train = cfg.eval.probe_train if cfg.eval.shards else ""  # without an eval set the probe is skipped
-    for split, key in ((cfg.eval.shards, "eval.shards"), (probe_train, "eval.probe_train")):
-        if cfg.unlocked_blocks and split and is_feature_cache(split):
-            raise UserError(f"{key} holds cached features of the initial tower, but unlocked_blocks="
-                            f"{cfg.unlocked_blocks} trains part of it; point {key} to image shards")
-        if split:  # read after training: a split without class labels is refused now
-            require_class_labels(str(split), key)
-    # The batch splits evenly over processes and micro-batches, or one line says why not.
-    micro_batch_size(cfg.batch_size, accelerator.num_processes, cfg.accum_steps)
-    local_batch = cfg.batch_size // accelerator.num_processes
-    loader = _shard_loader(cfg, cfg.data.train, "embedding-caption" if cached else "image-caption", local_batch,
-                           transform=None if cached else pixel_transform(preprocess), tokenizer=tokenizer,
-                           pin_memory=accelerator.device.type == "cuda")
-    if loader.smallest_pass is not None and loader.smallest_pass < local_batch:
-        # A stream shorter than a batch wraps around inside it: a repeated pair is its own negative.
-        streams = f"{accelerator.num_processes} process(es) × {max(1, cfg.data.workers)} data worker(s)"
-        raise UserError(f"data.train is read as {streams}, and one of them holds only {loader.smallest_pass} "
-                        f"samples, fewer than its batch of {local_batch}, so batches would repeat samples; "
-                        "lower batch_size or data.workers, or add data")
-    return cached, loader
 
 
 def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower_sha: str,
@@ -397,31 +289,15 @@ def _check_checkpoint(cfg: LiTConfig, checkpoint_meta: dict, latest: Path, tower
                  latest / STATE_META,
                  "the run cannot be resumed from it; start this one with another run_dir=...")
     if checkpoint_meta["image_tower_sha256"] != tower_sha:
-        raise UserError(f"{latest} was trained against other image tower weights than {cfg.image_tower} holds (the "
-                        "tower was rewritten since, or the checkpoint is another run's), so the run cannot go on "
-                        "against it; put that tower back, or give a new run_dir")
+        raise UserError(f"{latest} was trained against other image tower weights than "
+                        f"{cfg.image_tower} holds (the tower was rewritten since, or the "
+                        "checkpoint is another run's), so the run cannot go on against it; put "
+                        "that tower back, or give a new run_dir")
     text_sha = (checkpoint_meta.get("model") or {}).get("text_locked_sha256")
     if any(p.startswith("text_tower.") for p in frozen) and text_sha != text_hash:  # from text.path
-        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its locked weights "
-                        "differ), so the run cannot go on with it; put that model back, or give a new run_dir")
-
-
-def _train_batches(loader, run: TrainingRun, epoch_start: dict):
-    """The training batches of steps `run.step` to `run.total_steps` - 1. The shard order of an
-    epoch is a function of (seed, epoch): a resumed run replays the interrupted epoch and skips the
-    batches it had trained on. As the loop it replaces did, a batch past the last step may be read
-    (and counted) before the end is seen. `epoch_start["counts"]`: the loader's counts as the
-    current epoch started, what a resume into that epoch restores."""
-    while run.step < run.total_steps:
-        epoch, done_in_epoch = divmod(run.step, run.steps_per_epoch)
-        loader.set_epoch(epoch)
-        epoch_start["counts"] = _data_counts(loader)
-        for index, batch in enumerate(loader):
-            if index < done_in_epoch:
-                continue  # already trained on before the interruption
-            if run.step >= run.total_steps or index >= run.steps_per_epoch:
-                break
-            yield batch  # `train` takes its step before asking for the next one
+        raise UserError(f"the text model at {cfg.text.path} changed after {latest} was saved (its "
+                        "locked weights differ), so the run cannot go on with it; put that model "
+                        "back, or give a new run_dir")
 
 
 def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTModel, loader,
@@ -434,7 +310,8 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
     accelerator, cached = run.accelerator, normalize is None
     last_outputs: list = []  # the step's last forward outputs: (zimg, ztxt, logit_scale, ...)
 
-    def embed(micro_batch):  # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+    # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+    def embed(micro_batch):
         micro_images, micro_text = micro_batch
         with accelerator.autocast():
             if cached:
@@ -469,41 +346,9 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
         # epoch's end starts the next: the counts as of then (this epoch's stream read nothing
         # past its last batch). The main process's counts are the ones recorded.
         at_epoch_end = run.step % run.steps_per_epoch == 0
-        return {"data_counts": _data_counts(loader) if at_epoch_end else epoch_start["counts"],
+        return {"data_counts": data_counts(loader) if at_epoch_end else epoch_start["counts"],
                 **checkpoint_identity}
 
     # after_update: CLIP's cap on the logit scale parameter itself (see LiTModel).
     return StepFunctions(forward_backward, log_record, checkpoint_meta, evaluate=evaluate,
                          after_update=model_module.clamp_logit_scale_)
-
-
-def _zeroshot_eval_during_training(cfg: LiTConfig, run: TrainingRun, model_module: LiTModel, plain,
-                                   eval_set, tokenizer, preprocess) -> dict | None:
-    """Called on every process: a sharded model is gathered into the main process's plain copy first
-    (a collective); the main process alone scores it."""
-    eval_model = gather_into(plain, model_module) if run.sharded else model_module
-    if not run.is_main:
-        return None
-    return _zeroshot_eval(cfg, eval_model, eval_set, tokenizer, preprocess, run.accelerator)
-
-
-def _final_evaluation(cfg: LiTConfig, run: TrainingRun, model: LiTModel, eval_set: dict | None,
-                      tokenizer, preprocess, results: dict) -> str | None:
-    """Main process: the zero-shot scores and the linear probe into `results` and metrics.jsonl;
-    → why the probe was skipped, if it was for want of samples."""
-    if eval_set is None:
-        return None
-    probe_skipped = None
-    results.update(_zeroshot_eval(cfg, model, eval_set, tokenizer, preprocess, run.accelerator))
-    if cfg.eval.probe_train:
-        train_features, train_labels = _class_features(cfg, cfg.eval.probe_train, model, preprocess,
-                                                       run.accelerator)
-        if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
-            probe_skipped = (f"the linear probe is skipped: eval.probe_train {cfg.eval.probe_train} holds "
-                             f"{len(train_labels)} sample(s), and it needs at least 2")
-        else:
-            results.update(linear_probe(train_features, train_labels, eval_set["features"],
-                                        eval_set["labels"]))
-    scores = {k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}
-    run.logger.log({"step": run.total_steps, **scores})
-    return probe_skipped

@@ -43,8 +43,8 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            # A mistake found before any work (a setting, the data) left the run folder that the lock
-            # created holding the lock file alone: it goes, as it went before there was a lock.
+            # A mistake found before any work (a setting, the data) left the run folder that the
+            # lock created holding the lock file alone: it goes, as it went before there was a lock.
             with contextlib.suppress(OSError):  # never hides the error itself
                 if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
                     (run_dir / LOCK_FILE).unlink()
@@ -52,11 +52,12 @@ def run_folder_lock(run_dir: str | Path) -> Iterator[None]:
             raise
 
 
-def create_accelerator(precision: str = "auto", threads: int = 0, log_with=(), run_dir=None) -> Accelerator:
-    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16 | fp16 (autocast with a
-    loss scaler: `accelerator.backward` scales the loss, `clip_grad_norm_` unscales the gradients and a step
-    whose gradients overflowed is skipped). `log_with`: the experiment trackers (checked here, before any
-    work), writing under `run_dir`; `open_run_folder` starts them."""
+def create_accelerator(precision: str = "auto", threads: int = 0, log_with=(),
+                       run_dir=None) -> Accelerator:
+    """`precision`: auto (bf16 on GPUs that support it, else fp32) | fp32 | bf16 | fp16 (autocast
+    with a loss scaler: `accelerator.backward` scales the loss, `clip_grad_norm_` unscales the
+    gradients and a step whose gradients overflowed is skipped). `log_with`: the experiment trackers
+    (checked here, before any work), writing under `run_dir`; `open_run_folder` starts them."""
     check_trackers(log_with)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -66,22 +67,25 @@ def create_accelerator(precision: str = "auto", threads: int = 0, log_with=(), r
     # when told so, e.g. under `torchrun --nproc_per_node 2`.
     trackers = accelerator_trackers(log_with, run_dir)
     accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
-                              log_with=trackers or None, project_dir=None if run_dir is None else str(run_dir))
+                              log_with=trackers or None,
+                              project_dir=None if run_dir is None else str(run_dir))
     if mixed_precision == "fp16" and accelerator.scaler is None:
-        # accelerate keeps fp16 autocast and loss scaling to accelerators; torch has both on the CPU too, so
-        # fp16 runs the same step everywhere (slowly on a CPU: it is for GPUs without bf16).
+        # accelerate keeps fp16 autocast and loss scaling to accelerators; torch has both on the CPU
+        # too, so fp16 runs the same step everywhere (slowly on a CPU: it is for GPUs without bf16).
         accelerator.native_amp = True
         accelerator.scaler = torch.amp.GradScaler(device.type)
     return accelerator
 
 
 def loss_scaler_state(accelerator: Accelerator) -> dict | None:
-    """The fp16 loss scaler's state (its scale and growth counter) for a checkpoint; None without one."""
+    """The fp16 loss scaler's state (its scale and growth counter) for a checkpoint;
+    None without one."""
     return accelerator.scaler.state_dict() if accelerator.scaler is not None else None
 
 
 def restore_loss_scaler(accelerator: Accelerator, state: dict | None) -> None:
-    """Put a checkpoint's loss-scaler state back, so a resumed fp16 run scales as the uninterrupted one."""
+    """Put a checkpoint's loss-scaler state back, so a resumed fp16 run scales as the
+    uninterrupted one."""
     if accelerator.scaler is not None and state:
         accelerator.scaler.load_state_dict(state)
 
@@ -101,28 +105,33 @@ def resume_state(checkpoints_dir, model: torch.nn.Module, optimizer: torch.optim
         try:
             meta = load(latest, model, optimizer, skip_prefixes=skip_prefixes)
             break
-        except DamagedCheckpoint as damage:  # a disk filled or a copy cut short: the one before still holds
-            _log.warning("%s is damaged (%s); resuming from the checkpoint before it", latest, damage)
+        except DamagedCheckpoint as damage:
+            # a disk filled or a copy cut short: the one before still holds
+            _log.warning("%s is damaged (%s); resuming from the checkpoint before it", latest,
+                         damage)
     else:
         if checkpoints:
-            raise UserError(f"every checkpoint in {checkpoints_dir} is damaged (the newest: {checkpoints[0]}); "
-                            "restore them from a copy, or delete the folder to start the run over")
+            raise UserError(f"every checkpoint in {checkpoints_dir} is damaged (the newest: "
+                            f"{checkpoints[0]}); restore them from a copy, or delete the folder to "
+                            "start the run over")
         return 0, {}, None
     if meta["step"] > total_steps:
-        raise UserError(f"{Path(checkpoints_dir).parent} holds a checkpoint at step {meta['step']}, past the "
-                        f"{total_steps} steps this config trains; set steps (or epochs) to at least that, or start "
-                        "this run with another run_dir=...")
+        raise UserError(f"{Path(checkpoints_dir).parent} holds a checkpoint at step "
+                        f"{meta['step']}, past the {total_steps} steps this config trains; set "
+                        "steps (or epochs) to at least that, or start this run with another "
+                        "run_dir=...")
     return meta["step"], meta, latest
 
 
 # Config keys a rerun into a run folder may change and still resume the run there: they set how
-# long to train (steps/epochs extend a run; the learning-rate schedule stretches to the new end), how
-# often to log, evaluate and checkpoint, which experiment trackers get a copy of the metrics (adding
-# wandb to a run half done changes neither metrics.jsonl nor the model), how fast the same computation
-# runs, or what only the final evaluation reports (two of them are what error messages tell a user to
-# change and rerun). Every other key (the towers, the data and its order, data.workers included since
-# the shards are split per worker, the optimizer, the loss, batch size, seed, the eval set logged
-# during training) makes a different run, which a checkpoint of this one must not start.
+# long to train (steps/epochs extend a run; the learning-rate schedule stretches to the new end),
+# how often to log, evaluate and checkpoint, which experiment trackers get a copy of the metrics
+# (adding wandb to a run half done changes neither metrics.jsonl nor the model), how fast the same
+# computation runs, or what only the final evaluation reports (two of them are what error messages
+# tell a user to change and rerun). Every other key (the towers, the data and its order,
+# data.workers included since the shards are split per worker, the optimizer, the loss, batch size,
+# seed, the eval set logged during training) makes a different run, which a checkpoint of this one
+# must not start.
 RESUMABLE_KEYS = frozenset({
     "run_dir", "steps", "epochs",
     "log_every", "eval_every", "eval.every", "checkpoint_every", "keep_checkpoints",
@@ -150,19 +159,23 @@ def _show(value) -> str:
 
 
 def check_run_dir(run_dir, output: str) -> None:
-    """Refuse (one line) before any work a `run_dir` the run cannot use: a file, a read-only place, a link that
-    loops where it writes its `output` folder (tower/ or model/) at the end, or a folder that holds something
-    other than a run (a dataset, an export, a feature cache, a tower), which a run written there would spoil."""
+    """Refuse (one line) before any work a `run_dir` the run cannot use: a file, a read-only place,
+    a link that loops where it writes its `output` folder (tower/ or model/) at the end, or a folder
+    that holds something other than a run (a dataset, an export, a feature cache, a tower), which a
+    run written there would spoil."""
     check_writable(run_dir, "run_dir", folder=True)
     run_dir = Path(run_dir)
     check_folder_destination(run_dir / output)  # now, not after training
-    held = _other_folder_kind(run_dir) if run_dir.is_dir() and not (run_dir / RUN_CONFIG).is_file() else None
-    if held is not None:  # (a run writes its config.yaml before anything else; a user's own log file is welcome)
-        raise UserError(f"run_dir {run_dir} holds {held}, not a run (it has no {RUN_CONFIG}), and a run there would "
-                        "mix its files in; give a new or empty run_dir")
+    held = (_other_folder_kind(run_dir) if run_dir.is_dir() and not (run_dir / RUN_CONFIG).is_file()
+            else None)
+    # (a run writes its config.yaml before anything else; a user's own log file is welcome)
+    if held is not None:
+        raise UserError(f"run_dir {run_dir} holds {held}, not a run (it has no {RUN_CONFIG}), and "
+                        "a run there would mix its files in; give a new or empty run_dir")
 
 
-# What the folders lit-softmoe writes are recognized by: (a file or folder that only that kind holds, in words).
+# What the folders lit-softmoe writes are recognized by: (a file or folder that only that kind
+# holds, in words).
 _FOLDER_MARKS = (("config.json", "an export, a tower or a model (config.json)"),
                  (NSHARDS_FILE, f"a dataset split ({NSHARDS_FILE})"),
                  (SIZES_FILE, f"a dataset split ({SIZES_FILE})"),
@@ -171,8 +184,9 @@ _FOLDER_MARKS = (("config.json", "an export, a tower or a model (config.json)"),
 
 
 def _other_folder_kind(folder: Path) -> str | None:
-    """The kind of folder `folder` is, in words, when it is one that lit-softmoe writes and no run: an export,
-    a tower, a dataset or one of its splits, a feature cache, a run's checkpoints; else None."""
+    """The kind of folder `folder` is, in words, when it is one that lit-softmoe writes and no run:
+    an export, a tower, a dataset or one of its splits, a feature cache, a run's checkpoints; else
+    None."""
     for name, words in _FOLDER_MARKS:
         if (folder / name).exists():
             return words
@@ -186,9 +200,11 @@ def _other_folder_kind(folder: Path) -> str | None:
 
 
 def check_training_length(config) -> None:
-    """`steps` wins when above 0, else `epochs` sets the length: both 0 would save an untrained model."""
+    """`steps` wins when above 0, else `epochs` sets the length: both 0 would save an
+    untrained model."""
     if config.steps <= 0 and config.epochs <= 0:
-        raise UserError("steps=0 and epochs=0 train nothing; set steps=N or epochs=E (steps wins when both are set)")
+        raise UserError("steps=0 and epochs=0 train nothing; set steps=N or epochs=E (steps wins "
+                        "when both are set)")
 
 
 def check_same_run(run_dir, config) -> None:
@@ -198,24 +214,28 @@ def check_same_run(run_dir, config) -> None:
     different config silently resumed the old run's checkpoint and rewrote its config.yaml."""
     run_dir = Path(run_dir)
     saved_file = run_dir / RUN_CONFIG
-    holds_run = latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / "tower").is_dir() \
-        or (run_dir / "model").is_dir()
+    holds_run = latest_checkpoint(run_dir / "checkpoints") is not None \
+        or (run_dir / "tower").is_dir() or (run_dir / "model").is_dir()
     if not saved_file.is_file() or not holds_run:
-        return  # nothing to resume or replace: a run killed before its first checkpoint starts afresh
+        # nothing to resume or replace: a run killed before its first checkpoint starts afresh
+        return
     try:
         saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)) or {})
     except Exception as err:
-        raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); pass a new run_dir=...") from None
+        raise UserError(f"cannot read {saved_file} ({' '.join(str(err).split())}); "
+                        "pass a new run_dir=...") from None
     new = _flatten(OmegaConf.to_container(OmegaConf.structured(config)))
     _check_same_recipe(run_dir, saved, new)
-    # Every key of the schema is in a config.yaml this version saved; free-form mappings (tower.options)
-    # hold what the run was given, so a key one side lacks there is a difference like any other.
+    # Every key of the schema is in a config.yaml this version saved; free-form mappings
+    # (tower.options) hold what the run was given, so a key one side lacks there is a difference
+    # like any other.
     schema = _flatten(OmegaConf.to_container(OmegaConf.structured(type(config))))
     lacking = sorted(key for key in schema.keys() - saved.keys() if key not in RESUMABLE_KEYS)
     if lacking:
         more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
-        raise UserError(f"{saved_file} has no {', '.join(lacking[:3])}{more} (saved by another version of "
-                        "lit-softmoe), so the run there cannot be resumed; start this one with another run_dir=...")
+        raise UserError(f"{saved_file} has no {', '.join(lacking[:3])}{more} (saved by another "
+                        "version of lit-softmoe), so the run there cannot be resumed; start this "
+                        "one with another run_dir=...")
     changed = []
     for key in sorted(saved.keys() | new.keys()):
         if key in RESUMABLE_KEYS:
@@ -225,27 +245,34 @@ def check_same_run(run_dir, config) -> None:
             changed.append(f"{key}: {_show(old)} → {_show(value)}")
     if changed:
         more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
-        raise UserError(f"{run_dir} holds another run ({', '.join(changed[:6])}{more}: its config.yaml → this "
-                        "config); start this one with another run_dir=..., or rerun with that one's config to resume "
-                        "it (steps, epochs and logging may change)")
+        raise UserError(f"{run_dir} holds another run ({', '.join(changed[:6])}{more}: its "
+                        "config.yaml → this config); start this one with another run_dir=..., or "
+                        "rerun with that one's config to resume it (steps, epochs and logging may "
+                        "change)")
 
 
-# What names a recipe's run: the key only its config has (LiT's locked tower, pretraining's tower to train).
-_RECIPES = {"image_tower": "a LiT run (`lit-softmoe train`)", "tower": "a pretraining run (`lit-softmoe pretrain`)"}
+# What names a recipe's run: the key only its config has (LiT's locked tower, pretraining's tower
+# to train).
+_RECIPES = {"image_tower": "a LiT run (`lit-softmoe train`)",
+            "tower": "a pretraining run (`lit-softmoe pretrain`)"}
 
 
 def _check_same_recipe(run_dir: Path, saved: dict, new: dict) -> None:
-    """Refuse a run folder of the other recipe in its own words (it read as one of another version)."""
+    """Refuse a run folder of the other recipe in its own words (it read as one of
+    another version)."""
     def recipe(keys) -> str | None:
-        return next((name for key, name in _RECIPES.items() if any(k == key or k.startswith(f"{key}.") for k in keys)),
+        return next((name for key, name in _RECIPES.items()
+                     if any(k == key or k.startswith(f"{key}.") for k in keys)),
                     None)
 
     held, this = recipe(saved), recipe(new)
     if held is not None and this is not None and held != this:
-        raise UserError(f"{run_dir} holds {held}, and this is {this}; start this one with another run_dir=...")
+        raise UserError(f"{run_dir} holds {held}, and this is {this}; start this one with another "
+                        "run_dir=...")
 
 
-def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None, accelerator=None):
+def open_run_folder(run_dir, config, step: int, is_main: bool, total_steps: int | None = None,
+                    accelerator=None):
     """Write the run's config.yaml and open its metrics log, dropping records past `step`
     (what a killed run logged after its last checkpoint). At `step` == `total_steps` (a finished
     run rerun, or one killed after its final evaluation) the final evaluation runs again, so its

@@ -42,6 +42,7 @@ from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train import lit as lit_recipe
+from lit_softmoe.train import lit_eval
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
@@ -533,7 +534,7 @@ def test_eval_set_of_a_two_process_run_is_read_whole(data, tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = _lit_text32(data, tmp_path / "run")
     assert len(shard_urls(str(data / "features" / "test"))) == 6
-    features, labels = lit_recipe._class_features(cfg, str(data / "features" / "test"), None, None, None)
+    features, labels = lit_eval.class_features(cfg, str(data / "features" / "test"), None, None, None)
     assert features.shape[0] == labels.shape[0] == 300
 
 

@@ -17,6 +17,7 @@ from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import save_tower
 from lit_softmoe.train import lit as lit_recipe
+from lit_softmoe.train import lit_eval
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.logging import read_metrics
 
@@ -38,13 +39,13 @@ def test_class_folder_caption_shards_train_a_text_tower(tmp_path, monkeypatch):
     for split in ("train", "test"):
         embed_shards(tmp_path / "tower", str(tmp_path / "shards" / split), tmp_path / "features", batch_size=100)
     prompts_used = []
-    real_build = lit_recipe.build_zeroshot_classifier
+    real_build = lit_eval.build_zeroshot_classifier
 
     def build(encode_text, tokenizer, classnames, templates, **kwargs):
         prompts_used.append(list(templates))
         return real_build(encode_text, tokenizer, classnames, templates, **kwargs)
 
-    monkeypatch.setattr(lit_recipe, "build_zeroshot_classifier", build)
+    monkeypatch.setattr(lit_eval, "build_zeroshot_classifier", build)
 
     results = lit_recipe.train_lit(lit_config(tmp_path, tmp_path / "run", "steps=6"))
 

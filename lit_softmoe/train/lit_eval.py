@@ -1,0 +1,142 @@
+"""LiT's evaluation (`train.lit`): the zero-shot eval set read and checked before training, scored
+during training and at the end, with the linear probe."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lit_softmoe.config import LiTConfig
+from lit_softmoe.data.feature_cache import check_feature_caches, is_feature_cache
+from lit_softmoe.data.samples import read_labels
+from lit_softmoe.data.shards import (
+    CLASSNAMES_FILE,
+    TEMPLATES_FILE,
+    dataset_dir,
+    read_classnames_file,
+    read_lines,
+    shard_urls,
+)
+from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
+from lit_softmoe.errors import UserError
+from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
+from lit_softmoe.evals.probes import linear_probe
+from lit_softmoe.metadata import check_templates
+from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.preprocess import Preprocess
+from lit_softmoe.train.embed import rerun_command
+from lit_softmoe.train.lit_loaders import shard_loader
+from lit_softmoe.train.loop import TrainingRun
+from lit_softmoe.train.sharding import gather_into
+
+
+@torch.inference_mode()
+def class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Preprocess,
+                   accelerator):
+    """(features (N, D) of the locked tower, labels (N,)) for a class split, images or
+    cached features."""
+    if is_feature_cache(split):
+        check_feature_caches(split, cfg.image_tower, rerun_command)
+        loader = shard_loader(cfg, split, "embedding-class", 1024, exact=True)
+        loader.set_epoch(0)
+        batches = [(b["embedding"], b["label"]) for b in loader]
+    else:
+        loader = shard_loader(cfg, split, "image-class", 256, transform=pixel_transform(preprocess),
+                              exact=True)
+        loader.set_epoch(0)
+        normalize, batches = BatchNormalize(preprocess), []
+        for b in loader:
+            with accelerator.autocast():
+                pixels = normalize(b["image"].to(accelerator.device))
+                batches.append((model.image_tower.forward_pooled(pixels).float().cpu(),
+                                b["label"]))
+    return (torch.cat([features for features, _ in batches]).float(),
+            torch.cat([labels for _, labels in batches]))
+
+
+def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, preprocess,
+                   accelerator) -> dict:
+    if not model.image_tower_locked:
+        # The tower's last blocks train: features computed earlier would score the current text
+        # tower against an older image tower, so the eval images go through the current one.
+        eval_set["features"], eval_set["labels"] = class_features(cfg, eval_set["split"], model,
+                                                                  preprocess, accelerator)
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        classifier = build_zeroshot_classifier(model.encode_text, tokenizer, eval_set["classnames"],
+                                               eval_set["templates"], device=accelerator.device)
+        images = model.encode_image_features(eval_set["features"].to(accelerator.device)).float()
+    model.train()
+    return {f"zeroshot_{k}": v
+            for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
+
+
+def setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
+    if not cfg.eval.shards:
+        return None
+    split = str(cfg.eval.shards)
+    # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
+    folder = dataset_dir(split)
+    for value, name, key in ((cfg.eval.classnames, CLASSNAMES_FILE, "eval.classnames"),
+                             (cfg.eval.templates, TEMPLATES_FILE, "eval.templates")):
+        if not value and folder is None:
+            raise UserError(f"eval.shards {split} is not a local split, so there is no {name} "
+                            f"beside it; set {key} to a file with one entry per line")
+    classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / CLASSNAMES_FILE
+    templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / TEMPLATES_FILE
+    for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
+        if not path.is_file():
+            raise UserError(f"{path} not found; set {key} to a file with one entry per line")
+    eval_set = {"split": split, "classnames": read_classnames_file(classnames),
+                "templates": read_lines(templates), "features": None, "labels": None}
+    if not eval_set["classnames"]:
+        raise UserError(f"{classnames} holds no class names; set eval.classnames to a file with "
+                        "one per line")
+    check_templates(eval_set["templates"], str(templates))  # now, not after training
+    if model.image_tower_locked:  # computed once; with unlocked blocks, at each evaluation
+        eval_set["features"], eval_set["labels"] = class_features(cfg, split, model, preprocess,
+                                                                  accelerator)
+        largest = int(eval_set["labels"].max())
+    else:  # the labels alone, from the `.cls` members: no tower pass over the eval images
+        # just for them
+        # Quiet: a side pass over shards whose bad samples each evaluation counts.
+        largest = max(read_labels(shard_urls(split), log=False), default=-1)
+    # its images would all count as misses: a wrong score
+    if largest >= len(eval_set["classnames"]):
+        raise UserError(f"eval.shards {split} holds class {largest}, but {classnames} names "
+                        f"{len(eval_set['classnames'])} classes; set eval.classnames to a file "
+                        "naming every class of the split, one per line in class order")
+    return eval_set
+
+
+def zeroshot_eval_during_training(cfg: LiTConfig, run: TrainingRun, model_module: LiTModel, plain,
+                                  eval_set, tokenizer, preprocess) -> dict | None:
+    """Called on every process: a sharded model is gathered into the main process's plain copy first
+    (a collective); the main process alone scores it."""
+    eval_model = gather_into(plain, model_module) if run.sharded else model_module
+    if not run.is_main:
+        return None
+    return _zeroshot_eval(cfg, eval_model, eval_set, tokenizer, preprocess, run.accelerator)
+
+
+def final_evaluation(cfg: LiTConfig, run: TrainingRun, model: LiTModel, eval_set: dict | None,
+                     tokenizer, preprocess, results: dict) -> str | None:
+    """Main process: the zero-shot scores and the linear probe into `results` and metrics.jsonl;
+    → why the probe was skipped, if it was for want of samples."""
+    if eval_set is None:
+        return None
+    probe_skipped = None
+    results.update(_zeroshot_eval(cfg, model, eval_set, tokenizer, preprocess, run.accelerator))
+    if cfg.eval.probe_train:
+        train_features, train_labels = class_features(cfg, cfg.eval.probe_train, model, preprocess,
+                                                      run.accelerator)
+        if len(train_labels) < 2:  # the probe standardizes the features: one sample has no spread
+            probe_skipped = ("the linear probe is skipped: eval.probe_train "
+                             f"{cfg.eval.probe_train} holds {len(train_labels)} sample(s), and it "
+                             "needs at least 2")
+        else:
+            results.update(linear_probe(train_features, train_labels, eval_set["features"],
+                                        eval_set["labels"]))
+    scores = {k: v for k, v in results.items() if k.startswith(("zeroshot", "linear"))}
+    run.logger.log({"step": run.total_steps, **scores})
+    return probe_skipped
