@@ -246,67 +246,11 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             return finished
         other, other_splits = _check_split_free(out_dir, split_dir, options.split, arguments,
                                                 listing.classnames, overwrite, names)
-        counter, tally = listing.counter, ImageTally()
+        tally = ImageTally()
 
         def write(target: Path) -> WriteSummary:
-            target.mkdir(parents=True, exist_ok=True)
-            resume = _resume_point(target, manifest)
-            # Before any shard: tells a rerun that these shards are this source's (an interrupted
-            # run is resumed, not refused). Without its "summary" it does not mark the split
-            # complete.
-            write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
-            first = resume["next"] if resume else 0
-            # found listing: counted again by every run
-            listed = collections.Counter(counter.counts)
-            if resume:
-                counter.counts.update(resume["skipped"])
-                tally.changes.update(resume["changes"])
-                tally.reencoded += resume["reencoded"]
-                logger.info("%s: resuming after its %d finished shards", split_dir,
-                            len(resume["shards"]))
-            # candidates taken so far, and the counts before the last one was applied
-            taken = [first]
-            before = [_progress({}, first, counter.counts - listed, tally)]
-            processes = min(workers, len(listing.candidates) - first) or 1
-            with tqdm(total=len(listing.candidates), initial=first, desc=f"shards {split_dir}",
-                      unit="img", disable=not progress) as bar:
-                def done(count: int) -> None:
-                    before[0] = _progress({}, taken[0], counter.counts - listed, tally)
-                    taken[0] += count
-                    bar.update(count)
-                    if bar.n % 256 == 0:  # the bar's postfix redraws it: not on every image
-                        bar.set_postfix(skipped=sum(counter.counts.values()), refresh=False)
-
-                def shard_done(shards: dict[str, int], last: bool) -> None:
-                    if last:  # the summary comes next; a kill before it redoes the last shard
-                        return
-                    # Closed mid-stream: the sample being written (the last taken) starts the next
-                    # shard, so a resume takes it again, with the counts from before it.
-                    record = {**before[0], "shards": shards,
-                              "bytes": {name: (target / name).stat().st_size for name in shards}}
-                    write_text_atomic(target / PROGRESS_FILE, json.dumps(record) + "\n")
-
-                samples = encoded_samples(listing.candidates[first:], options.image_format,
-                                          options.max_size, counter, tally,
-                                          workers=processes, done=done)
-                sizes = write_split(samples, target.parent, target.name,
-                                    samples_per_shard=options.samples_per_shard,
-                                    max_bytes=options.max_shard_bytes, keep_keys=True,
-                                    done=resume["shards"] if resume else None, on_shard=shard_done)
-            (target / PROGRESS_FILE).unlink(missing_ok=True)
-            skipped = dict(sorted(counter.counts.items()))
-            if sum(sizes.values()) == 0:
-                raise UserError(f"no sample of {source_name} could be written: skipped "
-                                f"{sum(skipped.values())}{_reasons(skipped)}; "
-                                "fix the source and rerun")
-            summary = WriteSummary(str(split_dir), sizes, skipped,
-                                   dict(sorted(tally.changes.items())), tally.reencoded,
-                                   {name: (target / name).stat().st_size for name in sizes})
-            recorded = {k: v for k, v in asdict(summary).items()
-                        if k not in ("already_complete", "seconds", "classnames_note")}
-            write_text_atomic(target / MANIFEST_FILE,
-                              json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
-            return summary
+            return _write_into(target, listing, options, manifest, tally, split_dir, source_name,
+                               workers, progress)
 
         # Still under the lock: the checks above hold only while nobody else writes.
         if other:
@@ -325,6 +269,72 @@ def _write_listing(listing: Listing, out_dir: Path, options: WriteOptions, argum
             _write_templates(out_dir, listing.templates)
         summary.seconds = round(time.perf_counter() - start, 3)
         return summary
+
+
+def _write_into(target: Path, listing: Listing, options: WriteOptions, manifest: dict,
+                tally: ImageTally, split_dir: Path, source_name: str, workers: int,
+                progress: bool) -> WriteSummary:
+    """Write (or resume writing) `listing`'s samples as the split folder `target`, which becomes
+    `split_dir`, with its progress record and, last, its manifest's summary."""
+    counter = listing.counter
+    target.mkdir(parents=True, exist_ok=True)
+    resume = _resume_point(target, manifest)
+    # Before any shard: tells a rerun that these shards are this source's (an interrupted
+    # run is resumed, not refused). Without its "summary" it does not mark the split
+    # complete.
+    write_text_atomic(target / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    first = resume["next"] if resume else 0
+    # found listing: counted again by every run
+    listed = collections.Counter(counter.counts)
+    if resume:
+        counter.counts.update(resume["skipped"])
+        tally.changes.update(resume["changes"])
+        tally.reencoded += resume["reencoded"]
+        logger.info("%s: resuming after its %d finished shards", split_dir,
+                    len(resume["shards"]))
+    # candidates taken so far, and the counts before the last one was applied
+    taken = [first]
+    before = [_progress({}, first, counter.counts - listed, tally)]
+    processes = min(workers, len(listing.candidates) - first) or 1
+    with tqdm(total=len(listing.candidates), initial=first, desc=f"shards {split_dir}",
+              unit="img", disable=not progress) as bar:
+        def done(count: int) -> None:
+            before[0] = _progress({}, taken[0], counter.counts - listed, tally)
+            taken[0] += count
+            bar.update(count)
+            if bar.n % 256 == 0:  # the bar's postfix redraws it: not on every image
+                bar.set_postfix(skipped=sum(counter.counts.values()), refresh=False)
+
+        def shard_done(shards: dict[str, int], last: bool) -> None:
+            if last:  # the summary comes next; a kill before it redoes the last shard
+                return
+            # Closed mid-stream: the sample being written (the last taken) starts the next
+            # shard, so a resume takes it again, with the counts from before it.
+            record = {**before[0], "shards": shards,
+                      "bytes": {name: (target / name).stat().st_size for name in shards}}
+            write_text_atomic(target / PROGRESS_FILE, json.dumps(record) + "\n")
+
+        samples = encoded_samples(listing.candidates[first:], options.image_format,
+                                  options.max_size, counter, tally,
+                                  workers=processes, done=done)
+        sizes = write_split(samples, target.parent, target.name,
+                            samples_per_shard=options.samples_per_shard,
+                            max_bytes=options.max_shard_bytes, keep_keys=True,
+                            done=resume["shards"] if resume else None, on_shard=shard_done)
+    (target / PROGRESS_FILE).unlink(missing_ok=True)
+    skipped = dict(sorted(counter.counts.items()))
+    if sum(sizes.values()) == 0:
+        raise UserError(f"no sample of {source_name} could be written: skipped "
+                        f"{sum(skipped.values())}{_reasons(skipped)}; "
+                        "fix the source and rerun")
+    summary = WriteSummary(str(split_dir), sizes, skipped,
+                           dict(sorted(tally.changes.items())), tally.reencoded,
+                           {name: (target / name).stat().st_size for name in sizes})
+    recorded = {k: v for k, v in asdict(summary).items()
+                if k not in ("already_complete", "seconds", "classnames_note")}
+    write_text_atomic(target / MANIFEST_FILE,
+                      json.dumps({**manifest, "summary": recorded}, indent=1) + "\n")
+    return summary
 
 
 def _progress(shards: dict[str, int], next_candidate: int, skipped: collections.Counter,
