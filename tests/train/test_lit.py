@@ -109,7 +109,7 @@ def test_zero_shot_learned_from_cached_features(pretrained, tmp_path, monkeypatc
         prompts_used.append((list(classnames), list(templates)))
         return build_zeroshot_classifier(encode_text, tokenizer, classnames, templates, **kwargs)
 
-    monkeypatch.setattr(lit_recipe, "build_zeroshot_classifier", recording_classifier)
+    monkeypatch.setattr(lit_eval, "build_zeroshot_classifier", recording_classifier)
     run = tmp_path / "run"
     assert is_feature_cache(pretrained / "features" / "train") and not is_feature_cache(pretrained / "fmnist" / "train")
     results = train_lit(_cfg(pretrained, run, "epochs=2", "eval.every=25"))
