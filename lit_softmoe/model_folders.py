@@ -82,7 +82,7 @@ def save_step_tensors(tensors: dict[str, torch.Tensor], path: Path, info: dict,
 def load_step_tensors(path: Path, info: dict, rank: int | None = None) -> dict[str, torch.Tensor]:
     """The tensors `save_step_tensors` wrote beside the state.json `info`; DamagedCheckpoint when
     the file does not read back, or is another checkpoint's (of another step, or with another id).
-    A file without the metadata (written before it was recorded) is taken as it is."""
+    A file without the metadata is taken as it is."""
     try:
         with safe_open(path, framework="pt") as file:
             written = file.metadata() or {}

@@ -118,8 +118,8 @@ def check_feature_cache(feature_split_dir: str | Path, tower_dir: str | Path,
 
 
 def damaged_shard(split_dir: Path, recorded: dict | None) -> str | None:
-    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (caches
-    written before the hashes were recorded cannot be checked)."""
+    """What is wrong with a feature shard whose bytes differ from those embed wrote, or None (a
+    cache whose embed.json records no hashes cannot be checked)."""
     for name, sha256 in (recorded or {}).items():
         path = split_dir / name
         if not path.is_file():
@@ -301,7 +301,7 @@ def refuse_other_metadata(source_dir: Path | None, out_dir: Path, split: str,
 def finished_cache(split_dir: Path, wanted: dict) -> dict | None:
     """The embed.json of the finished cache in `split_dir` when it holds every key of `wanted` with
     the same value and its shards are the ones written, else None (another tower, other source
-    files, a cache from before source_stats was recorded, a damaged shard: all embedded again)."""
+    files, a cache without source_stats, a damaged shard: all embedded again)."""
     done = read_embed_json(split_dir)
     if done is not None and all(done.get(key) == value for key, value in wanted.items()) \
             and damaged_shard(split_dir, done.get("shard_sha256")) is None:

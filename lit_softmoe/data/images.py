@@ -114,7 +114,7 @@ def jpeg_min_side(decode: str, side: int) -> int | None:
     """The shorter side a JPEG keeps when decoded for a transform resizing it to `side` px (None:
     full).
 
-    Preprocessing dicts written before the setting existed have no "decode" and mean "full".
+    A preprocessing without "decode" (a `convert`ed tower's) means "full".
     """
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {decode!r}")

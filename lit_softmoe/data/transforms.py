@@ -330,7 +330,7 @@ def batch_augment(images: torch.Tensor, generator: torch.Generator, padding: int
     if hflip:
         columns = torch.where(flips[:, None], columns.flip(1), columns)
     columns = offsets[1, :, None] + columns
-    # One gather over the flattened padded image: 2-4× faster than advanced indexing on the CPU.
+    # One gather over the flattened padded image, not advanced indexing (slower on the CPU).
     source = rows[:, :, None] * (width + 2 * padding) + columns[:, None, :]  # (N, H, W)
     source = source.view(n, 1, height * width).expand(n, channels, height * width)
     return padded.reshape(n, channels, -1).gather(2, source).view(n, channels, height, width)

@@ -158,7 +158,7 @@ def _read_entry(folder: Path) -> tuple[torch.Tensor, list, int] | None:
     encoded again, where it crashed every later eval of its benchmark."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        # (an entry written before keys were recorded: as it is)
+        # (an entry that records no key: taken as it is)
         if meta.get("key", folder.name) != folder.name:
             raise ValueError(f"meta.json is of the entry {meta['key']} (copied from another entry)")
         if file_sha256(folder / FEATURES_FILE) != meta["sha256"]:

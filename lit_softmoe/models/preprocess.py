@@ -85,7 +85,7 @@ class Preprocess:
         one UserError line naming `source` when it is missing a key or holds a bad value."""
         require_settings(settings, source)
         check_settings(settings, channels, source)
-        # A tower written before "decode" was recorded was trained on fully decoded images.
+        # No "decode" (a `convert`ed tower's): images decoded in full.
         return cls(settings["image_size"], channels, per_channel(settings["mean"], channels),
                    per_channel(settings["std"], channels), settings.get("decode", "full"))
 

@@ -33,8 +33,8 @@ def _metadata(path: str | Path) -> dict | None:
 
 def check_same_folder(config: dict, config_file: Path, weights_file: Path) -> None:
     """One UserError line when `weights_file` was not written with `config` (read from
-    `config_file`): another folder's weights copied in. A config without an id (written before ids
-    were, or by hand) is not checked."""
+    `config_file`): another folder's weights copied in. A config without an id (an older folder's,
+    or one written by hand) is not checked."""
     expected, metadata = config.get(FOLDER_ID), _metadata(weights_file)
     if expected is None or metadata is None or metadata.get(FOLDER_ID) == expected:
         return
