@@ -21,7 +21,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.utils.atomic import naming_full_disk
 from lit_softmoe.utils.paths import check_writable
 
-# --fast: 10k train / 10k test images, fewer epochs: the whole pipeline in about two minutes.
+# --fast: 10k train / 10k test images, fewer epochs: the whole pipeline, as a quick check.
 FAST_LIMIT = 10_000
 FAST_PRETRAIN = ["epochs=2", "optim.warmup=0.32",  # 50 of 156 steps
                  "log_every=10", "checkpoint_every=1000"]
