@@ -50,6 +50,7 @@ from lit_softmoe.models.tower_folder import (
     load_tower,
     load_weights,
     tower_fingerprint,
+    tower_preprocess,
     tower_skeleton,
 )
 from lit_softmoe.utils.device import inference_dtype
@@ -247,8 +248,7 @@ def load_run_pair(source: ModelFolder) -> tuple[LiTModel, dict]:
              "image_tower_sha256": sha, "tower_dir": str(tower_dir), "tower_meta": tower_meta,
              "step": step,
              "checkpoint": str(source.path) if source.kind == "checkpoint" else None,
-             "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta, tower.cfg.in_channels,
-                                                               tower_dir / TOWER_CONFIG))}
+             "preprocess": preprocess_spec(tower_preprocess(tower_dir, tower, tower_meta))}
     return model.eval(), facts
 
 
@@ -379,8 +379,7 @@ def load_image_tower(path: str | Path, device: str | torch.device = "cpu", preci
         spec, sha, kind = config["preprocess"], config["image_tower_sha256"], "export"
     elif source.kind == "tower":
         tower, meta = load_tower(source.path)
-        spec = preprocess_spec(Preprocess.of_tower(meta, tower.cfg.in_channels,
-                                                   source.path / TOWER_CONFIG))
+        spec = preprocess_spec(tower_preprocess(source.path, tower, meta))
         sha, kind = tower_fingerprint(source.path)["tower_sha256"], "run"
     else:
         model, facts = load_run_pair(source)

@@ -215,12 +215,10 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
     Returns the report written to `out_png` with suffix .json.
     """
     from lit_softmoe.data.transforms import BatchNormalize, pixel_transform
-    from lit_softmoe.models.preprocess import Preprocess
     from lit_softmoe.models.tower_folder import (
-        TOWER_CONFIG,
         load_tower,
         resolution_change,
-        tower_folder,
+        tower_preprocess,
     )
 
     # before the work: matplotlib would fail only after it, with a traceback
@@ -241,8 +239,7 @@ def inspect_routing(tower_dir: str | Path, image_path: str | Path, out_png: str 
                         f"choose one of {blocks}")
     if num_slots < 1:
         raise UserError(f"--slots must be at least 1, got {num_slots}")
-    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels,
-                                     tower_folder(tower_dir) / TOWER_CONFIG)
+    preprocess = tower_preprocess(tower_dir, tower, meta)
 
     image_path = Path(image_path)
     # uint8 (c, h, w): what the tower sees

@@ -93,11 +93,10 @@ from lit_softmoe.model_folders import (
     require_keys,
 )
 from lit_softmoe.models.export_weights import OPEN_CLIP, OPEN_CLIP_WEIGHTS, OURS
-from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.timm_tower import TimmTower, is_timm_tower_config
 from lit_softmoe.models.tokenizers import HF_PREFIX, create_tokenizer
-from lit_softmoe.models.tower_folder import TOWER_CONFIG, load_tower
+from lit_softmoe.models.tower_folder import load_tower, tower_preprocess
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
 from lit_softmoe.utils.hashing import file_sha256, weights_sha256
@@ -263,9 +262,7 @@ def _read_source(run: str | Path, out_dir: Path, overwrite: bool) -> tuple:
                             "export the LiT runs trained against it")
         model = None
         facts = {"image_tower": tower.cfg.to_dict(), "tower_meta": tower_meta,
-                 "preprocess": preprocess_spec(Preprocess.of_tower(tower_meta,
-                                                                   tower.cfg.in_channels,
-                                                                   source.path / TOWER_CONFIG))}
+                 "preprocess": preprocess_spec(tower_preprocess(source.path, tower, tower_meta))}
         tower.eval().requires_grad_(False)
     else:
         model, facts = load_run_pair(source)

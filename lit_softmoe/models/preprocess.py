@@ -89,11 +89,6 @@ class Preprocess:
         return cls(settings["image_size"], channels, per_channel(settings["mean"], channels),
                    per_channel(settings["std"], channels), settings.get("decode", "full"))
 
-    @classmethod
-    def of_tower(cls, meta: dict, channels: int, source: str | Path) -> Preprocess:
-        """The preprocessing of a tower folder, from its config.json's contents `meta`."""
-        return cls.from_settings(meta.get("preprocess"), channels, source)
-
     @property
     def mode(self) -> str:
         """The PIL mode of the images the tower takes."""

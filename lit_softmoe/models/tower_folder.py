@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.preprocess import check_settings, require_settings
+from lit_softmoe.models.preprocess import Preprocess, check_settings, require_settings
 from lit_softmoe.models.timm_config import timm_hub_keys
 from lit_softmoe.models.timm_tower import (
     TimmTower,
@@ -194,6 +194,14 @@ def read_tower_meta(path: str | Path) -> dict:
     # not another tower's weights copied in
     check_same_folder(meta, config_file, path / TOWER_WEIGHTS)
     return meta
+
+
+def tower_preprocess(path: str | Path, tower: VisionTransformer | TimmTower,
+                     meta: dict) -> Preprocess:
+    """The preprocessing the tower folder at `path` (or a `timm:` spec's) records for `tower`, from
+    its config.json's contents `meta`; one UserError line naming that file when it has none."""
+    return Preprocess.from_settings(meta.get("preprocess"), tower.cfg.in_channels,
+                                    tower_folder(path) / TOWER_CONFIG)
 
 
 def resolution_change(tower: VisionTransformer | TimmTower, preprocess: dict) -> str | None:

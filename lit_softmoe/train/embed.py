@@ -56,12 +56,10 @@ from lit_softmoe.data.tar_reading import first_sample_members, listed_sizes
 from lit_softmoe.data.transforms import BatchNormalize, decode_min_side, pixel_transform
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.inference import prepare_for_inference
-from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.tower_folder import (
-    TOWER_CONFIG,
     load_tower,
     resolution_change,
-    tower_folder,
+    tower_preprocess,
 )
 from lit_softmoe.train.embed_job import (
     clear_failure,
@@ -253,8 +251,7 @@ def _embed_job(job: _EmbedJob) -> dict:
     # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
     # deterministic output.
     tower = prepare_for_inference(tower, dtype=job.weights, compile=compiled)
-    preprocess = Preprocess.of_tower(meta, tower.cfg.in_channels,
-                                     tower_folder(job.tower_dir) / TOWER_CONFIG)
+    preprocess = tower_preprocess(job.tower_dir, tower, meta)
     pixels = pixel_transform(preprocess)  # uint8 from the workers (its decode too, as eval and LiT)
     normalize = BatchNormalize(preprocess)  # on `device`
     workers = (min(available_cpus(), len(todo)) if job.workers is None

@@ -31,15 +31,14 @@ from lit_softmoe.data.transforms import BatchNormalize
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import STATE_META, require_keys
 from lit_softmoe.models.lit import LiTModel
-from lit_softmoe.models.preprocess import Preprocess
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import (
-    TOWER_CONFIG,
     load_tower,
     resolution_change,
     tower_fingerprint,
     tower_folder,
+    tower_preprocess,
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.lit_eval import (
@@ -185,8 +184,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # the text tower's blocks (and unlocked image blocks)
     model.set_grad_checkpointing(cfg.grad_checkpointing)
     tokenizer = create_tokenizer(model.text_tower.tokenizer_spec, model.text_tower.context_length)
-    preprocess = Preprocess.of_tower(meta, model.image_tower.cfg.in_channels,
-                                     tower_folder(cfg.image_tower) / TOWER_CONFIG)
+    preprocess = tower_preprocess(cfg.image_tower, model.image_tower, meta)
     # Sharded: the main process evaluates and saves a plain copy (sharing the locked tower), filled
     # with the trained weights by `gather_into`; the shards are made before the optimizer, which
     # holds them.
