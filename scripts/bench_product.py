@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -108,6 +109,8 @@ def guarded(report: Report, section: str, name: str, seconds_needed: float, fn) 
     try:
         fn()
     except Exception as err:  # noqa: BLE001
+        # The whole error to stderr: a compiler's message is pages long, the table keeps its start.
+        traceback.print_exc()
         # Two lines: a compiler's error says "backend='inductor' raised:" first and its cause on the next.
         said = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
         report.add(section, name, None, "", note=f"failed: {type(err).__name__}: {said[:300]}")

@@ -1,23 +1,38 @@
 """Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, each test's own cache
-folder, torch's thread count restored after every test, and the fixtures that several test files use. The data
-sets and runs are built once per run (tests/shared_builds.py): they are only read by the tests."""
+folder (and each run its own torch.compile cache), torch's thread count restored after every test, and the
+fixtures that several test files use. The data sets and runs are built once per run (tests/shared_builds.py): they
+are only read by the tests."""
 import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# torch.compile's cache in a folder of this process's own (each xdist worker its own), set before torch is
+# imported (torchvision's import already fixes the default, /tmp/torchinductor_<user>): inductor's FX graph cache
+# key leaves out ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes (pytorch/pytorch#123514),
+# so code written under `avx2` was found again under `default` and failed to build there (`at::vec` undeclared).
+# A user's own setting is kept.
+_INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="tests-inductor-")
+if _INDUCTOR_CACHE:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
-from data_files import LIMIT
-from lit_data import write_lit_data
-from lit_runs import make_run
-from lit_softmoe import cli
-from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
-from shared_builds import built_once, changed_builds
-from worker_cores import share_cores_among_workers
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from data_files import LIMIT  # noqa: E402
+from lit_data import write_lit_data  # noqa: E402
+from lit_runs import make_run  # noqa: E402
+from lit_softmoe import cli  # noqa: E402
+from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards  # noqa: E402
+from shared_builds import built_once, changed_builds  # noqa: E402
+from worker_cores import share_cores_among_workers  # noqa: E402
 
 
 def pytest_configure(config):
     share_cores_among_workers()
+    if _INDUCTOR_CACHE:
+        config.add_cleanup(lambda: shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True))
 
 
 @pytest.hookimpl(tryfirst=True)
