@@ -42,6 +42,7 @@ from lit_softmoe.models.tower_folder import (
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.lit_eval import (
+    eval_label_files,
     final_evaluation,
     setup_eval,
     zeroshot_eval_during_training,
@@ -164,6 +165,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
     # probe: said now and at the end, and recorded in results.json.
+    eval_label_files(cfg)  # a split without class names or templates: one line before any work
     probe_skipped = None
     if cfg.eval.probe_train and not cfg.eval.shards:
         probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set "

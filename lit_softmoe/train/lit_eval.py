@@ -71,7 +71,9 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, p
             for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
 
 
-def setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
+def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path] | None:
+    """The eval set's class-name and template files, checked from the settings alone: called before
+    any shard is opened, so a remote split without them is refused at once, not after a download."""
     if not cfg.eval.shards:
         return None
     split = str(cfg.eval.shards)
@@ -87,6 +89,14 @@ def setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
     for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
         if not path.is_file():
             raise UserError(f"{path} not found; set {key} to a file with one entry per line")
+    return classnames, templates
+
+
+def setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
+    if not cfg.eval.shards:
+        return None
+    split = str(cfg.eval.shards)
+    classnames, templates = eval_label_files(cfg)
     eval_set = {"split": split, "classnames": read_classnames_file(classnames),
                 "templates": read_lines(templates), "features": None, "labels": None}
     if not eval_set["classnames"]:

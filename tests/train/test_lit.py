@@ -390,15 +390,19 @@ def test_unlocked_blocks_refuse_cached_eval_features_before_training(data, tmp_p
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(data, tmp_path):
+def test_eval_shards_as_a_pattern_or_list_find_the_class_names_beside_the_split(data, tmp_path, monkeypatch):
     """eval.shards as a brace pattern or a '::' list of the split's shards: the class names and templates
-    are read from the dataset folder (as for the folder itself), and the score is the folder's."""
+    are read from the dataset folder (as for the folder itself), and the score is the folder's. A remote split
+    without eval.classnames is refused from the settings alone, before a shard is opened (its first shard was
+    read for its labels first: a minute's wait offline, a download online)."""
     test = data / "fmnist" / "test"  # six shards of 50 images
     scores = []
     for spec in (str(test), str(test / "{0..5}.tar"), f"{test / '0.tar'}::{test / '{1..5}.tar'}"):
         scores.append(train_lit(lit_config(data, tmp_path / f"run{len(scores)}", "steps=2", f"eval.shards={spec}"))
                       ["zeroshot_top1"])
     assert scores[0] == scores[1] == scores[2]
+    from lit_softmoe.train import lit_loaders
+    monkeypatch.setattr(lit_loaders, "require_class_labels", lambda *a: pytest.fail(f"a shard was opened: {a}"))
     with pytest.raises(UserError, match="set eval.classnames"):
         train_lit(lit_config(data, tmp_path / "remote", "steps=2", "eval.shards=https://example.com/test/{0..5}.tar"))
 
