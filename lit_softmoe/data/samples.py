@@ -20,6 +20,7 @@ use raises `SampleSkip`, whose reason is the name it is counted under.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import re
@@ -122,9 +123,49 @@ def npy_bytes(embedding: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_header_end(data: bytes) -> int | None:
+    """Where a `.npy` member's header ends (format 1.0: a 2-byte length; 2.0 and 3.0: 4 bytes), or
+    None for anything else (np.load then says what is wrong)."""
+    if data[:6] != _NPY_MAGIC or len(data) < 12:
+        return None
+    if data[6] == 1:
+        return 10 + int.from_bytes(data[8:10], "little")
+    return 12 + int.from_bytes(data[8:12], "little") if data[6] in (2, 3) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _npy_float_layout(header: bytes) -> tuple[np.dtype, tuple, str] | None:
+    """(dtype, shape, order) of a float array's `.npy` header, parsed by numpy's own reader once
+    per distinct header: a feature shard's members all share one, and parsing it (a Python literal)
+    cost as much as the rest of the sample's decode. None for any other header."""
+    stream = io.BytesIO(header)
+    try:
+        version = np.lib.format.read_magic(stream)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                np.lib.format.read_array_header_2_0)  # 3.0: 2.0's layout, its text UTF-8
+        shape, fortran, dtype = read(stream)
+    except Exception:  # np.load, on the slow path, gives the reason
+        return None
+    if dtype.kind != "f" or dtype.hasobject or not shape or stream.tell() != len(header):
+        return None
+    return dtype, shape, "F" if fortran else "C"
+
+
 def read_npy(data: bytes) -> np.ndarray:
     """A `.npy` member's embedding as float32; ValueError, saying why, for anything but a finite
     float array."""
+    end = _npy_header_end(data)
+    layout = _npy_float_layout(bytes(data[:end])) if end is not None else None
+    if layout is not None:
+        dtype, shape, order = layout
+        count = int(np.prod(shape))
+        if len(data) - end == count * dtype.itemsize:  # else cut short or padded: np.load says
+            array = np.frombuffer(data, dtype, count, offset=end).reshape(shape, order=order)
+            with np.errstate(over="ignore"):  # a copy: torch gets a writable array
+                return _finite_float32(array.astype(np.float32))
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)
     except Exception as exn:  # ValueError, OSError, EOFError… for a damaged .npy
@@ -136,7 +177,10 @@ def read_npy(data: bytes) -> np.ndarray:
     if array.dtype.kind != "f" or array.ndim == 0:
         raise ValueError(f"expected a float array, got {array.dtype} with shape {array.shape}")
     with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf: see below
-        array = array.astype(np.float32, copy=False)
+        return _finite_float32(array.astype(np.float32, copy=False))
+
+
+def _finite_float32(array: np.ndarray) -> np.ndarray:
     # Checked after the cast: what trains is float32, and an overflow to inf there is as bad as a
     # NaN.
     if not np.isfinite(array).all():

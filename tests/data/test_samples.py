@@ -2,6 +2,8 @@
 training stream, a class split read whole, LiT's eval labels, the zero-shot suite's shards)."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -13,8 +15,10 @@ from lit_softmoe.data.samples import (
     class_index,
     decode_label,
     image_extension,
+    npy_bytes,
     read_class_members,
     read_labels,
+    read_npy,
 )
 from lit_softmoe.data.shards import shard_urls, write_split
 from lit_softmoe.evals.readers import read_wds
@@ -74,3 +78,39 @@ def test_an_upper_case_cls_member_is_read_by_the_label_only_pass_too(tmp_path):
     assert load_class_split(tmp_path / "t", cache=False)[1].tolist() == [1, 2, 3]
     assert split_labels(str(tmp_path / "t")).tolist() == [1, 2, 3]
     assert sorted(read_class_members(shard_urls(tmp_path / "t")).values()) == [b"1", b"2", b"3"]
+
+
+def _npy_version(array: np.ndarray, version: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=version)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("array", [
+    np.linspace(-2, 2, 384, dtype=np.float16),  # what embed writes
+    np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+    np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4) / 7),  # column-major: another order
+    np.arange(5, dtype=">f4"),  # big-endian
+], ids=["float16", "float32-2d", "float64-fortran", "big-endian"])
+def test_read_npy_is_np_load_as_float32(array):
+    """read_npy parses a header once and reads the next members sharing it straight from their bytes: each
+    layout reads as np.load reads it, as a writable float32 array, and twice the same (the second from the
+    parsed header)."""
+    for data in (npy_bytes(array), _npy_version(array, (2, 0)), npy_bytes(array)):
+        read = read_npy(data)
+        assert read.dtype == np.float32 and read.flags.writeable
+        assert np.array_equal(read, np.load(io.BytesIO(data)).astype(np.float32))
+
+
+@pytest.mark.parametrize("data, reason", [
+    (npy_bytes(np.arange(3)), "expected a float array, got int64 with shape (3,)"),
+    (npy_bytes(np.float32(2.0)), "expected a float array, got float32 with shape ()"),
+    (npy_bytes(np.ones(8, np.float32))[:-3], "ValueError: EOF: reading array data, expected 32 bytes got 29"),
+    (npy_bytes(np.array([1.0, np.inf], np.float32)), "holds NaN or infinity (as float32)"),
+    (npy_bytes(np.array([1e300])), "holds NaN or infinity (as float32)"),
+])
+def test_read_npy_refuses_what_is_not_a_whole_finite_float_array(data, reason):
+    read_npy(npy_bytes(np.ones(8, np.float32)))  # the header of the cut-short member, parsed already
+    with pytest.raises(ValueError) as refusal:
+        read_npy(data)
+    assert str(refusal.value) == reason
