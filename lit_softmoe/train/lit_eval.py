@@ -72,8 +72,9 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, p
 
 
 def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path] | None:
-    """The eval set's class-name and template files, checked from the settings alone: called before
-    any shard is opened, so a remote split without them is refused at once, not after a download."""
+    """Where the eval set's class names and templates are read from, from the settings alone: called
+    before any shard is opened, so a remote split without them is refused at once, not after a
+    download. Whether the files are there is `setup_eval`'s check (after the split's labels)."""
     if not cfg.eval.shards:
         return None
     split = str(cfg.eval.shards)
@@ -86,9 +87,6 @@ def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path] | None:
                             f"beside it; set {key} to a file with one entry per line")
     classnames = Path(cfg.eval.classnames) if cfg.eval.classnames else folder / CLASSNAMES_FILE
     templates = Path(cfg.eval.templates) if cfg.eval.templates else folder / TEMPLATES_FILE
-    for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
-        if not path.is_file():
-            raise UserError(f"{path} not found; set {key} to a file with one entry per line")
     return classnames, templates
 
 
@@ -97,6 +95,9 @@ def setup_eval(cfg: LiTConfig, model, preprocess, accelerator) -> dict | None:
         return None
     split = str(cfg.eval.shards)
     classnames, templates = eval_label_files(cfg)
+    for path, key in ((classnames, "eval.classnames"), (templates, "eval.templates")):
+        if not path.is_file():
+            raise UserError(f"{path} not found; set {key} to a file with one entry per line")
     eval_set = {"split": split, "classnames": read_classnames_file(classnames),
                 "templates": read_lines(templates), "features": None, "labels": None}
     if not eval_set["classnames"]:
