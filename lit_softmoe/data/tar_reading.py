@@ -191,28 +191,100 @@ def _local_tar_files(url: str, handler: Callable[[Exception], bool],
 
     Webdataset reads a tar as a stream (`tarfile` mode "r|*") and copies each member through an
     extract-file object, a cost of the order of decoding and cropping a small JPEG. A local file can
-    be read in `tarfile`'s random-access mode instead, each member's bytes taken at its offset.
-    Headers are still parsed by `tarfile` (pax and GNU long names included); a member cut short by
-    the file's end, or a header that fails, goes to `handler` with the files before it kept, as
-    webdataset's reader does.
+    be read at random instead, each member's bytes taken at its offset (`_member_headers`). A member
+    cut short by the file's end, or a header that fails, goes to `handler` with the files before it
+    kept, as webdataset's reader does.
     """
     try:
-        with open(url, "rb") as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
-            while (member := tar.next()) is not None:
-                tar.members.clear()  # a TarFile keeps every header read; a shard can hold 100,000
-                name = member.name
-                if not member.isreg() or _WDS_META_MEMBER.match(name):
+        with open(url, "rb") as stream:
+            for name, offset, size in _member_headers(stream):
+                if _WDS_META_MEMBER.match(name):
                     continue
                 if select_files is not None and not select_files(name):
                     continue
-                stream.seek(member.offset_data)
-                data = stream.read(member.size)
-                if len(data) < member.size:
+                stream.seek(offset)
+                data = stream.read(size)
+                if len(data) < size:
                     raise tarfile.ReadError(f"unexpected end of data in {name}")
                 yield {"fname": name, "data": data, "__url__": url}
     except (tarfile.TarError, OSError, EOFError) as exn:
         handler(exn)
     yield {}  # the end of the shard: its last sample is complete
+
+
+def _member_headers(stream) -> Iterator[tuple[str, int, int]]:
+    """(name, data offset, size) of each regular file of the tar open in `stream`, in order.
+
+    A plain ustar header (what webdataset's and our writers write for every name of up to 100
+    characters; 255 with the ustar prefix) is read here, in a few slices: parsed by `tarfile`, such
+    a header cost more than decoding the embedding it precedes. At the first header of any other
+    kind (pax and GNU long names, links, a bad checksum, the archive's end), `tarfile` reads the
+    rest of the file from that header on, as it read all of it before.
+    """
+    offset = 0
+    while True:
+        stream.seek(offset)
+        header = stream.read(tarfile.BLOCKSIZE)
+        member = _plain_member(header)
+        if member is None:
+            break
+        name, size, regular = member
+        offset += tarfile.BLOCKSIZE
+        if regular:  # tarfile skips the data blocks of files alone (a directory has none)
+            yield name, offset, size
+            offset += -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    if offset and not header:  # as tarfile checks: the file ends inside the last member's blocks
+        stream.seek(offset - 1)
+        if not stream.read(1):
+            raise tarfile.ReadError("unexpected end of data")
+    stream.seek(offset)
+    # a TarFile opened here starts reading at the stream's position
+    with tarfile.open(fileobj=stream, mode="r:") as tar:
+        while (info := tar.next()) is not None:
+            tar.members.clear()  # a TarFile keeps every header read; a shard can hold 100,000
+            if info.isreg():
+                yield info.name, info.offset_data, info.size
+
+
+def _plain_member(header: bytes) -> tuple[str, int, bool] | None:
+    """(name, size, whether a regular file) of a plain ustar header of a file or a directory, as
+    `tarfile.TarInfo.frombuf` reads it; None for every other block (tarfile then reads it)."""
+    if len(header) != tarfile.BLOCKSIZE or header[156:157] not in (b"0", b"\0", b"5"):
+        return None
+    numbers = [_octal(header[start:end]) for start, end in _NUMBER_FIELDS]
+    # the checksum field counts as eight spaces; tarfile also takes a signed-byte sum (read by it)
+    if None in numbers or numbers[-1] != sum(header) - sum(header[148:156]) + 256:
+        return None
+    try:
+        name = _text(header[0:100])
+        prefix = _text(header[345:500])
+    except UnicodeDecodeError:  # tarfile keeps undecodable bytes as surrogates
+        return None
+    kind = header[156:157]
+    regular = kind == b"0" or (kind == b"\0" and not name.endswith("/"))  # V7: a folder ends in /
+    name = prefix + "/" + name if prefix else name
+    return name, numbers[0], regular
+
+
+# size, mode, uid, gid, mtime, devmajor, devminor, checksum: the octal fields tarfile checks
+_NUMBER_FIELDS = ((124, 136), (100, 108), (108, 116), (116, 124), (136, 148), (329, 337),
+                  (337, 345), (148, 156))
+
+
+def _octal(field: bytes) -> int | None:
+    """An octal number field as `tarfile.nti` reads it; None for base-256 or malformed ones."""
+    if field[:1] in (b"\x80", b"\xff"):
+        return None
+    end = field.find(b"\0")
+    text = (field if end == -1 else field[:end]).strip()
+    if not text:
+        return 0
+    return int(text, 8) if text.isdigit() and b"8" not in text and b"9" not in text else None
+
+
+def _text(field: bytes) -> str:
+    end = field.find(b"\0")
+    return (field if end == -1 else field[:end]).decode(tarfile.ENCODING)
 
 
 def first_sample_members(url: str) -> set[str]:

@@ -311,9 +311,10 @@ def _damaged_copies(source, folder):
 
 
 def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, tmp_path, monkeypatch):
-    """Local .tar shards are read in tarfile's random-access mode (`tar_reading._local_tar_files`), others by
-    webdataset's stream reader: the same samples, bytes and bad-shard counts on whole and damaged tars,
-    long (pax) member names and a select_files filter included."""
+    """Local .tar shards are read at random, from their member headers (`tar_reading._local_tar_files`: plain
+    ustar headers directly, others by tarfile), others by webdataset's stream reader: the same samples, bytes
+    and bad-shard counts on whole and damaged tars, on every kind of header (ustar prefixes, pax and GNU long
+    names, folders, links, names in another encoding) and with a select_files filter."""
     out, _, _ = fmnist_shards
     paths = _damaged_copies(shard_urls(out / "train")[0], tmp_path / "damaged")
     long_names = tmp_path / "long.tar"  # a name over 100 characters: a pax or GNU long-name header
@@ -327,6 +328,7 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
     paths["long names"] = long_names
+    paths.update(_tars_of_every_header_kind(tmp_path / "kinds"))
 
     def read(url, select_files=None):
         counter = BadSampleCounter()
@@ -342,8 +344,7 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
     for name, path in paths.items():
         fast, streamed = read(str(path)), by_webdataset(str(path))
         assert fast == streamed, name
-        assert (len(fast[0]) > 0) == (name in ("whole", "cut inside a member", "cut inside a header",
-                                              "garbage in the middle", "long names")), name
+        assert (len(fast[0]) > 0) == (name not in ("zero bytes", "not a tar")), name
     whole, counts = read(str(paths["whole"]))
     assert len(whole) == 64 and not counts and all({"__key__", "png", "cls", "json"} <= set(sample) for sample in whole)
     assert read(str(paths["cut inside a member"]))[1] == {"bad_shard": 1}
@@ -352,6 +353,72 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
     only_labels = read(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert only_labels == by_webdataset(str(paths["whole"]), lambda name: name.endswith(".cls"))
     assert [set(sample) for sample in only_labels[0]] == [{"__key__", "cls"}] * 64
+    # Plain ustar headers are read without tarfile: every member's of the whole shard, and those before the
+    # first header of another kind.
+    plain, real = [], tar_reading._plain_member
+    with tarfile.open(paths["whole"]) as tar:
+        members = len(tar.getmembers())
+    with monkeypatch.context() as patch:
+        patch.setattr(tar_reading, "_plain_member", lambda header: plain.append(real(header)) or plain[-1])
+        read(str(paths["whole"]))
+        assert sum(member is not None for member in plain) == members and plain[-1] is None  # the end: tarfile's
+        plain.clear()
+        assert len(read(str(paths["a pax header after plain ones"]))[0]) == 5
+        assert [member is not None for member in plain] == [True, True, False]
+
+
+def _tars_of_every_header_kind(folder: Path) -> dict:
+    """Tars whose headers are of each kind a writer makes, or damaged in the middle: {name: path}."""
+    folder.mkdir()
+    payloads = [(f"{index:03d}.{extension}", payload) for index in range(4)
+                for extension, payload in (("png", seeded_png(index)), ("cls", str(index).encode()))]
+
+    def write(name, members, **options):
+        with tarfile.open(folder / f"{name}.tar", "w", **options) as tar:
+            for info, payload in members:
+                tar.addfile(info, io.BytesIO(payload) if payload is not None else None)
+        return folder / f"{name}.tar"
+
+    def file(name, payload):
+        info = tarfile.TarInfo(name)
+        info.size = len(payload)
+        return info, payload
+
+    def entry(name, kind, **fields):
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        for key, value in fields.items():
+            setattr(info, key, value)
+        return info, None
+
+    paths = {
+        # a ustar name past 100 characters keeps its head in the prefix field
+        "ustar prefix names": write("ustar", [file(f"{'d' * 60}/{'e' * 60}/{n}", p) for n, p in payloads],
+                                    format=tarfile.USTAR_FORMAT),
+        "gnu long names": write("gnu", [file(f"{'deep/' * 30}{n}", p) for n, p in payloads],
+                                format=tarfile.GNU_FORMAT),
+        "folders and links": write("links", [
+            entry("shards", tarfile.DIRTYPE), *[file(f"shards/{n}", p) for n, p in payloads[:4]],
+            entry("shards/000.txt", tarfile.SYMTYPE, linkname="000.cls"),
+            entry("shards/001.txt", tarfile.LNKTYPE, linkname="shards/001.cls"),
+            *[file(f"shards/{n}", p) for n, p in payloads[4:]]], format=tarfile.USTAR_FORMAT),
+        "a pax header after plain ones": write("pax", [
+            *[file(n, p) for n, p in payloads[:2]], file(f"{'x' * 120}.png", payloads[2][1]),
+            *[file(n, p) for n, p in payloads[3:]]], format=tarfile.PAX_FORMAT),
+        "a name that is not UTF-8": write("latin1", [file(n.replace(".", "é."), p) for n, p in payloads],
+                                          format=tarfile.USTAR_FORMAT, encoding="latin-1"),
+    }
+    data = paths["ustar prefix names"].read_bytes()
+    with tarfile.open(paths["ustar prefix names"]) as tar:
+        third = tar.getmembers()[2]
+    header = bytearray(data[third.offset:third.offset + 512])
+    header[148:156] = b"0000000\0"  # the third header's checksum
+    pad_end = third.offset_data + third.size + (-third.size % 512)
+    for name, content in {"a bad checksum in the middle": data[:third.offset] + header + data[third.offset + 512:],
+                          "cut inside the padding": data[:pad_end - 1]}.items():
+        paths[name] = folder / f"{name.replace(' ', '-')}.tar"
+        paths[name].write_bytes(content)
+    return paths
 
 
 def _dataset_with_classnames(root: Path, text: str) -> Path:
