@@ -162,10 +162,11 @@ def train_lit(cfg: LiTConfig) -> dict:
 def _train_lit(cfg: LiTConfig) -> dict:
     run = start_run(cfg, "train", lambda cfg: check_optim_settings(cfg.optim), create_accelerator)
     accelerator, is_main, sharded = run.accelerator, run.is_main, run.sharded
+    # a remote eval split without class names or templates: one line before any shard is opened
+    eval_label_files(cfg)
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
     # probe: said now and at the end, and recorded in results.json.
-    eval_label_files(cfg)  # a split without class names or templates: one line before any work
     probe_skipped = None
     if cfg.eval.probe_train and not cfg.eval.shards:
         probe_skipped = ("the linear probe on eval.probe_train is skipped: there is no eval set "
