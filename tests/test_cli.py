@@ -257,7 +257,7 @@ def test_memory_running_out_in_training_is_one_line_naming_the_run_and_its_plan(
     if command == "train":
         overrides = [f"image_tower={data / 'tower'}", f"data.train={data / 'features' / 'train'}",
                      f"run_dir={tmp_path / 'run'}", "text.width=16384", "text.heads=16", "data.workers=0",
-                     "batch_size=64", "eval.shards="]  # the default eval split is not there: refused first
+                     "batch_size=64"]
         size = f"text tower 16384 wide × 12 layers against {data / 'tower'}, batch 64"
     else:
         overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}",

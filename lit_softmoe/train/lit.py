@@ -42,7 +42,7 @@ from lit_softmoe.models.tower_folder import (
 )
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.lit_eval import (
-    eval_label_files,
+    check_remote_eval_split,
     final_evaluation,
     setup_eval,
     zeroshot_eval_during_training,
@@ -162,8 +162,7 @@ def train_lit(cfg: LiTConfig) -> dict:
 def _train_lit(cfg: LiTConfig) -> dict:
     run = start_run(cfg, "train", lambda cfg: check_optim_settings(cfg.optim), create_accelerator)
     accelerator, is_main, sharded = run.accelerator, run.is_main, run.sharded
-    # a remote eval split without class names or templates: one line before any shard is opened
-    eval_label_files(cfg)
+    check_remote_eval_split(cfg)  # before any shard is opened
     # The probe is scored on the eval set. Without one (`eval.shards=`, which the README's own-data
     # command sets over a config naming a probe set) it is skipped, as pretrain skips its few-shot
     # probe: said now and at the end, and recorded in results.json.

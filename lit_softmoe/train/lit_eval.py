@@ -13,6 +13,7 @@ from lit_softmoe.data.shards import (
     CLASSNAMES_FILE,
     TEMPLATES_FILE,
     dataset_dir,
+    is_local_url,
     read_classnames_file,
     read_lines,
     shard_urls,
@@ -71,10 +72,19 @@ def _zeroshot_eval(cfg: LiTConfig, model: LiTModel, eval_set: dict, tokenizer, p
             for k, v in zeroshot_metrics(images, eval_set["labels"], classifier).items()}
 
 
+def check_remote_eval_split(cfg: LiTConfig) -> None:
+    """A remote eval split (`https://`, `pipe:`) has no folder holding classnames.txt and the
+    templates: without eval.classnames and eval.templates it is refused from the settings alone,
+    before training, which opens the split's first shard for its labels (a download; offline, a
+    minute's wait for the same one line)."""
+    split = str(cfg.eval.shards)
+    if split and not is_local_url(split.split("::")[0]):
+        eval_label_files(cfg)
+
+
 def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path] | None:
-    """Where the eval set's class names and templates are read from, from the settings alone: called
-    before any shard is opened, so a remote split without them is refused at once, not after a
-    download. Whether the files are there is `setup_eval`'s check (after the split's labels)."""
+    """Where the eval set's class names and templates are read from; whether the files are there is
+    `setup_eval`'s check (after the split's labels)."""
     if not cfg.eval.shards:
         return None
     split = str(cfg.eval.shards)
