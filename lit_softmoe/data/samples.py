@@ -149,7 +149,7 @@ def _npy_float_layout(header: bytes) -> tuple[np.dtype, tuple, str] | None:
         shape, fortran, dtype = read(stream)
     except Exception:  # np.load, on the slow path, gives the reason
         return None
-    if dtype.kind != "f" or dtype.hasobject or not shape or stream.tell() != len(header):
+    if dtype.kind != "f" or not shape or stream.tell() != len(header):
         return None
     return dtype, shape, "F" if fortran else "C"
 
@@ -158,7 +158,7 @@ def read_npy(data: bytes) -> np.ndarray:
     """A `.npy` member's embedding as float32; ValueError, saying why, for anything but a finite
     float array."""
     end = _npy_header_end(data)
-    layout = _npy_float_layout(bytes(data[:end])) if end is not None else None
+    layout = _npy_float_layout(data[:end]) if end is not None else None
     if layout is not None:
         dtype, shape, order = layout
         count = int(np.prod(shape))

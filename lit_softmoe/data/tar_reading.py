@@ -246,45 +246,30 @@ def _member_headers(stream) -> Iterator[tuple[str, int, int]]:
                 yield info.name, info.offset_data, info.size
 
 
+# mode, uid, gid, mtime, devmajor, devminor
+_OTHER_NUMBERS = (slice(100, 108), slice(108, 116), slice(116, 124), slice(136, 148),
+                  slice(329, 337), slice(337, 345))
+
+
 def _plain_member(header: bytes) -> tuple[str, int, bool] | None:
-    """(name, size, whether a regular file) of a plain ustar header of a file or a directory, as
-    `tarfile.TarInfo.frombuf` reads it; None for every other block (tarfile then reads it)."""
-    if len(header) != tarfile.BLOCKSIZE or header[156:157] not in (b"0", b"\0", b"5"):
-        return None
-    numbers = [_octal(header[start:end]) for start, end in _NUMBER_FIELDS]
-    # the checksum field counts as eight spaces; tarfile also takes a signed-byte sum (read by it)
-    if None in numbers or numbers[-1] != sum(header) - sum(header[148:156]) + 256:
-        return None
-    try:
-        name = _text(header[0:100])
-        prefix = _text(header[345:500])
-    except UnicodeDecodeError:  # tarfile keeps undecodable bytes as surrogates
-        return None
+    """(name, size, whether a regular file) of a plain ustar header of a file or a directory, read
+    with `tarfile`'s own field readers as `TarInfo.frombuf` reads it, minus the TarInfo; None for
+    every other block (tarfile then reads it)."""
     kind = header[156:157]
-    regular = kind == b"0" or (kind == b"\0" and not name.endswith("/"))  # V7: a folder ends in /
-    name = prefix + "/" + name if prefix else name
-    return name, numbers[0], regular
-
-
-# size, mode, uid, gid, mtime, devmajor, devminor, checksum: the octal fields tarfile checks
-_NUMBER_FIELDS = ((124, 136), (100, 108), (108, 116), (116, 124), (136, 148), (329, 337),
-                  (337, 345), (148, 156))
-
-
-def _octal(field: bytes) -> int | None:
-    """An octal number field as `tarfile.nti` reads it; None for base-256 or malformed ones."""
-    if field[:1] in (b"\x80", b"\xff"):
+    if len(header) != tarfile.BLOCKSIZE or kind not in (b"0", b"\0", b"5"):
         return None
-    end = field.find(b"\0")
-    text = (field if end == -1 else field[:end]).strip()
-    if not text:
-        return 0
-    return int(text, 8) if text.isdigit() and b"8" not in text and b"9" not in text else None
-
-
-def _text(field: bytes) -> str:
-    end = field.find(b"\0")
-    return (field if end == -1 else field[:end]).decode(tarfile.ENCODING)
+    try:  # every number field frombuf reads: one it refuses is left to it
+        size, checksum = tarfile.nti(header[124:136]), tarfile.nti(header[148:156])
+        for field in _OTHER_NUMBERS:
+            tarfile.nti(header[field])
+    except tarfile.InvalidHeaderError:
+        return None
+    if checksum not in tarfile.calc_chksums(header):
+        return None
+    name = tarfile.nts(header[0:100], tarfile.ENCODING, "surrogateescape")
+    prefix = tarfile.nts(header[345:500], tarfile.ENCODING, "surrogateescape")
+    regular = kind == b"0" or (kind == b"\0" and not name.endswith("/"))  # V7: a folder ends in /
+    return (prefix + "/" + name if prefix else name), size, regular
 
 
 def first_sample_members(url: str) -> set[str]:

@@ -82,11 +82,9 @@ def check_remote_eval_split(cfg: LiTConfig) -> None:
         eval_label_files(cfg)
 
 
-def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path] | None:
-    """Where the eval set's class names and templates are read from; whether the files are there is
-    `setup_eval`'s check (after the split's labels)."""
-    if not cfg.eval.shards:
-        return None
+def eval_label_files(cfg: LiTConfig) -> tuple[Path, Path]:
+    """Where the class names and templates of the eval set (`eval.shards`, set) are read from;
+    whether the files are there is `setup_eval`'s check (after the split's labels)."""
     split = str(cfg.eval.shards)
     # The folder beside the split (also for a pattern or a '::' list); remote shards have none.
     folder = dataset_dir(split)
