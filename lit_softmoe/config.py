@@ -120,6 +120,10 @@ class TrainingRunConfig:
     # none (every process holds the whole trained model, its gradients and AdamW's moments: DDP) |
     # fsdp (each holds 1/N of them).
     sharding: str = choice("none", SHARDINGS)
+    # Expert parallelism: E processes (an expert group) split every Soft MoE layer's experts, n/E
+    # each, and exchange the slots with all-to-alls (1: off). Needs sharding=fsdp, which shards the
+    # other weights over every process and each expert chunk over the processes that hold it.
+    expert_parallel: int = number(1, minimum=1)
     # keep each block's input only; backward recomputes the block's activations
     grad_checkpointing: bool = False
     # Micro-batches per step: batch_size / processes / accum_steps samples per forward.
