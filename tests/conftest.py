@@ -19,6 +19,7 @@ if _INDUCTOR_CACHE:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from data_files import LIMIT  # noqa: E402
 from lit_data import write_lit_data  # noqa: E402
@@ -144,3 +145,12 @@ def suite(tmp_path):
     path = tmp_path / "suite.yaml"
     path.write_text("name: s\n")
     return str(path)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this one process (world size 1): what FSDP, expert parallel and their
+    checkpoints need to run in-process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

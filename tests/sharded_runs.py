@@ -14,11 +14,15 @@ import torch
 from safetensors.torch import load_file
 
 from launch import torchrun_args
+from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.tower_folder import load_tower, save_tower
 from lit_softmoe.train.logging import read_metrics
+from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.sharded_checkpoint import shard_file
+from shared_builds import built_once
 
 # ---- pretraining ------------------------------------------------------------------------------------
 
@@ -39,6 +43,14 @@ def write_fmnist_1000(out) -> None:
 
 def pretrain_overrides(shards, run_dir, *extra) -> list[str]:
     return [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", *RUN, *extra]
+
+
+def plain_pretrain_run(tmp_path_factory, shards):
+    """RUN unsharded, in this one process (no launcher), built once per test run: the run every sharded and
+    expert-parallel one must follow."""
+    def build(out):
+        pretrain(load_config(PretrainConfig, None, pretrain_overrides(shards, out / "run")))
+    return built_once(tmp_path_factory, "plain-pretrain", build) / "run"
 
 
 def _empty_config(run_dir) -> str:
@@ -155,3 +167,10 @@ def lit_results(run_dir) -> tuple[dict, dict, dict]:
     return ({r["step"]: r["loss"] for r in records if "loss" in r},
             {r["step"]: r["zeroshot_top1"] for r in records if "zeroshot_top1" in r},
             load_file(run_dir / "model" / "model.safetensors"))
+
+
+def sharded_pretrain_run(tmp_path_factory, shards, nproc: int):
+    """The uninterrupted sharded run of RUN on `nproc` processes of one node (`launch_pretrain`), every checkpoint
+    kept, built once a test run (tests/shared_builds.py); read, never written to."""
+    return built_once(tmp_path_factory, f"sharded-pretrain-{nproc}",
+                      lambda out: finish(launch_pretrain(shards, out / "run", nproc=nproc))) / "run"

@@ -27,8 +27,11 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lit_softmoe.nn.expert_parallel import experts_in_parallel, local_expert_weights
 
 # The official code adds this inside the square root of both L2 normalizations.
 _NORM_EPS = 1e-6
@@ -51,6 +54,9 @@ class BatchedExperts(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.shared_init = shared_init
+        # The process group this layer's experts are split over (`expert_parallel.place_experts`);
+        # None: every expert is here.
+        self.expert_group = None
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
         self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
@@ -75,7 +81,14 @@ class BatchedExperts(nn.Module):
             bias.copy_(torch.empty(n, bias.shape[1]).normal_(std=1e-6).to(bias).expand_as(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (n, tokens, d), expert-major so each projection is a single bmm.
+        """x: (n, tokens, d), expert-major so each projection is a single bmm → (n, tokens, d)."""
+        if self.expert_group is None:
+            return self.run_local(x)
+        return experts_in_parallel(x, self.run_local, self.expert_group)
+
+    def run_local(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts held here on their slots: (local experts, tokens, d) → the same shape."""
+        w1, b1, w2, b2 = local_expert_weights(self)
         # Weights cast to x's dtype: a no-op for weights already in it; under autocast x is fp32 or
         # already cast, and autocast casts as before.
         # bmm, then the bias: under torch.compile the first bias add fuses into the GELU kernel and
@@ -83,13 +96,16 @@ class BatchedExperts(nn.Module):
         # whole (n, tokens, ·) output and have the GEMM read it back as strided copies (profiled in
         # docs/benchmarks.md, "What the changes bought").
         # (n, tokens, hidden)
-        hidden = torch.bmm(x, self.w1.to(x.dtype)) + self.b1.to(x.dtype).unsqueeze(1)
+        hidden = torch.bmm(x, w1.to(x.dtype)) + b1.to(x.dtype).unsqueeze(1)
         hidden = F.gelu(hidden, approximate="tanh")  # flax's nn.gelu default is the tanh form
         # (n, tokens, d)
-        return torch.bmm(hidden, self.w2.to(x.dtype)) + self.b2.to(x.dtype).unsqueeze(1)
+        return torch.bmm(hidden, w2.to(x.dtype)) + b2.to(x.dtype).unsqueeze(1)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
+        group = ("" if self.expert_group is None
+                 else f", expert_parallel={dist.get_world_size(self.expert_group)}")
+        return (f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}"
+                + group)
 
 
 def slots_for_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:

@@ -50,7 +50,7 @@ from lit_softmoe.train.runtime import (
     resume_state,
 )
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state
-from lit_softmoe.train.sharding import check_sharding
+from lit_softmoe.train.sharding import check_sharding, clip_grad_norm
 from lit_softmoe.utils.atomic import write_text_atomic
 
 _log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ def start_run(cfg, command: str, check_settings: Callable[[Any], None],
     check_plan_fits(cfg)  # on a GPU: a run that would not fit is refused now, naming the lever
     # The experiment trackers are checked here.
     accelerator = make_accelerator(cfg.precision, cfg.threads, cfg.log_with, run_dir)
-    check_sharding(cfg.sharding, cfg.precision, command)  # needs the launch's process group
+    # needs the launch's process group
+    check_sharding(cfg.sharding, cfg.precision, command, cfg.expert_parallel)
     return TrainingRun(cfg=cfg, accelerator=accelerator, run_dir=run_dir,
                        sharded=cfg.sharding == "fsdp")
 
@@ -199,8 +200,10 @@ def train(run: TrainingRun, model: torch.nn.Module, module: torch.nn.Module,
         lr = lr_at(run.step, run.total_steps, cfg.optim)
         set_lr(optimizer, lr)
         loss = step_functions.forward_backward(batch)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip) \
-            if cfg.optim.grad_clip > 0 else None
+        grad_norm = None
+        if cfg.optim.grad_clip > 0:  # a sharded model's gradients are DTensors, maybe on two meshes
+            grad_norm = (clip_grad_norm(model.parameters(), cfg.optim.grad_clip) if run.sharded
+                         else accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
         optimizer.step()
         if step_functions.after_update is not None:
             step_functions.after_update()

@@ -301,7 +301,7 @@ def _setup_tower(cfg: PretrainConfig, run: TrainingRun, tower_cfg, data: ClassDa
     num_params = sum(p.numel() for p in tower.parameters())
     tower.set_grad_checkpointing(cfg.grad_checkpointing)
     if run.sharded:  # before the optimizer, which then holds (and updates) the shards
-        shard_tower(tower, accelerator.device)
+        shard_tower(tower, accelerator.device, cfg.expert_parallel)
     return tower, num_params
 
 

@@ -236,6 +236,12 @@ def check_same_run(run_dir, config) -> None:
         raise UserError(f"{saved_file} has no {', '.join(lacking[:3])}{more} (saved by another "
                         "version of lit-softmoe), so the run there cannot be resumed; start this "
                         "one with another run_dir=...")
+    held_ep, new_ep = saved.get("expert_parallel", 1), new.get("expert_parallel", 1)
+    if held_ep != new_ep:  # the same training either way, but its checkpoints are laid out by it
+        raise UserError(f"{run_dir} was trained with expert_parallel={held_ep} and this run sets "
+                        f"{new_ep}: each process's checkpoint file holds the expert chunks of "
+                        "that layout, which are not resharded; rerun with "
+                        f"expert_parallel={held_ep}, or start with another run_dir=...")
     changed = []
     for key in sorted(saved.keys() | new.keys()):
         if key in RESUMABLE_KEYS:

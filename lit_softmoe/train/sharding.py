@@ -40,24 +40,29 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.tower_layers import modules_of, tower_layers
 from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.nn.expert_parallel import place_experts
+from lit_softmoe.nn.soft_moe import BatchedExperts
 from lit_softmoe.utils.distributed import in_process_group
 
 
-def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMAND") -> None:
+def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMAND",
+                   expert_parallel: int = 1) -> None:
     """FSDP shards over the processes of a distributed launch: it needs the launch's process group,
     which accelerate forms under torchrun and `accelerate launch --multi_gpu`, for one process too.
     Decided by the group, not by the number of processes: `torchrun --nproc_per_node 1` is how a
     one-GPU machine runs the sharded path and writes sharded checkpoints (its one shard is the whole
     tower); a process started without a launcher has no group to shard over. `command`: the CLI
     command the launch lines name. fp16's loss scaler is applied by the optimizer accelerate
-    prepares; a sharded tower's optimizer is not prepared."""
+    prepares; a sharded tower's optimizer is not prepared. `expert_parallel` must come with fsdp and
+    divide the processes."""
     if sharding == "fsdp" and precision == "fp16":
         raise UserError("sharding=fsdp runs in bf16 or fp32, not fp16 (its loss scaler is not "
                         "wired to sharded gradients); set precision=bf16 (GPUs of compute "
@@ -68,6 +73,16 @@ def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMA
                         f"--nproc_per_node N -m lit_softmoe.cli {command} ...` (N=1 included) or "
                         "`accelerate launch --multi_gpu --num_processes N -m lit_softmoe.cli "
                         f"{command} ...` (N of 2 or more), or set sharding=none")
+    if expert_parallel > 1 and sharding != "fsdp":
+        raise UserError(f"expert_parallel={expert_parallel} splits the experts inside FSDP's "
+                        "sharded path (the other weights sharded over every process); set "
+                        "sharding=fsdp too, or expert_parallel=1")
+    world_size = dist.get_world_size() if expert_parallel > 1 else 1
+    if world_size % expert_parallel:
+        raise UserError(f"expert_parallel={expert_parallel} must divide the {world_size} processes "
+                        "(each group of that many consecutive processes splits the experts); "
+                        f"launch a multiple of {expert_parallel} processes or set another "
+                        "expert_parallel")
 
 
 def _scalars_as_vectors(module: nn.Module, keep: set[nn.Parameter] = frozenset()) -> None:
@@ -86,14 +101,65 @@ def _mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransformer:
+def _expert_meshes(device: torch.device, expert_parallel: int) -> tuple[DeviceMesh, DeviceMesh,
+                                                                         DeviceMesh]:
+    """(every process, the expert group, the replicas) for expert parallel: a 2-D mesh
+    (replicate R, expert E), R·E processes. Process r is in expert group r // E at place r % E:
+    the groups are consecutive processes, so that the all-to-alls stay within a node when E
+    divides its GPU count (vmoe's mesh puts the expert axis within a host too). The replicas hold
+    the same experts (place r % E of every group)."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // expert_parallel, expert_parallel),
+                            mesh_dim_names=("replicate", "expert"))
+    return mesh._flatten("world"), mesh["expert"], mesh["replicate"]
+
+
+def _shard_blocks(blocks, mesh: DeviceMesh, replica_mesh: DeviceMesh | None) -> None:
+    """One FSDP unit per block over `mesh`; with expert parallel, each block's expert chunks a unit
+    of their own over `replica_mesh`, the processes that hold the same experts."""
+    for block in blocks:
+        if replica_mesh is not None:
+            for experts in block.modules():
+                if isinstance(experts, BatchedExperts):
+                    fully_shard(experts, mesh=replica_mesh)
+        fully_shard(block, mesh=mesh)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for sharded parameters: the total norm of all gradients,
+    each sharded one counted once (its pieces on every process), then every gradient scaled by
+    max_norm / total where that is below 1. Under expert parallel the expert chunks live on another
+    mesh than the other weights, which torch's own function cannot stack into one norm; the norm is
+    then taken per mesh and the squares added."""
+    by_mesh: dict = {}
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    norms = [torch.nn.utils.get_total_norm([param.grad for param in params])
+             for params in by_mesh.values()]
+    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def shard_tower(tower: VisionTransformer, device: torch.device,
+                expert_parallel: int = 1) -> VisionTransformer:
     """Shard `tower` in place over every process of the group (the sharded parameters are DTensors
     on `device`); build its optimizer after this, on the sharded parameters.
 
     The main process's tower holds the weights; the others' may be on the meta device (built without
     memory): each process's shards are then sent from the main process's weights (a broadcast,
-    FSDP's `broadcast_from_rank0`), so no process but the main one ever holds the whole tower."""
-    mesh = _mesh(device)
+    FSDP's `broadcast_from_rank0`), so no process but the main one ever holds the whole tower.
+
+    `expert_parallel` E > 1: each group of E processes splits every MoE layer's experts
+    (`place_experts`), and each chunk is sharded over the processes that hold it."""
+    if expert_parallel > 1:
+        mesh, expert_mesh, replica_mesh = _expert_meshes(device, expert_parallel)
+    else:
+        mesh, expert_mesh, replica_mesh = _mesh(device), None, None
     _scalars_as_vectors(tower)
     on_meta = [name for name, param in tower.named_parameters() if param.is_meta]
     flags = [None] * dist.get_world_size()
@@ -102,8 +168,9 @@ def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransfo
         raise ValueError(f"the main process's tower must hold the weights, but {on_meta[0]} is on "
                          "the meta device")
     full = tower.state_dict() if any(flags) and dist.get_rank() == 0 else {}  # the weights to send
-    for block in tower.blocks:
-        fully_shard(block, mesh=mesh)
+    if expert_mesh is not None:
+        _place_experts(tower, expert_mesh)
+    _shard_blocks(tower.blocks, mesh, replica_mesh)
     fully_shard(tower, mesh=mesh)
     if any(flags):
         if on_meta:
@@ -111,6 +178,17 @@ def shard_tower(tower: VisionTransformer, device: torch.device) -> VisionTransfo
         set_model_state_dict(tower, full, options=StateDictOptions(full_state_dict=True,
                                                                    broadcast_from_rank0=True))
     return tower
+
+
+def _place_experts(model: nn.Module, expert_mesh: DeviceMesh) -> None:
+    """`place_experts`, its refusals as one line for the user."""
+    try:
+        placed = place_experts(model, expert_mesh)
+    except ValueError as error:
+        raise UserError(f"{error}; set an expert_parallel that divides it") from None
+    if not placed:
+        raise UserError(f"expert_parallel={expert_mesh.size()}: this tower has no MoE layer whose "
+                        "experts could be split; set expert_parallel=1")
 
 
 def plain_copy(model: LiTModel) -> LiTModel:

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
@@ -31,7 +30,6 @@ from lit_softmoe.train.checkpoint import DamagedCheckpoint
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.optim import create_optimizer
-from lit_softmoe.train.pretrain import pretrain
 from lit_softmoe.train.runtime import resume_state
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
 from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, shard_lit_model, shard_tower
@@ -45,6 +43,7 @@ from sharded_runs import (
     lit_overrides,
     lit_results,
     losses,
+    plain_pretrain_run,
     pretrain_overrides,
     tower_state,
     write_fmnist_1000,
@@ -77,10 +76,7 @@ def one_process_sharded_run(shards, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_run(shards, tmp_path_factory):
-    """The same run unsharded, in this one process (no launcher)."""
-    return built_once(tmp_path_factory, "plain-pretrain",
-                      lambda out: pretrain(load_config(PretrainConfig, None, pretrain_overrides(shards, out / "run")))
-                      ) / "run"
+    return plain_pretrain_run(tmp_path_factory, shards)
 
 
 def _assert_follows(plain, sharded) -> None:
@@ -285,13 +281,6 @@ def test_lit_on_one_process_with_fsdp_is_refused_in_one_line(lit_data, tmp_path,
 
 
 # ---- the checkpoint and the gathered tower, on one in-process gloo process -------------------------
-
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _trained_sharded_tower(seed: int = 0):
     """A sharded soft-test-4e tower and its AdamW, one step trained."""
