@@ -117,7 +117,7 @@ def _cmd_embed(args) -> None:
                            batch_size=args.batch_size, workers=args.workers, device=args.device,
                            precision=args.precision, compile=args.compile,
                            jpeg_decoder=args.jpeg_decoder, gpu_jpeg_share=args.gpu_jpeg_share,
-                           progress=sys.stderr.isatty())
+                           progress=sys.stderr.isatty(), expert_parallel=args.expert_parallel)
     if summary["rank"] != 0:  # rank 0 puts the split together and says so
         return
     resumed = (f", {summary['resumed_shards']} shards kept from an interrupted run"

@@ -145,6 +145,10 @@ def add_commands(parser: argparse.ArgumentParser,
                        help="with the GPU decoder, the fraction of the JPEGs it decodes "
                             "(default 1); below 1 the workers decode the rest, so both "
                             "decoders work")
+    embed.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                       help="split the tower's experts over each group of E processes of a "
+                            "torchrun launch (E must divide the processes and the experts); a GPU "
+                            "then holds its chunk of them, not the whole tower (default: 1, off)")
     embed.set_defaults(func=handlers["embed"])
 
     upcycle = command(sub, "upcycle", "dense ViT (tower folder or timm vit_* weights) → "

@@ -98,13 +98,14 @@ def local_expert_weights(experts) -> tuple[torch.Tensor, ...]:
                                       share) for weight in weights)
 
 
-def place_experts(model: nn.Module, expert_mesh: DeviceMesh) -> int:
+def place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> int:
     """Split every `BatchedExperts` of `model` over the processes of `expert_mesh` (1-D), in place:
     process j keeps experts j·n/E … (j+1)·n/E - 1 of each layer, as a DTensor `Shard(0)` on that
     mesh, and its forward exchanges the slots with the others (`experts_in_parallel`). A parameter
     on the meta device stays there (its chunk shaped, to be filled later, e.g. by FSDP's
-    `broadcast_from_rank0`). Returns the number of layers placed; raises ValueError when E does not
-    divide a layer's experts."""
+    `broadcast_from_rank0`). `device`: where the chunks go (None: where the weights are), so that a
+    tower read on the host puts only its chunk on the GPU. Returns the number of layers placed;
+    raises ValueError when E does not divide a layer's experts."""
     from lit_softmoe.nn.soft_moe import BatchedExperts  # which imports this module
 
     group_size, rank = expert_mesh.size(), expert_mesh.get_local_rank()
@@ -118,9 +119,50 @@ def place_experts(model: nn.Module, expert_mesh: DeviceMesh) -> int:
         local = experts.num_experts // group_size
         for name, param in list(experts.named_parameters(recurse=False)):
             chunk = param.detach()[rank * local:(rank + 1) * local].clone()
+            chunk = chunk if device is None else chunk.to(device)
             sharded = DTensor.from_local(chunk, expert_mesh, [Shard(0)], run_check=False,
                                          shape=param.shape, stride=param.stride())
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.expert_group = expert_mesh.get_group()
         placed += 1
     return placed
+
+
+class GroupLockstep:
+    """A tower whose experts are split over `group` (`place_experts`), run in step with the group's
+    other processes when each process has batches of its own, of any sizes and number (an embedding
+    job: each process reads its own shards).
+
+    The all-to-alls need every process of the group in the same call with the same batch size. So
+    each call first learns the group's batch sizes (a small all-gather) and pads this process's
+    batch with zero images to the largest: Soft MoE mixes the tokens of one image only, so the
+    padding changes no other image's output. Once a process has no batch left, `drain` answers the
+    others' calls with padding until every process of the group is done.
+
+    tower: has `forward_pooled`; input_shape: one image's (C, H, W); device: the tower's.
+    """
+
+    def __init__(self, tower: nn.Module, group: dist.ProcessGroup, input_shape: tuple[int, ...],
+                 device: torch.device):
+        self.tower, self.group, self.input_shape, self.device = tower, group, input_shape, device
+        self.cfg = getattr(tower, "cfg", None)
+
+    def _group_sizes(self, count: int) -> list[int]:
+        """Every process's batch size in this call; -1 for a process that is done."""
+        sizes = torch.empty(dist.get_world_size(self.group), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(sizes, torch.tensor([count], device=self.device),
+                                    group=self.group)
+        return sizes.tolist()
+
+    def _padded_forward(self, images: torch.Tensor, largest: int) -> torch.Tensor:
+        padding = images.new_zeros(largest - len(images), *images.shape[1:])
+        return self.tower.forward_pooled(torch.cat([images, padding]))[:len(images)]
+
+    def forward_pooled(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, C, H, W) → pooled features (B, width), as the tower alone computes them."""
+        return self._padded_forward(images, max(self._group_sizes(len(images))))
+
+    def drain(self) -> None:
+        """Join the group's remaining calls (with padding only) until every process is done."""
+        while (largest := max(self._group_sizes(-1))) >= 0:
+            self._padded_forward(torch.empty(0, *self.input_shape, device=self.device), largest)

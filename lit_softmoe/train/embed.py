@@ -61,6 +61,7 @@ from lit_softmoe.models.tower_folder import (
     resolution_change,
     tower_preprocess,
 )
+from lit_softmoe.nn.expert_parallel import GroupLockstep
 from lit_softmoe.train.embed_job import (
     clear_failure,
     finished_shard,
@@ -72,6 +73,7 @@ from lit_softmoe.train.embed_job import (
     write_feature_split,
 )
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
+from lit_softmoe.train.sharding import check_expert_groups, place_tower_experts
 from lit_softmoe.utils.device import (
     available_cpus,
     inference_dtype,
@@ -103,6 +105,7 @@ def embed_shards(
     progress: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
+    expert_parallel: int = 1,
 ) -> dict:
     """Embed every image of `shards` with the tower in `tower_dir`; write feature shards to
     `out_dir/split/`.
@@ -140,6 +143,10 @@ def embed_shards(
         progress: show a progress bar (images/s, shards done, time left) on rank 0.
         rank, world_size: this process's place among the embedding processes; default from the
             launcher's RANK and WORLD_SIZE (1 process without a launcher).
+        expert_parallel: E > 1 splits the tower's experts over each group of E processes of a
+            launch (`nn.expert_parallel`): a GPU holds its chunk of them, not the whole tower. The
+            processes of a group then run each forward together (`GroupLockstep`), eagerly. The
+            features are the same as one process's.
 
     Returns:
         {"split_dir", "num_samples", "dim", "seconds", "images_per_second", "bad": {reason: count},
@@ -156,6 +163,7 @@ def embed_shards(
     out_dir = Path(out_dir)
     _check_flags(batch_size, workers, jpeg_decoder, gpu_jpeg_share, split)
     rank, world_size = process_rank(rank, world_size)
+    check_expert_groups(expert_parallel, world_size)
     urls = shard_urls(shards)  # a UserError for missing local shards, before any work
     members = first_sample_members(urls[0])  # one sample read: what kind of shards these are
     refuse_feature_shards(shards, urls, members, "--shards")
@@ -201,7 +209,7 @@ def embed_shards(
                     batch_size=batch_size, workers=workers, compile=compile,
                     gpu_jpeg_share=gpu_jpeg_share, max_bad_fraction=max_bad_fraction,
                     progress=progress, rank=rank, world_size=world_size, start=start,
-                    started=started)
+                    started=started, expert_parallel=expert_parallel)
     return _embed_job(job)
 
 
@@ -232,12 +240,17 @@ class _EmbedJob:
     world_size: int
     start: float
     started: float
+    expert_parallel: int = 1
 
 
 def _embed_job(job: _EmbedJob) -> dict:
     """Embed this process's shards not finished yet; on rank 0, then wait for every shard and put
     the split in place. → `embed_shards`' result."""
-    tower, meta = load_tower(job.tower_dir, device=job.device)
+    if job.expert_parallel > 1:  # read on the host; only this process's experts go to the device
+        tower, meta = load_tower(job.tower_dir, dtype=job.weights)
+        group = place_tower_experts(tower, job.expert_parallel, job.device)
+    else:
+        tower, meta = load_tower(job.tower_dir, device=job.device)
     listed = listed_sizes(job.urls) or {}
     mine = [(index, url) for index, url in enumerate(job.urls)
             if index % job.world_size == job.rank]
@@ -248,10 +261,15 @@ def _embed_job(job: _EmbedJob) -> dict:
     known = all(url in listed for _, url in todo)
     images_to_embed = sum(listed[url] for _, url in todo) if known else None
     compiled, compile_why = _choose_compile(job.compile, job.device, images_to_embed)
+    if job.expert_parallel > 1:
+        compiled, compile_why = False, f"expert_parallel={job.expert_parallel}"
     # eval(), no grad, weights cast once: no drop-path or dropout, the cache is the locked tower's
     # deterministic output.
     tower = prepare_for_inference(tower, dtype=job.weights, compile=compiled)
     preprocess = tower_preprocess(job.tower_dir, tower, meta)
+    runner = tower if job.expert_parallel == 1 else GroupLockstep(
+        tower, group, (tower.cfg.in_channels, preprocess.image_size, preprocess.image_size),
+        job.device)
     pixels = pixel_transform(preprocess)  # uint8 from the workers (its decode too, as eval and LiT)
     normalize = BatchNormalize(preprocess)  # on `device`
     workers = (min(available_cpus(), len(todo)) if job.workers is None
@@ -287,10 +305,12 @@ def _embed_job(job: _EmbedJob) -> dict:
                                    job.batch_size, listed, with_cls="cls" in job.members,
                                    defer=(gpu_jpeg.DeferToGpu(job.gpu_jpeg_share)
                                           if gpu_decoder else None))
-            embed_this_process_shards(todo, job.work_dir, dataset, tower, normalize, job.device,
+            embed_this_process_shards(todo, job.work_dir, dataset, runner, normalize, job.device,
                                       job.batch_size if compiled else None, gpu_decoder, workers,
                                       job.max_bad_fraction, str(job.shards), finished, progress_bar,
                                       timing)
+        if job.expert_parallel > 1:  # the group's others may still have batches: join them
+            runner.drain()
         mine_seconds = time.perf_counter() - job.start
         rates = _rates(job.start, timing)
         if job.rank != 0:  # rank 0 puts the split in place

@@ -77,12 +77,7 @@ def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMA
         raise UserError(f"expert_parallel={expert_parallel} splits the experts inside FSDP's "
                         "sharded path (the other weights sharded over every process); set "
                         "sharding=fsdp too, or expert_parallel=1")
-    world_size = dist.get_world_size() if expert_parallel > 1 else 1
-    if world_size % expert_parallel:
-        raise UserError(f"expert_parallel={expert_parallel} must divide the {world_size} processes "
-                        "(each group of that many consecutive processes splits the experts); "
-                        f"launch a multiple of {expert_parallel} processes or set another "
-                        "expert_parallel")
+    check_expert_groups(expert_parallel, dist.get_world_size() if expert_parallel > 1 else 1)
 
 
 def _scalars_as_vectors(module: nn.Module, keep: set[nn.Parameter] = frozenset()) -> None:
@@ -112,6 +107,31 @@ def _expert_meshes(device: torch.device, expert_parallel: int) -> tuple[DeviceMe
     mesh = init_device_mesh(device.type, (world // expert_parallel, expert_parallel),
                             mesh_dim_names=("replicate", "expert"))
     return mesh._flatten("world"), mesh["expert"], mesh["replicate"]
+
+
+def check_expert_groups(expert_parallel: int, world_size: int) -> None:
+    """An expert group is E processes of a launch: E must divide their number (one line if not)."""
+    if world_size % expert_parallel:
+        raise UserError(f"expert_parallel={expert_parallel} must divide the {world_size} processes "
+                        "(each group of that many consecutive processes splits the experts); "
+                        f"launch a multiple of {expert_parallel} processes or set another "
+                        "expert_parallel")
+
+
+def place_tower_experts(tower: nn.Module, expert_parallel: int,
+                        device: torch.device) -> dist.ProcessGroup:
+    """A tower that runs but never trains (embedding, evaluation) split over expert groups of
+    `expert_parallel` processes: its experts' chunks on `device` (`place_experts`), the rest moved
+    there whole. Forms the launch's process group if the command has none (NCCL on GPUs, gloo on
+    the CPU). Returns this process's expert group, which the tower's forwards run with."""
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _, expert_mesh, _ = _expert_meshes(device, expert_parallel)
+    _place_experts(tower, expert_mesh, device)
+    tower.to(device)  # the weights outside the experts
+    return expert_mesh.get_group()
 
 
 def _shard_blocks(blocks, mesh: DeviceMesh, replica_mesh: DeviceMesh | None) -> None:
@@ -180,10 +200,10 @@ def shard_tower(tower: VisionTransformer, device: torch.device,
     return tower
 
 
-def _place_experts(model: nn.Module, expert_mesh: DeviceMesh) -> None:
+def _place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> None:
     """`place_experts`, its refusals as one line for the user."""
     try:
-        placed = place_experts(model, expert_mesh)
+        placed = place_experts(model, expert_mesh, device)
     except ValueError as error:
         raise UserError(f"{error}; set an expert_parallel that divides it") from None
     if not placed:

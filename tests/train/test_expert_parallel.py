@@ -3,10 +3,14 @@ E processes splits every MoE layer's experts and moves the slots with all-to-all
 on a (replicate, expert) mesh. Pretraining on 2 and 4 gloo processes (torchrun) with E = 2 and 4 equals one
 process on the same global batches as closely as FSDP alone does (tests/train/test_sharding.py), the tower
 folder is the whole single-process tower, a kill -9 then a rerun ends as the uninterrupted run, and the layer
-on a group of one is the plain layer. Refusals are one line."""
+on a group of one is the plain layer. `embed --expert-parallel 2` writes the feature shards one process writes,
+byte for byte, also when the processes' batches differ in number and size. Refusals are one line."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,12 +20,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from cli_errors import one_line_error
+from launch import torchrun_args
 from lit_softmoe.config import PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.expert_parallel import place_experts
 from lit_softmoe.nn.soft_moe import SoftMoE
+from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.runtime import check_same_run
 from lit_softmoe.train.sharding import _place_experts, check_sharding
 from sharded_runs import (
@@ -36,6 +42,7 @@ from sharded_runs import (
     pretrain_overrides,
     tower_state,
     write_fmnist_1000,
+    write_sharded_lit_data,
 )
 from shared_builds import built_once
 
@@ -170,3 +177,42 @@ def test_a_run_resumes_only_with_the_expert_parallel_that_wrote_it(two_process_r
     with pytest.raises(UserError, match="trained with expert_parallel=2 and this run sets 1.*rerun with "
                                         "expert_parallel=2"):
         check_same_run(two_process_run, cfg)
+
+
+# ---- embed ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lit_data(tmp_path_factory):
+    """400 Fashion-MNIST images in shards of 40 and a random soft-test-4e tower (4 experts a MoE layer)."""
+    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+
+
+def _feature_shards(split_dir) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(split_dir.glob("*.tar"))}
+
+
+@pytest.mark.slow
+def test_embed_with_expert_parallel_writes_one_process_features(lit_data, tmp_path):
+    """Two processes, each holding 2 of the 4 experts, over 3 shards: process 0 embeds shards 0 and 2, process 1
+    shard 1 and then joins process 0's forwards with padding; batches of 16 leave a last batch of 8 per shard.
+    The feature shards equal those one process writes with the whole tower, byte for byte."""
+    shards = f"{lit_data / 'fmnist' / 'train'}/{{0..2}}.tar"
+    flags = ["--tower", str(lit_data / "tower"), "--shards", shards, "--split", "train", "--workers", "0",
+             "--batch-size", "16"]
+    embed_shards(lit_data / "tower", shards, tmp_path / "one", split="train", workers=0, batch_size=16)
+    launched = subprocess.run([sys.executable, *torchrun_args(2), "-m", "lit_softmoe.cli", "embed", *flags,
+                               "--out", str(tmp_path / "two"), "--expert-parallel", "2"],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "eager (expert_parallel=2)" in launched.stderr
+    assert "120 embeddings (dim 32, float16)" in launched.stdout and "by 2 processes" in launched.stdout
+    one, two = _feature_shards(tmp_path / "one" / "train"), _feature_shards(tmp_path / "two" / "train")
+    assert sorted(two) == ["0.tar", "1.tar", "2.tar"] and two == one
+
+
+def test_embed_expert_parallel_outside_a_launch_is_one_line(lit_data, tmp_path, capsys):
+    line = one_line_error(capsys, ["embed", "--tower", str(lit_data / "tower"), "--shards",
+                                   str(lit_data / "fmnist" / "train"), "--out", str(tmp_path / "out"),
+                                   "--expert-parallel", "2"])
+    assert "expert_parallel=2 must divide the 1 processes" in line
+    assert not (tmp_path / "out" / "train").exists()
