@@ -33,8 +33,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan", action="store_true",
         help="print the memory per GPU (weights, gradients, AdamW, activations counted at the "
-             "configured batch) and whether it fits, naming the levers that would make it fit; "
-             "train nothing")
+             "configured batch) and whether it fits, naming the levers that would make it fit, "
+             "and the bytes a step moves with FSDP and with expert parallelism; train nothing "
+             "(`train --plan` also takes a registered tower name as image_tower)")
     parser.add_argument(
         "--plan-gpus", type=int, default=None, metavar="N",
         help="with --plan: the GPUs the run would use (default: the launcher's WORLD_SIZE, else 1)")

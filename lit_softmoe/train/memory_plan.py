@@ -17,6 +17,10 @@ Per GPU, in bytes:
   global batch (B × N logits, both directions). A locked tower's forward keeps nothing: it holds at
   most what its tensors hold at once (counted too).
 - inputs: the batch on the GPU (images in fp32, text ids, cached features), held through the step.
+- expert parallelism (`expert_parallel` E, with `sharding: fsdp`): each GPU holds n/E of every
+  Soft MoE layer's n experts. What trains shards that chunk over the GPUs / E that hold it, so its
+  states are 1/GPUs of the experts' as under FSDP alone, but FSDP gathers n/E experts per block
+  instead of n; a locked tower holds its chunk whole, in the dtype it runs in: 1/E of its experts.
 - AdamW's step holds nothing more: it is torch's fused kernel (`optim.create_optimizer`), which
   updates each parameter in place (the default multi-tensor path would hold one more fp32 copy of
   them).
@@ -28,6 +32,9 @@ gradients made so far) over that walk (`_backward_peak`): at its start for a lar
 (all gradients) for a small one. With `accum_steps` > 1 the gradients of the first micro-batches are
 held through the later ones' forward and backward: then both count whole.
 
+`bytes_moved` counts what a step moves per GPU: FSDP's all-gathers and reduce-scatters, and expert
+parallelism's all-to-alls of the slots (docs/training.md, "Expert parallelism, on paper").
+
 A plan fits a GPU when its total is at most `GPU_FILL` of the GPU's memory. The plan is an estimate:
 eager PyTorch, the GPU's fused attention, no allocator fragmentation; docs/training.md
 ("Scaling up") shows it for the shipped configs, and `tests/train/test_memory_plan.py -k cuda`
@@ -35,8 +42,9 @@ compares it with what a GPU holds.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,14 +71,16 @@ class Levers:
     grad_checkpointing: bool = False
     sharding: str = "none"  # none | fsdp
     accum_steps: int = 1
+    expert_parallel: int = 1  # E: the GPUs that split each Soft MoE layer's experts (sharding=fsdp)
 
     @classmethod
     def of(cls, cfg: PretrainConfig | LiTConfig) -> "Levers":
-        return cls(cfg.grad_checkpointing, cfg.sharding, cfg.accum_steps)
+        return cls(cfg.grad_checkpointing, cfg.sharding, cfg.accum_steps, cfg.expert_parallel)
 
     def changes(self, base: "Levers") -> list[str]:
-        """What differs from `base`, as `key=value` overrides, in the order they are tried."""
-        fields = ("grad_checkpointing", "sharding", "accum_steps")
+        """What differs from `base`, as `key=value` overrides (expert_parallel beside the sharding
+        it needs)."""
+        fields = ("grad_checkpointing", "sharding", "expert_parallel", "accum_steps")
         return [f"{k}={str(getattr(self, k)).lower()}" for k in fields
                 if getattr(self, k) != getattr(base, k)]
 
@@ -89,6 +99,7 @@ class MemoryPlan:
     gpus: int
     micro_batch: int
     levers: Levers
+    experts: int = 0  # of `weights`: the Soft MoE experts this GPU holds (its chunk, under EP)
 
     @property
     def total(self) -> int:
@@ -106,27 +117,59 @@ def plan_memory(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -
     local = batch_size // gpus
     fsdp = levers.sharding == "fsdp"
     shards = gpus if fsdp else 1
-    states = count.trainable * 4 // shards  # one fp32 copy, this GPU's share
+    experts, group = count.experts, levers.expert_parallel
+    states, trained_experts = _trained_share(count, gpus, levers, 4)  # one fp32 copy, this GPU's
     ddp_buckets = count.trainable * 4 if gpus > 1 and not fsdp else 0
+    # FSDP gathers two blocks at a time (the one running and the one prefetched)
+    gathered = (2 * experts.largest_gathered(group, count.largest_block) * count.compute_bytes
+                if fsdp else 0)
     activations = count.saved.kept(micro, levers.grad_checkpointing, blocks_fixed=not fsdp)
-    if fsdp:
-        activations += 2 * count.largest_block * count.compute_bytes
+    activations += gathered
     loss_logits = count.loss.at(local, batch_size) if count.loss is not None else 0
     # A locked tower runs before the text tower, so its forward's peak and the text side's are not
     # held together (the gradients of earlier micro-batches are, under accumulation).
-    frozen = count.frozen_forward * micro
+    frozen = (count.frozen_forward + _exchange_buffers(count, levers)) * micro
     peak = ddp_buckets + max(_backward_peak(count, micro, levers, shards, activations, states,
-                                            loss_logits),
+                                            loss_logits, gathered),
                              frozen + (states if levers.accum_steps > 1 else 0))
-    return MemoryPlan(weights=states + count.frozen_bytes, gradients=states + ddp_buckets,
-                      optimizer=count.trainable * _ADAM_BYTES // shards,
+    # A locked tower's experts: this GPU's chunk, whole.
+    frozen_experts = experts.frozen_bytes // group
+    return MemoryPlan(weights=states + count.frozen_bytes - experts.frozen_bytes + frozen_experts,
+                      gradients=states + ddp_buckets,
+                      optimizer=_trained_share(count, gpus, levers, _ADAM_BYTES)[0],
                       activations=max(activations, frozen),
                       loss_logits=loss_logits, inputs=count.input_bytes * local, peak=peak,
-                      gpus=gpus, micro_batch=micro, levers=levers)
+                      gpus=gpus, micro_batch=micro, levers=levers,
+                      experts=trained_experts + frozen_experts)
+
+
+def _trained_share(count: ModelCount, gpus: int, levers: Levers, size: int) -> tuple[int, int]:
+    """(bytes, of which the experts') of the trained parameters at `size` bytes each that this GPU
+    holds: all of them without sharding; under fsdp 1/GPUs of them, and under expert parallelism
+    1/(GPUs / E) of its expert chunk (n/E experts), the GPUs holding that chunk: 1/GPUs again."""
+    experts = count.experts.trained
+    if levers.sharding != "fsdp":
+        return count.trainable * size, experts * size
+    group = levers.expert_parallel
+    if group == 1:
+        return count.trainable * size // gpus, experts * size // gpus
+    chunk = experts // group * size // (gpus // group)
+    return (count.trainable - experts) * size // gpus + chunk, chunk
+
+
+def _exchange_buffers(count: ModelCount, levers: Levers) -> int:
+    """Bytes a sample adds to a locked tower's forward peak under expert parallelism: beside the
+    slots it sends, a Soft MoE layer holds the slots it receives and their copy regrouped by expert
+    (`nn.expert_parallel.experts_in_parallel`), as large. Counted on top of the forward's peak,
+    wherever that is: an upper bound. What backward keeps does not change: the experts' matmul keeps
+    the regrouped slots where it kept the slots, and the all-to-alls keep nothing."""
+    if levers.expert_parallel == 1 or not count.experts.forward_layers:
+        return 0
+    return 2 * count.experts.slots * count.compute_bytes
 
 
 def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, activations: int,
-                   gradients: int, loss_logits: int) -> int:
+                   gradients: int, loss_logits: int, gathered: int) -> int:
     """The most that the trained part's `activations` (the forward's, FSDP's gathered blocks
     included), its `gradients` (this GPU's share) and the loss logits hold at once in a step
     (see the module docstring): the end of the forward (every activation, the loss), then backward
@@ -134,8 +177,7 @@ def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, a
     the gradients of the blocks after it and its own), then its end (every gradient)."""
     fsdp = levers.sharding == "fsdp"
     saved = count.saved
-    # under fsdp: held throughout
-    gathered = 2 * count.largest_block * count.compute_bytes if fsdp else 0
+    # `gathered`: FSDP's gathered blocks, held throughout (0 without it)
     if levers.accum_steps > 1:  # the first micro-batch's gradients are held through every later one
         return activations + loss_logits + gradients
     blocks = [block.at(micro) if not fsdp else block.per_sample * micro for block in saved.blocks]
@@ -154,42 +196,58 @@ def _backward_peak(count: ModelCount, micro: int, levers: Levers, shards: int, a
 def levers_that_fit(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int,
                     current: Levers) -> list[Levers]:
     """The least changes to `current` under which the plan fits, best first: fewer levers changed,
-    then grad_checkpointing before sharding before accum_steps (the smallest accum_steps that does
-    it). []: none."""
+    then grad_checkpointing before sharding before accum_steps before expert_parallel (the smallest
+    accum_steps and expert group that do it: expert parallelism is new code, and its all-to-alls
+    need a fast interconnect). []: none."""
+    if gpus % current.expert_parallel:
+        return []
     local = micro_batch_size(batch_size, gpus, 1)
     accums = [a for a in range(current.accum_steps, local + 1) if local % a == 0]
     shardings = dict.fromkeys([current.sharding, "fsdp" if gpus > 1 else current.sharding])
     fitting = []
     for checkpointing in dict.fromkeys([current.grad_checkpointing, True]):
         for sharding in shardings:
-            for accum in accums:  # the smallest that fits; a larger one is no lesser change
-                levers = Levers(checkpointing, sharding, accum)
-                if (levers != current
-                        and plan_memory(count, batch_size, gpus, levers).fits(gpu_bytes)):
-                    fitting.append(levers)
-                    break
+            for group in expert_groups(count, gpus, current.expert_parallel):
+                if group > 1 and sharding != "fsdp":  # expert parallelism needs fsdp
+                    continue
+                for accum in accums:  # the smallest that fits; a larger one is no lesser change
+                    levers = Levers(checkpointing, sharding, accum, group)
+                    if (levers != current
+                            and plan_memory(count, batch_size, gpus, levers).fits(gpu_bytes)):
+                        fitting.append(levers)
+                        break
     least = [lv for lv in fitting
              if not any(other != lv and _lesser(other, lv, current) for other in fitting)]
-    order = {"grad_checkpointing": 0, "sharding": 1, "accum_steps": 2}
+    order = {"grad_checkpointing": 0, "sharding": 1, "accum_steps": 2, "expert_parallel": 3}
     return sorted(least, key=lambda lv: (len(lv.changes(current)),
-                                         [order[c.split("=")[0]] for c in lv.changes(current)],
-                                         lv.accum_steps))
+                                         sorted(order[c.split("=")[0]]
+                                                for c in lv.changes(current)),
+                                         lv.accum_steps, lv.expert_parallel))
+
+
+def expert_groups(count: ModelCount, gpus: int, least: int = 1) -> list[int]:
+    """The expert_parallel values from `least` up that divide both the experts of each Soft MoE
+    layer and the GPUs."""
+    common = math.gcd(count.experts.per_layer, gpus) if count.experts.per_layer else 1
+    return [least] + [e for e in range(least + 1, common + 1) if common % e == 0]
 
 
 def _lesser(a: Levers, b: Levers, current: Levers) -> bool:
-    """Whether `a` changes no more than `b` does: each of its changes is one of b's, accum_steps no
-    larger."""
+    """Whether `a` changes no more than `b` does: each of its changes is one of b's, accum_steps and
+    expert_parallel no larger."""
     return (a.grad_checkpointing == current.grad_checkpointing
             or a.grad_checkpointing == b.grad_checkpointing) and \
         (a.sharding == current.sharding or a.sharding == b.sharding) and \
-        a.accum_steps <= b.accum_steps
+        a.accum_steps <= b.accum_steps and a.expert_parallel <= b.expert_parallel
 
 
 def fewest_gpus(count: ModelCount, batch_size: int, gpu_bytes: int, current: Levers,
                 most: int = 1024):
     """(GPUs, levers): the fewest GPUs (dividing the batch) on which some levers make the plan fit;
     None if none."""
-    for gpus in (n for n in range(1, min(most, batch_size) + 1) if batch_size % n == 0):
+    # the GPU counts that split the batch, and that the expert group (if any) divides
+    for gpus in (n for n in range(1, min(most, batch_size) + 1)
+                 if batch_size % n == 0 and n % current.expert_parallel == 0):
         if plan_memory(count, batch_size, gpus, current).fits(gpu_bytes):
             return gpus, current
         fitting = levers_that_fit(count, batch_size, gpus, gpu_bytes, current)
@@ -198,23 +256,94 @@ def fewest_gpus(count: ModelCount, batch_size: int, gpu_bytes: int, current: Lev
     return None
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What a training step moves per GPU (`bytes_moved`), in bytes."""
+    sharded: int  # parameters FSDP gathers on this GPU (over a group of more than one)
+    gathers: int  # all-gathers of each per step (its reduce-scatters: `accum_steps`)
+    fsdp: int  # FSDP's all-gathers and reduce-scatters
+    all_to_alls: int  # expert parallelism's, per step
+    all_to_all: int  # each one's
+
+    @property
+    def total(self) -> int:
+        return self.fsdp + self.all_to_alls * self.all_to_all
+
+
+def bytes_moved(count: ModelCount, batch_size: int, gpus: int, levers: Levers) -> Traffic:
+    """What a step moves per GPU under `levers`: each collective counted as the buffer it fills on a
+    GPU, as docs/training.md counts them ((N - 1)/N of it crosses the links, N the processes of its
+    group); a group of one process moves nothing."""
+    micro = micro_batch_size(batch_size, gpus, levers.accum_steps)
+    group, experts = levers.expert_parallel, count.experts
+    # LiT's accumulation runs each micro-batch forward twice: without a graph for the whole batch's
+    # embeddings, then again for its backward (`train.accumulation`).
+    forwards = 2 if count.loss is not None and levers.accum_steps > 1 else 1
+    sharded = gathers = 0
+    if levers.sharding == "fsdp":
+        # Each micro-batch gathers every unit before each forward and again before its backward
+        # (with grad_checkpointing its recompute runs inside that backward, gathered), then
+        # reduce-scatters its gradients: all in fp32, the parameters' dtype (`train.sharding` sets
+        # no mixed-precision policy). The other weights are sharded over every GPU, an expert chunk
+        # over the GPUs / E that hold it; a locked tower is not sharded: it moves nothing.
+        sharded = ((count.trainable - experts.trained if gpus > 1 else 0)
+                   + (experts.trained // group if gpus // group > 1 else 0))
+        gathers = (forwards + 1) * levers.accum_steps
+    fsdp = sharded * 4 * (gathers + levers.accum_steps)
+    if group == 1:
+        return Traffic(sharded, gathers, fsdp, 0, 0)
+    # Per micro-batch, a Soft MoE layer's forward sends its slots (b·n·p values) to the experts'
+    # GPUs and takes their outputs back: two all-to-alls. Backward, for a layer that trains, runs
+    # both again in reverse (two more; with grad_checkpointing its forward's two first). A locked
+    # layer (LiT's tower, or its locked blocks) runs forward only: no gradient flows back into it.
+    trained = 2 * forwards + 2 + (2 if levers.grad_checkpointing else 0)
+    per_micro = experts.backward_layers * trained + experts.forward_layers * 2 * forwards
+    return Traffic(sharded, gathers, fsdp, per_micro * levers.accum_steps,
+                   micro * experts.slots * count.compute_bytes)
+
+
+def check_expert_parallel(count: ModelCount, gpus: int, levers: Levers) -> None:
+    """One UserError line, naming the fix, for an expert_parallel the run cannot take."""
+    group, experts = levers.expert_parallel, count.experts.per_layer
+    if group == 1:
+        return
+    if not experts:
+        raise UserError(f"expert_parallel={group} splits the experts of Soft MoE layers, and this "
+                        "model has none; set expert_parallel=1")
+    if levers.sharding != "fsdp":
+        raise UserError(f"expert_parallel={group} needs sharding=fsdp (the other weights shard "
+                        "over every GPU, each expert chunk over the GPUs that hold it); set "
+                        "sharding=fsdp")
+    if experts % group or gpus % group:
+        choices = expert_groups(count, gpus)[1:]
+        fix = (f"set it to {' or '.join(map(str, choices))}" if choices
+               else "set expert_parallel=1")
+        raise UserError(f"expert_parallel={group} must divide both the {experts} experts of each "
+                        f"Soft MoE layer and the {_gpus(gpus)}; {fix}")
+
+
 # ---- a config's plan: what --plan prints and what a recipe checks at its start -------------------
 
 def plan_report(cfg: PretrainConfig | LiTConfig, gpus: int, gpu_bytes: int) -> tuple[str, bool]:
     """(the plan as `--plan` prints it, whether it fits)."""
     count, what = count_config(cfg)
     levers = Levers.of(cfg)
+    check_expert_parallel(count, gpus, levers)
     plan = plan_memory(count, cfg.batch_size, gpus, levers)
+    experts = count.experts
     lines = [f"memory plan: {what}",
              f"batch {cfg.batch_size:,} on {_gpus(gpus)}: micro-batch {plan.micro_batch:,} per "
              f"GPU, {precision_name(compute_dtype(cfg.precision))}; sharding={levers.sharding} "
              f"grad_checkpointing={str(levers.grad_checkpointing).lower()} "
-             f"accum_steps={levers.accum_steps}",
+             f"accum_steps={levers.accum_steps}"
+             + (f" expert_parallel={levers.expert_parallel}" if experts.per_layer else ""),
              ""]
     unit, size = ("GiB", _GIB) if plan.total >= _GIB else ("MiB", 1 << 20)
     lines.append(f"{'per GPU':<24}{unit:>8}")
     rows = [("weights", plan.weights,
              " (trained: fp32; a locked tower: as it runs)" if count.frozen_bytes else ""),
+            *([("  experts", plan.experts, _chunk_note(count, gpus, levers))]
+              if experts.per_layer else []),
             ("gradients", plan.gradients, " (with DDP's all-reduce buckets)" if plan.gpus > 1 and
              levers.sharding == "none" else ""),
             ("optimizer (AdamW)", plan.optimizer, ""),
@@ -232,16 +361,62 @@ def plan_report(cfg: PretrainConfig | LiTConfig, gpus: int, gpu_bytes: int) -> t
     lines.append(f"{'GPU memory':<24}{gpu_bytes / size:>8.1f} (a plan may fill {GPU_FILL:.0%}: "
                  f"{GPU_FILL * gpu_bytes / size:.1f})")
     lines.append(f"{'fits':<24}{'yes' if fits else 'no':>8}")
+    fitting = [] if fits else levers_that_fit(count, cfg.batch_size, gpus, gpu_bytes, levers)
     if not fits:
-        lines.append(f"does not fit: {_verdict(count, cfg.batch_size, gpus, gpu_bytes, levers)}")
+        lines.append("does not fit: "
+                     + _verdict(count, cfg.batch_size, gpus, gpu_bytes, levers, fitting))
+    if gpus > 1:
+        lines += _traffic_lines(count, cfg.batch_size, gpus, levers, fitting,
+                                precision_name(compute_dtype(cfg.precision)))
     lines.append("an estimate: activations counted on the meta device, eager, with the GPU's fused "
                  "attention (docs/training.md, \"Scaling up\")")
     return "\n".join(lines), fits
 
 
-def _verdict(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int, levers: Levers) -> str:
-    """What would make a plan that does not fit fit: levers, else more GPUs."""
-    fitting = levers_that_fit(count, batch_size, gpus, gpu_bytes, levers)
+def _chunk_note(count: ModelCount, gpus: int, levers: Levers) -> str:
+    """What the experts row holds: this GPU's chunk, and how."""
+    experts, group = count.experts, levers.expert_parallel
+    how = [f"of the weights: {experts.per_layer // group} of {experts.per_layer} experts in each "
+           f"of {experts.layers} Soft MoE layers"]
+    if experts.trained and levers.sharding == "fsdp" and gpus // group > 1:
+        how.append(f"trained: 1/{gpus // group} of them")
+    if experts.frozen_bytes:
+        how.append("locked: whole")
+    return f" ({'; '.join(how)})"
+
+
+def _traffic_lines(count: ModelCount, batch_size: int, gpus: int, levers: Levers,
+                   fitting: list[Levers], dtype: str) -> list[str]:
+    """What a step moves per GPU with FSDP alone and with expert parallelism (the run's expert
+    group, else the one a lever names, else the largest the experts and GPUs allow); the
+    all-to-alls in `dtype`, the compute dtype's name."""
+    fsdp = Levers(levers.grad_checkpointing, "fsdp", levers.accum_steps)
+    named = [lv.expert_parallel for lv in fitting if lv.expert_parallel > 1]
+    if levers.expert_parallel > 1:
+        group = levers.expert_parallel
+    else:
+        group = named[0] if named else expert_groups(count, gpus)[-1]
+    alone = bytes_moved(count, batch_size, gpus, fsdp)
+    rows = [("FSDP", alone.total, f"sharding=fsdp: {alone.sharded / 1e6:,.1f}M trained parameters "
+             f"gathered {alone.gathers}×, their gradients reduce-scattered "
+             f"{levers.accum_steps}×, fp32")]
+    if group > 1:
+        ep = bytes_moved(count, batch_size, gpus, replace(fsdp, expert_parallel=group))
+        exchanges = (f"{ep.all_to_alls} all-to-alls of {ep.all_to_all / 1e6:,.1f} MB, {dtype}"
+                     if ep.all_to_alls else "no all-to-alls: no Soft MoE layer runs in a step")
+        rows.append(("expert parallel", ep.total, f"expert_parallel={group}: {exchanges}, "
+                     f"+ FSDP's {ep.fsdp / 1e9:,.2f} GB"))
+    unit, size = ("GB", 1e9) if max(r[1] for r in rows) >= 1e9 else ("MB", 1e6)
+    return ([f"{'moved per step, per GPU':<24}{unit:>8}"]
+            + [f"  {name:<22}{value / size:>8.1f} ({note})" for name, value, note in rows])
+
+
+def _verdict(count: ModelCount, batch_size: int, gpus: int, gpu_bytes: int, levers: Levers,
+             fitting: list[Levers] | None = None) -> str:
+    """What would make a plan that does not fit fit: levers (`fitting`, if found already), else
+    more GPUs."""
+    if fitting is None:
+        fitting = levers_that_fit(count, batch_size, gpus, gpu_bytes, levers)
     if fitting:
         options = [f"{' '.join(lv.changes(levers))} "
                    f"({plan_memory(count, batch_size, gpus, lv).total / _GIB:.1f} GiB per GPU)"
@@ -276,6 +451,7 @@ def check_plan_fits(cfg: PretrainConfig | LiTConfig) -> None:
     gpus = rank_and_world_size()[1]
     count, _ = count_config(cfg)
     levers = Levers.of(cfg)
+    check_expert_parallel(count, gpus, levers)
     plan = plan_memory(count, cfg.batch_size, gpus, levers)
     if plan.fits(gpu_bytes):
         return
