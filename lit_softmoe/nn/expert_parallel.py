@@ -128,6 +128,17 @@ def place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> int
     return placed
 
 
+def experts_held(model: nn.Module) -> tuple[int, int] | None:
+    """(experts this process holds, experts) of the first MoE layer split by `place_experts`; None
+    where none is."""
+    from lit_softmoe.nn.soft_moe import BatchedExperts  # which imports this module
+
+    for experts in model.modules():
+        if isinstance(experts, BatchedExperts) and experts.expert_group is not None:
+            return local_expert_weights(experts)[0].shape[0], experts.num_experts
+    return None
+
+
 class GroupLockstep:
     """A tower whose experts are split over `group` (`place_experts`), run in step with the group's
     other processes when each process has batches of its own, of any sizes and number (an embedding

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,10 +41,12 @@ from lit_softmoe.models.tower_folder import (
     tower_folder,
     tower_preprocess,
 )
+from lit_softmoe.nn.expert_parallel import experts_held
 from lit_softmoe.train.accumulation import contrastive_accumulation, split_batch
 from lit_softmoe.train.lit_eval import (
     check_remote_eval_split,
     final_evaluation,
+    final_features,
     setup_eval,
     zeroshot_eval_during_training,
 )
@@ -67,7 +70,12 @@ from lit_softmoe.train.loop import (
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
 from lit_softmoe.train.optim import check_optim_settings, create_optimizer
 from lit_softmoe.train.runtime import check_run_dir, create_accelerator, run_folder_lock
-from lit_softmoe.train.sharding import gather_into, plain_copy, shard_lit_model
+from lit_softmoe.train.sharding import (
+    expert_features,
+    gather_into,
+    local_weights_sha256,
+    shard_lit_model,
+)
 from lit_softmoe.utils.atomic import write_folder_atomically
 from lit_softmoe.utils.device import inference_dtype, precision_name, resolve_compile
 from lit_softmoe.utils.distributed import is_main_process
@@ -180,7 +188,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # autocast), cast once instead of by autocast at every step. Unlocked blocks train in fp32 with
     # the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device)
-    model, meta = _setup_model(cfg, accelerator.device, tower_dtype)
+    expert_parallel = cfg.expert_parallel > 1
+    # Under expert parallel the tower is read on the host and only this process's expert chunks go
+    # to the device (`shard_lit_model`): the whole tower need not fit one GPU.
+    model, meta = _setup_model(cfg, "cpu" if expert_parallel else accelerator.device, tower_dtype)
     # a partly unlocked tower's locked part (a locked one is cast already)
     model.hold_locked_image_in(tower_dtype)
     # the text tower's blocks (and unlocked image blocks)
@@ -201,9 +212,12 @@ def _train_lit(cfg: LiTConfig) -> dict:
     description = model_description(cfg, meta, model, tower_sha)
     # a locked text tower's locked parameters: checked the same
     text_hash = description.get("text_locked_sha256")
-    plain = plain_copy(model).to(accelerator.device) if sharded and is_main else None
+    plain = None
     if sharded:
-        shard_lit_model(model.to(accelerator.device), accelerator.device)
+        plain = shard_lit_model(model, accelerator.device, cfg.expert_parallel,
+                                keep_plain=is_main)
+    if expert_parallel:  # each process holds its own chunk of the locked experts, and checks it
+        tower_hash = local_weights_sha256(model.locked_image_parameters())
     optimizer = _setup_optimizer(cfg, model)
 
     # ---- data: cached features (the tower never runs) or images (the tower runs every step)
@@ -217,8 +231,13 @@ def _train_lit(cfg: LiTConfig) -> dict:
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
         model.text_tower.compile()
-    eval_set = (setup_eval(cfg, plain if sharded else model, preprocess, accelerator) if is_main
-                else None)
+    if expert_parallel:  # every process runs the eval images through the split tower, together
+        eval_set = setup_eval(cfg, model, preprocess, accelerator,
+                              partial(expert_features, model))
+        eval_set = eval_set if is_main else None
+    else:
+        eval_set = (setup_eval(cfg, plain if sharded else model, preprocess, accelerator)
+                    if is_main else None)
 
     # ---- resume
     checkpoint_meta, latest = resume(run, model, optimizer, skip_prefixes=frozen)
@@ -237,7 +256,10 @@ def _train_lit(cfg: LiTConfig) -> dict:
     held = f"in {precision_name(tower_dtype)} weights"
     if cfg.unlocked_blocks and tower_dtype != torch.float32:
         held += f" but its last {cfg.unlocked_blocks} block(s) (fp32: they train)"
-    accelerator.print(
+    if expert_parallel:  # the chunk this process holds of each MoE layer's experts
+        here, experts = experts_held(model_module.image_tower)
+        held += f", {here} of the {experts} experts of each MoE layer here"
+    run.say(
         f"LiT: text tower {cfg.text.kind} against {cfg.image_tower} ({inputs}), "
         f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
         f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
@@ -261,10 +283,15 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # ---- final evaluation; a locked tower must be exactly what it was
     results = {"steps": run.total_steps, "train_seconds": round(run.train_seconds, 1),
                "cached_features": cached, "bad_samples": dict(loader.bad.counts)}
+    computed = final_features(cfg, model_module, preprocess, accelerator)  # all processes
+    locked_now = (local_weights_sha256(model_module.locked_image_parameters()) if expert_parallel
+                  else None)
     if sharded:  # the main process evaluates and saves the plain copy, with the trained weights
         # (and the locked text layers' current ones, for the check below)
         model_module = gather_into(plain, model_module, frozen=text_hash is not None)
-    if tower_hash is not None and is_main and model_module.locked_image_sha256() != tower_hash:
+    if not expert_parallel and tower_hash is not None and is_main:
+        locked_now = model_module.locked_image_sha256()
+    if tower_hash is not None and locked_now is not None and locked_now != tower_hash:
         raise RuntimeError("the locked image tower changed during training; this is a bug, please "
                            "report it")
     if text_hash is not None and is_main and model_module.locked_text_sha256() != text_hash:
@@ -272,7 +299,7 @@ def _train_lit(cfg: LiTConfig) -> dict:
                            "report it")
     if is_main:
         probe_skipped = final_evaluation(cfg, run, model_module, eval_set, tokenizer, preprocess,
-                                         results) or probe_skipped
+                                         results, computed) or probe_skipped
         if probe_skipped:
             _log.warning(probe_skipped)
             results["probe_skipped"] = probe_skipped

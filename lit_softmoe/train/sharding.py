@@ -31,6 +31,7 @@ trained weights, for evaluation and the model folder.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.nn.expert_parallel import place_experts
 from lit_softmoe.nn.soft_moe import BatchedExperts
 from lit_softmoe.utils.distributed import in_process_group
+from lit_softmoe.utils.hashing import weights_sha256
 
 
 def check_sharding(sharding: str, precision: str = "auto", command: str = "COMMAND",
@@ -104,6 +106,9 @@ def _expert_meshes(device: torch.device, expert_parallel: int) -> tuple[DeviceMe
     divides its GPU count (vmoe's mesh puts the expert axis within a host too). The replicas hold
     the same experts (place r % E of every group)."""
     world = dist.get_world_size()
+    # DTensor warns, at every gather of a tensor sharded on both axes (an expert chunk sharded over
+    # its replicas), that it takes two all-gathers: expected here, and no concern of the user's.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = init_device_mesh(device.type, (world // expert_parallel, expert_parallel),
                             mesh_dim_names=("replicate", "expert"))
     return mesh._flatten("world"), mesh["expert"], mesh["replicate"]
@@ -135,13 +140,15 @@ def place_tower_experts(tower: nn.Module, expert_parallel: int,
 
 
 def _shard_blocks(blocks, mesh: DeviceMesh, replica_mesh: DeviceMesh | None) -> None:
-    """One FSDP unit per block over `mesh`; with expert parallel, each block's expert chunks a unit
-    of their own over `replica_mesh`, the processes that hold the same experts."""
+    """One FSDP unit per block (a module, or a list of modules that are one) over `mesh`; with
+    expert parallel, each block's expert chunks that train a unit of their own over `replica_mesh`,
+    the processes that hold the same experts."""
     for block in blocks:
         if replica_mesh is not None:
-            for experts in block.modules():
-                if isinstance(experts, BatchedExperts):
-                    fully_shard(experts, mesh=replica_mesh)
+            for part in block if isinstance(block, list) else [block]:
+                for experts in part.modules():
+                    if isinstance(experts, BatchedExperts) and experts.w1.requires_grad:
+                        fully_shard(experts, mesh=replica_mesh)
         fully_shard(block, mesh=mesh)
 
 
@@ -214,16 +221,36 @@ def _place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> No
 def plain_copy(model: LiTModel) -> LiTModel:
     """A deep copy of `model` made before it is sharded, sharing its locked image parameters
     (nothing of a locked tower is copied): what `gather_into` fills with the trained weights."""
-    return copy.deepcopy(model, memo={id(param): param
-                                      for param in model.locked_image_parameters().values()})
+    shared = [*model.locked_image_parameters().values(),
+              *(experts.expert_group for experts in model.modules()  # a group is not copied
+                if isinstance(experts, BatchedExperts) and experts.expert_group is not None)]
+    return copy.deepcopy(model, memo={id(item): item for item in shared})
 
 
-def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
+def shard_lit_model(model: LiTModel, device: torch.device, expert_parallel: int = 1,
+                    keep_plain: bool = False) -> LiTModel | None:
     """Shard what trains in `model` in place over every process of the group: one unit per text
     layer and per unlocked image block, the root for the rest; the locked image parameters stay
-    whole (they must be on `device` already). Build the optimizer after this, on the sharded
-    parameters."""
-    mesh = _mesh(device)
+    whole. The model is moved to `device` first. Build the optimizer after this, on the sharded
+    parameters. Returns, with `keep_plain` (the main process), the plain copy that `gather_into`
+    fills (`plain_copy`), made before the model is sharded.
+
+    `expert_parallel` E > 1: first each group of E processes splits the image tower's experts
+    (`place_experts`), locked ones included: a locked expert chunk stays whole on its process, a
+    trained one is sharded over the processes that hold it. The image tower then runs only with
+    every process of its group (`expert_features`); the plain copy shares the locked chunks, so
+    the main process never holds the whole locked tower, and holds the trained experts whole."""
+    replica_mesh = None
+    if expert_parallel > 1:
+        mesh, expert_mesh, replica_mesh = _expert_meshes(device, expert_parallel)
+        # only this process's chunks go to the device: a tower read on the host never is whole there
+        _place_experts(model.image_tower, expert_mesh, device)
+    else:
+        mesh = _mesh(device)
+    model.to(device)
+    plain = plain_copy(model) if keep_plain else None
+    if plain is not None and expert_parallel > 1:
+        _whole_trained_experts(plain)
     locked = set(model.locked_image_parameters().values())  # whole on every process, never sharded
     _scalars_as_vectors(model, keep=locked)
     units = list(model.text_tower.blocks())
@@ -232,10 +259,40 @@ def shard_lit_model(model: LiTModel, device: torch.device) -> LiTModel:
         layers = tower_layers(model.image_tower)
         units += [modules_of(model.image_tower, layers.block_parameters(i))
                   for i in range(-model.unlocked_blocks, 0)]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
+    _shard_blocks(units, mesh, replica_mesh)
     fully_shard(model, mesh=mesh, ignored_params=locked or None)
-    return model
+    return plain
+
+
+def _whole_trained_experts(plain: LiTModel) -> None:
+    """The plain copy's trained expert chunks (copies of the placed model's) become whole, unsplit
+    weights for `gather_into` to fill; its locked chunks stay shared with the model."""
+    for experts in plain.image_tower.modules():
+        if isinstance(experts, BatchedExperts) and experts.expert_group is not None \
+                and experts.w1.requires_grad:
+            for name, param in list(experts.named_parameters(recurse=False)):
+                setattr(experts, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
+                                                                device=param.device)))
+            experts.expert_group = None
+
+
+@torch.no_grad()  # not inference_mode: FSDP's buffers filled here are written in training
+def expert_features(model: LiTModel, pixels: torch.Tensor) -> torch.Tensor:
+    """Collective: the sharded `model`'s image tower's pooled features of `pixels` (every process of
+    an expert group must call it with the same batch). Its root's sharded weights (the trained
+    norms, the head) are gathered for the call, as the model's own forward would."""
+    model.unshard()
+    try:
+        return model.image_tower.forward_pooled(pixels)
+    finally:
+        model.reshard()
+
+
+def local_weights_sha256(params: dict[str, torch.Tensor]) -> str:
+    """The identity of this process's pieces of `params` (DTensors by their local tensors): under
+    expert parallel a process holds its locked chunks, which it checks did not change."""
+    return weights_sha256({name: param.to_local() if isinstance(param, DTensor) else param
+                           for name, param in params.items()})
 
 
 def gather_into(plain: nn.Module | None, model: nn.Module,

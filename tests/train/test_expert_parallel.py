@@ -3,12 +3,15 @@ E processes splits every MoE layer's experts and moves the slots with all-to-all
 on a (replicate, expert) mesh. Pretraining on 2 and 4 gloo processes (torchrun) with E = 2 and 4 equals one
 process on the same global batches as closely as FSDP alone does (tests/train/test_sharding.py), the tower
 folder is the whole single-process tower, a kill -9 then a rerun ends as the uninterrupted run, and the layer
-on a group of one is the plain layer. `embed --expert-parallel 2` writes the feature shards one process writes,
-byte for byte, also when the processes' batches differ in number and size. Refusals are one line."""
+on a group of one is the plain layer. LiT with a locked tower split over the processes (each holds its chunk of
+the experts), and with an unlocked MoE block, follows one process and resumes exactly. `embed --expert-parallel
+2` writes the feature shards one process writes, byte for byte, also when the processes' batches differ in
+number and size. Refusals are one line."""
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -21,23 +24,29 @@ from torch.distributed.tensor import DTensor
 
 from cli_errors import one_line_error
 from launch import torchrun_args
-from lit_softmoe.config import PretrainConfig
+from lit_softmoe.config import LiTConfig, PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.expert_parallel import place_experts
 from lit_softmoe.nn.soft_moe import SoftMoE
 from lit_softmoe.train.embed import embed_shards
+from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.runtime import check_same_run
 from lit_softmoe.train.sharding import _place_experts, check_sharding
 from sharded_runs import (
+    assert_lit_follows,
     assert_same_run,
     checkpoint_pieces,
     finish,
     kill_after_first_checkpoint,
     largest_gap,
+    launch_lit,
     launch_pretrain,
+    lit_overrides,
+    lit_results,
     losses,
+    plain_lit,
     plain_pretrain_run,
     pretrain_overrides,
     tower_state,
@@ -216,3 +225,50 @@ def test_embed_expert_parallel_outside_a_launch_is_one_line(lit_data, tmp_path, 
                                    "--expert-parallel", "2"])
     assert "expert_parallel=2 must divide the 1 processes" in line
     assert not (tmp_path / "out" / "train").exists()
+
+
+# ---- LiT ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lit_run(lit_data, tmp_path_factory):
+    """LiT on images against the locked tower split over 2 processes; its checkpoints kept, read only."""
+    def build(out):
+        (out / "output.txt").write_text(launch_lit(lit_data, out / "run", "expert_parallel=2"))
+    return built_once(tmp_path_factory, "expert-parallel-lit", build) / "run"
+
+
+@pytest.mark.slow
+def test_expert_parallel_lit_equals_one_process(lit_data, lit_run, tmp_path_factory):
+    """Each process holds 2 of the 4 experts of each locked MoE layer and runs every image batch's forward with
+    the other (the training steps, and the eval images once, all processes together): the one-process curve,
+    evaluations and text tower, within FSDP's bound."""
+    assert_lit_follows(plain_lit(tmp_path_factory, lit_data), lit_run)
+    assert "2 of the 4 experts of each MoE layer here" in (lit_run.parent / "output.txt").read_text()
+    assert not any(name.startswith("image_tower.") for name in lit_results(lit_run)[2])
+
+
+@pytest.mark.slow
+def test_expert_parallel_lit_with_an_unlocked_moe_block_equals_one_process(lit_data, tmp_path):
+    """The last block, a Soft MoE one, trains: its expert chunks sharded and split, its eval features recomputed
+    by both processes at each evaluation. The model folder holds its 4 experts whole."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, one, "unlocked_blocks=1")))
+    launch_lit(lit_data, two, "unlocked_blocks=1", "expert_parallel=2")
+    assert_lit_follows(one, two)
+    assert lit_results(two)[2]["image_tower.blocks.1.mlp.experts.w1"].shape[0] == 4
+
+
+@pytest.mark.slow
+def test_expert_parallel_lit_resumes_exactly(lit_data, lit_run, tmp_path):
+    """Stopped after its step-6 checkpoint (its later ones and its model gone) and rerun: the uninterrupted run,
+    to the bit."""
+    cut = tmp_path / "cut"
+    shutil.copytree(lit_run, cut, ignore=shutil.ignore_patterns("model", "results.json"))
+    for step in (9, 12):
+        shutil.rmtree(cut / "checkpoints" / f"step_{step:08d}")
+    assert "(step 6 of 12)" in launch_lit(lit_data, cut, "expert_parallel=2")
+    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = lit_results(lit_run), lit_results(cut)
+    assert losses_a == losses_b and evals_a == evals_b
+    assert sorted(model_a) == sorted(model_b)
+    for name, value in model_a.items():
+        assert torch.equal(value, model_b[name]), name

@@ -34,6 +34,7 @@ from lit_softmoe.train.runtime import resume_state
 from lit_softmoe.train.sharded_checkpoint import load_sharded_state, save_sharded_state, shard_file
 from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, shard_lit_model, shard_tower
 from sharded_runs import (
+    assert_lit_follows,
     assert_same_run,
     checkpoint_pieces,
     finish,
@@ -43,8 +44,10 @@ from sharded_runs import (
     lit_overrides,
     lit_results,
     losses,
+    plain_lit,
     plain_pretrain_run,
     pretrain_overrides,
+    sharded_pretrain_run,
     tower_state,
     write_fmnist_1000,
     write_sharded_lit_data,
@@ -58,20 +61,14 @@ def shards(tmp_path_factory):
     return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
 
 
-def _sharded_run(tmp_path_factory, shards, nproc: int):
-    """The uninterrupted sharded run on `nproc` processes, every checkpoint kept; read, never written to."""
-    return built_once(tmp_path_factory, f"sharded-pretrain-{nproc}",
-                      lambda out: finish(launch_pretrain(shards, out / "run", nproc=nproc))) / "run"
-
-
 @pytest.fixture(scope="module")
 def sharded_run(shards, tmp_path_factory):
-    return _sharded_run(tmp_path_factory, shards, 2)
+    return sharded_pretrain_run(tmp_path_factory, shards, 2)
 
 
 @pytest.fixture(scope="module")
 def one_process_sharded_run(shards, tmp_path_factory):
-    return _sharded_run(tmp_path_factory, shards, 1)
+    return sharded_pretrain_run(tmp_path_factory, shards, 1)
 
 
 @pytest.fixture(scope="module")
@@ -173,35 +170,9 @@ def lit_data(tmp_path_factory):
     return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
 
 
-def _assert_lit_follows(one, two, width: int = 64) -> None:
-    """The sharded run `two` follows the one-process run `one`: losses within 1e-4, the eval at the same
-    steps, the saved weights within 1e-4 -- but the attention's key bias, whose true gradient is 0 (it
-    cancels in the softmax): Adam turns the rounding noise standing in for that 0 into full-size steps."""
-    (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = lit_results(one), lit_results(two)
-    assert sorted(losses_a) == sorted(losses_b) == list(range(1, 13))
-    assert losses_a[12] < losses_a[1]
-    for step in losses_a:
-        assert losses_b[step] == pytest.approx(losses_a[step], abs=1e-4), step
-    assert sorted(evals_a) == sorted(evals_b) == [6, 12]
-    assert sorted(model_a) == sorted(model_b)
-    gaps = {}
-    for name, a in model_a.items():
-        b = model_b[name]
-        assert a.shape == b.shape, name  # the scalars are 0-d again
-        if name.endswith("attn.in_proj_bias"):
-            a, b = torch.cat([a[:width], a[2 * width:]]), torch.cat([b[:width], b[2 * width:]])
-        gaps[name] = float((a - b).abs().max())
-        assert gaps[name] <= 1e-4, name
-    print(f"largest gaps: loss {max(abs(losses_a[s] - losses_b[s]) for s in losses_a):.1e}, "
-          f"weights {max(gaps.values()):.1e}")
-
-
 @pytest.fixture(scope="module")
 def plain_lit_run(lit_data, tmp_path_factory):
-    """The LiT run unsharded, in this one process (no launcher)."""
-    return built_once(tmp_path_factory, "plain-lit",
-                      lambda out: train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, out / "run")))
-                      ) / "run"
+    return plain_lit(tmp_path_factory, lit_data)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +186,7 @@ def test_fsdp_lit_equals_one_process_on_the_same_global_batches(plain_lit_run, s
     """The text tower sharded, the locked tower whole on both processes: one process's curve, and a
     model folder with the text side only (the locked tower is the tower folder's)."""
     two = sharded_lit_run
-    _assert_lit_follows(plain_lit_run, two)
+    assert_lit_follows(plain_lit_run, two)
     assert not any(name.startswith("image_tower.") for name in lit_results(two)[2])
     # The checkpoints hold no piece of the locked tower either, on either process.
     for held in checkpoint_pieces(two / "checkpoints" / "step_00000012", 2):
@@ -229,7 +200,7 @@ def test_fsdp_lit_with_an_unlocked_block_equals_one_process(lit_data, tmp_path):
     train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, one, "unlocked_blocks=1")))
     two = tmp_path / "two"
     launch_lit(lit_data, two, "unlocked_blocks=1")
-    _assert_lit_follows(one, two)
+    assert_lit_follows(one, two)
     trained = lit_results(two)[2]
     tower = load_tower(lit_data / "tower")[0].state_dict()
     assert not torch.equal(trained["image_tower.blocks.1.mlp.scale"], tower["blocks.1.mlp.scale"])
@@ -262,7 +233,7 @@ def test_fsdp_lit_on_one_launched_process_trains_as_a_plain_process(lit_data, pl
     its checkpoints are the sharded format, one file without the locked tower."""
     one = tmp_path / "one"
     launch_lit(lit_data, one, nproc=1)
-    _assert_lit_follows(plain_lit_run, one)
+    assert_lit_follows(plain_lit_run, one)
     final = one / "checkpoints" / "step_00000012"
     assert json.loads((final / "state.json").read_text())["processes"] == 1
     [held] = checkpoint_pieces(final, 1)
@@ -454,7 +425,7 @@ def test_fsdp_lit_with_an_unlocked_timm_cnn_block_equals_one_process(lit_data, t
     train_lit(load_config(LiTConfig, None, lit_overrides(lit_data, one, spec, "unlocked_blocks=1")))
     two = tmp_path / "two"
     launch_lit(lit_data, two, spec, "unlocked_blocks=1")
-    _assert_lit_follows(one, two)
+    assert_lit_follows(one, two)
     trained = lit_results(two)[2]
     assert "image_tower.conv_head.weight" in trained and "image_tower.conv_stem.weight" not in trained
 
