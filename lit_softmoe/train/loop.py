@@ -78,6 +78,12 @@ class TrainingRun:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    def say(self, line: str) -> None:
+        """Print `line` once per run, on the main process (accelerate's `print` prints once per
+        machine: N times in a log of N nodes)."""
+        if self.is_main:
+            print(line, flush=True)
+
     @property
     def checkpoints_dir(self) -> Path:
         return self.run_dir / "checkpoints"
@@ -133,7 +139,7 @@ def announce_resume(run: TrainingRun, latest: Path | None) -> None:
     if warning and run.is_main:
         _log.warning(warning)
     if latest is not None:
-        run.accelerator.print(f"resuming from {latest} (step {run.step} of {run.total_steps})")
+        run.say(f"resuming from {latest} (step {run.step} of {run.total_steps})")
 
 
 def open_run(run: TrainingRun) -> None:

@@ -227,7 +227,7 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     if compiled:
         tower = torch.compile(tower)  # shares parameters with the module we save
     open_run(run)
-    accelerator.print(
+    run.say(
         f"tower {cfg.tower.name}: {num_params / 1e6:.2f}M params, {data.train.num_samples} "
         f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
         f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
@@ -295,7 +295,7 @@ def _setup_tower(cfg: PretrainConfig, run: TrainingRun, tower_cfg, data: ClassDa
         if weights_here:
             load_init_weights(tower, source, keep_head)
         source["head"] = "kept" if keep_head else "replaced"
-        accelerator.print(f"init_from {cfg.init_from}: weights loaded; class head "
+        run.say(f"init_from {cfg.init_from}: weights loaded; class head "
                           f"{source['head']} ({why}); inputs normalized with its preprocess mean "
                           "and std")
     num_params = sum(p.numel() for p in tower.parameters())
