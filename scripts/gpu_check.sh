@@ -3,6 +3,7 @@
 # the order docs/benchmarks.md reports them: the product first (scripts/bench_product.py: `embed`, the
 # locked tower, `train` and `pretrain` as users run them, default flags, against the peers; `pretrain` last,
 # within what PRODUCT_BUDGET leaves), then tests/test_cuda.py,
+# then the expert-parallel layer at E = 1 against the plain one (scripts/bench_expert_parallel.py),
 # then the kernels (scripts/bench_gpu.py: the layer, the tower and the LiT step on device tensors). Each
 # step has a timeout so that the whole fits one 10-minute call of a lent GPU machine (about 9 minutes;
 # PRODUCT_BUDGET=S, BENCH_GPU_BUDGET=layer=S,tower=S,lit=S and KERNELS=parts trade one for another).
@@ -60,6 +61,14 @@ timeout ${PLAN_TESTS_TIMEOUT:-90} $PY -m pytest -q -s -p no:cacheprovider tests/
     > "$OUT/test_memory_plan.log" 2>&1
 echo "memory plan vs CUDA exit $? after $(( $(date +%s) - t0 )) s"
 grep -E "activations counted|passed|failed|Error" "$OUT/test_memory_plan.log" | tail -12
+
+# ---- expert parallel: the layer's expert-parallel path at E = 1 against the plain layer, B/16 in bf16
+#      (the same work: it must cost the same; EP_TIMEOUT=0 skips it)
+if [ "${EP_TIMEOUT:-60}" != 0 ]; then
+  timeout ${EP_TIMEOUT:-60} $PY scripts/bench_expert_parallel.py > "$OUT/bench_expert_parallel.log" 2>&1
+  echo "bench_expert_parallel exit $? after $(( $(date +%s) - t0 )) s"
+  tail -4 "$OUT/bench_expert_parallel.log"
+fi
 
 # ---- kernels: the layer, the tower and the LiT step on device tensors (KERNELS= skips them)
 if [ -n "${KERNELS-layer,tower,lit}" ]; then

@@ -51,6 +51,8 @@ def experts_in_parallel(slots: torch.Tensor, local_experts,
     """
     num_experts, tokens, dim = slots.shape
     group_size = dist.get_world_size(group)
+    if group_size == 1:  # nothing to exchange: the plain layer's work, at its cost
+        return local_experts(slots)
     local = num_experts // group_size
     # Chunk j of the expert axis (experts j·n/E … (j+1)·n/E - 1) goes to process j, which gets
     # (E·n/E, tokens, d): its experts' slots from each process in turn.
@@ -93,9 +95,12 @@ def local_expert_weights(experts) -> tuple[torch.Tensor, ...]:
     weights = (experts.w1, experts.b1, experts.w2, experts.b2)
     if experts.expert_group is None:
         return weights
-    share = 1.0 / dist.get_world_size(experts.expert_group)
-    return tuple(_GradientShare.apply(weight.to_local() if isinstance(weight, DTensor) else weight,
-                                      share) for weight in weights)
+    group_size = dist.get_world_size(experts.expert_group)
+    weights = tuple(weight.to_local() if isinstance(weight, DTensor) else weight
+                    for weight in weights)
+    if group_size == 1:
+        return weights
+    return tuple(_GradientShare.apply(weight, 1.0 / group_size) for weight in weights)
 
 
 def place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> int:

@@ -226,7 +226,9 @@ def _train_lit(cfg: LiTConfig) -> dict:
     run.total_steps = cfg.steps if cfg.steps > 0 else math.ceil(cfg.epochs * run.steps_per_epoch)
     if not sharded:  # a sharded model is on the device already
         model.to(accelerator.device)
-    compiled = resolve_compile(cfg.compile, accelerator.device)
+    # Expert parallel runs eager: its all-to-alls and DTensor chunks have not been through
+    # torch.compile on a GPU here (embed does the same).
+    compiled = resolve_compile(cfg.compile, accelerator.device) and cfg.expert_parallel == 1
     if compiled:  # in place, so parameter names, checkpoints and the optimizer are unchanged
         if not cached:  # with cached features the tower never runs in a training step
             model.image_tower.forward_features = torch.compile(model.image_tower.forward_features)
@@ -264,7 +266,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
         f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
         f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
         f"image tower {held}, "
-        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile}"
+        f"{f', expert_parallel={cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''})")
 
     # ---- train
     epoch_start: dict = {}  # the loader's counts as the current epoch started (`train_batches`)

@@ -223,7 +223,9 @@ def _pretrain(cfg: PretrainConfig) -> dict:
     tower_module = tower
     if not run.sharded:  # a sharded tower is FSDP's already: DDP would wrap it again
         tower, optimizer = accelerator.prepare(tower, optimizer)
-    compiled = resolve_compile(cfg.compile, accelerator.device)
+    # Expert parallel runs eager: its all-to-alls and DTensor chunks have not been through
+    # torch.compile on a GPU here (embed does the same).
+    compiled = resolve_compile(cfg.compile, accelerator.device) and cfg.expert_parallel == 1
     if compiled:
         tower = torch.compile(tower)  # shares parameters with the module we save
     open_run(run)
@@ -232,7 +234,8 @@ def _pretrain(cfg: PretrainConfig) -> dict:
         f"train / {data.num_test} test images ({'streamed' if data.streamed else 'in memory'}), "
         f"{run.total_steps} steps of {cfg.batch_size}; on {accelerator.device}, "
         f"{accelerator.mixed_precision if accelerator.mixed_precision != 'no' else 'fp32'}, "
-        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile})")
+        f"{'compiled' if compiled else 'eager'} (compile={cfg.compile}"
+        f"{f', expert_parallel={cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''})")
 
     # ---- train
     # The open logging window and the dropped-token totals are part of the checkpoint: a resumed

@@ -85,8 +85,8 @@ def two_process_run(shards, tmp_path_factory):
 # ---- the layer, in one process --------------------------------------------------------------------
 
 def test_experts_on_a_group_of_one_are_the_layer_to_the_bit(one_process_group):
-    """Placed on a group of one, the layer takes the expert-parallel path (DTensor weights, two all-to-alls
-    that move nothing, the 1/E gradient share at E = 1) and gives the plain layer's output and gradients."""
+    """Placed on a group of one, the layer holds its experts as DTensors (one chunk: all of them), has nothing
+    to exchange, and gives the plain layer's output and gradients (the launched runs below exchange)."""
     torch.manual_seed(0)
     layer = SoftMoE(dim=16, num_experts=4, hidden_dim=32, slots_per_expert=2)
     placed = copy.deepcopy(layer)
