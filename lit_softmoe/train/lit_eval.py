@@ -45,7 +45,6 @@ def class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Prep
     """(features (N, D) of the locked tower, labels (N,)) for a class split, images or
     cached features. `image_features`: what maps the normalized pixels to the tower's pooled
     features (default: `model.image_tower.forward_pooled`)."""
-    image_features = image_features or model.image_tower.forward_pooled
     if is_feature_cache(split):
         check_feature_caches(split, cfg.image_tower, rerun_command)
         loader = shard_loader(cfg, split, "embedding-class", 1024, exact=True)
@@ -56,6 +55,7 @@ def class_features(cfg: LiTConfig, split: str, model: LiTModel, preprocess: Prep
                               exact=True)
         loader.set_epoch(0)
         normalize, batches = BatchNormalize(preprocess), []
+        image_features = image_features or model.image_tower.forward_pooled
         for b in loader:
             with accelerator.autocast():
                 pixels = normalize(b["image"].to(accelerator.device))

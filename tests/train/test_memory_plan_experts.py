@@ -118,7 +118,7 @@ def test_the_bytes_moved_are_the_hand_count(tmp_path):
 
 
 def test_the_b16_traffic_is_the_docs():
-    """docs/training.md ("Expert parallelism, on paper"): soft-b16-128e at batch 4,096 on 128 GPUs, fp32 weights,
+    """docs/training.md ("Expert parallelism"): soft-b16-128e at batch 4,096 on 128 GPUs, fp32 weights,
     FSDP moves about 44 GB per GPU a step; with 128 experts over 128 GPUs, 6.3 MB each all-to-all, 24 a step."""
     count = count_pretrain("soft-b16-128e", {}, 1000, "bf16")
     assert round(bytes_moved(count, 4096, 128, Levers(sharding="fsdp")).total / 1e9) == 44
