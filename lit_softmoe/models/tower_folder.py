@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.preprocess import Preprocess, check_settings, require_settings
@@ -41,6 +42,7 @@ from lit_softmoe.models.timm_tower import (
 )
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.models.vit_config import ViTConfig
+from lit_softmoe.nn.expert_parallel import split_experts
 from lit_softmoe.utils.atomic import recover, write_folder_atomically, write_text_atomic
 from lit_softmoe.utils.folder_identity import FOLDER_ID, check_same_folder, new_folder_id
 from lit_softmoe.utils.hashing import safetensors_weights_sha256
@@ -149,26 +151,29 @@ def key_problems(missing: list[str], unexpected: list[str] = (),
             for words, keys in kinds if keys]
 
 
-def load_weights(path: str | Path, device="cpu",
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, device="cpu", dtype: torch.dtype | None = None,
+                 rows: dict[str, slice] | None = None) -> dict[str, torch.Tensor]:
     """A safetensors file, or one UserError line naming it when it is missing or damaged (a folder
     copied only in part, a truncated download). `dtype`: its floating tensors cast to it one at a
-    time as they are read, so that only the cast weights are ever held whole."""
+    time as they are read, so that only the cast weights are ever held whole. `rows`: of the
+    tensors it names, only these rows (of their first axis) are read."""
+    rows = rows or {}
     device = torch.device(device)
     # safetensors refuses "cpu:0" (accelerate's, in DDP)
     device = device.type if device.type == "cpu" else str(device)
     try:
-        if dtype is None:
+        if dtype is None and not rows:
             return load_file(path, device=device)
         with safe_open(path, framework="pt", device=device) as file:
-            return {name: _cast(file.get_tensor(name), dtype) for name in file.keys()}
+            return {name: _cast(file.get_slice(name)[rows[name]] if name in rows
+                                else file.get_tensor(name), dtype) for name in file.keys()}
     except (OSError, SafetensorError) as err:
         raise UserError(f"cannot read {path} ({type(err).__name__}: {err}); the folder is "
                         "incomplete or damaged: copy it again or write it anew") from None
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def read_tower_meta(path: str | Path) -> dict:
@@ -215,11 +220,15 @@ def resolution_change(tower: VisionTransformer | TimmTower, preprocess: dict) ->
             "for")
 
 
-def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
-               ) -> tuple[VisionTransformer | TimmTower, dict]:
+def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None,
+               expert_mesh=None) -> tuple[VisionTransformer | TimmTower, dict]:
     """Load a tower folder written by `save_tower` (or a `timm:` spec's) onto `device`, its floating
     weights in `dtype` (None: as stored; cast as they are read, see `load_weights`); returns (tower,
-    its config.json contents)."""
+    its config.json contents).
+
+    `expert_mesh`: an expert group's 1-D DeviceMesh. The tower comes with its MoE layers' experts
+    split over it (`nn.expert_parallel.place_experts`), and only this process's chunk of them is
+    read from the file: no process reads, or holds, the whole tower."""
     path = tower_folder(path)
     if not path.exists():
         try:
@@ -228,10 +237,29 @@ def load_tower(path: str | Path, device="cpu", dtype: torch.dtype | None = None
             pass
     meta = read_tower_meta(path)
     tower = tower_skeleton(meta.get("tower") if isinstance(meta, dict) else None, path)
-    state = load_weights(path / TOWER_WEIGHTS, device, dtype)
+    chunks = {} if expert_mesh is None else _split_experts(tower, expert_mesh)
+    state = load_weights(path / TOWER_WEIGHTS, device, dtype,
+                         rows={name: rows for name, (rows, _) in chunks.items()})
+    for name, (_, template) in chunks.items():  # this process's rows, as the placed DTensor
+        state[name] = DTensor.from_local(state[name], template.device_mesh, template.placements,
+                                         run_check=False, shape=template.shape,
+                                         stride=template.stride())
     check_state_dict(tower, state, str(path / TOWER_WEIGHTS))
     tower.load_state_dict(state, assign=True)
     return fill_computed_buffers(tower), meta
+
+
+def _split_experts(tower: torch.nn.Module, expert_mesh) -> dict[str, tuple[slice, DTensor]]:
+    """Place the (meta) tower's experts over `expert_mesh`; {name: (the rows of the file this
+    process reads, the placed parameter)} for every expert weight."""
+    split_experts(tower, expert_mesh)
+    index = expert_mesh.get_local_rank()
+    chunks = {}
+    for name, param in tower.named_parameters():
+        if isinstance(param, DTensor):
+            held = param.to_local().shape[0]
+            chunks[name] = (slice(index * held, (index + 1) * held), param)
+    return chunks
 
 
 def tower_skeleton(tower_cfg: dict | None,

@@ -32,6 +32,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lit_softmoe.errors import UserError
+
 
 def _all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """chunks (n, tokens, d), the n rows in E equal chunks: chunk j goes to process j of `group`.
@@ -66,6 +68,20 @@ def experts_in_parallel(slots: torch.Tensor, local_experts,
     # (n, tokens, d): from process j, the outputs of its experts for this process's slots. Not a
     # view: FSDP's hooks on the experts' module must see their own output.
     return _all_to_all(outputs, group)
+
+
+def split_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> None:
+    """`place_experts`, refusing in one line (UserError) a group that does not divide a layer's
+    experts, or a model with no MoE layer to split. Layers placed already are left as they are."""
+    if experts_held(model) is not None:
+        return
+    try:
+        placed = place_experts(model, expert_mesh, device)
+    except ValueError as error:
+        raise UserError(f"{error}; set an expert_parallel that divides it") from None
+    if not placed:
+        raise UserError(f"expert_parallel={expert_mesh.size()}: this tower has no MoE layer whose "
+                        "experts could be split; set expert_parallel=1")
 
 
 class _GradientShare(torch.autograd.Function):

@@ -73,7 +73,7 @@ from lit_softmoe.train.embed_job import (
     write_feature_split,
 )
 from lit_softmoe.train.embed_process import bad_fraction_error, embed_this_process_shards
-from lit_softmoe.train.sharding import check_expert_groups, place_tower_experts
+from lit_softmoe.train.sharding import check_expert_groups, expert_group_mesh
 from lit_softmoe.utils.device import (
     available_cpus,
     inference_dtype,
@@ -246,9 +246,11 @@ class _EmbedJob:
 def _embed_job(job: _EmbedJob) -> dict:
     """Embed this process's shards not finished yet; on rank 0, then wait for every shard and put
     the split in place. → `embed_shards`' result."""
-    if job.expert_parallel > 1:  # read on the host; only this process's experts go to the device
-        tower, meta = load_tower(job.tower_dir, dtype=job.weights)
-        group = place_tower_experts(tower, job.expert_parallel, job.device)
+    if job.expert_parallel > 1:  # only this process's chunk of the experts is read
+        expert_mesh = expert_group_mesh(job.device, job.expert_parallel)
+        tower, meta = load_tower(job.tower_dir, device=job.device, dtype=job.weights,
+                                 expert_mesh=expert_mesh)
+        group = expert_mesh.get_group()
     else:
         tower, meta = load_tower(job.tower_dir, device=job.device)
     listed = listed_sizes(job.urls) or {}

@@ -72,6 +72,7 @@ from lit_softmoe.train.optim import check_optim_settings, create_optimizer
 from lit_softmoe.train.runtime import check_run_dir, create_accelerator, run_folder_lock
 from lit_softmoe.train.sharding import (
     expert_features,
+    expert_group_mesh,
     gather_into,
     local_weights_sha256,
     shard_lit_model,
@@ -85,15 +86,18 @@ _log = logging.getLogger(__name__)
 
 
 def _setup_model(cfg: LiTConfig, device: torch.device | str = "cpu",
-                 locked_dtype: torch.dtype | None = None) -> tuple[LiTModel, dict]:
+                 locked_dtype: torch.dtype | None = None,
+                 expert_mesh=None) -> tuple[LiTModel, dict]:
     """The pair, its image tower read from its folder onto `device`, not into host memory first
     (every process holds the locked tower whole: eight processes of an L/16 run held 8 × 52 GB of
     host memory on the way). A fully locked tower is cast to `locked_dtype` as it is read, so that
     only the cast tower is ever held whole: L/16 in fp32 (52 GB) would not fit a 40 GB GPU on the
     way to its 26 GB in bf16. A partly unlocked one is read in fp32, whatever its folder holds: its
-    last blocks train (`hold_locked_image_in` casts the rest)."""
+    last blocks train (`hold_locked_image_in` casts the rest). `expert_mesh`: the experts come split
+    over it (`load_tower`)."""
     tower, meta = load_tower(cfg.image_tower, device=device,
-                             dtype=torch.float32 if cfg.unlocked_blocks else locked_dtype)
+                             dtype=torch.float32 if cfg.unlocked_blocks else locked_dtype,
+                             expert_mesh=expert_mesh)
     text_tower = create_text_tower(cfg.text, embed_dim=tower.embed_dim)
     model = LiTModel(tower, text_tower, loss=cfg.loss, temperature_init=cfg.temperature_init,
                      image_head=cfg.image_head, unlocked_blocks=cfg.unlocked_blocks,
@@ -189,9 +193,11 @@ def _train_lit(cfg: LiTConfig) -> dict:
     # the rest of the model.
     tower_dtype = inference_dtype(cfg.precision, accelerator.device)
     expert_parallel = cfg.expert_parallel > 1
-    # Under expert parallel the tower is read on the host and only this process's expert chunks go
-    # to the device (`shard_lit_model`): the whole tower need not fit one GPU.
-    model, meta = _setup_model(cfg, "cpu" if expert_parallel else accelerator.device, tower_dtype)
+    # Under expert parallel only this process's chunk of the tower's experts is read: no process
+    # holds the whole tower.
+    expert_mesh = (expert_group_mesh(accelerator.device, cfg.expert_parallel) if expert_parallel
+                   else None)
+    model, meta = _setup_model(cfg, accelerator.device, tower_dtype, expert_mesh)
     # a partly unlocked tower's locked part (a locked one is cast already)
     model.hold_locked_image_in(tower_dtype)
     # the text tower's blocks (and unlocked image blocks)
@@ -204,7 +210,8 @@ def _train_lit(cfg: LiTConfig) -> dict:
     frozen = _frozen_prefixes(model)  # parts no step changes: left out of training checkpoints
     # The tower's locked part must end exactly as it started (checked after training); unlocked
     # blocks train.
-    tower_hash = model.locked_image_sha256()
+    # (under expert parallel, each process's own chunk: taken once the model is sharded, below)
+    tower_hash = None if expert_parallel else model.locked_image_sha256()
     # The tower's weights identity, recorded in checkpoints and model/config.json: a resume or an
     # export refuses a tower folder rewritten since (a retrained tower would pair with this text
     # tower).

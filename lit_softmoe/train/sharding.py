@@ -31,6 +31,7 @@ trained weights, for evaluation and the model folder.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import torch
@@ -49,7 +50,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.tower_layers import modules_of, tower_layers
 from lit_softmoe.models.vit import VisionTransformer
-from lit_softmoe.nn.expert_parallel import place_experts
+from lit_softmoe.nn.expert_parallel import split_experts
 from lit_softmoe.nn.soft_moe import BatchedExperts
 from lit_softmoe.utils.distributed import in_process_group
 from lit_softmoe.utils.hashing import weights_sha256
@@ -98,6 +99,7 @@ def _mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
+@functools.cache  # one mesh per run: the tower placed at its loading and FSDP must share it
 def _expert_meshes(device: torch.device, expert_parallel: int) -> tuple[DeviceMesh, DeviceMesh,
                                                                          DeviceMesh]:
     """(every process, the expert group, the replicas) for expert parallel: a 2-D mesh
@@ -123,20 +125,15 @@ def check_expert_groups(expert_parallel: int, world_size: int) -> None:
                         "expert_parallel")
 
 
-def place_tower_experts(tower: nn.Module, expert_parallel: int,
-                        device: torch.device) -> dist.ProcessGroup:
-    """A tower that runs but never trains (embedding, evaluation) split over expert groups of
-    `expert_parallel` processes: its experts' chunks on `device` (`place_experts`), the rest moved
-    there whole. Forms the launch's process group if the command has none (NCCL on GPUs, gloo on
-    the CPU). Returns this process's expert group, which the tower's forwards run with."""
+def expert_group_mesh(device: torch.device, expert_parallel: int) -> DeviceMesh:
+    """This process's expert group (a 1-D mesh) for a command that runs a tower: forms the launch's
+    process group if the command has none (NCCL on GPUs, gloo on the CPU). `load_tower(...,
+    expert_mesh=)` then reads only this process's chunk of the experts."""
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    _, expert_mesh, _ = _expert_meshes(device, expert_parallel)
-    _place_experts(tower, expert_mesh, device)
-    tower.to(device)  # the weights outside the experts
-    return expert_mesh.get_group()
+    return _expert_meshes(device, expert_parallel)[1]
 
 
 def _shard_blocks(blocks, mesh: DeviceMesh, replica_mesh: DeviceMesh | None) -> None:
@@ -196,7 +193,7 @@ def shard_tower(tower: VisionTransformer, device: torch.device,
                          "the meta device")
     full = tower.state_dict() if any(flags) and dist.get_rank() == 0 else {}  # the weights to send
     if expert_mesh is not None:
-        _place_experts(tower, expert_mesh)
+        split_experts(tower, expert_mesh)
     _shard_blocks(tower.blocks, mesh, replica_mesh)
     fully_shard(tower, mesh=mesh)
     if any(flags):
@@ -205,17 +202,6 @@ def shard_tower(tower: VisionTransformer, device: torch.device,
         set_model_state_dict(tower, full, options=StateDictOptions(full_state_dict=True,
                                                                    broadcast_from_rank0=True))
     return tower
-
-
-def _place_experts(model: nn.Module, expert_mesh: DeviceMesh, device=None) -> None:
-    """`place_experts`, its refusals as one line for the user."""
-    try:
-        placed = place_experts(model, expert_mesh, device)
-    except ValueError as error:
-        raise UserError(f"{error}; set an expert_parallel that divides it") from None
-    if not placed:
-        raise UserError(f"expert_parallel={expert_mesh.size()}: this tower has no MoE layer whose "
-                        "experts could be split; set expert_parallel=1")
 
 
 def plain_copy(model: LiTModel) -> LiTModel:
@@ -243,8 +229,8 @@ def shard_lit_model(model: LiTModel, device: torch.device, expert_parallel: int 
     replica_mesh = None
     if expert_parallel > 1:
         mesh, expert_mesh, replica_mesh = _expert_meshes(device, expert_parallel)
-        # only this process's chunks go to the device: a tower read on the host never is whole there
-        _place_experts(model.image_tower, expert_mesh, device)
+        # placed already where `load_tower` read only this process's chunks (`train`)
+        split_experts(model.image_tower, expert_mesh, device)
     else:
         mesh = _mesh(device)
     model.to(device)

@@ -28,12 +28,13 @@ from lit_softmoe.config import LiTConfig, PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
 from lit_softmoe.models.registry import create_image_tower
-from lit_softmoe.nn.expert_parallel import place_experts
+from lit_softmoe.models.tower_folder import load_tower, load_weights, save_tower
+from lit_softmoe.nn.expert_parallel import experts_held, place_experts, split_experts
 from lit_softmoe.nn.soft_moe import SoftMoE
 from lit_softmoe.train.embed import embed_shards
 from lit_softmoe.train.lit import train_lit
 from lit_softmoe.train.runtime import check_same_run
-from lit_softmoe.train.sharding import _place_experts, check_sharding
+from lit_softmoe.train.sharding import check_sharding
 from sharded_runs import (
     assert_lit_follows,
     assert_same_run,
@@ -112,12 +113,30 @@ def test_experts_are_split_only_by_a_group_that_divides_them(one_process_group):
         place_experts(layer, SimpleNamespace(size=lambda: 3, get_local_rank=lambda: 0))
     assert not isinstance(layer.experts.w1, DTensor)
     with pytest.raises(UserError, match="expert_parallel=3 does not divide the 4 experts.*set an expert_parallel"):
-        _place_experts(layer, SimpleNamespace(size=lambda: 3, get_local_rank=lambda: 0))
+        split_experts(layer, SimpleNamespace(size=lambda: 3, get_local_rank=lambda: 0))
+
+
+def test_a_tower_folder_is_read_split(one_process_group, tmp_path):
+    """`load_tower(..., expert_mesh=)` places the experts as it reads them: on a group of one the chunk is all of
+    them, the tower the folder holds; `load_weights` reads only the rows it is given of a tensor."""
+    torch.manual_seed(0)
+    save_tower(tmp_path / "tower", create_image_tower("soft-test-4e", num_classes=10),
+               extra={"preprocess": {"image_size": 28, "mean": [0.5], "std": [0.5]}})
+    whole, _ = load_tower(tmp_path / "tower")
+    split, _ = load_tower(tmp_path / "tower", expert_mesh=init_device_mesh("cpu", (1,)))
+    assert experts_held(split) == (4, 4) and experts_held(whole) is None
+    for (name, p), q in zip(whole.state_dict().items(), split.state_dict().values(), strict=True):
+        assert torch.equal(p, q.full_tensor() if isinstance(q, DTensor) else q), name
+    pixels = torch.randn(2, 1, 28, 28)
+    assert torch.equal(whole.forward_pooled(pixels), split.forward_pooled(pixels))
+    name = "blocks.1.mlp.experts.w1"
+    rows = load_weights(tmp_path / "tower" / "model.safetensors", rows={name: slice(2, 4)})
+    assert torch.equal(rows[name], whole.state_dict()[name][2:4])
 
 
 def test_a_tower_without_experts_is_refused(one_process_group):
     with pytest.raises(UserError, match="no MoE layer whose experts could be split; set expert_parallel=1"):
-        _place_experts(create_image_tower("vit-tiny-p7", num_classes=10), init_device_mesh("cpu", (1,)))
+        split_experts(create_image_tower("vit-tiny-p7", num_classes=10), init_device_mesh("cpu", (1,)))
 
 
 def test_expert_parallel_must_divide_the_processes(one_process_group):
