@@ -47,6 +47,11 @@ def pretrain_overrides(shards, run_dir, *extra) -> list[str]:
     return [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={run_dir}", *RUN, *extra]
 
 
+def built_fmnist_1000(tmp_path_factory):
+    """RUN's data (`write_fmnist_1000`), built once per test run and shared by every test that trains on it."""
+    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+
+
 def plain_pretrain_run(tmp_path_factory, shards):
     """RUN unsharded, in this one process (no launcher), built once per test run: the run every sharded and
     expert-parallel one must follow."""
@@ -146,6 +151,11 @@ def write_sharded_lit_data(root) -> None:
     torch.manual_seed(0)
     save_tower(root / "tower", create_image_tower("soft-test-4e", num_classes=10).eval(),
                extra={"preprocess": {"image_size": 28, "mean": [0.286], "std": [0.353]}})
+
+
+def built_sharded_lit_data(tmp_path_factory):
+    """LIT_RUN's data (`write_sharded_lit_data`), built once per test run and shared."""
+    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
 
 
 def lit_overrides(data, run_dir, *extra) -> list[str]:

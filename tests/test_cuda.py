@@ -7,6 +7,8 @@ import torch
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.nn.soft_moe import SoftMoE
 from sharded_runs import (
+    built_fmnist_1000,
+    built_sharded_lit_data,
     finish,
     kill_after_first_checkpoint,
     largest_gap,
@@ -14,10 +16,7 @@ from sharded_runs import (
     launch_pretrain,
     lit_results,
     losses,
-    write_fmnist_1000,
-    write_sharded_lit_data,
 )
-from shared_builds import built_once
 from soft_moe_reference import reference_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -225,7 +224,7 @@ ONE_GPU = ("precision=bf16", "compile=false")
 
 @pytest.fixture(scope="module")
 def fmnist_1000(tmp_path_factory):
-    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+    return built_fmnist_1000(tmp_path_factory)
 
 
 @pytest.fixture
@@ -267,7 +266,7 @@ def test_sharded_pretraining_on_one_gpu_resumes_as_the_uninterrupted_run(fmnist_
 
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
-    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+    return built_sharded_lit_data(tmp_path_factory)
 
 
 @pytest.mark.slow

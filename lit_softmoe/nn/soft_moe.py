@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lit_softmoe.nn.expert_parallel import experts_in_parallel, local_expert_weights
+from lit_softmoe.nn.expert_exchange import experts_in_parallel, local_expert_weights
 
 # The official code adds this inside the square root of both L2 normalizations.
 _NORM_EPS = 1e-6

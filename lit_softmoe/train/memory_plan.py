@@ -160,7 +160,7 @@ def _trained_share(count: ModelCount, gpus: int, levers: Levers, size: int) -> t
 def _exchange_buffers(count: ModelCount, levers: Levers) -> int:
     """Bytes a sample adds to a locked tower's forward peak under expert parallelism: beside the
     slots it sends, a Soft MoE layer holds the slots it receives and their copy regrouped by expert
-    (`nn.expert_parallel.experts_in_parallel`), as large. Counted on top of the forward's peak,
+    (`nn.expert_exchange.experts_in_parallel`), as large. Counted on top of the forward's peak,
     wherever that is: an upper bound. What backward keeps does not change: the experts' matmul keeps
     the regrouped slots where it kept the slots, and the all-to-alls keep nothing."""
     if levers.expert_parallel == 1 or not count.experts.forward_layers:

@@ -38,6 +38,8 @@ from lit_softmoe.train.sharding import check_sharding
 from sharded_runs import (
     assert_lit_follows,
     assert_same_run,
+    built_fmnist_1000,
+    built_sharded_lit_data,
     checkpoint_pieces,
     finish,
     kill_after_first_checkpoint,
@@ -51,8 +53,6 @@ from sharded_runs import (
     plain_pretrain_run,
     pretrain_overrides,
     tower_state,
-    write_fmnist_1000,
-    write_sharded_lit_data,
 )
 from shared_builds import built_once
 
@@ -62,7 +62,7 @@ EXPERTS = 16
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+    return built_fmnist_1000(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_a_run_resumes_only_with_the_expert_parallel_that_wrote_it(two_process_r
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
     """400 Fashion-MNIST images in shards of 40 and a random soft-test-4e tower (4 experts a MoE layer)."""
-    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+    return built_sharded_lit_data(tmp_path_factory)
 
 
 def _feature_shards(split_dir) -> dict[str, bytes]:

@@ -21,15 +21,14 @@ from launch import free_port, torchrun_args, torchrun_node_args
 from sharded_runs import (
     LIT_RUN,
     assert_same_run,
+    built_fmnist_1000,
+    built_sharded_lit_data,
     checkpoint_pieces,
     largest_gap,
     lit_results,
     pretrain_overrides,
     sharded_pretrain_run,
-    write_fmnist_1000,
-    write_sharded_lit_data,
 )
-from shared_builds import built_once
 
 NODE = "node"  # the launchers of two simulated nodes: `_launch` gives each its own rendezvous port
 ONE_NODE = [torchrun_args(2)]
@@ -38,13 +37,13 @@ ONE_NODE = [torchrun_args(2)]
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """test_sharding.py's pretraining data (1000 Fashion-MNIST images a split), built once a test run."""
-    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+    return built_fmnist_1000(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
     """test_sharding.py's LiT data: 400 Fashion-MNIST images a split, in shards of 40, built once a test run."""
-    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+    return built_sharded_lit_data(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

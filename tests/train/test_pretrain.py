@@ -25,6 +25,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.models.tower_folder import load_tower
 from lit_softmoe.train.logging import read_metrics
 from lit_softmoe.train.pretrain import pretrain
+from sharded_runs import built_fmnist_1000
 from shared_builds import built_once
 
 # A narrow tiny tower so these tests take seconds; the full-size bar is in the README.
@@ -44,8 +45,7 @@ def _sparse_cfg(shards, run_dir, *extra):
 
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory):
-    return built_once(tmp_path_factory, "fmnist-1000",
-                      lambda out: write_fashion_mnist_shards(out, limit=1000, allow_download=False))
+    return built_fmnist_1000(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", ["tc-tiny-p7-16e-k1", "tc-tiny-p7-16e-k2", "ec-tiny-p7-16e"])

@@ -36,6 +36,8 @@ from lit_softmoe.train.sharding import gather_into, gather_tower, plain_copy, sh
 from sharded_runs import (
     assert_lit_follows,
     assert_same_run,
+    built_fmnist_1000,
+    built_sharded_lit_data,
     checkpoint_pieces,
     finish,
     kill_after_first_checkpoint,
@@ -49,8 +51,6 @@ from sharded_runs import (
     pretrain_overrides,
     sharded_pretrain_run,
     tower_state,
-    write_fmnist_1000,
-    write_sharded_lit_data,
 )
 from shared_builds import built_once
 from timm_families import TIMM_FAMILIES, random_timm_tower
@@ -58,7 +58,7 @@ from timm_families import TIMM_FAMILIES, random_timm_tower
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return built_once(tmp_path_factory, "fmnist-1000", write_fmnist_1000)
+    return built_fmnist_1000(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_killed_one_process_sharded_run_resumes_exactly(shards, one_process_shar
 
 @pytest.fixture(scope="module")
 def lit_data(tmp_path_factory):
-    return built_once(tmp_path_factory, "sharded-lit-data", write_sharded_lit_data)
+    return built_sharded_lit_data(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
