@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from launch import python_command
 from lit_softmoe.config import LiTConfig, PretrainConfig, to_yaml
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.models.lit import LiTModel
@@ -91,7 +91,7 @@ def embed_pair(model, tokenizer, pixels=None, captions=CAPTIONS):
 
 
 def run_cli(*args) -> tuple[int, str, str]:
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *map(str, args)], capture_output=True,
+    result = subprocess.run([*python_command(), "-m", "lit_softmoe.cli", *map(str, args)], capture_output=True,
                             text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return result.returncode, result.stdout, result.stderr
 

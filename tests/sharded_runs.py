@@ -3,18 +3,15 @@ the settings, the launchers and the comparisons that tests/train/test_sharding.p
 tests/test_cuda.py (NCCL, on a GPU) share."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import torchrun_args
+from launch import kill_tree, python_command, torchrun_args
 from lit_softmoe.config import LiTConfig, PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
@@ -69,7 +66,7 @@ def _empty_config(run_dir) -> str:
 def launch_pretrain(shards, run_dir, *extra, nproc: int = 2) -> subprocess.Popen:
     """The sharded run on `nproc` processes (gloo on the CPU, NCCL on a GPU: accelerate picks the backend);
     `extra` overrides RUN's settings."""
-    return subprocess.Popen([sys.executable, *torchrun_args(nproc),
+    return subprocess.Popen([*python_command(), *torchrun_args(nproc),
                              "-m", "lit_softmoe.cli", "pretrain", "--config", _empty_config(run_dir),
                              *pretrain_overrides(shards, run_dir, "sharding=fsdp", *extra)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
@@ -95,11 +92,8 @@ def kill_after_first_checkpoint(shards, run_dir, *extra, nproc: int = 2) -> int:
         time.sleep(0.02)
     # torchrun starts each worker in a session of its own (its SubprocessHandler), so killing the
     # launcher's process group alone would leave the workers training to the end: each is killed by its
-    # id, the launcher first (it would otherwise see them die and tear down). psutil: accelerate's.
-    launcher = psutil.Process(proc.pid)
-    for process in [launcher, *launcher.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    # id, the launcher first (it would otherwise see them die and tear down).
+    kill_tree(proc)
     proc.communicate()  # returns once every process holding its pipes is gone
     assert not (run_dir / "tower").exists(), "the run finished before it could be killed"
     return max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
@@ -165,7 +159,7 @@ def lit_overrides(data, run_dir, *extra) -> list[str]:
 
 def launch_lit(data, run_dir, *extra, nproc: int = 2) -> str:
     """The sharded LiT run on `nproc` processes, to its end; its output (stdout, then stderr)."""
-    result = subprocess.run([sys.executable, *torchrun_args(nproc),
+    result = subprocess.run([*python_command(), *torchrun_args(nproc),
                              "-m", "lit_softmoe.cli", "train", "--config", _empty_config(run_dir),
                              *lit_overrides(data, run_dir, "sharding=fsdp", *extra)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cli_errors import one_line_error
 from evalkit import needs_foolbox, tiny_pair
+from launch import python_command
 from lit_softmoe.config import (
     EvalSuiteConfig,
     LiTConfig,
@@ -177,7 +177,7 @@ def test_every_shipped_suite_loads():
 def test_cli_mistakes_end_in_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nbenchmarks:\n  - name: cifar10\n    root: /x\n    fromat: wds\n")
-    run = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
+    run = subprocess.run([*python_command(), "-m", "lit_softmoe.cli", "eval", "--model", "m", "--suite", str(bad)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.count("\n") == 1
     assert "unknown config key" in run.stderr and "fromat" in run.stderr and "format" in run.stderr

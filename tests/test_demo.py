@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cli_errors import one_line_error
+from launch import python_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMINGS = {"shards": 1.2, "pretrain": 30.4}
 
 
 def _demo(tmp_path):
-    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "demo", "--fast", "--data", str(tmp_path / "data"),
-                           "--runs", str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([*python_command(), "-m", "lit_softmoe.cli", "demo", "--fast",
+                           "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=ROOT)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import pytest
 import webdataset.writer
 
 from data_files import encode_image, gray_png, pixels_of, read_split, rng_image, run_past_fifos, seeded_png, write_table
+from launch import kill_tree, python_command
 from lit_softmoe.cli import build_parser, main
 from lit_softmoe.data import sample_encoding, writers
 from lit_softmoe.data.class_split import load_class_split
@@ -622,12 +623,10 @@ def test_a_jpeg_shrunk_by_max_size_is_decoded_at_a_reduced_scale_as_sharp(tmp_pa
 def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     """`data from-folder --workers 2` killed (-9, workers and all) once its first shards are in place, then
     rerun: the shards of an uninterrupted run, byte for byte."""
-    import signal
     import subprocess
-    import sys
 
     _photo_folder(tmp_path / "src", 160, side=700)
-    command = [sys.executable, "-m", "lit_softmoe.cli", "data", "from-folder", str(tmp_path / "src"),
+    command = [*python_command(), "-m", "lit_softmoe.cli", "data", "from-folder", str(tmp_path / "src"),
                "--max-size", "128", "--image-format", "jpg", "--samples-per-shard", "20", "--workers", "2"]
     assert subprocess.run([*command, "--out", str(tmp_path / "straight")], capture_output=True).returncode == 0
     killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], start_new_session=True,
@@ -636,8 +635,7 @@ def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     while not (tmp_path / "killed/train/2.tar").exists():
         assert killed.poll() is None and time.time() < deadline, "ended or stalled before its second shard"
         time.sleep(0.01)
-    os.killpg(killed.pid, signal.SIGKILL)  # the pool's workers are in its session too
-    killed.wait()
+    kill_tree(killed)  # the pool's workers too
     assert not (tmp_path / "killed/train/sizes.json").exists()  # it really was cut short
     # The shards its progress file names are kept (one renamed into place just before the kill may not be named
     # yet: it is written again, to the same bytes).

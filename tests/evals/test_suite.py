@@ -22,6 +22,7 @@ from evalkit import (
     wds_set,
     write_wds_benchmark,
 )
+from launch import python_command
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
@@ -286,11 +287,10 @@ def test_the_results_name_a_killed_run_held_is_free_for_the_rerun(tmp_path):
     writes all three results; no temporary is left. A live run's claim is still respected."""
     import signal
     import subprocess
-    import sys
     import textwrap
 
     out = tmp_path / "r.json"
-    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+    killed = subprocess.run([*python_command(), "-c", textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
         from lit_softmoe.evals import suite

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import python_command
 from lit_runs import CAPTIONS, make_run
 from lit_softmoe.export import export_pair
 from lit_softmoe.hub import load_pretrained
@@ -107,13 +108,12 @@ def test_without_our_registration_open_clip_fails_as_the_config_note_says(run, t
     open_clip_config.json's note (and the model card) say, naming the import that fixes it."""
     import os
     import subprocess
-    import sys
     out = export_pair(run, tmp_path / "export")
     note = json.loads((out / "open_clip_config.json").read_text())["note"]
     assert "import lit_softmoe" in note and "RuntimeError: Unknown model" in note and "clip-benchmark" in note
     assert "lit_softmoe.integrations.timm" in (out / "README.md").read_text()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", "import open_clip, sys; "
+    result = subprocess.run([*python_command(), "-c", "import open_clip, sys; "
                              f"open_clip.create_model_and_transforms('local-dir:{out}')"],
                             capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode != 0 and "RuntimeError: Unknown model" in result.stderr, result.stderr[-2000:]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from launch import python_command
 from lit_softmoe import load_pretrained
 from lit_softmoe.cli import main
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, LiTConfig
@@ -100,7 +100,7 @@ def test_a_timm_tower_of_each_family_goes_the_whole_path(family, fmnist, tmp_pat
     model, _, tokenizer = load_pretrained(tmp_path / "export")
     save_file({"pixels": pixels}, tmp_path / "pixels.safetensors")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    stock = subprocess.run([sys.executable, "-c", _STOCK_OPEN_CLIP, str(tmp_path / "export"),
+    stock = subprocess.run([*python_command(), "-c", _STOCK_OPEN_CLIP, str(tmp_path / "export"),
                             str(tmp_path / "pixels.safetensors"), str(tmp_path / "theirs.safetensors")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert stock.returncode == 0, stock.stderr[-3000:]

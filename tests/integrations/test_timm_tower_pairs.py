@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from evalkit import needs_clip_benchmark
+from launch import python_command
 from lit_softmoe import load_pretrained
 from lit_softmoe.cli import main
 from lit_softmoe.config import BenchmarkConfig, EvalSuiteConfig, LiTConfig
@@ -81,8 +82,9 @@ def test_stock_open_clip_without_our_package_gives_our_embeddings(timm_pair, tmp
     pixels = torch.randn(4, 3, 160, 160)
     save_file({"pixels": pixels}, tmp_path / "inputs.safetensors")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", _STOCK_OPEN_CLIP, str(export), str(tmp_path / "inputs.safetensors"),
-                             str(tmp_path / "out.safetensors")], capture_output=True, text=True, cwd=tmp_path, env=env)
+    result = subprocess.run([*python_command(), "-c", _STOCK_OPEN_CLIP, str(export),
+                             str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors")],
+                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = load_file(tmp_path / "out.safetensors")
     model, _, tokenizer = load_pretrained(export)
@@ -182,7 +184,7 @@ def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pai
         return
     assert "in accuracy" in stock.stderr and "only 0-dimensional arrays can be converted" in stock.stderr, \
         stock.stderr[-3000:]
-    fixed = subprocess.run([sys.executable, "-c", _CLIP_BENCHMARK_FIXED,
+    fixed = subprocess.run([*python_command(), "-c", _CLIP_BENCHMARK_FIXED,
                             *_eval_args(export, data, tmp_path / "fixed.json")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
@@ -195,7 +197,7 @@ def test_lit_softmoe_clip_benchmark_runs_its_cli_and_scores_as_our_eval(timm_pai
     """`lit-softmoe clip-benchmark -- ARGS`: CLIP_benchmark's own CLI, its NumPy-2 fix scoped to the run."""
     export, data, _ = timm_pair
     ours = _our_eval(export, data, tmp_path)
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "clip-benchmark", "--",
+    result = subprocess.run([*python_command(), "-m", "lit_softmoe.cli", "clip-benchmark", "--",
                              *_eval_args(export, data, tmp_path / "ours_cli.json")],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -5,16 +5,15 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from launch import free_port
+from launch import free_port, python_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_both_rows_are_timed_with_their_ratio():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_expert_parallel.py"), "--device", "cpu",
+    result = subprocess.run([*python_command(), str(ROOT / "scripts" / "bench_expert_parallel.py"), "--device", "cpu",
                              "--batch", "2", "--iters", "2", "--warmup", "1"], capture_output=True, text=True,
                             env={**os.environ, "MASTER_PORT": str(free_port())}, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

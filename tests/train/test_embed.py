@@ -15,6 +15,7 @@ import pytest
 import torch
 import webdataset as wds
 
+from launch import kill_process, python_command
 from lit_softmoe.cli import main
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.feature_cache import check_feature_cache
@@ -570,13 +571,12 @@ sys.exit(main(sys.argv[1:]))
 def test_a_killed_embed_resumes_keeping_its_finished_shards(many_shards, tmp_path):
     import signal
     import subprocess
-    import sys
     import time
     script = tmp_path / "slow_embed.py"
     script.write_text(_SLOW_EMBED)
     argv = ["embed", "--tower", str(many_shards / "tower"), "--shards", str(many_shards / "fmnist" / "test"),
             "--out", str(tmp_path / "out"), "--batch-size", "16"]
-    process = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen([*python_command(), str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         # Finished records only: a record being written is a dot-named temporary file, ending in .json too.
@@ -584,8 +584,7 @@ def test_a_killed_embed_resumes_keeping_its_finished_shards(many_shards, tmp_pat
         if len(finished) >= 4:
             break
         time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_process(process)
     assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()
     work = next((tmp_path / "out").glob(".test.work-*"))
     # Finished records only: a kill can land while one is written (its temporary file, dot-named, stays).

@@ -13,7 +13,6 @@ import copy
 import os
 import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from cli_errors import one_line_error
-from launch import torchrun_args
+from launch import python_command, torchrun_args
 from lit_softmoe.config import LiTConfig, PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.errors import UserError
@@ -228,7 +227,7 @@ def test_embed_with_expert_parallel_writes_one_process_features(lit_data, tmp_pa
     flags = ["--tower", str(lit_data / "tower"), "--shards", shards, "--split", "train", "--workers", "0",
              "--batch-size", "16"]
     embed_shards(lit_data / "tower", shards, tmp_path / "one", split="train", workers=0, batch_size=16)
-    launched = subprocess.run([sys.executable, *torchrun_args(2), "-m", "lit_softmoe.cli", "embed", *flags,
+    launched = subprocess.run([*python_command(), *torchrun_args(2), "-m", "lit_softmoe.cli", "embed", *flags,
                                "--out", str(tmp_path / "two"), "--expert-parallel", "2"],
                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert launched.returncode == 0, launched.stderr[-3000:]

@@ -7,13 +7,13 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from launch import python_command
 from lit_softmoe.config import PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.class_split import load_class_split
@@ -110,7 +110,7 @@ def test_another_architecture_is_one_line_with_exit_code_2(shards, upcycled, tmp
     yaml_file = tmp_path / "empty.yaml"
     yaml_file.write_text("{}\n")
     # The dense counterpart named instead of the upcycled tower: the fix names the registered one.
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+    result = subprocess.run([*python_command(), "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              f"data.train={shards / 'train'}", f"data.test={shards / 'test'}",
                              f"run_dir={tmp_path / 'run'}", "steps=1", "log_with=[]", "tower.name=vit-test",
                              f"init_from={upcycled}"], capture_output=True, text=True)

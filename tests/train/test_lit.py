@@ -9,9 +9,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from safetensors.torch import load_file
 
 from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
-from launch import torchrun_args
+from launch import kill_process, python_command, torchrun_args
 from lit_data import PREPROCESS, lit_config
 from lit_softmoe.config import LiTConfig, PretrainConfig
 from lit_softmoe.config_loading import load_config
@@ -214,14 +212,13 @@ def test_killed_run_resumes_exactly(pretrained, tmp_path):
     straight = _losses(tmp_path / "straight")
 
     killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "train", "--config", _empty_yaml(tmp_path),
+    proc = subprocess.Popen([*python_command(), "-m", "lit_softmoe.cli", "train", "--config", _empty_yaml(tmp_path),
                              *_overrides(pretrained, killed_dir, *common)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list((killed_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
         time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_process(proc)
     assert not (killed_dir / "model").exists(), "the run finished before it could be killed"
     resumed_from = max(int(p.name.split("_")[1]) for p in (killed_dir / "checkpoints").glob("step_*"))
     assert 10 <= resumed_from < 60
@@ -267,7 +264,7 @@ def test_two_processes_follow_the_single_process_curve(pretrained, tmp_path):
     single = tmp_path / "single"
     train_lit(_cfg(pretrained, single, *common))
     double = tmp_path / "double"
-    result = subprocess.run([sys.executable, *torchrun_args(),
+    result = subprocess.run([*python_command(), *torchrun_args(),
                              "-m", "lit_softmoe.cli", "train", "--config",
                              _empty_yaml(tmp_path), *_overrides(pretrained, double, *common)],
                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -297,7 +294,7 @@ def test_two_processes_follow_the_single_process_curve(pretrained, tmp_path):
 
 
 def _cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*python_command(), "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, **kwargs)
 
 

@@ -7,17 +7,14 @@ sharded (`sharding=fsdp`): their checkpoints name the number of processes that w
 shows both nodes took part."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
-import sys
 
-import psutil
 import pytest
 import torch
 
-from launch import free_port, torchrun_args, torchrun_node_args
+from launch import free_port, kill_tree, python_command, torchrun_args, torchrun_node_args
 from sharded_runs import (
     LIT_RUN,
     assert_same_run,
@@ -31,7 +28,7 @@ from sharded_runs import (
 )
 
 NODE = "node"  # the launchers of two simulated nodes: `_launch` gives each its own rendezvous port
-ONE_NODE = [torchrun_args(2)]
+ONE_NODE = "one node"  # one launcher of two processes (`torchrun --standalone`)
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +55,21 @@ def _launch(launchers, command: list[str], root) -> list[str]:
     if launchers == NODE:
         port = free_port()
         launchers = [torchrun_node_args(0, port), torchrun_node_args(1, port)]
+    else:
+        launchers = [torchrun_args(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIT_SOFTMOE_CACHE": str(root / "cache")}
-    procs = [subprocess.Popen([sys.executable, *launcher, "-m", "lit_softmoe.cli", *command], env=env,
+    procs = [subprocess.Popen([*python_command(), *launcher, "-m", "lit_softmoe.cli", *command], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for launcher in launchers]
     outputs = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"{' '.join(proc.args[1:8])}: {err[-3000:]}"
+            assert proc.returncode == 0, f"{' '.join(proc.args[len(python_command()):][:8])}: {err[-3000:]}"
             outputs.append(out + err)
     finally:
         for proc in procs:  # a node failed or hung: the other would wait for it up to the rendezvous timeout
             if proc.poll() is None:
-                # torchrun's workers run in sessions of their own and hold the pipes: each killed by its id.
-                launcher = psutil.Process(proc.pid)
-                for process in [launcher, *launcher.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.kill()
+                kill_tree(proc)  # torchrun's workers run in sessions of their own and hold the pipes
                 proc.communicate()
     return outputs
 

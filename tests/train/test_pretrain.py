@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch
 from checkpoint_checks import finite_checkpoints
 from cli_errors import one_line_error
 from data_files import cut_at_sample
-from launch import torchrun_args
+from launch import kill_process, python_command, torchrun_args
 from lit_softmoe.config import PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
@@ -127,13 +125,12 @@ def test_killed_run_resumes_exactly(shards, tmp_path):
                  "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *common]
     yaml_file = tmp_path / "empty.yaml"
     yaml_file.write_text("{}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
+    proc = subprocess.Popen([*python_command(), "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list((killed_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
         time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_process(proc)
     assert not (killed_dir / "tower").exists(), "the run finished before it could be killed"
     resumed_from = max(int(p.name.split("_")[1]) for p in (killed_dir / "checkpoints").glob("step_*"))
     assert 10 <= resumed_from < 120
@@ -150,7 +147,7 @@ def test_killed_run_resumes_exactly(shards, tmp_path):
 
 
 def _cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*python_command(), "-m", "lit_softmoe.cli", *args], capture_output=True, text=True,
                           **kwargs)
 
 
@@ -218,7 +215,7 @@ def test_two_processes_follow_the_single_process_curve(shards, tmp_path):
     double = tmp_path / "double"
     overrides = [f"data.train={shards / 'train'}", f"data.test={shards / 'test'}", f"run_dir={double}",
                  "batch_size=64", "optim.warmup=20", "log_every=5", *SMALL_TOWER, *common]
-    result = subprocess.run([sys.executable, *torchrun_args(),
+    result = subprocess.run([*python_command(), *torchrun_args(),
                              "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -530,14 +527,13 @@ def test_two_process_pretrain_with_periodic_evaluation_logs_it_once(data, tmp_pa
     """The two gloo processes (torchrun) go on training while the main one evaluates."""
     import os
     import subprocess
-    import sys
     yaml_file = tmp_path / "empty.yaml"
     yaml_file.write_text("{}\n")
     run = tmp_path / "double"
     overrides = [f"data.train={data / 'fmnist' / 'train'}", f"data.test={data / 'fmnist' / 'test'}", f"run_dir={run}",
                  "tower.name=soft-test-4e", "batch_size=50", "fewshot_shots=0", "precision=fp32", "log_every=1",
                  "steps=6", "eval_every=2", "checkpoint_every=3"]
-    result = subprocess.run([sys.executable, *torchrun_args(),
+    result = subprocess.run([*python_command(), *torchrun_args(),
                              "-m", "lit_softmoe.cli", "pretrain", "--config", str(yaml_file),
                              *overrides], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

@@ -7,9 +7,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from cli_errors import one_line_error
-from launch import torchrun_args
+from launch import kill_process, python_command, torchrun_args
 from lit_softmoe.config import PretrainConfig
 from lit_softmoe.config_loading import load_config
 from lit_softmoe.data.class_batches import StreamedClassBatches
@@ -55,7 +53,7 @@ def _cli(data, run_dir, *extra, launcher=()):
     """`lit-softmoe pretrain` in a subprocess with `_cfg`'s config (an empty YAML file + the same overrides)."""
     empty = run_dir.parent / "empty.yaml"
     empty.write_text("{}\n")
-    return [sys.executable, *launcher, "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
+    return [*python_command(), *launcher, "-m", "lit_softmoe.cli", "pretrain", "--config", str(empty),
             *_overrides(data, run_dir, *extra)]
 
 
@@ -235,8 +233,7 @@ def test_killed_streamed_run_resumes_exactly(mixed, tmp_path):
     deadline = time.time() + 180
     while not [p for p in (killed / "checkpoints").glob("step_*") if int(p.name[5:]) >= 14] and time.time() < deadline:
         time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)  # its loader workers end when they find their parent gone
-    proc.wait()
+    kill_process(proc)  # its loader workers end when they find their parent gone
     assert not (killed / "tower").exists(), "the run finished before it could be killed"
     resumed_from = max(int(p.name[5:]) for p in (killed / "checkpoints").glob("step_*"))
     assert 14 <= resumed_from < 30 and resumed_from % 12  # mid-epoch (12 steps an epoch)

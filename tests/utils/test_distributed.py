@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
+from launch import python_command
 from lit_softmoe.errors import UserError
 from lit_softmoe.utils.distributed import (
     in_process_group,
@@ -84,11 +85,10 @@ def test_processes_close_their_group_together(tmp_path):
     """A process that ended well does not tear its connections down while another still works: each leaves
     `close_process_group` only once every process has reached it, and the group is gone after."""
     import subprocess
-    import sys
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    processes = [subprocess.Popen([sys.executable, "-c", _CLOSING, str(rank), f"tcp://127.0.0.1:{port}"],
+    processes = [subprocess.Popen([*python_command(), "-c", _CLOSING, str(rank), f"tcp://127.0.0.1:{port}"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outputs = [process.communicate(timeout=120) for process in processes]
     assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]

@@ -1,0 +1,288 @@
+"""`python` for the processes a test starts, without each one importing torch again.
+
+A test that runs the CLI (or torchrun and its workers) as a user does starts a fresh interpreter each time, and
+each spends ~3.5 CPU-seconds importing torch, torchvision and torch.distributed before it does any work: most of
+the CPU of the launched tests. Here a server per pytest worker imports that stack once and forks a child for each
+process a test starts, as multiprocessing's forkserver does with its preload list
+(https://docs.python.org/3/library/multiprocessing.html#multiprocessing.set_forkserver_preload).
+
+What the test starts is a small client, `python -S forked_python.py SOCKET [-u] ARGS`, where ARGS are what
+follows `python` (`-m MODULE …`, `-c CODE …`, `SCRIPT …`): a stdlib-only process that hands the server its
+standard streams (the file descriptors themselves), its environment and folder, and then lives as long as the
+child, exits with the child's code, passes on the signals it gets, and its death kills the child. So the tests use
+subprocess and torchrun as before: only the command's first words change (tests/launch.py, `python_command`).
+
+What differs from a fresh interpreter, and why it does not matter here: the child has the server's imports (torch,
+torchvision, numpy, PIL, safetensors: none reads the variables the tests set, which are read at call time; no
+hub library or lit_softmoe module is preloaded, so their import-time state is the child's own), its thread count
+is set from OMP_NUM_THREADS as at a fresh start, and PYTHONPATH entries are added to its sys.path. Tests whose
+point is a fresh interpreter (what an import loads, import order) keep `sys.executable`.
+
+Kept stdlib-only at the top: the client runs with `-S` and must start in milliseconds.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+
+_LENGTH = struct.Struct("!Q")
+_STATUS = struct.Struct("!q")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PRELOAD = ("torch", "torchvision", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed.fsdp",
+            "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.elastic.agent.server")
+
+
+def _receive_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the other end closed")
+        data += chunk
+    return data
+
+
+# ---- the client: what a test starts ------------------------------------------------------------------
+
+def _open_standard_streams() -> list[int]:
+    """fds 0, 1 and 2, any that is closed replaced by /dev/null (as a fresh interpreter would see it)."""
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            fds.append(os.open(os.devnull, os.O_RDWR))
+    return fds
+
+
+def run_client(socket_path: str, args: list[str]) -> None:
+    unbuffered = bool(args) and args[0] == "-u"
+    args = args[1:] if unbuffered else args
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(socket_path)
+    request = pickle.dumps({"command": "run", "args": args, "env": dict(os.environb), "cwd": os.getcwd(),
+                            "unbuffered": unbuffered, "client": os.getpid()})
+    socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
+    conn.sendall(request)
+    (child,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
+    for number in _FORWARDED:
+        signal.signal(number, lambda received, frame: os.kill(child, received))
+    (status,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
+    if status < 0:  # the child died of a signal: so does this process, as its stand-in
+        if -status != signal.SIGKILL:
+            signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    os._exit(status)
+
+
+def kill(socket_path: str, client_pid: int, tree: bool) -> None:
+    """SIGKILL the child that `client_pid` stands for and, with `tree`, every process under it (torchrun's workers,
+    their children), the child first; return once the server has reaped its own."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(socket_path)
+    request = pickle.dumps({"command": "kill", "client": client_pid, "tree": tree})
+    socket.send_fds(conn, [_LENGTH.pack(len(request))], [])
+    conn.sendall(request)
+    _receive_exactly(conn, 1)
+    conn.close()
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+def _child_main(request: dict, fds: list[int], default_threads: int, base_path: list[str]) -> None:
+    """In the forked child: become the process the client asked for, run it, exit as Python would."""
+    import atexit
+    import io
+    import runpy
+    import threading
+    import traceback
+    import types
+
+    import torch
+
+    for number in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    wakeup = signal.set_wakeup_fd(-1)
+    if wakeup >= 0:
+        os.close(wakeup)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environb.clear()
+    os.environb.update(request["env"])
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.open(1, "wb", closefd=False), encoding="utf-8",
+                                                   line_buffering=os.isatty(1), write_through=unbuffered)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", line_buffering=True)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads and threads.isdigit() else default_threads)
+    # sys.path as a fresh start makes it: the first entry (below), then PYTHONPATH's, then the site's
+    sys.path[:] = ["", *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p), *base_path]
+
+    args, code = request["args"], 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]  # runpy puts the module's file first
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # as the interpreter does at exit: join non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError) as error:  # as the interpreter reports a failed flush at exit (status 120)
+        print(f"Exception ignored in: {sys.stdout!r}\n{type(error).__name__}: {error}", file=sys.stderr)
+        code = code or 120
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code & 0xFF)
+
+
+class _Server:
+    def __init__(self, socket_path: str):
+        import selectors
+
+        import torch
+        for module in _PRELOAD:
+            __import__(module)
+        self.default_threads = torch.get_num_threads()  # no OMP_NUM_THREADS here: the machine's default
+        own = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+        self.base_path = [p for p in sys.path[1:] if p not in own]  # the site's entries
+        self.selector = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_path + ".tmp")
+        self.listener.listen(64)
+        os.rename(socket_path + ".tmp", socket_path)  # the clients wait for this name: it appears ready
+        self.wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)
+        signal.set_wakeup_fd(wakeup_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self.stop)
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "reap")
+        self.children: dict[int, tuple[socket.socket, int]] = {}  # child pid: (its client's connection, client pid)
+
+    def serve_forever(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "reap":
+                    os.read(self.wakeup_read, 4096)
+                    self.reap(block=False)
+                else:  # a client's connection: readable only when it closed (its client died)
+                    self.kill([key.data])
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        header, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
+        request = pickle.loads(_receive_exactly(conn, _LENGTH.unpack(header)[0]))
+        if request["command"] == "kill":
+            found = self.descendants(request["client"])
+            self.kill(found if request["tree"] else found[:1])
+            conn.sendall(b"k")
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            self.selector.close()
+            for held in [self.listener, conn, *(other for other, _ in self.children.values())]:
+                held.close()
+            os.close(self.wakeup_read)
+            _child_main(request, fds, self.default_threads, self.base_path)
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = (conn, request["client"])
+        conn.sendall(_STATUS.pack(pid))
+        self.selector.register(conn, 1, pid)
+
+    def descendants(self, client_pid: int) -> list[int]:
+        """The child standing for `client_pid`, then every process under it, following each client among them
+        to its child here."""
+        import psutil
+        by_client = {client: child for child, (_, client) in self.children.items()}
+        found, todo = [], [by_client[client_pid]] if client_pid in by_client else []
+        while todo:
+            pid = todo.pop(0)
+            found.append(pid)
+            try:
+                below = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            todo += [p for p in below if p not in found] + [by_client[p] for p in below if p in by_client]
+        return found
+
+    def kill(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            if pid in self.children:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+                self.finish(pid, -signal.SIGKILL)
+
+    def reap(self, block: bool) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.finish(pid, os.waitstatus_to_exitcode(status))
+
+    def finish(self, pid: int, status: int) -> None:
+        if pid not in self.children:
+            return
+        conn, _ = self.children.pop(pid)
+        self.selector.unregister(conn)
+        try:
+            conn.sendall(_STATUS.pack(status))
+        except OSError:
+            pass  # its client is gone
+        conn.close()
+
+    def stop(self, *_) -> None:
+        self.kill(list(self.children))
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        _Server(sys.argv[2]).serve_forever()
+    else:
+        run_client(sys.argv[1], sys.argv[2:])
