@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 _FORKED_PYTHON = Path(__file__).with_name("forked_python.py")
-_server: tuple[subprocess.Popen, str] | None = None  # this process's server and its socket
+_server: tuple[subprocess.Popen, str, str] | None = None  # this process's server, its socket, its `python`
 
 
 def _server_socket() -> str:
@@ -30,7 +30,11 @@ def _server_socket() -> str:
             assert server.poll() is None, f"the forked-python server ended with code {server.returncode}"
             assert time.time() < deadline, "the forked-python server did not start in 120 s"
             time.sleep(0.01)
-        _server = (server, path)
+        executable = os.path.join(folder, "python")  # one path, for what takes a python executable's
+        with open(executable, "w") as script:
+            script.write(f"#!/bin/sh\nexec '{sys.executable}' -S '{_FORKED_PYTHON}' '{path}' \"$@\"\n")
+        os.chmod(executable, 0o755)
+        _server = (server, path, executable)
     return _server[1]
 
 
@@ -40,10 +44,17 @@ def _stop(server: subprocess.Popen, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def forked_python() -> str:
+    """An executable that behaves as `python` does, with torch already imported: a shell script handing its
+    arguments to this process's server (tests/forked_python.py). For what takes a python executable's path (a
+    script's `sys.executable`, torchrun's `--no-python` entry point)."""
+    _server_socket()
+    return _server[2]
+
+
 def python_command() -> list[str]:
-    """What starts `python` in a test (`[*python_command(), "-m", "lit_softmoe.cli", …]`): a fresh
-    interpreter's behaviour, with torch already imported."""
-    return [sys.executable, "-S", str(_FORKED_PYTHON), _server_socket()]
+    """What starts `python` in a test (`[*python_command(), "-m", "lit_softmoe.cli", …]`)."""
+    return [forked_python()]
 
 
 def kill_tree(process: subprocess.Popen) -> None:
@@ -67,7 +78,7 @@ def torchrun_args(nproc: int = 2) -> list[str]:
     starts them. `--standalone`: the launcher picks a free port for its rendezvous, so runs started at the same
     time (pytest-xdist's workers) never meet on one port."""
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--no-python", *python_command(), "-u"]
+            "--no-python", forked_python(), "-u"]
 
 
 def free_port() -> int:
@@ -85,4 +96,4 @@ def torchrun_node_args(node_rank: int, port: int, nnodes: int = 2, nproc: int = 
     address and port, here 127.0.0.1, every simulated node on this machine."""
     return ["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
             f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
-            "--no-python", *python_command(), "-u"]
+            "--no-python", forked_python(), "-u"]

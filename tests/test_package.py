@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import lit_softmoe
+from launch import python_command
 
 HEAVY = ("accelerate", "webdataset", "lit_softmoe.train", "timm")  # timm: seconds to import
 
@@ -55,6 +56,8 @@ def test_timm_knows_our_towers_whichever_is_imported_first():
                  "import lit_softmoe, importlib.util; importlib.util.find_spec('timm'); import timm"):
         script = (f"{code}\nimport sys\nassert 'lit_softmoe.integrations.timm' in sys.modules\n"
                   "print(type(timm.create_model('soft_moe_test_4e')).__module__)")
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+        # a fresh interpreter but for torch, which the server had imported (neither timm nor lit_softmoe)
+        done = subprocess.run([*python_command(), "-c", script], capture_output=True, text=True, timeout=300,
+                              check=True)
         assert done.stdout.strip() == "lit_softmoe.models.vit", code
     assert "lit_softmoe.integrations.timm" not in _loaded_after("import timm")  # without us, timm is timm

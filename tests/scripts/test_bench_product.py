@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from launch import forked_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("foolbox") is None,
                     reason="the photos are foolbox's data files (make install adds foolbox)")
-def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
+def test_cpu_run_measures_every_row_against_its_peer(tmp_path, monkeypatch):
     baseline = tmp_path / "baseline"  # an "older checkout": this one, exported as a user would
     baseline.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD", "lit_softmoe"], cwd=ROOT, capture_output=True)
@@ -29,6 +31,7 @@ def test_cpu_run_measures_every_row_against_its_peer(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_product"] = module
     spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "executable", forked_python())  # the commands it runs start without importing torch
     result = module.main(["--cpu", "--images", "32", "--unique", "8", "--lit-steps", "4", "--baseline",
                           str(baseline), "--baseline-images", "16", "--work", str(tmp_path / "work"),
                           "--json", str(tmp_path / "p.json"), "--md", str(tmp_path / "p.md")])

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from launch import forked_python
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +24,12 @@ def load_script():
     return module
 
 
-def test_reproduction_writes_table_plot_and_orders_flops(tmp_path):
+def test_reproduction_writes_table_plot_and_orders_flops(tmp_path, monkeypatch):
     shards = tmp_path / "fmnist"
     write_fashion_mnist_shards(shards, limit=400, allow_download=False)
     out = tmp_path / "routing"
     script = load_script()
+    monkeypatch.setattr(sys, "executable", forked_python())  # its runs start without importing torch again
     report = script.main(["--towers", *TOWERS, "--seeds", "0", "--steps", "3", "--jobs", "2",
                           "--train", str(shards / "train"), "--test", str(shards / "test"),
                           "--test-subset", "100", "--out", str(out), "--set", "batch_size=32",

@@ -64,7 +64,7 @@ def _launch(launchers, command: list[str], root) -> list[str]:
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"{' '.join(proc.args[len(python_command()):][:8])}: {err[-3000:]}"
+            assert proc.returncode == 0, f"{' '.join(proc.args[1:8])}: {err[-3000:]}"
             outputs.append(out + err)
     finally:
         for proc in procs:  # a node failed or hung: the other would wait for it up to the rendezvous timeout
