@@ -32,8 +32,23 @@ import sys
 _LENGTH = struct.Struct("!Q")
 _STATUS = struct.Struct("!q")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_PRELOAD = ("torch", "torchvision", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.elastic.agent.server")
+PRELOAD = {  # what a server imports before it forks: "torch", or "package" (the torch stack, ours, the hub's)
+    "torch": ("torch", "torchvision", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed.fsdp",
+              "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.elastic.agent.server"),
+}
+PRELOAD["package"] = PRELOAD["torch"] + ("open_clip", "transformers", "timm", "lit_softmoe.train.lit",
+                                         "lit_softmoe.train.pretrain", "lit_softmoe.train.embed",
+                                         "lit_softmoe.evals.suite", "lit_softmoe.export")
+# The variables the hub libraries (and a second lit_softmoe on PYTHONPATH) read when they are imported: a
+# process whose values differ from the "package" server's forks from the "torch" one, which has not imported them.
+_IMPORT_TIME_VARIABLES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH_HOME", "XDG_", "TIMM", "OPENCLIP", "HOME",
+                          "PYTHONPATH")
+
+
+def import_time_digest(environ) -> str:
+    import hashlib
+    seen = sorted((k, v) for k, v in environ.items() if k.startswith(_IMPORT_TIME_VARIABLES))
+    return hashlib.sha256(repr(seen).encode()).hexdigest()[:16]
 
 
 def _receive_exactly(conn: socket.socket, size: int) -> bytes:
@@ -60,11 +75,25 @@ def _open_standard_streams() -> list[int]:
     return fds
 
 
-def run_client(socket_path: str, args: list[str]) -> None:
+def _server_for(servers: str, args: list[str]) -> str:
+    """`servers` is "TORCH_SOCKET" or "TORCH_SOCKET,PACKAGE_SOCKET,DIGEST,PACKAGE_ROOT": the package server where
+    what it imported is what this process would import (the same import-time variables, and no other
+    lit_softmoe folder first on sys.path), else the torch one."""
+    torch_socket, *package = servers.split(",")
+    if not package:
+        return torch_socket
+    package_socket, digest, root = package
+    first = os.path.dirname(os.path.abspath(args[0])) if args and args[0] not in ("-m", "-c") else os.getcwd()
+    other_package = os.path.isdir(os.path.join(first, "lit_softmoe")) and os.path.realpath(first) != root
+    same = import_time_digest(os.environ) == digest and not other_package
+    return package_socket if same else torch_socket
+
+
+def run_client(servers: str, args: list[str]) -> None:
     unbuffered = bool(args) and args[0] == "-u"
     args = args[1:] if unbuffered else args
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(socket_path)
+    conn.connect(_server_for(servers, args))
     request = pickle.dumps({"command": "run", "args": args, "env": dict(os.environb), "cwd": os.getcwd(),
                             "unbuffered": unbuffered, "client": os.getpid()})
     socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
@@ -168,11 +197,11 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
 
 
 class _Server:
-    def __init__(self, socket_path: str):
+    def __init__(self, socket_path: str, preload: str):
         import selectors
 
         import torch
-        for module in _PRELOAD:
+        for module in PRELOAD[preload]:
             __import__(module)
         self.default_threads = torch.get_num_threads()  # no OMP_NUM_THREADS here: the machine's default
         own = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
@@ -283,6 +312,6 @@ class _Server:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        _Server(sys.argv[2]).serve_forever()
+        _Server(sys.argv[2], sys.argv[3]).serve_forever()
     else:
         run_client(sys.argv[1], sys.argv[2:])

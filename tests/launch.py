@@ -1,5 +1,6 @@
 """How the tests start processes as a user does: `python …` and torchrun (a port of its own for each run), each
-process forked from a server that imported torch once (tests/forked_python.py) instead of importing it again."""
+process forked from a server that imported torch (and the package) once (tests/forked_python.py) instead of
+importing them again."""
 from __future__ import annotations
 
 import atexit
@@ -12,56 +13,80 @@ import time
 from pathlib import Path
 
 _FORKED_PYTHON = Path(__file__).with_name("forked_python.py")
-_server: tuple[subprocess.Popen, str, str] | None = None  # this process's server, its socket, its `python`
+_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _server_socket() -> str:
-    """The socket of this process's server (each pytest-xdist worker its own), started the first time."""
-    global _server
-    if _server is None or _server[0].poll() is not None:
-        folder = tempfile.mkdtemp(prefix="forked-python-")  # short: a socket's path has ~100 bytes at most
-        path = os.path.join(folder, "socket")
+class _Servers:
+    """This process's two servers (each pytest-xdist worker its own): "torch" imported the torch stack,
+    "package" that and lit_softmoe with the hub libraries; and the two `python` executables that use them."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="forked-python-")  # short: a socket's path has ~100 bytes at most
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST")}
-        server = subprocess.Popen([sys.executable, str(_FORKED_PYTHON), "--serve", path], env=env,
-                                  stdin=subprocess.DEVNULL)
-        atexit.register(_stop, server, folder)
+        self.sockets = {preload: os.path.join(self.folder, preload) for preload in ("torch", "package")}
+        self.processes = [subprocess.Popen([sys.executable, str(_FORKED_PYTHON), "--serve", path, preload],
+                                           env=env, stdin=subprocess.DEVNULL)
+                          for preload, path in self.sockets.items()]
+        atexit.register(self.stop)
         deadline = time.time() + 120
-        while not os.path.exists(path):
-            assert server.poll() is None, f"the forked-python server ended with code {server.returncode}"
-            assert time.time() < deadline, "the forked-python server did not start in 120 s"
+        while not all(os.path.exists(path) for path in self.sockets.values()):
+            for server in self.processes:
+                assert server.poll() is None, f"a forked-python server ended with code {server.returncode}"
+            assert time.time() < deadline, "the forked-python servers did not start in 120 s"
             time.sleep(0.01)
-        executable = os.path.join(folder, "python")  # one path, for what takes a python executable's
-        with open(executable, "w") as script:
-            script.write(f"#!/bin/sh\nexec '{sys.executable}' -S '{_FORKED_PYTHON}' '{path}' \"$@\"\n")
-        os.chmod(executable, 0o755)
-        _server = (server, path, executable)
-    return _server[1]
+        from forked_python import import_time_digest
+        both = f"{self.sockets['torch']},{self.sockets['package']},{import_time_digest(env)},{_ROOT}"
+        self.executables = {"package": self._executable("python", both),
+                            "torch": self._executable("python-torch", self.sockets["torch"])}
+
+    def _executable(self, name: str, servers: str) -> str:
+        path = os.path.join(self.folder, name)
+        with open(path, "w") as script:
+            script.write(f"#!/bin/sh\nexec '{sys.executable}' -S '{_FORKED_PYTHON}' '{servers}' \"$@\"\n")
+        os.chmod(path, 0o755)
+        return path
+
+    def running(self) -> bool:
+        return all(server.poll() is None for server in self.processes)
+
+    def stop(self) -> None:
+        for server in self.processes:
+            server.terminate()  # it kills the children it still has, then exits
+        for server in self.processes:
+            server.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _stop(server: subprocess.Popen, folder: str) -> None:
-    server.terminate()  # it kills the children it still has, then exits
-    server.wait(timeout=30)
-    shutil.rmtree(folder, ignore_errors=True)
+_servers: _Servers | None = None
 
 
-def forked_python() -> str:
-    """An executable that behaves as `python` does, with torch already imported: a shell script handing its
-    arguments to this process's server (tests/forked_python.py). For what takes a python executable's path (a
-    script's `sys.executable`, torchrun's `--no-python` entry point)."""
-    _server_socket()
-    return _server[2]
+def _started() -> _Servers:
+    global _servers
+    if _servers is None or not _servers.running():
+        _servers = _Servers()
+    return _servers
 
 
-def python_command() -> list[str]:
+def forked_python(preload: str = "package") -> str:
+    """An executable that behaves as `python` does, without importing again what a server imported: a shell
+    script handing its arguments to this process's servers (tests/forked_python.py). "package" (the default)
+    forks from the server that imported torch, lit_softmoe and the hub libraries where the process would import
+    the same (else from the torch one); "torch", for a process that must import lit_softmoe, timm or open_clip
+    itself. For what takes a python executable's path (a script's `sys.executable`, torchrun's `--no-python`)."""
+    return _started().executables[preload]
+
+
+def python_command(preload: str = "package") -> list[str]:
     """What starts `python` in a test (`[*python_command(), "-m", "lit_softmoe.cli", …]`)."""
-    return [forked_python()]
+    return [forked_python(preload)]
 
 
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL a process started with `python_command()` and every process under it (torchrun's workers), as
     `kill -9` of a whole job does; return once they are gone."""
     from forked_python import kill
-    kill(_server_socket(), process.pid, tree=True)
+    for path in _started().sockets.values():
+        kill(path, process.pid, tree=True)
     process.wait()
 
 
@@ -69,7 +94,8 @@ def kill_process(process: subprocess.Popen) -> None:
     """SIGKILL a process started with `python_command()`, as `kill -9 PID` does (what it started is left to notice);
     return once it is gone."""
     from forked_python import kill
-    kill(_server_socket(), process.pid, tree=False)
+    for path in _started().sockets.values():
+        kill(path, process.pid, tree=False)
     process.wait()
 
 

@@ -34,13 +34,24 @@ def test_arguments_environment_folder_stdin_threads_and_path_are_the_callers(tmp
     seen = json.loads(done.stdout)
     assert seen["argv"] == ["-c", "a", "b c"] and seen["cwd"] == str(tmp_path) and seen["env"] == "yes"
     assert seen["threads"] == 3 and seen["stdin"] == "from stdin" and seen["path0"] == ""
-    assert seen["extra"] and not seen["lit_softmoe"]  # PYTHONPATH is read; the package is not preloaded
+    # another PYTHONPATH: sys.path has it, and the process forks from the server that imported no lit_softmoe
+    assert seen["extra"] and not seen["lit_softmoe"]
     script = tmp_path / "report.py"
     script.write_text(_REPORT)
     done = _run([str(script)], env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
     seen = json.loads(done.stdout)
     assert seen["path0"] == str(tmp_path) and seen["argv"] == [str(script)] and not seen["extra"]
     assert seen["threads"] == len(os.sched_getaffinity(0))  # torch's default without OMP_NUM_THREADS
+    assert seen["lit_softmoe"]  # the same import-time variables: the package server's fork
+    torch_only = subprocess.run([*python_command("torch"), str(script)], capture_output=True, text=True)
+    assert not json.loads(torch_only.stdout)["lit_softmoe"]
+
+
+def test_another_lit_softmoe_first_on_the_path_is_the_one_imported(tmp_path):
+    (tmp_path / "lit_softmoe").mkdir()
+    (tmp_path / "lit_softmoe" / "__init__.py").write_text("")
+    done = _run(["-c", "import lit_softmoe; print(lit_softmoe.__file__)"], cwd=tmp_path)
+    assert done.stdout.strip() == str(tmp_path / "lit_softmoe" / "__init__.py")
 
 
 def test_exit_codes_and_errors_are_the_interpreters():

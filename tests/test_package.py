@@ -57,7 +57,7 @@ def test_timm_knows_our_towers_whichever_is_imported_first():
         script = (f"{code}\nimport sys\nassert 'lit_softmoe.integrations.timm' in sys.modules\n"
                   "print(type(timm.create_model('soft_moe_test_4e')).__module__)")
         # a fresh interpreter but for torch, which the server had imported (neither timm nor lit_softmoe)
-        done = subprocess.run([*python_command(), "-c", script], capture_output=True, text=True, timeout=300,
+        done = subprocess.run([*python_command("torch"), "-c", script], capture_output=True, text=True, timeout=300,
                               check=True)
         assert done.stdout.strip() == "lit_softmoe.models.vit", code
     assert "lit_softmoe.integrations.timm" not in _loaded_after("import timm")  # without us, timm is timm

@@ -113,7 +113,7 @@ def test_without_our_registration_open_clip_fails_as_the_config_note_says(run, t
     assert "import lit_softmoe" in note and "RuntimeError: Unknown model" in note and "clip-benchmark" in note
     assert "lit_softmoe.integrations.timm" in (out / "README.md").read_text()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([*python_command(), "-c", "import open_clip, sys; "
+    result = subprocess.run([*python_command("torch"), "-c", "import open_clip, sys; "
                              f"open_clip.create_model_and_transforms('local-dir:{out}')"],
                             capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode != 0 and "RuntimeError: Unknown model" in result.stderr, result.stderr[-2000:]

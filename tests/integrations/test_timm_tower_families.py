@@ -100,7 +100,7 @@ def test_a_timm_tower_of_each_family_goes_the_whole_path(family, fmnist, tmp_pat
     model, _, tokenizer = load_pretrained(tmp_path / "export")
     save_file({"pixels": pixels}, tmp_path / "pixels.safetensors")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    stock = subprocess.run([*python_command(), "-c", _STOCK_OPEN_CLIP, str(tmp_path / "export"),
+    stock = subprocess.run([*python_command("torch"), "-c", _STOCK_OPEN_CLIP, str(tmp_path / "export"),
                             str(tmp_path / "pixels.safetensors"), str(tmp_path / "theirs.safetensors")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert stock.returncode == 0, stock.stderr[-3000:]

@@ -82,7 +82,7 @@ def test_stock_open_clip_without_our_package_gives_our_embeddings(timm_pair, tmp
     pixels = torch.randn(4, 3, 160, 160)
     save_file({"pixels": pixels}, tmp_path / "inputs.safetensors")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([*python_command(), "-c", _STOCK_OPEN_CLIP, str(export),
+    result = subprocess.run([*python_command("torch"), "-c", _STOCK_OPEN_CLIP, str(export),
                              str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors")],
                             capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -184,7 +184,7 @@ def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pai
         return
     assert "in accuracy" in stock.stderr and "only 0-dimensional arrays can be converted" in stock.stderr, \
         stock.stderr[-3000:]
-    fixed = subprocess.run([*python_command(), "-c", _CLIP_BENCHMARK_FIXED,
+    fixed = subprocess.run([*python_command("torch"), "-c", _CLIP_BENCHMARK_FIXED,
                             *_eval_args(export, data, tmp_path / "fixed.json")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
