@@ -93,15 +93,19 @@ def run_client(servers: str, args: list[str]) -> None:
     unbuffered = bool(args) and args[0] == "-u"
     args = args[1:] if unbuffered else args
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(_server_for(servers, args))
-    request = pickle.dumps({"command": "run", "args": args, "env": dict(os.environb), "cwd": os.getcwd(),
-                            "unbuffered": unbuffered, "client": os.getpid()})
+    server = _server_for(servers, args)
+    conn.connect(server)
+    request = pickle.dumps({"args": args, "env": dict(os.environb), "cwd": os.getcwd(),
+                            "unbuffered": unbuffered})
     socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
     conn.sendall(request)
     (child,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
+    with open(child_file(server, os.getpid()), "w") as record:  # for kill -9 (tests/launch.py)
+        record.write(str(child))
     for number in _FORWARDED:
         signal.signal(number, lambda received, frame: os.kill(child, received))
     (status,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
+    os.unlink(child_file(server, os.getpid()))
     if status < 0:  # the child died of a signal: so does this process, as its stand-in
         if -status != signal.SIGKILL:
             signal.signal(-status, signal.SIG_DFL)
@@ -109,16 +113,9 @@ def run_client(servers: str, args: list[str]) -> None:
     os._exit(status)
 
 
-def kill(socket_path: str, client_pid: int, tree: bool) -> None:
-    """SIGKILL the child that `client_pid` stands for and, with `tree`, every process under it (torchrun's workers,
-    their children), the child first; return once the server has reaped its own."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(socket_path)
-    request = pickle.dumps({"command": "kill", "client": client_pid, "tree": tree})
-    socket.send_fds(conn, [_LENGTH.pack(len(request))], [])
-    conn.sendall(request)
-    _receive_exactly(conn, 1)
-    conn.close()
+def child_file(socket_path: str, client_pid: int) -> str:
+    """Where the client `client_pid` of the server at `socket_path` records the pid of the child it stands for."""
+    return os.path.join(os.path.dirname(socket_path), f"child-of-{client_pid}")
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -218,7 +215,7 @@ class _Server:
         signal.signal(signal.SIGTERM, self.stop)
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "reap")
-        self.children: dict[int, tuple[socket.socket, int]] = {}  # child pid: (its client's connection, client pid)
+        self.children: dict[int, socket.socket] = {}  # child pid: its client's connection
 
     def serve_forever(self) -> None:
         while True:
@@ -235,40 +232,18 @@ class _Server:
         conn, _ = self.listener.accept()
         header, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 3)
         request = pickle.loads(_receive_exactly(conn, _LENGTH.unpack(header)[0]))
-        if request["command"] == "kill":
-            found = self.descendants(request["client"])
-            self.kill(found if request["tree"] else found[:1])
-            conn.sendall(b"k")
-            conn.close()
-            return
         pid = os.fork()
         if pid == 0:
             self.selector.close()
-            for held in [self.listener, conn, *(other for other, _ in self.children.values())]:
+            for held in [self.listener, conn, *self.children.values()]:
                 held.close()
             os.close(self.wakeup_read)
             _child_main(request, fds, self.default_threads, self.base_path)
         for fd in fds:
             os.close(fd)
-        self.children[pid] = (conn, request["client"])
+        self.children[pid] = conn
         conn.sendall(_STATUS.pack(pid))
         self.selector.register(conn, 1, pid)
-
-    def descendants(self, client_pid: int) -> list[int]:
-        """The child standing for `client_pid`, then every process under it, following each client among them
-        to its child here."""
-        import psutil
-        by_client = {client: child for child, (_, client) in self.children.items()}
-        found, todo = [], [by_client[client_pid]] if client_pid in by_client else []
-        while todo:
-            pid = todo.pop(0)
-            found.append(pid)
-            try:
-                below = [p.pid for p in psutil.Process(pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-            todo += [p for p in below if p not in found] + [by_client[p] for p in below if p in by_client]
-        return found
 
     def kill(self, pids: list[int]) -> None:
         for pid in pids:
@@ -297,7 +272,7 @@ class _Server:
     def finish(self, pid: int, status: int) -> None:
         if pid not in self.children:
             return
-        conn, _ = self.children.pop(pid)
+        conn = self.children.pop(pid)
         self.selector.unregister(conn)
         try:
             conn.sendall(_STATUS.pack(status))

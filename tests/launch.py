@@ -4,8 +4,10 @@ importing them again."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,22 +83,43 @@ def python_command(preload: str = "package") -> list[str]:
     return [forked_python(preload)]
 
 
+def _child_of(client_pid: int) -> int | None:
+    """The pid of the process that the client `client_pid` (a process a test started) stands for."""
+    from forked_python import child_file
+    for path in _started().sockets.values():
+        with contextlib.suppress(FileNotFoundError):
+            return int(Path(child_file(path, client_pid)).read_text())
+    return None
+
+
+def _kill(process: subprocess.Popen, tree: bool) -> None:
+    import psutil
+    child = _child_of(process.pid)
+    targets, todo = [], [child] if child else [process.pid]
+    while todo:  # the child, then (with `tree`) every process under it, following each client to its child
+        pid = todo.pop(0)
+        targets.append(pid)
+        if not tree:
+            break
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for below in psutil.Process(pid).children(recursive=True):
+                todo += [p for p in (below.pid, _child_of(below.pid)) if p and p not in targets + todo]
+    for pid in targets:  # the first first: a launcher would otherwise see its workers die and tear down
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()  # the client ends once its server has reaped the child
+
+
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL a process started with `python_command()` and every process under it (torchrun's workers), as
-    `kill -9` of a whole job does; return once they are gone."""
-    from forked_python import kill
-    for path in _started().sockets.values():
-        kill(path, process.pid, tree=True)
-    process.wait()
+    `kill -9` of a whole job does; return once it is gone."""
+    _kill(process, tree=True)
 
 
 def kill_process(process: subprocess.Popen) -> None:
     """SIGKILL a process started with `python_command()`, as `kill -9 PID` does (what it started is left to notice);
     return once it is gone."""
-    from forked_python import kill
-    for path in _started().sockets.values():
-        kill(path, process.pid, tree=False)
-    process.wait()
+    _kill(process, tree=False)
 
 
 def torchrun_args(nproc: int = 2) -> list[str]:
