@@ -2,21 +2,24 @@
 
 A test that runs the CLI (or torchrun and its workers) as a user does starts a fresh interpreter each time, and
 each spends ~3.5 CPU-seconds importing torch, torchvision and torch.distributed before it does any work: most of
-the CPU of the launched tests. Here a server per pytest worker imports that stack once and forks a child for each
-process a test starts, as multiprocessing's forkserver does with its preload list
-(https://docs.python.org/3/library/multiprocessing.html#multiprocessing.set_forkserver_preload).
+the CPU of the launched tests. Here servers per pytest worker import once and fork a child for each process a
+test starts, as multiprocessing's forkserver does with its preload list
+(https://docs.python.org/3/library/multiprocessing.html#multiprocessing.set_forkserver_preload): "torch" imports
+the torch stack, "package" also lit_softmoe's recipes and the hub libraries (open_clip, transformers, timm).
 
-What the test starts is a small client, `python -S forked_python.py SOCKET [-u] ARGS`, where ARGS are what
-follows `python` (`-m MODULE …`, `-c CODE …`, `SCRIPT …`): a stdlib-only process that hands the server its
+What the test starts is a small client, `python -S forked_python.py SERVERS [-u] ARGS`, where ARGS are what
+follows `python` (`-m MODULE …`, `-c CODE …`, `SCRIPT …`): a stdlib-only process that hands a server its
 standard streams (the file descriptors themselves), its environment and folder, and then lives as long as the
-child, exits with the child's code, passes on the signals it gets, and its death kills the child. So the tests use
-subprocess and torchrun as before: only the command's first words change (tests/launch.py, `python_command`).
+child, exits with the child's code, passes on the signals it gets, and its death kills the child. It records the
+child's pid beside the server's socket, for a test's kill -9. So the tests use subprocess and torchrun as
+before: only the command's first word changes (tests/launch.py: `python_command`, `forked_python`).
 
-What differs from a fresh interpreter, and why it does not matter here: the child has the server's imports (torch,
-torchvision, numpy, PIL, safetensors: none reads the variables the tests set, which are read at call time; no
-hub library or lit_softmoe module is preloaded, so their import-time state is the child's own), its thread count
-is set from OMP_NUM_THREADS as at a fresh start, and PYTHONPATH entries are added to its sys.path. Tests whose
-point is a fresh interpreter (what an import loads, import order) keep `sys.executable`.
+What differs from a fresh interpreter, and why it does not matter here: the child has the server's imports, whose
+state at import is what a fresh process's would be (lit_softmoe reads its variables when called; the hub
+libraries read theirs at import, so a process whose import-time variables, PYTHONPATH or first lit_softmoe on
+its path differ from the "package" server's forks from the "torch" one); its thread count is set from
+OMP_NUM_THREADS as at a fresh start; its sys.path is made as a fresh start makes it. Tests whose point is a
+fresh interpreter (what an import loads, an address-space limit) keep `sys.executable`.
 
 Kept stdlib-only at the top: the client runs with `-S` and must start in milliseconds.
 """
