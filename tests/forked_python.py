@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import selectors
 import signal
 import socket
 import struct
@@ -103,12 +104,13 @@ def run_client(servers: str, args: list[str]) -> None:
     socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
     conn.sendall(request)
     (child,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
-    with open(child_file(server, os.getpid()), "w") as record:  # for kill -9 (tests/launch.py)
+    record_file = child_file(os.path.dirname(server), os.getpid())
+    with open(record_file, "w") as record:  # for kill -9 (tests/launch.py)
         record.write(str(child))
     for number in _FORWARDED:
         signal.signal(number, lambda received, frame: os.kill(child, received))
     (status,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
-    os.unlink(child_file(server, os.getpid()))
+    os.unlink(record_file)
     if status < 0:  # the child died of a signal: so does this process, as its stand-in
         if -status != signal.SIGKILL:
             signal.signal(-status, signal.SIG_DFL)
@@ -116,9 +118,9 @@ def run_client(servers: str, args: list[str]) -> None:
     os._exit(status)
 
 
-def child_file(socket_path: str, client_pid: int) -> str:
-    """Where the client `client_pid` of the server at `socket_path` records the pid of the child it stands for."""
-    return os.path.join(os.path.dirname(socket_path), f"child-of-{client_pid}")
+def child_file(folder: str, client_pid: int) -> str:
+    """Where the client `client_pid` of the servers in `folder` records the pid of the child it stands for."""
+    return os.path.join(folder, f"child-of-{client_pid}")
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -198,8 +200,6 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
 
 class _Server:
     def __init__(self, socket_path: str, preload: str):
-        import selectors
-
         import torch
         for module in PRELOAD[preload]:
             __import__(module)
@@ -227,7 +227,7 @@ class _Server:
                     self.accept()
                 elif key.data == "reap":
                     os.read(self.wakeup_read, 4096)
-                    self.reap(block=False)
+                    self.reap()
                 else:  # a client's connection: readable only when it closed (its client died)
                     self.kill([key.data])
 
@@ -246,7 +246,7 @@ class _Server:
             os.close(fd)
         self.children[pid] = conn
         conn.sendall(_STATUS.pack(pid))
-        self.selector.register(conn, 1, pid)
+        self.selector.register(conn, selectors.EVENT_READ, pid)
 
     def kill(self, pids: list[int]) -> None:
         for pid in pids:
@@ -262,10 +262,10 @@ class _Server:
                     pass
                 self.finish(pid, -signal.SIGKILL)
 
-    def reap(self, block: bool) -> None:
+    def reap(self) -> None:
         while self.children:
             try:
-                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:

@@ -86,9 +86,8 @@ def python_command(preload: str = "package") -> list[str]:
 def _child_of(client_pid: int) -> int | None:
     """The pid of the process that the client `client_pid` (a process a test started) stands for."""
     from forked_python import child_file
-    for path in _started().sockets.values():
-        with contextlib.suppress(FileNotFoundError):
-            return int(Path(child_file(path, client_pid)).read_text())
+    with contextlib.suppress(FileNotFoundError):
+        return int(Path(child_file(_started().folder, client_pid)).read_text())
     return None
 
 
@@ -102,7 +101,7 @@ def _kill(process: subprocess.Popen, tree: bool) -> None:
         if not tree:
             break
         with contextlib.suppress(psutil.NoSuchProcess):
-            for below in psutil.Process(pid).children(recursive=True):
+            for below in psutil.Process(pid).children():
                 todo += [p for p in (below.pid, _child_of(below.pid)) if p and p not in targets + todo]
     for pid in targets:  # the first first: a launcher would otherwise see its workers die and tear down
         with contextlib.suppress(ProcessLookupError):

@@ -629,7 +629,7 @@ def test_a_killed_parallel_write_reruns_to_the_same_bytes(tmp_path):
     command = [*python_command(), "-m", "lit_softmoe.cli", "data", "from-folder", str(tmp_path / "src"),
                "--max-size", "128", "--image-format", "jpg", "--samples-per-shard", "20", "--workers", "2"]
     assert subprocess.run([*command, "--out", str(tmp_path / "straight")], capture_output=True).returncode == 0
-    killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], start_new_session=True,
+    killed = subprocess.Popen([*command, "--out", str(tmp_path / "killed")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (tmp_path / "killed/train/2.tar").exists():
