@@ -5,21 +5,23 @@ each spends ~3.5 CPU-seconds importing torch, torchvision and torch.distributed 
 the CPU of the launched tests. Here servers per pytest worker import once and fork a child for each process a
 test starts, as multiprocessing's forkserver does with its preload list
 (https://docs.python.org/3/library/multiprocessing.html#multiprocessing.set_forkserver_preload): "torch" imports
-the torch stack, "package" also lit_softmoe's recipes and the hub libraries (open_clip, transformers, timm).
+the torch stack, "package" also lit_softmoe's recipes, the hub libraries (open_clip, transformers, timm),
+matplotlib and CLIP_benchmark.
 
 What the test starts is a small client, `python -S forked_python.py SERVERS [-u] ARGS`, where ARGS are what
 follows `python` (`-m MODULE …`, `-c CODE …`, `SCRIPT …`): a stdlib-only process that hands a server its
-standard streams (the file descriptors themselves), its environment and folder, and then lives as long as the
-child, exits with the child's code, passes on the signals it gets, and its death kills the child. It records the
-child's pid beside the server's socket, for a test's kill -9. So the tests use subprocess and torchrun as
-before: only the command's first word changes (tests/launch.py: `python_command`, `forked_python`).
+standard streams (the file descriptors themselves), its environment, folder and resource limits (an address-space
+cap a test sets with preexec_fn), and then lives as long as the child, exits with the child's code, passes on the
+signals it gets, and its death kills the child. It records the child's pid beside the server's socket, for a
+test's kill -9. So the tests use subprocess and torchrun as before: only the command's first word changes
+(tests/launch.py: `python_command`, `forked_python`).
 
 What differs from a fresh interpreter, and why it does not matter here: the child has the server's imports, whose
 state at import is what a fresh process's would be (lit_softmoe reads its variables when called; the hub
 libraries read theirs at import, so a process whose import-time variables, PYTHONPATH or first lit_softmoe on
 its path differ from the "package" server's forks from the "torch" one); its thread count is set from
 OMP_NUM_THREADS as at a fresh start; its sys.path is made as a fresh start makes it. Tests whose point is a
-fresh interpreter (what an import loads, an address-space limit) keep `sys.executable`.
+fresh interpreter (what an import loads) keep `sys.executable`.
 
 Kept stdlib-only at the top: the client runs with `-S` and must start in milliseconds.
 """
@@ -36,17 +38,20 @@ import sys
 _LENGTH = struct.Struct("!Q")
 _STATUS = struct.Struct("!q")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CPU")  # a test may set on its process
 PRELOAD = {  # what a server imports before it forks: "torch", or "package" (the torch stack, ours, the hub's)
     "torch": ("torch", "torchvision", "numpy", "PIL.Image", "safetensors.torch", "torch.distributed.fsdp",
               "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.elastic.agent.server"),
 }
 PRELOAD["package"] = PRELOAD["torch"] + ("open_clip", "transformers", "timm", "lit_softmoe.train.lit",
                                          "lit_softmoe.train.pretrain", "lit_softmoe.train.embed",
-                                         "lit_softmoe.evals.suite", "lit_softmoe.export")
+                                         "lit_softmoe.evals.suite", "lit_softmoe.export",
+                                         "matplotlib.pyplot")  # the runs' curves
+PRELOAD_IF_INSTALLED = {"torch": (), "package": ("clip_benchmark.cli",)}  # the peer eval (a dev extra)
 # The variables the hub libraries (and a second lit_softmoe on PYTHONPATH) read when they are imported: a
 # process whose values differ from the "package" server's forks from the "torch" one, which has not imported them.
 _IMPORT_TIME_VARIABLES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH_HOME", "XDG_", "TIMM", "OPENCLIP", "HOME",
-                          "PYTHONPATH")
+                          "PYTHONPATH", "MPL")
 
 
 def import_time_digest(environ) -> str:
@@ -94,13 +99,16 @@ def _server_for(servers: str, args: list[str]) -> str:
 
 
 def run_client(servers: str, args: list[str]) -> None:
+    import resource
+
     unbuffered = bool(args) and args[0] == "-u"
     args = args[1:] if unbuffered else args
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server = _server_for(servers, args)
     conn.connect(server)
+    limits = {name: resource.getrlimit(getattr(resource, name)) for name in _LIMITS}  # e.g. set by preexec_fn
     request = pickle.dumps({"args": args, "env": dict(os.environb), "cwd": os.getcwd(),
-                            "unbuffered": unbuffered})
+                            "unbuffered": unbuffered, "limits": limits})
     socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
     conn.sendall(request)
     (child,) = _STATUS.unpack(_receive_exactly(conn, _STATUS.size))
@@ -129,6 +137,7 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
     """In the forked child: become the process the client asked for, run it, exit as Python would."""
     import atexit
     import io
+    import resource
     import runpy
     import threading
     import traceback
@@ -145,6 +154,9 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
+    for name, limit in request["limits"].items():  # the client's resource limits, as if it had forked the child
+        if resource.getrlimit(getattr(resource, name)) != limit:
+            resource.setrlimit(getattr(resource, name), limit)
     os.chdir(request["cwd"])
     os.environb.clear()
     os.environb.update(request["env"])
@@ -203,6 +215,11 @@ class _Server:
         import torch
         for module in PRELOAD[preload]:
             __import__(module)
+        for module in PRELOAD_IF_INSTALLED[preload]:
+            try:
+                __import__(module)
+            except ImportError:
+                pass
         self.default_threads = torch.get_num_threads()  # no OMP_NUM_THREADS here: the machine's default
         own = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
         self.base_path = [p for p in sys.path[1:] if p not in own]  # the site's entries

@@ -11,6 +11,7 @@ import PIL.Image
 import pytest
 
 from cli_errors import one_line_error
+from launch import python_command
 from lit_softmoe.cli import main
 from lit_softmoe.errors import UserError
 
@@ -245,8 +246,9 @@ def test_a_full_disk_without_a_path_while_data_writes_shards_names_the_dataset(t
 @pytest.mark.parametrize("command", ["train", "pretrain"])
 def test_memory_running_out_in_training_is_one_line_naming_the_run_and_its_plan(data, tmp_path, capsys, command):
     """`text.width=16384` under a memory limit ended in torch's `RuntimeError: ... can't allocate memory`
-    traceback. Run in a process of its own, its address space capped at 6 GiB: torch itself maps ~2 GiB, and the
-    first 16384-wide layer needs 3 GiB more (the higher the cap, the more layers are drawn before it fails)."""
+    traceback. Run in a process of its own, its address space capped at 6 GiB: the process maps 3-4 GiB before the
+    run starts (torch and the libraries it imported), and the first 16384-wide layer needs 3 GiB more (the higher
+    the cap, the more layers are drawn before it fails)."""
     import resource
     import shlex
 
@@ -264,7 +266,7 @@ def test_memory_running_out_in_training_is_one_line_naming_the_run_and_its_plan(
                      f"run_dir={tmp_path / 'run'}", "tower.name=soft-test-4e", "tower.options.width=16384",
                      "tower.options.mlp_dim=65536", "data.workers=0", "batch_size=64"]
         size = "tower soft-test-4e, width=16384, mlp_dim=65536, batch 64"
-    result = subprocess.run([sys.executable, "-m", "lit_softmoe.cli", command, "--config", str(tmp_path / "c.yaml"),
+    result = subprocess.run([*python_command(), "-m", "lit_softmoe.cli", command, "--config", str(tmp_path / "c.yaml"),
                              *overrides], capture_output=True, text=True, preexec_fn=cap_memory)
     assert result.returncode == 2, result.stderr[-3000:]
     plan = shlex.join(["lit-softmoe", command, "--config", str(tmp_path / "c.yaml"), *overrides, "--plan"])

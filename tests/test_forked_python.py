@@ -1,6 +1,6 @@
 """The `python` the tests start processes with (tests/forked_python.py): what a fresh interpreter would do, for
 what the tests rely on (exit codes, death by a signal, arguments, environment, folder, streams, sys.path, threads,
-kill -9 of a process and of what it started)."""
+resource limits, kill -9 of a process and of what it started)."""
 from __future__ import annotations
 
 import json
@@ -62,6 +62,23 @@ def test_exit_codes_and_errors_are_the_interpreters():
     module = _run(["-m", "json.tool", "--help"])
     assert module.returncode == 0 and "json.tool" in module.stdout
     assert _run(["-c", "import atexit; atexit.register(print, 'at exit'); print('body')"]).stdout == "body\nat exit\n"
+
+
+def test_resource_limits_are_the_callers():
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    code = "import resource; print(resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NOFILE))"
+    capped = _run(["-c", code], preexec_fn=cap)
+    assert capped.stdout.strip() == f"({8 << 30}, {8 << 30}) (200, 200)", capped.stderr
+    ours = f"{resource.getrlimit(resource.RLIMIT_AS)} {resource.getrlimit(resource.RLIMIT_NOFILE)}"
+    assert _run(["-c", code]).stdout.strip() == ours  # the next process has the server's (the caller's) again
+    # 6 GiB more than the 3-4 GiB the process maps: over the cap (a fresh interpreter without it reserves them)
+    over = _run(["-c", "import torch; torch.empty(6 << 30, dtype=torch.uint8)"], preexec_fn=cap)
+    assert over.returncode == 1 and "DefaultCPUAllocator: can't allocate memory" in over.stderr, over.stderr[-2000:]
 
 
 def test_a_signal_ends_it_as_it_ends_a_process():

@@ -19,6 +19,7 @@ Tokenizers are plain picklable objects: DataLoader workers tokenize inside the c
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -52,13 +53,22 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
     return list(texts)
 
 
+@functools.cache
+def _open_clip_bpe():
+    """open_clip's `SimpleTokenizer`, made once per process: making one reads and parses the
+    49,152-merge vocabulary file (~70 ms), and a LiT run, its eval, an export and each loaded pair
+    make a tokenizer. Every call passes its own context length; the instance's only state is its
+    word cache, which any caller may share."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    return SimpleTokenizer()
+
+
 class OpenClipBPETokenizer:
     """CLIP's byte-level BPE through open_clip's `SimpleTokenizer`."""
 
     def __init__(self, context_length: int = LIT_CONTEXT_LENGTH):
-        from open_clip.tokenizer import SimpleTokenizer
-
-        self._bpe = SimpleTokenizer(context_length=context_length)
+        self._bpe = _open_clip_bpe()
         self.context_length = context_length
         self.vocab_size = self._bpe.vocab_size
         self.sot_id = self._bpe.sot_token_id

@@ -34,8 +34,11 @@ def test_bpe_truncation_keeps_the_end_token():
     tokenizer = create_tokenizer("openclip-bpe", context_length=16)
     ids = tokenizer([LONG_TEXT])[0]
     assert ids[0] == SOT and ids[-1] == EOT and (ids != 0).all()
-    full = create_tokenizer("openclip-bpe", context_length=77)([LONG_TEXT])[0]
+    long = create_tokenizer("openclip-bpe", context_length=77)
+    full = long([LONG_TEXT])[0]
     assert torch.equal(ids[:15], full[:15])  # the text's first 14 tokens, then the end token
+    assert long._bpe is tokenizer._bpe  # one parsed vocabulary per process; each tokenizer cuts to its own length
+    assert tokenizer([LONG_TEXT]).shape == (1, 16) and (full != 0).sum() == 4 * 13 + 2
 
 
 def test_tokenizers_pickle_for_dataloader_workers():

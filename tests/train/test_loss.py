@@ -2,14 +2,18 @@
 the global batch over several processes."""
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from launch import python_command
 from lit_softmoe.train.loss import contrastive_loss, gather_with_grad, sigmoid_loss
 
 LOCAL_BATCH, FEATURES, EMBED = 3, 5, 4
@@ -153,7 +157,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str):
 
 
 def _exit_without_teardown():
-    """End a spawned worker whose results are saved without running C++ static destructors: gloo's
+    """End a worker process whose results are saved without running C++ static destructors: gloo's
     (with a file:// store) abort a process now and then (once in about 60 runs here) ("terminate called without an
     active exception", SIGABRT) after every collective has finished, which is no fault of the code
     under test."""
@@ -164,11 +168,22 @@ def _exit_without_teardown():
     os._exit(0)
 
 
-def test_two_processes_match_one_process_with_the_combined_batch(tmp_path):
-    import torch.multiprocessing as mp
+def _run_in_processes(worker: str, nprocs: int, *args) -> None:
+    """`worker(rank, *args)` of this module in `nprocs` processes at once, started as the tests start processes
+    (tests/launch.py: forked from a server that has imported torch, open_clip and the package)."""
+    here = Path(__file__).resolve().parent
+    code = (f"import json, sys; sys.path[:0] = {[str(here), str(here.parent)]!r}; import test_loss; "
+            f"test_loss.{worker}(int(sys.argv[1]), *json.loads(sys.argv[2]))")
+    processes = [subprocess.Popen([*python_command(), "-c", code, str(rank), json.dumps(args)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(nprocs)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    for rank, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"rank {rank}: {output[-3000:]}"
 
+
+def test_two_processes_match_one_process_with_the_combined_batch(tmp_path):
     out_file = tmp_path / "results.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
+    _run_in_processes("_worker", 2, 2, str(tmp_path / "init"), str(out_file))
     distributed = torch.load(out_file, weights_only=True)
     single = _losses_and_grads(*_data())
     for name in ("softmax", "sigmoid"):
@@ -242,10 +257,8 @@ def _dist_worker(rank: int, init_file: str, out_file: str):
 def test_losses_match_open_clip_across_three_processes(tmp_path):
     """Per process: the same loss and the same gradients (embeddings, scale, bias) as open_clip's
     distributed ClipLoss (local loss, gather with grad) and SigLipLoss (bidir, shift, gather)."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "out"
-    mp.spawn(_dist_worker, args=(str(tmp_path / "init"), str(out)), nprocs=WORLD, join=True)
+    _run_in_processes("_dist_worker", WORLD, str(tmp_path / "init"), str(out))
     for rank in range(WORLD):
         results = torch.load(f"{out}.{rank}", weights_only=True)
         for name, (ours, references) in results.items():
