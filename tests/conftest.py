@@ -1,21 +1,30 @@
 """Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, each test's own cache
-folder (and each worker its own torch.compile cache), torch's thread count restored after every test, and the
-fixtures that several test files use. The data sets and runs are built once per run (tests/shared_builds.py): they
-are only read by the tests."""
+folder (each process its own TMPDIR, each run its own torch.compile cache), torch's thread count restored after
+every test, and the fixtures that several test files use. The data sets and runs are built once per run
+(tests/shared_builds.py): they are only read by the tests."""
 import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-# torch.compile's cache in a folder of this process's own (each xdist worker its own), set before torch is
-# imported (torchvision's import already fixes the default, /tmp/torchinductor_<user>): inductor's FX graph cache
-# key leaves out ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes (pytorch/pytorch#123514),
-# so code written under `avx2` was found again under `default` and failed to build there (`at::vec` undeclared).
-# A user's own setting is kept.
-_INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="tests-inductor-")
-if _INDUCTOR_CACHE:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+# Each test process (the xdist controller and each worker) has a temporary folder of its own under the system's,
+# removed at its end: TMPDIR for it and for every process its tests start, so that what they leave there (torchrun's
+# torchelastic_* folders of a killed launch, the forked-python servers' sockets) goes with the run. pytest's own
+# folders (tmp_path: the last three runs kept for a look after a failure) stay in the system's.
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+_TMP = tempfile.mkdtemp(prefix="tests-tmp-")
+os.environ["TMPDIR"] = _TMP
+tempfile.tempdir = None  # found again from TMPDIR
+
+# torch.compile's cache in a folder of this test run's own (made by the first process to load this file, the xdist
+# controller, whose workers and their processes inherit it), set before torch is imported (torchvision's import
+# already fixes the default, /tmp/torchinductor_<user>): inductor's FX graph cache key leaves out
+# ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes (pytorch/pytorch#123514), so code written
+# under `avx2` was found again under `default` and failed to build there (`at::vec` undeclared). A user's own
+# setting is kept.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -32,8 +41,7 @@ from worker_cores import share_cores_among_workers  # noqa: E402
 
 def pytest_configure(config):
     share_cores_among_workers()
-    if _INDUCTOR_CACHE:
-        config.add_cleanup(lambda: shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True))
+    config.add_cleanup(lambda: shutil.rmtree(_TMP, ignore_errors=True))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -139,6 +139,7 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
     import io
     import resource
     import runpy
+    import tempfile
     import threading
     import traceback
     import types
@@ -160,6 +161,7 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
     os.chdir(request["cwd"])
     os.environb.clear()
     os.environb.update(request["env"])
+    tempfile.tempdir = None  # found again from this process's TMPDIR, as at a fresh start
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding="utf-8")
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.open(1, "wb", closefd=False), encoding="utf-8",

@@ -64,6 +64,11 @@ def test_exit_codes_and_errors_are_the_interpreters():
     assert _run(["-c", "import atexit; atexit.register(print, 'at exit'); print('body')"]).stdout == "body\nat exit\n"
 
 
+def test_the_temporary_folder_is_the_callers(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    assert _run(["-c", "import tempfile; print(tempfile.gettempdir())"], env=env).stdout.strip() == str(tmp_path)
+
+
 def test_resource_limits_are_the_callers():
     import resource
 
