@@ -106,7 +106,8 @@ def run_client(servers: str, args: list[str]) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server = _server_for(servers, args)
     conn.connect(server)
-    limits = {name: resource.getrlimit(getattr(resource, name)) for name in _LIMITS}  # e.g. set by preexec_fn
+    limits = {number: resource.getrlimit(number)  # e.g. set by preexec_fn
+              for number in (getattr(resource, name) for name in _LIMITS)}
     request = pickle.dumps({"args": args, "env": dict(os.environb), "cwd": os.getcwd(),
                             "unbuffered": unbuffered, "limits": limits})
     socket.send_fds(conn, [_LENGTH.pack(len(request))], _open_standard_streams())
@@ -155,9 +156,9 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
-    for name, limit in request["limits"].items():  # the client's resource limits, as if it had forked the child
-        if resource.getrlimit(getattr(resource, name)) != limit:
-            resource.setrlimit(getattr(resource, name), limit)
+    for number, limit in request["limits"].items():  # the client's resource limits, as if it had forked the child
+        if resource.getrlimit(number) != limit:
+            resource.setrlimit(number, limit)
     os.chdir(request["cwd"])
     os.environb.clear()
     os.environb.update(request["env"])
