@@ -225,12 +225,14 @@ class LiTModel(nn.Module):
         return F.normalize(embeddings, dim=-1) if normalize else embeddings
 
     def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None, *,
-                image_features: torch.Tensor | None = None):
+                image_features: torch.Tensor | None = None, text_rows: torch.Tensor | None = None):
         """open_clip's `CLIP.forward` contract: → (image_features (B, D) or None, text_features (B',
         D) or None, logit_scale), plus logit_bias for the sigmoid loss; features normalized, either
         tower may be left out (`model(text=ids)` embeds text alone). The scale is
         `logit_scale.exp()` capped at max_temperature. `image_features`: pooled tower features (e.g.
-        cached) in place of `image`."""
+        cached) in place of `image`. `text_rows` (B',): the texts as rows of `text`, which then
+        holds each distinct caption once (see `distinct_rows`): the text features are
+        `encode_text(text)[text_rows]`, with each caption's gradient summed over its rows."""
         if image is not None and image_features is not None:
             raise ValueError("give at most one of image and image_features")
         zimg = None
@@ -243,6 +245,8 @@ class LiTModel(nn.Module):
                                 "unlocked_blocks=0 with an embedding cache, or feed images")
             zimg = self.encode_image_features(image_features)
         ztxt = self.encode_text(text) if text is not None else None
+        if ztxt is not None and text_rows is not None:
+            ztxt = ztxt[text_rows]  # (distinct, D) → (B', D)
         # Capped at max_temperature in value only: the gradient passes as if uncapped, because a
         # clamp gives none at or past its bound (and exp(float32 ln 100) is just past 100), so a
         # scale that reached the cap could never come back down. The recipe also caps the
@@ -279,3 +283,12 @@ class LiTModel(nn.Module):
         names |= {n for n, p in self.named_parameters()
                   if p.ndim <= 1 and not n.startswith("image_tower.")}
         return names
+
+
+def distinct_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Text ids (B, L) → (the distinct rows (U, L), each row's index among them (B,)), what
+    `LiTModel.forward` takes as `text` and `text_rows`; (ids, None) when no row repeats. Captions
+    written from class names repeat within a batch (Fashion-MNIST's 50 in every batch of 256), and
+    the text tower then runs on U rows instead of B."""
+    distinct, rows = torch.unique(ids, dim=0, return_inverse=True)
+    return (ids, None) if len(distinct) == len(ids) else (distinct, rows)

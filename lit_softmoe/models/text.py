@@ -132,6 +132,14 @@ class TextTower(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return set()
 
+    def is_stochastic(self) -> bool:
+        """Whether a forward in the current mode may embed the same ids differently: a dropout (or
+        any other drop- module) with a nonzero rate, in training mode. A tower that is not may embed
+        each distinct caption of a batch once (`LiTModel.forward`'s `text_rows`)."""
+        return any(module.training and "drop" in type(module).__name__.lower()
+                   and getattr(module, "p", getattr(module, "drop_prob", None)) != 0
+                   for module in self.modules())
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them (timm's
         name)."""

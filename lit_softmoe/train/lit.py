@@ -31,7 +31,7 @@ from lit_softmoe.config import LiTConfig
 from lit_softmoe.data.transforms import BatchNormalize
 from lit_softmoe.errors import UserError
 from lit_softmoe.model_folders import STATE_META, require_keys
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.lit import LiTModel, distinct_rows
 from lit_softmoe.models.text import create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
 from lit_softmoe.models.tower_folder import (
@@ -347,25 +347,32 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
     accelerator, cached = run.accelerator, normalize is None
     last_outputs: list = []  # the step's last forward outputs: (zimg, ztxt, logit_scale, ...)
 
-    # (images or cached features, text) → (zimg, ztxt, logit_scale[, logit_bias])
+    # (images or cached features, text, text_rows) → (zimg, ztxt, logit_scale[, logit_bias])
     def embed(micro_batch):
-        micro_images, micro_text = micro_batch
+        micro_images, micro_text, text_rows = micro_batch
         with accelerator.autocast():
             if cached:
-                return model(image_features=micro_images, text=micro_text)
-            return model(micro_images, micro_text)
+                return model(image_features=micro_images, text=micro_text, text_rows=text_rows)
+            return model(micro_images, micro_text, text_rows=text_rows)
+
+    def text_on_device(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # A deterministic text tower embeds each distinct caption once; found on the host, where
+        # the ids still are, so a GPU does not wait for the count of distinct rows.
+        ids, rows = (ids, None) if model_module.text_tower.is_stochastic() else distinct_rows(ids)
+        return (ids.to(accelerator.device, non_blocking=True),
+                None if rows is None else rows.to(accelerator.device, non_blocking=True))
 
     def loss_fn(*outputs):
         with accelerator.autocast():
             return (sigmoid_loss if cfg.loss == "sigmoid" else contrastive_loss)(*outputs)
 
     def forward_backward(batch) -> torch.Tensor:
-        text = batch["text"].to(accelerator.device, non_blocking=True)
         images = batch["embedding" if cached else "image"].to(accelerator.device, non_blocking=True)
         images = images if cached else normalize(images)
         # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's
         # recompute scheme).
-        micro_batches = split_batch((images, text), cfg.accum_steps)
+        micro_batches = [(micro_images, *text_on_device(micro_text)) for micro_images, micro_text
+                         in split_batch((images, batch["text"]), cfg.accum_steps)]
         loss, outputs = contrastive_accumulation(embed, loss_fn, micro_batches,
                                                  backward=accelerator.backward,
                                                  no_sync=run.no_sync(model))

@@ -9,7 +9,7 @@ import torch
 
 from lit_data import lit_config
 from lit_softmoe.errors import UserError
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.lit import LiTModel, distinct_rows
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.train.loss import contrastive_loss, sigmoid_loss
@@ -111,6 +111,30 @@ def test_either_tower_may_be_left_out_of_forward():
     assert image_only[1] is None and torch.equal(image_only[0], model.encode_image(pixels))
     assert torch.equal(image_only[0], zimg)
     assert nothing[:2] == (None, None) and scale.item() == text_only[2].item() == pytest.approx(10.0)
+
+
+def test_text_rows_embed_each_distinct_caption_once_with_every_rows_gradient():
+    """`distinct_rows` + `text_rows`: the features and gradients of embedding every row, each caption's gradient
+    summed over its rows. In float64, where the tower's sums over a batch of 3 rows and of 6 agree far below
+    the tolerance."""
+    model = _model().double()
+    ids = token_ids()
+    batch = ids[[0, 1, 0, 2, 1, 0]]
+    distinct, rows = distinct_rows(batch)
+    assert len(distinct) == 3 and torch.equal(distinct[rows], batch)
+    assert distinct_rows(ids)[0] is ids and distinct_rows(ids)[1] is None  # nothing repeats: nothing changes
+    features = torch.randn(6, model.image_tower.embed_dim, dtype=torch.float64)
+    grads = []
+    for kwargs in [{"text": batch}, {"text": distinct, "text_rows": rows}]:
+        model.zero_grad()
+        zimg, ztxt, scale = model(image_features=features, **kwargs)
+        contrastive_loss(zimg, ztxt, scale).backward()
+        grads.append((ztxt.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (every_row, every_grad), (once, once_grad) = grads
+    torch.testing.assert_close(once, every_row)
+    assert once_grad.keys() == every_grad.keys() and any(n.startswith("text_tower.") for n in once_grad)
+    for name in every_grad:
+        torch.testing.assert_close(once_grad[name], every_grad[name], msg=name)
 
 
 def test_forward_returns_open_clips_tuple_with_the_capped_scale():

