@@ -39,9 +39,11 @@ demo-fast: $(INSTALLED) fashion-mnist
 
 # The suite on every core: pytest-xdist's workers (TEST_WORKERS, default one per core) share the cores
 # (tests/conftest.py gives each cores/workers threads). TEST_WORKERS=0 runs it in this one process.
+# worksteal: a worker that runs out of tests takes half of another's queue (xdist's default, load,
+# leaves each worker the tests it was sent: on 2 cores one worker ran alone for the last 72 s).
 TEST_WORKERS ?= auto
 test: $(INSTALLED) fashion-mnist lint timm-tests
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # timm's own model tests (tests/test_models.py of the installed timm's sdist, downloaded once into
 # TIMM_SDIST_DIR) on our registered towers: tests/timm_suite/timm_plugin.py registers them first and
