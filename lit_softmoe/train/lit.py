@@ -355,10 +355,10 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
                 return model(image_features=micro_images, text=micro_text, text_rows=text_rows)
             return model(micro_images, micro_text, text_rows=text_rows)
 
-    def text_on_device(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # A deterministic text tower embeds each distinct caption once; found on the host, where
-        # the ids still are, so a GPU does not wait for the count of distinct rows.
-        ids, rows = (ids, None) if model_module.text_tower.is_stochastic() else distinct_rows(ids)
+    def text_on_device(ids: torch.Tensor, dedupe: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Distinct rows found on the host, where the ids still are, so a GPU does not wait for
+        # their count.
+        ids, rows = distinct_rows(ids) if dedupe else (ids, None)
         return (ids.to(accelerator.device, non_blocking=True),
                 None if rows is None else rows.to(accelerator.device, non_blocking=True))
 
@@ -371,7 +371,11 @@ def _step_functions(cfg: LiTConfig, run: TrainingRun, model, model_module: LiTMo
         images = images if cached else normalize(images)
         # accum_steps micro-batches give the whole batch's loss and gradient (open_clip's
         # recompute scheme).
-        micro_batches = [(micro_images, *text_on_device(micro_text)) for micro_images, micro_text
+        # A deterministic text tower embeds each distinct caption once (its mode read once a step:
+        # evaluations switch it and back between steps).
+        dedupe = not model_module.text_tower.is_stochastic()
+        micro_batches = [(micro_images, *text_on_device(micro_text, dedupe))
+                         for micro_images, micro_text
                          in split_batch((images, batch["text"]), cfg.accum_steps)]
         loss, outputs = contrastive_accumulation(embed, loss_fn, micro_batches,
                                                  backward=accelerator.backward,
