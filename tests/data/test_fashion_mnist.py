@@ -40,6 +40,23 @@ def test_read_idx_rejects_a_truncated_file(tmp_path):
         read_idx(broken)
 
 
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_limited_read_is_the_head_of_the_whole_and_reads_no_further(tmp_path, compressed):
+    folder = find_fashion_mnist(allow_download=False)
+    whole = read_idx(folder / "t10k-images-idx3-ubyte.gz")
+    assert read_fashion_mnist("test", allow_download=False, limit=7)[0].shape == (7, 28, 28)
+    # The first 300 images of a copy cut off after image 1000: what the whole file holds, and no complaint about
+    # the damage that lies past them; a limit beyond the cut, or none, finds it.
+    data = gzip.decompress((folder / "t10k-images-idx3-ubyte.gz").read_bytes())[:16 + 1000 * 784]
+    path = tmp_path / ("images.gz" if compressed else "images")
+    path.write_bytes(gzip.compress(data) if compressed else data)
+    assert np.array_equal(read_idx(path, limit=300), whole[:300])
+    assert np.array_equal(read_idx(path, limit=1000), whole[:1000])
+    for limit in (1001, None):
+        with pytest.raises(UserError, match="truncated"):
+            read_idx(path, limit=limit)
+
+
 def test_shards_round_trip_exactly(fmnist_shards):
     out, summary, source = fmnist_shards
     assert summary["samples"] == {"train": LIMIT, "test": LIMIT} and not summary["skipped"]
