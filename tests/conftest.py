@@ -2,6 +2,7 @@
 folder (each process its own TMPDIR, each run its own torch.compile cache), torch's thread count restored after
 every test, and the fixtures that several test files use. The data sets and runs are built once per run
 (tests/shared_builds.py): they are only read by the tests."""
+import gc
 import hashlib
 import os
 import shutil
@@ -53,6 +54,14 @@ def pytest_collection_modifyitems(config, items):
     instead, two slow tests ran at once, each with its own processes on the 2 cores: the run took 499 s against
     456 s (one run each)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, the hub libraries, every test module) stays for the whole run: frozen
+    (https://docs.python.org/3/library/gc.html#gc.freeze), so that the cyclic garbage collector stops walking it
+    at every full collection the tests' own objects set off."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
