@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install fashion-mnist demo demo-fast test lint timm-tests wheel-check clean
+.PHONY: install fashion-mnist demo demo-fast test lint timm-sdist timm-tests wheel-check clean
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,24 +41,33 @@ demo-fast: $(INSTALLED) fashion-mnist
 # (tests/conftest.py gives each cores/workers threads). TEST_WORKERS=0 runs it in this one process.
 # worksteal: a worker that runs out of tests takes half of another's queue (xdist's default, load,
 # leaves each worker the tests it was sent: on 2 cores one worker ran alone for the last 72 s).
+# timm's model tests (below) run in the same session: one start of the workers, one queue to balance.
 TEST_WORKERS ?= auto
-test: $(INSTALLED) fashion-mnist lint timm-tests
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+TIMM_PYTEST = PYTHONPATH="$(CURDIR)/tests/timm_suite$${PYTHONPATH:+:$$PYTHONPATH}" $(PY) -m pytest \
+	-p timm_plugin -W ignore::pytest.PytestUnknownMarkWarning
+test: $(INSTALLED) fashion-mnist lint timm-sdist
+	$(TIMM_PYTEST) -q -n $(TEST_WORKERS) --dist worksteal --rootdir "$(CURDIR)" -c pyproject.toml \
+		tests "$$(cat "$(TIMM_TESTS_FILE)")"
 
 # timm's own model tests (tests/test_models.py of the installed timm's sdist, downloaded once into
 # TIMM_SDIST_DIR) on our registered towers: tests/timm_suite/timm_plugin.py registers them first and
 # keeps the tests that apply (docs/interoperability.md, "timm tests that do not apply"): 112 tests, about
-# 1.5 min on the 2-core machine (pytest-xdist workers, as in `test`).
+# 1 min on the 2-core machine. `make test` runs them with the suite; `make timm-tests` alone.
 TIMM_SDIST_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lit-softmoe/timm-sdist
-timm-tests: $(INSTALLED)
+# The path of the installed timm's test_models.py, written by timm-sdist: a copy in a folder of its own, as
+# timm's tests/ is a package named `tests` with a conftest, like ours, and one session cannot import both.
+TIMM_TESTS_FILE := $(VENV)/.timm-tests
+timm-sdist: $(INSTALLED)
 	@v=$$($(PY) -c "import timm; print(timm.__version__)") && d="$(TIMM_SDIST_DIR)/timm-$$v" && \
 	if [ ! -f "$$d/tests/test_models.py" ]; then \
 		mkdir -p "$(TIMM_SDIST_DIR)" && \
 		$(PY) -m pip download -q --no-deps --no-binary :all: "timm==$$v" -d "$(TIMM_SDIST_DIR)" && \
 		tar -xzf "$(TIMM_SDIST_DIR)/timm-$$v.tar.gz" -C "$(TIMM_SDIST_DIR)" "timm-$$v/tests" "timm-$$v/pyproject.toml"; \
-	fi && \
-	cd "$$d" && PYTHONPATH="$(CURDIR)/tests/timm_suite:$(CURDIR)" "$(abspath $(PY))" -m pytest -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) -p timm_plugin -W ignore::pytest.PytestUnknownMarkWarning tests/test_models.py
+	fi && mkdir -p "$$d/model_tests" && cp "$$d/tests/test_models.py" "$$d/model_tests/" && \
+	echo "$$d/model_tests/test_models.py" > "$(TIMM_TESTS_FILE)"
+
+timm-tests: timm-sdist
+	$(TIMM_PYTEST) -q -n $(TEST_WORKERS) --rootdir "$(CURDIR)" -c pyproject.toml "$$(cat "$(TIMM_TESTS_FILE)")"
 
 # The layering contract (pyproject's [tool.importlinter]: imports point down the layers only) and ruff.
 lint: $(INSTALLED)

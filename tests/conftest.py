@@ -1,7 +1,7 @@
-"""Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, each test's own cache
-folder (each process its own TMPDIR, each run its own torch.compile cache), torch's thread count restored after
-every test, and the fixtures that several test files use. The data sets and runs are built once per run
-(tests/shared_builds.py): they are only read by the tests."""
+"""Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, what collection imported
+frozen for the garbage collector, each test's own cache folder (each process its own TMPDIR, each run its own
+torch.compile cache), torch's thread count restored after every test, and the fixtures that several test files
+use. The data sets and runs are built once per run (tests/shared_builds.py): they are only read by the tests."""
 import gc
 import hashlib
 import os

@@ -1,9 +1,10 @@
 """pytest plugin that runs timm's own model tests (`tests/test_models.py` of timm's sdist) on our towers.
 
-`make timm-tests` downloads the sdist of the installed timm and runs
-`pytest -p timm_plugin tests/test_models.py` in it, with this folder on PYTHONPATH. Loaded as a
-plugin, this module imports our registration before timm's test module parametrizes over
-`timm.list_models()`, then keeps only the tests that apply to our names (docs/interoperability.md, "timm"):
+`make timm-sdist` downloads the sdist of the installed timm; `make test` runs its `tests/test_models.py` in the
+same pytest session as our suite (`pytest -p timm_plugin tests SDIST/tests/test_models.py`, with this folder on
+PYTHONPATH), `make timm-tests` alone. Loaded as a plugin, this module imports our registration before timm's
+test module parametrizes over `timm.list_models()`, then keeps only the tests that apply to our names
+(docs/interoperability.md, "timm"); our suite's tests it leaves as they are:
 
 - test_model_forward, test_model_backward: as they are.
 - test_model_default_cfgs: timm splits it by name pattern; ViTs (`vit_*`, `deit*`, ... in its
@@ -35,7 +36,8 @@ import torch
 from lit_softmoe.integrations.timm import _OURS, timm_model_names
 from lit_softmoe.models.registry import create_image_tower, image_tower_config
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for the helper below (after timm's own)
+OUR_TESTS = Path(__file__).resolve().parents[1]
+sys.path.append(str(OUR_TESTS))  # tests/, for the helper below (after timm's own)
 from worker_cores import share_cores_among_workers  # noqa: E402
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
@@ -94,9 +96,15 @@ def _as_non_std(item: pytest.Function) -> pytest.Function:
         keywords=dict(item.keywords))
 
 
+def _timms(item: pytest.Item) -> bool:
+    """Whether `item` is one of timm's model tests (`make test` collects them with our suite)."""
+    return OUR_TESTS not in item.path.parents
+
+
 def pytest_collection_modifyitems(session, config, items):
+    ours = [item for item in items if not _timms(item)]
     keep, drop = [], []
-    for item in items:
+    for item in (item for item in items if _timms(item)):
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("model_name") if callspec else None
         if _applies(name, item.originalname):
@@ -108,6 +116,6 @@ def pytest_collection_modifyitems(session, config, items):
     # The largest towers first: pytest-xdist's workers then end on the small ones, not one on an L/14 while the
     # other waits (a stable sort: one tower's tests keep timm's order).
     keep.sort(key=lambda item: -PARAMS[item.callspec.params["model_name"]])
-    items[:] = keep
+    items[:] = ours + keep
     config.hook.pytest_deselected(items=drop)
     torch.manual_seed(0)
