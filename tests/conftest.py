@@ -1,48 +1,28 @@
-"""Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, what collection imported
-frozen for the garbage collector, each test's own cache folder (each process its own TMPDIR, each run its own
-torch.compile cache), torch's thread count restored after every test, and the fixtures that several test files
-use. The data sets and runs are built once per run (tests/shared_builds.py): they are only read by the tests."""
-import gc
+"""Shared test set-up: each pytest-xdist worker's share of the cores, the slow tests first, each test's own cache
+folder (each process its own TMPDIR, each run its own torch.compile cache: tests/run_folders.py), torch's thread
+count restored after every test, and the fixtures that several test files use. The data sets and runs are built
+once per run (tests/shared_builds.py): they are only read by the tests."""
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-# Each test process (the xdist controller and each worker) has a temporary folder of its own under the system's,
-# removed at its end: TMPDIR for it and for every process its tests start, so that what they leave there (torchrun's
-# torchelastic_* folders of a killed launch, the forked-python servers' sockets) goes with the run. pytest's own
-# folders (tmp_path: the last three runs kept for a look after a failure) stay in the system's.
-os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-_TMP = tempfile.mkdtemp(prefix="tests-tmp-")
-os.environ["TMPDIR"] = _TMP
-tempfile.tempdir = None  # found again from TMPDIR
+import run_folders  # isort: skip (first: it sets the folders torch reads when it is imported)
 
-# torch.compile's cache in a folder of this test run's own (made by the first process to load this file, the xdist
-# controller, whose workers and their processes inherit it), set before torch is imported (torchvision's import
-# already fixes the default, /tmp/torchinductor_<user>): inductor's FX graph cache key leaves out
-# ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes (pytorch/pytorch#123514), so code written
-# under `avx2` was found again under `default` and failed to build there (`at::vec` undeclared). A user's own
-# setting is kept.
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+import pytest
+import torch
+import torch.distributed as dist
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from data_files import LIMIT  # noqa: E402
-from lit_data import write_lit_data  # noqa: E402
-from lit_runs import make_run  # noqa: E402
-from lit_softmoe import cli  # noqa: E402
-from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards  # noqa: E402
-from shared_builds import built_once, changed_builds  # noqa: E402
-from worker_cores import share_cores_among_workers  # noqa: E402
+from data_files import LIMIT
+from lit_data import write_lit_data
+from lit_runs import make_run
+from lit_softmoe import cli
+from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
+from shared_builds import built_once, changed_builds
+from worker_cores import share_cores_among_workers
 
 
 def pytest_configure(config):
     share_cores_among_workers()
-    config.add_cleanup(lambda: shutil.rmtree(_TMP, ignore_errors=True))
+    run_folders.remove_at_end(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -54,14 +34,6 @@ def pytest_collection_modifyitems(config, items):
     instead, two slow tests ran at once, each with its own processes on the 2 cores: the run took 499 s against
     456 s (one run each)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-def pytest_collection_finish(session):
-    """What collection imported (torch, the hub libraries, every test module) stays for the whole run: frozen
-    (https://docs.python.org/3/library/gc.html#gc.freeze), so that the cyclic garbage collector stops walking it
-    at every full collection the tests' own objects set off."""
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

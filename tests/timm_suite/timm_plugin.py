@@ -1,8 +1,9 @@
 """pytest plugin that runs timm's own model tests (`tests/test_models.py` of timm's sdist) on our towers.
 
-`make timm-sdist` downloads the sdist of the installed timm; `make test` runs its `tests/test_models.py` in the
-same pytest session as our suite (`pytest -p timm_plugin tests SDIST/tests/test_models.py`, with this folder on
-PYTHONPATH), `make timm-tests` alone. Loaded as a plugin, this module imports our registration before timm's
+`make timm-sdist` downloads the sdist of the installed timm and copies its `tests/test_models.py` into a folder
+of its own (the Makefile says why); `make test` runs it in the same pytest session as our suite
+(`pytest -p timm_plugin tests SDIST/model_tests/test_models.py`, with this folder on PYTHONPATH), `make
+timm-tests` alone. Loaded as a plugin, this module imports our registration before timm's
 test module parametrizes over `timm.list_models()`, then keeps only the tests that apply to our names
 (docs/interoperability.md, "timm"); our suite's tests it leaves as they are:
 
@@ -30,14 +31,16 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
-from lit_softmoe.integrations.timm import _OURS, timm_model_names
-from lit_softmoe.models.registry import create_image_tower, image_tower_config
-
 OUR_TESTS = Path(__file__).resolve().parents[1]
-sys.path.append(str(OUR_TESTS))  # tests/, for the helper below (after timm's own)
+sys.path.append(str(OUR_TESTS))  # tests/, for the helpers below (after timm's own)
+# Before torch: the run's TMPDIR and torch.compile cache (pytest loads this plugin before our conftest).
+import run_folders  # noqa: E402  # isort: skip
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lit_softmoe.integrations.timm import _OURS, timm_model_names  # noqa: E402
+from lit_softmoe.models.registry import create_image_tower, image_tower_config  # noqa: E402
 from worker_cores import share_cores_among_workers  # noqa: E402
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
@@ -54,6 +57,7 @@ PRUNE_MAX_PARAMS = 30_000_000
 
 def pytest_configure(config):
     share_cores_among_workers()  # `make timm-tests` runs on pytest-xdist's workers too
+    run_folders.remove_at_end(config)  # `make timm-tests` loads no conftest of ours
 
 
 def _params(name: str) -> int:
