@@ -17,10 +17,9 @@ tempfile.tempdir = None  # found again from TMPDIR
 # torch.compile's cache in a folder of this test run's own (made by the first process to import this module, the
 # xdist controller, whose workers and their processes inherit it), set before torch is imported (importing torch
 # sets the variable to its default, /tmp/torchinductor_<user>, which this would then keep as a user's own):
-# inductor's FX graph cache key leaves out
-# ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes (pytorch/pytorch#123514), so code written
-# under `avx2` was found again under `default` and failed to build there (`at::vec` undeclared). A user's own
-# setting is kept.
+# inductor's FX graph cache key leaves out ATEN_CPU_CAPABILITY, which picks the vector ISA of the C++ it writes
+# (pytorch/pytorch#123514), so code written under `avx2` was found again under `default` and failed to build
+# there (`at::vec` undeclared). A user's own setting is kept.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 

@@ -146,15 +146,13 @@ def read_idx(path: str | Path, limit: int | None = None) -> np.ndarray:
             if limit is not None and ndim and limit < shape[0]:
                 shape = (limit, *shape[1:])
                 data = file.read(math.prod(shape))
-                complete = len(data) == math.prod(shape)
             else:  # all of it: nothing may follow the last item
                 data = file.read()
-                complete = len(data) == math.prod(shape)
     # a cut-off download, or not gzip at all
     except (EOFError, zlib.error, gzip.BadGzipFile) as exn:
         raise UserError(f"{path} is a damaged gzip file ({exn}); reinstall the dataset "
                         f"({_INSTALL_HINT})") from None
-    if not complete:
+    if len(data) != math.prod(shape):
         raise UserError(f"{path} is truncated or padded ({4 + 4 * ndim + len(data)} bytes for "
                         f"shape {shape}); reinstall the dataset ({_INSTALL_HINT})")
     return np.frombuffer(data, np.uint8).reshape(shape)

@@ -106,9 +106,11 @@ def _timms(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    ours = [item for item in items if not _timms(item)]
+    ours, timms = [], []
+    for item in items:
+        (timms if _timms(item) else ours).append(item)
     keep, drop = [], []
-    for item in (item for item in items if _timms(item)):
+    for item in timms:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("model_name") if callspec else None
         if _applies(name, item.originalname):
