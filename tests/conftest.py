@@ -2,7 +2,9 @@
 folder (each process its own TMPDIR, each run its own torch.compile cache: tests/run_folders.py), torch's thread
 count restored after every test, and the fixtures that several test files use. The data sets and runs are built
 once per run (tests/shared_builds.py): they are only read by the tests."""
+import gc
 import hashlib
+import os
 from pathlib import Path
 
 import run_folders  # isort: skip (first: it sets the folders torch reads when it is imported)
@@ -34,6 +36,22 @@ def pytest_collection_modifyitems(config, items):
     instead, two slow tests ran at once, each with its own processes on the 2 cores: the run took 499 s against
     456 s (one run each)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, the hub libraries, every test module) stays for the whole run: frozen
+    (https://docs.python.org/3/library/gc.html#gc.freeze), so that the cyclic garbage collector stops walking it at
+    every full collection the tests' objects set off, and a forked child's collection does not write to (and so
+    copy) every page of it.
+
+    Each fork from here (a DataLoader's workers) collects first (os.register_at_fork), as gc.freeze's documentation
+    advises for a pre-fork server: cyclic garbage that an earlier test left (a destroyed gloo process group) is freed
+    in this process, where its threads live, and not in a child, which has none of them. Without that, a child
+    collected such a group and hung in ~ProcessGroupGloo (pthread_cond_destroy), and a frozen heap collects in full
+    more often, which made that likely."""
+    gc.collect()
+    gc.freeze()
+    os.register_at_fork(before=gc.collect)
 
 
 @pytest.fixture(scope="session", autouse=True)
