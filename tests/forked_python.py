@@ -138,6 +138,7 @@ def child_file(folder: str, client_pid: int) -> str:
 def _child_main(request: dict, fds: list[int], default_threads: int, base_path: list[str]) -> None:
     """In the forked child: become the process the client asked for, run it, exit as Python would."""
     import atexit
+    import faulthandler
     import io
     import resource
     import runpy
@@ -170,6 +171,9 @@ def _child_main(request: dict, fds: list[int], default_threads: int, base_path: 
                                                    line_buffering=os.isatty(1), write_through=unbuffered)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", closefd=False), encoding="utf-8",
                                                    errors="backslashreplace", line_buffering=True)
+    # A crash (SIGSEGV, SIGABRT) prints every thread's Python stack into the test's stderr, as pytest's own
+    # faulthandler does for its process: a launched run that died of a signal said only "exitcode: -11".
+    faulthandler.enable(sys.stderr, all_threads=True)
     threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(threads) if threads and threads.isdigit() else default_threads)
     # sys.path as a fresh start makes it: the first entry (below), then PYTHONPATH's, then the site's

@@ -95,6 +95,13 @@ def test_a_signal_ends_it_as_it_ends_a_process():
     assert process.wait(timeout=30) == -signal.SIGTERM
 
 
+def test_a_crash_ends_it_with_its_signal_and_every_threads_python_stack_on_stderr():
+    crashed = _run(["-c", "import ctypes\ndef deep():\n    ctypes.string_at(0)\ndeep()"])
+    assert crashed.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in crashed.stderr, crashed.stderr
+    assert 'line 3 in deep' in crashed.stderr and 'File "<string>"' in crashed.stderr
+
+
 def _alive(process: psutil.Process) -> bool:
     """Running, not a zombie (killed, with its parent gone, until the container's init reaps it)."""
     try:
