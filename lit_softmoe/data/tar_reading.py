@@ -251,6 +251,14 @@ _OTHER_NUMBERS = (slice(100, 108), slice(108, 116), slice(116, 124), slice(136, 
                   slice(329, 337), slice(337, 345))
 
 
+def _unsigned_checksum(header: bytes) -> int:
+    """The header's bytes summed, its checksum field counted as 8 spaces (256): what every
+    writer but old Sun and NeXT tars records. `tarfile.calc_chksums` also computes the signed-char
+    sum those wrote, with two 504-field struct unpacks: 4x the time (11 us against 2.7 us a
+    header), once per member of every shard read."""
+    return 256 + sum(header) - sum(header[148:156])
+
+
 def _plain_member(header: bytes) -> tuple[str, int, bool] | None:
     """(name, size, whether a regular file) of a plain ustar header of a file or a directory, read
     with `tarfile`'s own field readers as `TarInfo.frombuf` reads it, minus the TarInfo; None for
@@ -264,7 +272,7 @@ def _plain_member(header: bytes) -> tuple[str, int, bool] | None:
             tarfile.nti(header[field])
     except tarfile.InvalidHeaderError:
         return None
-    if checksum not in tarfile.calc_chksums(header):
+    if checksum != _unsigned_checksum(header) and checksum not in tarfile.calc_chksums(header):
         return None
     name = tarfile.nts(header[0:100], tarfile.ENCODING, "surrogateescape")
     prefix = tarfile.nts(header[345:500], tarfile.ENCODING, "surrogateescape")

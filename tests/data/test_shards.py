@@ -365,6 +365,9 @@ def test_local_tars_read_as_webdatasets_stream_reader_reads_them(fmnist_shards, 
         plain.clear()
         assert len(read(str(paths["a pax header after plain ones"]))[0]) == 5
         assert [member is not None for member in plain] == [True, True, False]
+        plain.clear()
+        assert len(read(str(paths["a signed-char checksum"]))[0]) == 4
+        assert [member is not None for member in plain] == [True] * 8 + [False]  # the end: tarfile's
 
 
 def _tars_of_every_header_kind(folder: Path) -> dict:
@@ -414,7 +417,15 @@ def _tars_of_every_header_kind(folder: Path) -> dict:
     header = bytearray(data[third.offset:third.offset + 512])
     header[148:156] = b"0000000\0"  # the third header's checksum
     pad_end = third.offset_data + third.size + (-third.size % 512)
+    # Old Sun and NeXT tars summed the header as signed chars: tarfile accepts either sum. A name with bytes past
+    # 127 (latin-1 é) makes the two differ.
+    latin1 = paths["a name that is not UTF-8"].read_bytes()
+    signed = bytearray(latin1[:512])
+    signed_sum = tarfile.calc_chksums(bytes(signed))[1]
+    assert signed_sum != tarfile.calc_chksums(bytes(signed))[0]
+    signed[148:156] = b"%06o\0 " % signed_sum
     for name, content in {"a bad checksum in the middle": data[:third.offset] + header + data[third.offset + 512:],
+                          "a signed-char checksum": bytes(signed) + latin1[512:],
                           "cut inside the padding": data[:pad_end - 1]}.items():
         paths[name] = folder / f"{name.replace(' ', '-')}.tar"
         paths[name].write_bytes(content)
