@@ -41,17 +41,17 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """What collection imported (torch, the hub libraries, every test module) stays for the whole run: frozen
     (https://docs.python.org/3/library/gc.html#gc.freeze), so that the cyclic garbage collector stops walking it at
-    every full collection the tests' objects set off, and a forked child's collection does not write to (and so
-    copy) every page of it.
+    every full collection the tests' objects set off.
 
-    Each fork from here (a DataLoader's workers) collects first (os.register_at_fork), as gc.freeze's documentation
-    advises for a pre-fork server: cyclic garbage that an earlier test left (a destroyed gloo process group) is freed
-    in this process, where its threads live, and not in a child, which has none of them. Without that, a child
-    collected such a group and hung in ~ProcessGroupGloo (pthread_cond_destroy), and a frozen heap collects in full
-    more often, which made that likely."""
+    A child forked from here (a DataLoader's workers) freezes everything it inherited, first thing
+    (os.register_at_fork(after_in_child=gc.freeze)): its collector then walks only the objects it makes itself. So
+    it never writes to (and so copies) the pages of the objects it shares with this process, and never collects
+    cyclic garbage that an earlier test left here: a destroyed gloo process group, whose destructor hung in a child
+    that has none of the group's threads (~ProcessGroupGloo, pthread_cond_destroy). A full collection here before
+    each fork avoided that hang too, but cost ~0.25 s a fork once the tests had filled the heap (~75 CPU-s a run)."""
     gc.collect()
     gc.freeze()
-    os.register_at_fork(before=gc.collect)
+    os.register_at_fork(after_in_child=gc.freeze)
 
 
 @pytest.fixture(scope="session", autouse=True)
