@@ -1,11 +1,14 @@
-"""lit_softmoe.train.logging: metrics.jsonl survives a torn last line and is truncated atomically."""
+"""lit_softmoe.train.logging: metrics.jsonl survives a torn last line and is truncated atomically; the curves' panels
+and their texts fit the figure."""
 import json
 from pathlib import Path
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from lit_softmoe.errors import UserError
-from lit_softmoe.train.logging import RunLogger, read_metrics
+from lit_softmoe.models.registry import list_image_towers
+from lit_softmoe.train.logging import RunLogger, curves_figure, read_metrics
 
 
 def _write_records(path: Path, steps) -> list[dict]:
@@ -70,3 +73,31 @@ def test_a_full_disk_while_logging_a_record_names_the_metrics_file(tmp_path, mon
     with pytest.raises(OSError) as caught:
         logger.log({"step": 1, "loss": 0.5})
     assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("keys", [("loss",), ("loss", "lr"), ("loss", "lr", "test_top1")])
+@pytest.mark.parametrize("title", ["", f"pretrain {max(list_image_towers(), key=len)}", "LiT transformer text tower"])
+def test_every_text_of_the_curves_lies_inside_the_figure_and_off_the_other_panels(keys, title):
+    # The widest labels a run logs: five-digit losses, a learning rate's 6-decimal ticks, 150,000 steps.
+    records = [{"step": step, "loss": 12345.6 / (step + 1), "lr": 3e-4 * min(1.0, step / 10_000), "test_top1": 0.5}
+               for step in range(0, 150_001, 5_000)]
+    fig = curves_figure(records, keys, title)
+    canvas = FigureCanvasAgg(fig)  # what savefig draws a PNG with
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    inside = fig.bbox.padded(-1)  # not cut at the edge
+    panels = [ax.get_window_extent(renderer) for ax in fig.axes]
+    assert len(panels) == len(keys)
+    for i, ax in enumerate(fig.axes):
+        (x0, x1), (y0, y1) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+        ticks = [t for t in ax.get_xticklabels() if x0 <= t.get_position()[0] <= x1] + \
+            [t for t in ax.get_yticklabels() if y0 <= t.get_position()[1] <= y1]  # those drawn
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.get_offset_text(), *ticks]
+        for text in (t for t in texts if t.get_visible() and t.get_text()):
+            box = text.get_window_extent(renderer)
+            assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), (keys[i], text.get_text())
+            assert not any(box.overlaps(other) for j, other in enumerate(panels) if j != i), (keys[i], text.get_text())
+    if title:
+        box = fig._suptitle.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1)
+        assert all(box.y0 >= ax.title.get_window_extent(renderer).y1 for ax in fig.axes)  # above the panels' titles
