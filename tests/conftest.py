@@ -10,16 +10,12 @@ from pathlib import Path
 import run_folders  # isort: skip (first: it sets the folders torch reads when it is imported)
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from data_files import LIMIT
-from lit_data import write_lit_data
-from lit_runs import make_run
-from lit_softmoe import cli
-from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
 from shared_builds import built_once, changed_builds
 from worker_cores import share_cores_among_workers
+
+# torch, the package and the test helpers that import them are imported where they are used: pytest-xdist's
+# controller imports this file too, and it runs no test (importing them there held the workers' start back ~5 s).
 
 
 def pytest_configure(config):
@@ -76,6 +72,8 @@ def _keep_torch_threads():
     Otherwise a later test comparing an in-process run with a subprocess run (the exact-resume tests)
     would compare 1-thread with 2-thread reductions: equal to the last bit only by luck.
     """
+    import torch
+
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -96,6 +94,8 @@ def fresh_accelerate_state():
 @pytest.fixture(scope="session")
 def fmnist(tmp_path_factory):
     """Fashion-MNIST as the eval suites read it: 300 samples a split, 128 a shard (3 test shards: 128 + 128 + 44)."""
+    from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
+
     def build(folder):
         write_fashion_mnist_shards(folder / "fashion-mnist", limit=300, samples_per_shard=128)
     return built_once(tmp_path_factory, "fmnist-300", build) / "fashion-mnist"
@@ -105,6 +105,9 @@ def fmnist(tmp_path_factory):
 def fmnist_shards(tmp_path_factory):
     """Fashion-MNIST shards, LIMIT samples per split, 64 per shard; the summary of the writer that wrote them;
     and the source arrays."""
+    from data_files import LIMIT
+    from lit_softmoe.data.fashion_mnist import read_fashion_mnist, write_fashion_mnist_shards
+
     out = tmp_path_factory.mktemp("fmnist")
     summary = write_fashion_mnist_shards(out, samples_per_shard=64, limit=LIMIT, allow_download=False)
     source = {split: read_fashion_mnist(split, allow_download=False) for split in ("train", "test")}
@@ -116,6 +119,8 @@ def fmnist_shards(tmp_path_factory):
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """300 + 300 images in shards of 50, so the feature cache holds 6 shards a split."""
+    from lit_data import write_lit_data
+
     return built_once(tmp_path_factory, "lit-data", write_lit_data)
 
 
@@ -123,12 +128,16 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run(tmp_path_factory) -> Path:
+    from lit_runs import make_run
+
     return built_once(tmp_path_factory, "lit-run", make_run) / "run"
 
 
 @pytest.fixture(scope="session")
 def onnx_export(run, tmp_path_factory) -> Path:
     """One --onnx export through the CLI, shared by the ONNX and no-torch tests."""
+    from lit_softmoe import cli
+
     def build(folder):
         assert cli.main(["export", str(run), "--out", str(folder / "export-onnx"), "--onnx"]) == 0
     return built_once(tmp_path_factory, "onnx-export", build) / "export-onnx"
@@ -162,6 +171,8 @@ def suite(tmp_path):
 def one_process_group():
     """A gloo process group of this one process (world size 1): what FSDP, expert parallel and their
     checkpoints need to run in-process."""
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 
 def share_cores_among_workers() -> None:
     """Under pytest-xdist (`make test` runs `-n auto`), N workers share the cores: each one's torch, and every
@@ -15,4 +13,6 @@ def share_cores_among_workers() -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch  # here: only a worker runs tests (pytest-xdist's controller loads this module too)
+
         torch.set_num_threads(threads)

@@ -3,8 +3,8 @@
 `make timm-sdist` downloads the sdist of the installed timm and copies its `tests/test_models.py` into a folder
 of its own (the Makefile says why); `make test` runs it in the same pytest session as our suite
 (`pytest -p timm_plugin tests SDIST/model_tests/test_models.py`, with this folder on PYTHONPATH), `make
-timm-tests` alone. Loaded as a plugin, this module imports our registration before timm's
-test module parametrizes over `timm.list_models()`, then keeps only the tests that apply to our names
+timm-tests` alone. Loaded as a plugin, this module imports our registration (in each process that collects)
+before timm's test module parametrizes over `timm.list_models()`, then keeps only the tests that apply to our names
 (docs/interoperability.md, "timm"); our suite's tests it leaves as they are:
 
 - test_model_forward, test_model_backward: as they are.
@@ -37,10 +37,7 @@ sys.path.append(str(OUR_TESTS))  # tests/, for the helpers below (after timm's o
 import run_folders  # noqa: E402  # isort: skip
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from lit_softmoe.integrations.timm import _OURS, timm_model_names  # noqa: E402
-from lit_softmoe.models.registry import create_image_tower, image_tower_config  # noqa: E402
 from worker_cores import share_cores_among_workers  # noqa: E402
 
 APPLY = {"test_model_forward", "test_model_backward", "test_model_default_cfgs_non_std"}
@@ -53,21 +50,38 @@ MAX_PARAMS = int(float(os.environ.get("LIT_SOFTMOE_TIMM_MAX_PARAMS", "4e8")))
 # The prune contract copies the tower twice per block (timm keeps it out of its CI for that): above
 # 30M parameters (B and L) it costs minutes a tower on a CPU; it runs on the Ti, S and tiny towers.
 PRUNE_MAX_PARAMS = 30_000_000
+# Our towers by what applies to them, filled by `_register_our_towers` (a process that collects: pytest-xdist's
+# controller collects nothing and so imports neither torch nor lit_softmoe).
+PARAMS: dict[str, int] = {}
+OURS: set[str] = set()
+WITH_FEATURES: set[str] = set()
+PRUNED: set[str] = set()
 
 
 def pytest_configure(config):
     share_cores_among_workers()  # `make timm-tests` runs on pytest-xdist's workers too
     run_folders.remove_at_end(config)  # `make timm-tests` loads no conftest of ours
+    if not _xdist_controller(config):
+        _register_our_towers()
 
 
-def _params(name: str) -> int:
-    return sum(p.numel() for p in create_image_tower(_OURS[name], device="meta").parameters())
+def _xdist_controller(config) -> bool:
+    """pytest-xdist's controller: it hands the tests to its workers and collects none itself."""
+    return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+            and bool(config.getoption("tx", None)) and not config.getoption("collectonly"))
 
 
-PARAMS = {n: _params(n) for n in timm_model_names()}
-OURS = {n for n in timm_model_names() if PARAMS[n] <= MAX_PARAMS}
-WITH_FEATURES = {n for n in OURS if image_tower_config(_OURS[n]).depth >= MIN_FEATURE_BLOCKS}
-PRUNED = {n for n in WITH_FEATURES if PARAMS[n] <= PRUNE_MAX_PARAMS}
+def _register_our_towers() -> None:
+    """Our towers registered with timm, before timm's test module parametrizes over `timm.list_models()`, and
+    sorted by what applies to them."""
+    from lit_softmoe.integrations.timm import _OURS, timm_model_names
+    from lit_softmoe.models.registry import create_image_tower, image_tower_config
+
+    for name in timm_model_names():
+        PARAMS[name] = sum(p.numel() for p in create_image_tower(_OURS[name], device="meta").parameters())
+    OURS.update(n for n in PARAMS if PARAMS[n] <= MAX_PARAMS)
+    WITH_FEATURES.update(n for n in OURS if image_tower_config(_OURS[n]).depth >= MIN_FEATURE_BLOCKS)
+    PRUNED.update(n for n in WITH_FEATURES if PARAMS[n] <= PRUNE_MAX_PARAMS)
 
 
 def _applies(name: str | None, test: str) -> bool:
@@ -124,4 +138,6 @@ def pytest_collection_modifyitems(session, config, items):
     keep.sort(key=lambda item: -PARAMS[item.callspec.params["model_name"]])
     items[:] = ours + keep
     config.hook.pytest_deselected(items=drop)
+    import torch
+
     torch.manual_seed(0)
