@@ -66,7 +66,9 @@ def pytest_configure(config):
 
 
 def _xdist_controller(config) -> bool:
-    """pytest-xdist's controller: it hands the tests to its workers and collects none itself."""
+    """pytest-xdist's controller: it hands the tests to its workers and collects none itself. Not
+    `xdist.is_xdist_controller`: that takes a session (pytest_configure has only the config) and counts a
+    `--collect-only -n N` run, which xdist does not distribute and which collects in this process, as one."""
     return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
             and bool(config.getoption("tx", None)) and not config.getoption("collectonly"))
 
