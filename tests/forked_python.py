@@ -89,9 +89,12 @@ def _open_standard_streams() -> list[int]:
 def _server_for(servers: str, args: list[str]) -> str:
     """`servers` is "TORCH_SOCKET" or "TORCH_SOCKET,PACKAGE_SOCKET,DIGEST,PACKAGE_ROOT": the package server where
     what it imported is what this process would import (the same import-time variables, and no other
-    lit_softmoe folder first on sys.path), else the torch one."""
+    lit_softmoe folder first on sys.path), else the torch one; torchrun's agent always the torch one."""
     torch_socket, *package = servers.split(",")
-    if not package:
+    if not package or args[:2] == ["-m", "torch.distributed.run"]:
+        # torchrun's agent imports only torch (its workers are processes of their own, `--no-python` this
+        # executable), and its logging looks up the module of each caller among all of sys.modules: forked from
+        # the package server it took 0.8 CPU-s a launch, from the torch one 0.3.
         return torch_socket
     package_socket, digest, root = package
     first = os.path.dirname(os.path.abspath(args[0])) if args and args[0] not in ("-m", "-c") else os.getcwd()
