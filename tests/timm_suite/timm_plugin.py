@@ -95,17 +95,26 @@ def _applies(name: str | None, test: str) -> bool:
     return name in OURS and test in APPLY
 
 
+def _kept(name: str, test: str) -> bool:
+    """Whether timm's `test` on model `name` stays: it applies, or it runs under timm's other name for it."""
+    return _applies(name, test) or (name in OURS and test == AS_NON_STD)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc):
-    """Our names into the `model_name` list of the feature tests timm selects by module, before pytest's
-    own hook parametrizes from the markers (replaced on this test's definition only)."""
-    if metafunc.function.__name__ not in BY_MODULE:
+    """The `model_name` list of each of timm's tests cut to our towers that it applies to, before pytest's own
+    hook parametrizes from the markers (replaced on this test's definition only): timm lists its ~1,500 models,
+    and pytest made ~18,000 items in each worker to deselect all but ours. The feature tests that timm selects
+    by module get our names added."""
+    if not _timms(metafunc.definition):
         return
+    test = metafunc.function.__name__
     markers = metafunc.definition.own_markers
     for i, mark in enumerate(markers):
-        if mark.name == "parametrize" and mark.args[0] == "model_name":
+        if mark.name == "parametrize" and mark.args[0] == "model_name" and "ids" not in mark.kwargs:
+            names = [*mark.args[1], *(sorted(WITH_FEATURES) if test in BY_MODULE else [])]
             markers[i] = pytest.mark.parametrize(
-                "model_name", [*mark.args[1], *sorted(WITH_FEATURES)], **mark.kwargs).mark
+                "model_name", [n for n in names if _kept(n, test)], **mark.kwargs).mark
 
 
 def _as_non_std(item: pytest.Function) -> pytest.Function:
@@ -131,7 +140,7 @@ def pytest_collection_modifyitems(session, config, items):
         name = callspec.params.get("model_name") if callspec else None
         if _applies(name, item.originalname):
             keep.append(item)
-        elif name in OURS and item.originalname == AS_NON_STD:
+        elif _kept(name, item.originalname):
             keep.append(_as_non_std(item))
         else:
             drop.append(item)
