@@ -19,10 +19,11 @@ before timm's test module parametrizes over `timm.list_models()`, then keeps onl
   files ours under module "timm" (`lit_softmoe.integrations.timm`), so `pytest_generate_tests` adds our
   names to their `model_name` parametrization.
 - everything else (TorchScript / FX / pretrained-weight tests, and the tests of named timm models) is
-  deselected; docs/interoperability.md ("timm tests that do not apply") says why for each.
+  left out (`pytest_generate_tests` cuts each `model_name` list to ours first; what remains is deselected);
+  docs/interoperability.md ("timm tests that do not apply") says why for each.
 
 Towers above LIT_SOFTMOE_TIMM_MAX_PARAMS parameters (default 400M: dense H and the paper's Soft MoE
-towers, 922M to 54B) are deselected too: on a CPU machine they cost minutes each, and from
+towers, 922M to 54B) are left out too: on a CPU machine they cost minutes each, and from
 soft_moe_b16_128e (3.7B) up their fp32 weights and gradients do not fit 24 GB.
 """
 from __future__ import annotations
