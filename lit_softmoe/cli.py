@@ -215,7 +215,9 @@ def _cmd_eval(args) -> None:
         peer = entry.get("peer") or {}
         if peer.get("status") == "ok":
             print(f"{entry['benchmark']}: clip_benchmark differs by at most "
-                  f"{peer['max_abs_diff_points']:.3f} points")
+                  f"{peer['max_abs_diff_points']:.3f} points"
+                  + (" (its result recorded on the unchanged model and files)"
+                     if peer.get("cache") == "hit" else ""))
         elif entry["status"] != "ok":
             print(summary_line(entry))
         elif peer:  # asked for, but it did not run (another layout) or failed: say so

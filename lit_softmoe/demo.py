@@ -50,9 +50,11 @@ def _peer_line(peer: dict) -> str:
     """What CLIP_benchmark's cross-check found; the headline promised one, so a failed or skipped
     one says why."""
     if peer.get("status") == "ok":
+        run = (f"recorded by its run of {peer['seconds']:.0f} s on the unchanged model and files"
+               if peer.get("cache") == "hit" else f"its run took {peer['seconds']:.0f} s")
         return ("CLIP_benchmark on the same model and files: top-1 "
                 f"{100 * peer['metrics']['top1']:.2f} (largest gap "
-                f"{peer['max_abs_diff_points']:.3f} points; its run took {peer['seconds']:.0f} s)")
+                f"{peer['max_abs_diff_points']:.3f} points; {run})")
     return f"CLIP_benchmark cross-check {peer.get('status')}: {peer.get('reason', '')}"
 
 

@@ -85,7 +85,7 @@ def _streamed_batches(data: EvalData, batch_size: int, workers: int) -> int | No
     return sum(-(-share // batch_size) for share in shares)
 
 
-def _tower_hash(model) -> str:
+def tower_hash(model) -> str:
     """`weights_sha256` of the tower's state, computed once per state: every benchmark of a suite
     needs it, and a 3.7B-parameter tower takes seconds to hash. A tensor written in place bumps its
     version counter and a replaced one has a new address, so either change recomputes it."""
@@ -111,7 +111,7 @@ def _cache_key(model, spec: BenchmarkConfig, data: EvalData, device: torch.devic
     preprocessing, and its own transform is what the images went through (torchvision's repr spells
     out the sizes, mean and std; a transform whose repr is unstable only costs cache misses)."""
     info = getattr(model, "pretrained_info", None) or {}
-    identity = {"format": CACHE_FORMAT, "tower_sha256": _tower_hash(model),
+    identity = {"format": CACHE_FORMAT, "tower_sha256": tower_hash(model),
                 "tower": model.image_tower.cfg.to_dict(), "preprocess": info.get("preprocess"),
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": data.task,

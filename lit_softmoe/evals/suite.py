@@ -7,7 +7,7 @@ text classifier from its prompts (`evals.prompts`) in large batches, or encode t
 score. What CLIP_benchmark's users keep tripping over (its issues about re-encoding, borrowed
 templates and overwritten results) is handled on purpose:
 - the image features are cached, so a new text tower against a locked image tower re-encodes only
-  text;
+  text; so is `--peer`'s CLIP_benchmark result (`evals.peer`), so a rerun does not evaluate twice;
 - a benchmark without templates of its own does not silently borrow ImageNet's;
 - results are never overwritten silently; a benchmark whose data is absent is reported as skipped
   with the path looked for and what puts the data there, and the rest still run (a suite in which
@@ -30,10 +30,10 @@ from lit_softmoe.config import EvalSuiteConfig
 from lit_softmoe.errors import UserError
 from lit_softmoe.evals.benchmark import BENCHMARKS_ENV, evaluate_benchmark, read_split
 from lit_softmoe.evals.features import default_cache_dir
+from lit_softmoe.evals.peer import cross_check
 from lit_softmoe.evals.prompts import resolve_prompts
 from lit_softmoe.evals.reports import summary_line, write_report
 from lit_softmoe.hub import load_pretrained
-from lit_softmoe.integrations.clip_benchmark import compare_with_clip_benchmark
 from lit_softmoe.model_folders import classify_folder
 from lit_softmoe.models.inference import prepare_for_inference
 from lit_softmoe.utils.atomic import process_alive
@@ -134,12 +134,12 @@ def run_suite(model_path: str | Path, cfg: EvalSuiteConfig, benchmarks: list[str
             entry["peer"] = {"status": "skipped",
                              "reason": f"not compared on a partial split: {entry['partial']}"}
         elif peer and entry["status"] == "ok" and entry["format"] == "wds":
-            prompts = {}
+            data, prompts = read_split(spec, preprocess), {}
             if entry["task"] == "classification":  # the prompts we scored, wherever they came from
-                classnames, templates, _ = resolve_prompts(spec, read_split(spec, preprocess))
+                classnames, templates, _ = resolve_prompts(spec, data)
                 prompts = {"classnames": classnames, "templates": templates}
-            entry["peer"] = compare_with_clip_benchmark(model_path, spec, entry, model_bundle,
-                                                        recall_k=tuple(cfg.recall_k), **prompts)
+            entry["peer"] = cross_check(model_path, model_bundle, spec, data, entry,
+                                        tuple(cfg.recall_k), prompts, cache_dir)
         elif peer and entry["status"] == "ok":
             # asked for, and not run: say so rather than leave it out
             entry["peer"] = {"status": "skipped",

@@ -23,6 +23,7 @@ from unittest import mock
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "lit_softmoe"
+PEER_BATCH_SIZE = 64  # CLIP_benchmark's own default
 # path → (model, preprocess, tokenizer) already loaded in this process
 _BUNDLES: dict[str, tuple] = {}
 
@@ -97,7 +98,7 @@ def clip_benchmark_cli(argv: list[str]) -> None:
 
 
 def run_clip_benchmark(model_path: str | Path, dataset_root: str | Path, dataset_name: str,
-                       split: str = "test", batch_size: int = 64, workers: int = 0,
+                       split: str = "test", batch_size: int = PEER_BATCH_SIZE, workers: int = 0,
                        recall_k=(1, 5, 10), bundle=None, task: str = "", classnames=None,
                        templates=None, model_type: str = MODEL_TYPE) -> dict:
     """Run `clip_benchmark eval` in this process on a wds-layout dataset; → its metrics JSON.
@@ -187,11 +188,15 @@ def compare_with_clip_benchmark(model_path, spec, entry: dict, bundle=None, **kw
         # on the console too, not only in the results JSON
         logger.warning("%s: %s", spec.name, reason)
         return {"status": "failed", "reason": reason}
-    theirs = in_our_names(run["metrics"])
+    return agreement(entry, in_our_names(run["metrics"]), round(time.perf_counter() - tic, 2))
+
+
+def agreement(entry: dict, theirs: dict, seconds: float) -> dict:
+    """The cross-check of our result `entry` against CLIP_benchmark's metrics `theirs` (in our
+    names), from a run of `seconds`: the largest gap in points over the metrics both have."""
     shared = [k for k in entry["metrics"] if k in theirs]
     gap = max((abs(entry["metrics"][k] - theirs[k]) * 100 for k in shared), default=None)
-    result = {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap,
-              "seconds": round(time.perf_counter() - tic, 2)}
+    result = {"status": "ok", "metrics": theirs, "max_abs_diff_points": gap, "seconds": seconds}
     if entry.get("empty_captions"):  # a gap these explain is no disagreement of the metrics
         result["note"] = (f"CLIP_benchmark scores the {entry['empty_captions']} blank caption "
                           "line(s) we leave out as empty captions, so recall@k can differ")
