@@ -155,7 +155,7 @@ def test_a_split_truncated_at_a_sample_boundary_is_reported_partial_and_not_comp
     listed = sum(json.loads((root / "test" / "sizes.json").read_text()).values())
     kept = cut_before_sample(root / "test" / "1.tar", 28)
     read = listed - 128 + kept  # shard 1 held 128 samples
-    monkeypatch.setattr(suite_module, "compare_with_clip_benchmark", lambda *a, **k: pytest.fail("compared"))
+    monkeypatch.setattr(suite_module, "cross_check", lambda *a, **k: pytest.fail("compared"))
     (tmp_path / "suite.yaml").write_text(f"name: s\nworkers: 0\nbenchmarks:\n- name: fashion-mnist\n"
                                          f"  root: {root}\n")
     model = save_pair(tmp_path / "model")
