@@ -9,6 +9,8 @@ reads back.
 from __future__ import annotations
 
 import difflib
+import time
+from pathlib import Path
 
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, TensorBoardTracker, get_available_trackers
 from accelerate.utils import LoggerType
@@ -72,6 +74,18 @@ def _flat_config(config) -> dict:
     return flat
 
 
+def _after_the_newest_event_file(folder: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a resumed run's purge_step hides
+    what the files before its own hold from that step on: its file must sort last. The name starts
+    with the second the file was opened (then host, pid and a per-process count that is not
+    zero-padded: 10 sorts before 9), so a run restarted within the second its folder's newest file
+    was opened waits for the next second. Only runs shorter than a second ever wait."""
+    names = [p.name.split(".") for p in folder.glob("events.out.tfevents.*")]
+    opened = [int(name[3]) for name in names if len(name) > 3 and name[3].isdigit()]
+    if opened:
+        time.sleep(max(0.0, max(opened) + 1 - time.time()))
+
+
 def start_trackers(accelerator, logger, config, step: int) -> None:
     """Start `accelerator`'s trackers for the run (call on the main process, after `logger` dropped
     the records past `step`), with the config as the run's hyperparameters.
@@ -89,6 +103,7 @@ def start_trackers(accelerator, logger, config, step: int) -> None:
         # (accelerate >= 1.8), so its keyword arguments can still change here.
         if isinstance(tracker, TensorBoardTracker):
             tracker.init_kwargs["purge_step"] = step
+            _after_the_newest_event_file(run_dir / TENSORBOARD_FOLDER)
     # The run folder names the run; wandb keeps its files there rather than in the working
     # directory.
     init_kwargs = {"wandb": {"name": run_dir.name, "dir": str(run_dir)},

@@ -4,6 +4,7 @@ or uninstalled trackers are one line before any work."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,11 @@ def _assert_tensorboard_holds_the_metrics(run):
         assert [value for _, value in shown[tag]] == pytest.approx([value for _, value in points], rel=1e-6), tag
 
 
-def test_pretrain_tensorboard_holds_the_metrics_also_after_a_resume(data, tmp_path):
+def test_pretrain_tensorboard_holds_the_metrics_also_after_a_resume(data, tmp_path, monkeypatch):
+    from tensorboard.summary.writer import event_file_writer
+    # This process's next event files are its 10th, 11th and 12th, as in a worker that had run other tests: in name
+    # order "10" sorts before "9", which hid a resumed run's steps when its files opened within one second.
+    monkeypatch.setattr(event_file_writer._global_uid, "_value", 9)
     run = tmp_path / "run"
     pretrain(_pretrain_cfg(data, run, "steps=4", "eval_every=2", "checkpoint_every=2"))
     _assert_tensorboard_holds_the_metrics(run)
@@ -70,6 +75,22 @@ def test_pretrain_tensorboard_holds_the_metrics_also_after_a_resume(data, tmp_pa
     assert [step for step, _ in _tensorboard_scalars(run / "tensorboard")["loss"]] == [1, 2, 3, 4, 5, 6]
     # The trackers may change between a run and its resume: metrics.jsonl and the model do not depend on them.
     check_same_run(run, _pretrain_cfg(data, run, "steps=6", "eval_every=2", "checkpoint_every=2", "log_with=[]"))
+
+
+def test_a_restart_within_a_second_waits_for_the_next_so_its_event_file_sorts_last(tmp_path):
+    # TensorBoard reads a folder's event files in name order: the second a file was opened, host, pid, then a
+    # per-process count that is not zero-padded. Within one second a writer's 10th file sorted before its 9th, and
+    # the resumed run's purge_step then hid the steps it had just logged (the test above, in a shuffled order).
+    folder = tmp_path / "tensorboard"
+    folder.mkdir()
+    now = int(time.time())
+    (folder / f"events.out.tfevents.{now}.host.1.9").write_bytes(b"")
+    trackers._after_the_newest_event_file(folder)
+    assert time.time() >= now + 1
+    tic = time.perf_counter()
+    trackers._after_the_newest_event_file(folder)  # that second is over: no wait
+    trackers._after_the_newest_event_file(tmp_path / "empty")  # a first start: no files, no wait
+    assert time.perf_counter() - tic < 0.2
 
 
 def test_lit_tensorboard_holds_the_metrics_and_no_tracker_writes_none(data, tmp_path):
