@@ -17,12 +17,14 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from lit_softmoe import __version__
 from lit_softmoe.config import BenchmarkConfig
 from lit_softmoe.evals.eval_data import EvalData
 from lit_softmoe.evals.features import tower_hash
 from lit_softmoe.integrations.clip_benchmark import (
     PEER_BATCH_SIZE,
     agreement,
+    clip_benchmark_available,
     compare_with_clip_benchmark,
 )
 from lit_softmoe.utils.atomic import write_text_atomic
@@ -34,9 +36,10 @@ PEER_FORMAT = 1  # in the key: a result recorded in another format is not read
 PEER_FOLDER = "clip_benchmark"  # under the suite's cache folder
 
 
-def _version(distribution: str) -> str:
+def _clip_benchmark_version() -> str:
+    """From its distribution's metadata: its module's __version__ is not kept up to date."""
     try:
-        return version(distribution)
+        return version("clip-benchmark")
     except PackageNotFoundError:
         return "unknown"
 
@@ -51,8 +54,7 @@ def peer_key(model, spec: BenchmarkConfig, data: EvalData, task: str, recall_k: 
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": task, "data": data.signature,
                 "prompts": prompts, "recall_k": list(recall_k), "batch_size": PEER_BATCH_SIZE,
-                "clip_benchmark": _version("clip-benchmark"),
-                "lit_softmoe": _version("lit-softmoe")}
+                "clip_benchmark": _clip_benchmark_version(), "lit_softmoe": __version__}
     return cache_key(identity, 32)
 
 
@@ -74,7 +76,7 @@ def cross_check(model_path, bundle, spec: BenchmarkConfig, data: EvalData, entry
     `cache_dir/clip_benchmark/KEY.json` and read from there when the key is the same (no
     `cache_dir`: always run)."""
     path = None
-    if cache_dir is not None:
+    if cache_dir is not None and clip_benchmark_available():  # else nothing to key: it is skipped
         key = peer_key(bundle[0], spec, data, entry["task"], recall_k, prompts)
         path = cache_dir / PEER_FOLDER / f"{key}.json"
         recorded = _recorded(path)
