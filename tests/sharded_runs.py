@@ -182,16 +182,17 @@ def sharded_pretrain_run(tmp_path_factory, shards, nproc: int):
                       lambda out: finish(launch_pretrain(shards, out / "run", nproc=nproc))) / "run"
 
 
-def assert_lit_follows(one, two, width: int = 64) -> None:
-    """The sharded run `two` follows the one-process run `one`: losses within 1e-4, the eval at the same
-    steps, the saved weights within 1e-4 -- but the attention's key bias, whose true gradient is 0 (it
-    cancels in the softmax): Adam turns the rounding noise standing in for that 0 into full-size steps."""
+def assert_lit_follows(one, two, width: int = 64, steps: int = 12, eval_every: int = 6) -> None:
+    """The sharded run `two` follows the one-process run `one` (of `steps` steps, evaluated every `eval_every`;
+    LIT_RUN's by default): losses within 1e-4, the eval at the same steps, the saved weights within 1e-4 -- but
+    the attention's key bias, whose true gradient is 0 (it cancels in the softmax): Adam turns the rounding noise
+    standing in for that 0 into full-size steps."""
     (losses_a, evals_a, model_a), (losses_b, evals_b, model_b) = lit_results(one), lit_results(two)
-    assert sorted(losses_a) == sorted(losses_b) == list(range(1, 13))
-    assert losses_a[12] < losses_a[1]
+    assert sorted(losses_a) == sorted(losses_b) == list(range(1, steps + 1))
+    assert losses_a[steps] < losses_a[1]
     for step in losses_a:
         assert losses_b[step] == pytest.approx(losses_a[step], abs=1e-4), step
-    assert sorted(evals_a) == sorted(evals_b) == [6, 12]
+    assert sorted(evals_a) == sorted(evals_b) == list(range(eval_every, steps + 1, eval_every))
     assert sorted(model_a) == sorted(model_b)
     gaps = {}
     for name, a in model_a.items():

@@ -542,11 +542,14 @@ def _photo_folder(root, count: int, side: int = 700):
     broken or uncaptioned so that skips are counted on the way."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 255, side)
-    for index in range(count):
-        base = (ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * rng.uniform(0, 0.5, 3))
-        pixels = np.clip(base / 1.5 + rng.normal(0, 12, (side, side, 3)), 0, 255).astype(np.uint8)
-        data = encode_image(PIL.Image.fromarray(pixels).resize((side, side * 3 // 4)), "JPEG", quality=90)
+    height = side * 3 // 4
+    across, down = np.linspace(0, 255, side, dtype=np.float32), np.linspace(0, 255, height, dtype=np.float32)
+    for index in range(count):  # made at their size in float32: 160 of 700 px took 5.8 s in float64 and resized
+        base = (across[None, :, None] * rng.uniform(0.2, 1.0, 3).astype(np.float32)
+                + down[:, None, None] * rng.uniform(0, 0.5, 3).astype(np.float32))  # (height, side, 3)
+        noise = rng.standard_normal((height, side, 3), dtype=np.float32) * 9
+        pixels = np.clip(base / 1.5 + noise, 0, 255).astype(np.uint8)
+        data = encode_image(PIL.Image.fromarray(pixels), "JPEG", quality=90)
         if index % 17 == 5:
             data = data[: len(data) // 3]  # truncated: bad_image
         (root / f"{index:05d}.jpg").write_bytes(data)
