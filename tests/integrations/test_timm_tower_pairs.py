@@ -176,7 +176,8 @@ def test_the_stock_clip_benchmark_command_scores_the_export_as_our_eval(timm_pai
     # The run's own zero-shot eval (cached features of the same images) is the export's score too.
     assert ours["top1"] == pytest.approx(results["zeroshot_top1"], abs=1e-6)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    stock = subprocess.run([str(Path(sys.executable).parent / "clip_benchmark"),
+    # Its console script, run by a `python` forked from a server that imported only torch (tests/launch.py).
+    stock = subprocess.run([*python_command("torch"), str(Path(sys.executable).parent / "clip_benchmark"),
                             *_eval_args(export, data, tmp_path / "stock.json")],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
     if stock.returncode == 0:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from launch import kill_process, python_command
+from launch import kill_process, python_command, torchrun_args
 from lit_softmoe.cli import main
 from lit_softmoe.data.fashion_mnist import write_fashion_mnist_shards
 from lit_softmoe.data.feature_cache import check_feature_cache
@@ -624,14 +624,10 @@ def test_the_progress_bar_counts_images_and_shards(many_shards, tmp_path, capsys
 @pytest.mark.slow
 def test_two_processes_under_torchrun_equal_one(many_shards, tmp_path):
     import subprocess
-    import sys
-    from pathlib import Path
-    torchrun = Path(sys.executable).parent / "torchrun"
-    lit_softmoe = Path(sys.executable).parent / "lit-softmoe"
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", str(lit_softmoe), "embed",
-         "--tower", str(many_shards / "tower"), "--shards", str(many_shards / "fmnist" / "test"),
-         "--out", str(tmp_path / "out"), "--batch-size", "16", "--workers", "1"],
+        [*python_command(), *torchrun_args(2), "-m", "lit_softmoe.cli", "embed", "--tower", str(many_shards / "tower"),
+         "--shards", str(many_shards / "fmnist" / "test"), "--out", str(tmp_path / "out"), "--batch-size", "16",
+         "--workers", "1"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()  # rank 0 alone says what was written
