@@ -240,9 +240,11 @@ def _cmd_export(args) -> None:
     config = json.loads((out / "config.json").read_text())
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".onnx"))
     onnx = config.get("onnx") or {}
+    sides = [side for side in ("image", "text") if side in onnx]
     check = ("; ONNX vs PyTorch max abs difference "
-             + ", ".join(f"{side} {onnx[side]['max_abs_diff']:.1e}"
-                         for side in ("image", "text") if side in onnx)
+             + ", ".join(f"{side} {onnx[side]['max_abs_diff']:.1e}" for side in sides)
+             + (" (the unchanged model's graphs copied from the export replaced)"
+                if any(onnx[side].get("reused") for side in sides) else "")
              if onnx else "")
     open_clip = config.get("open_clip") or {}
     extra = ", open_clip_config.json" if "config" in open_clip else ""

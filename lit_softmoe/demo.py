@@ -210,8 +210,11 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     onnx = json.loads((export_dir / "config.json").read_text()).get("onnx", {})
     diffs = ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in onnx.items()
                       if isinstance(info, dict))
+    copied = any(isinstance(info, dict) and info.get("reused") for info in onnx.values())
     print(f"exported to {export_dir}"
-          + (f" (ONNX vs PyTorch max abs difference: {diffs})" if diffs else ""))
+          + (f" (ONNX vs PyTorch max abs difference: {diffs}"
+             + ("; the unchanged model's ONNX graphs copied" if copied else "") + ")"
+             if diffs else ""))
     timings["export"] = time.perf_counter() - tic
 
     _headline("7/7 load the export and classify five test images by text prompts")

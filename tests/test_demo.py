@@ -67,6 +67,8 @@ def test_demo_fast_runs_the_whole_pipeline(tmp_path):
     if "peer" in entry:  # CLIP_benchmark's result, recorded by the first run on the same model and files
         assert rerun["peer"] == {**entry["peer"], "cache": "hit"}
     assert "(step 156 of 156)" in again.stdout and "(step 160 of 160)" in again.stdout
+    onnx = json.loads((export / "config.json").read_text())["onnx"]  # the same model: its graphs copied, checked
+    assert all(onnx[side]["reused"] for side in ("image", "text")) and "ONNX graphs copied" in again.stdout
 
 
 @pytest.fixture

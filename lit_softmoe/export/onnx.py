@@ -1,23 +1,33 @@
 """ONNX graphs of an export: `image_encoder.onnx` (pixels → embedding) and `text_encoder.onnx`
-(ids → embedding), each checked against PyTorch with onnxruntime before it is kept."""
+(ids → embedding), each checked against PyTorch with onnxruntime before it is kept.
+
+Each graph records the key of what it was exported from (`graph_key`: the module's weights and
+layers, the traced input's shape, the names, and the versions of torch, onnx, onnxscript and
+lit-softmoe). An `--overwrite` export over an export whose graph has the same key copies that
+graph instead of exporting it again (torch's exporter takes seconds even for a tiny pair, the
+demo's 8 of a rerun's 19), and checks it against PyTorch as it checks a new one."""
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lit_softmoe.errors import UserError, first_line
-from lit_softmoe.model_folders import IMAGE_ONNX, TEXT_ONNX
+from lit_softmoe.model_folders import EXPORT_CONFIG, FILES_SHA256, IMAGE_ONNX, TEXT_ONNX
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
+from lit_softmoe.utils.hashing import cache_key, file_sha256, weights_sha256
 
 ONNX_TOLERANCE = 1e-4  # max abs difference of fp32 ONNX vs PyTorch embeddings
 
@@ -62,23 +72,50 @@ def _silenced_output():
             os.close(saved[1])
 
 
-def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, file: Path,
-                 input_name: str, output_name: str, what: str) -> dict:
-    """Export `module` with a dynamic batch axis, then check onnxruntime against PyTorch on `check`.
+def _version_of(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def _graph_key(module: nn.Module, example: torch.Tensor, input_name: str,
+               output_name: str) -> str:
+    """What the graph of `module` traced on `example` is a function of (see the module's doc)."""
+    import lit_softmoe
+    return cache_key({"weights": weights_sha256(module.state_dict()), "layers": repr(module),
+                      "example": [list(example.shape), str(example.dtype)],
+                      "names": [input_name, output_name], "lit_softmoe": lit_softmoe.__version__,
+                      "packages": {name: _version_of(name)
+                                   for name in ("torch", "onnx", "onnxscript")}}, length=64)
+
+
+def previous_graphs(folder: Path) -> dict:
+    """{file name: (its path, its entry)} of the ONNX graphs of the export in `folder` whose bytes
+    are still those its config.json records; {} where there is none (or no readable config)."""
+    try:
+        config = json.loads((folder / EXPORT_CONFIG).read_text())
+        entries = [entry for entry in config.get("onnx", {}).values()
+                   if isinstance(entry, dict) and entry.get("graph_key") and entry.get("exporter")]
+        graphs = {}
+        for entry in entries:
+            path = folder / entry["file"]
+            if path.is_file() and config[FILES_SHA256].get(entry["file"]) == file_sha256(path):
+                graphs[entry["file"]] = (path, entry)
+        return graphs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _export(module: nn.Module, example: torch.Tensor, file: Path, input_name: str,
+            output_name: str, external: bool, what: str) -> str:
+    """Write the graph of `module` traced on `example` to `file`; → the exporter that did.
 
     Exporter: torch's default (dynamo=True, torch.export + onnxscript) exports both towers of
     torch 2.14 correctly (Soft MoE einsums, open_clip's argmax pooling); the older TorchScript
     exporter (dynamo=False) is the fallback when it raises. Output names must differ from every
     module path: "embedding" collides with open_clip's token embedding and makes an invalid model.
     """
-    try:
-        import onnxruntime
-    except ImportError:
-        raise UserError("--onnx needs onnx, onnxscript and onnxruntime: "
-                        "pip install 'lit-softmoe[onnx]'") from None
-    module = module.eval()
-    # > 2 GB of weights does not fit one protobuf: then the weights go to FILE.data beside it.
-    external = sum(p.numel() * 4 for p in module.parameters()) > 1.5 * 2 ** 30
     errors = []
     for exporter in ("dynamo", "torchscript"):
         kwargs = (dict(dynamic_shapes={input_name: {0: torch.export.Dim("batch")}})
@@ -91,7 +128,7 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
                 torch.onnx.export(module, (example,), str(file), input_names=[input_name],
                                   output_names=[output_name], dynamo=exporter == "dynamo",
                                   external_data=external, verbose=False, **kwargs)
-            break
+            return exporter
         except Exception as err:  # noqa: BLE001 — any exporter failure: try the other, then say why
             # no terminal colour codes in the one line
             message = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
@@ -99,9 +136,32 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
                           f"{message.splitlines()[0] if message else ''}")
             for leftover in (file, file.with_name(file.name + ".data")):
                 leftover.unlink(missing_ok=True)
+    raise UserError(f"ONNX export of the {what} failed ({'; '.join(errors)}); "
+                    "export without --onnx")
+
+
+def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, file: Path,
+                 input_name: str, output_name: str, what: str,
+                 previous: dict | None = None) -> dict:
+    """Export `module` with a dynamic batch axis (or copy the graph of the same key that `previous`
+    holds, see `previous_graphs`), then check onnxruntime against PyTorch on `check`."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise UserError("--onnx needs onnx, onnxscript and onnxruntime: "
+                        "pip install 'lit-softmoe[onnx]'") from None
+    module = module.eval()
+    # > 2 GB of weights does not fit one protobuf: then the weights go to FILE.data beside it (and
+    # the graph is exported again each time: the key covers one file).
+    external = sum(p.numel() * 4 for p in module.parameters()) > 1.5 * 2 ** 30
+    key = None if external else _graph_key(module, example, input_name, output_name)
+    path, entry = (previous or {}).get(file.name, (None, {}))
+    reused = key is not None and entry.get("graph_key") == key
+    if reused:
+        shutil.copyfile(path, file)
+        exporter = entry["exporter"]
     else:
-        raise UserError(f"ONNX export of the {what} failed ({'; '.join(errors)}); "
-                        "export without --onnx")
+        exporter = _export(module, example, file, input_name, output_name, external, what)
     try:
         session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
         ours = session.run(None, {input_name: check.numpy()})[0]  # (B, D)
@@ -119,7 +179,7 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
         raise UserError(f"the ONNX {what} differs from PyTorch by {difference:.3g} (max abs, "
                         f"tolerance {ONNX_TOLERANCE:g}); export without --onnx")
     return {"file": file.name, "exporter": exporter, "input": input_name, "output": output_name,
-            "max_abs_diff": difference}
+            "max_abs_diff": difference, "graph_key": key, "reused": reused}
 
 
 def _onnx_inputs(tower: VisionTransformer, tokenizer=None):
@@ -139,15 +199,17 @@ def _onnx_inputs(tower: VisionTransformer, tokenizer=None):
 
 
 
-def write_onnx(tmp: Path, model: LiTModel | None, tower: VisionTransformer, tokenizer) -> dict:
+def write_onnx(tmp: Path, model: LiTModel | None, tower: VisionTransformer, tokenizer,
+               previous: dict | None = None) -> dict:
+    """The graphs into `tmp`; `previous`: `previous_graphs` of the export being replaced."""
     started = time.perf_counter()
     pixels, check_pixels, ids, check_ids = _onnx_inputs(tower, tokenizer)
     if model is None:
         image = _export_onnx(_ImageEncoder(tower=tower), pixels, check_pixels, tmp / IMAGE_ONNX,
-                             "pixels", "image_features", "image tower")
+                             "pixels", "image_features", "image tower", previous)
         return {"image": image, "seconds": round(time.perf_counter() - started, 1)}
     image = _export_onnx(_ImageEncoder(model=model), pixels, check_pixels, tmp / IMAGE_ONNX,
-                         "pixels", "image_embedding", "image tower")
+                         "pixels", "image_embedding", "image tower", previous)
     text = _export_onnx(_TextEncoder(model), ids, check_ids, tmp / TEXT_ONNX, "ids",
-                        "text_embedding", "text tower")
+                        "text_embedding", "text tower", previous)
     return {"image": image, "text": text, "seconds": round(time.perf_counter() - started, 1)}

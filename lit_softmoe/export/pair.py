@@ -65,7 +65,7 @@ from torch import nn
 
 from lit_softmoe.errors import UserError
 from lit_softmoe.export.model_card import card_facts, front_matter_text, render_body
-from lit_softmoe.export.onnx import write_onnx
+from lit_softmoe.export.onnx import previous_graphs, write_onnx
 from lit_softmoe.export.open_clip import (
     OPEN_CLIP_CONFIG,
     open_clip_config,
@@ -218,8 +218,9 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
             config["open_clip"]["timm_model_name"] = (
                 open_clip_json["model_cfg"]["vision_cfg"]["timm_model_name"])
             (tmp / OPEN_CLIP_CONFIG).write_text(json.dumps(open_clip_json, indent=2) + "\n")
-        if onnx:
-            config["onnx"] = write_onnx(tmp, model, tower, tokenizer)
+        if onnx:  # over an export of the same model, its graphs are copied (and checked)
+            config["onnx"] = write_onnx(tmp, model, tower, tokenizer,
+                                        previous_graphs(out_dir) if overwrite else None)
         # The card's facts stay in config.json: `push` renders the Hub's card from them (no local
         # paths).
         config["card"] = card_facts(config, model, tower, facts, run_dir, results)

@@ -2,7 +2,9 @@
 one line that leaves nothing."""
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ import torch
 from cli_errors import one_error_line
 from lit_runs import CAPTIONS, embed_pair, pair_inputs, run_cli, snapshot_files
 from lit_softmoe import cli
+from lit_softmoe.errors import UserError
+from lit_softmoe.export import export_pair
 from lit_softmoe.hub import load_pretrained
 
 
@@ -82,3 +86,66 @@ def test_onnx_failure_of_a_tokens_choice_tower_prints_one_line(tmp_path):
     assert code == 2 and stdout == "" and len(stderr.strip().splitlines()) == 1, (stdout[:500], stderr[:500])
     assert "ONNX export of the image tower failed" in stderr and "\x1b[" not in stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- an --overwrite export over an export of the same model -----------------------------------------
+
+GRAPHS = {"image": "image_encoder.onnx", "text": "text_encoder.onnx"}
+
+
+def _exporting(monkeypatch) -> list[str]:
+    """torch's exporter replaced by one that records which file it was asked for and fails."""
+    asked = []
+
+    def refused(module, args, file, *more, **kwargs):
+        asked.append(Path(file).name)
+        raise RuntimeError("the exporter was called")
+    monkeypatch.setattr(torch.onnx, "export", refused)
+    return asked
+
+
+def test_an_overwrite_of_the_same_model_copies_its_graphs_and_checks_them(run, onnx_export, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(onnx_export, out)
+    before = {side: (out / name).read_bytes() for side, name in GRAPHS.items()}
+    asked = _exporting(monkeypatch)
+    assert cli.main(["export", str(run), "--out", str(out), "--onnx", "--overwrite"]) == 0
+    assert asked == []
+    onnx = json.loads((out / "config.json").read_text())["onnx"]
+    first = json.loads((onnx_export / "config.json").read_text())["onnx"]
+    for side, name in GRAPHS.items():
+        assert onnx[side]["reused"] and (out / name).read_bytes() == before[side]
+        assert onnx[side]["graph_key"] == first[side]["graph_key"] and not first[side]["reused"]
+        assert onnx[side]["max_abs_diff"] == first[side]["max_abs_diff"]  # checked again, on the same input
+
+
+def test_a_graph_changed_since_its_export_is_exported_again(run, onnx_export, tmp_path, monkeypatch):
+    """Its bytes no longer those config.json records: the text graph is exported again (here the exporter
+    refuses, which shows it was asked), the image graph beside it is still copied."""
+    out = tmp_path / "out"
+    shutil.copytree(onnx_export, out)
+    damaged = bytearray((out / GRAPHS["text"]).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (out / GRAPHS["text"]).write_bytes(bytes(damaged))
+    asked = _exporting(monkeypatch)
+    with pytest.raises(UserError, match="ONNX export of the text tower failed"):
+        export_pair(run, out, onnx=True, overwrite=True)
+    assert set(asked) == {GRAPHS["text"]}
+
+
+def test_the_graph_key_follows_the_weights_the_layers_the_input_and_the_versions(monkeypatch):
+    from lit_softmoe.export import onnx
+
+    layer, pixels = torch.nn.Linear(4, 2), torch.zeros(2, 4)
+    key = onnx._graph_key(layer, pixels, "pixels", "out")
+    assert onnx._graph_key(copy.deepcopy(layer), pixels, "pixels", "out") == key  # the same weights elsewhere
+    moved = copy.deepcopy(layer)
+    with torch.no_grad():
+        moved.bias[0] += 1e-6
+    others = [onnx._graph_key(moved, pixels, "pixels", "out"),
+              onnx._graph_key(torch.nn.Sequential(layer), pixels, "pixels", "out"),
+              onnx._graph_key(layer, torch.zeros(3, 4), "pixels", "out"),
+              onnx._graph_key(layer, pixels, "pixels", "embedding")]
+    monkeypatch.setattr(onnx, "_version_of", lambda package: "0.0-other")
+    others.append(onnx._graph_key(layer, pixels, "pixels", "out"))
+    assert len({key, *others}) == 6
