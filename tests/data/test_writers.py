@@ -544,7 +544,7 @@ def _photo_folder(root, count: int, side: int = 700):
     rng = np.random.default_rng(0)
     height = side * 3 // 4
     across, down = np.linspace(0, 255, side, dtype=np.float32), np.linspace(0, 255, height, dtype=np.float32)
-    for index in range(count):  # made at their size in float32: 160 of 700 px took 5.8 s in float64 and resized
+    for index in range(count):  # at their size in float32: 160 of 700 px in 2.5 s, 5.8 s in float64 and resized
         base = (across[None, :, None] * rng.uniform(0.2, 1.0, 3).astype(np.float32)
                 + down[:, None, None] * rng.uniform(0, 0.5, 3).astype(np.float32))  # (height, side, 3)
         noise = rng.standard_normal((height, side, 3), dtype=np.float32) * 9
