@@ -95,8 +95,9 @@ def previous_graphs(folder: Path) -> dict:
     are still those its config.json records; {} where there is none (or no readable config)."""
     try:
         config = json.loads((folder / EXPORT_CONFIG).read_text())
-        entries = [entry for entry in config.get("onnx", {}).values()
-                   if isinstance(entry, dict) and entry.get("graph_key") and entry.get("exporter")]
+        entries = [entry for entry in config.get("onnx", {}).values()  # ours only: no other path
+                   if isinstance(entry, dict) and entry.get("file") in (IMAGE_ONNX, TEXT_ONNX)
+                   and entry.get("graph_key") and entry.get("exporter")]
         graphs = {}
         for entry in entries:
             path = folder / entry["file"]
