@@ -235,17 +235,13 @@ def _cmd_export(args) -> None:
     import json
 
     from lit_softmoe.export import export_pair
+    from lit_softmoe.export.onnx import onnx_summary
     out = export_pair(args.run, args.out, dtype=args.dtype, onnx=args.onnx,
                       overwrite=args.overwrite, open_clip=args.open_clip)
     config = json.loads((out / "config.json").read_text())
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".onnx"))
-    onnx = config.get("onnx") or {}
-    sides = [side for side in ("image", "text") if side in onnx]
-    check = ("; ONNX vs PyTorch max abs difference "
-             + ", ".join(f"{side} {onnx[side]['max_abs_diff']:.1e}" for side in sides)
-             + (" (the unchanged model's graphs copied from the export replaced)"
-                if any(onnx[side].get("reused") for side in sides) else "")
-             if onnx else "")
+    onnx = onnx_summary(config.get("onnx") or {})
+    check = f"; {onnx}" if onnx else ""
     open_clip = config.get("open_clip") or {}
     extra = ", open_clip_config.json" if "config" in open_clip else ""
     skipped = (f"\nopen_clip files left out: {open_clip['skipped']}"

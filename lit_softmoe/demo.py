@@ -130,6 +130,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     from lit_softmoe.evals.reports import markdown_table
     from lit_softmoe.evals.suite import run_suite
     from lit_softmoe.export import export_pair
+    from lit_softmoe.export.onnx import onnx_summary
     from lit_softmoe.integrations.clip_benchmark import clip_benchmark_available
     from lit_softmoe.train.embed import embed_shards
     from lit_softmoe.train.lit import train_lit
@@ -207,14 +208,8 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
                  " (safetensors; pip install 'lit-softmoe[onnx]' adds ONNX)"))
     tic = time.perf_counter()
     export_dir = export_pair(run_root / "lit", run_root / "export", onnx=with_onnx, overwrite=True)
-    onnx = json.loads((export_dir / "config.json").read_text()).get("onnx", {})
-    diffs = ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in onnx.items()
-                      if isinstance(info, dict))
-    copied = any(isinstance(info, dict) and info.get("reused") for info in onnx.values())
-    print(f"exported to {export_dir}"
-          + (f" (ONNX vs PyTorch max abs difference: {diffs}"
-             + ("; the unchanged model's ONNX graphs copied" if copied else "") + ")"
-             if diffs else ""))
+    onnx = onnx_summary(json.loads((export_dir / "config.json").read_text()).get("onnx", {}))
+    print(f"exported to {export_dir}" + (f" ({onnx})" if onnx else ""))
     timings["export"] = time.perf_counter() - tic
 
     _headline("7/7 load the export and classify five test images by text prompts")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from lit_softmoe import __version__
@@ -29,19 +28,12 @@ from lit_softmoe.integrations.clip_benchmark import (
 )
 from lit_softmoe.utils.atomic import write_text_atomic
 from lit_softmoe.utils.hashing import cache_key, weights_sha256
+from lit_softmoe.utils.versions import distribution_version
 
 logger = logging.getLogger(__name__)
 
 PEER_FORMAT = 1  # in the key: a result recorded in another format is not read
 PEER_FOLDER = "clip_benchmark"  # under the suite's cache folder
-
-
-def _clip_benchmark_version() -> str:
-    """From its distribution's metadata: its module's __version__ is not kept up to date."""
-    try:
-        return version("clip-benchmark")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def peer_key(model, spec: BenchmarkConfig, data: EvalData, task: str, recall_k: tuple,
@@ -54,7 +46,8 @@ def peer_key(model, spec: BenchmarkConfig, data: EvalData, task: str, recall_k: 
                 "transform": repr(getattr(data.dataset, "transform", None)),
                 "benchmark": spec.name, "split": spec.split, "task": task, "data": data.signature,
                 "prompts": prompts, "recall_k": list(recall_k), "batch_size": PEER_BATCH_SIZE,
-                "clip_benchmark": _clip_benchmark_version(), "lit_softmoe": __version__}
+                "clip_benchmark": distribution_version("clip-benchmark"),
+                "lit_softmoe": __version__}
     return cache_key(identity, 32)
 
 

@@ -4,8 +4,8 @@
 Each graph records the key of what it was exported from (`graph_key`: the module's weights and
 layers, the traced input's shape, the names, and the versions of torch, onnx, onnxscript and
 lit-softmoe). An `--overwrite` export over an export whose graph has the same key copies that
-graph instead of exporting it again (torch's exporter takes seconds even for a tiny pair, the
-demo's 8 of a rerun's 19), and checks it against PyTorch as it checks a new one."""
+graph instead of exporting it again (torch's exporter takes seconds even for a tiny pair: 9 of the
+19 s of a second `demo --fast`), and checks it against PyTorch as it checks a new one."""
 from __future__ import annotations
 
 import contextlib
@@ -17,17 +17,18 @@ import re
 import shutil
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lit_softmoe import __version__
 from lit_softmoe.errors import UserError, first_line
 from lit_softmoe.model_folders import EXPORT_CONFIG, FILES_SHA256, IMAGE_ONNX, TEXT_ONNX
 from lit_softmoe.models.lit import LiTModel
 from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.hashing import cache_key, file_sha256, weights_sha256
+from lit_softmoe.utils.versions import distribution_version
 
 ONNX_TOLERANCE = 1e-4  # max abs difference of fp32 ONNX vs PyTorch embeddings
 
@@ -72,21 +73,14 @@ def _silenced_output():
             os.close(saved[1])
 
 
-def _version_of(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "absent"
-
-
-def _graph_key(module: nn.Module, example: torch.Tensor, input_name: str,
+def _graph_key(module: nn.Module, weights: str, example: torch.Tensor, input_name: str,
                output_name: str) -> str:
-    """What the graph of `module` traced on `example` is a function of (see the module's doc)."""
-    import lit_softmoe
-    return cache_key({"weights": weights_sha256(module.state_dict()), "layers": repr(module),
+    """What the graph of `module` (whose weights have `weights_sha256` `weights`) traced on
+    `example` is a function of (see the module's doc)."""
+    return cache_key({"weights": weights, "layers": repr(module),
                       "example": [list(example.shape), str(example.dtype)],
-                      "names": [input_name, output_name], "lit_softmoe": lit_softmoe.__version__,
-                      "packages": {name: _version_of(name)
+                      "names": [input_name, output_name], "lit_softmoe": __version__,
+                      "packages": {name: distribution_version(name)
                                    for name in ("torch", "onnx", "onnxscript")}}, length=64)
 
 
@@ -142,20 +136,20 @@ def _export(module: nn.Module, example: torch.Tensor, file: Path, input_name: st
 
 
 def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, file: Path,
-                 input_name: str, output_name: str, what: str,
+                 input_name: str, output_name: str, what: str, weights: str | None,
                  previous: dict | None = None) -> dict:
     """Export `module` with a dynamic batch axis (or copy the graph of the same key that `previous`
-    holds, see `previous_graphs`), then check onnxruntime against PyTorch on `check`."""
+    holds, see `previous_graphs`), then check onnxruntime against PyTorch on `check`. `weights`:
+    the `weights_sha256` of the module's state; None for weights too large for one file
+    (`write_onnx`)."""
     try:
         import onnxruntime
     except ImportError:
         raise UserError("--onnx needs onnx, onnxscript and onnxruntime: "
                         "pip install 'lit-softmoe[onnx]'") from None
     module = module.eval()
-    # > 2 GB of weights does not fit one protobuf: then the weights go to FILE.data beside it (and
-    # the graph is exported again each time: the key covers one file).
-    external = sum(p.numel() * 4 for p in module.parameters()) > 1.5 * 2 ** 30
-    key = None if external else _graph_key(module, example, input_name, output_name)
+    external = weights is None
+    key = None if external else _graph_key(module, weights, example, input_name, output_name)
     path, entry = (previous or {}).get(file.name, (None, {}))
     reused = key is not None and entry.get("graph_key") == key
     if reused:
@@ -183,6 +177,17 @@ def _export_onnx(module: nn.Module, example: torch.Tensor, check: torch.Tensor, 
             "max_abs_diff": difference, "graph_key": key, "reused": reused}
 
 
+def onnx_summary(onnx: dict) -> str:
+    """An export's `onnx` entry as the CLI and the demo print it ("" for none)."""
+    graphs = {side: info for side, info in onnx.items() if isinstance(info, dict)}
+    if not graphs:
+        return ""
+    copied = any(info.get("reused") for info in graphs.values())
+    return ("ONNX vs PyTorch max abs difference: "
+            + ", ".join(f"{side} {info['max_abs_diff']:.1e}" for side, info in graphs.items())
+            + ("; the unchanged model's ONNX graphs copied" if copied else ""))
+
+
 def _onnx_inputs(tower: VisionTransformer, tokenizer=None):
     """Example inputs (batch 2, traced) and check inputs (batch 3: proves the batch axis is
     dynamic)."""
@@ -205,12 +210,18 @@ def write_onnx(tmp: Path, model: LiTModel | None, tower: VisionTransformer, toke
     """The graphs into `tmp`; `previous`: `previous_graphs` of the export being replaced."""
     started = time.perf_counter()
     pixels, check_pixels, ids, check_ids = _onnx_inputs(tower, tokenizer)
+    # > 2 GB of weights does not fit one protobuf: then the weights go to FILE.data beside each
+    # graph, and the graphs are exported again each time (a key covers one file). Both encoders
+    # hold the whole pair (or the tower): its weights are hashed once, for both keys.
+    source = tower if model is None else model
+    external = sum(p.numel() * 4 for p in source.parameters()) > 1.5 * 2 ** 30
+    weights = None if external else weights_sha256(source.state_dict())
     if model is None:
         image = _export_onnx(_ImageEncoder(tower=tower), pixels, check_pixels, tmp / IMAGE_ONNX,
-                             "pixels", "image_features", "image tower", previous)
+                             "pixels", "image_features", "image tower", weights, previous)
         return {"image": image, "seconds": round(time.perf_counter() - started, 1)}
     image = _export_onnx(_ImageEncoder(model=model), pixels, check_pixels, tmp / IMAGE_ONNX,
-                         "pixels", "image_embedding", "image tower", previous)
+                         "pixels", "image_embedding", "image tower", weights, previous)
     text = _export_onnx(_TextEncoder(model), ids, check_ids, tmp / TEXT_ONNX, "ids",
-                        "text_embedding", "text tower", previous)
+                        "text_embedding", "text tower", weights, previous)
     return {"image": image, "text": text, "seconds": round(time.perf_counter() - started, 1)}

@@ -56,7 +56,6 @@ Decisions:
 from __future__ import annotations
 
 import json
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -101,15 +100,9 @@ from lit_softmoe.models.vit import VisionTransformer
 from lit_softmoe.utils.atomic import FolderTakenError, write_folder_atomically
 from lit_softmoe.utils.hashing import file_sha256, weights_sha256
 from lit_softmoe.utils.paths import check_writable
+from lit_softmoe.utils.versions import distribution_version
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _version() -> str:
-    try:
-        return version("lit-softmoe")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _check_out_dir(out_dir: Path, read_from: list[Path], overwrite: bool) -> None:
@@ -165,7 +158,7 @@ def export_pair(run: str | Path, out_dir: str | Path, dtype: str = "fp32", onnx:
     state, image_state, text_state, image_tower_sha256 = _state_to_write(model, tower, dtype)
 
     config = {"format": EXPORT_FORMAT, "kind": "pair" if model is not None else "image",
-              "lit_softmoe_version": _version(), "dtype": dtype,
+              "lit_softmoe_version": distribution_version("lit-softmoe"), "dtype": dtype,
               "image_tower": facts["image_tower"],
               "embed_dim": model.text_tower.embed_dim if model is not None else tower.embed_dim,
               "preprocess": facts["preprocess"], "image_tower_sha256": image_tower_sha256,

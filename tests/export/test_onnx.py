@@ -135,17 +135,21 @@ def test_a_graph_changed_since_its_export_is_exported_again(run, onnx_export, tm
 
 def test_the_graph_key_follows_the_weights_the_layers_the_input_and_the_versions(monkeypatch):
     from lit_softmoe.export import onnx
+    from lit_softmoe.utils.hashing import weights_sha256
+
+    def graph_key(module, example, output="out"):  # as write_onnx keys a graph: its module's weights hashed
+        return onnx._graph_key(module, weights_sha256(module.state_dict()), example, "pixels", output)
 
     layer, pixels = torch.nn.Linear(4, 2), torch.zeros(2, 4)
-    key = onnx._graph_key(layer, pixels, "pixels", "out")
-    assert onnx._graph_key(copy.deepcopy(layer), pixels, "pixels", "out") == key  # the same weights elsewhere
+    key = graph_key(layer, pixels)
+    assert graph_key(copy.deepcopy(layer), pixels) == key  # the same weights elsewhere
     moved = copy.deepcopy(layer)
     with torch.no_grad():
         moved.bias[0] += 1e-6
-    others = [onnx._graph_key(moved, pixels, "pixels", "out"),
-              onnx._graph_key(torch.nn.Sequential(layer), pixels, "pixels", "out"),
-              onnx._graph_key(layer, torch.zeros(3, 4), "pixels", "out"),
-              onnx._graph_key(layer, pixels, "pixels", "embedding")]
-    monkeypatch.setattr(onnx, "_version_of", lambda package: "0.0-other")
-    others.append(onnx._graph_key(layer, pixels, "pixels", "out"))
+    others = [graph_key(moved, pixels),
+              graph_key(torch.nn.Sequential(layer), pixels),
+              graph_key(layer, torch.zeros(3, 4)),
+              graph_key(layer, pixels, "embedding")]
+    monkeypatch.setattr(onnx, "distribution_version", lambda package: "0.0-other")
+    others.append(graph_key(layer, pixels))
     assert len({key, *others}) == 6
