@@ -58,7 +58,7 @@ TIMM_SDIST_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lit-softmoe/timm-sdist
 # timm's tests/ is a package named `tests` with a conftest, like ours, and one session cannot import both.
 TIMM_TESTS_FILE := $(VENV)/.timm-tests
 timm-sdist: $(INSTALLED)
-	@v=$$($(PY) -c "import timm; print(timm.__version__)") && d="$(TIMM_SDIST_DIR)/timm-$$v" && \
+	@v=$$($(PY) -c "from importlib.metadata import version; print(version('timm'))") && d="$(TIMM_SDIST_DIR)/timm-$$v" && \
 	if [ ! -f "$$d/tests/test_models.py" ]; then \
 		mkdir -p "$(TIMM_SDIST_DIR)" && \
 		$(PY) -m pip download -q --no-deps --no-binary :all: "timm==$$v" -d "$(TIMM_SDIST_DIR)" && \
