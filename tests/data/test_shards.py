@@ -432,6 +432,77 @@ def _tars_of_every_header_kind(folder: Path) -> dict:
     return paths
 
 
+def _with_checksum(header: bytearray, spelling: str = "%06o\0") -> bytes:
+    header[148:156] = b" " * 8
+    header[148:148 + len(spelling % 0)] = (spelling % sum(header)).encode()
+    return bytes(header)
+
+
+def _frombuf(header: bytes):
+    """What tarfile reads from one header block: (name, size, regular) for a file, "folder", or None (refused)."""
+    try:
+        info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:
+        return None
+    return (info.name, info.size, True) if info.isreg() else "folder" if info.isdir() else "other"
+
+
+def _plain(header: bytes):
+    member = tar_reading._plain_member(header)
+    return member if member is None or member[2] else "folder"
+
+
+def test_a_plain_header_is_read_as_tarfile_reads_it_in_every_spelling_of_its_numbers():
+    # The header reader takes the number fields as tarfile, webdataset and GNU tar write them in one match and
+    # every other spelling through tarfile's own readers: both must read what TarInfo.frombuf reads.
+    headers = {}
+    for form in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        for name, size, kind in [("000.png", 300, tarfile.REGTYPE), ("a/b/000.cls", 8 ** 11 - 1, tarfile.REGTYPE),
+                                 ("folder", 0, tarfile.DIRTYPE), ("link", 0, tarfile.SYMTYPE),
+                                 (f"{'deep/' * 25}0.txt", 5, tarfile.REGTYPE)]:  # a ustar prefix
+            info = tarfile.TarInfo(name)
+            info.size, info.type, info.mtime, info.mode, info.uid = size, kind, 1_700_000_000, 0o644, 1000
+            if kind == tarfile.SYMTYPE:
+                info.linkname = "000.png"
+            headers[f"{form} {name[:12]} {kind}"] = info.tobuf(form)[-512:]  # a pax record's own header aside
+    base = bytearray(headers[f"{tarfile.USTAR_FORMAT} 000.png {tarfile.REGTYPE}"])
+    spellings = {"spaces": (108, b"   1750 "), "spaces, no NUL": (100, b" 000644 "),
+                 "size with spaces": (124, b" " * 8 + b"454 "),
+                 "base-256 size": (124, b"\x80" + (300).to_bytes(11, "big")), "no digits": (116, b"\0" * 8),
+                 "an 8 in the mtime": (136, b"00000000008\0"), "a letter in the mode": (100, b"000064x\0"),
+                 "device numbers": (329, b"0000001\0"), "devices with spaces": (337, b"     2 \0"),
+                 "a letter in a device number": (337, b"00000x2\0")}
+    for label, (start, field) in spellings.items():
+        header = bytearray(base)
+        header[start:start + len(field)] = field
+        headers[label] = _with_checksum(header)
+    headers["checksum of 7 digits"] = _with_checksum(bytearray(base), "%07o\0")
+    headers["checksum with spaces"] = _with_checksum(bytearray(base), " %05o \0")
+    for off_by in (1, 65521, -65521, 131042):
+        header = bytearray(_with_checksum(bytearray(base)))
+        header[148:155] = b"%06o\0" % (int(header[148:154], 8) + off_by)
+        headers[f"checksum off by {off_by}"] = bytes(header)
+    for label, header in headers.items():
+        expected = _frombuf(header)
+        assert _plain(header) == (expected if expected != "other" else None), label
+    refused = {label for label, header in headers.items() if _frombuf(header) is None}
+    assert refused == {"an 8 in the mtime", "a letter in the mode", "a letter in a device number", "checksum off by 1",
+                       "checksum off by 65521", "checksum off by -65521", "checksum off by 131042"}
+
+
+def test_the_unsigned_checksum_is_the_sum_of_the_header_bytes_alone():
+    # Adler-32 gives the bytes' sum modulo 65,521 and the count of odd bytes its parity: together the exact sum of
+    # 512 bytes, whatever the bytes and whatever number the checksum field claims.
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 256, 512, dtype=np.uint8).tobytes() for _ in range(300)]
+    blocks += [bytes(512), b"\xff" * 512, b"\x01" * 512, b"\xfe" * 256 + b"\x01" * 256]
+    for block in blocks:
+        total = 256 + sum(block) - sum(block[148:156])
+        for claimed in (total, total + 1, total - 1, total + 65521, total - 65521, total + 131042, total - 131042,
+                        0, 8 ** 6 - 1, 8 ** 8 - 1):
+            assert tar_reading._is_unsigned_checksum(block, claimed) == (claimed == total), (claimed, total)
+
+
 def _dataset_with_classnames(root: Path, text: str) -> Path:
     write_split([{"png": png_bytes(np.zeros((8, 8), np.uint8)), "cls": b"0"}], root, "test")
     (root / "classnames.txt").write_bytes(text.encode())
