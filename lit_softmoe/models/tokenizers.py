@@ -64,8 +64,16 @@ def _open_clip_bpe():
     return SimpleTokenizer()
 
 
+# Distinct texts whose ids a BPE tokenizer keeps (about 0.6 KB each, measured; the table starts over
+# when full).
+CACHED_TEXTS = 10_000
+
+
 class OpenClipBPETokenizer:
-    """CLIP's byte-level BPE through open_clip's `SimpleTokenizer`."""
+    """CLIP's byte-level BPE through open_clip's `SimpleTokenizer`, with the ids of each text it has
+    seen kept (`CACHED_TEXTS` of them): captions and prompts repeat (the templates of a class, a
+    caption shared by many images), and `SimpleTokenizer` cleans every text with ftfy and a regex
+    before its word cache, 70 us a short caption against 1 us for a kept one."""
 
     def __init__(self, context_length: int = LIT_CONTEXT_LENGTH):
         self._bpe = _open_clip_bpe()
@@ -76,9 +84,22 @@ class OpenClipBPETokenizer:
         # open_clip pads with 0 (which is also the id of "!"); CLIP towers find the text's end at
         # the largest id (<end_of_text>), not through a padding mask.
         self.pad_id = 0
+        self._ids: dict[str, torch.Tensor] = {}  # text: its (L,) ids
 
     def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        return self._bpe(_check_texts(texts), context_length=self.context_length)  # (B, L) int64
+        texts = _check_texts(texts)
+        new = [text for text in dict.fromkeys(texts) if text not in self._ids]
+        if new:
+            if len(self._ids) + len(new) > CACHED_TEXTS:
+                self._ids.clear()
+            ids = self._bpe(new, context_length=self.context_length)  # (N, L) int64
+            self._ids.update(zip(new, ids.unbind()))
+        if not texts:
+            return torch.zeros(0, self.context_length, dtype=torch.long)
+        return torch.stack([self._ids[text] for text in texts])  # (B, L) int64
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_ids": {}}  # a DataLoader worker's copy starts its own table
 
     def __repr__(self) -> str:
         return f"OpenClipBPETokenizer(context_length={self.context_length})"

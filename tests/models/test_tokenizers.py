@@ -142,3 +142,32 @@ def test_left_padding_tokenizer_still_pads_right_for_the_hf_tower(tmp_path, monk
             # The text's embedding does not depend on how far it is padded.
             longer = tower(create_tokenizer(f"hf:{path}", 16)(["dog"]))
             torch.testing.assert_close(tower(tokenizer(["dog"])), longer, rtol=1e-5, atol=1e-5)
+
+
+def test_bpe_keeps_the_ids_of_the_texts_it_has_seen(monkeypatch):
+    import open_clip
+
+    from lit_softmoe.models import tokenizers
+
+    tokenizer = create_tokenizer("openclip-bpe", context_length=16)
+    reference = open_clip.get_tokenizer("ViT-B-32", context_length=16)
+    asked = []
+    bpe = tokenizer._bpe
+    monkeypatch.setattr(tokenizer, "_bpe", lambda texts, context_length: asked.append(list(texts)) or bpe(
+        texts, context_length=context_length))
+    first = ["a photo of a cat", LONG_TEXT, "a photo of a cat", "a dog"]
+    assert torch.equal(tokenizer(first), reference(first))
+    assert asked == [["a photo of a cat", LONG_TEXT, "a dog"]]  # each distinct text once
+    second = ["a dog", "a bird", LONG_TEXT, "a photo of a cat"]
+    ids = tokenizer(second)
+    assert torch.equal(ids, reference(second)) and asked[1:] == [["a bird"]]
+    ids[:] = 0  # the caller's batch is its own: the kept ids are unchanged
+    assert torch.equal(tokenizer(second), reference(second)) and len(asked) == 2
+    assert tokenizer([]).shape == (0, 16)
+    # Full, the table starts over; a pickled copy (a DataLoader worker's) starts with none.
+    monkeypatch.setattr(tokenizers, "CACHED_TEXTS", 5)
+    more = [f"photo {i}" for i in range(3)]
+    assert torch.equal(tokenizer(more), reference(more)) and asked[-1] == more and len(tokenizer._ids) == 3
+    monkeypatch.setattr(tokenizer, "_bpe", bpe)
+    again = pickle.loads(pickle.dumps(tokenizer))
+    assert again._ids == {} and torch.equal(again(more), reference(more))
