@@ -146,8 +146,11 @@ def wait_for_shards(work_dir: Path, num_shards: int, started: float,
     (time.time()), which ends the wait with its message. `waiting(found)` is called before each
     pause.
     """
-    # Found so far: a finished shard's record is read once, not every second.
+    # Found so far: a finished shard's record is read once, not at every look.
     records: dict[int, dict] = {}
+    # Looked for again after 0.05 s, doubling up to a second: a process a moment behind is not
+    # waited for a whole second.
+    pause = 0.05
     while True:
         for index in range(num_shards):
             if index not in records and (record := finished_shard(work_dir, index)) is not None:
@@ -158,7 +161,8 @@ def wait_for_shards(work_dir: Path, num_shards: int, started: float,
             if error.stat().st_mtime >= started:
                 raise UserError(f"another embed process stopped: {error.read_text().strip()}")
         waiting(len(records))
-        time.sleep(1.0)
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 # ------------------------------------------------------------------------------ the split in place
