@@ -262,6 +262,6 @@ def add_commands(parser: argparse.ArgumentParser,
     demo.add_argument("--data", default="data", help="where datasets and shards go")
     demo.add_argument("--runs", default="runs", help="where run folders go")
     demo.add_argument("--fast", action="store_true",
-                      help="10k training images and fewer epochs, for a quick check (about 2 min); "
-                           "shards in DATA/fashion-mnist-10k, run folders in RUNS/demo-fast")
+                      help="5k training and 5k test images, fewer steps, for a quick check (about "
+                           "1 min); shards in DATA/fashion-mnist-5k, run folders in RUNS/demo-fast")
     demo.set_defaults(func=handlers["demo"])
