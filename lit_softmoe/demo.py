@@ -22,7 +22,7 @@ from lit_softmoe.utils.atomic import naming_full_disk
 from lit_softmoe.utils.paths import check_writable
 
 # --fast: 5k train / 5k test images, 156 pretraining and 160 LiT steps: the whole pipeline, as a
-# quick check. The same steps on 10k + 10k images took 81 s against 58 s (the test images are
+# quick check. The same steps on 10k + 10k images took 81 s against 60 s (the test images are
 # encoded four times: the tower's eval, embed, our eval and CLIP_benchmark's) for 0.6-0.9 points
 # more top-1.
 FAST_LIMIT = 5_000
@@ -143,7 +143,7 @@ def run_demo(data_dir: str = "data", runs_dir: str = "runs", fast: bool = False)
     check_writable(data_dir, "--data", folder=True)
     check_writable(runs_dir, "--runs", folder=True)
     timings = {}
-    name = "fashion-mnist-5k" if fast else "fashion-mnist"
+    name = f"fashion-mnist-{FAST_LIMIT // 1000}k" if fast else "fashion-mnist"
     shards = Path(data_dir) / name
     features = Path(data_dir) / f"{name}-features"
     run_root = Path(runs_dir) / ("demo-fast" if fast else "demo")
